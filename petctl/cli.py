@@ -1,0 +1,514 @@
+"""The ``petctl`` command line.
+
+Commands parse, build objects and delegate; the work lives in ``infra``,
+``jobs``, ``logs`` and ``local``. Nothing heavy (boto3, torch, moto) is
+imported at module level, so ``petctl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import click
+
+from petctl import __version__, config
+from petctl.context import Context
+from petctl.errors import ConfigError, PetctlError
+from petctl.ui import UI, table
+
+CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+class PetctlGroup(click.Group):
+    """A group that accepts dash aliases (``run-job``) and turns surprises into one-line errors."""
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        return super().get_command(ctx, cmd_name) or super().get_command(ctx, cmd_name.replace("-", "_"))
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
+        name, cmd, rest = super().resolve_command(ctx, args)
+        return (cmd.name if cmd else name), cmd, rest
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except KeyboardInterrupt:
+            raise PetctlError("interrupted") from None
+        except Exception as e:
+            obj = ctx.obj if isinstance(ctx.obj, Context) else None
+            if (obj and obj.ui.debug_enabled) or os.environ.get("PETCTL_DEBUG"):
+                raise
+            raise _as_petctl_error(e) from e
+
+
+def _as_petctl_error(e: Exception) -> PetctlError:
+    name = type(e).__name__
+    if name == "NoCredentialsError":
+        return ConfigError(
+            "no AWS credentials found: run `aws configure`, set AWS_PROFILE, or try `petctl --local`"
+        )
+    if name == "NoRegionError":
+        return ConfigError("no AWS region: pass --region or set AWS_REGION")
+    if name in ("EndpointConnectionError", "ConnectTimeoutError"):
+        return PetctlError(f"cannot reach the AWS endpoint ({e}); check the network or AWS_ENDPOINT_URL")
+    if name == "ClientError":
+        from petctl.errors import describe_client_error
+
+        return PetctlError(f"AWS request failed: {describe_client_error(e)} (rerun with --debug for details)")
+    return PetctlError(f"unexpected {name}: {e} (rerun with --debug for the traceback)")
+
+
+pass_ctx = click.make_pass_decorator(Context)
+
+
+@click.group(cls=PetctlGroup, context_settings=CONTEXT_SETTINGS)
+@click.option(
+    "--profile",
+    "profile",
+    metavar="NAME",
+    help="petctl profile (also the AWS profile). Env: PETCTL_PROFILE, AWS_PROFILE.",
+)
+@click.option("--region", metavar="REGION", help="AWS region. Env: AWS_REGION, AWS_DEFAULT_REGION.")
+@click.option(
+    "--local", is_flag=True, help="Run against the embedded local cloud on this machine (no AWS account)."
+)
+@click.option(
+    "--output",
+    "-o",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="Result format.",
+)
+@click.option("--debug", is_flag=True, help="Show tracebacks and debug output.")
+@click.version_option(__version__, prog_name="petctl")
+@click.pass_context
+def cli(
+    ctx: click.Context, profile: str | None, region: str | None, local: bool, output: str, debug: bool
+) -> None:
+    """Elastic PyTorch training on AWS (or on this machine with --local).
+
+    \b
+      petctl setup                                 # base infrastructure, once
+      petctl run_job --min 2 --max 8 train.py -- --epochs 10
+      petctl scale JOB --size 6
+      petctl status JOB
+      petctl kill_job JOB
+      petctl teardown
+    """
+    if profile is not None:
+        config.validate_profile_name(profile)
+    obj = Context(profile_flag=profile, region_flag=region, local=local, ui=UI(output=output, debug=debug))
+    ctx.obj = obj
+    if local and ctx.invoked_subcommand not in (None, "local"):
+        _enter_local(obj)
+
+
+def _enter_local(obj: Context) -> None:
+    """Point this process's AWS calls at the local cloud (started on first use)."""
+    from petctl import local as local_cloud
+
+    obj.ui.progress("using the local cloud (no AWS account is touched)")
+    info = local_cloud.ensure_started()
+    os.environ.update(local_cloud.LOCAL_ENV)
+    os.environ["AWS_ENDPOINT_URL"] = info["endpoint_url"]
+    profile = obj.profile
+    if profile.region is None or profile.vpc_cidr is None:
+        profile.region = profile.region or local_cloud.LOCAL_ENV.get("AWS_REGION", "us-east-1")
+        # moto hands out private IPs from the VPC CIDR; 127.0.0.0/16 makes them real loopback addresses.
+        profile.vpc_cidr = profile.vpc_cidr or "127.0.0.0/16"
+        config.save_profile(profile)
+
+
+# -- base infrastructure ------------------------------------------------------
+
+
+@cli.command()
+@click.option(
+    "--az-count", default=2, show_default=True, help="Number of availability zones (one public subnet each)."
+)
+@click.option("--vpc-cidr", default=None, help="VPC CIDR block [default: profile, else 10.0.0.0/16].")
+@click.option("--efs-id", default=None, help="Use this existing EFS file system instead of creating one.")
+@click.option("--s3-bucket", default=None, help="Use this existing S3 bucket instead of creating one.")
+@click.option(
+    "--log-retention-days",
+    default=30,
+    show_default=True,
+    type=click.Choice([str(d) for d in (1, 3, 5, 7, 14, 30, 60, 90, 180, 365)]),
+    help="CloudWatch Logs retention.",
+)
+@click.option("--timeout", default=1800, show_default=True, help="Seconds to wait for the stack.")
+@pass_ctx
+def setup(
+    obj: Context,
+    az_count: int,
+    vpc_cidr: str | None,
+    efs_id: str | None,
+    s3_bucket: str | None,
+    log_retention_days: str,
+    timeout: int,
+) -> None:
+    """Create or update the base stack: VPC, subnets, security groups, EFS, S3, IAM, logs."""
+    from petctl import infra
+
+    result = infra.setup(
+        obj,
+        az_count=az_count,
+        vpc_cidr=vpc_cidr,
+        efs_id=efs_id,
+        bucket=s3_bucket,
+        log_retention_days=int(log_retention_days),
+        timeout=timeout,
+    )
+
+    def text(r: dict[str, Any]) -> str:
+        lines = [f"base stack {r['stack']} {r['action']} ({r['status']}) in {r['region']}"]
+        lines += [f"  {k}: {v}" for k, v in sorted(r["outputs"].items())]
+        lines.append(f"profile {r['profile']!r} saved to {r['profile_path']}")
+        lines.append("next: petctl run_job --min 1 --max 2 train.py")
+        return "\n".join(lines)
+
+    obj.ui.result(result, text)
+
+
+@cli.command()
+@click.option("--force", is_flag=True, help="Delete the profile's jobs first instead of refusing.")
+@click.option("--timeout", default=1800, show_default=True, help="Seconds to wait for each stack.")
+@pass_ctx
+def teardown(obj: Context, force: bool, timeout: int) -> None:
+    """Delete the base stack (refuses while jobs exist, unless --force)."""
+    from petctl import infra
+
+    config.load_profile(obj.profile_name, must_exist=True)
+    result = infra.teardown(obj, force=force, timeout=timeout)
+
+    def text(r: dict[str, Any]) -> str:
+        if not r["removed_stacks"]:
+            return f"nothing to remove for profile {r['profile']!r}"
+        return f"removed: {', '.join(r['removed_stacks'])} (emptied {r['objects_deleted']} S3 objects)"
+
+    obj.ui.result(result, text)
+
+
+@cli.command()
+@click.option("--region", "region_opt", default=None, help="AWS region of the resources.")
+@click.option("--subnet-ids", default=None, help="Comma-separated subnet ids.")
+@click.option("--security-group-id", default=None, help="Security group of the instances.")
+@click.option("--efs-id", default=None, help="EFS file system id.")
+@click.option("--s3-bucket", "bucket", default=None, help="S3 bucket.")
+@click.option("--worker-instance-profile-arn", default=None, help="Instance profile of the workers.")
+@click.option("--rdzv-instance-profile-arn", default=None, help="Instance profile of the rendezvous server.")
+@click.option("--show", is_flag=True, help="Only print the profile.")
+@pass_ctx
+def configure(obj: Context, region_opt: str | None, show: bool, **values: Any) -> None:
+    """Record existing resources in the profile (flags, or prompts on a terminal)."""
+    from petctl import infra
+
+    values["region"] = region_opt or obj.region_flag
+    if show:
+        obj.ui.result(config.load_profile(obj.profile_name, must_exist=True).to_dict())
+        return
+    if not any(values.values()):
+        if not sys.stdin.isatty():
+            raise ConfigError(
+                "no values given: pass flags like --subnet-ids, or run on a terminal to be prompted"
+            )
+        current = obj.profile
+        for key in (
+            "region",
+            "subnet_ids",
+            "security_group_id",
+            "efs_id",
+            "bucket",
+            "worker_instance_profile_arn",
+            "rdzv_instance_profile_arn",
+        ):
+            default = getattr(current, key)
+            if isinstance(default, list):
+                default = ",".join(default)
+            values[key] = (
+                click.prompt(key.replace("_", " "), default=default or "", show_default=bool(default)) or None
+            )
+    result = infra.configure(obj, values)
+
+    def text(r: dict[str, Any]) -> str:
+        missing = r["missing_for_jobs"]
+        state = "ready for jobs" if not missing else f"still missing: {', '.join(missing)}"
+        return f"profile {r['name']!r} saved to {r['profile_path']} ({state})"
+
+    obj.ui.result(result, text)
+
+
+# -- jobs -----------------------------------------------------------------------
+
+
+@cli.command("run_job")
+@click.option("--name", default=None, help="Job name [default: script name + short suffix].")
+@click.option("--min", "min_nodes", type=int, required=True, help="Minimum number of nodes.")
+@click.option("--max", "max_nodes", type=int, required=True, help="Maximum number of nodes.")
+@click.option("--size", type=int, default=None, help="Initial number of nodes [default: MIN].")
+@click.option(
+    "--instance-type",
+    default="c6i.large",
+    show_default=True,
+    help="Worker instance type (GPU types get the deep learning AMI).",
+)
+@click.option(
+    "--nproc-per-node", default="auto", show_default=True, help="'auto' (GPUs, or 1 on CPU) or a number."
+)
+@click.option("--spot", is_flag=True, help="Spot above MIN on-demand nodes (capacity-optimized).")
+@click.option("--ami", default=None, help="AMI id instead of the public SSM parameter.")
+@click.option(
+    "--drain-timeout", default=120, show_default=True, help="Seconds a leaving node has to checkpoint."
+)
+@click.option(
+    "--env", "env", multiple=True, metavar="KEY=VALUE", help="Environment variable for the training script."
+)
+@click.option(
+    "--dry-run", is_flag=True, help="Print the plan (template, parameters, uploads) and create nothing."
+)
+@click.option("--timeout", default=1800, show_default=True, help="Seconds to wait for the job stack.")
+@click.argument("target")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@pass_ctx
+def run_job(
+    obj: Context,
+    target: str,
+    args: tuple[str, ...],
+    dry_run: bool,
+    timeout: int,
+    env: tuple[str, ...],
+    **opts: Any,
+) -> None:
+    """Start an elastic job running TARGET (script, directory, or s3:// URL) [-- ARGS...]."""
+    from petctl import jobs, storage
+
+    env_map = {}
+    for item in env:
+        if "=" not in item:
+            raise PetctlError(f"--env {item!r} is not KEY=VALUE")
+        k, v = item.split("=", 1)
+        env_map[k] = v
+    req = jobs.JobRequest(target=target, args=list(args), env=env_map, **opts)
+    jobs.validate_request(req)
+    obj.profile.require_ready()
+    dist = None if dry_run else storage.dist_wheel()
+    plan = jobs.plan(obj, req, dist=dist)
+    if dry_run:
+        obj.ui.result(jobs.plan_as_dict(plan), _plan_text)
+        return
+    result = jobs.execute(obj, plan, timeout=timeout)
+
+    def text(r: dict[str, Any]) -> str:
+        return "\n".join(
+            [
+                f"job {r['job']} started: {r['size']} x {r['instance_type']} (min {r['min']}, max {r['max']})",
+                f"  rendezvous: {r['rendezvous_endpoint']}",
+                f"  code and status: {r['s3_prefix']}",
+                f"  watch it:  petctl status {r['job']}   |   petctl logs {r['job']} --follow",
+                f"  scale it:  petctl scale {r['job']} --size N",
+                f"  stop it:   petctl kill_job {r['job']}",
+            ]
+        )
+
+    obj.ui.result(result, text)
+
+
+def _plan_text(p: dict[str, Any]) -> str:
+    lines = [f"plan for job {p['job']} (stack {p['stack']}) -- nothing will be created", "", "uploads:"]
+    lines += [f"  {u['s3_url']}  ({u['bytes']} bytes, from {u['from']})" for u in p["uploads"]]
+    lines += ["", "parameters:"] + [f"  {k} = {v}" for k, v in p["parameters"].items()]
+    lines += ["", "template:", p["template"]]
+    return "\n".join(lines)
+
+
+@cli.command()
+@click.argument("job")
+@click.option("--size", type=int, required=True, help="New number of worker nodes.")
+@pass_ctx
+def scale(obj: Context, job: str, size: int) -> None:
+    """Set the number of worker nodes of JOB."""
+    from petctl import jobs
+
+    r = jobs.scale(obj, job, size)
+    obj.ui.result(r, f"{r['job']}: desired workers {r['from']} -> {r['to']} (range {r['min']}-{r['max']})")
+
+
+@cli.command()
+@click.argument("job")
+@pass_ctx
+def status(obj: Context, job: str) -> None:
+    """The job's state, group sizes, hosts and what the agents report."""
+    from petctl import jobs
+
+    obj.ui.result(jobs.status(obj, job), _status_text)
+
+
+def _status_text(r: dict[str, Any]) -> str:
+    lines = [
+        f"job {r['job']}: {r['state']}  (stack {r['stack_status']})",
+        f"  workers: desired {r['desired']}, in service {r['in_service']}, min {r['min']}, max {r['max']}",
+        f"  world size {r['world_size'] or '-'}, step {r['last_step'] if r['last_step'] is not None else '-'}, "
+        f"checkpoint step {r['last_checkpoint_step'] if r['last_checkpoint_step'] is not None else '-'}, "
+        f"rendezvous rounds {r['rounds']}, restarts {r['restarts']}",
+        "",
+        table(
+            r["hosts"],
+            [
+                "role",
+                "instance_id",
+                "private_ip",
+                "lifecycle_state",
+                "agent_state",
+                "world_size",
+                "last_step",
+            ],
+        ),
+    ]
+    if r["events"]:
+        lines += ["", "recent events:"]
+        t0 = r["events"][0].get("t", 0)
+        for e in r["events"][-12:]:
+            extra = ", ".join(
+                f"{k}={e[k]}" for k in ("round", "world_size", "reason") if e.get(k) is not None
+            )
+            lines.append(
+                f"  +{e.get('t', 0) - t0:7.1f}s  {e.get('instance_id', '?'):<20} {e.get('kind', '?'):<18} {extra}"
+            )
+    return "\n".join(lines)
+
+
+@cli.command("list_hosts")
+@click.argument("job")
+@pass_ctx
+def list_hosts(obj: Context, job: str) -> None:
+    """Instances of JOB: id, private IP, AZ, lifecycle state, and how to open a shell."""
+    from petctl import jobs
+
+    rows = jobs.hosts(obj, job)
+    obj.ui.result(
+        rows,
+        lambda r: table(
+            r, ["role", "instance_id", "private_ip", "availability_zone", "lifecycle_state", "ssm"]
+        ),
+    )
+
+
+@cli.command()
+@click.argument("job")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new lines.")
+@click.option("--since", default=None, help="Only lines newer than this (30s, 10m, 2h, 1d).")
+@click.option("--instance", default=None, help="Only this instance's stream.")
+@pass_ctx
+def logs(obj: Context, job: str, follow: bool, since: str | None, instance: str | None) -> None:
+    """Print the job's log lines from CloudWatch Logs."""
+    import datetime as dt
+    import json
+
+    from petctl import logs as logs_mod
+    from petctl import naming
+
+    since_s = logs_mod.parse_duration(since) if since else None
+    if not naming.JOB_NAME_RE.match(job):
+        raise PetctlError(f"{job!r} is not a valid job name; `petctl jobs` lists the jobs")
+    group = obj.profile.log_group or naming.log_group(obj.profile_name)
+    client = obj.clients()("logs")
+    try:
+        for ev in logs_mod.iter_events(
+            client, group, job, since_seconds=since_s, instance=instance, follow=follow
+        ):
+            if obj.ui.json:
+                click.echo(
+                    json.dumps(
+                        {
+                            "stream": ev["logStreamName"],
+                            "timestamp": ev["timestamp"],
+                            "message": ev["message"],
+                        }
+                    )
+                )
+            else:
+                ts = dt.datetime.fromtimestamp(ev["timestamp"] / 1000, dt.timezone.utc).strftime("%H:%M:%S")
+                inst = ev["logStreamName"].split("/", 1)[-1]
+                click.echo(f"{ts} {inst} {ev['message'].rstrip()}")
+    except KeyboardInterrupt:
+        return
+
+
+@cli.command()
+@pass_ctx
+def jobs(obj: Context) -> None:
+    """The profile's jobs with their state and sizes."""
+    from petctl import jobs as jobs_mod
+
+    rows = jobs_mod.list_jobs(obj)
+    obj.ui.result(
+        rows,
+        lambda r: (
+            table(r, ["job", "state", "min", "max", "desired", "in_service", "created"]) if r else "no jobs"
+        ),
+    )
+
+
+@cli.command("kill_job")
+@click.argument("job")
+@click.option("--timeout", default=1800, show_default=True, help="Seconds to wait for the deletion.")
+@pass_ctx
+def kill_job(obj: Context, job: str, timeout: int) -> None:
+    """Delete JOB's stack (instances, groups, rendezvous server). Checkpoints are kept."""
+    from petctl import jobs
+
+    r = jobs.kill_job(obj, job, timeout=timeout)
+    if r["deleted"]:
+        msg = f"job {job} deleted in {r['seconds']}s; checkpoints kept at {r['checkpoints_kept']}"
+    else:
+        msg = f"job {job} does not exist (already deleted?); nothing to do"
+    obj.ui.result(r, msg)
+
+
+@cli.command()
+@click.argument("path")
+@click.argument("s3_url", required=False)
+@pass_ctx
+def upload(obj: Context, path: str, s3_url: str | None) -> None:
+    """Upload PATH (file or directory) to S3_URL [default: the profile bucket]."""
+    from petctl import jobs
+
+    r = jobs.upload(obj, path, s3_url)
+    obj.ui.result(r, lambda r: "\n".join(r["uploaded"]) + f"\n{r['count']} file(s) uploaded")
+
+
+@cli.command()
+@pass_ctx
+def profiles(obj: Context) -> None:
+    """List the profiles on this machine."""
+    rows = []
+    for name in config.list_profiles():
+        p = config.load_profile(name)
+        rows.append(
+            {"profile": name, "region": p.region, "stack": p.stack_name, "ready": not p.missing_for_jobs()}
+        )
+    obj.ui.result(rows, lambda r: table(r, ["profile", "region", "stack", "ready"]) if r else "no profiles")
+
+
+def _add_local_group() -> None:
+    try:
+        from petctl.local.cli import local_group
+    except ImportError:  # pragma: no cover - the local cloud is part of the package
+        return
+    cli.add_command(local_group)
+
+
+_add_local_group()
+
+
+def main() -> None:
+    cli(prog_name="petctl")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,486 @@
+"""Jobs: a request becomes a pure plan (``--dry-run`` prints it), then is executed.
+
+Also the commands that observe and control a running job: scale, status,
+hosts, jobs, kill_job.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from petctl import __version__, naming
+from petctl.context import Context
+from petctl.errors import AwsError, NotFound, PetctlError, describe_client_error
+from petctl.storage import Upload, parse_s3_url
+
+GPU_FAMILIES = ("p2", "p3", "p4", "p5", "p6", "g3", "g4", "g5", "g6", "gr6", "trn", "inf", "dl1")
+DEFAULT_INSTANCE_TYPE = "c6i.large"
+DEFAULT_RDZV_INSTANCE_TYPE = "t3.small"
+DEFAULT_DRAIN_TIMEOUT = 120
+INSTANCE_TYPE_RE = re.compile(r"^[a-z][a-z0-9-]*\d[a-z0-9-]*\.[a-z0-9]+$")
+STATES = ("STARTING", "RENDEZVOUS", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED", "DELETING")
+
+
+@dataclass
+class JobRequest:
+    target: str
+    args: list[str] = field(default_factory=list)
+    min_nodes: int = 1
+    max_nodes: int = 1
+    size: int | None = None
+    name: str | None = None
+    instance_type: str = DEFAULT_INSTANCE_TYPE
+    rdzv_instance_type: str = DEFAULT_RDZV_INSTANCE_TYPE
+    nproc_per_node: str = "auto"
+    spot: bool = False
+    ami: str | None = None
+    drain_timeout: int = DEFAULT_DRAIN_TIMEOUT
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    """Everything ``run_job`` would do, as plain data."""
+
+    job_name: str
+    stack_name: str
+    template: str
+    parameters: list[dict[str, str]]
+    uploads: list[Upload]
+    spec: dict[str, Any]
+    tags: dict[str, str]
+    bucket: str
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "job": self.job_name,
+            "stack": self.stack_name,
+            "parameters": {p["ParameterKey"]: p["ParameterValue"] for p in self.parameters},
+            "uploads": [
+                {"s3_url": f"s3://{self.bucket}/{u.key}", "from": u.path or u.description, "bytes": u.size()}
+                for u in self.uploads
+            ],
+            "spec": self.spec,
+            "tags": self.tags,
+        }
+
+
+def is_gpu(instance_type: str) -> bool:
+    return instance_type.split(".", 1)[0].startswith(GPU_FAMILIES)
+
+
+def default_job_name(target: str) -> str:
+    stem = Path(target.rstrip("/")).stem if not target.startswith("s3://") else Path(target).stem
+    stem = re.sub(r"[^a-z0-9-]+", "-", stem.lower()).strip("-") or "job"
+    if not stem[0].isalpha():
+        stem = "job-" + stem
+    return f"{stem[:30].rstrip('-')}-{secrets.token_hex(2)}"
+
+
+def validate_request(req: JobRequest) -> JobRequest:
+    """Check sizes, name and target before anything is created."""
+    size = req.min_nodes if req.size is None else req.size
+    if req.min_nodes < 1:
+        raise PetctlError(f"--min {req.min_nodes} is invalid: a job needs at least 1 node")
+    if req.max_nodes < req.min_nodes:
+        raise PetctlError(f"--max {req.max_nodes} is smaller than --min {req.min_nodes}")
+    if not req.min_nodes <= size <= req.max_nodes:
+        raise PetctlError(f"--size {size} is outside [--min {req.min_nodes}, --max {req.max_nodes}]")
+    req.size = size
+    if req.name is not None and not naming.JOB_NAME_RE.match(req.name):
+        raise PetctlError(
+            f"job name {req.name!r} is invalid: 2-40 characters, lower-case letters, digits and '-', "
+            f"starting with a letter"
+        )
+    if not INSTANCE_TYPE_RE.match(req.instance_type):
+        raise PetctlError(f"--instance-type {req.instance_type!r} is not an EC2 instance type like c6i.large")
+    if req.nproc_per_node != "auto" and not (req.nproc_per_node.isdigit() and int(req.nproc_per_node) >= 1):
+        raise PetctlError(
+            f"--nproc-per-node {req.nproc_per_node!r} is invalid: use 'auto' or a positive integer"
+        )
+    if req.ami is not None and not re.match(r"^ami-[0-9a-f]{8,17}$", req.ami):
+        raise PetctlError(f"--ami {req.ami!r} is not an AMI id like ami-0abc12345")
+    if req.drain_timeout < 30 or req.drain_timeout > 7200:
+        raise PetctlError(f"--drain-timeout {req.drain_timeout} is out of range: use 30 to 7200 seconds")
+    if req.target.startswith("s3://"):
+        parse_s3_url(req.target)
+    else:
+        p = Path(req.target)
+        if not p.exists():
+            raise PetctlError(f"{req.target} does not exist: give a script, a directory or an s3:// URL")
+        if p.is_dir() and not req.args:
+            raise PetctlError(
+                f"{req.target} is a directory: give the script inside it as the first argument after --"
+            )
+        if p.is_dir() and not (p / req.args[0]).is_file():
+            raise PetctlError(f"{req.args[0]} is not a file inside {req.target}")
+    return req
+
+
+def plan(ctx: Context, req: JobRequest, dist: Path | None = None) -> Plan:
+    """Build the plan for ``req``: pure apart from reading local files."""
+    from petctl import storage, templates
+
+    validate_request(req)
+    profile = ctx.profile
+    profile.require_ready()
+    job = req.name or default_job_name(req.target)
+    prefix = naming.job_prefix(job)
+    bucket = profile.bucket
+    uploads: list[Upload] = []
+    args = list(req.args)
+    if req.target.startswith("s3://"):
+        code_url, code_kind, script = req.target, "s3", Path(parse_s3_url(req.target)[1]).name
+    elif Path(req.target).is_dir():
+        key = prefix + "code/code.tar.gz"
+        data = storage.tar_directory(Path(req.target))
+        uploads.append(Upload(key=key, data=data, description=f"tar of {req.target}"))
+        code_url, code_kind, script = f"s3://{bucket}/{key}", "dir", args.pop(0)
+    else:
+        name = Path(req.target).name
+        key = prefix + "code/" + name
+        uploads.append(Upload(key=key, path=str(Path(req.target).resolve())))
+        code_url, code_kind, script = f"s3://{bucket}/{key}", "script", name
+    if dist is not None:
+        uploads.append(Upload(key=prefix + "dist/" + dist.name, path=str(dist)))
+        dist_url = f"s3://{bucket}/{prefix}dist/{dist.name}"
+    else:
+        dist_url = f"s3://{bucket}/{prefix}dist/petctl-{__version__}-py3-none-any.whl"
+    spec_url = f"s3://{bucket}/{prefix}job.json"
+    spec = {
+        "version": 1,
+        "job_name": job,
+        "user": ctx.user,
+        "region": ctx.region,
+        "min_nodes": req.min_nodes,
+        "max_nodes": req.max_nodes,
+        "nproc_per_node": req.nproc_per_node if req.nproc_per_node == "auto" else int(req.nproc_per_node),
+        "code_url": code_url,
+        "code_kind": code_kind,
+        "script": script,
+        "args": args,
+        "env": dict(req.env),
+        "checkpoint_dir": naming.checkpoint_dir(job),
+        "status_url": f"s3://{bucket}/{prefix}status/",
+        "log_group": profile.log_group or naming.log_group(profile.name),
+        "worker_group": naming.worker_group(job),
+        "rdzv_group": naming.rdzv_group(job),
+        "lifecycle_hook": naming.LIFECYCLE_HOOK,
+        "drain_timeout": req.drain_timeout,
+        "rdzv_port": naming.RDZV_PORT,
+        "petctl_version": __version__,
+    }
+    uploads.append(
+        Upload(key=prefix + "job.json", data=json.dumps(spec, indent=2).encode(), description="job spec")
+    )
+    gpu = is_gpu(req.instance_type)
+    template = templates.render_job(gpu=gpu, spot=req.spot, ami_override=req.ami is not None)
+    values: dict[str, Any] = {
+        "JobName": job,
+        "User": ctx.user,
+        "InstanceType": req.instance_type,
+        "RdzvInstanceType": req.rdzv_instance_type,
+        "MinSize": str(req.min_nodes),
+        "MaxSize": str(req.max_nodes),
+        "DesiredCapacity": str(req.size),
+        "SubnetIds": ",".join(profile.subnet_ids),
+        "RdzvSubnetId": profile.subnet_ids[0],
+        "SecurityGroupId": profile.security_group_id,
+        "WorkerInstanceProfileArn": profile.worker_instance_profile_arn,
+        "RdzvInstanceProfileArn": profile.rdzv_instance_profile_arn,
+        "EfsId": profile.efs_id,
+        "SpecUrl": spec_url,
+        "DistUrl": dist_url,
+        "BucketName": bucket,
+        "DrainTimeout": str(req.drain_timeout),
+    }
+    if req.ami is not None:
+        values["ImageId"] = req.ami
+    if req.spot:
+        values["OnDemandBaseCapacity"] = str(req.min_nodes)
+    parameters = templates.job_parameters(**values)
+    tags = {"petctl:job": job, "petctl:user": ctx.user, "petctl:profile": profile.name}
+    return Plan(job, naming.job_stack(job), template, parameters, uploads, spec, tags, bucket)
+
+
+def execute(ctx: Context, p: Plan, timeout: float = 1800) -> dict[str, Any]:
+    """Upload, create the job stack, wait. On any failure (or Ctrl-C) remove what was made."""
+    from petctl import storage
+    from petctl.stacks import Stacks
+
+    clients = ctx.clients()
+    clients.check_credentials()
+    s3 = clients("s3")
+    stacks = Stacks(clients("cloudformation"), ctx.ui)
+    if stacks.describe(p.stack_name) is not None:
+        raise PetctlError(
+            f"job {p.job_name!r} already exists; pick another --name or `petctl kill_job {p.job_name}`"
+        )
+    prefix = naming.job_prefix(p.job_name)
+    try:
+        for u in p.uploads:
+            ctx.ui.progress(f"uploading s3://{p.bucket}/{u.key} ({u.size()} bytes)")
+            try:
+                storage.put(s3, p.bucket, u)
+            except Exception as e:  # boto3's S3 transfer raises several types
+                raise AwsError(f"upload to s3://{p.bucket}/{u.key} failed: {describe_client_error(e)}") from e
+        result = stacks.deploy(p.stack_name, p.template, p.parameters, p.tags, timeout=timeout)
+    except BaseException:
+        # Nothing half-made: the stack is already deleted by deploy(); remove the uploads too.
+        try:
+            storage.delete_prefix(s3, p.bucket, prefix)
+        except Exception as cleanup_error:  # noqa: BLE001 - keep the original error
+            ctx.ui.warn(f"could not remove s3://{p.bucket}/{prefix}: {cleanup_error}")
+        raise
+    out = result.outputs
+    return {
+        "job": p.job_name,
+        "stack": p.stack_name,
+        "min": p.spec["min_nodes"],
+        "max": p.spec["max_nodes"],
+        "size": int({x["ParameterKey"]: x["ParameterValue"] for x in p.parameters}["DesiredCapacity"]),
+        "instance_type": {x["ParameterKey"]: x["ParameterValue"] for x in p.parameters}["InstanceType"],
+        "rendezvous_endpoint": out.get("RdzvEndpoint"),
+        "worker_group": out.get("WorkerGroupName", naming.worker_group(p.job_name)),
+        "s3_prefix": f"s3://{p.bucket}/{prefix}",
+    }
+
+
+# -- observing and controlling -------------------------------------------------
+
+
+def job_stacks(ctx: Context, stacks: Any) -> list[dict[str, Any]]:
+    """Live job stacks of the current profile."""
+    result = []
+    for s in stacks.list_stacks("petctl-job-"):
+        tags = {t["Key"]: t["Value"] for t in s.get("Tags", []) or []}
+        if tags.get("petctl:profile", ctx.profile_name) == ctx.profile_name:
+            result.append(s)
+    return result
+
+
+def _stacks(ctx: Context) -> Any:
+    from petctl.stacks import Stacks
+
+    return Stacks(ctx.clients()("cloudformation"), ctx.ui)
+
+
+def _require_job(ctx: Context, job: str, stacks: Any = None) -> dict[str, Any]:
+    if not naming.JOB_NAME_RE.match(job):
+        raise PetctlError(f"{job!r} is not a valid job name; `petctl jobs` lists the jobs")
+    stack = (stacks or _stacks(ctx)).describe(naming.job_stack(job))
+    if stack is None:
+        raise NotFound(f"job {job!r} not found in profile {ctx.profile_name!r}; `petctl jobs` lists the jobs")
+    return stack
+
+
+def describe_group(asg: Any, name: str) -> dict[str, Any] | None:
+    groups = asg.describe_auto_scaling_groups(AutoScalingGroupNames=[name])["AutoScalingGroups"]
+    return groups[0] if groups else None
+
+
+def scale(ctx: Context, job: str, size: int) -> dict[str, Any]:
+    """Set the worker group's desired capacity through the Auto Scaling API."""
+    _require_job(ctx, job)
+    asg = ctx.clients()("autoscaling")
+    group = describe_group(asg, naming.worker_group(job))
+    if group is None:
+        raise NotFound(f"job {job!r} has no worker group; is it being deleted? `petctl status {job}`")
+    lo, hi, before = group["MinSize"], group["MaxSize"], group["DesiredCapacity"]
+    if not lo <= size <= hi:
+        raise PetctlError(f"--size {size} is outside the job's range [{lo}, {hi}]")
+    try:
+        asg.set_desired_capacity(
+            AutoScalingGroupName=group["AutoScalingGroupName"], DesiredCapacity=size, HonorCooldown=False
+        )
+    except Exception as e:
+        raise AwsError(f"could not scale {job}: {describe_client_error(e)}") from e
+    return {"job": job, "from": before, "to": size, "min": lo, "max": hi}
+
+
+def hosts(ctx: Context, job: str) -> list[dict[str, Any]]:
+    """The rendezvous server and the workers: id, IP, AZ, lifecycle state, SSM command."""
+    _require_job(ctx, job)
+    clients = ctx.clients()
+    asg, ec2 = clients("autoscaling"), clients("ec2")
+    rows: list[dict[str, Any]] = []
+    for role, gname in (("rdzv", naming.rdzv_group(job)), ("worker", naming.worker_group(job))):
+        group = describe_group(asg, gname)
+        for inst in (group or {}).get("Instances", []):
+            rows.append(
+                {
+                    "role": role,
+                    "instance_id": inst["InstanceId"],
+                    "availability_zone": inst.get("AvailabilityZone"),
+                    "lifecycle_state": inst.get("LifecycleState"),
+                    "health": inst.get("HealthStatus"),
+                    "instance_type": inst.get("InstanceType"),
+                }
+            )
+    ids = [r["instance_id"] for r in rows]
+    details: dict[str, dict[str, Any]] = {}
+    if ids:
+        for res in ec2.describe_instances(InstanceIds=ids)["Reservations"]:
+            for i in res["Instances"]:
+                details[i["InstanceId"]] = i
+    for r in rows:
+        d = details.get(r["instance_id"], {})
+        r["private_ip"] = d.get("PrivateIpAddress")
+        r["spot"] = d.get("InstanceLifecycle") == "spot"
+        r["ssm"] = f"aws ssm start-session --target {r['instance_id']} --region {clients.region}"
+    return rows
+
+
+def agent_statuses(ctx: Context, job: str) -> list[dict[str, Any]]:
+    from petctl import storage
+
+    bucket = ctx.profile.bucket
+    if not bucket:
+        return []
+    try:
+        return storage.read_json_objects(ctx.clients()("s3"), bucket, naming.job_prefix(job) + "status/")
+    except Exception as e:  # noqa: BLE001 - status must still show the group
+        ctx.ui.warn(f"could not read agent status from s3://{bucket}: {describe_client_error(e)}")
+        return []
+
+
+def overall_state(stack_status: str | None, agents: list[dict[str, Any]], desired: int | None) -> str:
+    """The job's state from its stack and its agents' reports (contracts.md)."""
+    if stack_status is None:
+        return "GONE"
+    if stack_status.startswith("DELETE"):
+        return "DELETING"
+    if stack_status.endswith("_FAILED") or "ROLLBACK" in stack_status:
+        return "FAILED"
+    if stack_status.endswith("_IN_PROGRESS") and stack_status.startswith("CREATE"):
+        return "STARTING"
+    states = [a.get("state") for a in agents]
+    if "FAILED" in states:
+        return "FAILED"
+    if "SUCCEEDED" in states and not any(s in ("RUNNING", "RENDEZVOUS", "STARTING") for s in states):
+        return "SUCCEEDED"
+    if "RENDEZVOUS" in states:
+        return "RENDEZVOUS"
+    if "RUNNING" in states:
+        return "RUNNING"
+    if desired == 0:
+        return "STOPPED"
+    return "STARTING"
+
+
+def status(ctx: Context, job: str) -> dict[str, Any]:
+    stacks = _stacks(ctx)
+    stack = _require_job(ctx, job, stacks)
+    asg = ctx.clients()("autoscaling")
+    group = describe_group(asg, naming.worker_group(job)) or {}
+    host_rows = hosts(ctx, job)
+    agents = agent_statuses(ctx, job)
+    by_id = {a.get("instance_id"): a for a in agents}
+    live = {h["instance_id"] for h in host_rows}
+    for h in host_rows:
+        a = by_id.get(h["instance_id"], {})
+        for k in ("state", "world_size", "round", "restarts", "last_step", "last_checkpoint_step", "reason"):
+            h[f"agent_{k}" if k == "state" else k] = a.get(k)
+    current = [a for a in agents if a.get("instance_id") in live or a.get("state") in ("SUCCEEDED", "FAILED")]
+    steps = [a.get("last_step") for a in agents if a.get("last_step") is not None]
+    ckpts = [a.get("last_checkpoint_step") for a in agents if a.get("last_checkpoint_step") is not None]
+    worlds = [a.get("world_size") for a in current if a.get("state") == "RUNNING" and a.get("world_size")]
+    events = sorted(
+        ({**e, "instance_id": a.get("instance_id")} for a in agents for e in a.get("events", []) or []),
+        key=lambda e: e.get("t", 0),
+    )
+    return {
+        "job": job,
+        "state": overall_state(stack["StackStatus"], current, group.get("DesiredCapacity")),
+        "stack_status": stack["StackStatus"],
+        "min": group.get("MinSize"),
+        "max": group.get("MaxSize"),
+        "desired": group.get("DesiredCapacity"),
+        "in_service": sum(1 for i in group.get("Instances", []) if i.get("LifecycleState") == "InService"),
+        "world_size": max(worlds) if worlds else None,
+        "last_step": max(steps) if steps else None,
+        "last_checkpoint_step": max(ckpts) if ckpts else None,
+        "restarts": max((a.get("restarts") or 0 for a in agents), default=0),
+        "rounds": max((a.get("round") or 0 for a in agents), default=0),
+        "hosts": host_rows,
+        "agents": agents,
+        "events": events,
+    }
+
+
+def list_jobs(ctx: Context) -> list[dict[str, Any]]:
+    stacks = _stacks(ctx)
+    asg = ctx.clients()("autoscaling")
+    rows = []
+    for s in job_stacks(ctx, stacks):
+        job = naming.job_from_stack(s["StackName"])
+        group = describe_group(asg, naming.worker_group(job)) or {}
+        agents = agent_statuses(ctx, job)
+        rows.append(
+            {
+                "job": job,
+                "state": overall_state(s["StackStatus"], agents, group.get("DesiredCapacity")),
+                "min": group.get("MinSize"),
+                "max": group.get("MaxSize"),
+                "desired": group.get("DesiredCapacity"),
+                "in_service": sum(
+                    1 for i in group.get("Instances", []) if i.get("LifecycleState") == "InService"
+                ),
+                "created": str(s.get("CreationTime", "")),
+            }
+        )
+    return rows
+
+
+def kill_job(ctx: Context, job: str, stacks: Any = None, timeout: float = 1800) -> dict[str, Any]:
+    """Delete the job stack and wait. Killing a job that is gone is not an error."""
+    if not naming.JOB_NAME_RE.match(job):
+        raise PetctlError(f"{job!r} is not a valid job name; `petctl jobs` lists the jobs")
+    stacks = stacks or _stacks(ctx)
+    name = naming.job_stack(job)
+    t0 = time.monotonic()
+    deleted = stacks.delete(name, timeout=timeout)
+    return {
+        "job": job,
+        "deleted": deleted,
+        "seconds": round(time.monotonic() - t0, 1),
+        "checkpoints_kept": f"<efs>/{naming.checkpoint_dir(job)}",
+    }
+
+
+def upload(ctx: Context, path: str, s3_url: str | None) -> dict[str, Any]:
+    """Upload a file or directory (as-is, file by file) to S3, like the original tool."""
+    from petctl import storage
+
+    src = Path(path)
+    if not src.exists():
+        raise PetctlError(f"{path} does not exist")
+    if s3_url is None:
+        ctx.profile.require_ready()
+        s3_url = f"s3://{ctx.profile.bucket}/petctl/uploads/{src.resolve().name}"
+    bucket, key = parse_s3_url(s3_url)
+    s3 = ctx.clients()("s3")
+    files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
+    uploaded = []
+    for f in files:
+        k = (
+            key
+            if src.is_file() and not key.endswith("/")
+            else f"{key.rstrip('/')}/{f.relative_to(src) if src.is_dir() else f.name}"
+        )
+        try:
+            storage.put(s3, bucket, Upload(key=k, path=str(f)))
+        except Exception as e:
+            raise AwsError(f"upload of {f} to s3://{bucket}/{k} failed: {describe_client_error(e)}") from e
+        uploaded.append(f"s3://{bucket}/{k}")
+    return {"uploaded": uploaded, "count": len(uploaded)}
+
+
+def plan_as_dict(p: Plan) -> dict[str, Any]:
+    return {**p.summary(), "template": p.template}

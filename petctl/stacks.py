@@ -1,0 +1,232 @@
+"""CloudFormation: deploy, wait with visible progress, outputs, delete, failure reasons."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from petctl.aws import ClientError
+from petctl.errors import AwsError, StackError, describe_client_error
+from petctl.ui import UI
+
+IN_PROGRESS = "_IN_PROGRESS"
+GOOD = {"CREATE_COMPLETE", "UPDATE_COMPLETE", "IMPORT_COMPLETE"}
+# States that hold nothing useful and block a re-create: safe to delete first.
+DEAD_ON_ARRIVAL = {"ROLLBACK_COMPLETE", "ROLLBACK_FAILED", "CREATE_FAILED"}
+BROKEN = {"UPDATE_ROLLBACK_FAILED", "DELETE_FAILED", "IMPORT_ROLLBACK_FAILED"}
+FAILED_EVENT = ("_FAILED",)
+
+
+@dataclass
+class DeployResult:
+    stack_name: str
+    action: str  # created | updated | unchanged
+    status: str
+    outputs: dict[str, str] = field(default_factory=dict)
+
+
+class Stacks:
+    """CloudFormation operations with bounded, visible waits.
+
+    ``sleep`` and ``clock`` are injected so tests can drive waits without time passing.
+    """
+
+    def __init__(
+        self,
+        cf: Any,
+        ui: UI,
+        poll: float = 5.0,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cf = cf
+        self.ui = ui
+        self.poll = poll
+        self.sleep = sleep
+        self.clock = clock
+
+    # -- reading -----------------------------------------------------------
+    def describe(self, name: str) -> dict[str, Any] | None:
+        try:
+            return self.cf.describe_stacks(StackName=name)["Stacks"][0]
+        except ClientError as e:
+            if "does not exist" in describe_client_error(e):
+                return None
+            raise AwsError(f"cannot describe stack {name} ({describe_client_error(e)})") from e
+
+    def outputs(self, name: str) -> dict[str, str]:
+        stack = self.describe(name)
+        return outputs_of(stack) if stack else {}
+
+    def list_stacks(self, prefix: str) -> list[dict[str, Any]]:
+        """Live stacks (not deleted) whose name starts with ``prefix``."""
+        result = []
+        paginator = self.cf.get_paginator("describe_stacks")
+        try:
+            for page in paginator.paginate():
+                for s in page["Stacks"]:
+                    if s["StackName"].startswith(prefix) and s["StackStatus"] != "DELETE_COMPLETE":
+                        result.append(s)
+        except ClientError as e:
+            raise AwsError(f"cannot list stacks ({describe_client_error(e)})") from e
+        return result
+
+    def failure_reasons(self, name: str, since: Any = None) -> list[str]:
+        """``LogicalId (Type): reason`` for every failed resource event, oldest first."""
+        reasons = []
+        for ev in self._events(name):
+            if since is not None and ev["Timestamp"] < since:
+                continue
+            if ev.get("ResourceStatus", "").endswith(FAILED_EVENT) and ev.get("ResourceStatusReason"):
+                if ev.get("LogicalResourceId") == name:
+                    continue
+                reasons.append(
+                    f"{ev['LogicalResourceId']} ({ev.get('ResourceType', '?')}): {ev['ResourceStatusReason']}"
+                )
+        return list(reversed(reasons))
+
+    def _events(self, name: str) -> list[dict[str, Any]]:
+        try:
+            return self.cf.describe_stack_events(StackName=name)["StackEvents"]
+        except ClientError:
+            return []
+
+    # -- writing -----------------------------------------------------------
+    def deploy(
+        self,
+        name: str,
+        template: str,
+        parameters: list[dict[str, str]],
+        tags: dict[str, str],
+        timeout: float = 1800,
+        on_failure_delete: bool = True,
+    ) -> DeployResult:
+        """Create the stack, or update it in place if it exists; wait; raise StackError on failure.
+
+        A create that fails is deleted (``on_failure_delete``), so nothing half-made is left.
+        """
+        existing = self.describe(name)
+        if existing and existing["StackStatus"] in DEAD_ON_ARRIVAL:
+            self.ui.progress(
+                f"stack {name} is left over from a failed create ({existing['StackStatus']}); deleting it"
+            )
+            self.delete(name, timeout=timeout)
+            existing = None
+        if existing:
+            status = existing["StackStatus"]
+            if status in BROKEN:
+                raise StackError(
+                    f"stack {name} is {status}; fix it in the CloudFormation console or delete it, then retry"
+                )
+            if status.endswith(IN_PROGRESS):
+                raise StackError(f"stack {name} is busy ({status}); wait for it to finish, then retry")
+        kwargs = {
+            "StackName": name,
+            "TemplateBody": template,
+            "Parameters": parameters,
+            "Capabilities": ["CAPABILITY_IAM", "CAPABILITY_NAMED_IAM"],
+            "Tags": [{"Key": k, "Value": v} for k, v in tags.items()],
+        }
+        started = self._now_utc()
+        if existing is None:
+            self.ui.progress(f"creating stack {name}")
+            try:
+                self.cf.create_stack(**kwargs)
+            except ClientError as e:
+                # moto raises here instead of producing CREATE_FAILED; AWS does this for bad templates.
+                self._cleanup_failed_create(name, on_failure_delete, timeout)
+                raise StackError(f"stack {name} could not be created: {describe_client_error(e)}") from e
+            action = "created"
+        else:
+            self.ui.progress(f"updating stack {name}")
+            try:
+                self.cf.update_stack(**kwargs)
+            except ClientError as e:
+                if "No updates are to be performed" in str(e):
+                    self.ui.progress(f"stack {name} is up to date; nothing changed")
+                    return DeployResult(name, "unchanged", existing["StackStatus"], outputs_of(existing))
+                raise StackError(f"stack {name} could not be updated: {describe_client_error(e)}") from e
+            action = "updated"
+        try:
+            stack = self.wait(name, timeout=timeout, since=started)
+        except KeyboardInterrupt:
+            if action == "created":
+                self.ui.progress(f"interrupted: deleting the half-made stack {name}")
+                self._cleanup_failed_create(name, True, timeout)
+            raise
+        status = stack["StackStatus"]
+        if status not in GOOD:
+            reasons = self.failure_reasons(name, since=started)
+            if action == "created":
+                self._cleanup_failed_create(name, on_failure_delete, timeout)
+            detail = "; ".join(reasons) if reasons else (stack.get("StackStatusReason") or "no reason given")
+            raise StackError(f"stack {name} failed ({status}): {detail}")
+        return DeployResult(name, action, status, outputs_of(stack))
+
+    def _cleanup_failed_create(self, name: str, enabled: bool, timeout: float) -> None:
+        if not enabled:
+            return
+        try:
+            if self.describe(name) is not None:
+                self.delete(name, timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - cleanup must not hide the original error
+            self.ui.warn(f"could not delete the failed stack {name}: {e}")
+
+    def delete(self, name: str, timeout: float = 1800) -> bool:
+        """Delete a stack and wait; False if it did not exist."""
+        stack = self.describe(name)
+        if stack is None:
+            return False
+        started = self._now_utc()
+        self.ui.progress(f"deleting stack {name}")
+        try:
+            self.cf.delete_stack(StackName=stack["StackId"])
+        except ClientError as e:
+            raise StackError(f"stack {name} could not be deleted: {describe_client_error(e)}") from e
+        final = self.wait(stack["StackId"], timeout=timeout, since=started, label=name)
+        if final and final["StackStatus"] != "DELETE_COMPLETE":
+            reasons = self.failure_reasons(stack["StackId"], since=started)
+            raise StackError(
+                f"stack {name} could not be deleted ({final['StackStatus']}): {'; '.join(reasons) or 'no reason'}"
+            )
+        return True
+
+    def wait(self, name: str, timeout: float, since: Any = None, label: str | None = None) -> dict[str, Any]:
+        """Poll until the stack leaves ``*_IN_PROGRESS``, printing resource events as they happen."""
+        label = label or name
+        deadline = self.clock() + timeout
+        seen: set[str] = set()
+        while True:
+            for ev in reversed(self._events(name)):
+                if ev["EventId"] in seen or (since is not None and ev["Timestamp"] < since):
+                    continue
+                seen.add(ev["EventId"])
+                reason = f" - {ev['ResourceStatusReason']}" if ev.get("ResourceStatusReason") else ""
+                self.ui.progress(
+                    f"  {ev.get('ResourceStatus', '?'):<20} {ev.get('ResourceType', '?'):<40} "
+                    f"{ev.get('LogicalResourceId', '?')}{reason}"
+                )
+            stack = self.describe(name)
+            if stack is None:
+                return {"StackName": label, "StackStatus": "DELETE_COMPLETE"}
+            if not stack["StackStatus"].endswith(IN_PROGRESS):
+                return stack
+            if self.clock() >= deadline:
+                raise StackError(
+                    f"gave up waiting for stack {label} after {timeout:.0f}s (still {stack['StackStatus']}); "
+                    f"check the CloudFormation console"
+                )
+            self.sleep(self.poll)
+
+    @staticmethod
+    def _now_utc() -> Any:
+        import datetime as _dt
+
+        # A little slack: CloudFormation event clocks and ours differ slightly.
+        return _dt.datetime.now(_dt.timezone.utc) - _dt.timedelta(seconds=5)
+
+
+def outputs_of(stack: dict[str, Any]) -> dict[str, str]:
+    return {o["OutputKey"]: o["OutputValue"] for o in stack.get("Outputs", []) or []}

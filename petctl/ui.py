@@ -1,0 +1,76 @@
+"""All user-facing output goes through here.
+
+Progress goes to stderr so that ``--output json`` leaves stdout parseable; the
+result of a command goes to stdout, either as text or as one JSON document.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+
+class UI:
+    """Writes progress and results in the chosen output format."""
+
+    def __init__(self, output: str = "text", debug: bool = False, quiet: bool = False) -> None:
+        self.output = output
+        self.debug_enabled = debug
+        self.quiet = quiet
+        self._t0 = time.monotonic()
+
+    @property
+    def json(self) -> bool:
+        return self.output == "json"
+
+    def progress(self, message: str) -> None:
+        """A progress line (stderr), timestamped relative to the command start."""
+        if self.quiet:
+            return
+        elapsed = time.monotonic() - self._t0
+        click.echo(f"[{elapsed:6.1f}s] {message}", err=True)
+
+    def warn(self, message: str) -> None:
+        click.echo(click.style("warning: ", fg="yellow") + message, err=True)
+
+    def debug(self, message: str) -> None:
+        if self.debug_enabled:
+            click.echo(f"debug: {message}", err=True)
+
+    def result(self, data: Any, text: Callable[[Any], str] | str | None = None) -> None:
+        """Print a command's result: ``data`` as JSON, or ``text`` (or a rendering of data)."""
+        if self.json:
+            click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+            return
+        if callable(text):
+            text = text(data)
+        if text is None:
+            text = json.dumps(data, indent=2, default=str)
+        click.echo(text)
+
+
+def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """A plain aligned text table; empty cells print as ``-``."""
+    cells = [[("-" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths)).rstrip()]
+    for row in cells:
+        lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
+    return "\n".join(lines)
+
+
+def out() -> UI:
+    """The UI of the current click context (a default one outside a command)."""
+    ctx = click.get_current_context(silent=True)
+    obj = getattr(ctx, "obj", None) if ctx else None
+    ui = getattr(obj, "ui", None)
+    return ui if isinstance(ui, UI) else UI()
+
+
+def echo_err(message: str) -> None:
+    print(message, file=sys.stderr)

