@@ -213,7 +213,7 @@ def configure(obj: Context, region_opt: str | None, show: bool, **values: Any) -
         obj.ui.result(config.load_profile(obj.profile_name, must_exist=True).to_dict())
         return
     if not any(values.values()):
-        if not sys.stdin.isatty():
+        if not _stdin_is_terminal():
             raise ConfigError(
                 "no values given: pass flags like --subnet-ids, or run on a terminal to be prompted"
             )
@@ -316,6 +316,10 @@ def run_job(
         )
 
     obj.ui.result(result, text)
+
+
+def _stdin_is_terminal() -> bool:
+    return sys.stdin.isatty()
 
 
 def _plan_text(p: dict[str, Any]) -> str:

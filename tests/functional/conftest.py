@@ -1,0 +1,65 @@
+"""A real moto server over HTTP on 127.0.0.1, shared by the functional tests and reset between them."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def moto_url() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    yield url
+    server.stop()
+
+
+@pytest.fixture
+def aws(moto_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Empty moto state, boto3 pointed at it, and a fresh PETCTL_HOME."""
+    req = urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST")
+    urllib.request.urlopen(req, timeout=10).read()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_url)
+    monkeypatch.setenv("PETCTL_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    return moto_url
+
+
+@pytest.fixture
+def run(aws: str):
+    """Invoke the CLI; returns (exit_code, stdout, stderr)."""
+    from petctl.cli import cli
+
+    def _run(*args: str, input: str | None = None):
+        runner = CliRunner()
+        result = runner.invoke(cli, list(args), input=input, catch_exceptions=True)
+        return result
+
+    return _run
+
+
+@pytest.fixture
+def profile_data(aws: str):
+    """Read a saved profile file back."""
+
+    def _read(name: str = "default") -> dict:
+        return json.loads((Path(os.environ["PETCTL_HOME"]) / "profiles" / f"{name}.json").read_text())
+
+    return _read

@@ -1,0 +1,118 @@
+"""The CLI frame: help, version, aliases, light start-up, one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from petctl import __version__
+from petctl.cli import cli
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, list(args), prog_name="petctl")
+
+
+def test_help_lists_product_command_names():
+    r = invoke("--help")
+    assert r.exit_code == 0
+    for name in (
+        "setup",
+        "teardown",
+        "configure",
+        "run_job",
+        "scale",
+        "status",
+        "list_hosts",
+        "logs",
+        "jobs",
+        "kill_job",
+        "upload",
+    ):
+        assert f"  {name} " in r.stdout, name
+
+
+def test_version():
+    r = invoke("--version")
+    assert r.exit_code == 0 and __version__ in r.stdout
+
+
+@pytest.mark.parametrize(
+    "alias,canonical", [("run-job", "run_job"), ("kill-job", "kill_job"), ("list-hosts", "list_hosts")]
+)
+def test_dash_aliases(alias, canonical):
+    r = invoke(alias, "--help")
+    assert r.exit_code == 0
+    assert f"petctl {canonical} [OPTIONS]" in r.stdout
+
+
+def test_help_does_not_import_heavy_modules():
+    code = (
+        "import sys\n"
+        "from petctl.cli import cli\n"
+        "try:\n    cli(['--help'], prog_name='petctl')\nexcept SystemExit:\n    pass\n"
+        "heavy = [m for m in ('boto3', 'botocore', 'torch', 'moto', 'jinja2') if m in sys.modules]\n"
+        "print('HEAVY=' + ','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "HEAVY=\n" in out, out
+
+
+def test_bad_profile_name_is_one_line_error():
+    r = invoke("--profile", "bad/name", "jobs")
+    assert r.exit_code == 2
+    assert "profile name 'bad/name' is invalid" in r.stderr
+    assert "Traceback" not in r.output
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--min", "0", "--max", "2"], "--min 0 is invalid"),
+        (["--min", "3", "--max", "2"], "--max 2 is smaller than --min 3"),
+        (["--min", "1", "--max", "2", "--size", "5"], "--size 5 is outside [--min 1, --max 2]"),
+        (["--min", "1", "--max", "2", "--name", "Bad_Name"], "job name 'Bad_Name' is invalid"),
+        (["--min", "1", "--max", "2", "--instance-type", "huge"], "'huge' is not an EC2 instance type"),
+        (["--min", "1", "--max", "2", "--nproc-per-node", "zero"], "--nproc-per-node 'zero' is invalid"),
+        (["--min", "1", "--max", "2", "--ami", "img-1"], "--ami 'img-1' is not an AMI id"),
+    ],
+)
+def test_run_job_validates_before_anything(tmp_path, args, message):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    r = invoke("run_job", *args, str(script))
+    assert r.exit_code != 0
+    assert message in r.stderr, r.stderr
+    assert "Traceback" not in r.output
+
+
+def test_run_job_missing_target(tmp_path):
+    r = invoke("run_job", "--min", "1", "--max", "1", str(tmp_path / "nope.py"))
+    assert r.exit_code != 0 and "does not exist" in r.stderr
+
+
+def test_run_job_directory_needs_script(tmp_path):
+    r = invoke("run_job", "--min", "1", "--max", "1", str(tmp_path))
+    assert r.exit_code != 0 and "give the script inside it" in r.stderr
+
+
+def test_run_job_without_setup_says_what_to_do(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    r = invoke("--profile", "fresh", "run_job", "--min", "1", "--max", "1", str(script))
+    assert r.exit_code == 2
+    assert "profile 'fresh' is not set up" in r.stderr and "petctl setup" in r.stderr
+
+
+def test_unknown_profile_teardown():
+    r = invoke("--profile", "ghost", "teardown")
+    assert r.exit_code == 2
+    assert "unknown profile 'ghost'" in r.stderr
+
+
+def test_bad_since_duration():
+    r = invoke("logs", "somejob", "--since", "yesterday")
+    assert r.exit_code != 0 and "--since 'yesterday' is not a duration" in r.stderr
