@@ -1,0 +1,296 @@
+"""The job commands against a real moto server over HTTP."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import boto3
+import pytest
+
+
+@pytest.fixture
+def wheel(tmp_path, monkeypatch) -> Path:
+    """A stand-in wheel to upload (building the real one is tested in test_dist.py)."""
+    w = tmp_path / "petctl-0.1.0-py3-none-any.whl"
+    with zipfile.ZipFile(w, "w") as z:
+        z.writestr("petctl/__init__.py", "")
+    monkeypatch.setenv("PETCTL_DIST", str(w))
+    return w
+
+
+@pytest.fixture
+def ready(run, wheel, tmp_path):
+    r = run("setup")
+    assert r.exit_code == 0, r.output
+    script = tmp_path / "train.py"
+    script.write_text("print('training')\n")
+    return script
+
+
+def objects(prefix: str) -> list[str]:
+    s3 = boto3.client("s3")
+    bucket = [b["Name"] for b in s3.list_buckets()["Buckets"]][0]
+    return [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
+
+
+def spec_of(job: str) -> dict:
+    s3 = boto3.client("s3")
+    bucket = [b["Name"] for b in s3.list_buckets()["Buckets"]][0]
+    return json.loads(s3.get_object(Bucket=bucket, Key=f"petctl/jobs/{job}/job.json")["Body"].read())
+
+
+def run_job(run, script, *extra):
+    r = run(
+        "--output",
+        "json",
+        "run_job",
+        "--name",
+        "demo",
+        "--min",
+        "2",
+        "--max",
+        "4",
+        *extra,
+        str(script),
+        "--",
+        "--epochs",
+        "3",
+    )
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def test_dry_run_prints_plan_and_creates_nothing(run, ready):
+    r = run(
+        "--output", "json", "run_job", "--dry-run", "--name", "demo", "--min", "2", "--max", "4", str(ready)
+    )
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)
+    assert plan["parameters"]["MinSize"] == "2" and plan["parameters"]["DesiredCapacity"] == "2"
+    assert "AWS::AutoScaling::AutoScalingGroup" in plan["template"]
+    assert any(u["s3_url"].endswith("/code/train.py") for u in plan["uploads"])
+    assert objects("petctl/jobs/") == []
+    assert [s["StackName"] for s in boto3.client("cloudformation").describe_stacks()["Stacks"]] == [
+        "petctl-default"
+    ]
+
+
+def test_run_job_creates_stack_uploads_and_spec(run, ready):
+    out = run_job(run, ready, "--size", "3")
+    assert out["job"] == "demo" and out["size"] == 3 and out["rendezvous_endpoint"].endswith(":2379")
+    keys = objects("petctl/jobs/demo/")
+    assert "petctl/jobs/demo/code/train.py" in keys and "petctl/jobs/demo/job.json" in keys
+    assert any(k.startswith("petctl/jobs/demo/dist/") for k in keys)
+    spec = spec_of("demo")
+    assert spec["min_nodes"] == 2 and spec["max_nodes"] == 4 and spec["args"] == ["--epochs", "3"]
+    assert spec["code_kind"] == "script" and spec["script"] == "train.py"
+    asg = boto3.client("autoscaling").describe_auto_scaling_groups(
+        AutoScalingGroupNames=["petctl-demo-workers"]
+    )
+    group = asg["AutoScalingGroups"][0]
+    assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (2, 4, 3)
+    tags = {t["Key"]: t["Value"] for t in group["Tags"]}
+    assert tags["petctl:job"] == "demo" and tags["petctl:spec"].endswith("/petctl/jobs/demo/job.json")
+
+
+def test_run_job_directory_target(run, ready, tmp_path):
+    code = tmp_path / "proj"
+    (code / "pkg").mkdir(parents=True)
+    (code / "pkg" / "main.py").write_text("print(1)\n")
+    (code / ".git").mkdir()
+    (code / ".git" / "HEAD").write_text("ref")
+    r = run(
+        "run_job",
+        "--name",
+        "dirjob",
+        "--min",
+        "1",
+        "--max",
+        "1",
+        str(code),
+        "--",
+        "pkg/main.py",
+        "--lr",
+        "0.1",
+    )
+    assert r.exit_code == 0, r.output
+    spec = spec_of("dirjob")
+    assert spec["code_kind"] == "dir" and spec["script"] == "pkg/main.py" and spec["args"] == ["--lr", "0.1"]
+    assert "petctl/jobs/dirjob/code/code.tar.gz" in objects("petctl/jobs/dirjob/")
+
+
+def test_run_job_default_name_is_readable_and_unique(run, ready):
+    r1 = run("--output", "json", "run_job", "--min", "1", "--max", "1", str(ready))
+    r2 = run("--output", "json", "run_job", "--min", "1", "--max", "1", str(ready))
+    n1, n2 = json.loads(r1.stdout)["job"], json.loads(r2.stdout)["job"]
+    assert n1.startswith("train-") and n2.startswith("train-") and n1 != n2
+
+
+def test_run_job_duplicate_name_refused(run, ready):
+    run_job(run, ready)
+    r = run("run_job", "--name", "demo", "--min", "1", "--max", "1", str(ready))
+    assert r.exit_code != 0 and "job 'demo' already exists" in r.stderr
+
+
+def test_failed_stack_leaves_nothing_behind(run, ready, profile_data):
+    # A subnet that does not exist makes the job stack fail to create.
+    p = profile_data()
+    p["subnet_ids"] = ["subnet-0000000000000dead"]
+    Path(__import__("os").environ["PETCTL_HOME"], "profiles", "default.json").write_text(json.dumps(p))
+    r = run("run_job", "--name", "broken", "--min", "1", "--max", "1", str(ready))
+    assert r.exit_code != 0
+    assert "petctl-job-broken" in r.stderr and "Traceback" not in r.output
+    names = [
+        s["StackName"]
+        for s in boto3.client("cloudformation").describe_stacks()["Stacks"]
+        if s["StackStatus"] != "DELETE_COMPLETE"
+    ]
+    assert names == ["petctl-default"]
+    assert objects("petctl/jobs/broken/") == []
+    assert boto3.client("autoscaling").describe_auto_scaling_groups()["AutoScalingGroups"] == []
+
+
+def test_interrupted_run_job_cleans_up(run, ready, monkeypatch):
+    from petctl import stacks
+
+    def interrupted(self, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stacks.Stacks, "wait", interrupted)
+    r = run("run_job", "--name", "ctrlc", "--min", "1", "--max", "1", str(ready))
+    monkeypatch.undo()
+    assert r.exit_code != 0 and "interrupted" in r.stderr
+    live = [
+        s["StackName"]
+        for s in boto3.client("cloudformation").describe_stacks()["Stacks"]
+        if s["StackStatus"] != "DELETE_COMPLETE"
+    ]
+    assert live == ["petctl-default"]
+    assert objects("petctl/jobs/ctrlc/") == []
+
+
+def test_scale_within_and_outside_range(run, ready):
+    run_job(run, ready)
+    r = run("scale", "demo", "--size", "4")
+    assert r.exit_code == 0 and "2 -> 4" in r.stdout
+    group = boto3.client("autoscaling").describe_auto_scaling_groups(
+        AutoScalingGroupNames=["petctl-demo-workers"]
+    )
+    assert group["AutoScalingGroups"][0]["DesiredCapacity"] == 4
+    r = run("scale", "demo", "--size", "9")
+    assert r.exit_code != 0 and "--size 9 is outside the job's range [2, 4]" in r.stderr
+
+
+def test_list_hosts_and_status(run, ready):
+    run_job(run, ready)
+    r = run("--output", "json", "list_hosts", "demo")
+    assert r.exit_code == 0, r.output
+    hosts = json.loads(r.stdout)
+    roles = sorted(h["role"] for h in hosts)
+    assert roles == ["rdzv", "worker", "worker"]
+    assert all(h["private_ip"] and h["ssm"].startswith("aws ssm start-session --target i-") for h in hosts)
+    r = run("--output", "json", "status", "demo")
+    assert r.exit_code == 0, r.output
+    st = json.loads(r.stdout)
+    assert st["state"] == "STARTING" and st["desired"] == 2 and st["in_service"] == 2
+    text = run("status", "demo").stdout
+    assert "job demo: STARTING" in text and "WORKER" not in text and "worker" in text
+
+
+def test_status_reads_agent_reports(run, ready):
+    run_job(run, ready)
+    s3 = boto3.client("s3")
+    bucket = [b["Name"] for b in s3.list_buckets()["Buckets"]][0]
+    ids = [
+        i["InstanceId"]
+        for i in boto3.client("autoscaling").describe_auto_scaling_groups(
+            AutoScalingGroupNames=["petctl-demo-workers"]
+        )["AutoScalingGroups"][0]["Instances"]
+    ]
+    for n, iid in enumerate(ids):
+        report = {
+            "version": 1,
+            "job_name": "demo",
+            "instance_id": iid,
+            "state": "RUNNING",
+            "world_size": 2,
+            "round": 1,
+            "restarts": 0,
+            "last_step": 100 + n,
+            "last_checkpoint_step": 100,
+            "events": [{"t": 1.0 + n, "kind": "rendezvous_done", "round": 1, "world_size": 2}],
+        }
+        s3.put_object(
+            Bucket=bucket, Key=f"petctl/jobs/demo/status/{iid}.json", Body=json.dumps(report).encode()
+        )
+    st = json.loads(run("--output", "json", "status", "demo").stdout)
+    assert (
+        st["state"] == "RUNNING"
+        and st["world_size"] == 2
+        and st["last_step"] == 101
+        and st["last_checkpoint_step"] == 100
+    )
+    assert len(st["events"]) == 2
+    jobs = json.loads(run("--output", "json", "jobs").stdout)
+    assert [(j["job"], j["state"]) for j in jobs] == [("demo", "RUNNING")]
+
+
+def test_unknown_job_errors(run, ready):
+    for cmd in (["status", "ghost"], ["scale", "ghost", "--size", "1"], ["list_hosts", "ghost"]):
+        r = run(*cmd)
+        assert r.exit_code == 3 and "job 'ghost' not found" in r.stderr, cmd
+
+
+def test_kill_job_is_idempotent(run, ready):
+    run_job(run, ready)
+    r = run("kill_job", "demo")
+    assert r.exit_code == 0 and "job demo deleted" in r.stdout
+    assert (
+        boto3.client("autoscaling").describe_auto_scaling_groups(
+            AutoScalingGroupNames=["petctl-demo-workers"]
+        )["AutoScalingGroups"]
+        == []
+    )
+    r = run("kill-job", "demo")
+    assert r.exit_code == 0 and "does not exist" in r.stdout
+
+
+def test_teardown_refuses_with_jobs_unless_forced(run, ready):
+    run_job(run, ready)
+    r = run("teardown")
+    assert r.exit_code != 0 and "still has jobs (demo)" in r.stderr
+    r = run("teardown", "--force")
+    assert r.exit_code == 0, r.output
+    assert "petctl-job-demo" in r.stdout and "petctl-default" in r.stdout
+
+
+def test_upload(run, ready, tmp_path):
+    d = tmp_path / "data"
+    (d / "sub").mkdir(parents=True)
+    (d / "a.txt").write_text("a")
+    (d / "sub" / "b.txt").write_text("b")
+    r = run("--output", "json", "upload", str(d))
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["count"] == 2
+    assert sorted(objects("petctl/uploads/data/")) == [
+        "petctl/uploads/data/a.txt",
+        "petctl/uploads/data/sub/b.txt",
+    ]
+
+
+def test_logs_prints_agent_streams(run, ready):
+    logs = boto3.client("logs")
+    logs.create_log_stream(logGroupName="/petctl/default", logStreamName="demo/i-0abc")
+    import time
+
+    now = int(time.time() * 1000)
+    logs.put_log_events(
+        logGroupName="/petctl/default",
+        logStreamName="demo/i-0abc",
+        logEvents=[{"timestamp": now, "message": "step=5 world_size=2"}],
+    )
+    r = run("logs", "demo", "--since", "1h")
+    assert r.exit_code == 0, r.output
+    assert "i-0abc step=5 world_size=2" in r.stdout

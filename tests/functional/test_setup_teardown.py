@@ -1,0 +1,102 @@
+"""`petctl setup` / `teardown` against a real moto server over HTTP."""
+
+from __future__ import annotations
+
+import json
+
+import boto3
+
+
+def cf():
+    return boto3.client("cloudformation")
+
+
+def test_setup_creates_base_stack_and_records_outputs(run, profile_data):
+    r = run("setup")
+    assert r.exit_code == 0, r.output
+    assert "base stack petctl-default created" in r.stdout
+    assert "creating stack petctl-default" in r.stderr  # visible progress
+    p = profile_data()
+    assert p["stack_name"] == "petctl-default" and p["managed"] is True and p["region"] == "us-east-1"
+    assert len(p["subnet_ids"]) == 2 and all(s.startswith("subnet-") for s in p["subnet_ids"])
+    for key in (
+        "efs_id",
+        "bucket",
+        "security_group_id",
+        "worker_instance_profile_arn",
+        "rdzv_instance_profile_arn",
+        "log_group",
+    ):
+        assert p[key], key
+    status = cf().describe_stacks(StackName="petctl-default")["Stacks"][0]["StackStatus"]
+    assert status == "CREATE_COMPLETE"
+
+
+def test_setup_again_updates_in_place(run):
+    assert run("setup").exit_code == 0
+    r = run("--output", "json", "setup")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["action"] in ("unchanged", "updated")
+    stacks = [s for s in cf().describe_stacks()["Stacks"] if s["StackName"].startswith("petctl-")]
+    assert len(stacks) == 1
+
+
+def test_setup_with_three_azs(run, profile_data):
+    r = run("setup", "--az-count", "3")
+    assert r.exit_code == 0, r.output
+    assert len(profile_data()["subnet_ids"]) == 3
+
+
+def test_setup_with_existing_bucket_and_efs(run, profile_data):
+    boto3.client("s3").create_bucket(Bucket="team-bucket")
+    fs = boto3.client("efs").create_file_system(CreationToken="t", Encrypted=True)["FileSystemId"]
+    r = run("setup", "--s3-bucket", "team-bucket", "--efs-id", fs)
+    assert r.exit_code == 0, r.output
+    p = profile_data()
+    assert p["bucket"] == "team-bucket" and p["efs_id"] == fs and p["bucket_created"] is False
+
+
+def test_setup_with_missing_efs_names_it_and_creates_nothing(run):
+    r = run("setup", "--efs-id", "fs-0123456789abcdef0")
+    assert r.exit_code != 0
+    assert "EFS file system fs-0123456789abcdef0 was not found" in r.stderr
+    assert "Traceback" not in r.output
+    assert cf().describe_stacks()["Stacks"] == []
+
+
+def test_setup_with_malformed_bucket(run):
+    r = run("setup", "--s3-bucket", "No_Such_Bucket!")
+    assert r.exit_code == 2 and "'No_Such_Bucket!' for --s3-bucket is not an S3 bucket name" in r.stderr
+
+
+def test_setup_without_credentials(run, monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    r = run("setup")
+    assert r.exit_code == 2
+    assert "no AWS credentials found" in r.stderr and "Traceback" not in r.output
+
+
+def test_setup_without_region(run, monkeypatch):
+    monkeypatch.delenv("AWS_REGION")
+    monkeypatch.delenv("AWS_DEFAULT_REGION")
+    r = run("--profile", "noregion", "setup")
+    assert r.exit_code == 2 and "no AWS region" in r.stderr
+
+
+def test_teardown_removes_stack_and_empties_bucket(run, profile_data):
+    assert run("setup").exit_code == 0
+    bucket = profile_data()["bucket"]
+    boto3.client("s3").put_object(Bucket=bucket, Key="petctl/leftover.txt", Body=b"x")
+    r = run("teardown")
+    assert r.exit_code == 0, r.output
+    assert "removed: petctl-default" in r.stdout and "emptied 1 S3 objects" in r.stdout
+    assert [s for s in cf().describe_stacks()["Stacks"] if s["StackStatus"] != "DELETE_COMPLETE"] == []
+    assert profile_data()["stack_name"] is None
+
+
+def test_teardown_twice_is_harmless(run):
+    assert run("setup").exit_code == 0
+    assert run("teardown").exit_code == 0
+    r = run("teardown")
+    assert r.exit_code == 0 and "nothing to remove" in r.stdout
