@@ -1,0 +1,385 @@
+"""Real-process harness for the agent: etcd, a fake per-instance IMDS, agent processes.
+
+Used by ``tests/agent`` and ``scripts/agent_timings.py``. Everything listens on
+127.0.0.0/8; nothing talks to AWS (specs leave log group / ASG / hook empty).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+STEP_RE = re.compile(r"\] step=(\d+) world_size=(\d+) loss=")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
+    """Poll ``pred`` until truthy (returned) or raise TimeoutError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+# ---- fake IMDS --------------------------------------------------------------------------
+class FakeImds:
+    """IMDSv2 look-alike serving many instances at ``http://127.0.0.1:<port>/<instance-id>``."""
+
+    def __init__(self) -> None:
+        self.instances: dict[str, dict[str, str]] = {}
+        imds = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a: Any) -> None:
+                pass
+
+            def _split(self) -> tuple[dict[str, str] | None, str]:
+                parts = self.path.lstrip("/").split("/", 1)
+                inst = imds.instances.get(parts[0])
+                return inst, (parts[1] if len(parts) > 1 else "")
+
+            def do_PUT(self) -> None:
+                inst, rest = self._split()
+                if inst is None or rest != "latest/api/token":
+                    self.send_error(404)
+                    return
+                self._reply(200, "token-" + inst["meta-data/instance-id"])
+
+            def do_GET(self) -> None:
+                inst, rest = self._split()
+                if inst is None:
+                    self.send_error(404)
+                    return
+                if self.headers.get("X-aws-ec2-metadata-token") != "token-" + inst["meta-data/instance-id"]:
+                    self.send_error(401)
+                    return
+                key = rest.removeprefix("latest/")
+                if key not in inst:
+                    self.send_error(404)
+                    return
+                self._reply(200, inst[key])
+
+            def _reply(self, code: int, body: str) -> None:
+                data = body.encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def add(self, instance_id: str, ip: str, tags: dict[str, str] | None = None) -> str:
+        d = {
+            "meta-data/instance-id": instance_id,
+            "meta-data/local-ipv4": ip,
+            "meta-data/placement/region": "us-east-1",
+            "meta-data/placement/availability-zone": "us-east-1a",
+            "meta-data/autoscaling/target-lifecycle-state": "InService",
+        }
+        for k, v in (tags or {}).items():
+            d[f"meta-data/tags/instance/{k}"] = v
+        self.instances[instance_id] = d
+        return f"{self.url}/{instance_id}"
+
+    def set(self, instance_id: str, key: str, value: str | None) -> None:
+        if value is None:
+            self.instances[instance_id].pop(f"meta-data/{key}", None)
+        else:
+            self.instances[instance_id][f"meta-data/{key}"] = value
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# ---- etcd -------------------------------------------------------------------------------
+class Etcd:
+    """A real etcd 3.5 with the v2 API, on 127.0.0.1."""
+
+    def __init__(self, data_dir: Path, binary: str = "etcd") -> None:
+        self.data_dir = data_dir
+        self.binary = shutil.which(binary) or binary
+        self.port = free_port()
+        self.peer_port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self.endpoint = f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30) -> None:
+        url = f"http://127.0.0.1:{self.port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        self.log = open(self.data_dir.parent / "etcd.log", "ab")
+        self.proc = subprocess.Popen(
+            [
+                self.binary, "--enable-v2", "--name", "petctl-test", "--data-dir", str(self.data_dir),
+                "--listen-client-urls", url, "--advertise-client-urls", url,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"petctl-test={peer}",
+            ],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        wait_for(self.healthy, timeout, "etcd to become healthy")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.endpoint}/v2/keys/", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(10)
+        self.proc = None
+
+
+# ---- agents -----------------------------------------------------------------------------
+def descendants(pid: int) -> list[int]:
+    """All live descendants of ``pid`` (from /proc), including other sessions."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+@dataclass
+class Node:
+    instance_id: str
+    addr: str
+    proc: subprocess.Popen
+    agent_dir: Path
+    started: float
+    lines: list[tuple[float, str]] = field(default_factory=list)
+    steps: list[tuple[float, int, int]] = field(default_factory=list)  # (t, step, world)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def last_step(self) -> int:
+        return self.steps[-1][1] if self.steps else 0
+
+
+class Cluster:
+    """etcd + fake IMDS + N agent processes sharing one 'EFS' directory."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        job: str = "job-test",
+        min_nodes: int = 2,
+        max_nodes: int = 4,
+        script_args: list[str] | None = None,
+        extra_env: dict[str, str] | None = None,
+        drain_timeout: float = 30,
+    ) -> None:
+        self.tmp = Path(tmp)
+        self.job = job
+        self.efs = self.tmp / "efs"
+        self.efs.mkdir(parents=True, exist_ok=True)
+        self.status_dir = self.tmp / "status"
+        self.etcd = Etcd(self.tmp / "etcd-data")
+        self.imds = FakeImds()
+        self.nodes: dict[str, Node] = {}
+        self.extra_env = extra_env or {}
+        self._next = 1
+        code = self.tmp / "code"
+        code.mkdir(exist_ok=True)
+        shutil.copy(REPO / "scripts" / "elastic_train.py", code / "elastic_train.py")
+        self.ckpt_rel = f"petctl/jobs/{job}/checkpoints"
+        spec = {
+            "version": 1,
+            "job_name": job,
+            "user": "test",
+            "region": "us-east-1",
+            "min_nodes": min_nodes,
+            "max_nodes": max_nodes,
+            "nproc_per_node": 1,
+            "code_url": f"file://{code / 'elastic_train.py'}",
+            "code_kind": "script",
+            "script": "elastic_train.py",
+            "args": script_args or [],
+            "env": {"OMP_NUM_THREADS": "1"},
+            "checkpoint_dir": self.ckpt_rel,
+            "status_url": f"file://{self.status_dir}/",
+            "log_group": "",
+            "worker_group": "",
+            "rdzv_group": "",
+            "lifecycle_hook": "",
+            "drain_timeout": drain_timeout,
+            "rdzv_port": 2379,
+        }
+        self.spec_path = self.tmp / "job.json"
+        self.spec_path.write_text(json.dumps(spec, indent=2))
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.efs / self.ckpt_rel
+
+    def start_etcd(self) -> None:
+        self.etcd.start()
+
+    def add_node(self) -> Node:
+        n = self._next
+        self._next += 1
+        iid = f"i-{n:04d}"
+        addr = f"127.0.0.{10 + n}"
+        base = self.imds.add(
+            iid, addr, {"petctl:spec": str(self.spec_path), "petctl:rdzv": self.etcd.endpoint}
+        )
+        agent_dir = self.tmp / "nodes" / iid
+        agent_dir.mkdir(parents=True, exist_ok=True)
+        env = {
+            **os.environ,
+            "PETCTL_IMDS_URL": base,
+            "PETCTL_EFS_MOUNT": str(self.efs),
+            "PETCTL_AGENT_DIR": str(agent_dir),
+            "PETCTL_AGENT_STATUS_INTERVAL": "1",
+            "AWS_ENDPOINT_URL": "http://127.0.0.1:9",  # belt and braces: never real AWS
+            "AWS_ACCESS_KEY_ID": "test",
+            "AWS_SECRET_ACCESS_KEY": "test",
+            "PYTHONUNBUFFERED": "1",
+            **self.extra_env,
+        }
+        cmd = [sys.executable, "-m", "petctl_agent.main", "run", "--local-addr", addr]
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=open(agent_dir / "agent.err", "ab"),
+            start_new_session=True,
+            cwd=str(agent_dir),
+        )
+        node = Node(iid, addr, proc, agent_dir, time.time())
+        self.nodes[iid] = node
+        threading.Thread(target=self._read, args=(node,), daemon=True).start()
+        return node
+
+    def _read(self, node: Node) -> None:
+        log = open(node.agent_dir / "agent.out", "a")
+        assert node.proc.stdout is not None
+        for raw in node.proc.stdout:
+            t = time.time()
+            line = raw.decode(errors="replace").rstrip("\n")
+            node.lines.append((t, line))
+            log.write(f"{t:.3f} {line}\n")
+            log.flush()
+            m = STEP_RE.search(line)
+            if m:
+                node.steps.append((t, int(m.group(1)), int(m.group(2))))
+
+    def status(self, iid: str) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.status_dir / f"{iid}.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def kill_hard(self, node: Node) -> None:
+        """SIGKILL the agent's process group and every descendant (an instance vanishing)."""
+        victims = descendants(node.proc.pid)
+        try:
+            os.killpg(node.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        node.proc.wait(10)
+
+    def terminate(self, node: Node) -> None:
+        node.proc.send_signal(signal.SIGTERM)
+
+    def live(self) -> list[Node]:
+        return [n for n in self.nodes.values() if n.alive()]
+
+    def all_at_world(self, nodes: list[Node], world: int, after: float, min_steps: int = 1) -> bool:
+        """Every node printed >= ``min_steps`` step lines at world size ``world`` after ``after``."""
+        return all(sum(1 for t, _, w in n.steps if t > after and w == world) >= min_steps for n in nodes)
+
+    def max_step(self) -> int:
+        return max((n.last_step() for n in self.nodes.values()), default=0)
+
+    def close(self) -> None:
+        for n in self.nodes.values():
+            if n.alive():
+                self.kill_hard(n)
+        self.etcd.stop()
+        self.imds.close()
+
+
+def recovery(cluster: Cluster, t_event: float, survivors: list[Node]) -> dict[str, Any]:
+    """Time from ``t_event`` until every node in ``survivors`` is stepping again, and steps lost.
+
+    A node "steps again" at its first step line after ``t_event`` that breaks its
+    sequence (new world size, or a step that is not previous+1 -- a resume), or its
+    first line at all if it had none before (a newcomer). Steps lost = the highest
+    step any rank reached before the break minus the step training resumed from.
+    """
+    resume_times, resumed_from, reached = [], [], []
+    for n in survivors:
+        prev = None
+        found = False
+        for t, step, world in n.steps:
+            if t <= t_event:
+                prev = (step, world)
+                continue
+            if prev is None or world != prev[1] or step != prev[0] + 1:
+                resume_times.append(t)
+                resumed_from.append(step - 1)
+                if prev is not None:
+                    reached.append(prev[0])
+                found = True
+                break
+            prev = (step, world)
+        if not found:
+            return {"recovered": False}
+    before = max(reached) if reached else max(resumed_from)
+    # a node that never broke sequence before others resumed: use max step seen before event
+    before = max([before] + [s for n in survivors for t, s, _ in n.steps if t <= min(resume_times)])
+    return {
+        "recovered": True,
+        "seconds": round(max(resume_times) - t_event, 2),
+        "steps_lost": max(0, before - min(resumed_from)),
+        "resumed_from": min(resumed_from),
+        "reached_before": before,
+    }

@@ -1,0 +1,388 @@
+"""``petctl-agent run``: job spec -> shared filesystem -> code -> torch elastic agent.
+
+Environment contract: docs/contracts.md ("Agent environment") and docs/agent.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from petctl_agent.imds import Imds
+from petctl_agent.spec import JobSpec, SpecError, _boto3_client, load_spec
+from petctl_agent.status import StatusPublisher, make_writer
+
+log = logging.getLogger("petctl_agent")
+
+# Exec'd in each worker before the user script: die with the agent (SIGKILL on
+# parent death). torch starts workers with start_new_session=True, so killing an
+# agent (or its process group) would otherwise orphan its workers, and they would
+# keep a dead node's ranks alive.
+_PDEATHSIG_SHIM = (
+    "import ctypes,os,signal,sys;"
+    "ctypes.CDLL(None).prctl(1,signal.SIGKILL);"
+    "p=int(os.environ.get('PETCTL_AGENT_PID','0'));"
+    "(p and os.getppid()!=p) and os._exit(70);"
+    "os.execv(sys.executable,[sys.executable,'-u']+sys.argv[1:])"
+)
+SUCCESS_MARKER = ".petctl-job-succeeded"
+
+
+class Paths:
+    def __init__(self, agent_dir: Path) -> None:
+        self.root = agent_dir
+        self.code = agent_dir / "code"
+        self.logs = agent_dir / "logs"
+        self.drain = agent_dir / "drain"
+        self.progress = agent_dir / "progress.json"
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="petctl-agent", description="petctl node agent")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run this node's part of the job")
+    r.add_argument("--spec", help="job spec: s3://..., file://... or a path (default: IMDS tag petctl:spec)")
+    r.add_argument(
+        "--rdzv-endpoint", help="etcd HOST[:PORT] (default: IMDS tag petctl:rdzv + spec rdzv_port)"
+    )
+    r.add_argument("--local-addr", help="this node's address (default: IMDS local-ipv4)")
+    return p.parse_args(argv)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def wait_for_dir(path: Path, timeout: float, what: str) -> None:
+    """Wait (bounded) for a directory, e.g. the EFS mount, to exist."""
+    deadline = time.monotonic() + timeout
+    while not path.is_dir():
+        if time.monotonic() > deadline:
+            raise SpecError(
+                f"{what} {path} did not appear within {timeout:.0f}s (is the filesystem mounted?)"
+            )
+        time.sleep(1)
+
+
+class Agent:
+    """One node's agent: owns the status publisher, the watcher and the torch agent."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.imds = Imds()
+        self.paths = Paths(Path(os.environ.get("PETCTL_AGENT_DIR", "/var/lib/petctl")))
+        self.efs = Path(os.environ.get("PETCTL_EFS_MOUNT", "/mnt/efs"))
+        self.instance_id = self.imds.meta("instance-id") or socket.gethostname()
+        self.local_addr = args.local_addr or self.imds.meta("local-ipv4") or "127.0.0.1"
+        self.spec: JobSpec | None = None
+        self.pub: StatusPublisher | None = None
+        self.elastic: Any = None
+        self.leave_reason: str | None = None
+        self.lifecycle_pending = False
+        self._stop = threading.Event()
+
+    # ---- status helpers -------------------------------------------------------------
+    def _refresh(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        prog = _read_json(self.paths.progress)
+        if prog:
+            out["last_step"] = prog.get("step")
+        if self.spec is not None:
+            latest = _read_json(self.efs / self.spec.checkpoint_dir / "latest")
+            if latest:
+                out["last_checkpoint_step"] = latest.get("step")
+        return out
+
+    # ---- leaving --------------------------------------------------------------------
+    def request_leave(self, reason: str) -> None:
+        if self.leave_reason is not None:
+            return
+        self.leave_reason = reason
+        log.info("leave requested: %s", reason)
+        if self.elastic is not None:
+            self.elastic.leave_reason = reason
+            self.elastic.leave_requested.set()
+        threading.Thread(target=self._leave_outside_training, name="petctl-leave", daemon=True).start()
+
+    def _leave_outside_training(self) -> None:
+        """A leave that arrives while we are not training (boot, rendezvous): go now.
+
+        torch's next_rendezvous cannot be interrupted; we exit the process and our
+        heartbeat stops, so the others drop us after the (short) keep-alive expiry.
+        """
+        time.sleep(2)
+        phase = getattr(self.elastic, "phase", "init")
+        if phase in ("running", "draining", "done"):
+            return
+        if phase == "running":
+            return
+        log.info("leaving during %s: no workers to drain", phase)
+        if self.pub:
+            self.pub.event("drained", clean=True, phase=phase)
+        self.finish_leave()
+        os._exit(0)
+
+    def finish_leave(self) -> None:
+        self.complete_lifecycle_action()
+        if self.pub:
+            self.pub.update(state="LEFT", reason=self.leave_reason)
+            self.pub.close()
+
+    def watch_imds(self) -> None:
+        """Poll IMDS every ~1 s for a scale-in (lifecycle) or spot interruption notice."""
+        interval = float(os.environ.get("PETCTL_AGENT_IMDS_POLL", "1"))
+        while not self._stop.wait(interval):
+            state = self.imds.get("meta-data/autoscaling/target-lifecycle-state")
+            if state and state.strip() == "Terminated":
+                self.lifecycle_pending = True
+                self.request_leave("autoscaling target-lifecycle-state=Terminated")
+                return
+            spot = self.imds.get("meta-data/spot/instance-action")
+            if spot:
+                self.request_leave(f"spot instance-action {spot.strip()}")
+                return
+
+    def complete_lifecycle_action(self) -> None:
+        spec = self.spec
+        if spec is None or not spec.lifecycle_hook or not spec.worker_group:
+            return
+        if not self.lifecycle_pending:
+            state = self.imds.get("meta-data/autoscaling/target-lifecycle-state")
+            if not state or state.strip() != "Terminated":
+                return
+        try:
+            _boto3_client("autoscaling", spec.region or None).complete_lifecycle_action(
+                LifecycleHookName=spec.lifecycle_hook,
+                AutoScalingGroupName=spec.worker_group,
+                LifecycleActionResult="CONTINUE",
+                InstanceId=self.instance_id,
+            )
+            log.info("completed lifecycle action %s on %s", spec.lifecycle_hook, spec.worker_group)
+        except Exception as e:  # noqa: BLE001 - the hook's heartbeat timeout completes it anyway
+            log.warning("complete_lifecycle_action failed (ignored): %s", e)
+
+    def scale_groups_to_zero(self) -> None:
+        spec = self.spec
+        assert spec is not None
+        for group in (spec.worker_group, spec.rdzv_group):
+            if not group:
+                continue
+            try:
+                _boto3_client("autoscaling", spec.region or None).update_auto_scaling_group(
+                    AutoScalingGroupName=group, MinSize=0, DesiredCapacity=0
+                )
+                log.info("set %s to min=desired=0", group)
+            except Exception as e:  # noqa: BLE001
+                log.warning("could not scale %s to zero (ignored): %s", group, e)
+
+    # ---- run ------------------------------------------------------------------------
+    def run(self) -> int:
+        spec_url = self.args.spec or self.imds.tag("petctl:spec")
+        if not spec_url:
+            raise SpecError(
+                "no job spec: pass --spec or set the instance tag petctl:spec (IMDS tags enabled?)"
+            )
+        self.spec = spec = load_spec(spec_url)
+        self.pub = pub = StatusPublisher(
+            make_writer(spec.status_url),
+            spec.job_name,
+            self.instance_id,
+            self.local_addr,
+            interval=float(os.environ.get("PETCTL_AGENT_STATUS_INTERVAL", "5")),
+            refresh=self._refresh,
+        )
+        pub.start()
+        pub.event("agent_started", local_addr=self.local_addr, pid=os.getpid())
+        try:
+            return self._run(spec, pub)
+        except SpecError as e:
+            return self.fail(str(e))
+        except Exception as e:  # noqa: BLE001 - report any crash as FAILED with its reason
+            log.exception("agent failed")
+            return self.fail(f"{type(e).__name__}: {e}")
+
+    def fail(self, reason: str) -> int:
+        log.error("FAILED: %s", reason)
+        if self.pub:
+            self.pub.event("failed", reason=reason)
+            self.pub.update(state="FAILED", reason=reason)
+            self.pub.close()
+        return 1
+
+    def _rdzv_endpoint(self, spec: JobSpec) -> str:
+        ep = self.args.rdzv_endpoint or self.imds.tag("petctl:rdzv")
+        if not ep:
+            raise SpecError(
+                "no rendezvous endpoint: pass --rdzv-endpoint or set the instance tag petctl:rdzv"
+            )
+        return ep if ":" in ep else f"{ep}:{spec.rdzv_port}"
+
+    def _run(self, spec: JobSpec, pub: StatusPublisher) -> int:
+        from petctl_agent.fetch import fetch_code
+
+        endpoint = self._rdzv_endpoint(spec)
+        self.paths.root.mkdir(parents=True, exist_ok=True)
+        script = fetch_code(spec, self.paths.code)
+        wait_for_dir(self.efs, float(os.environ.get("PETCTL_AGENT_EFS_WAIT", "300")), "shared filesystem")
+        ckpt_dir = (
+            self.efs / spec.checkpoint_dir
+            if spec.checkpoint_dir
+            else self.efs / "petctl" / "jobs" / spec.job_name / "checkpoints"
+        )
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if self.leave_reason:
+            self.finish_leave()
+            return 0
+
+        from petctl_agent.elastic import PetctlElasticAgent, create_rdzv_handler
+        from petctl_agent.logship import CloudWatchShipper, LogTailer, stdout_sink
+        from petctl_agent.workarounds import enabled
+        from torch.distributed.elastic.agent.server.api import WorkerSpec
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+        self._export_worker_env(spec, ckpt_dir)
+        nproc = spec.resolved_nproc()
+        handler = create_rdzv_handler(
+            endpoint, spec.job_name, spec.min_nodes, spec.max_nodes, self.local_addr
+        )
+        if enabled("PDEATHSIG"):
+            entry_args = ("-c", _PDEATHSIG_SHIM, str(script), *spec.args)
+        else:
+            entry_args = ("-u", str(script), *spec.args)
+        wspec = WorkerSpec(
+            role="trainer",
+            local_world_size=nproc,
+            entrypoint=sys.executable,
+            args=entry_args,
+            rdzv_handler=handler,
+            max_restarts=spec.max_restarts,
+            monitor_interval=0.2,
+            local_addr=self.local_addr,
+        )
+        logs_specs = DefaultLogsSpecs(log_dir=str(self.paths.logs), redirects=Std.ALL)
+        self.elastic = agent = PetctlElasticAgent(
+            wspec, logs_specs, pub, self.paths.drain, spec.drain_timeout
+        )
+        if self.leave_reason:  # arrived while we were setting up
+            agent.leave_reason = self.leave_reason
+            agent.leave_requested.set()
+
+        sinks = [stdout_sink(self.instance_id)]
+        shipper = None
+        if spec.log_group and os.environ.get("PETCTL_AGENT_NO_CLOUDWATCH", "") != "1":
+            shipper = CloudWatchShipper(
+                spec.log_group,
+                f"{spec.job_name}/{self.instance_id}",
+                lambda: _boto3_client("logs", spec.region or None),
+            )
+            shipper.start()
+            sinks.append(shipper.sink)
+        tailer = LogTailer(self.paths.logs, sinks)
+        tailer.start()
+        threading.Thread(target=self.watch_imds, name="petctl-imds", daemon=True).start()
+
+        try:
+            agent.run()
+        except Exception as e:  # noqa: BLE001
+            from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+            if isinstance(e, RendezvousClosedError) and (ckpt_dir / SUCCESS_MARKER).exists():
+                agent.outcome = "succeeded"  # we arrived after the job finished
+            else:
+                agent.outcome = "failed"
+                agent.fail_reason = f"{type(e).__name__}: {e}"
+        finally:
+            self._stop.set()
+            tailer.stop()
+            if shipper:
+                shipper.stop()
+
+        if agent.outcome == "drained":
+            self.finish_leave()
+            return 0
+        if agent.outcome == "succeeded":
+            (ckpt_dir / SUCCESS_MARKER).touch()
+            try:
+                handler.shutdown()  # close the rendezvous: late joiners stop instead of waiting
+            except Exception as e:  # noqa: BLE001
+                log.debug("rendezvous shutdown: %s", e)
+            pub.event("succeeded", last_step=self._refresh().get("last_step"))
+            pub.update(state="SUCCEEDED", reason=None)
+            self.scale_groups_to_zero()
+            pub.close()
+            return 0
+        try:
+            handler.shutdown()  # unrecoverable: close it so the other nodes stop too
+        except Exception:  # noqa: BLE001
+            pass
+        return self.fail(agent.fail_reason or "unknown failure")
+
+    def _export_worker_env(self, spec: JobSpec, ckpt_dir: Path) -> None:
+        """Worker env = agent env + torchrun's vars (set by torch) + these."""
+        from petctl_agent.workarounds import enabled
+
+        env = os.environ
+        env.update(spec.env)
+        env["PETCTL_JOB_NAME"] = spec.job_name
+        env["PETCTL_CHECKPOINT_DIR"] = str(ckpt_dir)
+        env["PETCTL_DRAIN_FILE"] = str(self.paths.drain)
+        env["PETCTL_PROGRESS_FILE"] = str(self.paths.progress)
+        env["PETCTL_LOCAL_ADDR"] = self.local_addr
+        env["PETCTL_AGENT_PID"] = str(os.getpid())
+        env["PYTHONUNBUFFERED"] = "1"
+        # our SIGTERM/SIGINT handlers start a drain; torch's would raise SignalException
+        env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
+        if enabled("SPLIT_STORE"):
+            # etcd-v2 + shared agent TCPStore: a node joining a running job waits
+            # forever for MASTER_ADDR of the new round (DESIGN §4). Workers get
+            # their own store on rank 0's node instead.
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        if enabled("IDENTICAL_RANKS"):
+            # homogeneous nodes: ranks = group_rank * nproc + local_rank, computed
+            # locally instead of rank 0 collecting every node's role info through
+            # the store (another place a lost node blocks the store timeout).
+            env["TORCH_ELASTIC_WORKER_IDENTICAL"] = "1"
+
+
+def _install_signal_handlers(agent: Agent) -> None:
+    def on_signal(signum: int, _frame: Any) -> None:
+        agent.request_leave(f"signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point of ``petctl-agent``."""
+    args = _parse(argv)
+    logging.basicConfig(
+        level=os.environ.get("PETCTL_AGENT_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("torch.distributed.elastic").setLevel(
+        os.environ.get("PETCTL_AGENT_TORCH_LOG", "WARNING")
+    )
+    for noisy in ("botocore", "boto3", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    agent = Agent(args)
+    _install_signal_handlers(agent)
+    rc = agent.run()
+    sys.stdout.flush()
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

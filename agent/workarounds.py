@@ -1,0 +1,36 @@
+"""Switches for the agent's workarounds of torch elastic behaviours.
+
+Each workaround is on by default and has an off-switch ``PETCTL_AGENT_NO_<NAME>=1``
+(documented in docs/agent.md with the torch behaviour it answers).
+"""
+
+from __future__ import annotations
+
+import os
+
+WORKAROUNDS = {
+    "SPLIT_STORE": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: etcd-v2 newcomer hangs on the shared agent TCP store",
+    "FAST_LAST_CALL": "last_call_timeout 2 s instead of 30 s: every (re-)rendezvous waited 30 s",
+    "FAST_HEARTBEAT": "keep-alive 1 s x 5 instead of 5 s x 3: a dead node blocked re-rendezvous ~15-20 s",
+    "STORE_TIMEOUT": "EtcdStore timeout 20 s instead of 300 s: node lost mid-rendezvous blocked EtcdStore.get",
+    "IDENTICAL_RANKS": "TORCH_ELASTIC_WORKER_IDENTICAL=1: rank assignment without blocking store round-trips",
+    "RDZV_RETRY": "retry next_rendezvous on etcd/store errors instead of failing the agent",
+    "ETCD_OUTAGE": "tolerate etcd errors while workers run (torch's monitor loop raises and kills the job)",
+    "MEMBERSHIP_WATCH": "restart workers when a participant leaves/dies (torch only reacts to waiting nodes)",
+    "SYNC_RESTART": "coordinated checkpoint before a scale-up/membership restart (torch kills workers mid-step)",
+    "PDEATHSIG": "workers die with their agent (torch starts them in a new session; they would be orphaned)",
+}
+
+
+def enabled(name: str) -> bool:
+    """True unless ``PETCTL_AGENT_NO_<name>=1``."""
+    if name not in WORKAROUNDS:
+        raise KeyError(name)
+    return os.environ.get(f"PETCTL_AGENT_NO_{name}", "") not in ("1", "true", "yes")
+
+
+def env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
