@@ -1,0 +1,117 @@
+"""Changes to moto's behaviour inside the local cloud daemon (never imported elsewhere).
+
+1. **Private IPs**: moto hands out subnet addresses sequentially (``.4``, ``.5``, …)
+   and reuses freed ones at once. In the local cloud an instance's private IP is
+   the loopback address its processes bind to, so two local clouds on one machine
+   (parallel test runs) would collide, and a new instance could get the address
+   of one that is still draining. Addresses are therefore drawn at random and
+   claimed machine-wide with an ``flock``\\ ed file per address (released when the
+   daemon exits), and never reused within a daemon's life.
+2. **Lifecycle actions**: moto does not implement ``CompleteLifecycleAction`` or
+   ``RecordLifecycleActionHeartbeat``. The reconciler emulates the termination
+   hook, so these calls are answered from it: success for an instance that is
+   draining (which ends its wait), ``ValidationError`` otherwise, as AWS does.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import os
+import random
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+_claims: dict[str, int] = {}  # ip -> fd holding its flock
+_claims_lock = threading.Lock()
+
+#: Set by the reconciler: (instance_id, action) -> error message or None. ``action`` is
+#: ``"complete"`` or ``"heartbeat"``.
+lifecycle_handler: Callable[[str, str, dict[str, Any]], str | None] | None = None
+
+
+def claim_dir() -> Path:
+    d = Path(tempfile.gettempdir()) / f"petctl-local-ips-{os.getuid()}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    return d
+
+
+def claim_ip(ip: str) -> bool:
+    """Claim ``ip`` for this daemon's lifetime; False if another daemon holds it."""
+    with _claims_lock:
+        if ip in _claims:
+            return False  # already used by this daemon: never hand it out twice
+        fd = os.open(claim_dir() / ip, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        _claims[ip] = fd
+        return True
+
+
+def _random_host(cidr: str, taken: Callable[[str], bool]) -> str | None:
+    net = ipaddress.ip_network(cidr, strict=False)
+    if net.version != 4 or net.num_addresses < 8:
+        return None
+    # AWS reserves the first four addresses and the last one of every subnet.
+    lo, hi = int(net.network_address) + 4, int(net.broadcast_address) - 1
+    for _ in range(512):
+        ip = str(ipaddress.IPv4Address(random.randint(lo, hi)))
+        if not taken(ip) and claim_ip(ip):
+            return ip
+    return None
+
+
+def apply() -> None:
+    """Install the patches (idempotent)."""
+    from moto.autoscaling.exceptions import ValidationError
+    from moto.autoscaling.responses import AutoScalingResponse
+    from moto.core.responses import EmptyResult
+    from moto.ec2.models import elastic_network_interfaces as eni_mod
+    from moto.ec2.models.subnets import Subnet
+
+    if getattr(Subnet, "_petctl_patched", False):
+        return
+
+    original_get = Subnet.get_available_subnet_ip
+
+    def get_available_subnet_ip(self: Any, instance: Any) -> str:
+        ip = _random_host(str(self.cidr), lambda a: a in self._subnet_ips)
+        if ip is None:
+            return original_get(self, instance)
+        self._subnet_ips[ip] = instance
+        return ip
+
+    original_random = eni_mod.random_private_ip
+
+    def random_private_ip(cidr: str | None = None, ipv6: bool = False) -> str:
+        if cidr and not ipv6:
+            ip = _random_host(cidr, lambda a: False)
+            if ip:
+                return ip
+        return original_random(cidr, ipv6)
+
+    Subnet.get_available_subnet_ip = get_available_subnet_ip  # type: ignore[method-assign]
+    eni_mod.random_private_ip = random_private_ip  # type: ignore[assignment]
+    Subnet._petctl_patched = True  # type: ignore[attr-defined]
+
+    def _lifecycle(self: Any, action: str) -> Any:
+        params = {
+            k: self._get_param(k)
+            for k in ("AutoScalingGroupName", "LifecycleHookName", "InstanceId", "LifecycleActionToken")
+        }
+        params["LifecycleActionResult"] = self._get_param("LifecycleActionResult")
+        instance_id = params.get("InstanceId") or ""
+        handler = lifecycle_handler
+        error = handler(instance_id, action, params) if handler else "lifecycle hooks are not emulated"
+        if error:
+            raise ValidationError(error)
+        return EmptyResult()
+
+    AutoScalingResponse.complete_lifecycle_action = lambda self: _lifecycle(self, "complete")  # type: ignore[attr-defined]
+    AutoScalingResponse.record_lifecycle_action_heartbeat = lambda self: _lifecycle(self, "heartbeat")  # type: ignore[attr-defined]

@@ -1,0 +1,152 @@
+"""Process-group helpers for the local cloud (Linux ``/proc``; standard library only).
+
+An "instance" of the local cloud is a process group: its leader is started with
+``start_new_session=True`` so the group id equals the leader's pid, and every
+process the leader forks (torch workers, which torchrun does *not* kill when it
+dies) stays in that group. Terminating an instance therefore means signalling
+the group, and "the tree is gone" means no live (non-zombie) process is left in
+the group.
+
+Processes are identified by ``(pid, start time)`` rather than pid alone, so a
+pid reused by an unrelated program is never signalled.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+_PROC = Path("/proc")
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields of ``/proc/<pid>/stat`` after the command name, or None if gone."""
+    try:
+        raw = (_PROC / str(pid) / "stat").read_text()
+    except (OSError, ValueError):
+        return None
+    # The command name (field 2) is in parentheses and may contain spaces.
+    return raw[raw.rfind(")") + 2 :].split()
+
+
+def start_ticks(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (stable identity with the pid)."""
+    f = _stat_fields(pid)
+    return int(f[19]) if f else None
+
+
+def is_alive(pid: int, ticks: int | None = None) -> bool:
+    """True if ``pid`` exists, is not a zombie, and (if given) started at ``ticks``."""
+    f = _stat_fields(pid)
+    if not f or f[0] in ("Z", "X"):
+        return False
+    return ticks is None or int(f[19]) == ticks
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        return (_PROC / str(pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
+
+
+def _all_stats() -> list[tuple[int, list[str]]]:
+    out = []
+    for entry in _PROC.iterdir():
+        if entry.name.isdigit():
+            f = _stat_fields(int(entry.name))
+            if f:
+                out.append((int(entry.name), f))
+    return out
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is ``pgid``."""
+    return [pid for pid, f in _all_stats() if int(f[2]) == pgid and f[0] not in ("Z", "X")]
+
+
+def zombie_children(ppid: int) -> list[int]:
+    """Zombie children of ``ppid`` (orphans re-parented to a subreaper)."""
+    return [pid for pid, f in _all_stats() if int(f[1]) == ppid and f[0] == "Z"]
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to a process group; False if it no longer exists."""
+    if pgid <= 1:  # never signal "every process" or init by accident
+        raise ValueError(f"refusing to signal process group {pgid}")
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+
+
+def signal_pid(pid: int, sig: int, ticks: int | None = None) -> bool:
+    if pid <= 1 or not is_alive(pid, ticks):
+        return False
+    try:
+        os.kill(pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def wait_group_gone(pgid: int, timeout: float, poll: float = 0.05) -> bool:
+    """Wait until no live process is left in ``pgid``; True if it is gone."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if not group_members(pgid):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll)
+
+
+def kill_group(pgid: int, timeout: float = 10.0) -> bool:
+    """SIGKILL every process of ``pgid`` (repeatedly, until none is left)."""
+    deadline = time.monotonic() + timeout
+    while group_members(pgid):
+        signal_group(pgid, signal.SIGKILL)
+        if wait_group_gone(pgid, min(1.0, max(0.0, deadline - time.monotonic()))):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+    return True
+
+
+def owned_group_alive(pgid: int, leader_ticks: int | None) -> bool:
+    """True if ``pgid`` is (still) a group we started.
+
+    Linux does not reuse a pid while a process group of that id exists, so a
+    group whose leader is dead but which still has members is ours. A live
+    leader must also have the start time we recorded.
+    """
+    if _stat_fields(pgid) is not None and is_alive(pgid):
+        return start_ticks(pgid) == leader_ticks if leader_ticks is not None else True
+    return bool(group_members(pgid))
+
+
+def set_child_subreaper() -> bool:
+    """Make this process adopt its orphaned descendants (so it can reap them)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except Exception:  # noqa: BLE001 - best effort; only affects zombie reaping
+        return False
+
+
+def reap_orphans(exclude: set[int]) -> None:
+    """Reap zombie children of this process that no Popen object owns."""
+    for pid in zombie_children(os.getpid()):
+        if pid in exclude:
+            continue
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass

@@ -1,0 +1,636 @@
+"""The reconciler: one local process tree per running EC2 instance of the local cloud.
+
+Every ``period`` seconds it reads moto's state over HTTP (the same API a real
+client uses) and makes the local processes match it:
+
+* an instance tagged ``petctl:role`` that is ``pending``/``running`` and that we
+  have not seen gets a process tree: ``rdzv`` → etcd 3.5 with the v2 API on the
+  ``petctl:rdzv`` address, ``worker`` → ``petctl-agent run``;
+* an instance that left (terminated by a scale-in, deleted group, …) is drained
+  the way the termination lifecycle hook would on AWS (IMDS
+  ``target-lifecycle-state`` → ``Terminated``, SIGTERM, up to the job's drain
+  timeout), then its whole process group is SIGKILLed — in a thread per
+  instance, so one slow drain never delays the others;
+* a tree that exits on its own is recorded, never restarted (an agent that
+  exited 0 after its job SUCCEEDED must stay down — as on AWS, where the
+  instance keeps running idle until the group scales to zero).
+
+Instance states (``Instance.state``):
+
+``running``
+    process tree started; moto says the instance runs.
+``exited``
+    the tree's leader exited by itself while the instance still runs in moto.
+``restarting``
+    ``restart_rdzv``: etcd is being killed and started again.
+``draining``
+    moto terminated the instance; waiting for the drain (lifecycle hook emulation).
+``interrupted``
+    a spot interruption's deadline passed: shutting down before termination.
+``killed``
+    hard-killed by ``kill_instance`` (no drain).
+``terminated``
+    the tree is gone after the instance left.
+``error``
+    the process could not be started (see ``note``).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from petctl.local import LOCAL_ENV, LOCAL_ENV_UNSET, moto_patches, procs
+
+log = logging.getLogger("petctl.local.reconciler")
+
+LIVE_STATES = ("pending", "running")
+ROLE_TAG, JOB_TAG, SPEC_TAG, RDZV_TAG = "petctl:role", "petctl:job", "petctl:spec", "petctl:rdzv"
+ASG_TAG = "aws:autoscaling:groupName"
+_FS_RE = re.compile(r"\bfs-[0-9a-f]{8,40}\b")
+
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+@dataclass
+class Settings:
+    """Knobs, read from the daemon's environment (see docs/local.md)."""
+
+    period: float = field(default_factory=lambda: _env_float("PETCTL_LOCAL_PERIOD", 0.5))
+    default_drain_timeout: float = field(default_factory=lambda: _env_float("PETCTL_LOCAL_DRAIN_TIMEOUT", 60))
+    # Time after the drain timeout for the agent to leave the rendezvous and complete the
+    # lifecycle action before the instance is killed (the hook's heartbeat timeout on AWS).
+    drain_slack: float = field(default_factory=lambda: _env_float("PETCTL_LOCAL_DRAIN_SLACK", 10))
+    # OS shutdown: SIGTERM, then SIGKILL after this long (spot interruption deadline).
+    shutdown_grace: float = field(default_factory=lambda: _env_float("PETCTL_LOCAL_SHUTDOWN_GRACE", 5))
+    etcd: str = field(default_factory=lambda: os.environ.get("PETCTL_LOCAL_ETCD", "etcd"))
+    worker_cmd: list[str] = field(default_factory=lambda: _worker_cmd())
+
+
+def _worker_cmd() -> list[str]:
+    raw = os.environ.get("PETCTL_LOCAL_WORKER_CMD")
+    if raw:
+        argv = json.loads(raw)
+        if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
+            raise ValueError(f"PETCTL_LOCAL_WORKER_CMD must be a JSON list of strings, got {raw!r}")
+        return argv
+    return [sys.executable, "-m", "petctl_agent.main", "run"]
+
+
+def _iso(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class Instance:
+    """What the local cloud knows about one EC2 instance and its process tree."""
+
+    instance_id: str
+    role: str
+    job: str | None
+    private_ip: str
+    az: str
+    asg: str | None
+    tags: dict[str, str]
+    bind_ip: str | None = None
+    state: str = "running"
+    lifecycle: str = "InService"
+    spot_action: dict[str, str] | None = None
+    proc: subprocess.Popen | None = None
+    pgid: int | None = None
+    start_ticks: int | None = None
+    exit_code: int | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    restarts: int = 0
+    drain_timeout: float | None = None
+    efs_id: str | None = None
+    note: str | None = None
+    instance_type: str = "t3.medium"
+    image_id: str = "ami-local"
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    lifecycle_done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.pgid and procs.group_members(self.pgid))
+
+    def summary(self, state_dir: Path) -> dict[str, Any]:
+        return {
+            "instance_id": self.instance_id,
+            "role": self.role,
+            "job": self.job,
+            "ip": self.private_ip,
+            "bind_ip": self.bind_ip,
+            "az": self.az,
+            "group": self.asg,
+            "state": self.state,
+            "lifecycle_state": self.lifecycle,
+            "spot_action": self.spot_action,
+            "pid": self.proc.pid if self.proc else None,
+            "pgid": self.pgid,
+            "alive": self.alive,
+            "exit_code": self.exit_code,
+            "restarts": self.restarts,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+            "efs_id": self.efs_id,
+            "log": str(state_dir / "logs" / f"{self.instance_id}.log"),
+            "note": self.note,
+        }
+
+
+class Reconciler:
+    """Keeps local process trees in line with moto's EC2 / Auto Scaling state."""
+
+    def __init__(
+        self, state_dir: Path, clients: dict[str, Any], endpoint_url: str, imds_url: str, region: str
+    ) -> None:
+        self.state_dir = state_dir
+        self.clients = clients
+        self.endpoint_url = endpoint_url
+        self.imds_url = imds_url
+        self.region = region
+        self.settings = Settings()
+        self.instances: dict[str, Instance] = {}
+        self.lock = threading.RLock()
+        self.stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._spec_cache: dict[str, dict[str, Any]] = {}
+        self._efs_cache: dict[str, str | None] = {}
+        self._procs_written: dict[str, Any] | None = None
+        moto_patches.lifecycle_handler = self.on_lifecycle_call
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> None:
+        """Reconcile until :meth:`shutdown`; errors are logged and retried next period."""
+        while not self.stopping.is_set():
+            t0 = time.monotonic()
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - the loop must survive a bad tick
+                log.exception("reconcile failed; retrying")
+            self.stopping.wait(max(0.05, self.settings.period - (time.monotonic() - t0)))
+
+    def _describe(self) -> tuple[dict[str, dict[str, Any]], set[str]]:
+        ec2, asg = self.clients["ec2"], self.clients["autoscaling"]
+        instances: dict[str, dict[str, Any]] = {}
+        for page in ec2.get_paginator("describe_instances").paginate(
+            Filters=[{"Name": "tag-key", "Values": [ROLE_TAG]}]
+        ):
+            for res in page["Reservations"]:
+                for i in res["Instances"]:
+                    instances[i["InstanceId"]] = i
+        groups = set()
+        for page in asg.get_paginator("describe_auto_scaling_groups").paginate():
+            groups.update(g["AutoScalingGroupName"] for g in page["AutoScalingGroups"])
+        return instances, groups
+
+    def tick(self) -> None:
+        described, groups = self._describe()
+        if self.stopping.is_set():
+            return
+        orphaned = []
+        for iid, data in described.items():
+            state = data["State"]["Name"]
+            tags = {t["Key"]: t["Value"] for t in data.get("Tags", [])}
+            with self.lock:
+                rec = self.instances.get(iid)
+            if state in LIVE_STATES:
+                if tags.get(ASG_TAG) and tags[ASG_TAG] not in groups:
+                    orphaned.append(iid)  # its group was deleted: AWS terminates its instances
+                    continue
+                if rec is None:
+                    rec = self._new_instance(data, tags)
+                    with self.lock:
+                        self.instances[iid] = rec
+                    self._start(rec)
+                else:
+                    rec.tags = tags
+                    self._check_exit(rec)
+            elif rec is not None and rec.state in ("running", "exited", "restarting"):
+                self._begin_leave(rec, f"instance is {state}")
+        with self.lock:
+            vanished = [r for i, r in self.instances.items() if i not in described]
+        for rec in vanished:
+            if rec.state in ("running", "exited", "restarting"):
+                self._begin_leave(rec, "instance no longer exists")
+        if orphaned:
+            log.info("terminating %s: their Auto Scaling group was deleted", ", ".join(orphaned))
+            self.clients["ec2"].terminate_instances(InstanceIds=orphaned)
+        with self.lock:
+            leaders = {r.proc.pid for r in self.instances.values() if r.proc}
+        procs.reap_orphans(leaders)
+        self._write_procs()
+
+    def _check_exit(self, rec: Instance) -> None:
+        with rec.lock:
+            if rec.state == "running" and rec.proc is not None and rec.proc.poll() is not None:
+                rec.exit_code = rec.proc.returncode
+                rec.state = "exited"
+                rec.ended_at = time.time()
+                log.info(
+                    "%s (%s) exited with code %s; not restarted", rec.instance_id, rec.role, rec.exit_code
+                )
+
+    # ------------------------------------------------------------------ start
+
+    def _new_instance(self, data: dict[str, Any], tags: dict[str, str]) -> Instance:
+        return Instance(
+            instance_id=data["InstanceId"],
+            role=tags.get(ROLE_TAG, ""),
+            job=tags.get(JOB_TAG),
+            private_ip=data.get("PrivateIpAddress") or "127.0.0.1",
+            az=(data.get("Placement") or {}).get("AvailabilityZone") or f"{self.region}a",
+            asg=tags.get(ASG_TAG),
+            tags=tags,
+            instance_type=data.get("InstanceType") or "t3.medium",
+            image_id=data.get("ImageId") or "ami-local",
+        )
+
+    def job_spec(self, rec: Instance) -> dict[str, Any] | None:
+        url = rec.tags.get(SPEC_TAG, "")
+        if not url.startswith("s3://"):
+            return None
+        if url not in self._spec_cache:
+            bucket, _, key = url[5:].partition("/")
+            try:
+                body = self.clients["s3"].get_object(Bucket=bucket, Key=key)["Body"].read()
+                self._spec_cache[url] = json.loads(body)
+            except Exception as e:  # noqa: BLE001 - a missing spec only means defaults
+                log.warning("%s: cannot read job spec %s (%s); using defaults", rec.instance_id, url, e)
+                return None
+        return self._spec_cache[url]
+
+    def _efs_id(self, rec: Instance) -> str:
+        if rec.tags.get("petctl:efs"):
+            return rec.tags["petctl:efs"]
+        lt_id, lt_ver = (
+            rec.tags.get("aws:ec2launchtemplate:id"),
+            rec.tags.get("aws:ec2launchtemplate:version"),
+        )
+        key = f"{lt_id}:{lt_ver}" if lt_id else rec.instance_id
+        if key not in self._efs_cache:
+            found = None
+            try:
+                if lt_id:
+                    versions = self.clients["ec2"].describe_launch_template_versions(
+                        LaunchTemplateId=lt_id, Versions=[lt_ver or "$Latest"]
+                    )["LaunchTemplateVersions"]
+                    user_data = versions[0]["LaunchTemplateData"].get("UserData", "") if versions else ""
+                else:
+                    user_data = (
+                        self.clients["ec2"]
+                        .describe_instance_attribute(InstanceId=rec.instance_id, Attribute="userData")
+                        .get("UserData", {})
+                        .get("Value", "")
+                    )
+                m = _FS_RE.search(base64.b64decode(user_data or "").decode(errors="replace"))
+                found = m.group(0) if m else None
+                if not found:
+                    fss = self.clients["efs"].describe_file_systems()["FileSystems"]
+                    if len(fss) == 1:
+                        found = fss[0]["FileSystemId"]
+            except Exception as e:  # noqa: BLE001 - fall back to a default directory
+                log.warning("%s: cannot find its EFS id (%s)", rec.instance_id, e)
+            self._efs_cache[key] = found
+        return self._efs_cache[key] or "fs-local"
+
+    def _base_env(self) -> dict[str, str]:
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("AWS_", "PETCTL_", "ETCD_")) and k not in LOCAL_ENV_UNSET
+        }
+        env.update(LOCAL_ENV)
+        env["AWS_ENDPOINT_URL"] = self.endpoint_url
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def _argv_env(self, rec: Instance) -> tuple[list[str], dict[str, str]]:
+        inst_dir = self.state_dir / "instances" / rec.instance_id
+        inst_dir.mkdir(parents=True, exist_ok=True)
+        env = self._base_env()
+        spec = self.job_spec(rec) or {}
+        if rec.role == "rdzv":
+            rdzv = rec.tags.get(RDZV_TAG, "") or rec.private_ip
+            ip, _, port_s = rdzv.partition(":")
+            port = int(port_s or spec.get("rdzv_port") or 2379)
+            rec.bind_ip = ip
+            peer = f"http://{ip}:{port + 1}"
+            data_dir = inst_dir / "etcd"
+            argv = [
+                self.settings.etcd,
+                "--name", rec.instance_id,
+                "--data-dir", str(data_dir),
+                "--enable-v2=true",
+                "--listen-client-urls", f"http://{ip}:{port}",
+                "--advertise-client-urls", f"http://{ip}:{port}",
+                "--listen-peer-urls", peer,
+                "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"{rec.instance_id}={peer}",
+            ]  # fmt: skip
+            return argv, env
+        rec.bind_ip = rec.private_ip
+        efs = self.state_dir / "efs" / (rec.efs_id or self._efs_id(rec))
+        efs.mkdir(parents=True, exist_ok=True)
+        env.update(
+            PETCTL_IMDS_URL=f"{self.imds_url}/{rec.instance_id}",
+            PETCTL_EFS_MOUNT=str(efs),
+            PETCTL_AGENT_DIR=str(inst_dir),
+        )
+        return list(self.settings.worker_cmd), env
+
+    def _start(self, rec: Instance) -> None:
+        with rec.lock:
+            spec = self.job_spec(rec) or {}
+            rec.drain_timeout = float(spec.get("drain_timeout") or self.settings.default_drain_timeout)
+            if rec.role not in ("rdzv", "worker"):
+                rec.state, rec.note = "error", f"unknown {ROLE_TAG} {rec.role!r} (expected rdzv or worker)"
+                log.warning("%s: %s", rec.instance_id, rec.note)
+                return
+            if rec.role == "worker":
+                rec.efs_id = self._efs_id(rec)
+            argv, env = self._argv_env(rec)
+            self._spawn(rec, argv, env)
+
+    def _spawn(self, rec: Instance, argv: list[str], env: dict[str, str]) -> None:
+        log_path = self.state_dir / "logs" / f"{rec.instance_id}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(log_path, "ab") as out:
+                out.write(f"==> {_iso(time.time())} petctl local: starting {rec.role}: {argv}\n".encode())
+                out.flush()
+                rec.proc = subprocess.Popen(
+                    argv,
+                    cwd=str(self.state_dir / "instances" / rec.instance_id),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own process group: the instance's tree
+                    close_fds=True,
+                )
+        except OSError as e:
+            rec.state, rec.note = "error", f"cannot start {argv[0]}: {e}"
+            log.error("%s: %s", rec.instance_id, rec.note)
+            return
+        rec.pgid = rec.proc.pid
+        rec.start_ticks = procs.start_ticks(rec.proc.pid)
+        rec.started_at = time.time()
+        rec.state = "running"
+        log.info(
+            "%s: started %s (job %s) on %s, pid %d",
+            rec.instance_id,
+            rec.role,
+            rec.job,
+            rec.bind_ip,
+            rec.proc.pid,
+        )
+        self._write_procs()
+
+    # ------------------------------------------------------------------ leave
+
+    def _thread(self, target: Any, *args: Any, name: str) -> None:
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        t.start()
+
+    def _begin_leave(self, rec: Instance, why: str) -> None:
+        with rec.lock:
+            if rec.state not in ("running", "exited", "restarting"):
+                return
+            was = rec.state
+            rec.state = "draining"
+            rec.lifecycle = "Terminated"
+        log.info("%s: leaving (%s); draining", rec.instance_id, why)
+        self._thread(self._drain, rec, was, name=f"drain-{rec.instance_id}")
+
+    def _drain(self, rec: Instance, was: str) -> None:
+        """The termination lifecycle hook: SIGTERM, wait for the agent, then kill the tree."""
+        spec = self.job_spec(rec) or {}
+        timeout = float(spec.get("drain_timeout") or rec.drain_timeout or self.settings.default_drain_timeout)
+        deadline = time.monotonic() + timeout + self.settings.drain_slack
+        proc = rec.proc
+        if proc is not None and was != "exited" and proc.poll() is None:
+            procs.signal_pid(proc.pid, signal.SIGTERM, rec.start_ticks)
+            while not self.stopping.is_set() and time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    break
+                if rec.lifecycle_done.is_set():
+                    # The agent completed the lifecycle action: AWS now shuts the instance down.
+                    self._shutdown(rec, self.settings.shutdown_grace)
+                    break
+                time.sleep(0.05)
+            else:
+                if proc.poll() is None and not self.stopping.is_set():
+                    log.warning(
+                        "%s: still running %.0fs after SIGTERM (drain timeout %.0fs); killing it",
+                        rec.instance_id,
+                        timeout + self.settings.drain_slack,
+                        timeout,
+                    )
+        self._finish(rec, "terminated")
+
+    def _shutdown(self, rec: Instance, grace: float) -> None:
+        """OS shutdown of an instance: SIGTERM to every process, SIGKILL after ``grace``."""
+        if rec.pgid:
+            procs.signal_group(rec.pgid, signal.SIGTERM)
+            procs.wait_group_gone(rec.pgid, grace)
+
+    def _finish(self, rec: Instance, state: str) -> None:
+        if rec.pgid:
+            procs.kill_group(rec.pgid)
+        with rec.lock:
+            if rec.proc is not None:
+                try:
+                    rec.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
+                rec.exit_code = rec.proc.returncode if rec.exit_code is None else rec.exit_code
+            rec.state = state
+            rec.ended_at = rec.ended_at or time.time()
+        log.info("%s: process tree gone (%s)", rec.instance_id, state)
+        self._write_procs()
+
+    def on_lifecycle_call(self, instance_id: str, action: str, params: dict[str, Any]) -> str | None:
+        """Called by the patched moto for CompleteLifecycleAction / RecordLifecycleActionHeartbeat."""
+        with self.lock:
+            rec = self.instances.get(instance_id)
+        if rec is None or rec.state != "draining":
+            return f"No active Lifecycle Action found with instance ID {instance_id}"
+        if action == "complete":
+            log.info("%s: lifecycle action completed (%s)", instance_id, params.get("LifecycleActionResult"))
+            rec.lifecycle_done.set()
+        return None
+
+    # ------------------------------------------------------------------ faults
+
+    def get(self, instance_id: str) -> Instance:
+        with self.lock:
+            rec = self.instances.get(instance_id)
+        if rec is None:
+            raise LookupError(f"no instance {instance_id} in the local cloud")
+        return rec
+
+    def _terminate_in_aws(self, rec: Instance) -> bool:
+        """Terminate in moto as a hard failure would; True if the group will replace it."""
+        if rec.asg:
+            try:
+                self.clients["autoscaling"].terminate_instance_in_auto_scaling_group(
+                    InstanceId=rec.instance_id, ShouldDecrementDesiredCapacity=False
+                )
+                return True
+            except Exception as e:  # noqa: BLE001 - e.g. the group is gone meanwhile
+                log.warning("%s: autoscaling terminate failed (%s); terminating in EC2", rec.instance_id, e)
+        self.clients["ec2"].terminate_instances(InstanceIds=[rec.instance_id])
+        return False
+
+    def kill_instance(self, instance_id: str) -> dict[str, Any]:
+        rec = self.get(instance_id)
+        with rec.lock:
+            if rec.state not in ("running", "exited", "restarting"):
+                raise ValueError(f"instance {instance_id} is {rec.state}: nothing to kill")
+            rec.state = "killed"
+        log.info("%s: hard kill (fault injection)", instance_id)
+        t0 = time.monotonic()
+        self._finish(rec, "killed")
+        replaced = self._terminate_in_aws(rec)
+        return {
+            "instance_id": instance_id,
+            "pgid": rec.pgid,
+            "killed": True,
+            "kill_seconds": round(time.monotonic() - t0, 3),
+            "replaced_by_group": replaced,
+        }
+
+    def spot_interrupt(self, instance_id: str, seconds: float) -> dict[str, Any]:
+        rec = self.get(instance_id)
+        with rec.lock:
+            if rec.state not in ("running", "exited"):
+                raise ValueError(f"instance {instance_id} is {rec.state}: cannot interrupt it")
+            if rec.spot_action:
+                raise ValueError(
+                    f"instance {instance_id} already has a spot notice for {rec.spot_action['time']}"
+                )
+            when = time.time() + seconds
+            rec.spot_action = {"action": "terminate", "time": _iso(when)}
+        log.info("%s: spot interruption notice, termination at %s", instance_id, rec.spot_action["time"])
+        self._thread(self._spot_deadline, rec, when, name=f"spot-{instance_id}")
+        return {"instance_id": instance_id, "spot_action": rec.spot_action}
+
+    def _spot_deadline(self, rec: Instance, when: float) -> None:
+        # Early exit: once the drained agent is gone the instance has nothing left to do,
+        # so the local cloud terminates it at once instead of idling until the deadline.
+        while time.time() < when and not self.stopping.is_set():
+            if rec.state not in ("running", "exited") or (rec.proc and rec.proc.poll() is not None):
+                break
+            time.sleep(0.05)
+        with rec.lock:
+            if self.stopping.is_set() or rec.state not in ("running", "exited"):
+                return
+            rec.state = "interrupted"
+        self._shutdown(rec, self.settings.shutdown_grace)
+        self._finish(rec, "terminated")
+        self._terminate_in_aws(rec)
+
+    def restart_rdzv(self, job: str) -> dict[str, Any]:
+        with self.lock:
+            cands = [
+                r
+                for r in self.instances.values()
+                if r.role == "rdzv" and r.job == job and r.state in ("running", "exited")
+            ]
+        if not cands:
+            raise LookupError(f"job {job!r} has no running rendezvous instance in the local cloud")
+        rec = max(cands, key=lambda r: r.started_at or 0)
+        with rec.lock:
+            old_pid = rec.proc.pid if rec.proc else None
+            rec.state = "restarting"
+            if rec.pgid:
+                procs.kill_group(rec.pgid)
+            if rec.proc:
+                rec.proc.wait(timeout=5)
+            rec.exit_code = None
+            argv, env = self._argv_env(rec)
+            self._spawn(rec, argv, env)
+            rec.restarts += 1
+        log.info(
+            "%s: rendezvous server of %s restarted (pid %s -> %s)", rec.instance_id, job, old_pid, rec.pgid
+        )
+        return {
+            "job": job,
+            "instance_id": rec.instance_id,
+            "ip": rec.bind_ip,
+            "old_pid": old_pid,
+            "pid": rec.pgid,
+        }
+
+    # ------------------------------------------------------------------ status / shutdown
+
+    def summaries(self) -> list[dict[str, Any]]:
+        with self.lock:
+            recs = list(self.instances.values())
+        return [r.summary(self.state_dir) for r in sorted(recs, key=lambda r: r.started_at or 0)]
+
+    def _write_procs(self) -> None:
+        with self.lock:
+            groups = {
+                r.instance_id: {"pgid": r.pgid, "start_ticks": r.start_ticks, "role": r.role}
+                for r in self.instances.values()
+                if r.pgid and r.state not in ("terminated", "killed", "error")
+            }
+        data = {"daemon_pid": os.getpid(), "groups": groups}
+        if data == self._procs_written:
+            return
+        path = self.state_dir / "procs.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        os.replace(tmp, path)
+        self._procs_written = data
+
+    def shutdown(self) -> list[dict[str, Any]]:
+        """Kill every process group this daemon started (no drain). Returns what was killed."""
+        self.stopping.set()
+        with self.lock:
+            recs = list(self.instances.values())
+        killed = []
+        for rec in recs:
+            if rec.pgid and procs.group_members(rec.pgid):
+                procs.signal_group(rec.pgid, signal.SIGKILL)
+                killed.append({"instance_id": rec.instance_id, "pgid": rec.pgid})
+        for rec in recs:
+            if rec.pgid:
+                procs.kill_group(rec.pgid)
+            if rec.proc is not None:
+                try:
+                    rec.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
+        for t in self._threads:
+            t.join(timeout=5)
+        self._write_procs_empty()
+        return killed
+
+    def _write_procs_empty(self) -> None:
+        path = self.state_dir / "procs.json"
+        if all(not (r.pgid and procs.group_members(r.pgid)) for r in self.instances.values()):
+            path.unlink(missing_ok=True)
