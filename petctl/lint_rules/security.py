@@ -1,0 +1,236 @@
+"""cfn-lint rules for petctl's security promises (see docs/contracts.md and the issues).
+
+Each rule is deliberately literal: a value hidden behind Fn::If, a parameter without a safe default
+or any other intrinsic counts as a violation, because a promise we cannot read is not kept.
+This file is loaded by path by cfn-lint: keep it free of relative imports.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cfnlint.rules import CloudFormationLintRule, RuleMatch
+from cfnlint.template import Template
+
+OPEN_CIDRS = {"0.0.0.0/0", "::/0"}
+
+
+def _properties(resource: Any) -> dict:
+    props = resource.get("Properties") if isinstance(resource, dict) else None
+    return props if isinstance(props, dict) else {}
+
+
+def _is_true(value: Any) -> bool:
+    return value is True or (isinstance(value, str) and value.lower() == "true")
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string literal inside a value, intrinsic functions included (Fn::Sub, Fn::Join...)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for item in value.values() for s in _strings(item)]
+    if isinstance(value, list):
+        return [s for item in value for s in _strings(item)]
+    return []
+
+
+def _resolve(cfn: Template, value: Any) -> Any:
+    """A Ref to a template parameter -> its Default (what a stack gets when nobody overrides it)."""
+    if isinstance(value, dict) and list(value) == ["Ref"]:
+        parameter = cfn.template.get("Parameters", {}).get(value["Ref"])
+        if isinstance(parameter, dict):
+            return parameter.get("Default")
+    return value
+
+
+class LaunchTemplateRequiresImdsV2(CloudFormationLintRule):
+    id = "E9101"
+    shortdesc = "Launch templates require IMDSv2"
+    description = "Every AWS::EC2::LaunchTemplate sets MetadataOptions.HttpTokens to 'required'."
+    source_url = "https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/configuring-IMDS-new-instances.html"
+    tags = ["petctl", "security", "ec2", "imds"]
+
+    def match(self, cfn: Template) -> list[RuleMatch]:
+        matches = []
+        for name, resource in cfn.get_resources(["AWS::EC2::LaunchTemplate"]).items():
+            data = _properties(resource).get("LaunchTemplateData")
+            options = data.get("MetadataOptions") if isinstance(data, dict) else None
+            tokens = options.get("HttpTokens") if isinstance(options, dict) else None
+            if tokens != "required":
+                matches.append(
+                    RuleMatch(
+                        ["Resources", name, "Properties", "LaunchTemplateData", "MetadataOptions"],
+                        f"Launch template {name} must require IMDSv2 (MetadataOptions.HttpTokens: required)",
+                    )
+                )
+        return matches
+
+
+class NoOpenIngress(CloudFormationLintRule):
+    id = "E9102"
+    shortdesc = "No ingress from the whole internet"
+    description = "No security group ingress rule allows 0.0.0.0/0 or ::/0."
+    source_url = "https://docs.aws.amazon.com/vpc/latest/userguide/security-group-rules.html"
+    tags = ["petctl", "security", "ec2", "network"]
+
+    def _check_rule(self, cfn: Template, rule: Any, path: list) -> list[RuleMatch]:
+        if not isinstance(rule, dict):
+            return []
+        matches = []
+        for key in ("CidrIp", "CidrIpv6"):
+            if key in rule and _resolve(cfn, rule[key]) in OPEN_CIDRS:
+                matches.append(RuleMatch([*path, key], f"Ingress open to the internet ({key}) at {path[1]}"))
+        return matches
+
+    def match(self, cfn: Template) -> list[RuleMatch]:
+        matches = []
+        for name, resource in cfn.get_resources(["AWS::EC2::SecurityGroup"]).items():
+            rules = _properties(resource).get("SecurityGroupIngress") or []
+            for index, rule in enumerate(rules if isinstance(rules, list) else []):
+                path = ["Resources", name, "Properties", "SecurityGroupIngress", index]
+                matches.extend(self._check_rule(cfn, rule, path))
+        for name, resource in cfn.get_resources(["AWS::EC2::SecurityGroupIngress"]).items():
+            matches.extend(self._check_rule(cfn, _properties(resource), ["Resources", name, "Properties"]))
+        return matches
+
+
+class EfsEncrypted(CloudFormationLintRule):
+    id = "E9103"
+    shortdesc = "EFS file systems are encrypted"
+    description = "Every AWS::EFS::FileSystem sets Encrypted: true."
+    source_url = "https://docs.aws.amazon.com/efs/latest/ug/encryption.html"
+    tags = ["petctl", "security", "efs", "encryption"]
+
+    def match(self, cfn: Template) -> list[RuleMatch]:
+        return [
+            RuleMatch(["Resources", name, "Properties"], f"EFS file system {name} must set Encrypted: true")
+            for name, resource in cfn.get_resources(["AWS::EFS::FileSystem"]).items()
+            if not _is_true(_properties(resource).get("Encrypted"))
+        ]
+
+
+class BucketEncryptedAndPrivate(CloudFormationLintRule):
+    id = "E9104"
+    shortdesc = "S3 buckets are encrypted and block public access"
+    description = (
+        "Every AWS::S3::Bucket has default server-side encryption and a PublicAccessBlockConfiguration "
+        "with all four settings true."
+    )
+    source_url = (
+        "https://docs.aws.amazon.com/AmazonS3/latest/userguide/access-control-block-public-access.html"
+    )
+    tags = ["petctl", "security", "s3"]
+    BLOCK_SETTINGS = ("BlockPublicAcls", "BlockPublicPolicy", "IgnorePublicAcls", "RestrictPublicBuckets")
+    ALGORITHMS = ("AES256", "aws:kms", "aws:kms:dsse")
+
+    def match(self, cfn: Template) -> list[RuleMatch]:
+        matches = []
+        for name, resource in cfn.get_resources(["AWS::S3::Bucket"]).items():
+            props = _properties(resource)
+            encryption = props.get("BucketEncryption")
+            rules = (
+                encryption.get("ServerSideEncryptionConfiguration") if isinstance(encryption, dict) else None
+            )
+            algorithms = [
+                rule.get("ServerSideEncryptionByDefault", {}).get("SSEAlgorithm")
+                for rule in (rules if isinstance(rules, list) else [])
+                if isinstance(rule, dict) and isinstance(rule.get("ServerSideEncryptionByDefault"), dict)
+            ]
+            if not algorithms or any(a not in self.ALGORITHMS for a in algorithms):
+                matches.append(
+                    RuleMatch(
+                        ["Resources", name, "Properties"],
+                        f"Bucket {name} must set default encryption ({' or '.join(self.ALGORITHMS)})",
+                    )
+                )
+            block = props.get("PublicAccessBlockConfiguration")
+            missing = [
+                s for s in self.BLOCK_SETTINGS if not (isinstance(block, dict) and _is_true(block.get(s)))
+            ]
+            if missing:
+                matches.append(
+                    RuleMatch(
+                        ["Resources", name, "Properties"],
+                        f"Bucket {name} must block public access: {', '.join(missing)} not true",
+                    )
+                )
+        return matches
+
+
+class NoLaunchConfiguration(CloudFormationLintRule):
+    id = "E9105"
+    shortdesc = "No launch configurations"
+    description = (
+        "Launch configurations cannot require IMDSv2 everywhere and are deprecated: use launch templates."
+    )
+    source_url = "https://docs.aws.amazon.com/autoscaling/ec2/userguide/launch-configurations.html"
+    tags = ["petctl", "security", "autoscaling"]
+
+    def match(self, cfn: Template) -> list[RuleMatch]:
+        return [
+            RuleMatch(["Resources", name], f"{name} is a launch configuration; use AWS::EC2::LaunchTemplate")
+            for name in cfn.get_resources(["AWS::AutoScaling::LaunchConfiguration"])
+        ]
+
+
+class NoFullAccessManagedPolicies(CloudFormationLintRule):
+    id = "E9106"
+    shortdesc = "No *FullAccess managed policies"
+    description = "IAM roles, users and groups attach no managed policy whose ARN contains 'FullAccess'."
+    source_url = "https://docs.aws.amazon.com/IAM/latest/UserGuide/best-practices.html#grant-least-privilege"
+    tags = ["petctl", "security", "iam"]
+
+    def match(self, cfn: Template) -> list[RuleMatch]:
+        matches = []
+        types = ["AWS::IAM::Role", "AWS::IAM::User", "AWS::IAM::Group"]
+        for name, resource in cfn.get_resources(types).items():
+            arns = _properties(resource).get("ManagedPolicyArns") or []
+            for index, arn in enumerate(arns if isinstance(arns, list) else [arns]):
+                if any("FullAccess" in text for text in _strings(arn)):
+                    matches.append(
+                        RuleMatch(
+                            ["Resources", name, "Properties", "ManagedPolicyArns", index],
+                            f"{name} attaches a *FullAccess managed policy; grant least privilege instead",
+                        )
+                    )
+        return matches
+
+
+class BucketRequiresTls(CloudFormationLintRule):
+    id = "E9107"
+    shortdesc = "S3 buckets deny requests without TLS"
+    description = (
+        "Every AWS::S3::Bucket has a bucket policy denying requests where aws:SecureTransport is false."
+    )
+    source_url = "https://docs.aws.amazon.com/AmazonS3/latest/userguide/security-best-practices.html"
+    tags = ["petctl", "security", "s3"]
+
+    @staticmethod
+    def _denies_plain_http(statement: Any) -> bool:
+        if not isinstance(statement, dict) or statement.get("Effect") != "Deny":
+            return False
+        condition = statement.get("Condition")
+        bool_condition = condition.get("Bool") if isinstance(condition, dict) else None
+        if not isinstance(bool_condition, dict):
+            return False
+        value = bool_condition.get("aws:SecureTransport")
+        return value is False or (isinstance(value, str) and value.lower() == "false")
+
+    def match(self, cfn: Template) -> list[RuleMatch]:
+        protected = set()
+        for resource in cfn.get_resources(["AWS::S3::BucketPolicy"]).values():
+            props = _properties(resource)
+            bucket = props.get("Bucket")
+            document = props.get("PolicyDocument")
+            statements = document.get("Statement") if isinstance(document, dict) else None
+            statements = statements if isinstance(statements, list) else [statements]
+            if isinstance(bucket, dict) and "Ref" in bucket and any(map(self._denies_plain_http, statements)):
+                protected.add(bucket["Ref"])
+        return [
+            RuleMatch(
+                ["Resources", name], f"Bucket {name} needs a bucket policy denying aws:SecureTransport false"
+            )
+            for name in cfn.get_resources(["AWS::S3::Bucket"])
+            if name not in protected
+        ]
