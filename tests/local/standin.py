@@ -4,7 +4,7 @@ It records its environment, forks a grandchild (like torch workers, which outliv
 their agent), and on SIGTERM writes what IMDS says about the instance's lifecycle
 to ``drained`` in its agent dir. With ``--ignore-term`` in the ``test:mode`` tag
 it ignores SIGTERM (so only the drain timeout or a completed lifecycle action
-ends it).
+ends it); with ``crash`` it exits 3 right after starting.
 """
 
 import json
@@ -41,6 +41,8 @@ def write(name, data):
 mode = imds_get("meta-data/tags/instance/test:mode")
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 write("env.json", json.dumps({"env": dict(os.environ), "pid": os.getpid(), "child": child.pid, "mode": mode}))
+if mode == "crash":
+    sys.exit(3)
 
 
 def on_term(signum, frame):

@@ -1,0 +1,223 @@
+"""Helpers for the local cloud tests: drive a real daemon through boto3, IMDS and /proc.
+
+Workers run ``standin.py`` instead of the real agent (``PETCTL_LOCAL_WORKER_CMD``),
+so these tests exercise the cloud, not the agent. Every fixture that starts a
+daemon stops it and checks that no process it started survives.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import petctl.local as local
+from petctl.local import procs
+
+STANDIN = Path(__file__).with_name("standin.py")
+DAEMON_ENV = {
+    "PETCTL_LOCAL_WORKER_CMD": json.dumps([sys.executable, str(STANDIN)]),
+    "PETCTL_LOCAL_DRAIN_SLACK": "0.5",
+    "PETCTL_LOCAL_SHUTDOWN_GRACE": "1",
+    "PETCTL_LOCAL_DRAIN_TIMEOUT": "5",
+    "PETCTL_LOCAL_PERIOD": "0.25",
+}
+
+
+def wait_for(pred: Callable[[], Any], timeout: float = 20, what: str = "condition", poll: float = 0.1) -> Any:
+    """Poll ``pred`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = pred()
+        if last:
+            return last
+        time.sleep(poll)
+    pytest.fail(f"timed out after {timeout}s waiting for {what} (last value: {last!r})")
+
+
+class Cloud:
+    """A running local cloud daemon plus helpers to drive it through boto3."""
+
+    def __init__(self, state_dir: Path, info: dict[str, Any]) -> None:
+        import boto3
+
+        self.state_dir = state_dir
+        self.info = info
+        self.url = info["endpoint_url"]
+        session = boto3.session.Session(
+            aws_access_key_id="petctl-local", aws_secret_access_key="petctl-local", region_name="us-east-1"
+        )
+        self.ec2 = session.client("ec2", endpoint_url=self.url)
+        self.asg = session.client("autoscaling", endpoint_url=self.url)
+        self.s3 = session.client("s3", endpoint_url=self.url)
+        self.efs = session.client("efs", endpoint_url=self.url)
+        self.seen_pgids: set[int] = set()
+        self.seen_pids: set[tuple[int, int | None]] = set()
+        self._net: dict[str, str] | None = None
+
+    # ---------------------------------------------------------------- AWS side
+
+    def network(self) -> dict[str, str]:
+        if self._net is None:
+            vpc = self.ec2.create_vpc(CidrBlock="127.0.0.0/16")["Vpc"]["VpcId"]
+            octet = random.randint(16, 250)  # parallel test runs get different subnets
+            subnet = self.ec2.create_subnet(
+                VpcId=vpc, CidrBlock=f"127.0.{octet}.0/24", AvailabilityZone="us-east-1a"
+            )["Subnet"]["SubnetId"]
+            self.s3.create_bucket(Bucket="petctl-local-test")
+            fs = self.efs.create_file_system(CreationToken="petctl-local-test")["FileSystemId"]
+            self._net = {"vpc": vpc, "subnet": subnet, "efs": fs}
+        return self._net
+
+    def make_job(
+        self,
+        job: str,
+        workers: int = 1,
+        rdzv: bool = False,
+        drain_timeout: float | None = 5,
+        mode: str = "normal",
+    ) -> dict[str, Any]:
+        """A job as the job stack would make it: spec in S3, launch template, groups, tags."""
+        net = self.network()
+        spec_key = f"petctl/jobs/{job}/job.json"
+        spec: dict[str, Any] = {"version": 1, "job_name": job, "rdzv_port": 2379}
+        if drain_timeout is not None:
+            spec["drain_timeout"] = drain_timeout
+        self.s3.put_object(Bucket="petctl-local-test", Key=spec_key, Body=json.dumps(spec).encode())
+        eni = self.ec2.create_network_interface(SubnetId=net["subnet"])["NetworkInterface"]
+        user_data = base64.b64encode(f"#!/bin/sh\nmount -t efs {net['efs']}:/ /mnt/efs\n".encode()).decode()
+        lt = self.ec2.create_launch_template(
+            LaunchTemplateName=f"lt-{job}",
+            LaunchTemplateData={
+                "ImageId": "ami-12c6146b",
+                "InstanceType": "t3.medium",
+                "UserData": user_data,
+            },
+        )["LaunchTemplate"]["LaunchTemplateId"]
+
+        def tags(role: str) -> list[dict[str, Any]]:
+            values = {
+                "petctl:role": role,
+                "petctl:job": job,
+                "petctl:user": "tester",
+                "petctl:spec": f"s3://petctl-local-test/{spec_key}",
+                "petctl:rdzv": eni["PrivateIpAddress"],
+                "test:mode": mode,
+            }
+            return [{"Key": k, "Value": v, "PropagateAtLaunch": True} for k, v in values.items()]
+
+        groups = {"workers": f"petctl-{job}-workers", "rdzv": f"petctl-{job}-rdzv"}
+        common = {
+            "VPCZoneIdentifier": net["subnet"],
+            "LaunchTemplate": {"LaunchTemplateId": lt, "Version": "$Latest"},
+        }
+        if rdzv:
+            self.asg.create_auto_scaling_group(
+                AutoScalingGroupName=groups["rdzv"],
+                MinSize=1,
+                MaxSize=1,
+                DesiredCapacity=1,
+                Tags=tags("rdzv"),
+                **common,
+            )
+        if workers:
+            self.asg.create_auto_scaling_group(
+                AutoScalingGroupName=groups["workers"],
+                MinSize=0,
+                MaxSize=8,
+                DesiredCapacity=workers,
+                Tags=tags("worker"),
+                **common,
+            )
+        return {"job": job, "groups": groups, "rdzv_ip": eni["PrivateIpAddress"], "efs": net["efs"]}
+
+    def group_instances(self, group: str) -> list[str]:
+        groups = self.asg.describe_auto_scaling_groups(AutoScalingGroupNames=[group])["AutoScalingGroups"]
+        return sorted(i["InstanceId"] for i in groups[0]["Instances"]) if groups else []
+
+    def ec2_state(self, instance_id: str) -> str:
+        res = self.ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
+        return res[0]["Instances"][0]["State"]["Name"]
+
+    # ---------------------------------------------------------------- local side
+
+    def instances(self, job: str | None = None, role: str | None = None) -> list[dict[str, Any]]:
+        out = [
+            i
+            for i in local.status()["instances"]
+            if (job is None or i["job"] == job) and (role is None or i["role"] == role)
+        ]
+        for i in out:
+            if i.get("pgid"):
+                self.seen_pgids.add(i["pgid"])
+        return out
+
+    def instance(self, instance_id: str) -> dict[str, Any] | None:
+        return next((i for i in self.instances() if i["instance_id"] == instance_id), None)
+
+    def running(self, job: str, role: str = "worker", n: int = 1) -> list[dict[str, Any]] | None:
+        """The job's instances whose stand-in has written env.json, once there are ``n``."""
+        alive = [i for i in self.instances(job, role) if i["state"] == "running" and i["alive"]]
+        if role == "worker":
+            alive = [i for i in alive if self.standin(i["instance_id"])]
+        return alive if len(alive) == n else None
+
+    def agent_dir(self, instance_id: str) -> Path:
+        return self.state_dir / "instances" / instance_id
+
+    def standin(self, instance_id: str) -> dict[str, Any] | None:
+        try:
+            data = json.loads((self.agent_dir(instance_id) / "env.json").read_text())
+        except (OSError, ValueError):
+            return None
+        for pid in (data["pid"], data["child"]):
+            self.seen_pids.add((pid, procs.start_ticks(pid)))
+        return data
+
+    def drained(self, instance_id: str) -> str | None:
+        path = self.agent_dir(instance_id) / "drained"
+        return path.read_text() if path.exists() else None
+
+    def imds(self, instance_id: str, path: str, token: str | None = "auto") -> tuple[int, str]:
+        base = f"{self.info['imds_url']}/{instance_id}/latest"
+        if token == "auto":
+            token = imds_token(base)
+        headers = {"X-aws-ec2-metadata-token": token} if token else {}
+        return http(base + "/" + path, headers=headers)
+
+
+def http(
+    url: str, method: str = "GET", headers: dict[str, str] | None = None, data: bytes | None = None
+) -> tuple[int, str]:
+    req = urllib.request.Request(url, method=method, headers=headers or {}, data=data)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except (urllib.error.URLError, OSError) as e:
+        return 0, str(e)  # not listening (yet)
+
+
+def imds_token(base: str, ttl: str = "60") -> str:
+    status, body = http(base + "/api/token", "PUT", {"X-aws-ec2-metadata-token-ttl-seconds": ttl})
+    assert status == 200, (status, body)
+    return body
+
+
+def assert_nothing_left(cloud: Cloud, daemon_pid: int) -> None:
+    assert not procs.is_alive(daemon_pid), f"daemon {daemon_pid} still alive"
+    left = {g: procs.group_members(g) for g in cloud.seen_pgids}
+    assert not any(left.values()), f"instance process groups survived: {left}"
+    alive = [pid for pid, ticks in cloud.seen_pids if ticks is not None and procs.is_alive(pid, ticks)]
+    assert not alive, f"processes survived: {alive}"
