@@ -1,0 +1,541 @@
+"""Real-process plumbing shared by ``scripts/bench_elastic.py`` and ``tests/faults``.
+
+One *run* = a real etcd 3.5 (v2 API) on a free 127.0.0.1 port, a tiny IMDS
+look-alike, a shared "EFS" directory and N *nodes*. A node is one process group
+bound to its own loopback address 127.0.0.N: either ``petctl-agent run`` (as in
+production: only the local-cloud plumbing env is set) or plain ``torchrun``
+with torch's defaults and an etcd rendezvous backend. Every node runs the same
+``scripts/elastic_train.py``; its ``step=<n> world_size=<w> loss=<x>`` lines are
+timestamped (``time.monotonic()``) as they are read.
+
+Deliberately independent of ``petctl_agent.harness``: the benchmark must treat
+petctl and torchrun the same way, and must not move when the agent's own test
+harness does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "elastic_train.py"
+STEP_RE = re.compile(r"step=(\d+) world_size=(\d+) loss=")
+TOOLS = ("petctl", "torchrun-etcd", "torchrun-etcd-v2")
+BIN = Path(sys.executable).parent  # console scripts next to the interpreter (no pyenv shim)
+
+
+def _bin(name: str) -> str:
+    p = BIN / name
+    return str(p) if p.exists() else (shutil.which(name) or name)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A currently free TCP port on ``host``."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def poll(pred: Callable[[], Any], timeout: float, interval: float = 0.05) -> Any:
+    """Call ``pred`` until it returns something truthy (returned) or ``timeout`` s pass (None)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(interval)
+
+
+# ---- processes ----------------------------------------------------------------------------
+def _ppid_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """Live descendants of ``pid`` (any session: torch starts workers in new sessions)."""
+    children = _ppid_map()
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    """The kernel start time of ``pid`` (clock ticks): with the pid, a reuse-proof identity."""
+    st = _stat(pid)
+    return int(st[19]) if st else None
+
+
+def pid_alive(pid: int, started: int | None = None) -> bool:
+    """True if ``pid`` exists, is not a zombie and (if given) started at ``started``."""
+    st = _stat(pid)
+    if st is None or st[0] == "Z":
+        return False
+    return started is None or int(st[19]) == started
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def kill_pids(pids: list[int], sig: int = signal.SIGKILL) -> None:
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+# ---- etcd ---------------------------------------------------------------------------------
+class Etcd:
+    """A real etcd 3.5 with ``--enable-v2`` on 127.0.0.1; restartable on the same port + data dir."""
+
+    def __init__(self, root: Path, binary: str = "etcd") -> None:
+        self.root = root
+        self.data_dir = root / "etcd-data"
+        self.binary = shutil.which(binary) or binary
+        self.port = free_port()
+        self.peer_port = free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 30) -> float:
+        """Start (or restart) etcd; return seconds until it answered the v2 API."""
+        t0 = time.monotonic()
+        url, peer = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer_port}"
+        with open(self.root / "etcd.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    self.binary, "--enable-v2", "--name", "bench", "--data-dir", str(self.data_dir),
+                    "--listen-client-urls", url, "--advertise-client-urls", url,
+                    "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                    "--initial-cluster", f"bench={peer}", "--log-level", "warn",
+                ],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        if not poll(self.healthy, timeout, 0.05):
+            raise RuntimeError(
+                f"etcd on {self.endpoint} not healthy within {timeout:.0f}s (see {self.root}/etcd.log)"
+            )
+        return time.monotonic() - t0
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.endpoint}/v2/keys/", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(15)
+        self.proc = None
+
+
+# ---- IMDS look-alike ----------------------------------------------------------------------
+class Imds:
+    """IMDSv2 look-alike: ``http://127.0.0.1:<port>/<instance-id>/latest/meta-data/...``."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, dict[str, str]] = {}
+        data = self.data
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a: Any) -> None:
+                pass
+
+            def _reply(self, code: int, body: str = "") -> None:
+                b = body.encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(b)))
+                self.end_headers()
+                self.wfile.write(b)
+
+            def do_PUT(self) -> None:
+                iid = self.path.lstrip("/").split("/", 1)[0]
+                self._reply(200, f"tok-{iid}") if iid in data else self._reply(404)
+
+            def do_GET(self) -> None:
+                parts = self.path.lstrip("/").split("/", 1)
+                inst = data.get(parts[0])
+                key = parts[1].removeprefix("latest/") if len(parts) > 1 else ""
+                if inst is None or key not in inst:
+                    self._reply(404)
+                else:
+                    self._reply(200, inst[key])
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def add(self, iid: str, addr: str) -> str:
+        self.data[iid] = {
+            "meta-data/instance-id": iid,
+            "meta-data/local-ipv4": addr,
+            "meta-data/placement/region": "us-east-1",
+            "meta-data/placement/availability-zone": "us-east-1a",
+            "meta-data/autoscaling/target-lifecycle-state": "InService",
+        }
+        return f"{self.url}/{iid}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# ---- nodes --------------------------------------------------------------------------------
+@dataclass
+class Node:
+    """One node: a process group on its own 127.0.0.x address, with its timestamped output."""
+
+    name: str
+    addr: str
+    proc: subprocess.Popen
+    dir: Path
+    started: float
+    steps: list[tuple[float, int, int]] = field(default_factory=list)  # (t, step, world)
+    nlines: int = 0
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def steps_after(self, t: float, world: int | None = None) -> list[tuple[float, int, int]]:
+        return [s for s in list(self.steps) if s[0] > t and (world is None or s[2] == world)]
+
+    def last_step(self, before: float | None = None) -> int:
+        st = [s for s in list(self.steps) if before is None or s[0] <= before]
+        return st[-1][1] if st else 0
+
+    def last_t(self) -> float:
+        st = self.steps
+        return st[-1][0] if st else self.started
+
+    def workers(self) -> list[int]:
+        """Live training-worker pids under this node (children running the example script)."""
+        return [p for p in descendants(self.proc.pid) if SCRIPT.name in cmdline(p) and pid_alive(p)]
+
+
+@dataclass
+class RunConfig:
+    tool: str = "petctl"
+    min_nodes: int = 2
+    max_nodes: int = 8
+    step_time: float = 0.05
+    total_steps: int = 1_000_000
+    checkpoint_every: int = 20
+    drain_timeout: float = 60
+    job: str = "bench"
+    env: dict[str, str] = field(default_factory=dict)  # extra env for every node (tests only)
+
+
+class Run:
+    """etcd + IMDS + shared dir + nodes for one tool. ``close()`` kills everything it started."""
+
+    def __init__(self, root: Path, cfg: RunConfig) -> None:
+        if cfg.tool not in TOOLS:
+            raise ValueError(f"tool {cfg.tool!r} not in {TOOLS}")
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.cfg = cfg
+        self.run_id = f"{cfg.job}-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
+        self.efs = self.root / "efs"
+        self.ckpt_rel = f"petctl/jobs/{self.run_id}/checkpoints"
+        self.ckpt_dir = self.efs / self.ckpt_rel
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        self.status_dir = self.root / "status"
+        self.etcd = Etcd(self.root)
+        self.imds: Imds | None = None
+        self.nodes: list[Node] = []
+        self.seen: dict[int, int] = {}  # pid -> start time of every process this run started
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(target=self._sample_pids, daemon=True)
+        self.spec_path = self.root / "job.json"
+        if cfg.tool == "petctl":
+            self.imds = Imds()
+            self._write_spec()
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        self.etcd.start()
+        self._see([self.etcd.proc.pid] if self.etcd.proc else [])
+        self._sampler.start()
+
+    def _see(self, pids: list[int]) -> None:
+        for p in pids:
+            if p not in self.seen:
+                st = start_time(p)
+                if st is not None:
+                    self.seen[p] = st
+
+    def script_args(self) -> list[str]:
+        c = self.cfg
+        return [
+            "--total-steps", str(c.total_steps), "--step-time", str(c.step_time),
+            "--checkpoint-every", str(c.checkpoint_every),
+        ]  # fmt: skip
+
+    def _write_spec(self) -> None:
+        c = self.cfg
+        code = self.root / "code"
+        code.mkdir(exist_ok=True)
+        shutil.copy(SCRIPT, code / SCRIPT.name)
+        spec = {
+            "version": 1,
+            "job_name": self.run_id
+            if re.match(r"^[a-z][a-z0-9-]{0,38}[a-z0-9]$", self.run_id)
+            else "bench-job",
+            "user": "bench",
+            "region": "us-east-1",
+            "min_nodes": c.min_nodes,
+            "max_nodes": c.max_nodes,
+            "nproc_per_node": "auto",
+            "code_url": f"file://{code / SCRIPT.name}",
+            "code_kind": "script",
+            "script": SCRIPT.name,
+            "args": self.script_args(),
+            "env": {},
+            "checkpoint_dir": self.ckpt_rel,
+            "status_url": f"file://{self.status_dir}/",
+            "log_group": "",
+            "worker_group": "",
+            "rdzv_group": "",
+            "lifecycle_hook": "",
+            "drain_timeout": c.drain_timeout,
+            "rdzv_port": self.etcd.port,
+        }
+        self.spec_path.write_text(json.dumps(spec, indent=2))
+
+    def add_node(self) -> Node:
+        """Start the next node (127.0.0.<10+i>) and return it at once."""
+        i = len(self.nodes) + 1
+        name, addr = f"n{i}", f"127.0.0.{10 + i}"
+        ndir = self.root / "nodes" / name
+        ndir.mkdir(parents=True, exist_ok=True)
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            "AWS_ENDPOINT_URL": "http://127.0.0.1:9",  # never real AWS, whatever happens
+            "AWS_ACCESS_KEY_ID": "bench",
+            "AWS_SECRET_ACCESS_KEY": "bench",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+        for k in [k for k in env if k.startswith(("PETCTL_", "TORCH_DISABLE_SHARE", "TORCHELASTIC_"))]:
+            del env[k]  # a clean node: only what we set below
+        if self.cfg.tool == "petctl":
+            assert self.imds is not None
+            env.update(
+                PETCTL_IMDS_URL=self.imds.add(f"i-{name}", addr),
+                PETCTL_EFS_MOUNT=str(self.efs),
+                PETCTL_AGENT_DIR=str(ndir / "agent"),
+            )
+            cmd = [
+                _bin("petctl-agent"), "run", "--spec", f"file://{self.spec_path}",
+                "--rdzv-endpoint", self.etcd.endpoint, "--local-addr", addr,
+            ]  # fmt: skip
+        else:
+            backend = "etcd-v2" if self.cfg.tool == "torchrun-etcd-v2" else "etcd"
+            cmd = [
+                _bin("torchrun"), "--nnodes", f"{self.cfg.min_nodes}:{self.cfg.max_nodes}",
+                "--nproc-per-node", "1", "--rdzv-backend", backend,
+                "--rdzv-endpoint", self.etcd.endpoint, "--rdzv-id", self.run_id,
+                "--max-restarts", "100", "--local-addr", addr,
+                str(SCRIPT), "--checkpoint-dir", str(self.ckpt_dir), *self.script_args(),
+            ]  # fmt: skip
+        env.update(self.cfg.env)
+        with open(ndir / "stderr.log", "ab") as err:
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
+                start_new_session=True, cwd=str(ndir),
+            )  # fmt: skip
+        node = Node(name, addr, proc, ndir, time.monotonic())
+        self.nodes.append(node)
+        self._see([proc.pid])
+        threading.Thread(target=self._read, args=(node,), daemon=True).start()
+        return node
+
+    def _read(self, node: Node) -> None:
+        assert node.proc.stdout is not None
+        with open(node.dir / "stdout.log", "a") as log:
+            for raw in node.proc.stdout:
+                t = time.monotonic()
+                line = raw.decode(errors="replace").rstrip("\n")
+                node.nlines += 1
+                log.write(f"{t:.3f} {line}\n")
+                m = STEP_RE.search(line)
+                if m:
+                    node.steps.append((t, int(m.group(1)), int(m.group(2))))
+
+    def _sample_pids(self) -> None:
+        while not self._stop.wait(0.25):
+            for n in list(self.nodes):
+                if n.alive():
+                    self._see(descendants(n.proc.pid))
+
+    # ---- events ---------------------------------------------------------------------------
+    def kill_node(self, node: Node) -> float:
+        """SIGKILL the node's whole process tree (an instance vanishing); return the event time."""
+        victims = descendants(node.proc.pid)
+        self._see(victims)
+        t = time.monotonic()
+        try:
+            os.killpg(node.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        kill_pids(victims)
+        try:
+            node.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        return t
+
+    def terminate_node(self, node: Node) -> float:
+        """SIGTERM the node's main process only (what an ASG scale-in / systemd stop sends first)."""
+        self._see(descendants(node.proc.pid))
+        t = time.monotonic()
+        node.proc.send_signal(signal.SIGTERM)
+        return t
+
+    def restart_etcd(self, down: float = 0.0) -> tuple[float, float]:
+        """SIGKILL etcd, wait ``down`` s, start it again on the same port and data dir.
+
+        Returns (time of the kill, time it answered again).
+        """
+        t_kill = time.monotonic()
+        self.etcd.stop(signal.SIGKILL)
+        if down > 0:
+            time.sleep(down)
+        self.etcd.start()
+        self._see([self.etcd.proc.pid] if self.etcd.proc else [])
+        return t_kill, time.monotonic()
+
+    def kill_worker(self, node: Node) -> tuple[float, int] | None:
+        """SIGKILL just the training worker under ``node`` (not the node); None if none found."""
+        ws = node.workers()
+        if not ws:
+            return None
+        self._see(ws)
+        t = time.monotonic()
+        kill_pids(ws[:1])
+        return t, ws[0]
+
+    # ---- observation ----------------------------------------------------------------------
+    def live(self) -> list[Node]:
+        return [n for n in self.nodes if n.alive()]
+
+    @staticmethod
+    def stepping(nodes: list[Node], world: int, after: float, min_steps: int = 1) -> bool:
+        """Every node printed >= ``min_steps`` steps at world size ``world`` after ``after``."""
+        return all(len(n.steps_after(after, world)) >= min_steps for n in nodes)
+
+    def wait_stepping(
+        self, nodes: list[Node], world: int, after: float, timeout: float, min_steps: int = 1
+    ) -> tuple[float | None, str | None]:
+        """Wait (bounded) until every node steps at ``world``; return (time it happened, note)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.stepping(nodes, world, after, min_steps):
+                return max(n.steps_after(after, world)[min_steps - 1][0] for n in nodes), None
+            dead = [n for n in nodes if not n.alive()]
+            if dead:
+                time.sleep(0.3)  # let the reader drain the last lines
+                if self.stepping(nodes, world, after, min_steps):
+                    continue
+                return None, "node(s) exited: " + ", ".join(f"{n.name} rc={n.proc.returncode}" for n in dead)
+            time.sleep(0.05)
+        got = {n.name: sorted({w for _, _, w in n.steps_after(after)}) for n in nodes}
+        return (
+            None,
+            f"timeout {timeout:.0f}s waiting for world_size={world} on all ranks (world sizes seen: {got})",
+        )
+
+    def max_step(self, before: float | None = None) -> int:
+        return max((n.last_step(before) for n in self.nodes), default=0)
+
+    def steps_lost(self, nodes: list[Node], world: int, after: float) -> int | None:
+        """Last step any rank reached before training resumed minus the first step after resume, + 1.
+
+        "Before the resume" (not "before the event"): ranks keep stepping until
+        they notice the event, and that work counts if it is redone.
+        """
+        firsts = [n.steps_after(after, world) for n in nodes]
+        if not all(firsts):
+            return None
+        t_resume = min(f[0][0] for f in firsts)
+        first_step = min(f[0][1] for f in firsts)
+        reached = self.max_step(before=t_resume - 1e-6)
+        return max(0, reached - first_step + 1)
+
+    def checkpoints(self) -> list[Path]:
+        return sorted(self.ckpt_dir.glob("ckpt-*.pt"))
+
+    def status(self, node: Node) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.status_dir / f"i-{node.name}.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def leftovers(self, include_etcd: bool = True) -> list[int]:
+        """Pids this run started (nodes, their descendants, etcd) that are still alive."""
+        etcd = self.etcd.proc.pid if self.etcd.proc is not None else None
+        return sorted(p for p, st in self.seen.items() if pid_alive(p, st) and (include_etcd or p != etcd))
+
+    def close(self) -> list[int]:
+        """Kill every node tree and etcd; return node pids that were still alive *before* the kill."""
+        still = self.leftovers(include_etcd=False)
+        for n in self.nodes:
+            if n.alive():
+                self.kill_node(n)
+        kill_pids(self.leftovers(include_etcd=False))  # identity-checked: only what we started
+        self.etcd.stop()
+        self._stop.set()
+        if self.imds is not None:
+            self.imds.close()
+        poll(lambda: not self.leftovers(), 10, 0.1)
+        return still
