@@ -168,11 +168,21 @@ class Stacks:
     def _cleanup_failed_create(self, name: str, enabled: bool, timeout: float) -> None:
         if not enabled:
             return
+        # Delete without describing first: deleting a missing stack is a no-op, and a half-made
+        # stack may not even describe (moto answers 500 when its outputs name resources it never made).
         try:
-            if self.describe(name) is not None:
-                self.delete(name, timeout=timeout)
+            self.ui.progress(f"deleting the failed stack {name}")
+            try:
+                self.cf.delete_stack(StackName=name)
+            except ClientError as e:
+                self.ui.debug(f"delete_stack {name}: {describe_client_error(e)}")
+            stack = self.wait(name, timeout=timeout)
+            if stack["StackStatus"] != "DELETE_COMPLETE":
+                raise StackError(f"it is {stack['StackStatus']}")
         except Exception as e:  # noqa: BLE001 - cleanup must not hide the original error
-            self.ui.warn(f"could not delete the failed stack {name}: {e}")
+            self.ui.warn(
+                f"could not delete the failed stack {name}: {e}; delete it in the CloudFormation console"
+            )
 
     def delete(self, name: str, timeout: float = 1800) -> bool:
         """Delete a stack and wait; False if it did not exist."""

@@ -153,14 +153,20 @@ def test_failed_stack_leaves_nothing_behind(run, ready, profile_data):
 
 
 def test_interrupted_run_job_cleans_up(run, ready, monkeypatch):
+    """Ctrl-C while waiting for the new stack: the stack and the uploads are removed."""
     from petctl import stacks
 
-    def interrupted(self, *a, **k):
-        raise KeyboardInterrupt
+    real_wait = stacks.Stacks.wait
+    calls = []
 
-    monkeypatch.setattr(stacks.Stacks, "wait", interrupted)
+    def interrupted_once(self, *a, **k):
+        calls.append(a)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real_wait(self, *a, **k)
+
+    monkeypatch.setattr(stacks.Stacks, "wait", interrupted_once)
     r = run("run_job", "--name", "ctrlc", "--min", "1", "--max", "1", str(ready))
-    monkeypatch.undo()
     assert r.exit_code != 0 and "interrupted" in r.stderr
     live = [
         s["StackName"]
