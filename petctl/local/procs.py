@@ -67,6 +67,11 @@ def group_members(pgid: int) -> list[int]:
     return [pid for pid, f in _all_stats() if int(f[2]) == pgid and f[0] not in ("Z", "X")]
 
 
+def live_groups() -> set[int]:
+    """Process group ids that have at least one live (non-zombie) member."""
+    return {int(f[2]) for _, f in _all_stats() if f[0] not in ("Z", "X")}
+
+
 def zombie_children(ppid: int) -> list[int]:
     """Zombie children of ``ppid`` (orphans re-parented to a subreaper)."""
     return [pid for pid, f in _all_stats() if int(f[1]) == ppid and f[0] == "Z"]

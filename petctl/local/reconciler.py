@@ -132,7 +132,8 @@ class Instance:
     def alive(self) -> bool:
         return bool(self.pgid and procs.group_members(self.pgid))
 
-    def summary(self, state_dir: Path) -> dict[str, Any]:
+    def summary(self, state_dir: Path, live_groups: set[int] | None = None) -> dict[str, Any]:
+        alive = self.alive if live_groups is None else bool(self.pgid and self.pgid in live_groups)
         return {
             "instance_id": self.instance_id,
             "role": self.role,
@@ -146,7 +147,7 @@ class Instance:
             "spot_action": self.spot_action,
             "pid": self.proc.pid if self.proc else None,
             "pgid": self.pgid,
-            "alive": self.alive,
+            "alive": alive,
             "exit_code": self.exit_code,
             "restarts": self.restarts,
             "started_at": self.started_at,
@@ -176,6 +177,7 @@ class Reconciler:
         self._spec_cache: dict[str, dict[str, Any]] = {}
         self._efs_cache: dict[str, str | None] = {}
         self._procs_written: dict[str, Any] | None = None
+        self._procs_lock = threading.Lock()
         moto_patches.lifecycle_handler = self.on_lifecycle_call
 
     # ------------------------------------------------------------------ loop
@@ -548,6 +550,7 @@ class Reconciler:
             if self.stopping.is_set() or rec.state not in ("running", "exited"):
                 return
             rec.state = "interrupted"
+            rec.lifecycle = "Terminated"
         self._shutdown(rec, self.settings.shutdown_grace)
         self._finish(rec, "terminated")
         self._terminate_in_aws(rec)
@@ -589,7 +592,8 @@ class Reconciler:
     def summaries(self) -> list[dict[str, Any]]:
         with self.lock:
             recs = list(self.instances.values())
-        return [r.summary(self.state_dir) for r in sorted(recs, key=lambda r: r.started_at or 0)]
+        live = procs.live_groups()
+        return [r.summary(self.state_dir, live) for r in sorted(recs, key=lambda r: r.started_at or 0)]
 
     def _write_procs(self) -> None:
         with self.lock:
@@ -599,13 +603,14 @@ class Reconciler:
                 if r.pgid and r.state not in ("terminated", "killed", "error")
             }
         data = {"daemon_pid": os.getpid(), "groups": groups}
-        if data == self._procs_written:
-            return
-        path = self.state_dir / "procs.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2))
-        os.replace(tmp, path)
-        self._procs_written = data
+        with self._procs_lock:  # drain threads and the loop both write it
+            if data == self._procs_written:
+                return
+            path = self.state_dir / "procs.json"
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data, indent=2))
+            os.replace(tmp, path)
+            self._procs_written = data
 
     def shutdown(self) -> list[dict[str, Any]]:
         """Kill every process group this daemon started (no drain). Returns what was killed."""
