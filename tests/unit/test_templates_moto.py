@@ -1,0 +1,240 @@
+"""The rendered templates deployed into moto (in process, fake credentials, us-east-1).
+
+What moto 5.2 does not do, and how we deal with it (test_templates.py checks these on the YAML):
+
+* no ``Fn::Cidr`` (an unresolved ``Fn::Select`` over it raises KeyError): infra_parameters() passes
+  the /24 subnet CIDRs explicitly (``SubnetCidrs``); the template falls back to Fn::Cidr only when
+  that parameter is empty, and moto evaluates only the chosen Fn::If branch;
+* AWS::AutoScaling::LifecycleHook and AWS::S3::BucketPolicy are skipped with a warning;
+* launch template MetadataOptions, a role's ManagedPolicyArns, the bucket's
+  PublicAccessBlockConfiguration and the ENI's
+  ``GroupSet`` and ``Tags`` are ignored (the ENI gets the VPC's default security group);
+* an ``AWS::SSM::Parameter::Value<...>`` parameter's *Default* is resolved even when a value is
+  passed, and moto has no DLAMI public parameter: the GPU job template only deploys in moto with
+  ``ami_override=True``.
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import warnings
+
+import pytest
+
+boto3 = pytest.importorskip("boto3")
+moto = pytest.importorskip("moto")
+
+from petctl import templates  # noqa: E402
+
+REGION = "us-east-1"
+LOCAL_CIDR = "127.0.0.0/16"  # what the local cloud uses
+FIVE_TAGS = ("petctl:job", "petctl:user", "petctl:role", "petctl:spec", "petctl:rdzv")
+MOTO_AMI = "ami-12c6146b"  # one of moto's built-in images
+
+
+@pytest.fixture
+def aws(monkeypatch):
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_SESSION_TOKEN": "testing",
+        "AWS_DEFAULT_REGION": REGION,
+        "AWS_REGION": REGION,
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }.items():
+        monkeypatch.setenv(key, value)
+    for key in ("AWS_PROFILE", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(key, raising=False)
+    with warnings.catch_warnings():
+        # "Tried to parse AWS::AutoScaling::LifecycleHook but it's not supported": known, see above.
+        warnings.filterwarnings("ignore", message=".*not supported by moto's CloudFormation.*")
+        with moto.mock_aws():
+            yield
+
+
+def client(name: str):
+    return boto3.client(name, region_name=REGION)
+
+
+def create(stack: str, template: str, parameters: list[dict]) -> dict[str, str]:
+    cf = client("cloudformation")
+    cf.create_stack(
+        StackName=stack, TemplateBody=template, Parameters=parameters, Capabilities=["CAPABILITY_IAM"]
+    )
+    (described,) = cf.describe_stacks(StackName=stack)["Stacks"]
+    assert described["StackStatus"] == "CREATE_COMPLETE"
+    return {o["OutputKey"]: o["OutputValue"] for o in described.get("Outputs", [])}
+
+
+def base_stack(az_count: int = 2, **kwargs) -> dict[str, str]:
+    return create(
+        "petctl-default",
+        templates.render_infra(az_count=az_count),
+        templates.infra_parameters(vpc_cidr=LOCAL_CIDR, az_count=az_count, **kwargs),
+    )
+
+
+def job_values(base: dict[str, str], job: str, **extra) -> dict:
+    subnets = base["SubnetIds"].split(",")
+    bucket = base["BucketName"]
+    return {
+        "JobName": job,
+        "User": "alice",
+        "MinSize": 2,
+        "MaxSize": 4,
+        "DesiredCapacity": 3,
+        "SubnetIds": subnets,
+        "RdzvSubnetId": subnets[0],
+        "SecurityGroupId": base["InstanceSecurityGroupId"],
+        "WorkerInstanceProfileArn": base["WorkerInstanceProfileArn"],
+        "RdzvInstanceProfileArn": base["RdzvInstanceProfileArn"],
+        "EfsId": base["EfsId"],
+        "BucketName": bucket,
+        "SpecUrl": f"s3://{bucket}/petctl/jobs/{job}/job.json",
+        "DistUrl": f"s3://{bucket}/petctl/jobs/{job}/dist/petctl-0.1.0-py3-none-any.whl",
+        **extra,
+    }
+
+
+def instance_tags(group: str) -> list[dict[str, str]]:
+    (asg,) = client("autoscaling").describe_auto_scaling_groups(AutoScalingGroupNames=[group])[
+        "AutoScalingGroups"
+    ]
+    ids = [i["InstanceId"] for i in asg["Instances"]]
+    if not ids:
+        return []
+    reservations = client("ec2").describe_instances(InstanceIds=ids)["Reservations"]
+    return [{t["Key"]: t["Value"] for t in i.get("Tags", [])} for r in reservations for i in r["Instances"]]
+
+
+def test_base_stack_in_local_cidr(aws):
+    base = base_stack()
+    assert set(base) == set(templates.INFRA_OUTPUTS)
+    ec2 = client("ec2")
+    subnets = ec2.describe_subnets(SubnetIds=base["SubnetIds"].split(","))["Subnets"]
+    assert sorted(s["CidrBlock"] for s in subnets) == ["127.0.0.0/24", "127.0.1.0/24"]
+    assert len({s["AvailabilityZone"] for s in subnets}) == 2
+    assert all(s["VpcId"] == base["VpcId"] for s in subnets)
+    (vpc,) = ec2.describe_vpcs(VpcIds=[base["VpcId"]])["Vpcs"]
+    assert vpc["CidrBlock"] == LOCAL_CIDR
+    (sg,) = ec2.describe_security_groups(GroupIds=[base["InstanceSecurityGroupId"]])["SecurityGroups"]
+    (rule,) = sg["IpPermissions"]
+    assert rule["IpProtocol"] == "-1" and rule["IpRanges"] == [] and rule.get("Ipv6Ranges", []) == []
+    assert [p["GroupId"] for p in rule["UserIdGroupPairs"]] == [base["InstanceSecurityGroupId"]]
+    efs = client("efs")
+    (fs,) = efs.describe_file_systems(FileSystemId=base["EfsId"])["FileSystems"]
+    assert fs["Encrypted"] is True
+    assert len(efs.describe_mount_targets(FileSystemId=base["EfsId"])["MountTargets"]) == 2
+    s3 = client("s3")
+    rules = s3.get_bucket_encryption(Bucket=base["BucketName"])["ServerSideEncryptionConfiguration"]["Rules"]
+    assert rules[0]["ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "AES256"
+    (group,) = client("logs").describe_log_groups(logGroupNamePrefix="/petctl/default")["logGroups"]
+    assert group["logGroupName"] == base["LogGroupName"] == "/petctl/default"
+    assert group["retentionInDays"] == 30
+    iam = client("iam")
+    profile_name = base["WorkerInstanceProfileArn"].rsplit("/", 1)[1]
+    (role,) = iam.get_instance_profile(InstanceProfileName=profile_name)["InstanceProfile"]["Roles"]
+    assert role["Arn"] == base["WorkerRoleArn"]
+    assert iam.list_role_policies(RoleName=role["RoleName"])["PolicyNames"] == ["petctl-worker"]
+    # (moto does not attach the role's ManagedPolicyArns: checked on the YAML instead)
+
+
+def test_base_stack_with_existing_efs_and_bucket(aws):
+    fs_id = client("efs").create_file_system(CreationToken="mine", Encrypted=True)["FileSystemId"]
+    client("s3").create_bucket(Bucket="my-petctl-bucket")
+    outputs = create(
+        "petctl-default",
+        templates.render_infra(az_count=3, create_efs=False, create_bucket=False),
+        templates.infra_parameters(vpc_cidr=LOCAL_CIDR, az_count=3, efs_id=fs_id, bucket="my-petctl-bucket"),
+    )
+    assert outputs["EfsId"] == fs_id and outputs["BucketName"] == "my-petctl-bucket"
+    assert len(outputs["SubnetIds"].split(",")) == 3
+    assert [b["Name"] for b in client("s3").list_buckets()["Buckets"]] == ["my-petctl-bucket"]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"gpu": False, "spot": False, "ami_override": False},  # AL2023 resolved through moto's SSM
+        {"gpu": False, "spot": True, "ami_override": True},
+        {"gpu": True, "spot": True, "ami_override": True},
+    ],
+    ids=lambda f: ",".join(k for k, v in f.items() if v) or "cpu",
+)
+def test_job_stack_from_base_outputs(aws, flags):
+    base = base_stack()
+    extra: dict = {}
+    if flags["ami_override"]:
+        extra["ImageId"] = MOTO_AMI
+    elif flags["gpu"]:
+        # moto ships the Amazon Linux parameters but not the DLAMI one, and (like AWS) refuses to
+        # create names under /aws/: point the SSM-typed parameter at a parameter of our own.
+        client("ssm").put_parameter(
+            Name="/petctl-test/dlami", Value=MOTO_AMI, Type="String", DataType="aws:ec2:image"
+        )
+        extra["ImageId"] = "/petctl-test/dlami"
+    if flags["spot"]:
+        extra["OnDemandBaseCapacity"] = 2
+    template = templates.render_job(**flags)
+    outputs = create(
+        "petctl-job-train-1",
+        template,
+        templates.job_parameters(template=template, **job_values(base, "train-1", **extra)),
+    )
+
+    assert set(outputs) == set(templates.JOB_OUTPUTS)
+    assert outputs["WorkerGroupName"] == "petctl-train-1-workers"
+    assert outputs["RdzvGroupName"] == "petctl-train-1-rdzv"
+    address = outputs["RdzvAddress"]
+    assert outputs["RdzvEndpoint"] == f"{address}:2379"
+    rdzv_subnet = base["SubnetIds"].split(",")[0]
+    (subnet,) = client("ec2").describe_subnets(SubnetIds=[rdzv_subnet])["Subnets"]
+    assert ipaddress.ip_address(address) in ipaddress.ip_network(LOCAL_CIDR)
+    assert ipaddress.ip_address(address) in ipaddress.ip_network(subnet["CidrBlock"])
+    (eni,) = client("ec2").describe_network_interfaces(
+        Filters=[{"Name": "addresses.private-ip-address", "Values": [address]}]
+    )["NetworkInterfaces"]
+    assert eni["SubnetId"] == rdzv_subnet  # (moto ignores the ENI's GroupSet and Tags)
+
+    (workers,) = client("autoscaling").describe_auto_scaling_groups(
+        AutoScalingGroupNames=["petctl-train-1-workers"]
+    )["AutoScalingGroups"]
+    assert (workers["MinSize"], workers["MaxSize"], workers["DesiredCapacity"]) == (2, 4, 3)
+    assert sorted(workers["VPCZoneIdentifier"].split(",")) == sorted(base["SubnetIds"].split(","))
+    if flags["spot"]:
+        distribution = workers["MixedInstancesPolicy"]["InstancesDistribution"]
+        assert distribution["OnDemandBaseCapacity"] == 2
+        assert distribution["SpotAllocationStrategy"] == "capacity-optimized"
+    expected = {
+        "petctl:job": "train-1",
+        "petctl:user": "alice",
+        "petctl:spec": f"s3://{base['BucketName']}/petctl/jobs/train-1/job.json",
+        "petctl:rdzv": address,
+    }
+    for group, role, count in (("petctl-train-1-workers", "worker", 3), ("petctl-train-1-rdzv", "rdzv", 1)):
+        tags = instance_tags(group)
+        assert len(tags) == count, group
+        for tag in tags:
+            assert set(FIVE_TAGS) <= set(tag)
+            assert {k: tag[k] for k in expected} == expected
+            assert tag["petctl:role"] == role
+
+
+def test_user_data_is_substituted_with_stack_values(aws):
+    base = base_stack()
+    create(
+        "petctl-job-train-2", templates.render_job(), templates.job_parameters(**job_values(base, "train-2"))
+    )
+    ec2 = client("ec2")
+    (lt,) = ec2.describe_launch_templates(LaunchTemplateNames=["petctl-train-2-workers"])["LaunchTemplates"]
+    (version,) = ec2.describe_launch_template_versions(LaunchTemplateId=lt["LaunchTemplateId"])[
+        "LaunchTemplateVersions"
+    ]
+    data = version["LaunchTemplateData"]
+    script = base64.b64decode(data["UserData"]).decode()
+    assert f"mount -t efs -o tls,noresvport {base['EfsId']}:/ /mnt/efs" in script
+    assert f"s3://{base['BucketName']}/petctl/jobs/train-2/dist/petctl-0.1.0-py3-none-any.whl" in script
+    assert "TimeoutStopSec=$((60 + 30))" in script  # DrainTimeout default
+    assert "${" not in script  # every CloudFormation reference resolved
+    assert data["BlockDeviceMappings"][0]["Ebs"]["Encrypted"] is True
