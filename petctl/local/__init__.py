@@ -148,6 +148,17 @@ def _is_our_daemon(pid: int, d: Path) -> bool:
     return procs.is_alive(pid) and DAEMON_MODULE in cmd and str(d) in cmd
 
 
+def _starting_pid(d: Path) -> int | None:
+    """Pid of a daemon that holds the lock but has not written cloud.json yet."""
+    if not _daemon_lock_held(d):
+        return None
+    try:
+        pid = int((d / "daemon.lock").read_text().strip() or 0)
+    except (OSError, ValueError):
+        return None
+    return pid if pid > 1 and _is_our_daemon(pid, d) else None
+
+
 def _running_info(d: Path) -> dict[str, Any] | None:
     """cloud.json of a live daemon for ``d``, or None."""
     info = _read_json(d / "cloud.json")
@@ -296,16 +307,17 @@ def stop(timeout: float = 30) -> dict[str, Any]:
     if not d.exists():
         return result
     info = _running_info(d)
-    if info:
-        pid = info["pid"]
+    pid = info["pid"] if info else _starting_pid(d)
+    if pid:
         result.update(was_running=True, pid=pid)
-        with contextlib.suppress(LocalCloudError):
-            st = _control(info, "GET", "/_control/status", timeout=5)
-            result["instances"] = [
-                {"instance_id": i["instance_id"], "pgid": i.get("pgid")}
-                for i in st.get("instances", [])
-                if i.get("alive")
-            ]
+        if info:
+            with contextlib.suppress(LocalCloudError):
+                st = _control(info, "GET", "/_control/status", timeout=5)
+                result["instances"] = [
+                    {"instance_id": i["instance_id"], "pgid": i.get("pgid")}
+                    for i in st.get("instances", [])
+                    if i.get("alive")
+                ]
         os.kill(pid, signal.SIGTERM)
         if not _wait_pid_gone(pid, timeout):
             # The daemon is stuck: kill it; its instance groups are cleaned up from procs.json below.

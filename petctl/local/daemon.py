@@ -71,7 +71,8 @@ class LocalCloud:
         # The first call into each moto backend imports it (seconds); pay that before
         # announcing readiness so the first CLI command is not the slow one.
         self.reconciler.tick()
-        threading.Thread(target=_warm_backends, name="warm-up", daemon=True).start()
+        if os.environ.get("PETCTL_LOCAL_WARMUP", "1") != "0":
+            threading.Thread(target=_warm_backends, name="warm-up", daemon=True).start()
         self._loop = threading.Thread(target=self.reconciler.run, name="reconciler", daemon=True)
         self._loop.start()
 
@@ -146,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     except BlockingIOError:
         log.error("another local cloud daemon already runs for %s", d)
         return 3
+    os.ftruncate(lock_fd, 0)
+    os.write(lock_fd, f"{os.getpid()}\n".encode())  # lets `stop` find a daemon that is still starting
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -171,6 +174,13 @@ def main(argv: list[str] | None = None) -> int:
             killed = cloud.shutdown()
             if killed:
                 log.info("killed %d instance process group(s): %s", len(killed), killed)
+            # Anything that left its instance's process group is still our descendant (we are
+            # its subreaper): the local cloud must not leave a process behind.
+            strays = procs.descendants(os.getpid())
+            for pid in strays:
+                procs.signal_pid(pid, signal.SIGKILL)
+            if strays:
+                log.info("killed %d stray process(es): %s", len(strays), strays)
             log.info("stopped")
         finally:
             os.close(lock_fd)
@@ -178,4 +188,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter finalisation: it would wait for moto's half-done background imports.
+    os._exit(code)

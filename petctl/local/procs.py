@@ -72,6 +72,20 @@ def live_groups() -> set[int]:
     return {int(f[2]) for _, f in _all_stats() if f[0] not in ("Z", "X")}
 
 
+def descendants(pid: int) -> list[int]:
+    """Live descendants of ``pid`` (children, grandchildren, … — including orphans it adopted)."""
+    children: dict[int, list[int]] = {}
+    for p, f in _all_stats():
+        if f[0] not in ("Z", "X"):
+            children.setdefault(int(f[1]), []).append(p)
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
 def zombie_children(ppid: int) -> list[int]:
     """Zombie children of ``ppid`` (orphans re-parented to a subreaper)."""
     return [pid for pid, f in _all_stats() if int(f[1]) == ppid and f[0] == "Z"]

@@ -184,12 +184,16 @@ class Reconciler:
 
     def run(self) -> None:
         """Reconcile until :meth:`shutdown`; errors are logged and retried next period."""
+        last_error: str | None = None
         while not self.stopping.is_set():
             t0 = time.monotonic()
             try:
                 self.tick()
-            except Exception:  # noqa: BLE001 - the loop must survive a bad tick
-                log.exception("reconcile failed; retrying")
+                last_error = None
+            except Exception as e:  # noqa: BLE001 - the loop must survive a bad tick
+                if repr(e) != last_error:  # once per distinct error, not twice a second
+                    log.exception("reconcile failed; retrying every %.1fs", self.settings.period)
+                last_error = repr(e)
             self.stopping.wait(max(0.05, self.settings.period - (time.monotonic() - t0)))
 
     def _describe(self) -> tuple[dict[str, dict[str, Any]], set[str]]:
@@ -468,9 +472,10 @@ class Reconciler:
                 except subprocess.TimeoutExpired:
                     pass
                 rec.exit_code = rec.proc.returncode if rec.exit_code is None else rec.exit_code
-            rec.state = state
+            if rec.state != "killed":  # a hard kill during a drain stays a hard kill
+                rec.state = state
             rec.ended_at = rec.ended_at or time.time()
-        log.info("%s: process tree gone (%s)", rec.instance_id, state)
+        log.info("%s: process tree gone (%s)", rec.instance_id, rec.state)
         self._write_procs()
 
     def on_lifecycle_call(self, instance_id: str, action: str, params: dict[str, Any]) -> str | None:
@@ -509,13 +514,15 @@ class Reconciler:
     def kill_instance(self, instance_id: str) -> dict[str, Any]:
         rec = self.get(instance_id)
         with rec.lock:
-            if rec.state not in ("running", "exited", "restarting"):
+            if rec.state not in ("running", "exited", "restarting", "draining"):
                 raise ValueError(f"instance {instance_id} is {rec.state}: nothing to kill")
+            # A draining instance is already terminated in AWS: only its processes remain.
+            was_draining = rec.state == "draining"
             rec.state = "killed"
         log.info("%s: hard kill (fault injection)", instance_id)
         t0 = time.monotonic()
         self._finish(rec, "killed")
-        replaced = self._terminate_in_aws(rec)
+        replaced = False if was_draining else self._terminate_in_aws(rec)
         return {
             "instance_id": instance_id,
             "pgid": rec.pgid,

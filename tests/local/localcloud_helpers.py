@@ -30,6 +30,7 @@ DAEMON_ENV = {
     "PETCTL_LOCAL_SHUTDOWN_GRACE": "1",
     "PETCTL_LOCAL_DRAIN_TIMEOUT": "5",
     "PETCTL_LOCAL_PERIOD": "0.25",
+    "PETCTL_LOCAL_WARMUP": "0",  # tests use few moto backends; do not spend CPU importing the others
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import subprocess
 import sys
@@ -151,6 +152,19 @@ def test_drain_ends_on_lifecycle_completion_or_timeout(cloud: Cloud) -> None:
     assert cloud.drained(inst["instance_id"]) == "Terminated"
 
 
+def test_kill_during_drain(cloud: Cloud) -> None:
+    job = cloud.make_job("drainkill", workers=1, drain_timeout=60, mode="ignore-term")
+    (inst,) = wait_for(lambda: cloud.running("drainkill"), what="worker")
+    iid = inst["instance_id"]
+    cloud.asg.set_desired_capacity(AutoScalingGroupName=job["groups"]["workers"], DesiredCapacity=0)
+    wait_for(lambda: cloud.drained(iid), what="SIGTERM seen")
+    res = local.kill_instance(iid)
+    assert res["replaced_by_group"] is False  # already leaving: nothing to replace
+    assert not procs.group_members(inst["pgid"])
+    wait_for(lambda: cloud.instance(iid)["state"] == "killed", timeout=5, what="state stays killed")
+    assert cloud.group_instances(job["groups"]["workers"]) == []
+
+
 def test_kill_instance_is_hard_and_the_group_replaces_it(cloud: Cloud) -> None:
     job = cloud.make_job("kill", workers=1)
     (inst,) = wait_for(lambda: cloud.running("kill"), what="worker")
@@ -178,7 +192,9 @@ def test_spot_interruption_notice_then_replacement(cloud: Cloud) -> None:
     res = local.spot_interrupt(iid, seconds=2)
     status, body = cloud.imds(iid, "meta-data/spot/instance-action")
     assert status == 200 and json.loads(body) == res["spot_action"]
-    assert json.loads(body)["action"] == "terminate" and body.count("T") >= 1
+    notice = json.loads(body)
+    when = dt.datetime.strptime(notice["time"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
+    assert notice["action"] == "terminate" and 0 <= when.timestamp() - time.time() <= 3
     assert "spot/" in cloud.imds(iid, "meta-data")[1].split("\n")
     with pytest.raises(local.LocalCloudError, match="already has a spot notice"):
         local.spot_interrupt(iid, seconds=2)
