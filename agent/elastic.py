@@ -56,7 +56,7 @@ def rendezvous_config() -> dict[str, Any]:
     if enabled("FAST_LAST_CALL"):
         # torch default last_call_timeout=30 s: every (re-)rendezvous with >= min
         # nodes waits 30 s for stragglers (DESIGN §4: 33 s start, 43 s join).
-        cfg["last_call_timeout"] = int(env_float("PETCTL_AGENT_LAST_CALL", 2))
+        cfg["last_call_timeout"] = int(env_float("PETCTL_AGENT_LAST_CALL", 5))
     if enabled("FAST_HEARTBEAT"):
         # torch default keep-alive 5 s x 3 attempts: a SIGKILLed node stays a
         # participant for ~15-20 s and the survivors' next round cannot start
@@ -148,12 +148,15 @@ class PetctlElasticAgent(LocalElasticAgent):
         logs_specs: Any,
         publisher: StatusPublisher,
         drain_file: Path,
+        progress_file: Path,
         drain_timeout: float,
         exit_barrier_timeout: float = 120,
     ) -> None:
         super().__init__(spec, logs_specs, start_method="spawn", exit_barrier_timeout=exit_barrier_timeout)
         self.pub = publisher
         self.drain_file = Path(drain_file)
+        self.progress_file = Path(progress_file)
+        self._workers_started_at = time.time()
         self.drain_timeout = drain_timeout
         self.leave_requested = threading.Event()
         self.leave_reason = ""
@@ -215,6 +218,7 @@ class PetctlElasticAgent(LocalElasticAgent):
         except FileNotFoundError:
             pass
         pids = super()._start_workers(worker_group)
+        self._workers_started_at = time.time()
         self.phase = "running"
         self.pub.update(state="RUNNING", restarts=self._restarts)
         self.pub.event(
@@ -270,18 +274,26 @@ class PetctlElasticAgent(LocalElasticAgent):
                 return result
             if result.state == WorkerState.HEALTHY and time.monotonic() >= next_check:
                 next_check = time.monotonic() + check_every
-                change = self._membership_change()
+                change, can_sync = self._membership_change()
                 if change:
                     self._rdzv_reason = change
                     log.info("re-rendezvous: %s", change)
-                    if enabled("SYNC_RESTART"):
+                    if can_sync and enabled("SYNC_RESTART") and self._workers_progressed():
                         done = self._coordinated_stop(wg, self.sync_timeout)
                         if done is not None:
                             return done
                     self._restart_workers(wg)
 
-    def _membership_change(self) -> str | None:
-        """Why the worker group must re-form now, or None."""
+    def _workers_progressed(self) -> bool:
+        """Have the current workers reported a step? (If not, there is nothing to checkpoint.)"""
+        try:
+            return self.progress_file.stat().st_mtime > self._workers_started_at
+        except OSError:
+            return False
+
+    def _membership_change(self) -> tuple[str | None, bool]:
+        """Why the worker group must re-form now (or None), and whether the current
+        workers can still take a coordinated checkpoint first (all peers alive)."""
         handler = self._worker_group.spec.rdzv_handler
         try:
             waiting = handler.num_nodes_waiting()
@@ -294,23 +306,24 @@ class PetctlElasticAgent(LocalElasticAgent):
                 log.warning("rendezvous backend unreachable while training (%s); workers keep running", e)
                 self._last_etcd_warn = time.monotonic()
             reset_lost_state(handler)
-            return None
+            return None, False
         if waiting > 0:
-            return f"{waiting} node(s) waiting to join"
+            return f"{waiting} node(s) waiting to join", True
         h = _dynamic(handler)
         if h is None or not enabled("MEMBERSHIP_WATCH"):
-            return None
+            return None, False
         # torch only looks at the wait list; a participant that died or left is
         # noticed only when our workers' collectives fail -- which can take the
         # whole collective timeout when a peer died during worker start-up.
         st = h._state_holder.state
+        # A participant that is gone cannot join a drain all-reduce: restart at once.
         if st.round != self._round:
-            return f"rendezvous round moved on ({self._round} -> {st.round})"
+            return f"rendezvous round moved on ({self._round} -> {st.round})", False
         members = set(st.participants)
         if self._members is not None and members != self._members:
             gone = sorted(str(n) for n in self._members - members)
-            return f"participant(s) left: {', '.join(gone) or '?'}"
-        return None
+            return f"participant(s) left: {', '.join(gone) or '?'}", False
+        return None, False
 
     def _coordinated_stop(self, wg: WorkerGroup, timeout: float) -> RunResult | None:
         """Ask the workers to checkpoint and stop (drain file); wait up to ``timeout``.
@@ -361,7 +374,8 @@ class PetctlElasticAgent(LocalElasticAgent):
             seconds=round(time.monotonic() - t0, 3),
             round=self._round,
         )
-        return RunResult(state=WorkerState.SUCCEEDED)
+        # torch's run() records one event per worker and insists every worker has a result
+        return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in wg.workers})
 
     def leave_rendezvous(self) -> None:
         """Remove this node from the current round so the others re-form at once.

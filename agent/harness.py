@@ -326,6 +326,10 @@ class Cluster:
                 pass
         node.proc.wait(10)
 
+    @staticmethod
+    def now() -> float:
+        return time.time()
+
     def terminate(self, node: Node) -> None:
         node.proc.send_signal(signal.SIGTERM)
 
@@ -335,6 +339,20 @@ class Cluster:
     def all_at_world(self, nodes: list[Node], world: int, after: float, min_steps: int = 1) -> bool:
         """Every node printed >= ``min_steps`` step lines at world size ``world`` after ``after``."""
         return all(sum(1 for t, _, w in n.steps if t > after and w == world) >= min_steps for n in nodes)
+
+    def wait(self, pred: Callable[[], Any], timeout: float, what: str, alive: list[Node] = ()) -> Any:
+        """``wait_for`` that fails at once (with the agent's stderr tail) if a node in ``alive`` exits."""
+
+        def check() -> Any:
+            for n in alive:
+                if not n.alive():
+                    err = (n.agent_dir / "agent.err").read_text(errors="replace")[-3000:]
+                    raise AssertionError(
+                        f"{n.instance_id} exited ({n.proc.returncode}) while waiting for {what}:\n{err}"
+                    )
+            return pred()
+
+        return wait_for(check, timeout, what)
 
     def max_step(self) -> int:
         return max((n.last_step() for n in self.nodes.values()), default=0)
@@ -351,35 +369,42 @@ def recovery(cluster: Cluster, t_event: float, survivors: list[Node]) -> dict[st
     """Time from ``t_event`` until every node in ``survivors`` is stepping again, and steps lost.
 
     A node "steps again" at its first step line after ``t_event`` that breaks its
-    sequence (new world size, or a step that is not previous+1 -- a resume), or its
-    first line at all if it had none before (a newcomer). Steps lost = the highest
-    step any rank reached before the break minus the step training resumed from.
+    sequence (new world size, or a step that is not previous+1, i.e. a resume from
+    a checkpoint), or at its first line if it printed none before (a newcomer).
+    A node whose sequence never breaks was not interrupted. Steps lost = highest
+    step reached before the break minus the step training resumed from.
     """
-    resume_times, resumed_from, reached = [], [], []
+    resume_times: list[float] = []
+    resumed_from: list[int] = []
+    reached: list[int] = []
     for n in survivors:
-        prev = None
-        found = False
+        prev: tuple[int, int] | None = None
+        after = 0
         for t, step, world in n.steps:
             if t <= t_event:
                 prev = (step, world)
                 continue
+            after += 1
             if prev is None or world != prev[1] or step != prev[0] + 1:
                 resume_times.append(t)
                 resumed_from.append(step - 1)
                 if prev is not None:
                     reached.append(prev[0])
-                found = True
                 break
             prev = (step, world)
-        if not found:
-            return {"recovered": False}
-    before = max(reached) if reached else max(resumed_from)
-    # a node that never broke sequence before others resumed: use max step seen before event
-    before = max([before] + [s for n in survivors for t, s, _ in n.steps if t <= min(resume_times)])
+        else:
+            if after == 0:
+                return {"recovered": False}
+            if prev is not None:
+                reached.append(prev[0])
+    if not resume_times:  # nobody was interrupted
+        return {"recovered": True, "seconds": 0.0, "steps_lost": 0, "interrupted": False}
+    start = min(resumed_from)
     return {
         "recovered": True,
         "seconds": round(max(resume_times) - t_event, 2),
-        "steps_lost": max(0, before - min(resumed_from)),
-        "resumed_from": min(resumed_from),
-        "reached_before": before,
+        "steps_lost": max(0, max(reached, default=start) - start),
+        "resumed_from": start,
+        "reached_before": max(reached, default=start),
+        "interrupted": True,
     }

@@ -30,7 +30,7 @@ class LogTailer:
         self.root = Path(root)
         self.sinks = sinks
         self.interval = interval
-        self._offsets: dict[Path, int] = {}
+        self._offsets: dict[Path, tuple[int, int]] = {}  # path -> (inode, offset)
         self._partial: dict[Path, bytes] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="petctl-logtail", daemon=True)
@@ -54,16 +54,23 @@ class LogTailer:
     def poll(self) -> None:
         for path in sorted(self.root.glob("**/std*.log")):
             try:
-                size = path.stat().st_size
+                st = path.stat()
             except OSError:
                 continue
-            off = self._offsets.get(path, 0)
-            if size <= off:
+            inode, off = self._offsets.get(path, (st.st_ino, 0))
+            if inode != st.st_ino or st.st_size < off:
+                # torch reuses attempt_<restart_count>/ (rmtree + recreate) when the
+                # restart count did not change, e.g. after a coordinated drain restart
+                off = 0
+                self._partial.pop(path, None)
+            if st.st_size <= off:
+                self._offsets[path] = (st.st_ino, off)
                 continue
             with open(path, "rb") as f:
                 f.seek(off)
-                data = self._partial.pop(path, b"") + f.read(size - off)
-            self._offsets[path] = size
+                chunk = f.read(st.st_size - off)
+            data = self._partial.pop(path, b"") + chunk
+            self._offsets[path] = (st.st_ino, off + len(chunk))
             *lines, rest = data.split(b"\n")
             if rest:
                 self._partial[path] = rest

@@ -273,7 +273,7 @@ class Agent:
         )
         logs_specs = DefaultLogsSpecs(log_dir=str(self.paths.logs), redirects=Std.ALL)
         self.elastic = agent = PetctlElasticAgent(
-            wspec, logs_specs, pub, self.paths.drain, spec.drain_timeout
+            wspec, logs_specs, pub, self.paths.drain, self.paths.progress, spec.drain_timeout
         )
         if self.leave_reason:  # arrived while we were setting up
             agent.leave_reason = self.leave_reason

@@ -10,7 +10,7 @@ import os
 
 WORKAROUNDS = {
     "SPLIT_STORE": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: etcd-v2 newcomer hangs on the shared agent TCP store",
-    "FAST_LAST_CALL": "last_call_timeout 2 s instead of 30 s: every (re-)rendezvous waited 30 s",
+    "FAST_LAST_CALL": "last_call_timeout 5 s instead of 30 s: every (re-)rendezvous waited 30 s",
     "FAST_HEARTBEAT": "keep-alive 1 s x 5 instead of 5 s x 3: a dead node blocked re-rendezvous ~15-20 s",
     "STORE_TIMEOUT": "EtcdStore timeout 20 s instead of 300 s: node lost mid-rendezvous blocked EtcdStore.get",
     "IDENTICAL_RANKS": "TORCH_ELASTIC_WORKER_IDENTICAL=1: rank assignment without blocking store round-trips",

@@ -1,0 +1,137 @@
+"""End-to-end: real etcd, real agents (one per 127.0.0.x address), real torch workers (gloo).
+
+Every wait is bounded and polls outcomes (progress lines, status files); the
+timings printed here are what scripts/agent_timings.py reports.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from petctl_agent import checkpoint as ckpt
+from petctl_agent.harness import recovery, wait_for
+
+pytestmark = pytest.mark.e2e
+
+EVERY = 20
+ARGS = ["--step-time", "0.05", "--checkpoint-every", str(EVERY)]
+ENV = {"PETCTL_COLLECTIVE_TIMEOUT": "30"}
+
+
+def _events(cluster, node, kind):
+    st = cluster.status(node.instance_id) or {}
+    return [e for e in st.get("events", []) if e["kind"] == kind]
+
+
+def test_scale_up_drain_and_hard_kill(make_cluster):
+    """MIN=2 start; join (world 3); SIGTERM drain (0 steps lost); join; SIGKILL a node tree."""
+    c = make_cluster(job="lifecycle", min_nodes=2, max_nodes=4, script_args=["--total-steps", "100000", *ARGS],
+                     extra_env=ENV)  # fmt: skip
+    a, b = c.add_node(), c.add_node()
+    c.wait(
+        lambda: c.all_at_world([a, b], 2, 0, min_steps=3),
+        120,
+        "2 nodes stepping at world size 2",
+        alive=[a, b],
+    )
+
+    # scale-up: a third node joins, everyone re-forms at world size 3 from a coordinated checkpoint
+    t = c.now()
+    n3 = c.add_node()
+    c.wait(
+        lambda: c.all_at_world([a, b, n3], 3, t, min_steps=3),
+        120,
+        "world size 3 after a join",
+        alive=[a, b, n3],
+    )
+    r = recovery(c, t, [a, b, n3])
+    print("join:", r)
+    assert r["steps_lost"] == 0
+
+    # graceful leave: SIGTERM -> all ranks checkpoint the same step -> leave -> others re-form at once
+    t = c.now()
+    c.terminate(b)
+    assert wait_for(lambda: b.proc.poll() is not None, 60, "drained agent to exit") is not None
+    assert b.proc.returncode == 0
+    c.wait(
+        lambda: c.all_at_world([a, n3], 2, t, min_steps=3), 120, "world size 2 after a drain", alive=[a, n3]
+    )
+    r = recovery(c, t, [a, n3])
+    print("drain:", r)
+    assert r["steps_lost"] == 0, r
+    st = c.status(b.instance_id)
+    assert st["state"] == "LEFT"
+    assert [e for e in st["events"] if e["kind"] == "drained"][-1]["clean"] is True
+
+    # hard node loss: whole process tree SIGKILLed; survivors resume from the checkpoint
+    t = c.now()
+    n4 = c.add_node()
+    c.wait(
+        lambda: c.all_at_world([a, n3, n4], 3, t, min_steps=3), 120, "world size 3 again", alive=[a, n3, n4]
+    )
+    t = c.now()
+    c.kill_hard(n4)
+    c.wait(
+        lambda: c.all_at_world([a, n3], 2, t, min_steps=3),
+        120,
+        "survivors stepping after a hard kill",
+        alive=[a, n3],
+    )
+    r = recovery(c, t, [a, n3])
+    print("hard kill:", r)
+    assert r["steps_lost"] <= EVERY + 5, r
+    assert r["seconds"] < 60, r
+    assert a.alive() and n3.alive()
+    for n in (a, n3):
+        assert (c.status(n.instance_id) or {}).get("state") in ("RUNNING", "RENDEZVOUS")
+        assert _events(c, n, "rendezvous_done")[-1]["world_size"] == 2
+
+
+def test_node_lost_during_rerendezvous_does_not_stall(make_cluster):
+    """A joining node dies while the others re-rendezvous: survivors resume well before torch's 300 s."""
+    c = make_cluster(job="midrdzv", min_nodes=2, max_nodes=4, script_args=["--total-steps", "100000", *ARGS],
+                     extra_env=ENV)  # fmt: skip
+    a, b = c.add_node(), c.add_node()
+    c.wait(lambda: c.all_at_world([a, b], 2, 0, min_steps=3), 120, "2 nodes stepping", alive=[a, b])
+    n3 = c.add_node()
+    wait_for(lambda: _events(c, a, "rendezvous_start")[1:], 120, "the re-rendezvous triggered by the join")
+    t = c.now()
+    c.kill_hard(n3)
+    c.wait(lambda: c.all_at_world([a, b], 2, t, min_steps=3), 90, "survivors stepping again", alive=[a, b])
+    r = recovery(c, t, [a, b])
+    print("killed during re-rendezvous:", r)
+    assert r["seconds"] < 60, r
+
+
+def test_etcd_restart_then_run_to_completion(make_cluster):
+    """etcd is killed and restarted mid-training; the job carries on and completes consistently."""
+    total = 150
+    c = make_cluster(job="etcdrestart", min_nodes=2, max_nodes=2, script_args=["--total-steps", str(total), *ARGS],
+                     extra_env=ENV)  # fmt: skip
+    a, b = c.add_node(), c.add_node()
+    c.wait(lambda: c.all_at_world([a, b], 2, 0, min_steps=5), 120, "2 nodes stepping", alive=[a, b])
+    t = c.now()
+    c.etcd.stop()
+    c.etcd.start()
+    t_up = c.now()
+    wait_for(lambda: all(n.last_step() > 0 and n.steps[-1][0] > t_up + 3 for n in (a, b)), 90,
+             "steps after etcd came back")  # fmt: skip
+    r = recovery(c, t, [a, b])
+    print("etcd restart:", r)
+
+    wait_for(lambda: not a.alive() and not b.alive(), 180, "job to finish")
+    assert a.proc.returncode == 0 and b.proc.returncode == 0
+    assert c.max_step() == total
+    for n in (a, b):
+        st = c.status(n.instance_id)
+        assert st["state"] == "SUCCEEDED", st
+        assert st["last_step"] == total
+    # checkpoint consistency: latest points at the final step, its checksum verifies, it loads
+    pointer = json.loads((c.ckpt_dir / "latest").read_text())
+    assert pointer["step"] == total
+    state, step = ckpt.load_latest(c.ckpt_dir)
+    assert step == total and "model" in state and "optim" in state
+    # every rank printed every step exactly once per attempt, ending at total
+    for n in (a, b):
+        assert n.steps[-1][1] == total
