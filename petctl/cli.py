@@ -113,9 +113,7 @@ def _enter_local(obj: Context) -> None:
     from petctl import local as local_cloud
 
     obj.ui.progress("using the local cloud (no AWS account is touched)")
-    info = local_cloud.ensure_started()
-    os.environ.update(local_cloud.LOCAL_ENV)
-    os.environ["AWS_ENDPOINT_URL"] = info["endpoint_url"]
+    local_cloud.activate()
     profile = obj.profile
     if profile.region is None or profile.vpc_cidr is None:
         profile.region = profile.region or local_cloud.LOCAL_ENV.get("AWS_REGION", "us-east-1")
@@ -505,6 +503,28 @@ def _add_local_group() -> None:
     except ImportError:  # pragma: no cover - the local cloud is part of the package
         return
     cli.add_command(local_group)
+    local_group.add_command(demo_cmd)
+
+
+@click.command("demo")
+@click.option("--total-steps", default=800, show_default=True, help="Training steps of the example job.")
+@click.option(
+    "--step-time", default=0.05, show_default=True, help="Extra seconds per step (pace it to watch)."
+)
+@click.option("--timeout", default=300, show_default=True, help="Seconds allowed for each stage.")
+@click.option("--keep", is_flag=True, help="Leave the job and the local cloud running afterwards.")
+def demo_cmd(total_steps: int, step_time: float, timeout: int, keep: bool) -> None:
+    """Run the example elastic job: train, scale up, drain, lose a node, finish."""
+    from petctl import local as local_cloud
+    from petctl.local.demo import Demo
+
+    d = Demo(total_steps=total_steps, step_time=step_time, timeout=timeout)
+    st = d.run(keep=keep)
+    if not keep:
+        local_cloud.stop()
+        d.say("local cloud stopped")
+    if st["state"] != "SUCCEEDED":
+        raise PetctlError(f"the demo job ended {st['state']}")
 
 
 _add_local_group()
