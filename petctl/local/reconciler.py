@@ -178,6 +178,7 @@ class Reconciler:
         self._efs_cache: dict[str, str | None] = {}
         self._procs_written: dict[str, Any] | None = None
         self._procs_lock = threading.Lock()
+        self._ticks = 0
         moto_patches.lifecycle_handler = self.on_lifecycle_call
 
     # ------------------------------------------------------------------ loop
@@ -196,15 +197,24 @@ class Reconciler:
                 last_error = repr(e)
             self.stopping.wait(max(0.05, self.settings.period - (time.monotonic() - t0)))
 
-    def _describe(self) -> tuple[dict[str, dict[str, Any]], set[str]]:
+    def _describe(self) -> tuple[dict[str, dict[str, Any]], set[str] | None]:
+        """Live tagged instances, and (every few ticks, if any is in a group) the group names."""
         ec2, asg = self.clients["ec2"], self.clients["autoscaling"]
         instances: dict[str, dict[str, Any]] = {}
         for page in ec2.get_paginator("describe_instances").paginate(
-            Filters=[{"Name": "tag-key", "Values": [ROLE_TAG]}]
+            # Only live instances: one that left simply vanishes from the answer (see tick), and
+            # the answer does not grow with every instance ever terminated.
+            Filters=[
+                {"Name": "tag-key", "Values": [ROLE_TAG]},
+                {"Name": "instance-state-name", "Values": list(LIVE_STATES)},
+            ]
         ):
             for res in page["Reservations"]:
                 for i in res["Instances"]:
                     instances[i["InstanceId"]] = i
+        in_groups = any(t["Key"] == ASG_TAG for i in instances.values() for t in i.get("Tags", []))
+        if not in_groups or self._ticks % 4:
+            return instances, None  # moto already terminates a deleted group's instances; this is a backstop
         groups = set()
         for page in asg.get_paginator("describe_auto_scaling_groups").paginate():
             groups.update(g["AutoScalingGroupName"] for g in page["AutoScalingGroups"])
@@ -221,7 +231,7 @@ class Reconciler:
             with self.lock:
                 rec = self.instances.get(iid)
             if state in LIVE_STATES:
-                if tags.get(ASG_TAG) and tags[ASG_TAG] not in groups:
+                if groups is not None and tags.get(ASG_TAG) and tags[ASG_TAG] not in groups:
                     orphaned.append(iid)  # its group was deleted: AWS terminates its instances
                     continue
                 if rec is None:
@@ -238,13 +248,15 @@ class Reconciler:
             vanished = [r for i, r in self.instances.items() if i not in described]
         for rec in vanished:
             if rec.state in ("running", "exited", "restarting"):
-                self._begin_leave(rec, "instance no longer exists")
+                self._begin_leave(rec, "instance is no longer running")
         if orphaned:
             log.info("terminating %s: their Auto Scaling group was deleted", ", ".join(orphaned))
             self.clients["ec2"].terminate_instances(InstanceIds=orphaned)
-        with self.lock:
-            leaders = {r.proc.pid for r in self.instances.values() if r.proc}
-        procs.reap_orphans(leaders)
+        self._ticks += 1
+        if self._ticks % 10 == 0:  # a /proc scan; orphans only need reaping now and then
+            with self.lock:
+                leaders = {r.proc.pid for r in self.instances.values() if r.proc}
+            procs.reap_orphans(leaders)
         self._write_procs()
 
     def _check_exit(self, rec: Instance) -> None:
