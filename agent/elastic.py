@@ -18,9 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import urllib3.exceptions
-from petctl_agent import DRAIN_EXIT_CODE
-from petctl_agent.status import StatusPublisher
-from petctl_agent.workarounds import enabled, env_float
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
@@ -29,6 +26,10 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
     RendezvousStateError,
 )
+
+from petctl_agent import DRAIN_EXIT_CODE
+from petctl_agent.status import StatusPublisher
+from petctl_agent.workarounds import enabled, env_float
 
 log = logging.getLogger("petctl_agent.elastic")
 

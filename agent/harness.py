@@ -365,12 +365,14 @@ class Cluster:
         self.imds.close()
 
 
-def recovery(cluster: Cluster, t_event: float, survivors: list[Node]) -> dict[str, Any]:
+def recovery(cluster: Cluster, t_event: float, survivors: list[Node], gap: float = 3.0) -> dict[str, Any]:
     """Time from ``t_event`` until every node in ``survivors`` is stepping again, and steps lost.
 
     A node "steps again" at its first step line after ``t_event`` that breaks its
-    sequence (new world size, or a step that is not previous+1, i.e. a resume from
-    a checkpoint), or at its first line if it printed none before (a newcomer).
+    sequence (new world size, a step that is not previous+1 -- a resume from a
+    checkpoint --, or a pause longer than ``gap`` seconds: workers restarted at the
+    same world size from a checkpoint of the last step), or at its first line if it
+    printed none before (a newcomer).
     A node whose sequence never breaks was not interrupted. Steps lost = highest
     step reached before the break minus the step training resumed from.
     """
@@ -379,19 +381,20 @@ def recovery(cluster: Cluster, t_event: float, survivors: list[Node]) -> dict[st
     reached: list[int] = []
     for n in survivors:
         prev: tuple[int, int] | None = None
+        prev_t = t_event
         after = 0
         for t, step, world in n.steps:
             if t <= t_event:
-                prev = (step, world)
+                prev, prev_t = (step, world), t
                 continue
             after += 1
-            if prev is None or world != prev[1] or step != prev[0] + 1:
+            if prev is None or world != prev[1] or step != prev[0] + 1 or t - max(prev_t, t_event) > gap:
                 resume_times.append(t)
                 resumed_from.append(step - 1)
                 if prev is not None:
                     reached.append(prev[0])
                 break
-            prev = (step, world)
+            prev, prev_t = (step, world), t
         else:
             if after == 0:
                 return {"recovered": False}

@@ -246,11 +246,12 @@ class Agent:
             self.finish_leave()
             return 0
 
+        from torch.distributed.elastic.agent.server.api import WorkerSpec
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
         from petctl_agent.elastic import PetctlElasticAgent, create_rdzv_handler
         from petctl_agent.logship import CloudWatchShipper, LogTailer, stdout_sink
         from petctl_agent.workarounds import enabled
-        from torch.distributed.elastic.agent.server.api import WorkerSpec
-        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
         self._export_worker_env(spec, ckpt_dir)
         nproc = spec.resolved_nproc()

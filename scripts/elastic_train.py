@@ -28,9 +28,10 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
 from petctl_agent import checkpoint as ckpt
 from petctl_agent.distributed import init_process_group
-from torch import nn
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from petctl_agent import checkpoint as ckpt
 from petctl_agent.harness import recovery, wait_for
 
