@@ -174,7 +174,6 @@ class Reconciler:
         self.lock = threading.RLock()
         self.stopping = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._spec_cache: dict[str, dict[str, Any]] = {}
         self._efs_cache: dict[str, str | None] = {}
         self._procs_written: dict[str, Any] | None = None
         self._procs_lock = threading.Lock()
@@ -285,18 +284,18 @@ class Reconciler:
         )
 
     def job_spec(self, rec: Instance) -> dict[str, Any] | None:
+        """The job spec from ``petctl:spec`` (read each time: a job re-created under the same
+        name has a new spec at the same URL)."""
         url = rec.tags.get(SPEC_TAG, "")
         if not url.startswith("s3://"):
             return None
-        if url not in self._spec_cache:
-            bucket, _, key = url[5:].partition("/")
-            try:
-                body = self.clients["s3"].get_object(Bucket=bucket, Key=key)["Body"].read()
-                self._spec_cache[url] = json.loads(body)
-            except Exception as e:  # noqa: BLE001 - a missing spec only means defaults
-                log.warning("%s: cannot read job spec %s (%s); using defaults", rec.instance_id, url, e)
-                return None
-        return self._spec_cache[url]
+        bucket, _, key = url[5:].partition("/")
+        try:
+            spec = json.loads(self.clients["s3"].get_object(Bucket=bucket, Key=key)["Body"].read())
+        except Exception as e:  # noqa: BLE001 - a missing spec only means defaults
+            log.warning("%s: cannot read job spec %s (%s); using defaults", rec.instance_id, url, e)
+            return None
+        return spec if isinstance(spec, dict) else None
 
     def _efs_id(self, rec: Instance) -> str:
         if rec.tags.get("petctl:efs"):
@@ -385,6 +384,10 @@ class Reconciler:
                 rec.state, rec.note = "error", f"unknown {ROLE_TAG} {rec.role!r} (expected rdzv or worker)"
                 log.warning("%s: %s", rec.instance_id, rec.note)
                 return
+            if not rec.private_ip.startswith("127."):
+                # Launched outside the local profile's 127.0.0.0/16 VPC: the address is not local.
+                rec.note = f"private IP {rec.private_ip} is not a loopback address; use a 127.0.0.0/16 VPC"
+                log.warning("%s: %s", rec.instance_id, rec.note)
             if rec.role == "worker":
                 rec.efs_id = self._efs_id(rec)
             argv, env = self._argv_env(rec)
@@ -444,12 +447,16 @@ class Reconciler:
 
     def _drain(self, rec: Instance, was: str) -> None:
         """The termination lifecycle hook: SIGTERM, wait for the agent, then kill the tree."""
-        spec = self.job_spec(rec) or {}
-        timeout = float(spec.get("drain_timeout") or rec.drain_timeout or self.settings.default_drain_timeout)
-        deadline = time.monotonic() + timeout + self.settings.drain_slack
+        t0 = time.monotonic()
         proc = rec.proc
         if proc is not None and was != "exited" and proc.poll() is None:
             procs.signal_pid(proc.pid, signal.SIGTERM, rec.start_ticks)
+            # The spec is re-read: ``drain_timeout`` is the job's current word on it.
+            spec = self.job_spec(rec) or {}
+            timeout = float(
+                spec.get("drain_timeout") or rec.drain_timeout or self.settings.default_drain_timeout
+            )
+            deadline = t0 + timeout + self.settings.drain_slack
             while not self.stopping.is_set() and time.monotonic() < deadline:
                 if proc.poll() is not None:
                     break

@@ -290,3 +290,30 @@ def test_control_api_needs_the_token(cloud: Cloud) -> None:
         headers={"X-Petctl-Control-Token": cloud.info["control_token"]},
     )
     assert status == 200
+
+
+def test_private_ips_are_random_claimed_and_never_reused() -> None:
+    from petctl.local import moto_patches
+
+    # A /29 has 3 usable addresses once AWS's reserved ones (first four, last one) are skipped.
+    got = {moto_patches._random_host("127.255.254.0/29", lambda ip: False) for _ in range(3)}
+    assert got == {"127.255.254.4", "127.255.254.5", "127.255.254.6"}
+    assert moto_patches._random_host("127.255.254.0/29", lambda ip: False) is None  # exhausted, never reused
+    # Another daemon's claim (an flock held by another process) is respected.
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from petctl.local import moto_patches as m; "
+            "print(m.claim_ip('127.255.253.4'), flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "True"
+        assert not moto_patches.claim_ip("127.255.253.4")
+    finally:
+        holder.communicate("")
+    assert moto_patches.claim_ip("127.255.253.4")  # released when its holder exited
