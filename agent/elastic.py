@@ -283,6 +283,8 @@ class PetctlElasticAgent(LocalElasticAgent):
                         done = self._coordinated_stop(wg, self.sync_timeout)
                         if done is not None:
                             return done
+                        if self.leave_requested.is_set():
+                            return self._drain_and_leave(wg)
                     self._restart_workers(wg)
 
     def _workers_progressed(self) -> bool:

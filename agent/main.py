@@ -125,9 +125,7 @@ class Agent:
         time.sleep(2)
         phase = getattr(self.elastic, "phase", "init")
         if phase in ("running", "draining", "done"):
-            return
-        if phase == "running":
-            return
+            return  # the training loop drains (it polls leave_requested every 0.2 s)
         log.info("leaving during %s: no workers to drain", phase)
         if self.pub:
             self.pub.event("drained", clean=True, phase=phase)
@@ -297,10 +295,19 @@ class Agent:
         try:
             agent.run()
         except Exception as e:  # noqa: BLE001
-            from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+            from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
             if isinstance(e, RendezvousClosedError) and (ckpt_dir / SUCCESS_MARKER).exists():
                 agent.outcome = "succeeded"  # we arrived after the job finished
+            elif isinstance(e, RendezvousTimeoutError):
+                agent.outcome = "failed"
+                agent.fail_reason = (
+                    f"rendezvous timed out: fewer than min_nodes={spec.min_nodes} nodes joined within "
+                    f"{os.environ.get('PETCTL_AGENT_JOIN_TIMEOUT', '600')}s (PETCTL_AGENT_JOIN_TIMEOUT)"
+                )
+            elif isinstance(e, RendezvousClosedError):
+                agent.outcome = "failed"
+                agent.fail_reason = "the rendezvous was closed by another node (job failed elsewhere)"
             else:
                 agent.outcome = "failed"
                 agent.fail_reason = f"{type(e).__name__}: {e}"

@@ -5,17 +5,7 @@
 #   usage: scripts/quickstart.sh [petctl local demo options]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${PETCTL_VENV:-$PWD/.venv}"
-if [ ! -x "$VENV/bin/python" ]; then
-  python3 -m venv "$VENV"
-fi
-# shellcheck disable=SC1091
-. "$VENV/bin/activate"
-FIND=()
-[ -d /opt/wheels ] && FIND=(--find-links /opt/wheels)
-echo "== installing petctl (torch CPU build, etcd 3.5, moto) into $VENV"
-# The CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
-python -m pip install -q "${FIND[@]}" "torch==2.13.0"
-python -m pip install -q "${FIND[@]}" -e '.[local]'
+echo "== installing petctl (torch CPU build, etcd 3.5, moto) into ${PETCTL_VENV:-.venv}"
+. scripts/venv.sh local
 echo "== petctl local demo"
 exec petctl local demo "$@"
