@@ -35,8 +35,8 @@ def example_script() -> Path:
 class Demo:
     """One run of the scripted scenario; ``log`` receives the progress lines."""
 
-    total_steps: int = 800
-    step_time: float = 0.05
+    total_steps: int = 1500
+    step_time: float = 0.1
     checkpoint_every: int = 20
     timeout: float = 240.0
     poll: float = 1.0
@@ -86,6 +86,10 @@ class Demo:
                     {"what": what, "t": round(time.monotonic() - self._t0, 1), "step": st.get("last_step")}
                 )
                 return st
+            if st["state"] == "SUCCEEDED" and "finish" not in what:
+                raise PetctlError(
+                    f"job {self.job} finished before {what}; give it more --total-steps or a longer --step-time"
+                )
             if st["state"] == "FAILED" and "FAILED" not in what:
                 reasons = {a.get("reason") for a in st.get("agents", []) if a.get("state") == "FAILED"}
                 raise PetctlError(

@@ -59,6 +59,19 @@ log = logging.getLogger("petctl.local.reconciler")
 LIVE_STATES = ("pending", "running")
 ROLE_TAG, JOB_TAG, SPEC_TAG, RDZV_TAG = "petctl:role", "petctl:job", "petctl:spec", "petctl:rdzv"
 ASG_TAG = "aws:autoscaling:groupName"
+_NOT_INHERITED = frozenset(
+    LOCAL_ENV_UNSET
+    + (
+        "PETCTL_HOME",
+        "PETCTL_PROFILE",
+        "PETCTL_JOB_NAME",
+        "PETCTL_CHECKPOINT_DIR",
+        "PETCTL_DRAIN_FILE",
+        "PETCTL_PROGRESS_FILE",
+        "PETCTL_LOCAL_ADDR",
+        "PETCTL_AGENT_PID",
+    )
+)
 _FS_RE = re.compile(r"\bfs-[0-9a-f]{8,40}\b")
 
 
@@ -332,10 +345,13 @@ class Reconciler:
         return self._efs_cache[key] or "fs-local"
 
     def _base_env(self) -> dict[str, str]:
+        # The daemon's environment reaches the instances (so agent knobs like PETCTL_AGENT_* set
+        # where the cloud was started apply), minus AWS settings, the local cloud's own
+        # settings, and what the contract sets per instance or per worker.
         env = {
             k: v
             for k, v in os.environ.items()
-            if not k.startswith(("AWS_", "PETCTL_", "ETCD_")) and k not in LOCAL_ENV_UNSET
+            if not k.startswith(("AWS_", "PETCTL_LOCAL_", "ETCD_")) and k not in _NOT_INHERITED
         }
         env.update(LOCAL_ENV)
         env["AWS_ENDPOINT_URL"] = self.endpoint_url

@@ -30,11 +30,12 @@ DAEMON_ENV = {
     "PETCTL_LOCAL_SHUTDOWN_GRACE": "1",
     "PETCTL_LOCAL_DRAIN_TIMEOUT": "5",
     "PETCTL_LOCAL_PERIOD": "0.25",
-    "PETCTL_LOCAL_WARMUP": "0",  # tests use few moto backends; do not spend CPU importing the others
+    "PETCTL_LOCAL_WARMUP": "0",
+    "PETCTL_AGENT_LOG_LEVEL": "DEBUG",  # must reach the instances  # tests use few moto backends; do not spend CPU importing the others
 }
 
 
-def wait_for(pred: Callable[[], Any], timeout: float = 20, what: str = "condition", poll: float = 0.1) -> Any:
+def wait_for(pred: Callable[[], Any], timeout: float = 30, what: str = "condition", poll: float = 0.1) -> Any:
     """Poll ``pred`` until it returns something truthy; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     last: Any = None

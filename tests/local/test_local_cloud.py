@@ -85,7 +85,8 @@ def test_worker_gets_the_agent_environment(cloud: Cloud) -> None:
     assert env["AWS_EC2_METADATA_DISABLED"] == "true"
     assert env["AWS_ACCESS_KEY_ID"] == "petctl-local"
     assert env["AWS_REGION"] == "us-east-1"
-    assert "AWS_PROFILE" not in env and "PETCTL_LOCAL_DIR" not in env
+    assert "AWS_PROFILE" not in env and "PETCTL_LOCAL_DIR" not in env and "PETCTL_HOME" not in env
+    assert env["PETCTL_AGENT_LOG_LEVEL"] == "DEBUG"  # agent knobs set where the cloud started pass
     # Its own process group, with the grandchild in it.
     assert inst["pgid"] == data["pid"] and procs.group_members(inst["pgid"]) == sorted(
         [data["pid"], data["child"]]
