@@ -403,6 +403,10 @@ def test_rendezvous_eni_is_in_the_rdzv_subnet_with_the_instance_group():
     assert eni["Type"] == "AWS::EC2::NetworkInterface"
     assert eni["Properties"]["SubnetId"] == {"Ref": "RdzvSubnetId"}
     assert eni["Properties"]["GroupSet"] == [{"Ref": "SecurityGroupId"}]
+    assert eni["Properties"]["PrivateIpAddress"] == {
+        "Fn::If": ["PinRdzvIp", {"Ref": "RdzvPrivateIp"}, {"Ref": "AWS::NoValue"}]
+    }
+    assert t["Parameters"]["RdzvPrivateIp"]["Default"] == ""  # EC2 chooses unless pinned
     assert {"Key": "petctl:role", "Value": "rdzv"} in eni["Properties"]["Tags"]
     assert t["Outputs"]["RdzvAddress"]["Value"] == {"Fn::GetAtt": ["RdzvEni", "PrimaryPrivateIpAddress"]}
     assert t["Outputs"]["RdzvEndpoint"]["Value"] == {"Fn::Sub": "${RdzvEni.PrimaryPrivateIpAddress}:2379"}

@@ -9,6 +9,8 @@ What moto 5.2 does not do, and how we deal with it (test_templates.py checks the
 * launch template MetadataOptions, a role's ManagedPolicyArns, the bucket's
   PublicAccessBlockConfiguration and the ENI's
   ``GroupSet`` and ``Tags`` are ignored (the ENI gets the VPC's default security group);
+* a standalone ENI gets a random address that moto does not reserve, so a worker instance can get
+  the same one: the local cloud pins it with the ``RdzvPrivateIp`` parameter;
 * an ``AWS::SSM::Parameter::Value<...>`` parameter's *Default* is resolved even when a value is
   passed, and moto has no DLAMI public parameter: the GPU job template only deploys in moto with
   ``ami_override=True``.
@@ -95,6 +97,11 @@ def job_values(base: dict[str, str], job: str, **extra) -> dict:
         "DistUrl": f"s3://{bucket}/petctl/jobs/{job}/dist/petctl-0.1.0-py3-none-any.whl",
         **extra,
     }
+
+
+def eni_id(stack: str) -> str:
+    detail = client("cloudformation").describe_stack_resource(StackName=stack, LogicalResourceId="RdzvEni")
+    return detail["StackResourceDetail"]["PhysicalResourceId"]
 
 
 def instance_tags(group: str) -> list[dict[str, str]]:
@@ -192,9 +199,10 @@ def test_job_stack_from_base_outputs(aws, flags):
     (subnet,) = client("ec2").describe_subnets(SubnetIds=[rdzv_subnet])["Subnets"]
     assert ipaddress.ip_address(address) in ipaddress.ip_network(LOCAL_CIDR)
     assert ipaddress.ip_address(address) in ipaddress.ip_network(subnet["CidrBlock"])
-    (eni,) = client("ec2").describe_network_interfaces(
-        Filters=[{"Name": "addresses.private-ip-address", "Values": [address]}]
-    )["NetworkInterfaces"]
+    (eni,) = client("ec2").describe_network_interfaces(NetworkInterfaceIds=[eni_id("petctl-job-train-1")])[
+        "NetworkInterfaces"
+    ]
+    assert eni["PrivateIpAddress"] == address
     assert eni["SubnetId"] == rdzv_subnet  # (moto ignores the ENI's GroupSet and Tags)
 
     (workers,) = client("autoscaling").describe_auto_scaling_groups(
@@ -238,3 +246,21 @@ def test_user_data_is_substituted_with_stack_values(aws):
     assert "TimeoutStopSec=$((60 + 30))" in script  # DrainTimeout default
     assert "${" not in script  # every CloudFormation reference resolved
     assert data["BlockDeviceMappings"][0]["Ebs"]["Encrypted"] is True
+
+
+def test_pinned_rendezvous_address(aws):
+    base = base_stack()
+    outputs = create(
+        "petctl-job-train-3",
+        templates.render_job(),
+        templates.job_parameters(**job_values(base, "train-3", RdzvPrivateIp="127.0.0.254")),
+    )
+    assert outputs["RdzvAddress"] == "127.0.0.254"
+    assert outputs["RdzvEndpoint"] == "127.0.0.254:2379"
+    worker_ips = [
+        i["PrivateIpAddress"]
+        for r in client("ec2").describe_instances()["Reservations"]
+        for i in r["Instances"]
+    ]
+    assert "127.0.0.254" not in worker_ips
+    assert all(tags["petctl:rdzv"] == "127.0.0.254" for tags in instance_tags("petctl-train-3-workers"))
