@@ -216,15 +216,7 @@ def configure(obj: Context, region_opt: str | None, show: bool, **values: Any) -
                 "no values given: pass flags like --subnet-ids, or run on a terminal to be prompted"
             )
         current = obj.profile
-        for key in (
-            "region",
-            "subnet_ids",
-            "security_group_id",
-            "efs_id",
-            "bucket",
-            "worker_instance_profile_arn",
-            "rdzv_instance_profile_arn",
-        ):
+        for key in config.Profile.REQUIRED_FOR_JOBS:
             default = getattr(current, key)
             if isinstance(default, list):
                 default = ",".join(default)
@@ -507,9 +499,9 @@ def _add_local_group() -> None:
 
 
 @click.command("demo")
-@click.option("--total-steps", default=800, show_default=True, help="Training steps of the example job.")
+@click.option("--total-steps", default=1500, show_default=True, help="Training steps of the example job.")
 @click.option(
-    "--step-time", default=0.05, show_default=True, help="Extra seconds per step (pace it to watch)."
+    "--step-time", default=0.1, show_default=True, help="Extra seconds per step (pace it to watch)."
 )
 @click.option("--timeout", default=300, show_default=True, help="Seconds allowed for each stage.")
 @click.option("--keep", is_flag=True, help="Leave the job and the local cloud running afterwards.")

@@ -1,0 +1,106 @@
+"""Acceptance test of the whole product on the local cloud, through the CLI a user types.
+
+setup → run_job --min 2 --max 4 → scale up → scale down (drain) → hard kill → job
+completes → kill_job → teardown, checking world sizes and step counts from
+``petctl status --output json``, checkpoints on the "EFS" directory, and that
+``local stop`` leaves no process behind. Bounded polling only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+TOTAL = 1200
+
+
+@pytest.fixture
+def local_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("PETCTL_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PETCTL_LOCAL_DIR", str(tmp_path / "home" / "local"))
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    yield tmp_path / "home"
+    from petctl import local
+
+    local.stop()
+
+
+def petctl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "petctl.cli", *args], capture_output=True, text=True, timeout=600
+    )
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and ") Z " not in stat.read_text()
+
+
+def test_elastic_job_on_the_local_cloud(local_home):
+    from petctl import local
+    from petctl.local.demo import Demo
+    from petctl_agent import checkpoint
+
+    lines: list[str] = []
+    demo = Demo(total_steps=TOTAL, step_time=0.1, checkpoint_every=20, timeout=300, log=lines.append)
+    final = demo.run(keep=True)
+    report = "\n".join(lines)
+
+    assert final["state"] == "SUCCEEDED", report
+    assert final["last_step"] == TOTAL and final["last_checkpoint_step"] == TOTAL, report
+    seen = [m["what"] for m in demo.milestones]
+    assert seen[:4] == [
+        "training at world size 2",
+        "training at world size 3",
+        "training at world size 2 after the drain",
+        "training again after the node loss",
+    ], report
+    assert final["rounds"] >= 3, report  # initial, join, drain, loss each re-formed the group
+    done = [e for e in final["events"] if e["kind"] == "workers_started"]
+    assert {e["world_size"] for e in done} >= {2, 3}, report
+    # the drain cost no step: the round after a drain resumed at the step after the checkpoint
+    drained = [e for e in final["events"] if e["kind"] == "drained"]
+    assert drained, report
+
+    # the group was scaled to zero when the job succeeded: nothing keeps costing money
+    assert final["desired"] == 0 and final["in_service"] == 0
+
+    # every checkpoint on the shared filesystem loads; the newest is the last step
+    cloud = local.status()
+    efs_root = Path(cloud["state_dir"]) / "efs"
+    ckdirs = list(efs_root.glob(f"*/petctl/jobs/{demo.job}/checkpoints"))
+    assert len(ckdirs) == 1, list(efs_root.rglob("*"))[:20]
+    state, step = checkpoint.load_latest(ckdirs[0])
+    assert step == TOTAL and state
+    for f in sorted(ckdirs[0].glob("ckpt-*.pt")):
+        import torch
+
+        torch.load(f, weights_only=False)
+
+    # logs reached CloudWatch Logs (the agents ship worker output)
+    logs = petctl("--local", "logs", demo.job)
+    assert logs.returncode == 0, logs.stderr
+    assert "world_size" in logs.stdout
+
+    # kill_job and teardown leave nothing; local stop ends every process it started
+    r = petctl("--local", "-o", "json", "kill_job", demo.job)
+    assert r.returncode == 0 and json.loads(r.stdout)["deleted"] is True, r.stderr
+    r = petctl("--local", "-o", "json", "teardown")
+    assert r.returncode == 0, r.stderr
+    pids = [i["pid"] for i in local.status().get("instances", []) if i.get("pid")]
+    daemon = local.status()["pid"]
+    stopped = local.stop()
+    assert stopped
+    assert not alive(daemon)
+    assert not [p for p in pids if alive(p)]
