@@ -197,18 +197,24 @@ def _wait_pid_gone(pid: int, timeout: float) -> bool:
 
 
 def _cleanup_leftovers(d: Path) -> list[dict[str, Any]]:
-    """Kill the instance process groups a dead daemon recorded in procs.json.
+    """Kill the instance process trees a dead daemon recorded in procs.json.
 
-    Only groups that are provably ours are signalled (see
-    :func:`procs.owned_group_alive`), so nothing the daemon did not start is touched.
+    Only processes that are provably ours are signalled: a process group whose
+    leader has the recorded start time (see :func:`procs.owned_group_alive`), or a
+    process carrying that daemon's random instance marker. Nothing the daemon did
+    not start is touched.
     """
     data = _read_json(d / "procs.json") or {}
     killed = []
     for iid, entry in (data.get("groups") or {}).items():
-        pgid, ticks = entry.get("pgid"), entry.get("start_ticks")
-        if isinstance(pgid, int) and pgid > 1 and procs.owned_group_alive(pgid, ticks):
-            procs.kill_group(pgid)
-            killed.append({"instance_id": iid, "pgid": pgid})
+        pgid, ticks, marker = entry.get("pgid"), entry.get("start_ticks"), entry.get("marker")
+        pgid = pgid if isinstance(pgid, int) and pgid > 1 else None
+        if pgid and not procs.owned_group_alive(pgid, ticks):
+            pgid = None
+        marker = marker if isinstance(marker, str) and "@" in marker else None
+        if (pgid or marker) and procs.tree_members(pgid, marker):
+            procs.kill_tree(pgid, marker)
+            killed.append({"instance_id": iid, "pgid": entry.get("pgid")})
     with contextlib.suppress(FileNotFoundError):
         (d / "procs.json").unlink()
     return killed

@@ -1,11 +1,13 @@
 """Process-group helpers for the local cloud (Linux ``/proc``; standard library only).
 
-An "instance" of the local cloud is a process group: its leader is started with
-``start_new_session=True`` so the group id equals the leader's pid, and every
-process the leader forks (torch workers, which torchrun does *not* kill when it
-dies) stays in that group. Terminating an instance therefore means signalling
-the group, and "the tree is gone" means no live (non-zombie) process is left in
-the group.
+An "instance" of the local cloud is a process *tree*: its leader is started with
+``start_new_session=True`` (so its process group id equals its pid), and every
+process it starts inherits the environment variable ``PETCTL_LOCAL_INSTANCE``
+(``<instance-id>@<daemon token>``). A process belongs to the instance if it is in
+the leader's process group **or** carries that marker: torch's elastic agent
+starts its workers with ``start_new_session=True``, so they leave the group (and
+outlive their agent), but they keep the environment. Terminating an instance
+signals both; "the tree is gone" means no live (non-zombie) process matches.
 
 Processes are identified by ``(pid, start time)`` rather than pid alone, so a
 pid reused by an unrelated program is never signalled.
@@ -62,14 +64,85 @@ def _all_stats() -> list[tuple[int, list[str]]]:
     return out
 
 
+MARKER = "PETCTL_LOCAL_INSTANCE"
+_MARKER_B = MARKER.encode() + b"="
+
+
+def _marker_of(pid: int) -> str | None:
+    """The value of ``PETCTL_LOCAL_INSTANCE`` in ``pid``'s environment, if any."""
+    try:
+        raw = (_PROC / str(pid) / "environ").read_bytes()
+    except OSError:  # gone, or another user's process
+        return None
+    if _MARKER_B not in raw:
+        return None
+    for item in raw.split(b"\0"):
+        if item.startswith(_MARKER_B):
+            return item[len(_MARKER_B) :].decode(errors="replace")
+    return None
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes whose process group is ``pgid``."""
     return [pid for pid, f in _all_stats() if int(f[2]) == pgid and f[0] not in ("Z", "X")]
 
 
-def live_groups() -> set[int]:
-    """Process group ids that have at least one live (non-zombie) member."""
-    return {int(f[2]) for _, f in _all_stats() if f[0] not in ("Z", "X")}
+def tree_members(pgid: int | None, marker: str | None) -> list[int]:
+    """Live processes of an instance: in process group ``pgid``, or carrying ``marker``."""
+    me = os.getpid()
+    out = []
+    for pid, f in _all_stats():
+        if f[0] in ("Z", "X") or pid == me:
+            continue
+        if (pgid and int(f[2]) == pgid) or (marker and _marker_of(pid) == marker):
+            out.append(pid)
+    return out
+
+
+def live_trees() -> tuple[set[int], set[str]]:
+    """(process groups with a live member, markers carried by a live process) — one /proc scan."""
+    groups, markers = set(), set()
+    for pid, f in _all_stats():
+        if f[0] in ("Z", "X"):
+            continue
+        groups.add(int(f[2]))
+        m = _marker_of(pid)
+        if m:
+            markers.add(m)
+    return groups, markers
+
+
+def signal_tree(pgid: int | None, marker: str | None, sig: int) -> int:
+    """Send ``sig`` to every process of an instance; returns how many were signalled."""
+    n = 0
+    for pid in tree_members(pgid, marker):
+        try:
+            os.kill(pid, sig)
+            n += 1
+        except (ProcessLookupError, PermissionError):
+            pass
+    return n
+
+
+def wait_tree_gone(pgid: int | None, marker: str | None, timeout: float, poll: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if not tree_members(pgid, marker):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll)
+
+
+def kill_tree(pgid: int | None, marker: str | None, timeout: float = 10.0) -> bool:
+    """SIGKILL every process of an instance (repeatedly: a dying parent may still fork)."""
+    deadline = time.monotonic() + timeout
+    while signal_tree(pgid, marker, signal.SIGKILL):
+        if wait_tree_gone(pgid, marker, min(1.0, max(0.0, deadline - time.monotonic()))):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+    return True
 
 
 def descendants(pid: int) -> list[int]:

@@ -43,6 +43,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -135,6 +136,7 @@ class Instance:
     restarts: int = 0
     drain_timeout: float | None = None
     efs_id: str | None = None
+    marker: str | None = None  # PETCTL_LOCAL_INSTANCE of every process of this instance
     note: str | None = None
     instance_type: str = "t3.medium"
     image_id: str = "ami-local"
@@ -143,10 +145,13 @@ class Instance:
 
     @property
     def alive(self) -> bool:
-        return bool(self.pgid and procs.group_members(self.pgid))
+        return bool(self.pgid and procs.tree_members(self.pgid, self.marker))
 
-    def summary(self, state_dir: Path, live_groups: set[int] | None = None) -> dict[str, Any]:
-        alive = self.alive if live_groups is None else bool(self.pgid and self.pgid in live_groups)
+    def summary(self, state_dir: Path, live: tuple[set[int], set[str]] | None = None) -> dict[str, Any]:
+        if live is None:
+            alive = self.alive
+        else:
+            alive = bool(self.pgid and (self.pgid in live[0] or self.marker in live[1]))
         return {
             "instance_id": self.instance_id,
             "role": self.role,
@@ -191,6 +196,9 @@ class Reconciler:
         self._procs_written: dict[str, Any] | None = None
         self._procs_lock = threading.Lock()
         self._ticks = 0
+        # Marks every process of every instance of this daemon (see procs): random per daemon,
+        # so a marker proves the process was started by this daemon.
+        self.token = secrets.token_hex(8)
         moto_patches.lifecycle_handler = self.on_lifecycle_call
 
     # ------------------------------------------------------------------ loop
@@ -362,6 +370,8 @@ class Reconciler:
         inst_dir = self.state_dir / "instances" / rec.instance_id
         inst_dir.mkdir(parents=True, exist_ok=True)
         env = self._base_env()
+        rec.marker = f"{rec.instance_id}@{self.token}"
+        env[procs.MARKER] = rec.marker
         spec = self.job_spec(rec) or {}
         if rec.role == "rdzv":
             rdzv = rec.tags.get(RDZV_TAG, "") or rec.private_ip
@@ -494,12 +504,12 @@ class Reconciler:
     def _shutdown(self, rec: Instance, grace: float) -> None:
         """OS shutdown of an instance: SIGTERM to every process, SIGKILL after ``grace``."""
         if rec.pgid:
-            procs.signal_group(rec.pgid, signal.SIGTERM)
-            procs.wait_group_gone(rec.pgid, grace)
+            procs.signal_tree(rec.pgid, rec.marker, signal.SIGTERM)
+            procs.wait_tree_gone(rec.pgid, rec.marker, grace)
 
     def _finish(self, rec: Instance, state: str) -> None:
         if rec.pgid:
-            procs.kill_group(rec.pgid)
+            procs.kill_tree(rec.pgid, rec.marker)
         with rec.lock:
             if rec.proc is not None:
                 try:
@@ -611,7 +621,7 @@ class Reconciler:
             old_pid = rec.proc.pid if rec.proc else None
             rec.state = "restarting"
             if rec.pgid:
-                procs.kill_group(rec.pgid)
+                procs.kill_tree(rec.pgid, rec.marker)
             if rec.proc:
                 rec.proc.wait(timeout=5)
             rec.exit_code = None
@@ -634,13 +644,18 @@ class Reconciler:
     def summaries(self) -> list[dict[str, Any]]:
         with self.lock:
             recs = list(self.instances.values())
-        live = procs.live_groups()
+        live = procs.live_trees()
         return [r.summary(self.state_dir, live) for r in sorted(recs, key=lambda r: r.started_at or 0)]
 
     def _write_procs(self) -> None:
         with self.lock:
             groups = {
-                r.instance_id: {"pgid": r.pgid, "start_ticks": r.start_ticks, "role": r.role}
+                r.instance_id: {
+                    "pgid": r.pgid,
+                    "start_ticks": r.start_ticks,
+                    "marker": r.marker,
+                    "role": r.role,
+                }
                 for r in self.instances.values()
                 if r.pgid and r.state not in ("terminated", "killed", "error")
             }
@@ -661,12 +676,11 @@ class Reconciler:
             recs = list(self.instances.values())
         killed = []
         for rec in recs:
-            if rec.pgid and procs.group_members(rec.pgid):
-                procs.signal_group(rec.pgid, signal.SIGKILL)
+            if rec.pgid and procs.signal_tree(rec.pgid, rec.marker, signal.SIGKILL):
                 killed.append({"instance_id": rec.instance_id, "pgid": rec.pgid})
         for rec in recs:
             if rec.pgid:
-                procs.kill_group(rec.pgid)
+                procs.kill_tree(rec.pgid, rec.marker)
             if rec.proc is not None:
                 try:
                     rec.proc.wait(timeout=5)
@@ -679,5 +693,5 @@ class Reconciler:
 
     def _write_procs_empty(self) -> None:
         path = self.state_dir / "procs.json"
-        if all(not (r.pgid and procs.group_members(r.pgid)) for r in self.instances.values()):
+        if all(not (r.pgid and procs.tree_members(r.pgid, r.marker)) for r in self.instances.values()):
             path.unlink(missing_ok=True)

@@ -1,7 +1,7 @@
 """A stand-in for ``petctl-agent run`` in the local cloud tests.
 
-It records its environment, forks a grandchild (like torch workers, which outlive
-their agent), and on SIGTERM writes what IMDS says about the instance's lifecycle
+It records its environment, starts a grandchild in a new session (as torch's
+elastic agent starts its workers: they leave the process group and outlive the agent), and on SIGTERM writes what IMDS says about the instance's lifecycle
 to ``drained`` in its agent dir. With ``--ignore-term`` in the ``test:mode`` tag
 it ignores SIGTERM (so only the drain timeout or a completed lifecycle action
 ends it); with ``crash`` it exits 3 right after starting.
@@ -39,7 +39,8 @@ def write(name, data):
 
 
 mode = imds_get("meta-data/tags/instance/test:mode")
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+# Like torch elastic's workers: a new session, so it leaves the agent's process group.
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
 write("env.json", json.dumps({"env": dict(os.environ), "pid": os.getpid(), "child": child.pid, "mode": mode}))
 if mode == "crash":
     sys.exit(3)

@@ -87,10 +87,11 @@ def test_worker_gets_the_agent_environment(cloud: Cloud) -> None:
     assert env["AWS_REGION"] == "us-east-1"
     assert "AWS_PROFILE" not in env and "PETCTL_LOCAL_DIR" not in env and "PETCTL_HOME" not in env
     assert env["PETCTL_AGENT_LOG_LEVEL"] == "DEBUG"  # agent knobs set where the cloud started pass
-    # Its own process group, with the grandchild in it.
-    assert inst["pgid"] == data["pid"] and procs.group_members(inst["pgid"]) == sorted(
-        [data["pid"], data["child"]]
-    )
+    # Its own process group; the grandchild left it (new session) but carries the instance marker.
+    assert inst["pgid"] == data["pid"] and procs.group_members(inst["pgid"]) == [data["pid"]]
+    marker = data["env"][procs.MARKER]
+    assert marker.startswith(iid + "@")
+    assert sorted(procs.tree_members(inst["pgid"], marker)) == sorted([data["pid"], data["child"]])
     assert (cloud.state_dir / "logs" / f"{iid}.log").exists()
 
 
@@ -105,9 +106,9 @@ def test_scale_in_drains_then_kills_the_tree(cloud: Cloud) -> None:
 
     # The stand-in reads IMDS in its SIGTERM handler: the lifecycle state was flipped first.
     assert wait_for(lambda: cloud.drained(gone), what="SIGTERM handler") == "Terminated"
-    wait_for(lambda: not procs.group_members(pids["pid"]), what="process tree gone")
-    assert not procs.is_alive(pids["child"])  # the grandchild (a torch worker) too
-    assert wait_for(lambda: cloud.instance(gone)["state"] == "terminated", what="state terminated")
+    wait_for(lambda: cloud.instance(gone)["state"] == "terminated", what="state terminated")
+    assert not procs.group_members(pids["pid"])
+    assert not procs.is_alive(pids["child"])  # the grandchild (a torch worker, own session) too
     assert cloud.instance(gone)["lifecycle_state"] == "Terminated"
     assert cloud.imds(gone, "meta-data/autoscaling/target-lifecycle-state") == (200, "Terminated")
     assert cloud.instance(kept)["alive"] and cloud.drained(kept) is None
@@ -161,7 +162,7 @@ def test_kill_during_drain(cloud: Cloud) -> None:
     wait_for(lambda: cloud.drained(iid), what="SIGTERM seen")
     res = local.kill_instance(iid)
     assert res["replaced_by_group"] is False  # already leaving: nothing to replace
-    assert not procs.group_members(inst["pgid"])
+    assert not procs.group_members(inst["pgid"]) and not procs.is_alive(cloud.standin(iid)["child"])
     wait_for(lambda: cloud.instance(iid)["state"] == "killed", timeout=5, what="state stays killed")
     assert cloud.group_instances(job["groups"]["workers"]) == []
 
@@ -222,19 +223,22 @@ def test_crashed_tree_is_not_restarted(cloud: Cloud) -> None:
         time.sleep(0.1)
     assert cloud.standin(inst["instance_id"])["pid"] == first
     # The grandchild is still running on the "instance", like on a real host ...
-    assert procs.group_members(inst["pgid"])
+    child = cloud.standin(inst["instance_id"])["child"]
+    assert procs.is_alive(child) and cloud.instance(inst["instance_id"])["alive"]
     # ... until the instance goes.
     local.kill_instance(inst["instance_id"])
-    assert not procs.group_members(inst["pgid"])
+    assert not procs.is_alive(child)
 
 
 def test_deleting_the_group_ends_its_instances(cloud: Cloud) -> None:
     job = cloud.make_job("delete", workers=2)
     insts = wait_for(lambda: cloud.running("delete", n=2), what="2 workers")
+    children = [cloud.standin(i["instance_id"])["child"] for i in insts]
     cloud.asg.delete_auto_scaling_group(AutoScalingGroupName=job["groups"]["workers"], ForceDelete=True)
     for i in insts:
         wait_for(lambda i=i: cloud.instance(i["instance_id"])["state"] == "terminated", what="terminated")
         assert not procs.group_members(i["pgid"])
+    assert not any(procs.is_alive(c) for c in children)
 
 
 def test_rdzv_runs_real_etcd_and_restart_keeps_data(cloud: Cloud) -> None:
