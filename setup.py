@@ -22,7 +22,7 @@ setup(
     long_description=(HERE / "README.md").read_text() if (HERE / "README.md").exists() else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["petctl", "petctl.local", "petctl.cfn_templates", "petctl_agent"],
+    packages=["petctl", "petctl.local", "petctl.lint_rules", "petctl.cfn_templates", "petctl_agent"],
     package_dir={"petctl.cfn_templates": "cfn_templates", "petctl_agent": "agent"},
     package_data={"petctl.cfn_templates": ["*.j2", "user_data/*.j2"]},
     include_package_data=True,

@@ -113,7 +113,7 @@ def _enter_local(obj: Context) -> None:
     from petctl import local as local_cloud
 
     obj.ui.progress("using the local cloud (no AWS account is touched)")
-    local_cloud.activate()
+    local_cloud.activate(timeout=90)  # importing moto takes 10-30 s on a busy 2-core machine
     profile = obj.profile
     if profile.region is None or profile.vpc_cidr is None:
         profile.region = profile.region or local_cloud.LOCAL_ENV.get("AWS_REGION", "us-east-1")
@@ -286,6 +286,9 @@ def run_job(
     req = jobs.JobRequest(target=target, args=list(args), env=env_map, **opts)
     jobs.validate_request(req)
     obj.profile.require_ready()
+    jobs.check_code_url(obj, req)
+    if req.ami is not None:
+        jobs.resolve_ami(obj, req)
     dist = None if dry_run else storage.dist_wheel()
     plan = jobs.plan(obj, req, dist=dist)
     if dry_run:

@@ -42,6 +42,7 @@ class JobRequest:
     ami: str | None = None
     drain_timeout: int = DEFAULT_DRAIN_TIMEOUT
     env: dict[str, str] = field(default_factory=dict)
+    root_device_name: str | None = None  # of --ami, looked up by resolve_ami()
 
 
 @dataclass
@@ -202,11 +203,39 @@ def plan(ctx: Context, req: JobRequest, dist: Path | None = None) -> Plan:
     }
     if req.ami is not None:
         values["ImageId"] = req.ami
+        # An AMI's root device name differs by distribution (/dev/xvda, /dev/sda1): the encrypted
+        # root volume must be mapped onto it, not added as a second disk.
+        values["RootDeviceName"] = req.root_device_name
     if req.spot:
         values["OnDemandBaseCapacity"] = str(req.min_nodes)
-    parameters = templates.job_parameters(**values)
+    parameters = templates.job_parameters(template=template, **values)
     tags = {"petctl:job": job, "petctl:user": ctx.user, "petctl:profile": profile.name}
     return Plan(job, naming.job_stack(job), template, parameters, uploads, spec, tags, bucket)
+
+
+def resolve_ami(ctx: Context, req: JobRequest) -> None:
+    """Check that ``--ami`` exists in the region and record its root device name."""
+    if req.ami is None:
+        return
+    try:
+        images = ctx.clients()("ec2").describe_images(ImageIds=[req.ami])["Images"]
+    except Exception as e:  # noqa: BLE001 - InvalidAMIID.* and friends
+        raise PetctlError(f"--ami {req.ami} is not usable in {ctx.region}: {describe_client_error(e)}") from e
+    if not images:
+        raise PetctlError(f"--ami {req.ami} was not found in {ctx.region}")
+    req.root_device_name = images[0].get("RootDeviceName") or None
+
+
+def check_code_url(ctx: Context, req: JobRequest) -> None:
+    """Warn when an ``s3://`` target lies where the worker role cannot read it."""
+    if not req.target.startswith("s3://"):
+        return
+    bucket, key = parse_s3_url(req.target)
+    if bucket != ctx.profile.bucket or not key.startswith("petctl/"):
+        ctx.ui.warn(
+            f"{req.target} is outside s3://{ctx.profile.bucket}/petctl/, which is all the worker role may "
+            f"read; copy it there (`petctl upload`) or grant the worker role access"
+        )
 
 
 def execute(ctx: Context, p: Plan, timeout: float = 1800) -> dict[str, Any]:

@@ -300,3 +300,32 @@ def test_logs_prints_agent_streams(run, ready):
     r = run("logs", "demo", "--since", "1h")
     assert r.exit_code == 0, r.output
     assert "i-0abc step=5 world_size=2" in r.stdout
+
+
+def test_ami_override_is_checked_and_its_root_device_used(run, ready):
+    ec2 = boto3.client("ec2")
+    image = ec2.describe_images(Owners=["amazon"])["Images"][0]
+    r = run(
+        "--output",
+        "json",
+        "run_job",
+        "--dry-run",
+        "--ami",
+        image["ImageId"],
+        "--min",
+        "1",
+        "--max",
+        "1",
+        str(ready),
+    )
+    assert r.exit_code == 0, r.output
+    params = json.loads(r.stdout)["parameters"]
+    assert params["ImageId"] == image["ImageId"] and params["RootDeviceName"] == image["RootDeviceName"]
+    r = run("run_job", "--dry-run", "--ami", "ami-0123456789abcdef0", "--min", "1", "--max", "1", str(ready))
+    assert r.exit_code != 0 and "--ami ami-0123456789abcdef0" in r.stderr and "Traceback" not in r.output
+
+
+def test_s3_target_outside_the_petctl_prefix_warns(run, ready):
+    r = run("run_job", "--dry-run", "--min", "1", "--max", "1", "s3://someone-elses-bucket/train.py")
+    assert r.exit_code == 0, r.output
+    assert "is outside s3://" in r.stderr and "petctl upload" in r.stderr
