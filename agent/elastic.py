@@ -152,8 +152,11 @@ class PetctlElasticAgent(LocalElasticAgent):
         progress_file: Path,
         drain_timeout: float,
         exit_barrier_timeout: float = 120,
+        start_method: str = "spawn",
     ) -> None:
-        super().__init__(spec, logs_specs, start_method="spawn", exit_barrier_timeout=exit_barrier_timeout)
+        super().__init__(
+            spec, logs_specs, start_method=start_method, exit_barrier_timeout=exit_barrier_timeout
+        )
         self.pub = publisher
         self.drain_file = Path(drain_file)
         self.progress_file = Path(progress_file)

@@ -18,6 +18,7 @@ WORKAROUNDS = {
     "ETCD_OUTAGE": "tolerate etcd errors while workers run (torch's monitor loop raises and kills the job)",
     "MEMBERSHIP_WATCH": "restart workers when a participant leaves/dies (torch only reacts to waiting nodes)",
     "SYNC_RESTART": "coordinated checkpoint before a scale-up/membership restart (torch kills workers mid-step)",
+    "FORKSERVER": "workers fork from a torch-preloaded forkserver (torch starts fresh interpreters each restart)",
     "PDEATHSIG": "workers die with their agent (torch starts them in a new session; they would be orphaned)",
 }
 

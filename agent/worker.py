@@ -18,7 +18,14 @@ import runpy
 import signal
 import sys
 
-PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch.nn.parallel", "torch._dynamo", "petctl_agent.worker"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.optim",
+    "torch.nn.parallel",
+    "torch._dynamo",
+    "petctl_agent.worker",
+]
 
 
 def run_script(script: str, *args: str) -> None:
