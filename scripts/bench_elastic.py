@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import BIN, TOOLS, Node, Run, RunConfig, cmdline, kill_pids, poll  # noqa: E402
+from benchlib import BIN, TOOLS, Node, Run, RunConfig, cmdline, kill_pids, poll, wait_idle  # noqa: E402
 
 SCENARIOS = ("cold_start", "scale_up", "burst", "scale_in", "hard_loss", "loss_during_rdzv", "etcd_restart")
 BASELINE = "torchrun-etcd"
@@ -198,7 +198,11 @@ def run_one(scenario: str, tool: str, rep: int, a: argparse.Namespace, root: Pat
         job=f"b-{scenario.replace('_', '-')}",
     )  # fmt: skip
     run = Run(root / f"{scenario}-{tool}-{rep}", cfg)
-    rec: dict[str, Any] = {"scenario": scenario, "tool": tool, "rep": rep, "load": os.getloadavg()[0]}
+    waited, busy = wait_idle(a.idle_wait) if a.idle_wait > 0 else (0.0, float("nan"))
+    rec: dict[str, Any] = {
+        "scenario": scenario, "tool": tool, "rep": rep, "load": os.getloadavg()[0],
+        "cpu_busy_before": round(busy, 2), "idle_wait": round(waited, 1),
+    }  # fmt: skip
     t = time.monotonic()
     try:
         run.start()
@@ -380,6 +384,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list of {', '.join(SCENARIOS)}")
     p.add_argument("--tools", default=",".join(TOOLS), help=f"comma list of {', '.join(TOOLS)}")
     p.add_argument("--json", type=Path, help="write all records + the summary here")
+    p.add_argument(
+        "--baseline-reps", type=int, default=None, help="reps for the torchrun tools (default: --reps)"
+    )
+    p.add_argument("--idle-wait", type=float, default=180,
+                   help="before each run wait up to this many s for other load to stop (0: don't)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=120, help="bound of every wait, seconds")
     p.add_argument("--nodes", type=int, default=3, help="nodes in the cold-start scenario")
     p.add_argument("--burst", type=int, default=6, help="target size of the 2->k burst scale-up")
@@ -428,26 +437,13 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     records: list[dict[str, Any]] = []
     started = time.time()
-    for sc in a.scenario_list:
-        for tool in a.tool_list:
-            for rep in range(1, a.reps + 1):
-                prev = [r for r in records if r["scenario"] == sc and r["tool"] == tool]
-                if not a.no_skip_hangs and any("timeout" in (r.get("note") or "") for r in prev):
-                    records.append({"scenario": sc, "tool": tool, "rep": rep, "skipped": True})
-                    continue
-                rec = run_one(sc, tool, rep, a, root)
-                records.append(rec)
-                print(
-                    f"# {sc:17s} {tool:17s} rep {rep}: seconds={rec.get('seconds')} "
-                    f"lost={rec.get('steps_lost')} load={rec['load']:.1f} wall={rec['wall']}s {rec.get('note') or ''}",
-                    file=sys.stderr, flush=True,
-                )  # fmt: skip
-    cli = time_cli(a.cli_runs) if a.cli_runs > 0 else []
-    rows = summarize(records, a.scenario_list, a.tool_list, a)
-    print(markdown(rows, cli))
-    if a.json:
+
+    def write_json(rows: list[dict[str, Any]], cli: list[dict[str, Any]], complete: bool) -> None:
+        if not a.json:
+            return
         doc = {
             "command": "python scripts/bench_elastic.py " + " ".join(argv),
+            "complete": complete,
             "started": started,
             "wall_s": round(time.time() - started, 1),
             "machine": {
@@ -460,7 +456,37 @@ def main(argv: list[str] | None = None) -> int:
             "cli": cli,
             "records": records,
         }
-        a.json.write_text(json.dumps(doc, indent=2, default=str))
+        tmp = a.json.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=2, default=str))
+        os.replace(tmp, a.json)
+
+    def reps_for(tool: str) -> int:
+        return a.reps if tool == "petctl" or a.baseline_reps is None else a.baseline_reps
+
+    # reps outermost: every (scenario, tool) gets its first rep before any gets a second,
+    # so an interrupted run still has the whole table (JSON is rewritten after each run)
+    for rep in range(1, max(reps_for(t) for t in a.tool_list) + 1):
+        for sc in a.scenario_list:
+            for tool in a.tool_list:
+                if rep > reps_for(tool):
+                    continue
+                prev = [r for r in records if r["scenario"] == sc and r["tool"] == tool]
+                if not a.no_skip_hangs and any("timeout" in (r.get("note") or "") for r in prev):
+                    records.append({"scenario": sc, "tool": tool, "rep": rep, "skipped": True})
+                    continue
+                rec = run_one(sc, tool, rep, a, root)
+                records.append(rec)
+                print(
+                    f"# {sc:17s} {tool:17s} rep {rep}: seconds={rec.get('seconds')} "
+                    f"lost={rec.get('steps_lost')} busy={rec['cpu_busy_before']} wall={rec['wall']}s {rec.get('note') or ''}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                write_json(summarize(records, a.scenario_list, a.tool_list, a), [], False)
+    cli = time_cli(a.cli_runs) if a.cli_runs > 0 else []
+    rows = summarize(records, a.scenario_list, a.tool_list, a)
+    print(markdown(rows, cli))
+    write_json(rows, cli, True)
     if not a.keep and a.workdir is None:
         shutil.rmtree(root, ignore_errors=True)
     return 0

@@ -63,6 +63,33 @@ def poll(pred: Callable[[], Any], timeout: float, interval: float = 0.05) -> Any
         time.sleep(interval)
 
 
+def cpu_busy(sample: float = 1.0) -> float:
+    """Fraction of all CPUs busy (anyone's processes) over ``sample`` seconds, from /proc/stat."""
+
+    def snap() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]  # total, idle + iowait
+
+    t1, i1 = snap()
+    time.sleep(sample)
+    t2, i2 = snap()
+    return 1.0 - (i2 - i1) / max(t2 - t1, 1)
+
+
+def wait_idle(max_wait: float, threshold: float = 0.5) -> tuple[float, float]:
+    """Wait (bounded) until the machine is mostly idle; return (seconds waited, last busy fraction).
+
+    Between our runs none of our processes exist, so what is busy is someone else:
+    measuring then would time their load, not the tools.
+    """
+    t0 = time.monotonic()
+    busy = cpu_busy()
+    while busy > threshold and time.monotonic() - t0 < max_wait:
+        busy = cpu_busy(2.0)
+    return time.monotonic() - t0, busy
+
+
 # ---- processes ----------------------------------------------------------------------------
 def _ppid_map() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
@@ -95,6 +122,11 @@ def _stat(pid: int) -> list[str] | None:
             return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+
+
+def ppid(pid: int) -> int | None:
+    st = _stat(pid)
+    return int(st[1]) if st else None
 
 
 def start_time(pid: int) -> int | None:
@@ -257,8 +289,22 @@ class Node:
         return st[-1][0] if st else self.started
 
     def workers(self) -> list[int]:
-        """Live training-worker pids under this node (children running the example script)."""
-        return [p for p in descendants(self.proc.pid) if SCRIPT.name in cmdline(p) and pid_alive(p)]
+        """Live training-worker pids under this node.
+
+        A worker is a descendant running the example script, or a process forked by a
+        multiprocessing forkserver (an agent may pre-import torch in one and fork workers
+        from it: those keep the forkserver's command line).
+        """
+        out = []
+        for p in descendants(self.proc.pid):
+            if not pid_alive(p):
+                continue
+            c = cmdline(p)
+            if SCRIPT.name in c:
+                out.append(p)
+            elif "forkserver" in cmdline(ppid(p) or 0) and "resource_tracker" not in c:
+                out.append(p)
+        return out
 
 
 @dataclass
