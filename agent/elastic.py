@@ -25,6 +25,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousStateError,
+    RendezvousTimeoutError,
 )
 
 from petctl_agent import DRAIN_EXIT_CODE
@@ -191,8 +192,12 @@ class PetctlElasticAgent(LocalElasticAgent):
                 raise
             except TRANSIENT_RDZV_ERRORS as e:
                 attempt += 1
-                if not enabled("RDZV_RETRY") or time.monotonic() > deadline:
+                if not enabled("RDZV_RETRY"):
                     raise
+                if time.monotonic() > deadline:
+                    raise RendezvousTimeoutError(
+                        f"no complete round within the join timeout; last error {type(e).__name__}: {e}"
+                    ) from e
                 # torch lets these escape agent.run(): an etcd restart or a peer
                 # dying between "round complete" and "MASTER_ADDR published" would
                 # kill the agent. Retry: the next attempt exits and re-joins a round.

@@ -127,6 +127,11 @@ class Agent:
         if phase in ("running", "draining", "done"):
             return  # the training loop drains (it polls leave_requested every 0.2 s)
         log.info("leaving during %s: no workers to drain", phase)
+        if phase == "rendezvous" and self.elastic is not None:
+            # Take ourselves out of the round now: otherwise a node arriving within
+            # the heartbeat expiry completes a round with us in it and then waits
+            # for a MASTER_ADDR we will never publish.
+            self.elastic.leave_rendezvous()
         if self.pub:
             self.pub.event("drained", clean=True, phase=phase)
         self.finish_leave()
@@ -326,6 +331,7 @@ class Agent:
                 agent.fail_reason = (
                     f"rendezvous timed out: fewer than min_nodes={spec.min_nodes} nodes joined within "
                     f"{os.environ.get('PETCTL_AGENT_JOIN_TIMEOUT', '600')}s (PETCTL_AGENT_JOIN_TIMEOUT)"
+                    + (f"; {e}" if str(e) else "")
                 )
             elif isinstance(e, RendezvousClosedError):
                 agent.outcome = "failed"

@@ -136,3 +136,25 @@ def test_etcd_restart_then_run_to_completion(make_cluster):
     # every rank printed every step exactly once per attempt, ending at total
     for n in (a, b):
         assert n.steps[-1][1] == total
+
+
+def test_leave_while_waiting_and_bounded_wait_below_min(make_cluster):
+    """Below MIN: a scale-in notice while waiting leaves cleanly (rc 0, LEFT); otherwise the join
+    timeout fails the node clearly (rc 1, FAILED with the reason) instead of waiting forever."""
+    c = make_cluster(job="belowmin", min_nodes=2, max_nodes=2, script_args=["--total-steps", "10", *ARGS],
+                     extra_env={**ENV, "PETCTL_AGENT_JOIN_TIMEOUT": "8"})  # fmt: skip
+    a = c.add_node()
+    wait_for(
+        lambda: (c.status(a.instance_id) or {}).get("state") == "RENDEZVOUS", 120, "a waiting in rendezvous"
+    )
+    # the ASG scale-in path: IMDS target-lifecycle-state flips to Terminated
+    c.imds.set(a.instance_id, "autoscaling/target-lifecycle-state", "Terminated")
+    wait_for(lambda: a.proc.poll() is not None, 30, "a to leave")
+    st = c.status(a.instance_id)
+    assert a.proc.returncode == 0 and st["state"] == "LEFT" and "Terminated" in st["reason"]
+
+    b = c.add_node()
+    wait_for(lambda: b.proc.poll() is not None, 120, "b to give up")
+    st = c.status(b.instance_id)
+    assert b.proc.returncode == 1 and st["state"] == "FAILED"
+    assert "fewer than min_nodes=2" in st["reason"], st["reason"]
