@@ -153,11 +153,10 @@ class PetctlElasticAgent(LocalElasticAgent):
         progress_file: Path,
         drain_timeout: float,
         exit_barrier_timeout: float = 120,
-        start_method: str = "spawn",
+        restart_launch: tuple[str, Any, tuple[str, ...]] | None = None,
     ) -> None:
-        super().__init__(
-            spec, logs_specs, start_method=start_method, exit_barrier_timeout=exit_barrier_timeout
-        )
+        super().__init__(spec, logs_specs, start_method="spawn", exit_barrier_timeout=exit_barrier_timeout)
+        self._restart_launch = restart_launch  # (start_method, entrypoint, args) for restarts
         self.pub = publisher
         self.drain_file = Path(drain_file)
         self.progress_file = Path(progress_file)
@@ -228,6 +227,8 @@ class PetctlElasticAgent(LocalElasticAgent):
             pass
         pids = super()._start_workers(worker_group)
         self._workers_started_at = time.time()
+        if self._restart_launch is not None:
+            self._switch_to_forkserver(worker_group)
         self.phase = "running"
         self.pub.update(state="RUNNING", restarts=self._restarts)
         self.pub.event(
@@ -237,6 +238,24 @@ class PetctlElasticAgent(LocalElasticAgent):
             pids=list(pids.values()),
         )
         return pids
+
+    def _switch_to_forkserver(self, worker_group: WorkerGroup) -> None:
+        """After the first start: warm a torch-preloaded forkserver in the background and
+        launch every later (re)start from it (see ``petctl_agent.worker``)."""
+        import multiprocessing
+        import multiprocessing.forkserver
+
+        from petctl_agent.worker import PRELOAD
+
+        method, entrypoint, args = self._restart_launch
+        self._restart_launch = None
+        multiprocessing.set_forkserver_preload(PRELOAD)
+        threading.Thread(
+            target=multiprocessing.forkserver.ensure_running, name="petctl-forkserver", daemon=True
+        ).start()
+        self._start_method = method
+        worker_group.spec.entrypoint = entrypoint
+        worker_group.spec.args = args
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self._restarts += 1

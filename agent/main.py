@@ -261,30 +261,24 @@ class Agent:
         handler = create_rdzv_handler(
             endpoint, spec.job_name, spec.min_nodes, spec.max_nodes, self.local_addr
         )
-        start_method = "spawn"
-        entrypoint: Any = sys.executable
+        if enabled("PDEATHSIG"):
+            entry_args: tuple[str, ...] = ("-c", _PDEATHSIG_SHIM, str(script), *spec.args)
+        else:
+            entry_args = ("-u", str(script), *spec.args)
+        restart_launch = None
         if enabled("FORKSERVER"):
             # torch launches every worker as a fresh interpreter that re-imports
             # torch (+ torch._dynamo via torch.optim): 15-30 s per restart on a
-            # loaded 2-core box. Fork workers from a server that imported it once,
-            # started now so its imports overlap with the rendezvous.
-            import multiprocessing
-            import multiprocessing.forkserver
+            # loaded 2-core box. The first workers are spawned as usual (a
+            # forkserver import racing the agent's own boot made the first start
+            # slower); restarts fork from a server that imported torch once.
+            from petctl_agent.worker import run_script
 
-            from petctl_agent.worker import PRELOAD, run_script
-
-            multiprocessing.set_forkserver_preload(PRELOAD)
-            multiprocessing.forkserver.ensure_running()
-            start_method, entrypoint = "forkserver", run_script
-            entry_args: tuple[str, ...] = (str(script), *spec.args)
-        elif enabled("PDEATHSIG"):
-            entry_args = ("-c", _PDEATHSIG_SHIM, str(script), *spec.args)
-        else:
-            entry_args = ("-u", str(script), *spec.args)
+            restart_launch = ("forkserver", run_script, (str(script), *spec.args))
         wspec = WorkerSpec(
             role="trainer",
             local_world_size=nproc,
-            entrypoint=entrypoint,
+            entrypoint=sys.executable,
             args=entry_args,
             rdzv_handler=handler,
             max_restarts=spec.max_restarts,
@@ -299,7 +293,7 @@ class Agent:
             self.paths.drain,
             self.paths.progress,
             spec.drain_timeout,
-            start_method=start_method,
+            restart_launch=restart_launch,
         )
         if self.leave_reason:  # arrived while we were setting up
             agent.leave_reason = self.leave_reason
