@@ -54,6 +54,8 @@ def test_setup_with_existing_bucket_and_efs(run, profile_data):
     assert r.exit_code == 0, r.output
     p = profile_data()
     assert p["bucket"] == "team-bucket" and p["efs_id"] == fs and p["bucket_created"] is False
+    targets = boto3.client("efs").describe_mount_targets(FileSystemId=fs)["MountTargets"]
+    assert sorted(t["SubnetId"] for t in targets) == sorted(p["subnet_ids"])
 
 
 def test_setup_with_missing_efs_names_it_and_creates_nothing(run):
