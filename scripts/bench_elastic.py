@@ -68,8 +68,21 @@ def bring_up(run: Run, n: int, timeout: float) -> tuple[list[Node], float]:
         raise Miss(f"cold start of {n}: {note}")
     # steady state: a few steps at full size and a checkpoint on disk (a resume point)
     _, note = run.wait_stepping(nodes, n, t0, timeout, min_steps=5)
-    if note or not poll(lambda: (run.ckpt_dir / "latest").exists() or run.checkpoints(), timeout):
+    if note or not poll(lambda: (run.ckpt_dir / "latest").exists(), timeout):
         raise Miss(f"steady state of {n}: {note or 'no checkpoint written'}")
+    # inject the event mid-way between checkpoints, not right after one: a fault at a
+    # random moment loses on average half an interval, and the figure should show it
+    offset = run.cfg.checkpoint_every // 2
+
+    def mid_interval() -> bool:
+        try:
+            ck = json.loads((run.ckpt_dir / "latest").read_text())["step"]
+        except (OSError, ValueError, KeyError):
+            return False
+        return run.max_step() % run.cfg.checkpoint_every >= offset and run.max_step() >= ck + offset
+
+    if not poll(mid_interval, timeout, 0.01):
+        raise Miss(f"timeout {timeout:.0f}s waiting for a step {offset} after a checkpoint")
     return nodes, t_full - t0
 
 
@@ -397,6 +410,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--settle", type=float, default=15, help="seconds watched after etcd comes back")
     p.add_argument("--cli-runs", type=int, default=7, help="runs per CLI start-up timing (0: skip)")
     p.add_argument("--no-skip-hangs", action="store_true", help="repeat a (scenario, tool) after a timeout")
+    p.add_argument("--render", type=Path, help="only print the tables of an existing --json file")
     p.add_argument("--keep", action="store_true", help="keep run directories (logs) under --workdir")
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--netns", choices=("auto", "on", "off"), default="auto",
@@ -426,6 +440,12 @@ def _reexec_in_netns(argv: list[str]) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parse_args(argv)
+    if a.render:
+        doc = json.loads(a.render.read_text())
+        cfg = argparse.Namespace(**{**vars(a), **doc["config"]})
+        rows = summarize(doc["records"], cfg.scenario_list, cfg.tool_list, cfg)
+        print(markdown(rows, doc.get("cli", [])))
+        return 0
     if a.netns != "off" and not os.environ.get("BENCH_IN_NETNS"):
         rc = _reexec_in_netns(argv)
         if rc is not None:
