@@ -409,7 +409,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     agent = Agent(args)
     _install_signal_handlers(agent)
-    rc = agent.run()
+    try:
+        rc = agent.run()
+    except SpecError as e:  # before the status publisher exists: nowhere to report but here
+        log.error("FAILED: %s", e)
+        return 1
     sys.stdout.flush()
     return rc
 
