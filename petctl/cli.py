@@ -104,22 +104,6 @@ def cli(
         config.validate_profile_name(profile)
     obj = Context(profile_flag=profile, region_flag=region, local=local, ui=UI(output=output, debug=debug))
     ctx.obj = obj
-    if local and ctx.invoked_subcommand not in (None, "local"):
-        _enter_local(obj)
-
-
-def _enter_local(obj: Context) -> None:
-    """Point this process's AWS calls at the local cloud (started on first use)."""
-    from petctl import local as local_cloud
-
-    obj.ui.progress("using the local cloud (no AWS account is touched)")
-    local_cloud.activate(timeout=90)  # importing moto takes 10-30 s on a busy 2-core machine
-    profile = obj.profile
-    if profile.region is None or profile.vpc_cidr is None:
-        profile.region = profile.region or local_cloud.LOCAL_ENV.get("AWS_REGION", "us-east-1")
-        # moto hands out private IPs from the VPC CIDR; 127.0.0.0/16 makes them real loopback addresses.
-        profile.vpc_cidr = profile.vpc_cidr or "127.0.0.0/16"
-        config.save_profile(profile)
 
 
 # -- base infrastructure ------------------------------------------------------
@@ -280,7 +264,7 @@ def run_job(
     env_map = {}
     for item in env:
         if "=" not in item:
-            raise PetctlError(f"--env {item!r} is not KEY=VALUE")
+            raise ConfigError(f"--env {item!r} is not KEY=VALUE")
         k, v = item.split("=", 1)
         env_map[k] = v
     req = jobs.JobRequest(target=target, args=list(args), env=env_map, **opts)
@@ -411,7 +395,7 @@ def logs(obj: Context, job: str, follow: bool, since: str | None, instance: str 
 
     since_s = logs_mod.parse_duration(since) if since else None
     if not naming.JOB_NAME_RE.match(job):
-        raise PetctlError(f"{job!r} is not a valid job name; `petctl jobs` lists the jobs")
+        raise ConfigError(f"{job!r} is not a valid job name; `petctl jobs` lists the jobs")
     group = obj.profile.log_group or naming.log_group(obj.profile_name)
     client = obj.clients()("logs")
     try:

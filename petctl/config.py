@@ -119,7 +119,9 @@ class Profile:
 
 def validate_profile_name(name: str) -> str:
     if not naming.PROFILE_RE.match(name or ""):
-        raise ConfigError(f"profile name {name!r} is invalid: use letters, digits, '-' or '_' (max 32)")
+        raise ConfigError(
+            f"profile name {name!r} is invalid: use letters, digits and '-' (max 32, not starting with 'job-')"
+        )
     return name
 
 
@@ -174,8 +176,19 @@ def list_profiles() -> list[str]:
 
 
 def resolve_profile_name(flag: str | None) -> str:
-    """--profile > PETCTL_PROFILE > AWS_PROFILE > ``default``."""
-    return flag or os.environ.get("PETCTL_PROFILE") or os.environ.get("AWS_PROFILE") or DEFAULT_PROFILE
+    """--profile > PETCTL_PROFILE > AWS_PROFILE > ``default``.
+
+    An AWS profile name may hold characters a petctl profile cannot (``dev.admin``, ``a_b``):
+    those become '-' rather than an error the user did not cause.
+    """
+    explicit = flag or os.environ.get("PETCTL_PROFILE")
+    if explicit:
+        return explicit
+    aws = os.environ.get("AWS_PROFILE")
+    if aws:
+        mapped = re.sub(r"[^A-Za-z0-9-]+", "-", aws).strip("-")[:32] or DEFAULT_PROFILE
+        return mapped if naming.PROFILE_RE.match(mapped) else DEFAULT_PROFILE
+    return DEFAULT_PROFILE
 
 
 def resolve_region(flag: str | None, profile: Profile) -> str | None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from petctl import config
+from petctl.errors import ConfigError
 from petctl.ui import UI
 
 
@@ -18,6 +19,7 @@ class Context:
     local: bool = False
     ui: UI = field(default_factory=UI)
     _clients: Any = None
+    _local_active: bool = False
     _profile: config.Profile | None = None
 
     @property
@@ -38,7 +40,15 @@ class Context:
 
     @property
     def region(self) -> str | None:
-        return config.resolve_region(self.region_flag, self.profile)
+        region = config.resolve_region(self.region_flag, self.profile)
+        p = self.profile
+        if p.region and region != p.region and (p.stack_name or p.subnet_ids):
+            # The profile's resources live in one region; another region would find none of them.
+            raise ConfigError(
+                f"profile {p.name!r} lives in {p.region}, but the region asked for is {region} "
+                f"(--region, AWS_REGION or AWS_DEFAULT_REGION); use --region {p.region} or another --profile"
+            )
+        return region
 
     @property
     def user(self) -> str:
@@ -47,8 +57,28 @@ class Context:
         except Exception:  # noqa: BLE001 - no passwd entry in some containers
             return os.environ.get("USER", "unknown")
 
+    def activate_local(self) -> None:
+        """Point this process's AWS calls at the local cloud, starting it on first use.
+
+        Called lazily (first AWS call), so ``--help`` and bad input never start it.
+        """
+        if not self.local or self._local_active:
+            return
+        from petctl import local as local_cloud
+
+        self.ui.progress("using the local cloud (no AWS account is touched)")
+        local_cloud.activate(timeout=90)  # importing moto takes 10-30 s on a busy 2-core machine
+        self._local_active = True
+        profile = self.profile
+        if profile.region is None or profile.vpc_cidr is None:
+            profile.region = profile.region or local_cloud.REGION
+            # moto hands out private IPs from the VPC CIDR; 127.0.0.0/16 makes them real loopback addresses.
+            profile.vpc_cidr = profile.vpc_cidr or "127.0.0.0/16"
+            config.save_profile(profile)
+
     def clients(self) -> Any:
         """boto3 client factory (imports boto3 on first use only)."""
+        self.activate_local()
         if self._clients is None:
             from petctl.aws import Clients
 

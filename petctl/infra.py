@@ -7,7 +7,7 @@ from typing import Any
 from petctl import config, naming
 from petctl.aws import ClientError
 from petctl.context import Context
-from petctl.errors import AwsError, PetctlError, describe_client_error
+from petctl.errors import AwsError, ConfigError, PetctlError, describe_client_error
 
 # Base stack output → profile field.
 OUTPUT_FIELDS = {
@@ -41,10 +41,20 @@ def setup(
     if bucket:
         config.validate_id("bucket", bucket, "--s3-bucket")
     if not 1 <= az_count <= 6:
-        raise PetctlError(f"--az-count {az_count} is out of range: use 1 to 6")
-    profile = ctx.profile
-    vpc_cidr = vpc_cidr or profile.vpc_cidr or "10.0.0.0/16"
+        raise ConfigError(f"--az-count {az_count} is out of range: use 1 to 6")
+
+    def check_cidr(cidr: str) -> str:
+        try:
+            templates.subnet_cidrs(cidr, az_count)
+        except ValueError as e:
+            raise ConfigError(f"--vpc-cidr: {e}") from None
+        return cidr
+
+    if vpc_cidr:
+        check_cidr(vpc_cidr)
     clients = ctx.clients()
+    profile = ctx.profile
+    vpc_cidr = check_cidr(vpc_cidr or profile.vpc_cidr or "10.0.0.0/16")
     clients.check_credentials()
     if efs_id:
         _check_exists(

@@ -16,10 +16,12 @@ from typing import Any
 
 from petctl import __version__, naming
 from petctl.context import Context
-from petctl.errors import AwsError, NotFound, PetctlError, describe_client_error
+from petctl.errors import AwsError, ConfigError, NotFound, PetctlError, describe_client_error
 from petctl.storage import Upload, parse_s3_url
 
-GPU_FAMILIES = ("p2", "p3", "p4", "p5", "p6", "g3", "g4", "g5", "g6", "gr6", "trn", "inf", "dl1")
+# NVIDIA GPU families: they get the Deep Learning AMI (nccl). Inferentia/Trainium/AMD need other images.
+GPU_FAMILIES = ("p2", "p3", "p4", "p5", "p6", "g3", "g4dn", "g5", "g6", "gr6")
+UNSUPPORTED_FAMILY = re.compile(r"^(a1|[a-z]+\d+g[a-z]*|g4ad|inf\d*|trn\d*|dl\d*)$")
 DEFAULT_INSTANCE_TYPE = "c6i.large"
 DEFAULT_RDZV_INSTANCE_TYPE = "t3.small"
 DEFAULT_DRAIN_TIMEOUT = 120
@@ -88,39 +90,46 @@ def validate_request(req: JobRequest) -> JobRequest:
     """Check sizes, name and target before anything is created."""
     size = req.min_nodes if req.size is None else req.size
     if req.min_nodes < 1:
-        raise PetctlError(f"--min {req.min_nodes} is invalid: a job needs at least 1 node")
+        raise ConfigError(f"--min {req.min_nodes} is invalid: a job needs at least 1 node")
     if req.max_nodes < req.min_nodes:
-        raise PetctlError(f"--max {req.max_nodes} is smaller than --min {req.min_nodes}")
+        raise ConfigError(f"--max {req.max_nodes} is smaller than --min {req.min_nodes}")
     if not req.min_nodes <= size <= req.max_nodes:
-        raise PetctlError(f"--size {size} is outside [--min {req.min_nodes}, --max {req.max_nodes}]")
+        raise ConfigError(f"--size {size} is outside [--min {req.min_nodes}, --max {req.max_nodes}]")
     req.size = size
     if req.name is not None and not naming.JOB_NAME_RE.match(req.name):
-        raise PetctlError(
+        raise ConfigError(
             f"job name {req.name!r} is invalid: 2-40 characters, lower-case letters, digits and '-', "
             f"starting with a letter"
         )
     if not INSTANCE_TYPE_RE.match(req.instance_type):
-        raise PetctlError(f"--instance-type {req.instance_type!r} is not an EC2 instance type like c6i.large")
+        raise ConfigError(f"--instance-type {req.instance_type!r} is not an EC2 instance type like c6i.large")
+    if UNSUPPORTED_FAMILY.match(req.instance_type.split(".", 1)[0]) and req.ami is None:
+        raise ConfigError(
+            f"--instance-type {req.instance_type}: Graviton, Inferentia, Trainium and AMD GPU types need an "
+            f"image petctl does not pick for you; pass --ami, or use an x86 CPU or NVIDIA GPU type"
+        )
     if req.nproc_per_node != "auto" and not (req.nproc_per_node.isdigit() and int(req.nproc_per_node) >= 1):
-        raise PetctlError(
+        raise ConfigError(
             f"--nproc-per-node {req.nproc_per_node!r} is invalid: use 'auto' or a positive integer"
         )
     if req.ami is not None and not re.match(r"^ami-[0-9a-f]{8,17}$", req.ami):
-        raise PetctlError(f"--ami {req.ami!r} is not an AMI id like ami-0abc12345")
+        raise ConfigError(f"--ami {req.ami!r} is not an AMI id like ami-0abc12345")
     if req.drain_timeout < 30 or req.drain_timeout > 7200:
-        raise PetctlError(f"--drain-timeout {req.drain_timeout} is out of range: use 30 to 7200 seconds")
+        raise ConfigError(f"--drain-timeout {req.drain_timeout} is out of range: use 30 to 7200 seconds")
     if req.target.startswith("s3://"):
         parse_s3_url(req.target)
+        if req.target.endswith("/"):
+            raise ConfigError(f"{req.target} is a prefix: give the URL of the script itself")
     else:
         p = Path(req.target)
         if not p.exists():
-            raise PetctlError(f"{req.target} does not exist: give a script, a directory or an s3:// URL")
+            raise ConfigError(f"{req.target} does not exist: give a script, a directory or an s3:// URL")
         if p.is_dir() and not req.args:
-            raise PetctlError(
+            raise ConfigError(
                 f"{req.target} is a directory: give the script inside it as the first argument after --"
             )
         if p.is_dir() and not (p / req.args[0]).is_file():
-            raise PetctlError(f"{req.args[0]} is not a file inside {req.target}")
+            raise ConfigError(f"{req.args[0]} is not a file inside {req.target}")
     return req
 
 
@@ -220,9 +229,9 @@ def resolve_ami(ctx: Context, req: JobRequest) -> None:
     try:
         images = ctx.clients()("ec2").describe_images(ImageIds=[req.ami])["Images"]
     except Exception as e:  # noqa: BLE001 - InvalidAMIID.* and friends
-        raise PetctlError(f"--ami {req.ami} is not usable in {ctx.region}: {describe_client_error(e)}") from e
+        raise ConfigError(f"--ami {req.ami} is not usable in {ctx.region}: {describe_client_error(e)}") from e
     if not images:
-        raise PetctlError(f"--ami {req.ami} was not found in {ctx.region}")
+        raise ConfigError(f"--ami {req.ami} was not found in {ctx.region}")
     req.root_device_name = images[0].get("RootDeviceName") or None
 
 
@@ -252,6 +261,9 @@ def execute(ctx: Context, p: Plan, timeout: float = 1800) -> dict[str, Any]:
             f"job {p.job_name!r} already exists; pick another --name or `petctl kill_job {p.job_name}`"
         )
     prefix = naming.job_prefix(p.job_name)
+    # A reused job name must not inherit the previous run's reports (kill_job keeps the prefix).
+    for stale in ("status/", "boot/"):
+        storage.delete_prefix(s3, p.bucket, prefix + stale)
     try:
         for u in p.uploads:
             ctx.ui.progress(f"uploading s3://{p.bucket}/{u.key} ({u.size()} bytes)")
@@ -289,7 +301,7 @@ def job_stacks(ctx: Context, stacks: Any) -> list[dict[str, Any]]:
     result = []
     for s in stacks.list_stacks("petctl-job-"):
         tags = {t["Key"]: t["Value"] for t in s.get("Tags", []) or []}
-        if tags.get("petctl:profile", ctx.profile_name) == ctx.profile_name:
+        if tags.get("petctl:profile") == ctx.profile_name:
             result.append(s)
     return result
 
@@ -302,7 +314,7 @@ def _stacks(ctx: Context) -> Any:
 
 def _require_job(ctx: Context, job: str, stacks: Any = None) -> dict[str, Any]:
     if not naming.JOB_NAME_RE.match(job):
-        raise PetctlError(f"{job!r} is not a valid job name; `petctl jobs` lists the jobs")
+        raise ConfigError(f"{job!r} is not a valid job name; `petctl jobs` lists the jobs")
     stack = (stacks or _stacks(ctx)).describe(naming.job_stack(job))
     if stack is None:
         raise NotFound(f"job {job!r} not found in profile {ctx.profile_name!r}; `petctl jobs` lists the jobs")
@@ -323,7 +335,7 @@ def scale(ctx: Context, job: str, size: int) -> dict[str, Any]:
         raise NotFound(f"job {job!r} has no worker group; is it being deleted? `petctl status {job}`")
     lo, hi, before = group["MinSize"], group["MaxSize"], group["DesiredCapacity"]
     if not lo <= size <= hi:
-        raise PetctlError(f"--size {size} is outside the job's range [{lo}, {hi}]")
+        raise ConfigError(f"--size {size} is outside the job's range [{lo}, {hi}]")
     try:
         asg.set_desired_capacity(
             AutoScalingGroupName=group["AutoScalingGroupName"], DesiredCapacity=size, HonorCooldown=False
@@ -385,7 +397,7 @@ def overall_state(stack_status: str | None, agents: list[dict[str, Any]], desire
         return "GONE"
     if stack_status.startswith("DELETE"):
         return "DELETING"
-    if stack_status.endswith("_FAILED") or "ROLLBACK" in stack_status:
+    if stack_status.endswith("_FAILED") or stack_status in ("ROLLBACK_COMPLETE", "ROLLBACK_IN_PROGRESS"):
         return "FAILED"
     if stack_status.endswith("_IN_PROGRESS") and stack_status.startswith("CREATE"):
         return "STARTING"
@@ -403,6 +415,21 @@ def overall_state(stack_status: str | None, agents: list[dict[str, Any]], desire
     return "STARTING"
 
 
+def current_agents(agents: list[dict[str, Any]], live: set[str]) -> list[dict[str, Any]]:
+    """Reports that still speak for the job: live instances, and final results of gone ones.
+
+    A hard-killed instance leaves its last report (say RUNNING) behind; it must not count.
+    """
+    return [a for a in agents if a.get("instance_id") in live or a.get("state") in ("SUCCEEDED", "FAILED")]
+
+
+def group_instance_ids(asg: Any, job: str) -> set[str]:
+    ids: set[str] = set()
+    for name in (naming.worker_group(job), naming.rdzv_group(job)):
+        ids |= {i["InstanceId"] for i in (describe_group(asg, name) or {}).get("Instances", [])}
+    return ids
+
+
 def status(ctx: Context, job: str) -> dict[str, Any]:
     stacks = _stacks(ctx)
     stack = _require_job(ctx, job, stacks)
@@ -416,7 +443,7 @@ def status(ctx: Context, job: str) -> dict[str, Any]:
         a = by_id.get(h["instance_id"], {})
         for k in ("state", "world_size", "round", "restarts", "last_step", "last_checkpoint_step", "reason"):
             h[f"agent_{k}" if k == "state" else k] = a.get(k)
-    current = [a for a in agents if a.get("instance_id") in live or a.get("state") in ("SUCCEEDED", "FAILED")]
+    current = current_agents(agents, live)
     steps = [a.get("last_step") for a in agents if a.get("last_step") is not None]
     ckpts = [a.get("last_checkpoint_step") for a in agents if a.get("last_checkpoint_step") is not None]
     worlds = [a.get("world_size") for a in current if a.get("state") == "RUNNING" and a.get("world_size")]
@@ -450,7 +477,7 @@ def list_jobs(ctx: Context) -> list[dict[str, Any]]:
     for s in job_stacks(ctx, stacks):
         job = naming.job_from_stack(s["StackName"])
         group = describe_group(asg, naming.worker_group(job)) or {}
-        agents = agent_statuses(ctx, job)
+        agents = current_agents(agent_statuses(ctx, job), group_instance_ids(asg, job))
         rows.append(
             {
                 "job": job,
@@ -470,7 +497,7 @@ def list_jobs(ctx: Context) -> list[dict[str, Any]]:
 def kill_job(ctx: Context, job: str, stacks: Any = None, timeout: float = 1800) -> dict[str, Any]:
     """Delete the job stack and wait. Killing a job that is gone is not an error."""
     if not naming.JOB_NAME_RE.match(job):
-        raise PetctlError(f"{job!r} is not a valid job name; `petctl jobs` lists the jobs")
+        raise ConfigError(f"{job!r} is not a valid job name; `petctl jobs` lists the jobs")
     stacks = stacks or _stacks(ctx)
     name = naming.job_stack(job)
     t0 = time.monotonic()
@@ -489,7 +516,7 @@ def upload(ctx: Context, path: str, s3_url: str | None) -> dict[str, Any]:
 
     src = Path(path)
     if not src.exists():
-        raise PetctlError(f"{path} does not exist")
+        raise ConfigError(f"{path} does not exist")
     if s3_url is None:
         ctx.profile.require_ready()
         s3_url = f"s3://{ctx.profile.bucket}/petctl/uploads/{src.resolve().name}"

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from petctl.errors import PetctlError
+from petctl.errors import ConfigError, PetctlError
 
 _DURATION = re.compile(r"^(\d+)([smhd])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -17,7 +17,7 @@ def parse_duration(text: str) -> int:
     """``90s``, ``10m``, ``2h``, ``1d`` → seconds."""
     m = _DURATION.match(text.strip())
     if not m:
-        raise PetctlError(f"--since {text!r} is not a duration like 30s, 10m, 2h or 1d")
+        raise ConfigError(f"--since {text!r} is not a duration like 30s, 10m, 2h or 1d")
     return int(m.group(1)) * _UNIT[m.group(2)]
 
 
@@ -64,5 +64,6 @@ def iter_events(
         polls += 1
         if not follow or (max_polls is not None and polls >= max_polls):
             return
-        start_ms = newest
+        # Streams deliver late: look back a little; ``seen`` drops what was already printed.
+        start_ms = max(start_ms, newest - 30_000)
         sleep(poll)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 
 JOB_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,38}[a-z0-9]$")
-PROFILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
+# Profile names become stack names (petctl-<profile>): letters, digits, '-' only. "job-*" would
+# collide with job stacks (petctl-job-<job>).
+PROFILE_RE = re.compile(r"^(?!job-)[A-Za-z0-9][A-Za-z0-9-]{0,31}$")
 LIFECYCLE_HOOK = "petctl-drain"
 RDZV_PORT = 2379
 

@@ -76,7 +76,7 @@ class Stacks:
     def failure_reasons(self, name: str, since: Any = None) -> list[str]:
         """``LogicalId (Type): reason`` for every failed resource event, oldest first."""
         reasons = []
-        for ev in self._events(name):
+        for ev in self._events(name, since):
             if since is not None and ev["Timestamp"] < since:
                 continue
             if ev.get("ResourceStatus", "").endswith(FAILED_EVENT) and ev.get("ResourceStatusReason"):
@@ -87,11 +87,20 @@ class Stacks:
                 )
         return list(reversed(reasons))
 
-    def _events(self, name: str) -> list[dict[str, Any]]:
+    def _events(self, name: str, since: Any = None) -> list[dict[str, Any]]:
+        """Events newest first; pages until they are older than ``since`` (big stacks have many)."""
+        events: list[dict[str, Any]] = []
+        kwargs: dict[str, Any] = {"StackName": name}
         try:
-            return self.cf.describe_stack_events(StackName=name)["StackEvents"]
+            while True:
+                page = self.cf.describe_stack_events(**kwargs)
+                events.extend(page["StackEvents"])
+                token = page.get("NextToken")
+                if not token or (since is not None and events and events[-1]["Timestamp"] < since):
+                    return events
+                kwargs["NextToken"] = token
         except ClientError:
-            return []
+            return events
 
     # -- writing -----------------------------------------------------------
     def deploy(
@@ -134,10 +143,13 @@ class Stacks:
             self.ui.progress(f"creating stack {name}")
             try:
                 self.cf.create_stack(**kwargs)
-            except ClientError as e:
+            except BaseException as e:
                 # moto raises here instead of producing CREATE_FAILED; AWS does this for bad templates.
+                # A Ctrl-C during the call may still have created the stack: clean up either way.
                 self._cleanup_failed_create(name, on_failure_delete, timeout)
-                raise StackError(f"stack {name} could not be created: {describe_client_error(e)}") from e
+                if isinstance(e, ClientError):
+                    raise StackError(f"stack {name} could not be created: {describe_client_error(e)}") from e
+                raise
             action = "created"
         else:
             self.ui.progress(f"updating stack {name}")
@@ -217,7 +229,7 @@ class Stacks:
         deadline = self.clock() + timeout
         seen: set[str] = set()
         while True:
-            for ev in reversed(self._events(name)):
+            for ev in reversed(self._events(name, since)):
                 if ev["EventId"] in seen or (since is not None and ev["Timestamp"] < since):
                     continue
                 seen.add(ev["EventId"])

@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl import __version__
-from petctl.errors import PetctlError
+from petctl.errors import ConfigError, PetctlError
 
 # Never ship these from a user's directory.
 _EXCLUDE_DIRS = {
@@ -36,7 +37,7 @@ MAX_DIR_BYTES = 512 * 1024 * 1024
 def parse_s3_url(url: str) -> tuple[str, str]:
     """``s3://bucket/key`` → (bucket, key); raises a PetctlError naming a bad URL."""
     if not url.startswith("s3://") or "/" not in url[5:] or not url[5:].split("/", 1)[0]:
-        raise PetctlError(f"{url!r} is not an S3 URL like s3://bucket/path")
+        raise ConfigError(f"{url!r} is not an S3 URL like s3://bucket/path")
     bucket, key = url[5:].split("/", 1)
     return bucket, key
 
@@ -141,47 +142,62 @@ def _source_root() -> Path | None:
     return root if (root / "setup.py").is_file() and (root / "agent").is_dir() else None
 
 
+_SOURCE_PARTS = ("setup.py", "pyproject.toml", "README.md", "petctl", "agent", "cfn_templates")
+
+
+def _source_files(root: Path) -> list[Path]:
+    files: list[Path] = []
+    for sub in _SOURCE_PARTS:
+        p = root / sub
+        if p.is_file():
+            files.append(p)
+        elif p.is_dir():
+            files += sorted(x for x in p.rglob("*") if x.is_file() and "__pycache__" not in x.parts)
+    return files
+
+
 def _tree_hash(root: Path) -> str:
     h = hashlib.sha256()
-    for sub in ("setup.py", "petctl", "agent", "cfn_templates"):
-        p = root / sub
-        files = (
-            [p]
-            if p.is_file()
-            else sorted(x for x in p.rglob("*") if x.is_file() and "__pycache__" not in x.parts)
-        )
-        for f in files:
-            h.update(str(f.relative_to(root)).encode())
-            h.update(f.read_bytes())
+    for f in _source_files(root):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
 
 def _build_from_source(root: Path, cache: Path) -> Path:
+    """Build from a clean copy of the sources (a stale ``build/`` in the checkout must not leak in)."""
     out = cache / f"src-{_tree_hash(root)}"
     wheels = sorted(out.glob("petctl-*.whl")) if out.is_dir() else []
     if wheels:
         return wheels[-1]
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as build_dir:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(out),
-            str(root),
-        ]
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, env={**os.environ, "PIP_BUILD_DIR": build_dir}, timeout=300
-        )
-    wheels = sorted(out.glob("petctl-*.whl"))
-    if proc.returncode != 0 or not wheels:
-        raise PetctlError(f"could not build the petctl wheel from {root}: {proc.stderr.strip()[-300:]}")
-    return wheels[-1]
+    errors = []
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / "src"
+        for f in _source_files(root):
+            dest = copy / f.relative_to(root)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, dest)
+        # Without build isolation first (fast, offline, uses the setuptools at hand); isolated if that fails.
+        for isolation in (["--no-build-isolation"], []):
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "--no-deps",
+                "-q",
+                *isolation,
+                "-w",
+                str(out),
+                str(copy),
+            ]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            wheels = sorted(out.glob("petctl-*.whl"))
+            if proc.returncode == 0 and wheels:
+                return wheels[-1]
+            errors.append(proc.stderr.strip()[-300:])
+    raise PetctlError(f"could not build the petctl wheel from {root}: {errors[-1]}")
 
 
 def _repack_installed(cache: Path) -> Path:
@@ -191,7 +207,9 @@ def _repack_installed(cache: Path) -> Path:
     except metadata.PackageNotFoundError as e:
         raise PetctlError("petctl is not installed as a distribution; set PETCTL_DIST to a wheel") from e
     name = f"petctl-{__version__}-py3-none-any.whl"
-    target = cache / "installed" / name
+    # Keyed by the installed RECORD (file hashes), not the version: a reinstall must not ship old code.
+    record = hashlib.sha256((dist.read_text("RECORD") or "").encode()).hexdigest()[:16]
+    target = cache / f"installed-{record}" / name
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

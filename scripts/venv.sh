@@ -7,7 +7,11 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
-FIND=()
-[ -d /opt/wheels ] && FIND=(--find-links /opt/wheels)
+# A local wheel directory if this machine has one (it holds the CPU torch), else PyTorch's CPU index.
+if [ -d /opt/wheels ]; then
+  FIND=(--find-links /opt/wheels)
+else
+  FIND=(--extra-index-url https://download.pytorch.org/whl/cpu)
+fi
 python -m pip install -q "${FIND[@]}" "torch==2.13.0"
 python -m pip install -q "${FIND[@]}" -e ".[$1]"

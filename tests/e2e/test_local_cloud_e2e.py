@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+# ~7 min on a loaded 2-core machine; the default per-test timeout (pytest.ini) is 10.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
 TOTAL = 1200
 

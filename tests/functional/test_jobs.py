@@ -131,7 +131,7 @@ def test_run_job_default_name_is_readable_and_unique(run, ready):
 def test_run_job_duplicate_name_refused(run, ready):
     run_job(run, ready)
     r = run("run_job", "--name", "demo", "--min", "1", "--max", "1", str(ready))
-    assert r.exit_code != 0 and "job 'demo' already exists" in r.stderr
+    assert r.exit_code == 1 and "job 'demo' already exists" in r.stderr
 
 
 def test_failed_stack_leaves_nothing_behind(run, ready, profile_data):
@@ -140,7 +140,7 @@ def test_failed_stack_leaves_nothing_behind(run, ready, profile_data):
     p["subnet_ids"] = ["subnet-0000000000000dead"]
     Path(__import__("os").environ["PETCTL_HOME"], "profiles", "default.json").write_text(json.dumps(p))
     r = run("run_job", "--name", "broken", "--min", "1", "--max", "1", str(ready))
-    assert r.exit_code != 0
+    assert r.exit_code == 1
     assert "petctl-job-broken" in r.stderr and "Traceback" not in r.output
     names = [
         s["StackName"]
@@ -186,7 +186,7 @@ def test_scale_within_and_outside_range(run, ready):
     )
     assert group["AutoScalingGroups"][0]["DesiredCapacity"] == 4
     r = run("scale", "demo", "--size", "9")
-    assert r.exit_code != 0 and "--size 9 is outside the job's range [2, 4]" in r.stderr
+    assert r.exit_code == 2 and "--size 9 is outside the job's range [2, 4]" in r.stderr
 
 
 def test_list_hosts_and_status(run, ready):
@@ -266,7 +266,7 @@ def test_kill_job_is_idempotent(run, ready):
 def test_teardown_refuses_with_jobs_unless_forced(run, ready):
     run_job(run, ready)
     r = run("teardown")
-    assert r.exit_code != 0 and "still has jobs (demo)" in r.stderr
+    assert r.exit_code == 1 and "still has jobs (demo)" in r.stderr
     r = run("teardown", "--force")
     assert r.exit_code == 0, r.output
     assert "petctl-job-demo" in r.stdout and "petctl-default" in r.stdout
@@ -322,10 +322,70 @@ def test_ami_override_is_checked_and_its_root_device_used(run, ready):
     params = json.loads(r.stdout)["parameters"]
     assert params["ImageId"] == image["ImageId"] and params["RootDeviceName"] == image["RootDeviceName"]
     r = run("run_job", "--dry-run", "--ami", "ami-0123456789abcdef0", "--min", "1", "--max", "1", str(ready))
-    assert r.exit_code != 0 and "--ami ami-0123456789abcdef0" in r.stderr and "Traceback" not in r.output
+    assert r.exit_code == 2 and "--ami ami-0123456789abcdef0" in r.stderr and "Traceback" not in r.output
 
 
 def test_s3_target_outside_the_petctl_prefix_warns(run, ready):
     r = run("run_job", "--dry-run", "--min", "1", "--max", "1", "s3://someone-elses-bucket/train.py")
     assert r.exit_code == 0, r.output
     assert "is outside s3://" in r.stderr and "petctl upload" in r.stderr
+
+
+def test_reused_job_name_starts_without_old_reports(run, ready):
+    run_job(run, ready)
+    s3 = boto3.client("s3")
+    bucket = [b["Name"] for b in s3.list_buckets()["Buckets"]][0]
+    old = {"version": 1, "instance_id": "i-0old", "state": "FAILED", "reason": "old run", "last_step": 99}
+    s3.put_object(Bucket=bucket, Key="petctl/jobs/demo/status/i-0old.json", Body=json.dumps(old).encode())
+    assert json.loads(run("--output", "json", "status", "demo").stdout)["state"] == "FAILED"
+    assert run("kill_job", "demo").exit_code == 0
+    run_job(run, ready)
+    st = json.loads(run("--output", "json", "status", "demo").stdout)
+    assert st["state"] == "STARTING" and st["last_step"] is None
+
+
+def test_jobs_ignores_reports_of_instances_that_are_gone(run, ready):
+    run_job(run, ready)
+    s3 = boto3.client("s3")
+    bucket = [b["Name"] for b in s3.list_buckets()["Buckets"]][0]
+    ghost = {"version": 1, "instance_id": "i-0killed", "state": "RUNNING", "world_size": 2}
+    s3.put_object(
+        Bucket=bucket, Key="petctl/jobs/demo/status/i-0killed.json", Body=json.dumps(ghost).encode()
+    )
+    jobs = json.loads(run("--output", "json", "jobs").stdout)
+    assert [(j["job"], j["state"]) for j in jobs] == [("demo", "STARTING")]
+
+
+def test_ctrl_c_during_create_stack_call_cleans_up(run, ready, monkeypatch):
+    """The request reached CloudFormation, then Ctrl-C: the stack it made must still go."""
+    from petctl import stacks
+
+    real_init = stacks.Stacks.__init__
+
+    def init(self, cf, *a, **k):
+        real_init(self, cf, *a, **k)
+        real_create = cf.create_stack
+
+        def create_then_interrupt(**kw):
+            real_create(**kw)
+            raise KeyboardInterrupt
+
+        self.cf = type(
+            "CF",
+            (),
+            {
+                "__getattr__": lambda _s, n: getattr(cf, n),
+                "create_stack": staticmethod(create_then_interrupt),
+            },
+        )()
+
+    monkeypatch.setattr(stacks.Stacks, "__init__", init)
+    r = run("run_job", "--name", "ctrlc2", "--min", "1", "--max", "1", str(ready))
+    assert r.exit_code == 1 and "interrupted" in r.stderr
+    live = [
+        s["StackName"]
+        for s in boto3.client("cloudformation").describe_stacks()["Stacks"]
+        if s["StackStatus"] != "DELETE_COMPLETE"
+    ]
+    assert live == ["petctl-default"]
+    assert boto3.client("autoscaling").describe_auto_scaling_groups()["AutoScalingGroups"] == []

@@ -60,9 +60,9 @@ def test_setup_with_existing_bucket_and_efs(run, profile_data):
 
 def test_setup_with_missing_efs_names_it_and_creates_nothing(run):
     r = run("setup", "--efs-id", "fs-0123456789abcdef0")
-    assert r.exit_code != 0
+    assert r.exit_code == 1
     assert "EFS file system fs-0123456789abcdef0 was not found" in r.stderr
-    assert "Traceback" not in r.output
+    assert "unexpected" not in r.stderr and "Traceback" not in r.output
     assert cf().describe_stacks()["Stacks"] == []
 
 
@@ -102,3 +102,18 @@ def test_teardown_twice_is_harmless(run):
     assert run("teardown").exit_code == 0
     r = run("teardown")
     assert r.exit_code == 0 and "nothing to remove" in r.stdout
+
+
+def test_setup_rejects_bad_vpc_cidr_before_any_call(run):
+    r = run("setup", "--vpc-cidr", "10.0.0.0/8")
+    assert r.exit_code == 2 and "--vpc-cidr" in r.stderr and "/16" in r.stderr
+    assert cf().describe_stacks()["Stacks"] == []
+
+
+def test_region_other_than_the_profiles_is_refused(run, monkeypatch):
+    assert run("setup").exit_code == 0
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    r = run("jobs")
+    assert r.exit_code == 2
+    assert "profile 'default' lives in us-east-1" in r.stderr and "--region us-east-1" in r.stderr
+    assert run("--region", "us-east-1", "jobs").exit_code == 0

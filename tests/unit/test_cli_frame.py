@@ -65,7 +65,7 @@ def test_bad_profile_name_is_one_line_error():
     r = invoke("--profile", "bad/name", "jobs")
     assert r.exit_code == 2
     assert "profile name 'bad/name' is invalid" in r.stderr
-    assert "Traceback" not in r.output
+    assert "unexpected" not in r.stderr and "Traceback" not in r.output
 
 
 @pytest.mark.parametrize(
@@ -84,19 +84,19 @@ def test_run_job_validates_before_anything(tmp_path, args, message):
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
     r = invoke("run_job", *args, str(script))
-    assert r.exit_code != 0
+    assert r.exit_code == 2
     assert message in r.stderr, r.stderr
-    assert "Traceback" not in r.output
+    assert "unexpected" not in r.stderr and "Traceback" not in r.output
 
 
 def test_run_job_missing_target(tmp_path):
     r = invoke("run_job", "--min", "1", "--max", "1", str(tmp_path / "nope.py"))
-    assert r.exit_code != 0 and "does not exist" in r.stderr
+    assert r.exit_code == 2 and "does not exist" in r.stderr
 
 
 def test_run_job_directory_needs_script(tmp_path):
     r = invoke("run_job", "--min", "1", "--max", "1", str(tmp_path))
-    assert r.exit_code != 0 and "give the script inside it" in r.stderr
+    assert r.exit_code == 2 and "give the script inside it" in r.stderr
 
 
 def test_run_job_without_setup_says_what_to_do(tmp_path):
@@ -115,4 +115,44 @@ def test_unknown_profile_teardown():
 
 def test_bad_since_duration():
     r = invoke("logs", "somejob", "--since", "yesterday")
-    assert r.exit_code != 0 and "--since 'yesterday' is not a duration" in r.stderr
+    assert r.exit_code == 2 and "--since 'yesterday' is not a duration" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "itype", ["c7g.large", "m6gd.xlarge", "inf2.xlarge", "trn1.2xlarge", "g4ad.xlarge", "a1.large"]
+)
+def test_instance_types_without_a_default_image_need_ami(tmp_path, itype):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    r = invoke("run_job", "--min", "1", "--max", "1", "--instance-type", itype, str(script))
+    assert r.exit_code == 2 and f"--instance-type {itype}" in r.stderr and "--ami" in r.stderr
+
+
+def test_s3_prefix_target_is_refused():
+    r = invoke("run_job", "--min", "1", "--max", "1", "s3://bucket/code/")
+    assert r.exit_code == 2 and "is a prefix" in r.stderr
+
+
+def test_profile_names_must_make_valid_stack_names():
+    for bad in ("my_team", "job-x"):
+        r = invoke("--profile", bad, "jobs")
+        assert r.exit_code == 2 and f"profile name {bad!r} is invalid" in r.stderr
+
+
+def test_aws_profile_with_dots_maps_to_a_petctl_profile(monkeypatch):
+    from petctl import config
+
+    monkeypatch.delenv("PETCTL_PROFILE", raising=False)
+    monkeypatch.setenv("AWS_PROFILE", "dev.admin")
+    assert config.resolve_profile_name(None) == "dev-admin"
+
+
+def test_local_help_does_not_start_the_local_cloud(tmp_path, monkeypatch):
+    monkeypatch.setenv("PETCTL_LOCAL_DIR", str(tmp_path / "local"))
+    r = invoke("--local", "run_job", "--help")
+    assert r.exit_code == 0
+    assert not (tmp_path / "local" / "cloud.json").exists()
+    script = tmp_path / "train.py"
+    script.write_text("x")
+    r = invoke("--local", "run_job", "--min", "3", "--max", "1", str(script))
+    assert r.exit_code == 2 and not (tmp_path / "local" / "cloud.json").exists()
