@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +55,14 @@ def test_elastic_job_on_the_local_cloud(local_home):
     from petctl_agent import checkpoint
 
     lines: list[str] = []
-    demo = Demo(total_steps=TOTAL, step_time=0.1, checkpoint_every=20, timeout=300, log=lines.append)
+    pids: set[int] = set()
+
+    def log(line: str) -> None:
+        # every process tree the local cloud ran during the job, to check none survives `local stop`
+        lines.append(line)
+        pids.update(i["pid"] for i in local.status().get("instances", []) if i.get("pid"))
+
+    demo = Demo(total_steps=TOTAL, step_time=0.1, checkpoint_every=20, timeout=300, log=log)
     final = demo.run(keep=True)
     report = "\n".join(lines)
 
@@ -89,19 +97,36 @@ def test_elastic_job_on_the_local_cloud(local_home):
 
         torch.load(f, weights_only=False)
 
-    # logs reached CloudWatch Logs (the agents ship worker output)
-    logs = petctl("--local", "logs", demo.job)
+    # logs reached CloudWatch Logs (the agents ship worker output); from them, the steps each
+    # membership change cost: the scale-up and the drain checkpoint first, so they cost none
+    logs = petctl("--local", "-o", "json", "logs", demo.job)
     assert logs.returncode == 0, logs.stderr
-    assert "world_size" in logs.stdout
+    messages = [json.loads(line)["message"] for line in logs.stdout.splitlines() if line.strip()]
+    steps_at = {}
+    for m in messages:
+        hit = re.search(r"^step=(\d+) world_size=(\d+)", m.strip())
+        if hit:
+            steps_at.setdefault(int(hit.group(2)), []).append(int(hit.group(1)))
+    resumes = [
+        tuple(map(int, r))
+        for r in re.findall(r"resumed from step=(\d+) world_size=(\d+)", "\n".join(messages))
+    ]
+    assert 3 in steps_at and resumes, messages[-20:]
+    first3, last3 = min(steps_at[3]), max(steps_at[3])
+    joined = [s for s, w in resumes if w == 3]
+    after_drain = [s for s, w in resumes if w == 2 and s >= first3]
+    # world 3 resumed exactly where world 2 stopped, and world 2 exactly where world 3 stopped
+    assert joined and max(s for s in steps_at[2] if s <= joined[0]) == joined[0], (joined, resumes)
+    assert after_drain and after_drain[0] == last3, (last3, resumes)
 
     # kill_job and teardown leave nothing; local stop ends every process it started
     r = petctl("--local", "-o", "json", "kill_job", demo.job)
     assert r.returncode == 0 and json.loads(r.stdout)["deleted"] is True, r.stderr
     r = petctl("--local", "-o", "json", "teardown")
     assert r.returncode == 0, r.stderr
-    pids = [i["pid"] for i in local.status().get("instances", []) if i.get("pid")]
     daemon = local.status()["pid"]
     stopped = local.stop()
     assert stopped
     assert not alive(daemon)
+    assert len(pids) >= 5, pids  # rdzv + 2 workers + the joiner + the replacement
     assert not [p for p in pids if alive(p)]
