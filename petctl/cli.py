@@ -24,8 +24,34 @@ CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 
 class PetctlGroup(click.Group):
     """A group that accepts dash aliases (``run-job``) and turns surprises into one-line errors."""
 
+    # Subgroups imported only when used, so `petctl --help` stays light: name -> short help.
+    LAZY = {"local": "The embedded local cloud: start, stop, faults, demo."}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self.LAZY))
+
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name == "local" and "local" not in self.commands:
+            from petctl.local.cli import local_group
+
+            local_group.add_command(demo_cmd)
+            self.add_command(local_group)
         return super().get_command(ctx, cmd_name) or super().get_command(ctx, cmd_name.replace("-", "_"))
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            if name in self.LAZY and name not in self.commands:
+                rows.append((name, self.LAZY[name]))
+                continue
+            cmd = self.get_command(ctx, name)
+            if cmd is not None and not cmd.hidden:
+                rows.append(
+                    (name, cmd.get_short_help_str(formatter.width - 6 - max(len(n) for n in self.commands)))
+                )
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
     def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
         name, cmd, rest = super().resolve_command(ctx, args)
@@ -476,15 +502,6 @@ def profiles(obj: Context) -> None:
     obj.ui.result(rows, lambda r: table(r, ["profile", "region", "stack", "ready"]) if r else "no profiles")
 
 
-def _add_local_group() -> None:
-    try:
-        from petctl.local.cli import local_group
-    except ImportError:  # pragma: no cover - the local cloud is part of the package
-        return
-    cli.add_command(local_group)
-    local_group.add_command(demo_cmd)
-
-
 @click.command("demo")
 @click.option("--total-steps", default=1500, show_default=True, help="Training steps of the example job.")
 @click.option(
@@ -504,9 +521,6 @@ def demo_cmd(total_steps: int, step_time: float, timeout: int, keep: bool) -> No
         d.say("local cloud stopped")
     if st["state"] != "SUCCEEDED":
         raise PetctlError(f"the demo job ended {st['state']}")
-
-
-_add_local_group()
 
 
 def main() -> None:
