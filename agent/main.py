@@ -357,7 +357,11 @@ class Agent:
             handler.shutdown()  # unrecoverable: close it so the other nodes stop too
         except Exception:  # noqa: BLE001
             pass
-        return self.fail(agent.fail_reason or "unknown failure")
+        rc = self.fail(agent.fail_reason or "unknown failure")
+        # A failed job must not keep paying for idle instances (the ASG would replace them and
+        # systemd would restart the agent): stop the groups; the status, logs and checkpoints stay.
+        self.scale_groups_to_zero()
+        return rc
 
     def _export_worker_env(self, spec: JobSpec, ckpt_dir: Path) -> None:
         """Worker env = agent env + torchrun's vars (set by torch) + these."""
