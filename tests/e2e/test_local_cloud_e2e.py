@@ -104,7 +104,7 @@ def test_elastic_job_on_the_local_cloud(local_home):
     messages = [json.loads(line)["message"] for line in logs.stdout.splitlines() if line.strip()]
     steps_at = {}
     for m in messages:
-        hit = re.search(r"^step=(\d+) world_size=(\d+)", m.strip())
+        hit = re.search(r"step=(\d+) world_size=(\d+) loss=", m)  # lines carry an [attempt/rank] prefix
         if hit:
             steps_at.setdefault(int(hit.group(2)), []).append(int(hit.group(1)))
     resumes = [
