@@ -336,13 +336,14 @@ def summarize(
                 "note": note,
             })  # fmt: skip
         base = med.get(BASELINE)
+        baseline_note = next((r["note"] for r in rows if r["scenario"] == sc and r["tool"] == BASELINE), "")
         for row in rows:
             if row["scenario"] != sc:
                 continue
             s = row["seconds"]
             if s is not None and base:
                 row["ratio"] = round(s / base, 3)
-            elif s is not None and BASELINE in med and base is None:
+            elif s is not None and BASELINE in med and base is None and "timeout" in baseline_note:
                 # baseline timed out: the ratio is at most s / timeout
                 row["ratio"] = f"<{s / a.timeout:.3f}"
             else:
