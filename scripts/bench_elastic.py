@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import BIN, TOOLS, Node, Run, RunConfig, cmdline, kill_pids, poll, wait_idle  # noqa: E402
+from benchlib import BIN, TOOLS, Node, Run, RunConfig, cmdline, cpu_busy, kill_pids, poll, wait_idle  # noqa: E402
 
 SCENARIOS = ("cold_start", "scale_up", "burst", "scale_in", "hard_loss", "loss_during_rdzv", "etcd_restart")
 BASELINE = "torchrun-etcd"
@@ -211,7 +211,7 @@ def run_one(scenario: str, tool: str, rep: int, a: argparse.Namespace, root: Pat
         job=f"b-{scenario.replace('_', '-')}",
     )  # fmt: skip
     run = Run(root / f"{scenario}-{tool}-{rep}", cfg)
-    waited, busy = wait_idle(a.idle_wait) if a.idle_wait > 0 else (0.0, float("nan"))
+    waited, busy = wait_idle(a.idle_wait) if a.idle_wait > 0 else (0.0, cpu_busy())
     rec: dict[str, Any] = {
         "scenario": scenario, "tool": tool, "rep": rep, "load": os.getloadavg()[0],
         "cpu_busy_before": round(busy, 2), "idle_wait": round(waited, 1),
