@@ -32,6 +32,7 @@ class LogTailer:
         self.interval = interval
         self._offsets: dict[Path, tuple[int, int]] = {}  # path -> (inode, offset)
         self._partial: dict[Path, bytes] = {}
+        self._heads: dict[Path, bytes] = {}  # first bytes seen, to notice a file recreated in place
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="petctl-logtail", daemon=True)
 
@@ -51,6 +52,16 @@ class LogTailer:
                 log.debug("log tail error: %s", e)
             self._stop.wait(self.interval)
 
+    def _same_head(self, path: Path) -> bool:
+        head = self._heads.get(path)
+        if not head:
+            return True
+        try:
+            with open(path, "rb") as f:
+                return f.read(len(head)) == head
+        except OSError:
+            return True
+
     def poll(self) -> None:
         for path in sorted(self.root.glob("**/std*.log")):
             try:
@@ -58,15 +69,19 @@ class LogTailer:
             except OSError:
                 continue
             inode, off = self._offsets.get(path, (st.st_ino, 0))
-            if inode != st.st_ino or st.st_size < off:
+            if inode != st.st_ino or st.st_size < off or (off and not self._same_head(path)):
                 # torch reuses attempt_<restart_count>/ (rmtree + recreate) when the
-                # restart count did not change, e.g. after a coordinated drain restart
+                # restart count did not change, e.g. after a coordinated drain restart;
+                # the new file may even get the old inode number, so its first bytes decide
                 off = 0
                 self._partial.pop(path, None)
+                self._heads.pop(path, None)
             if st.st_size <= off:
                 self._offsets[path] = (st.st_ino, off)
                 continue
             with open(path, "rb") as f:
+                if path not in self._heads:
+                    self._heads[path] = f.read(64)
                 f.seek(off)
                 chunk = f.read(st.st_size - off)
             data = self._partial.pop(path, b"") + chunk

@@ -148,6 +148,15 @@ def test_log_tailer_follows_recreated_files(tmp_path: Path) -> None:
     f.write_text("fresh\n")
     t.poll()
     assert got[-1][1] == "fresh"
+    # recreated with the old inode number and already longer than the old offset: the first
+    # bytes tell it is a new file, so no line loses its beginning ("tep=569" was seen)
+    f.write_text("step=567 world_size=2\nstep=568 world_size=2\nstep=569 world_size=2\n")
+    t.poll()
+    assert [line for _, line in got[-3:]] == [
+        "step=567 world_size=2",
+        "step=568 world_size=2",
+        "step=569 world_size=2",
+    ]
 
 
 def test_lifecycle_completion_and_scale_to_zero_are_tolerant(monkeypatch: pytest.MonkeyPatch) -> None:
