@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from petctl_agent.harness import descendants, free_port
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "elastic_train.py"
 STEP_RE = re.compile(r"step=(\d+) world_size=(\d+) loss=")
@@ -42,13 +43,6 @@ BIN = Path(sys.executable).parent  # console scripts next to the interpreter (no
 def _bin(name: str) -> str:
     p = BIN / name
     return str(p) if p.exists() else (shutil.which(name) or name)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A currently free TCP port on ``host``."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def poll(pred: Callable[[], Any], timeout: float, interval: float = 0.05) -> Any:
@@ -90,32 +84,7 @@ def wait_idle(max_wait: float, threshold: float = 0.5) -> tuple[float, float]:
     return time.monotonic() - t0, busy
 
 
-# ---- processes ----------------------------------------------------------------------------
-def _ppid_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(d))
-    return children
-
-
-def descendants(pid: int) -> list[int]:
-    """Live descendants of ``pid`` (any session: torch starts workers in new sessions)."""
-    children = _ppid_map()
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
+# ---- processes (descendants, free_port: petctl_agent.harness) --------------------------------
 def _stat(pid: int) -> list[str] | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
