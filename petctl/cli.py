@@ -15,7 +15,7 @@ import click
 
 from petctl import __version__, config
 from petctl.context import Context
-from petctl.errors import ConfigError, PetctlError
+from petctl.errors import ConfigError, Interrupted, PetctlError
 from petctl.ui import UI, table
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -63,7 +63,7 @@ class PetctlGroup(click.Group):
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
         except KeyboardInterrupt:
-            raise PetctlError("interrupted") from None
+            raise Interrupted("interrupted") from None
         except Exception as e:
             obj = ctx.obj if isinstance(ctx.obj, Context) else None
             if (obj and obj.ui.debug_enabled) or os.environ.get("PETCTL_DEBUG"):
@@ -89,6 +89,10 @@ def _as_petctl_error(e: Exception) -> PetctlError:
 
 
 pass_ctx = click.make_pass_decorator(Context)
+
+#: Commands that may name a profile that does not exist yet; every other command refuses an
+#: unknown one (exit 2), so a typo never acts on another profile's jobs.
+PROFILE_MAKERS = {"setup", "configure", "profiles", "local", "demo"}
 
 
 @click.group(cls=PetctlGroup, context_settings=CONTEXT_SETTINGS)
@@ -129,6 +133,7 @@ def cli(
     if profile is not None:
         config.validate_profile_name(profile)
     obj = Context(profile_flag=profile, region_flag=region, local=local, ui=UI(output=output, debug=debug))
+    obj.profile_must_exist = ctx.invoked_subcommand not in PROFILE_MAKERS
     ctx.obj = obj
 
 
@@ -183,21 +188,52 @@ def setup(
     obj.ui.result(result, text)
 
 
+def _yes_option(f: Any) -> Any:
+    return click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")(f)
+
+
+def _confirm(yes: bool, what: str, command: str) -> None:
+    """Ask before deleting: on a terminal a [y/N] question; elsewhere only ``--yes`` proceeds."""
+    if yes:
+        return
+    if not _stdin_is_terminal():
+        raise ConfigError(f"{command} would {what}; pass --yes to confirm (no terminal to ask on)")
+    if not click.confirm(f"{what[0].upper()}{what[1:]}?", default=False, err=True):
+        raise PetctlError("not confirmed; nothing was deleted")
+
+
 @cli.command()
 @click.option("--force", is_flag=True, help="Delete the profile's jobs first instead of refusing.")
+@click.option(
+    "--delete-data",
+    is_flag=True,
+    help="Also delete the EFS file system petctl created, with every checkpoint (kept by default).",
+)
+@_yes_option
 @click.option("--timeout", default=1800, show_default=True, help="Seconds to wait for each stack.")
 @pass_ctx
-def teardown(obj: Context, force: bool, timeout: int) -> None:
-    """Delete the base stack (refuses while jobs exist, unless --force)."""
+def teardown(obj: Context, force: bool, delete_data: bool, yes: bool, timeout: int) -> None:
+    """Delete the base stack (refuses while jobs exist, unless --force). Checkpoints are kept."""
     from petctl import infra
 
     config.load_profile(obj.profile_name, must_exist=True)
-    result = infra.teardown(obj, force=force, timeout=timeout)
+    plan = infra.plan_teardown(obj, force=force, delete_data=delete_data)
+    if plan.stack_exists or plan.jobs or plan.efs_to_delete:
+        kept = plan.kept()
+        _confirm(yes, plan.describe() + (f" ({kept})" if kept else ""), "teardown")
+    result = infra.teardown(obj, plan, timeout=timeout)
 
     def text(r: dict[str, Any]) -> str:
-        if not r["removed_stacks"]:
-            return f"nothing to remove for profile {r['profile']!r}"
-        return f"removed: {', '.join(r['removed_stacks'])} (emptied {r['objects_deleted']} S3 objects)"
+        if not r["removed_stacks"] and not r["efs_deleted"]:
+            lines = [f"nothing to remove for profile {r['profile']!r}"]
+        else:
+            lines = [
+                f"removed: {', '.join(r['removed_stacks'] + ([r['efs_deleted']] if r['efs_deleted'] else []))}"
+            ]
+            lines[0] += f" (emptied {r['objects_deleted']} S3 objects)"
+        if r["kept"]:
+            lines.append(r["kept"])
+        return "\n".join(lines)
 
     obj.ui.result(result, text)
 
@@ -416,18 +452,23 @@ def logs(obj: Context, job: str, follow: bool, since: str | None, instance: str 
     import datetime as dt
     import json
 
+    from petctl import jobs as jobs_mod
     from petctl import logs as logs_mod
     from petctl import naming
+    from petctl.errors import NotFound
 
     since_s = logs_mod.parse_duration(since) if since else None
-    if not naming.JOB_NAME_RE.match(job):
-        raise ConfigError(f"{job!r} is not a valid job name; `petctl jobs` lists the jobs")
     group = obj.profile.log_group or naming.log_group(obj.profile_name)
     client = obj.clients()("logs")
+    # A killed job's lines stay readable; a job that never was is an error, like `status`.
+    if jobs_mod.find_job(obj, job) is None and not logs_mod.has_streams(client, group, job):
+        raise NotFound(f"job {job!r} not found in profile {obj.profile_name!r}; `petctl jobs` lists the jobs")
+    printed = 0
     try:
         for ev in logs_mod.iter_events(
             client, group, job, since_seconds=since_s, instance=instance, follow=follow
         ):
+            printed += 1
             if obj.ui.json:
                 click.echo(
                     json.dumps(
@@ -443,7 +484,9 @@ def logs(obj: Context, job: str, follow: bool, since: str | None, instance: str 
                 inst = ev["logStreamName"].split("/", 1)[-1]
                 click.echo(f"{ts} {inst} {ev['message'].rstrip()}")
     except KeyboardInterrupt:
-        return
+        raise Interrupted("interrupted") from None
+    if not printed:
+        click.echo(f"job {job} has no log lines yet" + (f" since {since}" if since else ""), err=True)
 
 
 @cli.command()
@@ -463,12 +506,21 @@ def jobs(obj: Context) -> None:
 
 @cli.command("kill_job")
 @click.argument("job")
+@_yes_option
 @click.option("--timeout", default=1800, show_default=True, help="Seconds to wait for the deletion.")
 @pass_ctx
-def kill_job(obj: Context, job: str, timeout: int) -> None:
+def kill_job(obj: Context, job: str, yes: bool, timeout: int) -> None:
     """Delete JOB's stack (instances, groups, rendezvous server). Checkpoints are kept."""
-    from petctl import jobs
+    from petctl import jobs, naming
 
+    if jobs.find_job(obj, job) is not None:
+        efs = obj.profile.efs_id or "the profile's EFS"
+        _confirm(
+            yes,
+            f"delete job {job} (stack {naming.job_stack(job)}, its instances and rendezvous server); "
+            f"its checkpoints on {efs} at /{naming.checkpoint_dir(job)} are kept",
+            "kill_job",
+        )
     r = jobs.kill_job(obj, job, timeout=timeout)
     if r["deleted"]:
         msg = f"job {job} deleted in {r['seconds']}s; checkpoints kept at {r['checkpoints_kept']}"

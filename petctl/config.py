@@ -84,6 +84,9 @@ class Profile:
     rdzv_instance_profile_arn: str | None = None
     log_group: str | None = None
     vpc_cidr: str | None = None
+    # A file system the base stack retained when it was torn down (it holds checkpoints):
+    # `teardown --delete-data` can still delete it, `setup` points to it.
+    retained_efs_ids: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     REQUIRED_FOR_JOBS = (

@@ -21,6 +21,9 @@ class Context:
     _clients: Any = None
     _local_active: bool = False
     _profile: config.Profile | None = None
+    #: Job commands act on one existing profile: a typo in --profile must never reach the jobs
+    #: of another one. Only setup/configure/profiles may start from a profile that does not exist.
+    profile_must_exist: bool = False
 
     @property
     def profile_name(self) -> str:
@@ -31,7 +34,12 @@ class Context:
     @property
     def profile(self) -> config.Profile:
         if self._profile is None:
-            self._profile = config.load_profile(self.profile_name)
+            # The local cloud's own profile is made on first use (activate_local), so a newcomer's
+            # first `petctl --local ...` needs no setup step for the profile itself.
+            implicit = self.local and not self.profile_flag
+            self._profile = config.load_profile(
+                self.profile_name, must_exist=self.profile_must_exist and not implicit
+            )
         return self._profile
 
     def reload_profile(self) -> config.Profile:

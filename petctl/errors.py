@@ -30,6 +30,16 @@ class StackError(PetctlError):
     """A CloudFormation stack failed or is in a state we cannot work with."""
 
 
+class StackWaitTimeout(StackError):
+    """We stopped waiting; the stack itself goes on (it was not touched)."""
+
+
+class Interrupted(PetctlError):
+    """Ctrl-C, after cleaning up: 130 like a shell, so scripts can tell it from a failure."""
+
+    exit_code = 130
+
+
 class NotFound(PetctlError):
     """The named job, stack or resource does not exist."""
 

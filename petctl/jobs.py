@@ -16,7 +16,14 @@ from typing import Any
 
 from petctl import __version__, naming
 from petctl.context import Context
-from petctl.errors import AwsError, ConfigError, NotFound, PetctlError, describe_client_error
+from petctl.errors import (
+    AwsError,
+    ConfigError,
+    NotFound,
+    PetctlError,
+    StackWaitTimeout,
+    describe_client_error,
+)
 from petctl.storage import Upload, parse_s3_url
 
 # NVIDIA GPU families: they get the Deep Learning AMI (nccl). Inferentia/Trainium/AMD need other images.
@@ -236,10 +243,20 @@ def resolve_ami(ctx: Context, req: JobRequest) -> None:
 
 
 def check_code_url(ctx: Context, req: JobRequest) -> None:
-    """Warn when an ``s3://`` target lies where the worker role cannot read it."""
+    """Refuse an ``s3://`` target that does not exist; warn when it lies where the worker role
+    cannot read it. Runs before anything is created."""
     if not req.target.startswith("s3://"):
         return
     bucket, key = parse_s3_url(req.target)
+    try:
+        ctx.clients()("s3").head_object(Bucket=bucket, Key=key)
+    except Exception as e:  # noqa: BLE001 - ClientError, or no access at all
+        code = describe_client_error(e)
+        if code.startswith(("404", "NoSuchKey", "NoSuchBucket", "NotFound")):
+            raise ConfigError(
+                f"{req.target} does not exist; upload it first (`petctl upload FILE {req.target}`)"
+            ) from None
+        ctx.ui.warn(f"could not check {req.target} ({code}); the instances may not be able to read it")
     if bucket != ctx.profile.bucket or not key.startswith("petctl/"):
         ctx.ui.warn(
             f"{req.target} is outside s3://{ctx.profile.bucket}/petctl/, which is all the worker role may "
@@ -272,6 +289,14 @@ def execute(ctx: Context, p: Plan, timeout: float = 1800) -> dict[str, Any]:
             except Exception as e:  # boto3's S3 transfer raises several types
                 raise AwsError(f"upload to s3://{p.bucket}/{u.key} failed: {describe_client_error(e)}") from e
         result = stacks.deploy(p.stack_name, p.template, p.parameters, p.tags, timeout=timeout)
+    except StackWaitTimeout as e:
+        # The stack goes on being created: keep it *and* its uploads (its instances will read
+        # them), and say how to follow or remove it. Deleting only the uploads would leave
+        # instances booting with nothing to run.
+        raise StackWaitTimeout(
+            f"{e}; the job stack and its uploads are kept: watch it with `petctl status {p.job_name}`, "
+            f"or remove it with `petctl kill_job {p.job_name}`"
+        ) from e
     except BaseException:
         # Nothing half-made: the stack is already deleted by deploy(); remove the uploads too.
         try:
@@ -312,10 +337,34 @@ def _stacks(ctx: Context) -> Any:
     return Stacks(ctx.clients()("cloudformation"), ctx.ui)
 
 
-def _require_job(ctx: Context, job: str, stacks: Any = None) -> dict[str, Any]:
+def _check_job_name(job: str) -> None:
     if not naming.JOB_NAME_RE.match(job):
         raise ConfigError(f"{job!r} is not a valid job name; `petctl jobs` lists the jobs")
+
+
+def find_job(ctx: Context, job: str, stacks: Any = None) -> dict[str, Any] | None:
+    """The job's stack if it exists in the active profile, else None.
+
+    Job stacks are named per account and region, not per profile, so a stack of the same name
+    may belong to another profile: that one is never touched (NotFound names its profile).
+    """
+    _check_job_name(job)
     stack = (stacks or _stacks(ctx)).describe(naming.job_stack(job))
+    if stack is None:
+        return None
+    owner = {t["Key"]: t["Value"] for t in stack.get("Tags", []) or []}.get("petctl:profile")
+    if owner != ctx.profile_name:
+        raise NotFound(
+            f"job {job!r} not found in profile {ctx.profile_name!r} (a job of that name belongs to "
+            f"profile {owner!r}; use --profile {owner} to act on it)"
+            if owner
+            else f"job {job!r} not found in profile {ctx.profile_name!r} (its stack was not made by petctl)"
+        )
+    return stack
+
+
+def _require_job(ctx: Context, job: str, stacks: Any = None) -> dict[str, Any]:
+    stack = find_job(ctx, job, stacks)
     if stack is None:
         raise NotFound(f"job {job!r} not found in profile {ctx.profile_name!r}; `petctl jobs` lists the jobs")
     return stack
@@ -495,18 +544,17 @@ def list_jobs(ctx: Context) -> list[dict[str, Any]]:
 
 
 def kill_job(ctx: Context, job: str, stacks: Any = None, timeout: float = 1800) -> dict[str, Any]:
-    """Delete the job stack and wait. Killing a job that is gone is not an error."""
-    if not naming.JOB_NAME_RE.match(job):
-        raise ConfigError(f"{job!r} is not a valid job name; `petctl jobs` lists the jobs")
+    """Delete the job stack and wait. Killing a job that is gone is not an error; killing
+    another profile's job is (``find_job``)."""
     stacks = stacks or _stacks(ctx)
-    name = naming.job_stack(job)
+    stack = find_job(ctx, job, stacks)
     t0 = time.monotonic()
-    deleted = stacks.delete(name, timeout=timeout)
+    deleted = stacks.delete(naming.job_stack(job), timeout=timeout) if stack is not None else False
     return {
         "job": job,
         "deleted": deleted,
         "seconds": round(time.monotonic() - t0, 1),
-        "checkpoints_kept": f"<efs>/{naming.checkpoint_dir(job)}",
+        "checkpoints_kept": f"{ctx.profile.efs_id or '<efs>'}:/{naming.checkpoint_dir(job)}",
     }
 
 

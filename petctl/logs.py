@@ -21,6 +21,17 @@ def parse_duration(text: str) -> int:
     return int(m.group(1)) * _UNIT[m.group(2)]
 
 
+def has_streams(logs: Any, group: str, job: str) -> bool:
+    """Did any instance of ``job`` ever write a log stream?"""
+    try:
+        streams = logs.describe_log_streams(logGroupName=group, logStreamNamePrefix=f"{job}/", limit=1)
+    except Exception as e:  # noqa: BLE001 - a missing group has no streams
+        if (getattr(e, "response", None) or {}).get("Error", {}).get("Code") == "ResourceNotFoundException":
+            return False
+        raise
+    return bool(streams.get("logStreams"))
+
+
 def iter_events(
     logs: Any,
     group: str,

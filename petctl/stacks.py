@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from petctl.aws import ClientError
-from petctl.errors import AwsError, StackError, describe_client_error
+from petctl.errors import AwsError, StackError, StackWaitTimeout, describe_client_error
 from petctl.ui import UI
 
 IN_PROGRESS = "_IN_PROGRESS"
@@ -244,7 +244,7 @@ class Stacks:
             if not stack["StackStatus"].endswith(IN_PROGRESS):
                 return stack
             if self.clock() >= deadline:
-                raise StackError(
+                raise StackWaitTimeout(
                     f"gave up waiting for stack {label} after {timeout:.0f}s (still {stack['StackStatus']}); "
                     f"check the CloudFormation console"
                 )

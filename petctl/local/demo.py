@@ -162,8 +162,8 @@ class Demo:
             self.log(timeline(st))
         finally:
             if not keep:
-                self.say(f"petctl --local kill_job {self.job}")
-                self.petctl("kill_job", self.job, check=False)
+                self.say(f"petctl --local kill_job {self.job} --yes")
+                self.petctl("kill_job", self.job, "--yes", check=False)
         return st
 
 

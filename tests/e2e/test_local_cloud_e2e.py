@@ -120,9 +120,9 @@ def test_elastic_job_on_the_local_cloud(local_home):
     assert after_drain and after_drain[0] == last3, (last3, resumes)
 
     # kill_job and teardown leave nothing; local stop ends every process it started
-    r = petctl("--local", "-o", "json", "kill_job", demo.job)
+    r = petctl("--local", "-o", "json", "kill_job", demo.job, "--yes")
     assert r.returncode == 0 and json.loads(r.stdout)["deleted"] is True, r.stderr
-    r = petctl("--local", "-o", "json", "teardown")
+    r = petctl("--local", "-o", "json", "teardown", "--yes")
     assert r.returncode == 0, r.stderr
     daemon = local.status()["pid"]
     stopped = local.stop()

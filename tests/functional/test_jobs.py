@@ -167,7 +167,7 @@ def test_interrupted_run_job_cleans_up(run, ready, monkeypatch):
 
     monkeypatch.setattr(stacks.Stacks, "wait", interrupted_once)
     r = run("run_job", "--name", "ctrlc", "--min", "1", "--max", "1", str(ready))
-    assert r.exit_code != 0 and "interrupted" in r.stderr
+    assert r.exit_code == 130 and "interrupted" in r.stderr
     live = [
         s["StackName"]
         for s in boto3.client("cloudformation").describe_stacks()["Stacks"]
@@ -251,7 +251,7 @@ def test_unknown_job_errors(run, ready):
 
 def test_kill_job_is_idempotent(run, ready):
     run_job(run, ready)
-    r = run("kill_job", "demo")
+    r = run("kill_job", "demo", "--yes")
     assert r.exit_code == 0 and "job demo deleted" in r.stdout
     assert (
         boto3.client("autoscaling").describe_auto_scaling_groups(
@@ -259,15 +259,15 @@ def test_kill_job_is_idempotent(run, ready):
         )["AutoScalingGroups"]
         == []
     )
-    r = run("kill-job", "demo")
+    r = run("kill-job", "demo", "-y")
     assert r.exit_code == 0 and "does not exist" in r.stdout
 
 
 def test_teardown_refuses_with_jobs_unless_forced(run, ready):
     run_job(run, ready)
-    r = run("teardown")
+    r = run("teardown", "--yes")
     assert r.exit_code == 1 and "still has jobs (demo)" in r.stderr
-    r = run("teardown", "--force")
+    r = run("teardown", "--force", "--yes")
     assert r.exit_code == 0, r.output
     assert "petctl-job-demo" in r.stdout and "petctl-default" in r.stdout
 
@@ -326,6 +326,9 @@ def test_ami_override_is_checked_and_its_root_device_used(run, ready):
 
 
 def test_s3_target_outside_the_petctl_prefix_warns(run, ready):
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket="someone-elses-bucket")
+    s3.put_object(Bucket="someone-elses-bucket", Key="train.py", Body=b"print(1)\n")
     r = run("run_job", "--dry-run", "--min", "1", "--max", "1", "s3://someone-elses-bucket/train.py")
     assert r.exit_code == 0, r.output
     assert "is outside s3://" in r.stderr and "petctl upload" in r.stderr
@@ -338,7 +341,7 @@ def test_reused_job_name_starts_without_old_reports(run, ready):
     old = {"version": 1, "instance_id": "i-0old", "state": "FAILED", "reason": "old run", "last_step": 99}
     s3.put_object(Bucket=bucket, Key="petctl/jobs/demo/status/i-0old.json", Body=json.dumps(old).encode())
     assert json.loads(run("--output", "json", "status", "demo").stdout)["state"] == "FAILED"
-    assert run("kill_job", "demo").exit_code == 0
+    assert run("kill_job", "demo", "--yes").exit_code == 0
     run_job(run, ready)
     st = json.loads(run("--output", "json", "status", "demo").stdout)
     assert st["state"] == "STARTING" and st["last_step"] is None
@@ -381,7 +384,7 @@ def test_ctrl_c_during_create_stack_call_cleans_up(run, ready, monkeypatch):
 
     monkeypatch.setattr(stacks.Stacks, "__init__", init)
     r = run("run_job", "--name", "ctrlc2", "--min", "1", "--max", "1", str(ready))
-    assert r.exit_code == 1 and "interrupted" in r.stderr
+    assert r.exit_code == 130 and "interrupted" in r.stderr
     live = [
         s["StackName"]
         for s in boto3.client("cloudformation").describe_stacks()["Stacks"]

@@ -90,7 +90,7 @@ def test_teardown_removes_stack_and_empties_bucket(run, profile_data):
     assert run("setup").exit_code == 0
     bucket = profile_data()["bucket"]
     boto3.client("s3").put_object(Bucket=bucket, Key="petctl/leftover.txt", Body=b"x")
-    r = run("teardown")
+    r = run("teardown", "--yes")
     assert r.exit_code == 0, r.output
     assert "removed: petctl-default" in r.stdout and "emptied 1 S3 objects" in r.stdout
     assert [s for s in cf().describe_stacks()["Stacks"] if s["StackStatus"] != "DELETE_COMPLETE"] == []
@@ -99,8 +99,8 @@ def test_teardown_removes_stack_and_empties_bucket(run, profile_data):
 
 def test_teardown_twice_is_harmless(run):
     assert run("setup").exit_code == 0
-    assert run("teardown").exit_code == 0
-    r = run("teardown")
+    assert run("teardown", "--yes").exit_code == 0
+    r = run("teardown", "--yes")
     assert r.exit_code == 0 and "nothing to remove" in r.stdout
 
 

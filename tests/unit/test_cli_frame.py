@@ -99,9 +99,15 @@ def test_run_job_directory_needs_script(tmp_path):
     assert r.exit_code == 2 and "give the script inside it" in r.stderr
 
 
-def test_run_job_without_setup_says_what_to_do(tmp_path):
+def test_run_job_without_setup_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setenv("PETCTL_HOME", str(tmp_path / "home"))
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
+    r = invoke("--profile", "fresh", "run_job", "--min", "1", "--max", "1", str(script))
+    assert r.exit_code == 2
+    assert "unknown profile 'fresh'" in r.stderr and "petctl --profile fresh setup" in r.stderr
+    # A profile that exists but lacks resources says what is missing.
+    assert invoke("--profile", "fresh", "configure", "--region", "us-east-1").exit_code == 0
     r = invoke("--profile", "fresh", "run_job", "--min", "1", "--max", "1", str(script))
     assert r.exit_code == 2
     assert "profile 'fresh' is not set up" in r.stderr and "petctl setup" in r.stderr
