@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from petctl import config, naming
@@ -63,6 +64,12 @@ def setup(
     if bucket:
         _check_exists(lambda: clients("s3").head_bucket(Bucket=bucket), f"S3 bucket {bucket}")
 
+    kept = [f for f in profile.retained_efs_ids if f != efs_id]
+    if kept and not efs_id:
+        ctx.ui.warn(
+            f"EFS file system {kept[-1]}, kept by the last teardown, still holds this profile's "
+            f"checkpoints; to train on from them, run `petctl setup --efs-id {kept[-1]}`"
+        )
     name = naming.base_stack(ctx.profile_name)
     template = templates.render_infra(az_count=az_count, create_efs=not efs_id, create_bucket=not bucket)
     params = templates.infra_parameters(
@@ -115,44 +122,157 @@ def _check_exists(call: Any, what: str) -> None:
         raise PetctlError(f"{what} was not found or is not accessible ({describe_client_error(e)})") from e
 
 
-def teardown(ctx: Context, *, force: bool = False, timeout: float = 1800) -> dict[str, Any]:
-    """Delete the base stack (and, with ``force``, the profile's job stacks first)."""
+@dataclass
+class TeardownPlan:
+    """What ``teardown`` would delete and keep, computed before anything is touched (so the
+    confirmation can say it)."""
+
+    profile: str
+    stack: str
+    stack_exists: bool
+    jobs: list[str] = field(default_factory=list)
+    bucket: str | None = None  # petctl's own bucket, emptied and deleted with the stack
+    efs_id: str | None = None  # the stack's file system (created by petctl or given by the user)
+    efs_created: bool = False  # petctl made it, so --delete-data may delete it
+    retained: list[str] = field(default_factory=list)  # kept by earlier teardowns
+    delete_data: bool = False
+
+    @property
+    def ours(self) -> list[str]:
+        """File systems petctl made for this profile: what --delete-data deletes."""
+        mine = [self.efs_id] if self.efs_id and self.efs_created else []
+        return mine + [f for f in self.retained if f not in mine]
+
+    @property
+    def efs_to_delete(self) -> list[str]:
+        return self.ours if self.delete_data else []
+
+    def describe(self) -> str:
+        parts = []
+        if self.jobs:
+            parts.append(f"job(s) {', '.join(self.jobs)} with their instances")
+        if self.stack_exists:
+            parts.append(f"base stack {self.stack} (VPC, subnets, security groups, IAM roles, log group)")
+        if self.bucket:
+            parts.append(f"bucket {self.bucket} and every object in it")
+        for fs in self.efs_to_delete:
+            parts.append(f"EFS file system {fs} with every checkpoint on it")
+        return "delete " + "; ".join(parts) if parts else "nothing to delete"
+
+    def kept(self) -> str | None:
+        keep = [
+            f for f in ([self.efs_id] if self.efs_id else []) + self.retained if f not in self.efs_to_delete
+        ]
+        if not keep:
+            return None
+        why = "it was given with --efs-id" if self.efs_id in keep and not self.efs_created else None
+        why = why or "pass --delete-data to delete it"
+        return (
+            f"kept: EFS file system {', '.join(keep)} with your checkpoints ({why}); reuse it with "
+            f"`petctl setup --efs-id {keep[0]}`"
+        )
+
+
+def plan_teardown(ctx: Context, *, force: bool = False, delete_data: bool = False) -> TeardownPlan:
+    """Find what teardown would remove; refuse (before any change) while jobs exist, unless ``force``."""
+    from petctl import jobs
+    from petctl.stacks import Stacks
+
+    profile = ctx.profile
+    stacks = Stacks(ctx.clients()("cloudformation"), ctx.ui)
+    live_jobs = [
+        naming.job_from_stack(s["StackName"]) or s["StackName"] for s in jobs.job_stacks(ctx, stacks)
+    ]
+    if live_jobs and not force:
+        raise PetctlError(
+            f"profile {profile.name!r} still has jobs ({', '.join(live_jobs)}); kill them with "
+            f"`petctl kill_job` or pass --force to delete them first"
+        )
+    name = profile.stack_name or naming.base_stack(ctx.profile_name)
+    stack = stacks.describe(name)
+    plan = TeardownPlan(profile=profile.name, stack=name, stack_exists=stack is not None, jobs=live_jobs)
+    plan.delete_data = delete_data
+    plan.retained = list(profile.retained_efs_ids)
+    if stack is not None:
+        out = _stack_outputs(stack)
+        if profile.bucket_created is not False:
+            plan.bucket = out.get("BucketName")
+        plan.efs_id = out.get("EfsId") or profile.efs_id
+        given = {p["ParameterKey"]: p.get("ParameterValue") for p in stack.get("Parameters", []) or []}
+        plan.efs_created = not given.get("ExistingEfsId")
+    return plan
+
+
+def teardown(ctx: Context, plan: TeardownPlan, *, timeout: float = 1800) -> dict[str, Any]:
+    """Carry out a :class:`TeardownPlan`: jobs first, then the base stack, then (only with
+    ``delete_data``) the file system, which the stack itself always retains."""
     from petctl import jobs
     from petctl.stacks import Stacks
 
     profile = ctx.profile
     clients = ctx.clients()
     stacks = Stacks(clients("cloudformation"), ctx.ui)
-    live_jobs = jobs.job_stacks(ctx, stacks)
     removed: list[str] = []
-    if live_jobs:
-        names = ", ".join(naming.job_from_stack(s["StackName"]) or s["StackName"] for s in live_jobs)
-        if not force:
-            raise PetctlError(
-                f"profile {profile.name!r} still has jobs ({names}); kill them with `petctl kill_job` "
-                f"or pass --force to delete them first"
-            )
-        for s in live_jobs:
-            job = naming.job_from_stack(s["StackName"]) or s["StackName"]
-            jobs.kill_job(ctx, job, stacks=stacks, timeout=timeout)
-            removed.append(s["StackName"])
-    name = profile.stack_name or naming.base_stack(ctx.profile_name)
-    stack = stacks.describe(name)
+    for job in plan.jobs:
+        jobs.kill_job(ctx, job, stacks=stacks, timeout=timeout)
+        removed.append(naming.job_stack(job))
     emptied = 0
-    if stack is None:
-        ctx.ui.progress(f"base stack {name} does not exist; nothing to delete")
+    if plan.stack_exists:
+        if plan.bucket:
+            emptied = empty_bucket(clients("s3"), plan.bucket, ctx)
+        stacks.delete(plan.stack, timeout=timeout)
+        removed.append(plan.stack)
     else:
-        bucket = _stack_outputs(stack).get("BucketName")
-        if bucket and profile.bucket_created is not False:
-            emptied = empty_bucket(clients("s3"), bucket, ctx)
-        stacks.delete(name, timeout=timeout)
-        removed.append(name)
+        ctx.ui.progress(f"base stack {plan.stack} does not exist; nothing to delete")
+    deleted_efs = []
+    for fs in plan.efs_to_delete:
+        delete_file_system(ctx, fs)
+        deleted_efs.append(fs)
     for attr in list(OUTPUT_FIELDS.values()):
         setattr(profile, attr, [] if attr == "subnet_ids" else None)
     profile.managed = False
     profile.stack_name = None
+    profile.retained_efs_ids = [f for f in plan.ours if f not in deleted_efs]
     config.save_profile(profile)
-    return {"profile": profile.name, "removed_stacks": removed, "objects_deleted": emptied}
+    return {
+        "profile": profile.name,
+        "removed_stacks": removed,
+        "objects_deleted": emptied,
+        "efs_deleted": deleted_efs,
+        "efs_kept": [
+            f for f in ([plan.efs_id] if plan.efs_id else []) + plan.retained if f not in deleted_efs
+        ],
+        "kept": plan.kept(),
+    }
+
+
+def delete_file_system(ctx: Context, efs_id: str, wait: float = 300) -> None:
+    """Delete an EFS file system once its mount targets are gone (AWS deletes those
+    asynchronously: ``FileSystemInUse`` until then)."""
+    import time
+
+    efs = ctx.clients()("efs")
+    ctx.ui.progress(f"deleting EFS file system {efs_id} and every checkpoint on it")
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            for mt in efs.describe_mount_targets(FileSystemId=efs_id).get("MountTargets", []):
+                efs.delete_mount_target(MountTargetId=mt["MountTargetId"])
+            efs.delete_file_system(FileSystemId=efs_id)
+            break
+        except ClientError as e:
+            code = describe_client_error(e)
+            if code.startswith("FileSystemNotFound"):
+                break
+            if not code.startswith("FileSystemInUse") or time.monotonic() > deadline:
+                raise AwsError(f"could not delete EFS file system {efs_id} ({code})") from e
+            time.sleep(5)
+    if ctx.local:
+        import shutil
+
+        from petctl import local as local_cloud
+
+        shutil.rmtree(local_cloud.state_dir() / "efs" / efs_id, ignore_errors=True)
 
 
 def _stack_outputs(stack: dict[str, Any]) -> dict[str, str]:
