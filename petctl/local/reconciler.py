@@ -8,9 +8,10 @@ client uses) and makes the local processes match it:
   ``petctl:rdzv`` address, ``worker`` → ``petctl-agent run``;
 * an instance that left (terminated by a scale-in, deleted group, …) is drained
   the way the termination lifecycle hook would on AWS (IMDS
-  ``target-lifecycle-state`` → ``Terminated``, SIGTERM, up to the job's drain
-  timeout), then its whole process group is SIGKILLed — in a thread per
-  instance, so one slow drain never delays the others;
+  ``target-lifecycle-state`` → ``Terminated``, SIGTERM, then Terminating:Wait: a
+  group's instance waits until CompleteLifecycleAction or the job's drain
+  timeout, even after its agent exited), then its whole process group is
+  SIGKILLed — in a thread per instance, so one slow drain never delays the others;
 * a tree that exits on its own is recorded, never restarted (an agent that
   exited 0 after its job SUCCEEDED must stay down — as on AWS, where the
   instance keeps running idle until the group scales to zero).
@@ -472,11 +473,23 @@ class Reconciler:
         self._thread(self._drain, rec, was, name=f"drain-{rec.instance_id}")
 
     def _drain(self, rec: Instance, was: str) -> None:
-        """The termination lifecycle hook: SIGTERM, wait for the agent, then kill the tree."""
+        """The termination lifecycle hook (Terminating:Wait), then the tree is killed.
+
+        An instance of an Auto Scaling group (the job template puts the ``petctl-drain``
+        hook on it) stays in Terminating:Wait until CompleteLifecycleAction is called or
+        the hook's timeout (the job's drain timeout + ``drain_slack``) runs out -- even if
+        its agent has exited meanwhile, as on AWS, where the instance keeps running (and
+        billing) until then. The agent is also sent SIGTERM at the start (AWS does not;
+        the agent reacts to either). An instance outside a group has no hook: it is
+        shut down as soon as its agent is gone (or at the timeout).
+        """
         t0 = time.monotonic()
         proc = rec.proc
-        if proc is not None and was != "exited" and proc.poll() is None:
-            procs.signal_pid(proc.pid, signal.SIGTERM, rec.start_ticks)
+        hooked = bool(rec.asg)
+        running = proc is not None and was != "exited" and proc.poll() is None
+        if running or hooked:
+            if running:
+                procs.signal_pid(proc.pid, signal.SIGTERM, rec.start_ticks)
             # The spec is re-read: ``drain_timeout`` is the job's current word on it.
             spec = self.job_spec(rec) or {}
             timeout = float(
@@ -484,7 +497,7 @@ class Reconciler:
             )
             deadline = t0 + timeout + self.settings.drain_slack
             while not self.stopping.is_set() and time.monotonic() < deadline:
-                if proc.poll() is not None:
+                if not hooked and (proc is None or proc.poll() is not None):
                     break
                 if rec.lifecycle_done.is_set():
                     # The agent completed the lifecycle action: AWS now shuts the instance down.
@@ -492,12 +505,14 @@ class Reconciler:
                     break
                 time.sleep(0.05)
             else:
-                if proc.poll() is None and not self.stopping.is_set():
+                if not self.stopping.is_set():
+                    alive = proc is not None and proc.poll() is None
                     log.warning(
-                        "%s: still running %.0fs after SIGTERM (drain timeout %.0fs); killing it",
+                        "%s: lifecycle action not completed within %.0fs (drain timeout %.0fs)%s",
                         rec.instance_id,
                         timeout + self.settings.drain_slack,
                         timeout,
+                        "; killing it" if alive else "; the instance waited it out",
                     )
         self._finish(rec, "terminated")
 

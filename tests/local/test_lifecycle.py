@@ -97,3 +97,64 @@ def test_stale_state_is_recovered_and_only_our_leftovers_are_killed(local_dir: P
         ours.kill()
         unrelated.wait()
         ours.wait()
+
+
+# ---- Terminating:Wait (the termination lifecycle hook) ------------------------------------------
+def _scale_in_one(cloud, job: dict) -> tuple[str, float]:
+    import time
+
+    group = job["groups"]["workers"]
+    (inst,) = wait_for(lambda: cloud.running(job["job"]), what="worker")
+    t0 = time.monotonic()
+    cloud.asg.set_desired_capacity(AutoScalingGroupName=group, DesiredCapacity=0)
+    return inst["instance_id"], t0
+
+
+def test_terminating_wait_outlasts_an_agent_that_exits_without_completing(cloud) -> None:
+    """As on AWS: the agent exiting does not end Terminating:Wait; only the hook timeout does."""
+    import time
+
+    job = cloud.make_job("tw-exit", workers=1, drain_timeout=6)  # the stand-in exits 0 on SIGTERM
+    iid, t0 = _scale_in_one(cloud, job)
+    pid = cloud.standin(iid)["pid"]
+    wait_for(lambda: cloud.drained(iid), what="SIGTERM seen")
+    wait_for(lambda: not procs.is_alive(pid), timeout=10, what="stand-in gone")
+    assert cloud.instance(iid)["state"] == "draining"  # agent gone, instance still waiting
+    assert cloud.imds(iid, "meta-data/autoscaling/target-lifecycle-state") == (200, "Terminated")
+    wait_for(lambda: cloud.instance(iid)["state"] == "terminated", timeout=30, what="hook timeout")
+    assert time.monotonic() - t0 >= 6
+
+
+def test_terminating_wait_ends_when_the_action_is_completed(cloud) -> None:
+    """The agent (here: the test) completes the action after its process exited: no waiting out."""
+    import time
+
+    job = cloud.make_job("tw-done", workers=1, drain_timeout=60)
+    iid, t0 = _scale_in_one(cloud, job)
+    pid = cloud.standin(iid)["pid"]
+    wait_for(lambda: not procs.is_alive(pid), timeout=10, what="stand-in gone")
+    time.sleep(1)
+    assert cloud.instance(iid)["state"] == "draining"
+    cloud.asg.complete_lifecycle_action(
+        AutoScalingGroupName=job["groups"]["workers"],
+        LifecycleHookName="petctl-drain",
+        LifecycleActionResult="CONTINUE",
+        InstanceId=iid,
+    )
+    wait_for(lambda: cloud.instance(iid)["state"] == "terminated", timeout=10, what="terminated")
+    assert time.monotonic() - t0 < 30  # far below the 60 s hook timeout
+
+
+def test_terminating_wait_for_an_instance_whose_agent_already_exited(cloud) -> None:
+    """An agent that ended earlier (job over, or crashed) cannot complete: the instance waits it out."""
+    import time
+
+    cloud.make_job("tw-gone", workers=1, drain_timeout=2, mode="crash")
+    inst = wait_for(
+        lambda: next((i for i in cloud.instances("tw-gone") if i["state"] == "exited"), None), what="exit"
+    )
+    t0 = time.monotonic()
+    cloud.asg.set_desired_capacity(AutoScalingGroupName="petctl-tw-gone-workers", DesiredCapacity=0)
+    wait_for(lambda: cloud.instance(inst["instance_id"])["state"] == "draining", what="Terminating:Wait")
+    wait_for(lambda: cloud.instance(inst["instance_id"])["state"] == "terminated", timeout=30, what="timeout")
+    assert time.monotonic() - t0 >= 2
