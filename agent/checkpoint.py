@@ -1,33 +1,51 @@
 """Checkpoint helper for training scripts run by petctl (or plain ``torchrun``).
 
 Atomic checkpoints on the shared filesystem plus the worker side of the drain
-protocol. Usage in a training loop::
+protocol. One call per step::
 
     from petctl_agent import checkpoint as ckpt
 
-    restored = ckpt.load_latest()
-    start = 0 if restored is None else restored[1] + 1
-    for step in range(start, total):
+    restored = ckpt.resume()                      # (state, step) on this rank's device, or None
+    start = 1 if restored is None else restored[1] + 1
+    for step in range(start, total + 1):
         train_one_step()
-        ckpt.report_progress(step, world_size)
-        if ckpt.should_checkpoint(step, every=50):   # collective: call on all ranks
-            ckpt.save({"model": model.state_dict(), ...}, step)   # rank 0 writes
-            if ckpt.drain_requested():
-                ckpt.exit_for_drain()                # every rank stops at this step
+        ckpt.step(step, lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
+                  every=50, last=step == total)    # collective: call on every rank
 
-Drain protocol: the agent creates ``$PETCTL_DRAIN_FILE`` on a node that must
-stop (leaving, or a scale-up/membership change it wants to absorb without
-losing steps). :func:`should_checkpoint` all-reduces the local flag (MAX) on
-every call, so *every* rank learns about the drain at the same step, all of
-them checkpoint that step, and all of them exit with
-:data:`petctl_agent.DRAIN_EXIT_CODE`. The agents then re-rendezvous and the
-workers resume at ``step + 1``: no step is lost.
+:func:`step` reports progress, agrees with the other ranks on "checkpoint now"
+and "drain now", saves when they agreed, and on an agreed drain exits with
+:data:`petctl_agent.DRAIN_EXIT_CODE` after the save. The finer calls it is made
+of stay available: :func:`report_progress`, :func:`should_checkpoint`,
+:func:`save`, :func:`drain_requested`, :func:`exit_for_drain`, :func:`load_latest`.
 
-Checkpoint layout in the directory: ``ckpt-<step:010d>.pt`` files, each written
-to a temporary file in the same directory, fsync'ed and ``os.replace``d, and a
-``latest`` pointer (JSON: file, step, sha256, size) replaced atomically after
-the checkpoint itself is durable. A writer killed at any point leaves either the
-old ``latest`` or the new one, never a torn file behind it.
+Drain agreement: the agent creates ``$PETCTL_DRAIN_FILE`` on a node that must
+stop (leaving, or a scale-up it absorbs without losing steps). Each call of
+:func:`should_checkpoint` starts an all-reduce (MAX) of the local flag on the
+process group's device (a CUDA tensor under NCCL, CPU under gloo) *without
+waiting for it* and reads the result of the previous call's all-reduce: a flag
+raised at step ``s`` is decided at step ``s + 1``, by every rank, at the same
+step. Reading it does not synchronise the GPU with the current step (the result
+is copied to pinned memory behind a CUDA event recorded one step earlier).
+``PETCTL_AGREEMENT=sync`` decides at the same step instead (an all-reduce and a
+host read every step). Without ``$PETCTL_DRAIN_FILE`` (plain torchrun) nothing is
+exchanged and only ``step % every`` counts.
+
+Layouts in the directory, both with a ``latest`` pointer (JSON: ``file``, ``step``,
+``format``; plus ``sha256``/``size`` for single files) replaced atomically after
+the checkpoint itself is durable:
+
+- plain state (DDP): rank 0 writes ``ckpt-<step:010d>.pt`` -- ``torch.save`` into a
+  temp file in the same directory, fsync, ``os.replace``, fsync dir;
+- sharded state (any ``DTensor``/``ShardedTensor`` in it, e.g. FSDP2 state dicts): every
+  rank writes its own shard with ``torch.distributed.checkpoint`` into a hidden temp
+  directory, which rank 0 renames to ``ckpt-<step:010d>.dcp`` once all are written.
+  It loads at any world size (DCP reshards), into the state dict you pass.
+
+A writer killed at any point leaves the previous ``latest`` intact. Saves end in a
+barrier on a dedicated gloo group whose timeout (``PETCTL_CHECKPOINT_TIMEOUT``,
+default 1800 s) is independent of the collective timeout: a long write to EFS must
+not trip the 60 s collective timeout or NCCL's watchdog, which aborts any NCCL
+collective (barriers included) still pending after the group's timeout.
 """
 
 from __future__ import annotations
@@ -37,9 +55,12 @@ import io
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -47,19 +68,22 @@ from petctl_agent import DRAIN_EXIT_CODE
 
 __all__ = [
     "DRAIN_EXIT_CODE",
+    "NeedsStateError",
     "checkpoint_dir",
     "drain_requested",
     "exit_for_drain",
     "latest_step",
     "load_latest",
     "report_progress",
+    "resume",
     "save",
     "should_checkpoint",
+    "step",
 ]
 
 LATEST = "latest"
-_CKPT_RE = re.compile(r"^ckpt-(\d{10})\.pt$")
-_global_drain = False  # set by should_checkpoint() when any rank saw the drain file
+_CKPT_RE = re.compile(r"^ckpt-(\d{10})\.(pt|dcp)$")
+_agreed_drain = False  # the drain decision all ranks took at the last should_checkpoint()
 
 
 def checkpoint_dir(directory: str | os.PathLike | None = None) -> Path:
@@ -74,21 +98,24 @@ def checkpoint_dir(directory: str | os.PathLike | None = None) -> Path:
     return Path(d)
 
 
+def _dist_on() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def _rank() -> int:
-    try:
+    if _dist_on():
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except ImportError:  # pragma: no cover - torch is a hard dependency of the agent extra
-        pass
+        return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
 
 
 def _dist_world() -> int:
-    import torch.distributed as dist
+    if _dist_on():
+        import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return 1
 
@@ -124,20 +151,91 @@ def _atomic_write(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+# ---- the checkpoint process group (its own timeout) ----------------------------------
+_ckpt_group_for: tuple[Any, Any] | None = None  # (default group it was made for, gloo group)
+
+
+def _barrier_timeout() -> timedelta:
+    return timedelta(seconds=float(os.environ.get("PETCTL_CHECKPOINT_TIMEOUT", "1800")))
+
+
+def _ckpt_group() -> Any:
+    """A gloo group over all ranks with the checkpoint timeout (created on first use; collective).
+
+    Why a separate gloo group rather than ``barrier()`` on the default group: under
+    NCCL a barrier is an NCCL collective, and the watchdog aborts the process when it
+    is still pending after the group's timeout (60 s here) -- while rank 0 is writing
+    a large checkpoint to EFS. Gloo has no watchdog; its timeout is per operation.
+    """
+    global _ckpt_group_for
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    if _ckpt_group_for is None or _ckpt_group_for[0] is not world:
+        _ckpt_group_for = (world, dist.new_group(backend="gloo", timeout=_barrier_timeout()))
+    return _ckpt_group_for[1]
+
+
+def _barrier() -> None:
+    """Every rank waits here until all arrived (no-op without a process group).
+
+    ``monitored_barrier`` on the checkpoint group: CPU-only, its own timeout, and on
+    timeout rank 0 names the ranks that never arrived.
+    """
+    if not _dist_on():
+        return
+    import torch.distributed as dist
+
+    dist.monitored_barrier(group=_ckpt_group(), timeout=_barrier_timeout(), wait_all_ranks=True)
+
+
+# ---- save -------------------------------------------------------------------------------
+def _is_sharded(obj: Any, _depth: int = 0) -> bool:
+    """Does ``obj`` (nested dicts/lists) hold a DTensor or ShardedTensor?
+
+    Only looks for the classes when their modules are loaded: no sharded tensor can
+    exist otherwise, and plain scripts do not pay for importing them.
+    """
+    kinds = []
+    dt = sys.modules.get("torch.distributed.tensor")
+    if dt is not None and hasattr(dt, "DTensor"):
+        kinds.append(dt.DTensor)
+    st = sys.modules.get("torch.distributed._shard.sharded_tensor")
+    if st is not None and hasattr(st, "ShardedTensor"):
+        kinds.append(st.ShardedTensor)
+    if not kinds:
+        return False
+    kinds_t = tuple(kinds)
+
+    def walk(o: Any, depth: int) -> bool:
+        if isinstance(o, kinds_t):
+            return True
+        if depth > 32:
+            return False
+        if isinstance(o, dict):
+            return any(walk(v, depth + 1) for v in o.values())
+        if isinstance(o, (list, tuple)):
+            return any(walk(v, depth + 1) for v in o)
+        return False
+
+    return walk(obj, _depth)
+
+
 def save(
     state: dict[str, Any],
     step: int,
     directory: str | os.PathLike | None = None,
     keep: int | None = None,
 ) -> Path | None:
-    """Save ``state`` as the checkpoint of ``step`` (rank 0 writes; every rank must call it).
+    """Save ``state`` as the checkpoint of ``step``. Collective: every rank must call it.
 
-    Non-zero ranks do not write; all ranks then meet in a barrier (when a process
-    group is initialised) so that nobody moves on, or exits for a drain, before
-    the checkpoint is durable.
+    Plain state: rank 0 writes one file. Sharded state (DTensor/ShardedTensor values,
+    e.g. FSDP2): every rank writes its shard through ``torch.distributed.checkpoint``.
+    All ranks then meet in a barrier so nobody moves on, or exits for a drain,
+    before the checkpoint and ``latest`` are durable.
 
     Args:
-        state: picklable dict (tensors, state dicts, numbers).
+        state: picklable dict (tensors on any device, state dicts, numbers).
         step: the last completed step this state includes.
         directory: defaults to ``$PETCTL_CHECKPOINT_DIR``.
         keep: newest checkpoints to keep (default ``$PETCTL_CHECKPOINT_KEEP`` or 3).
@@ -145,14 +243,18 @@ def save(
     Returns:
         The checkpoint path on rank 0, else None.
     """
+    d = checkpoint_dir(directory)
+    keep = keep if keep is not None else int(os.environ.get("PETCTL_CHECKPOINT_KEEP", "3"))
+    if _is_sharded(state):
+        return _save_sharded(state, int(step), d, keep)
     out: Path | None = None
     if _rank() == 0:
-        out = _write_checkpoint(state, step, checkpoint_dir(directory), keep)
+        out = _write_checkpoint(state, step, d, keep)
     _barrier()
     return out
 
 
-def _write_checkpoint(state: dict[str, Any], step: int, d: Path, keep: int | None) -> Path:
+def _write_checkpoint(state: dict[str, Any], step: int, d: Path, keep: int) -> Path:
     import torch
 
     d.mkdir(parents=True, exist_ok=True)
@@ -162,14 +264,53 @@ def _write_checkpoint(state: dict[str, Any], step: int, d: Path, keep: int | Non
     name = f"ckpt-{int(step):010d}.pt"
     path = d / name
     _atomic_write(path, data)
-    pointer = {"file": name, "step": int(step), "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    pointer = {
+        "file": name,
+        "step": int(step),
+        "format": "torch",
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "size": len(data),
+    }
     _atomic_write(d / LATEST, json.dumps(pointer).encode())
-    _prune(d, keep if keep is not None else int(os.environ.get("PETCTL_CHECKPOINT_KEEP", "3")), name)
+    _prune(d, keep, name)
     return path
 
 
+def _save_sharded(state: dict[str, Any], step: int, d: Path, keep: int) -> Path | None:
+    import torch.distributed.checkpoint as dcp
+
+    name = f"ckpt-{step:010d}.dcp"
+    tmp = d / f".{name}.tmp"
+    group = _ckpt_group() if _dist_on() else None
+    rank0 = _rank() == 0
+    if rank0:
+        d.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a writer killed earlier at this step
+        tmp.mkdir()
+    _barrier()
+    # The coordination (plans, metadata) runs on the gloo checkpoint group: same timeout.
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), process_group=group)
+    out: Path | None = None
+    if rank0:
+        _fsync_dir(tmp)
+        final = d / name
+        if final.exists():  # saved this step before (a retry): replace it
+            trash = d / f".{name}.old.tmp"
+            shutil.rmtree(trash, ignore_errors=True)
+            os.rename(final, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        os.rename(tmp, final)
+        _fsync_dir(d)
+        pointer = {"file": name, "step": step, "format": "dcp", "world_size": _dist_world()}
+        _atomic_write(d / LATEST, json.dumps(pointer).encode())
+        _prune(d, keep, name)
+        out = final
+    _barrier()
+    return out
+
+
 def _list_checkpoints(d: Path) -> list[tuple[int, Path]]:
-    """Checkpoints in ``d``, newest first."""
+    """Checkpoints in ``d`` (files and DCP directories), newest first."""
     try:
         names = os.listdir(d)
     except FileNotFoundError:
@@ -178,24 +319,32 @@ def _list_checkpoints(d: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+def _remove(p: Path) -> None:
+    if p.is_dir():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        try:
+            p.unlink()
+        except OSError:
+            pass
+
+
 def _prune(d: Path, keep: int, current: str) -> None:
     for _, p in _list_checkpoints(d)[max(keep, 1) :]:
         if p.name != current:
-            try:
-                p.unlink()
-            except OSError:
-                pass
-    # temp files of writers killed mid-save (older than a minute: not a live writer)
+            _remove(p)
+    # temp files/dirs of writers killed mid-save (older than a minute: not a live writer)
     for n in os.listdir(d):
         if n.startswith(".") and n.endswith(".tmp"):
             p = d / n
             try:
                 if time.time() - p.stat().st_mtime > 60:
-                    p.unlink()
+                    _remove(p)
             except OSError:
                 pass
 
 
+# ---- load -------------------------------------------------------------------------------
 def _read_pointer(d: Path) -> dict[str, Any] | None:
     try:
         return json.loads((d / LATEST).read_text())
@@ -209,72 +358,202 @@ def latest_step(directory: str | os.PathLike | None = None) -> int | None:
     return int(p["step"]) if p and "step" in p else None
 
 
-def _load_file(path: Path, expect_sha: str | None) -> tuple[dict[str, Any], int]:
+def _load_file(path: Path, expect_sha: str | None, map_location: Any) -> tuple[dict[str, Any], int]:
     import torch
 
     data = path.read_bytes()
     if expect_sha is not None and hashlib.sha256(data).hexdigest() != expect_sha:
         raise ValueError(f"checksum mismatch for {path}")
-    obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    obj = torch.load(io.BytesIO(data), map_location=map_location, weights_only=False)
     return obj["state"], int(obj["step"])
 
 
-def load_latest(directory: str | os.PathLike | None = None) -> tuple[dict[str, Any], int] | None:
+class NeedsStateError(TypeError):
+    """The checkpoint is sharded: loading it needs the state dict to load into."""
+
+
+def _load_dcp(path: Path, into: dict[str, Any] | None) -> tuple[dict[str, Any], int]:
+    import torch.distributed.checkpoint as dcp
+
+    if into is None:
+        raise NeedsStateError(
+            f"{path.name} is a sharded (torch.distributed.checkpoint) checkpoint: pass the state "
+            "dict to load into, e.g. resume({'model': model.state_dict(), ...})"
+        )
+    group = _ckpt_group() if _dist_on() else None
+    dcp.load(into, storage_reader=dcp.FileSystemReader(str(path)), process_group=group)
+    return into, int(_CKPT_RE.match(path.name).group(1))
+
+
+def load_latest(
+    directory: str | os.PathLike | None = None,
+    map_location: Any = None,
+    into: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], int] | None:
     """Load the newest readable checkpoint: ``(state, step)``, or None when there is none.
 
     The file named by ``latest`` is verified against its sha256; if it is missing
-    or unreadable, older ``ckpt-*.pt`` files are tried newest first.
+    or unreadable, older checkpoints are tried newest first.
+
+    Args:
+        directory: defaults to ``$PETCTL_CHECKPOINT_DIR``.
+        map_location: for single-file checkpoints; default this rank's device
+            (:func:`petctl_agent.distributed.rank_device`).
+        into: for sharded checkpoints (collective then: every rank calls it): the state
+            dict, with DTensors laid out as now, that ``torch.distributed.checkpoint``
+            loads in place. Returned as the state.
+
+    Raises:
+        NeedsStateError: (a ``TypeError``) the newest checkpoint is sharded and ``into`` is None.
     """
     d = checkpoint_dir(directory)
+    if map_location is None:
+        from petctl_agent.distributed import rank_device
+
+        map_location = rank_device()
     pointer = _read_pointer(d)
-    tried: set[Path] = set()
-    if pointer:
-        path = d / pointer.get("file", "")
-        tried.add(path)
-        try:
-            return _load_file(path, pointer.get("sha256"))
-        except Exception as e:  # noqa: BLE001 - any unreadable newest falls back
-            print(f"petctl checkpoint: newest {path.name} unreadable ({e}); trying older", file=sys.stderr)
-    for _, path in _list_checkpoints(d):
-        if path in tried:
+    candidates: list[tuple[Path, str | None]] = []
+    if pointer and pointer.get("file"):
+        candidates.append((d / pointer["file"], pointer.get("sha256")))
+    for s, path in _list_checkpoints(d):
+        if any(path == c for c, _ in candidates):
             continue
-        if pointer and "step" in pointer and int(_CKPT_RE.match(path.name).group(1)) > int(pointer["step"]):
+        if pointer and "step" in pointer and s > int(pointer["step"]):
             continue  # written after the pointer we trust: never made it to 'latest'
+        candidates.append((path, None))
+    for i, (path, sha) in enumerate(candidates):
         try:
-            return _load_file(path, None)
-        except Exception as e:  # noqa: BLE001
-            print(f"petctl checkpoint: {path.name} unreadable ({e}); trying older", file=sys.stderr)
+            if path.name.endswith(".dcp"):
+                return _load_dcp(path, into)
+            return _load_file(path, sha, map_location)
+        except NeedsStateError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any unreadable newest falls back
+            what = "newest " if i == 0 else ""
+            print(f"petctl checkpoint: {what}{path.name} unreadable ({e}); trying older", file=sys.stderr)
     return None
 
 
+def resume(
+    state: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
+    directory: str | os.PathLike | None = None,
+) -> tuple[dict[str, Any], int] | None:
+    """Load the newest checkpoint onto this rank's device: ``(state, step)``, or None.
+
+    Call it on every rank. ``state`` (a dict or a function returning one) is only
+    needed for sharded checkpoints: the DTensors in it are filled in place.
+    """
+    into = state() if callable(state) else state
+    return load_latest(directory, into=into)
+
+
+# ---- drain agreement --------------------------------------------------------------------
 def _local_drain_flag() -> bool:
     f = os.environ.get("PETCTL_DRAIN_FILE")
     return bool(f) and os.path.exists(f)
 
 
+class _Agreement:
+    """All-reduce MAX of the local drain flag on ``device``; the result is read one call later."""
+
+    def __init__(self, group: Any, device: Any) -> None:
+        import torch
+
+        self.group = group
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.work: Any = None  # CPU: the pending all-reduce
+        self.tensor: Any = None
+        self.host = torch.empty(1, dtype=torch.int32, pin_memory=True) if self.cuda else None
+        self.event: Any = torch.cuda.Event() if self.cuda else None
+        self.pending = False
+
+    def _tensor(self, flag: bool) -> Any:
+        import torch
+
+        # torch.full: a fill kernel, no host-to-device copy (a pageable copy would sync)
+        return torch.full((1,), int(flag), dtype=torch.int32, device=self.device)
+
+    def collect(self) -> bool:
+        """Result of the all-reduce started by the previous call (False if none)."""
+        if not self.pending:
+            return False
+        self.pending = False
+        if self.cuda:
+            self.event.synchronize()  # only waits for the GPU work queued before the previous call
+            return bool(self.host[0])
+        self.work.wait()
+        v = bool(self.tensor[0])
+        self.work = self.tensor = None
+        return v
+
+    def launch(self, flag: bool) -> None:
+        import torch.distributed as dist
+
+        t = self._tensor(flag)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        if self.cuda:
+            work.wait()  # NCCL: the current stream waits for the all-reduce; the host does not
+            self.host.copy_(t, non_blocking=True)
+            self.event.record()
+        else:
+            self.work, self.tensor = work, t
+        self.pending = True
+
+    def exchange(self, flag: bool, sync: bool) -> bool:
+        if sync:
+            import torch.distributed as dist
+
+            self.collect()  # (a mode switch mid-run: finish the pending one first)
+            t = self._tensor(flag)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            return bool(t.item())
+        decided = self.collect()
+        self.launch(flag)
+        return decided
+
+
+_agreement: _Agreement | None = None
+
+
+def _get_agreement() -> _Agreement:
+    global _agreement
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    if _agreement is None or _agreement.group is not world:
+        from petctl_agent.distributed import rank_device
+
+        _agreement = _Agreement(world, rank_device())
+    return _agreement
+
+
+def _sync_mode() -> bool:
+    return os.environ.get("PETCTL_AGREEMENT", "async").strip().lower() == "sync"
+
+
 def drain_requested() -> bool:
-    """True when this node's drain file exists, or the last :func:`should_checkpoint`
-    learnt (via all-reduce) that some rank's node is draining."""
-    return _global_drain or _local_drain_flag()
+    """True when the last :func:`should_checkpoint` call agreed (on every rank) to drain.
+
+    The local drain file alone never counts: a rank that stopped on its own would
+    leave its peers blocked in their next collective.
+    """
+    return _agreed_drain
 
 
 def should_checkpoint(step: int, every: int) -> bool:
-    """Return True when this step must be checkpointed: every ``every`` steps, or on drain.
+    """Return True when this step must be checkpointed: every ``every`` steps, or on an agreed drain.
 
-    This is a collective when a process group with more than one rank is
-    initialised (a one-element all-reduce MAX of the local drain flag): call it
-    on every rank at every step, so all ranks agree on the step.
+    A collective when a process group with more than one rank is initialised and the
+    agent set ``$PETCTL_DRAIN_FILE``: call it on every rank at every step. The drain
+    flag seen at one call is decided at the next (see the module doc); every rank
+    returns the same value at the same step.
     """
-    global _global_drain
+    global _agreed_drain
     flag = _local_drain_flag()
-    if _dist_world() > 1:
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        flag = bool(t.item())
-    _global_drain = flag
+    if _dist_world() > 1 and os.environ.get("PETCTL_DRAIN_FILE"):
+        flag = _get_agreement().exchange(flag, _sync_mode())
+    _agreed_drain = flag
     return flag or (every > 0 and step % every == 0)
 
 
@@ -302,8 +581,37 @@ def report_progress(step: int, world_size: int) -> None:
         pass  # progress is advisory
 
 
-def _barrier() -> None:
-    if _dist_world() > 1:
-        import torch.distributed as dist
+def step(
+    step: int,
+    state_fn: Callable[[], dict[str, Any]],
+    every: int = 50,
+    directory: str | os.PathLike | None = None,
+    *,
+    last: bool = False,
+    world_size: int | None = None,
+) -> bool:
+    """Everything a training loop needs after step ``step``, in one collective call.
 
-        dist.barrier()
+    Reports progress, agrees with every rank on checkpoint/drain (:func:`should_checkpoint`),
+    saves ``state_fn()`` when they agreed (or ``last``), and on an agreed drain exits
+    with :data:`DRAIN_EXIT_CODE` once the checkpoint is durable.
+
+    Args:
+        step: the step just completed (steps count from 1).
+        state_fn: returns the state to save; only called when saving.
+        every: periodic checkpoint interval in steps (0: only on drain / ``last``).
+        directory: defaults to ``$PETCTL_CHECKPOINT_DIR``.
+        last: the final step: always save, and finish normally even if a drain was agreed.
+        world_size: reported with the progress (default: the process group's size).
+
+    Returns:
+        True if a checkpoint was saved.
+    """
+    report_progress(step, world_size if world_size is not None else _dist_world())
+    saved = False
+    if should_checkpoint(step, every) or last:
+        save(state_fn(), step, directory)
+        saved = True
+    if _agreed_drain and not last:
+        exit_for_drain()
+    return saved

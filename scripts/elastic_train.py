@@ -7,8 +7,12 @@ always trains on the same global batch, ``--batch-size`` rows starting at
 ``(s-1) * batch_size`` (mod the dataset), split across ranks by ``rank::world_size``
 — so resuming at a different world size continues the same data stream.
 
-Checkpoints go through :mod:`petctl_agent.checkpoint` every ``--checkpoint-every``
-steps (and at once when the node's agent asks for a drain), to
+Trains on the rank's GPU when there is one (``cuda:<LOCAL_RANK>``, NCCL for the
+gradients, DDP ``device_ids``), else on CPU with gloo; ``--device cpu`` forces CPU.
+
+Checkpoints go through :mod:`petctl_agent.checkpoint` -- one ``ckpt.step`` call per
+step: every ``--checkpoint-every`` steps, at the last step, and when the agents ask
+for a drain (then the workers exit 75 after the save) -- to
 ``$PETCTL_CHECKPOINT_DIR`` or ``--checkpoint-dir``. Prints one line per step::
 
     step=<n> world_size=<w> loss=<x>
@@ -31,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from petctl_agent import checkpoint as ckpt
-from petctl_agent.distributed import init_process_group
+from petctl_agent.distributed import init_process_group, rank_device
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cpu"), default="auto", help="auto: the rank's GPU if any")
     return p.parse_args(argv)
 
 
@@ -81,31 +86,46 @@ def main(argv: list[str] | None = None) -> int:
         print("set PETCTL_CHECKPOINT_DIR or pass --checkpoint-dir", file=sys.stderr)
         return 2
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    use_cuda = args.device == "auto" and torch.cuda.is_available()
     if distributed:
-        init_process_group()
+        backend = init_process_group(None if use_cuda else "gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
+        device = rank_device()
     else:
-        rank, world = 0, 1
+        backend, rank, world = "none", 0, 1
+        device = (
+            torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
+        )
+        if use_cuda:
+            torch.cuda.set_device(device)
     torch.set_num_threads(1)
 
     x, y = make_data(args.dataset_size, args.features, args.seed)
-    model = make_model(args.features, args.hidden, args.seed)
-    ddp = nn.parallel.DistributedDataParallel(model) if distributed else model
+    x, y = x.to(device), y.to(device)
+    model = make_model(args.features, args.hidden, args.seed).to(device)
+    if distributed:
+        ids = [device.index] if device.type == "cuda" else None
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    else:
+        ddp = model
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    if rank == 0:
+        print(f"training on device={device} backend={backend} world_size={world}", flush=True)
 
     step = 0
-    restored = ckpt.load_latest(directory)
+    restored = ckpt.resume(directory=directory)  # tensors land on `device`
     if restored is not None:
         state, step = restored
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         if rank == 0:
-            print(f"resumed from step={step} world_size={world}", flush=True)
+            where = state["model"][next(iter(state["model"]))].device
+            print(f"resumed from step={step} world_size={world} device={where}", flush=True)
 
     loss_fn = nn.MSELoss()
     while step < args.total_steps:
         step += 1
-        idx = shard_indices(step, args.batch_size, args.dataset_size, rank, world)
+        idx = shard_indices(step, args.batch_size, args.dataset_size, rank, world).to(device)
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(ddp(x[idx]), y[idx])
         loss.backward()
@@ -113,11 +133,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.step_time > 0:
             time.sleep(args.step_time)
         print(f"step={step} world_size={world} loss={loss.item():.6f}", flush=True)
-        ckpt.report_progress(step, world)
-        if ckpt.should_checkpoint(step, args.checkpoint_every) or step == args.total_steps:
-            ckpt.save({"model": model.state_dict(), "optim": opt.state_dict()}, step, directory)
-            if ckpt.drain_requested() and step < args.total_steps:
-                ckpt.exit_for_drain()
+        # progress, checkpoint/drain agreement, save; exits 75 on an agreed drain
+        ckpt.step(
+            step,
+            lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
+            every=args.checkpoint_every,
+            directory=directory,
+            last=step == args.total_steps,
+            world_size=world,
+        )
     if distributed:
         dist.barrier()
         dist.destroy_process_group()

@@ -125,3 +125,244 @@ def test_report_progress_is_atomic_and_local_rank_zero_only(
     ckpt.report_progress(7, 2)
     assert json.loads(f.read_text())["step"] == 7
     assert [p.name for p in tmp_path.iterdir()] == ["progress.json"]
+
+
+# ---- map_location, the one-call contract, agreement across ranks, sharded state ------------
+def test_loads_map_to_the_rank_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loads go to ``rank_device()`` (cuda:<local rank> on a GPU rank); 'meta' stands in here."""
+    ckpt.save(_state(4), 4, tmp_path)
+    state, _ = ckpt.load_latest(tmp_path)
+    assert state["w"].device == torch.device("cpu")  # CPU rank
+    import petctl_agent.distributed as pd
+
+    monkeypatch.setattr(pd, "rank_device", lambda: torch.device("meta"))
+    state, step = ckpt.resume(directory=tmp_path)
+    assert step == 4 and state["w"].device.type == "meta"
+    state, _ = ckpt.load_latest(tmp_path, map_location="cpu")
+    assert state["w"].device == torch.device("cpu")
+
+
+def test_step_contract_single_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    progress = tmp_path / "progress.json"
+    monkeypatch.setenv("PETCTL_PROGRESS_FILE", str(progress))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv("PETCTL_DRAIN_FILE", raising=False)
+    d = tmp_path / "ck"
+    assert ckpt.resume(directory=d) is None
+    calls = []
+
+    def state_fn() -> dict:
+        calls.append(1)
+        return _state(s)
+
+    saved = []
+    for s in range(1, 8):
+        if ckpt.step(s, state_fn, every=3, directory=d, last=s == 7):
+            saved.append(s)
+    assert saved == [3, 6, 7] and len(calls) == 3  # state_fn only when saving
+    assert json.loads(progress.read_text())["step"] == 7
+    state, step = ckpt.resume(directory=d)
+    assert step == 7 and state["step_copy"] == 7
+
+
+def test_step_exits_75_on_drain_after_saving(tmp_path: Path) -> None:
+    drain = tmp_path / "drain"
+    code = textwrap.dedent(
+        f"""
+        import torch
+        from petctl_agent import checkpoint as ckpt
+        for s in range(1, 100):
+            if s == 5:
+                open({str(drain)!r}, "w").close()
+            print(s, flush=True)
+            ckpt.step(s, lambda: {{"w": torch.ones(2) * s}}, every=0, directory={str(tmp_path / "ck")!r})
+        """
+    )
+    env = {**os.environ, "PETCTL_DRAIN_FILE": str(drain)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == DRAIN_EXIT_CODE, r.stderr[-2000:]
+    assert r.stdout.split()[-1] == "5"  # one process: decided at the step the flag was seen
+    assert ckpt.latest_step(tmp_path / "ck") == 5
+
+
+def test_sharded_checkpoint_needs_a_state_to_load_into(tmp_path: Path) -> None:
+    d = tmp_path
+    d.joinpath("ckpt-0000000003.dcp").mkdir()
+    d.joinpath("latest").write_text(json.dumps({"file": "ckpt-0000000003.dcp", "step": 3, "format": "dcp"}))
+    with pytest.raises(ckpt.NeedsStateError, match="sharded"):
+        ckpt.resume(directory=d)
+
+
+RANKS = textwrap.dedent(
+    """
+    import json, os, sys, torch
+    import torch.distributed as dist
+    from petctl_agent import checkpoint as ckpt
+    from petctl_agent.distributed import init_process_group
+    init_process_group()
+    rank = dist.get_rank()
+    out = {}
+    exec(open(sys.argv[1]).read())
+    print("RESULT " + json.dumps(out), flush=True)
+    """
+)
+
+
+def _run_ranks(
+    tmp_path: Path, body: str, world: int = 2, env: dict | None = None, timeout: float = 120
+) -> list:
+    """Run ``body`` on ``world`` gloo ranks (fresh processes); return their CompletedProcess."""
+    from petctl_agent.harness import free_port
+
+    (tmp_path / "ranks.py").write_text(RANKS)
+    (tmp_path / "body.py").write_text(textwrap.dedent(body))
+    port = free_port()
+    procs = []
+    for r in range(world):
+        e = {
+            **os.environ,
+            "RANK": str(r),
+            "LOCAL_RANK": str(r),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "PETCTL_DRAIN_FILE": str(tmp_path / f"drain-{r}"),
+            "OMP_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            **(env or {}),
+        }
+        e.pop("PETCTL_LOCAL_ADDR", None)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(tmp_path / "ranks.py"), str(tmp_path / "body.py")],
+                env=e,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    done = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
+def _result(cp: subprocess.CompletedProcess) -> dict:
+    for line in cp.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise AssertionError(f"no result (rc {cp.returncode}):\n{cp.stderr[-3000:]}")
+
+
+AGREE = """
+    def run(mode):
+        os.environ["PETCTL_AGREEMENT"] = mode
+        mine = os.environ["PETCTL_DRAIN_FILE"]
+        rows = []
+        for s in range(1, 9):
+            if rank == 1 and s == 3:
+                open(mine, "w").close()   # only rank 1's node is told to drain, at step 3
+            ck = ckpt.should_checkpoint(s, every=0)
+            rows.append([s, ck, ckpt.drain_requested(), os.path.exists(mine)])
+        if os.path.exists(mine):
+            os.unlink(mine)
+        ckpt.should_checkpoint(99, every=0)   # drain the pending exchange (both ranks)
+        return rows
+    out["async"] = run("async")
+    dist.barrier()
+    out["sync"] = run("sync")
+"""
+
+
+def test_drain_agreement_two_ranks_same_step_and_agreed_only(tmp_path: Path) -> None:
+    r0, r1 = (_result(cp) for cp in _run_ranks(tmp_path, AGREE))
+    for mode, first in (("async", 4), ("sync", 3)):
+        for res in (r0, r1):
+            rows = res[mode]
+            decided = [s for s, ck, agreed, _ in rows if agreed]
+            assert decided and decided[0] == first, (mode, rows)
+            assert all(ck == agreed for _, ck, agreed, _ in rows)  # every=0: checkpoint only on drain
+        assert [row[:3] for row in r0[mode]] == [row[:3] for row in r1[mode]]  # identical decisions
+    # agreed-only: at step 3 rank 1's drain file exists, but in async mode nobody has agreed yet
+    assert r1["async"][2] == [3, False, False, True]
+    assert r0["async"][2][2] is False and r0["async"][2][3] is False  # rank 0 never had a file
+
+
+CONTRACT = """
+    import time
+    w = torch.nn.Parameter(torch.zeros(3))
+    restored = ckpt.resume()
+    start = 1 if restored is None else restored[1] + 1
+    if restored is not None:
+        w.data.copy_(restored[0]["w"])
+    out["start"] = start
+    total = int(os.environ["TOTAL"])
+    for s in range(start, total + 1):
+        w.data += 1
+        if rank == 1 and s == int(os.environ.get("DRAIN_AT", "0")):
+            open(os.environ["PETCTL_DRAIN_FILE"], "w").close()
+        print(f"step={s}", flush=True)
+        ckpt.step(s, lambda: {"w": w.detach().clone()}, every=100, last=s == total)
+    out["w"] = w.tolist()
+"""
+
+
+def test_step_and_resume_contract_two_ranks(tmp_path: Path) -> None:
+    d = tmp_path / "ck"
+    env = {"PETCTL_CHECKPOINT_DIR": str(d), "TOTAL": "8", "DRAIN_AT": "3"}
+    first = _run_ranks(tmp_path, CONTRACT, env=env)
+    # rank 1 raised the flag at step 3; both decided at step 4, saved it, exited 75
+    for cp in first:
+        assert cp.returncode == DRAIN_EXIT_CODE, cp.stderr[-3000:]
+        assert cp.stdout.split()[-1] == "step=4"
+    assert ckpt.latest_step(d) == 4
+    (tmp_path / "drain-1").unlink()  # the agent removes it before restarting workers
+    second = [_result(cp) for cp in _run_ranks(tmp_path, CONTRACT, env={**env, "DRAIN_AT": "0"})]
+    assert [r["start"] for r in second] == [5, 5]
+    assert all(r["w"] == [8.0, 8.0, 8.0] for r in second)  # no step lost or repeated
+    assert ckpt.latest_step(d) == 8
+
+
+SHARDED = """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    d = os.environ["PETCTL_CHECKPOINT_DIR"]
+    full = torch.arange(32.0).reshape(8, 4)
+    for s in (1, 2):
+        sd = {"model": {"w": distribute_tensor(full * s, mesh, [Shard(0)])}, "plain": torch.ones(2) * s, "n": s}
+        path = ckpt.save(sd, s, keep=1)
+        out[f"path{s}"] = None if path is None else path.name
+    into = {"model": {"w": distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])}, "plain": torch.zeros(2), "n": 0}
+    state, step = ckpt.resume(into)
+    out["step"] = step
+    out["local"] = state["model"]["w"].to_local().tolist()
+    out["plain"] = state["plain"].tolist()
+    out["n"] = state["n"]
+    out["files"] = sorted(os.listdir(d))
+"""
+
+
+def test_sharded_state_saves_every_rank_shard_through_dcp(tmp_path: Path) -> None:
+    pytest.importorskip("numpy", reason="torch.distributed.checkpoint's object collectives need numpy")
+    d = tmp_path / "ck"
+    r0, r1 = (_result(cp) for cp in _run_ranks(tmp_path, SHARDED, env={"PETCTL_CHECKPOINT_DIR": str(d)}))
+    assert r0["path2"] == "ckpt-0000000002.dcp" and r1["path2"] is None  # rank 0 publishes
+    assert r0["files"] == ["ckpt-0000000002.dcp", "latest"]  # keep=1 pruned step 1's directory
+    shards = sorted(os.listdir(d / "ckpt-0000000002.dcp"))
+    assert "__0_0.distcp" in shards and "__1_0.distcp" in shards and ".metadata" in shards  # one per rank
+    pointer = json.loads((d / "latest").read_text())
+    assert pointer["format"] == "dcp" and pointer["step"] == 2 and pointer["world_size"] == 2
+    full = torch.arange(32.0).reshape(8, 4) * 2
+    assert r0["local"] == full[:4].tolist() and r1["local"] == full[4:].tolist()
+    assert r0["step"] == r1["step"] == 2 and r0["plain"] == [2.0, 2.0] and r0["n"] == 2
+    # a different world size reads the same checkpoint (DCP reshards): one process, plain tensor
+    into = {"model": {"w": torch.zeros(8, 4)}, "plain": torch.zeros(2), "n": 0}
+    state, step = ckpt.resume(into, directory=d)
+    assert step == 2 and torch.equal(state["model"]["w"], full)
