@@ -299,10 +299,31 @@ def configure(obj: Context, region_opt: str | None, show: bool, **values: Any) -
 @click.option("--spot", is_flag=True, help="Spot above MIN on-demand nodes (capacity-optimized).")
 @click.option("--ami", default=None, help="AMI id instead of the public SSM parameter.")
 @click.option(
-    "--drain-timeout", default=120, show_default=True, help="Seconds a leaving node has to checkpoint."
+    "--drain-timeout",
+    default=None,
+    type=int,
+    help="Seconds a leaving node has to checkpoint [default: 120; 90 with --spot, inside the 2-minute notice].",
 )
 @click.option(
     "--env", "env", multiple=True, metavar="KEY=VALUE", help="Environment variable for the training script."
+)
+@click.option(
+    "--torch-version",
+    default=None,
+    metavar="X.Y.Z",
+    help="torch every node installs (CUDA build on GPU types) [default: the version petctl is tested with].",
+)
+@click.option(
+    "--max-restarts",
+    default=None,
+    type=int,
+    help="Worker failures (not membership changes) tolerated before the job fails [default: 10].",
+)
+@click.option(
+    "--join-timeout",
+    default=None,
+    type=int,
+    help="Seconds the job may stay below --min while nodes are on their way [default: 1800].",
 )
 @click.option(
     "--dry-run", is_flag=True, help="Print the plan (template, parameters, uploads) and create nothing."
@@ -329,7 +350,10 @@ def run_job(
             raise ConfigError(f"--env {item!r} is not KEY=VALUE")
         k, v = item.split("=", 1)
         env_map[k] = v
-    req = jobs.JobRequest(target=target, args=list(args), env=env_map, **opts)
+    # None = the JobRequest default (defined once, in jobs.py)
+    req = jobs.JobRequest(
+        target=target, args=list(args), env=env_map, **{k: v for k, v in opts.items() if v is not None}
+    )
     jobs.validate_request(req)
     obj.profile.require_ready()
     jobs.check_code_url(obj, req)

@@ -32,7 +32,16 @@ UNSUPPORTED_FAMILY = re.compile(r"^(a1|[a-z]+\d+g[a-z]*|g4ad|inf\d*|trn\d*|dl\d*
 DEFAULT_INSTANCE_TYPE = "c6i.large"
 DEFAULT_RDZV_INSTANCE_TYPE = "t3.small"
 DEFAULT_DRAIN_TIMEOUT = 120
+# A spot node gets a 2-minute interruption notice: its drain must end inside it.
+DEFAULT_SPOT_DRAIN_TIMEOUT = 90
 INSTANCE_TYPE_RE = re.compile(r"^[a-z][a-z0-9-]*\d[a-z0-9-]*\.[a-z0-9]+$")
+# One torch per job. The default is the version CI tests the agent with; the range is where the
+# agent's torch internals were checked (the agent verifies them again at start, torch_compat).
+DEFAULT_TORCH_VERSION = "2.13.0"
+SUPPORTED_TORCH = ((2, 9), (2, 13))  # inclusive, major.minor
+TORCH_VERSION_RE = re.compile(r"^(\d+)\.(\d+)\.(\d+)$")
+DEFAULT_MAX_RESTARTS = 10
+DEFAULT_JOIN_TIMEOUT = 1800
 STATES = ("STARTING", "RENDEZVOUS", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED", "DELETING")
 
 
@@ -49,8 +58,11 @@ class JobRequest:
     nproc_per_node: str = "auto"
     spot: bool = False
     ami: str | None = None
-    drain_timeout: int = DEFAULT_DRAIN_TIMEOUT
+    drain_timeout: int | None = None  # DEFAULT_(SPOT_)DRAIN_TIMEOUT, set by validate_request
     env: dict[str, str] = field(default_factory=dict)
+    torch_version: str = DEFAULT_TORCH_VERSION
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    join_timeout: int = DEFAULT_JOIN_TIMEOUT
     root_device_name: str | None = None  # of --ami, looked up by resolve_ami()
 
 
@@ -121,8 +133,23 @@ def validate_request(req: JobRequest) -> JobRequest:
         )
     if req.ami is not None and not re.match(r"^ami-[0-9a-f]{8,17}$", req.ami):
         raise ConfigError(f"--ami {req.ami!r} is not an AMI id like ami-0abc12345")
+    if req.drain_timeout is None:
+        req.drain_timeout = DEFAULT_SPOT_DRAIN_TIMEOUT if req.spot else DEFAULT_DRAIN_TIMEOUT
     if req.drain_timeout < 30 or req.drain_timeout > 7200:
         raise ConfigError(f"--drain-timeout {req.drain_timeout} is out of range: use 30 to 7200 seconds")
+    m = TORCH_VERSION_RE.match(req.torch_version)
+    lo, hi = SUPPORTED_TORCH
+    if not m or not lo <= (int(m.group(1)), int(m.group(2))) <= hi:
+        raise ConfigError(
+            f"--torch-version {req.torch_version!r} is not supported: use a release like "
+            f"{DEFAULT_TORCH_VERSION} from {lo[0]}.{lo[1]}.0 to {hi[0]}.{hi[1]}.x"
+        )
+    if not 0 <= req.max_restarts <= 1000:
+        raise ConfigError(f"--max-restarts {req.max_restarts} is out of range: use 0 to 1000")
+    if not 60 <= req.join_timeout <= 7 * 86400:
+        raise ConfigError(
+            f"--join-timeout {req.join_timeout} is out of range: use 60 to 604800 seconds (7 days)"
+        )
     if req.target.startswith("s3://"):
         parse_s3_url(req.target)
         if req.target.endswith("/"):
@@ -192,6 +219,9 @@ def plan(ctx: Context, req: JobRequest, dist: Path | None = None) -> Plan:
         "drain_timeout": req.drain_timeout,
         "rdzv_port": naming.RDZV_PORT,
         "petctl_version": __version__,
+        "torch_version": req.torch_version,
+        "max_restarts": req.max_restarts,
+        "join_timeout": req.join_timeout,
     }
     uploads.append(
         Upload(key=prefix + "job.json", data=json.dumps(spec, indent=2).encode(), description="job spec")
@@ -216,6 +246,7 @@ def plan(ctx: Context, req: JobRequest, dist: Path | None = None) -> Plan:
         "DistUrl": dist_url,
         "BucketName": bucket,
         "DrainTimeout": str(req.drain_timeout),
+        "TorchVersion": req.torch_version,
     }
     if req.ami is not None:
         values["ImageId"] = req.ami

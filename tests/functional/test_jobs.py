@@ -95,6 +95,41 @@ def test_run_job_creates_stack_uploads_and_spec(run, ready):
     assert tags["petctl:job"] == "demo" and tags["petctl:spec"].endswith("/petctl/jobs/demo/job.json")
 
 
+def test_run_job_pins_torch_and_budgets_in_the_spec(run, ready):
+    from petctl import jobs
+
+    run_job(run, ready)
+    spec = spec_of("demo")
+    assert spec["torch_version"] == jobs.DEFAULT_TORCH_VERSION
+    assert (spec["max_restarts"], spec["join_timeout"], spec["drain_timeout"]) == (10, 1800, 120)
+    r = run(
+        "--output",
+        "json",
+        "run_job",
+        "--dry-run",
+        "--name",
+        "pinned",
+        "--min",
+        "1",
+        "--max",
+        "2",
+        "--spot",
+        "--torch-version",
+        "2.11.0",
+        "--max-restarts",
+        "1",
+        "--join-timeout",
+        "600",
+        str(ready),
+    )
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)
+    assert plan["parameters"]["TorchVersion"] == "2.11.0" and plan["spec"]["torch_version"] == "2.11.0"
+    assert (plan["spec"]["max_restarts"], plan["spec"]["join_timeout"]) == (1, 600)
+    # spot: the drain fits inside the 2-minute interruption notice
+    assert plan["spec"]["drain_timeout"] == 90 and plan["parameters"]["DrainTimeout"] == "90"
+
+
 def test_run_job_directory_target(run, ready, tmp_path):
     code = tmp_path / "proj"
     (code / "pkg").mkdir(parents=True)

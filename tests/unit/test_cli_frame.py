@@ -162,3 +162,21 @@ def test_local_help_does_not_start_the_local_cloud(tmp_path, monkeypatch):
     script.write_text("x")
     r = invoke("--local", "run_job", "--min", "3", "--max", "1", str(script))
     assert r.exit_code == 2 and not (tmp_path / "local" / "cloud.json").exists()
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--torch-version", "2.1.0"], "--torch-version '2.1.0' is not supported"),
+        (["--torch-version", "3.0.0"], "--torch-version '3.0.0' is not supported"),
+        (["--torch-version", "latest"], "--torch-version 'latest' is not supported"),
+        (["--max-restarts", "-1"], "--max-restarts -1 is out of range"),
+        (["--join-timeout", "5"], "--join-timeout 5 is out of range"),
+    ],
+)
+def test_run_job_rejects_bad_new_options_in_one_line(tmp_path, flags, message):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    r = invoke("run_job", "--min", "1", "--max", "1", *flags, str(script))
+    assert r.exit_code == 2 and message in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output

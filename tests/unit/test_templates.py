@@ -439,8 +439,15 @@ def test_worker_boot_script(flags):
     assert "mount -t efs -o tls,noresvport ${EfsId}:/ /mnt/efs" in script
     assert "amazon-efs-utils" in script
     assert 'aws s3 cp --region "$REGION" --only-show-errors "${DistUrl}" "$WHEEL"' in script
-    assert 'pip install --quiet "$WHEEL[agent]"' in script
+    assert 'pip install --quiet "$WHEEL[agent]" "torch==${TorchVersion}"' in script
+    assert 'pip install --quiet "torch==${TorchVersion}"' in script
     assert ("download.pytorch.org/whl/cpu" in script) is (not flags["gpu"])
+    # never an unpinned torch: every torch install names the job's version
+    assert all(
+        "torch==${TorchVersion}" in line
+        for line in script.splitlines()
+        if "pip install" in line and "torch" in line
+    )
     unit = script.split("<<UNIT\n", 1)[1].split("\nUNIT\n", 1)[0]
     for line in (
         "ExecStart=/opt/petctl/bin/petctl-agent run",
@@ -558,6 +565,7 @@ JOB_VALUES = {
     "BucketName": "bucket",
     "SpecUrl": "s3://bucket/petctl/jobs/train-1/job.json",
     "DistUrl": "s3://bucket/petctl/jobs/train-1/dist/petctl-0.1.0-py3-none-any.whl",
+    "TorchVersion": "2.13.0",
 }
 
 

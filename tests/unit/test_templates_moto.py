@@ -95,6 +95,7 @@ def job_values(base: dict[str, str], job: str, **extra) -> dict:
         "BucketName": bucket,
         "SpecUrl": f"s3://{bucket}/petctl/jobs/{job}/job.json",
         "DistUrl": f"s3://{bucket}/petctl/jobs/{job}/dist/petctl-0.1.0-py3-none-any.whl",
+        "TorchVersion": "2.13.0",
         **extra,
     }
 
