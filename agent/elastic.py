@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -52,9 +54,75 @@ TRANSIENT_RDZV_ERRORS = (
 )
 
 
-def rendezvous_config() -> dict[str, Any]:
+#: exit "codes" of local ranks torch terminated after a sibling stopped: SIGTERM, then SIGKILL
+#: once its grace period ran out (``PContext.close``)
+TERMINATED_BY_TORCH = frozenset({-int(signal.SIGTERM), -int(signal.SIGKILL)})
+
+
+class LeftRendezvous(Exception):
+    """This node was asked to leave while it was inside a rendezvous, and left it."""
+
+
+def classify_exits(codes: Iterable[int | None]) -> str:
+    """``drain`` or ``failure``: why a node's worker processes stopped.
+
+    ``drain``: at least one local rank exited ``DRAIN_EXIT_CODE`` (it stopped on purpose
+    after the coordinated checkpoint) and every other failed rank did too or was
+    terminated by torch afterwards (-15, or -9 past torch's grace period): when one
+    local rank exits, torch SIGTERMs its siblings. Everything else is a ``failure``.
+    ``codes`` are the exit codes of the failed ranks only (torch leaves out ranks that exited 0).
+    """
+    seen = [c for c in codes]
+    if DRAIN_EXIT_CODE not in seen:
+        return "failure"
+    if all(c == DRAIN_EXIT_CODE or c in TERMINATED_BY_TORCH for c in seen):
+        return "drain"
+    return "failure"
+
+
+def capacity_coming(capacity: dict[str, int] | None, min_nodes: int) -> bool | None:
+    """Does the worker group still bring us to ``min_nodes``? None = unknown (no group, API error).
+
+    Yes while it has instances pending (launching) or a desired capacity of at least ``min_nodes``.
+    """
+    if capacity is None:
+        return None
+    return capacity.get("pending", 0) > 0 or capacity.get("desired", 0) >= min_nodes
+
+
+def keep_waiting(elapsed: float, join_timeout: float, coming: bool | None) -> bool:
+    """Below MIN after a rendezvous attempt timed out: wait on (True) or fail (False)?
+
+    Always within ``join_timeout``. Past it only while the group says capacity is still
+    coming (instances pending, or desired >= MIN: a capacity shortage, slow spot), and
+    never past twice ``join_timeout`` (a group that never delivers must not bill forever).
+    """
+    if elapsed < join_timeout:
+        return True
+    return bool(coming) and elapsed < 2 * join_timeout
+
+
+def describe_capacity(capacity: dict[str, int] | None) -> str:
+    if capacity is None:
+        return "worker group capacity unknown"
+    return (
+        f"worker group desired {capacity.get('desired', '?')}, in service {capacity.get('in_service', '?')}, "
+        f"pending {capacity.get('pending', '?')}"
+    )
+
+
+def join_timeout_s(spec_join_timeout: float) -> float:
+    """The job's join timeout: ``$PETCTL_AGENT_JOIN_TIMEOUT`` overrides the spec (tests, emergencies)."""
+    return env_float("PETCTL_AGENT_JOIN_TIMEOUT", spec_join_timeout)
+
+
+def rendezvous_config(join_timeout: float = 1800) -> dict[str, Any]:
     """Rendezvous timeouts/heartbeats, chosen by measurement (docs/agent.md)."""
-    cfg: dict[str, Any] = {"join_timeout": int(env_float("PETCTL_AGENT_JOIN_TIMEOUT", 600))}
+    # torch's join timeout is one *attempt*: when it fires the agent asks the worker group
+    # whether capacity is still coming and joins again (PetctlElasticAgent._rendezvous);
+    # the job's own bound is the spec's join_timeout.
+    attempt = min(env_float("PETCTL_AGENT_RDZV_ATTEMPT", 300), join_timeout_s(join_timeout))
+    cfg: dict[str, Any] = {"join_timeout": max(1, int(attempt))}
     if enabled("FAST_LAST_CALL"):
         # torch default last_call_timeout=30 s: every (re-)rendezvous with >= min
         # nodes waits 30 s for stragglers (DESIGN §4: 33 s start, 43 s join).
@@ -69,11 +137,11 @@ def rendezvous_config() -> dict[str, Any]:
 
 
 def create_rdzv_handler(
-    endpoint: str, run_id: str, min_nodes: int, max_nodes: int, local_addr: str
+    endpoint: str, run_id: str, min_nodes: int, max_nodes: int, local_addr: str, join_timeout: float = 1800
 ) -> RendezvousHandler:
     """Build the rendezvous handler (backend ``$PETCTL_AGENT_RDZV_BACKEND``, default ``etcd-v2``)."""
     backend_name = os.environ.get("PETCTL_AGENT_RDZV_BACKEND", "etcd-v2")
-    cfg = rendezvous_config()
+    cfg = rendezvous_config(join_timeout)
     if backend_name != "etcd-v2":
         from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
@@ -141,7 +209,13 @@ class PetctlElasticAgent(LocalElasticAgent):
     """torch's LocalElasticAgent plus petctl's drain protocol, status and stall workarounds.
 
     Outcome after :meth:`run` in :attr:`outcome`: ``succeeded``, ``drained`` or ``failed``
-    (with :attr:`fail_reason`).
+    (with :attr:`fail_reason`; :attr:`fail_kind` ``join_timeout`` for a rendezvous that
+    never reached ``min_nodes``, which is not a reason to stop the whole job).
+
+    Restart budget (``WorkerSpec.max_restarts``, torch's ``_remaining_restarts``): only
+    worker failures that no membership change explains spend it. Joins, drains
+    (``classify_exits``) and lost peers (the participants changed within the heartbeat
+    expiry after the failure) restart for free.
     """
 
     def __init__(
@@ -154,6 +228,9 @@ class PetctlElasticAgent(LocalElasticAgent):
         drain_timeout: float,
         exit_barrier_timeout: float = 120,
         restart_launch: tuple[str, Any, tuple[str, ...]] | None = None,
+        join_timeout: float = 1800,
+        capacity_probe: Callable[[], dict[str, int] | None] | None = None,
+        min_nodes: int = 1,
     ) -> None:
         super().__init__(spec, logs_specs, start_method="spawn", exit_barrier_timeout=exit_barrier_timeout)
         self._restart_launch = restart_launch  # (start_method, entrypoint, args) for restarts
@@ -162,26 +239,43 @@ class PetctlElasticAgent(LocalElasticAgent):
         self.progress_file = Path(progress_file)
         self._workers_started_at = time.time()
         self.drain_timeout = drain_timeout
+        self.join_timeout = join_timeout_s(join_timeout)
+        self.capacity_probe = capacity_probe or (lambda: None)
+        self.min_nodes = min_nodes
         self.leave_requested = threading.Event()
         self.leave_reason = ""
         self.phase = "init"  # init | rendezvous | running | draining | done
         self.outcome: str | None = None
         self.fail_reason: str | None = None
+        self.fail_kind: str | None = None
         self._rdzv_reason = "initial"
         self._round: int | None = None
         self._members: set[Any] | None = None
         self._restarts = 0
+        self._free_restarts = 0
         self._last_etcd_warn = 0.0
+        self._guarded: Any = None
         self.sync_timeout = env_float("PETCTL_AGENT_SYNC_TIMEOUT", min(max(drain_timeout, 5.0), 30.0))
+        # torch 2.5-2.8 install their own SIGTERM/SIGINT handler every time workers start
+        # (PContext.start); ours turn SIGTERM into a drain. Remember them to put them back.
+        self._own_signal_handlers: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                h = signal.getsignal(sig)
+                if callable(h) and h not in (signal.default_int_handler,):
+                    self._own_signal_handlers[sig] = h
 
     # ---- rendezvous ------------------------------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         self.phase = "rendezvous"
+        if self.leave_requested.is_set():
+            raise LeftRendezvous("asked to leave before joining the rendezvous")
         self.pub.update(state="RENDEZVOUS")
         self.pub.event("rendezvous_start", reason=self._rdzv_reason, round=self._round)
         started = time.time()
-        deadline = time.monotonic() + env_float("PETCTL_AGENT_JOIN_TIMEOUT", 600)
+        t0 = time.monotonic()
         handler = worker_group.spec.rdzv_handler
+        self._guard_join(handler)
         attempt = 0
         while True:
             try:
@@ -189,11 +283,28 @@ class PetctlElasticAgent(LocalElasticAgent):
                 break
             except RendezvousClosedError:
                 raise
+            except RendezvousTimeoutError:
+                # torch's join timeout is one attempt; the job's bound is join_timeout, and
+                # past it we still wait while the worker group says capacity is coming.
+                elapsed = time.monotonic() - t0
+                capacity = self._probe_capacity()
+                coming = capacity_coming(capacity, self.min_nodes)
+                if not keep_waiting(elapsed, self.join_timeout, coming):
+                    self.fail_kind = "join_timeout"
+                    raise RendezvousTimeoutError(
+                        f"below min_nodes for {elapsed:.0f}s (join_timeout {self.join_timeout:.0f}s; "
+                        f"{describe_capacity(capacity)})"
+                    ) from None
+                log.info(
+                    "still below min_nodes after %.0fs (%s); waiting on", elapsed, describe_capacity(capacity)
+                )
+                self.pub.update(reason=f"waiting for nodes ({describe_capacity(capacity)})")
             except TRANSIENT_RDZV_ERRORS as e:
                 attempt += 1
                 if not enabled("RDZV_RETRY"):
                     raise
-                if time.monotonic() > deadline:
+                if time.monotonic() - t0 > self.join_timeout:
+                    self.fail_kind = "join_timeout"
                     raise RendezvousTimeoutError(
                         f"no complete round within the join timeout; last error {type(e).__name__}: {e}"
                     ) from e
@@ -203,6 +314,9 @@ class PetctlElasticAgent(LocalElasticAgent):
                 log.warning("rendezvous attempt %d failed (%s: %s); retrying", attempt, type(e).__name__, e)
                 reset_lost_state(handler)
                 time.sleep(min(0.5 * attempt, 3.0))
+            if self.leave_requested.is_set():
+                raise LeftRendezvous("asked to leave while waiting to join")
+        self.pub.update(reason=None)
         h = _dynamic(handler)
         if h is not None:
             st = h._state_holder.state
@@ -220,12 +334,63 @@ class PetctlElasticAgent(LocalElasticAgent):
             seconds=round(time.time() - started, 3),
         )
 
+    def _probe_capacity(self) -> dict[str, int] | None:
+        try:
+            return self.capacity_probe()
+        except Exception as e:  # noqa: BLE001 - unknown capacity: decide on the join timeout alone
+            log.warning("cannot read the worker group's capacity (%s)", e)
+            return None
+
+    def _guard_join(self, handler: RendezvousHandler) -> None:
+        """Make a leave request take effect *inside* torch's join loop.
+
+        torch's join op runs in this (main) thread and cannot be interrupted. If another
+        thread removed us from the round meanwhile, the join loop would add us back: a
+        ghost that a round can complete with. Instead the join op itself checks the
+        leave request at every iteration: it removes us (participants, wait list or
+        redundancy list) with the same state write torch uses, then raises
+        :class:`LeftRendezvous` before the round can count us.
+        """
+        h = _dynamic(handler)
+        if h is None or self._guarded is h:
+            return
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action, _RendezvousJoinOp
+
+        executor = h._op_executor
+        orig_run = executor.run
+        leave = self.leave_requested
+
+        def leaving_join(op: Any) -> Callable[..., Any]:
+            def state_handler(ctx: Any, deadline: float) -> Any:
+                if not leave.is_set():
+                    return op(ctx, deadline)
+                st = ctx.state
+                if ctx.node in st.participants:
+                    return _Action.REMOVE_FROM_PARTICIPANTS
+                if ctx.node in st.wait_list:
+                    return _Action.REMOVE_FROM_WAIT_LIST
+                if ctx.node in getattr(st, "redundancy_list", ()):
+                    return _Action.REMOVE_FROM_REDUNDANCY_LIST
+                log.info("left the rendezvous before round %s completed with us", st.round)
+                raise LeftRendezvous("left the rendezvous (leave requested while joining)")
+
+            return state_handler
+
+        def run(state_handler: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(state_handler, _RendezvousJoinOp):
+                state_handler = leaving_join(state_handler)
+            return orig_run(state_handler, *args, **kwargs)
+
+        executor.run = run
+        self._guarded = h
+
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         try:
             self.drain_file.unlink()
         except FileNotFoundError:
             pass
         pids = super()._start_workers(worker_group)
+        self._restore_signal_handlers()
         self._workers_started_at = time.time()
         if self._restart_launch is not None:
             self._switch_to_forkserver(worker_group)
@@ -238,6 +403,15 @@ class PetctlElasticAgent(LocalElasticAgent):
             pids=list(pids.values()),
         )
         return pids
+
+    def _restore_signal_handlers(self) -> None:
+        """Put our SIGTERM/SIGINT handlers back if torch replaced them while starting workers."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, handler in self._own_signal_handlers.items():
+            if signal.getsignal(sig) is not handler:
+                log.info("torch replaced the %s handler; re-installing the agent's", signal.Signals(sig).name)
+                signal.signal(sig, handler)
 
     def _switch_to_forkserver(self, worker_group: WorkerGroup) -> None:
         """After the first start: warm a torch-preloaded forkserver in the background and
@@ -261,15 +435,20 @@ class PetctlElasticAgent(LocalElasticAgent):
         self._restarts += 1
         super()._restart_workers(worker_group)
 
+    def _free_restart(self, wg: WorkerGroup, reason: str) -> None:
+        """Restart for a membership change: the restart budget is not touched."""
+        self._free_restarts += 1
+        self._rdzv_reason = reason
+        self._restart_workers(wg)
+
     # ---- main loop (replaces SimpleElasticAgent._invoke_run) -------------------------
     def _invoke_run(self, role: str = "default") -> RunResult:
         wg = self._worker_group
-        spec = wg.spec
         self._initialize_workers(wg)
         check_every = env_float("PETCTL_AGENT_MEMBERSHIP_INTERVAL", 1.0)
         next_check = time.monotonic() + check_every
         while True:
-            time.sleep(spec.monitor_interval)
+            time.sleep(wg.spec.monitor_interval)
             if self.leave_requested.is_set():
                 return self._drain_and_leave(wg)
             result = self._monitor_workers(wg)
@@ -280,39 +459,79 @@ class PetctlElasticAgent(LocalElasticAgent):
                 self._exit_barrier()
                 return result
             if result.state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
-                codes = sorted({f.exitcode for f in result.failures.values()})
-                if codes == [DRAIN_EXIT_CODE]:
-                    # every failed worker stopped on purpose at a drain checkpoint
-                    # (another node is leaving or joining): re-form, no budget spent.
-                    self._rdzv_reason = "coordinated checkpoint (peer drain/scale)"
-                    self._restart_workers(wg)
-                    continue
-                self.pub.event(
-                    "workers_failed", round=self._round, exit_codes=codes, failures=_describe(result)
-                )
-                if self._remaining_restarts > 0:
-                    self._remaining_restarts -= 1
-                    self._rdzv_reason = f"workers failed (exit codes {codes})"
-                    self._restart_workers(wg)
-                    continue
-                self._stop_workers(wg)
-                wg.state = WorkerState.FAILED
-                self.outcome = "failed"
-                self.fail_reason = f"workers failed after {spec.max_restarts} restarts: {_describe(result)}"
-                return result
+                done = self._on_workers_stopped(wg, result)
+                if done is not None:
+                    return done
+                continue
             if result.state == WorkerState.HEALTHY and time.monotonic() >= next_check:
                 next_check = time.monotonic() + check_every
                 change, can_sync = self._membership_change()
                 if change:
-                    self._rdzv_reason = change
                     log.info("re-rendezvous: %s", change)
                     if can_sync and enabled("SYNC_RESTART") and self._workers_progressed():
+                        self._rdzv_reason = change
                         done = self._coordinated_stop(wg, self.sync_timeout)
                         if done is not None:
                             return done
                         if self.leave_requested.is_set():
                             return self._drain_and_leave(wg)
-                    self._restart_workers(wg)
+                    self._free_restart(wg, change)
+
+    def _on_workers_stopped(self, wg: WorkerGroup, result: RunResult) -> RunResult | None:
+        """Workers stopped with failures: a drain, a membership change, or a failure that
+        spends the restart budget. Returns a RunResult only when the agent is done."""
+        codes = sorted({f.exitcode for f in result.failures.values()}, key=lambda c: (c is None, c))
+        if classify_exits(f.exitcode for f in result.failures.values()) == "drain":
+            # every failed worker stopped on purpose at a drain checkpoint (a node is
+            # leaving or joining; siblings torch terminated after it count too): re-form.
+            self._free_restart(wg, "coordinated checkpoint (peer drain/scale)")
+            return None
+        if self.leave_requested.is_set():
+            return self._drain_and_leave(wg)
+        self.pub.event("workers_failed", round=self._round, exit_codes=codes, failures=_describe(result))
+        why = self._failure_explained()
+        if why:
+            log.info(
+                "workers failed (exit codes %s) and %s: restarting, restart budget untouched", codes, why
+            )
+            self._free_restart(wg, f"workers failed (exit codes {codes}) after a membership change: {why}")
+            return None
+        if self.leave_requested.is_set():
+            return self._drain_and_leave(wg)
+        if self._remaining_restarts > 0:
+            self._remaining_restarts -= 1
+            log.warning(
+                "workers failed (exit codes %s), no membership change explains it: %d of %d restarts left",
+                codes,
+                self._remaining_restarts,
+                wg.spec.max_restarts,
+            )
+            self._rdzv_reason = f"workers failed (exit codes {codes})"
+            self._restart_workers(wg)
+            return None
+        self._stop_workers(wg)
+        wg.state = WorkerState.FAILED
+        self.outcome = "failed"
+        self.fail_reason = f"workers failed after {wg.spec.max_restarts} restarts: {_describe(result)}"
+        return result
+
+    def _failure_explained(self) -> str | None:
+        """Did the membership change around a worker failure (a peer died or left, a node is waiting)?
+
+        A peer that died is dropped from the round only after the heartbeat expiry, while
+        our workers' collectives fail at once: look for up to that long
+        (``PETCTL_AGENT_FAILURE_GRACE``, default keep-alive x attempts + 2 s).
+        """
+        cfg = rendezvous_config(self.join_timeout)
+        default = cfg.get("keep_alive_interval", 5) * cfg.get("keep_alive_max_attempt", 3) + 2
+        deadline = time.monotonic() + env_float("PETCTL_AGENT_FAILURE_GRACE", default)
+        while True:
+            change, _ = self._membership_change()
+            if change:
+                return change
+            if time.monotonic() >= deadline or self.leave_requested.is_set():
+                return None
+            time.sleep(0.25)
 
     def _workers_progressed(self) -> bool:
         """Have the current workers reported a step? (If not, there is nothing to checkpoint.)"""
@@ -378,22 +597,40 @@ class PetctlElasticAgent(LocalElasticAgent):
 
     # ---- graceful leave --------------------------------------------------------------
     def _drain_and_leave(self, wg: WorkerGroup) -> RunResult:
+        """Stop our workers for good, then leave the round.
+
+        Workers that use the helper (they report progress, so they read the drain
+        file) get the drain file: all ranks of all nodes checkpoint the same step and
+        exit 75. Any other script -- and helper workers still running when the drain
+        timeout is up -- gets SIGTERM, as torchrun does, and is waited for (the rest of
+        the drain timeout, at least 5 s) before the node leaves the rendezvous.
+        """
         self.phase = "draining"
         self.pub.update(state="DRAINING", reason=self.leave_reason)
         self.pub.event("drain_requested", reason=self.leave_reason, round=self._round)
         self.drain_file.touch()
         t0 = time.monotonic()
         deadline = t0 + self.drain_timeout
-        result = RunResult(state=WorkerState.HEALTHY)
-        while time.monotonic() < deadline:
-            result = self._monitor_workers(wg)
-            if result.state != WorkerState.HEALTHY:
-                break
-            time.sleep(0.1)
-        clean = result.state == WorkerState.SUCCEEDED or (
-            result.state == WorkerState.FAILED
-            and {f.exitcode for f in result.failures.values()} == {DRAIN_EXIT_CODE}
-        )
+        result = self._monitor_workers(wg)
+        if self._workers_progressed():
+            while time.monotonic() < deadline and result.state == WorkerState.HEALTHY:
+                time.sleep(0.1)
+                result = self._monitor_workers(wg)
+        sigterm = result.state == WorkerState.HEALTHY
+        if sigterm:
+            self._signal_workers(wg, signal.SIGTERM)
+            grace = max(deadline - time.monotonic(), 5.0)
+            end = time.monotonic() + grace
+            while time.monotonic() < end and result.state == WorkerState.HEALTHY:
+                time.sleep(0.1)
+                result = self._monitor_workers(wg)
+        codes = [f.exitcode for f in result.failures.values()]
+        if sigterm:  # a plain script: clean if every worker ended on our SIGTERM, not our SIGKILL
+            clean = result.state != WorkerState.HEALTHY and -int(signal.SIGKILL) not in codes
+        else:
+            clean = result.state == WorkerState.SUCCEEDED or (
+                result.state == WorkerState.FAILED and classify_exits(codes) == "drain"
+            )
         self._stop_workers(wg)
         self.leave_rendezvous()
         self.phase = "done"
@@ -401,11 +638,23 @@ class PetctlElasticAgent(LocalElasticAgent):
         self.pub.event(
             "drained",
             clean=clean,
+            sigterm=sigterm,
+            exit_codes=sorted(set(codes), key=lambda c: (c is None, c)),
             seconds=round(time.monotonic() - t0, 3),
             round=self._round,
         )
         # torch's run() records one event per worker and insists every worker has a result
         return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in wg.workers})
+
+    @staticmethod
+    def _signal_workers(wg: WorkerGroup, sig: int) -> None:
+        for w in wg.workers:
+            if w.id is None:
+                continue
+            try:
+                os.kill(int(w.id), sig)
+            except (ProcessLookupError, ValueError, TypeError):
+                pass
 
     def leave_rendezvous(self) -> None:
         """Remove this node from the current round so the others re-form at once.

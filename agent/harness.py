@@ -210,6 +210,9 @@ class Cluster:
         script_args: list[str] | None = None,
         extra_env: dict[str, str] | None = None,
         drain_timeout: float = 30,
+        script: Path | None = None,
+        nproc_per_node: int = 1,
+        spec_extra: dict[str, Any] | None = None,
     ) -> None:
         self.tmp = Path(tmp)
         self.job = job
@@ -223,7 +226,8 @@ class Cluster:
         self._next = 1
         code = self.tmp / "code"
         code.mkdir(exist_ok=True)
-        shutil.copy(REPO / "scripts" / "elastic_train.py", code / "elastic_train.py")
+        script = Path(script) if script else REPO / "scripts" / "elastic_train.py"
+        shutil.copy(script, code / script.name)
         self.ckpt_rel = f"petctl/jobs/{job}/checkpoints"
         spec = {
             "version": 1,
@@ -232,10 +236,10 @@ class Cluster:
             "region": "us-east-1",
             "min_nodes": min_nodes,
             "max_nodes": max_nodes,
-            "nproc_per_node": 1,
-            "code_url": f"file://{code / 'elastic_train.py'}",
+            "nproc_per_node": nproc_per_node,
+            "code_url": f"file://{code / script.name}",
             "code_kind": "script",
-            "script": "elastic_train.py",
+            "script": script.name,
             "args": script_args or [],
             "env": {"OMP_NUM_THREADS": "1"},
             "checkpoint_dir": self.ckpt_rel,
@@ -246,6 +250,7 @@ class Cluster:
             "lifecycle_hook": "",
             "drain_timeout": drain_timeout,
             "rdzv_port": 2379,
+            **(spec_extra or {}),
         }
         self.spec_path = self.tmp / "job.json"
         self.spec_path.write_text(json.dumps(spec, indent=2))
@@ -253,6 +258,11 @@ class Cluster:
     @property
     def ckpt_dir(self) -> Path:
         return self.efs / self.ckpt_rel
+
+    @property
+    def work_dir(self) -> Path:
+        """Where the workers start (their cwd): shared by every node of the job."""
+        return self.efs / "petctl" / "jobs" / self.job / "work"
 
     def start_etcd(self) -> None:
         self.etcd.start()

@@ -39,6 +39,7 @@ SUCCESS_MARKER = ".petctl-job-succeeded"
 
 class Paths:
     def __init__(self, agent_dir: Path) -> None:
+        agent_dir = agent_dir.absolute()  # workers run in the job's work dir, not here
         self.root = agent_dir
         self.code = agent_dir / "code"
         self.logs = agent_dir / "logs"
@@ -83,7 +84,7 @@ class Agent:
         self.args = args
         self.imds = Imds()
         self.paths = Paths(Path(os.environ.get("PETCTL_AGENT_DIR", "/var/lib/petctl")))
-        self.efs = Path(os.environ.get("PETCTL_EFS_MOUNT", "/mnt/efs"))
+        self.efs = Path(os.environ.get("PETCTL_EFS_MOUNT", "/mnt/efs")).absolute()
         self.instance_id = self.imds.meta("instance-id") or socket.gethostname()
         self.local_addr = args.local_addr or self.imds.meta("local-ipv4") or "127.0.0.1"
         self.spec: JobSpec | None = None
@@ -117,21 +118,33 @@ class Agent:
         threading.Thread(target=self._leave_outside_training, name="petctl-leave", daemon=True).start()
 
     def _leave_outside_training(self) -> None:
-        """A leave that arrives while we are not training (boot, rendezvous): go now.
+        """A leave that arrives before the torch agent exists (boot: code, shared filesystem).
 
-        torch's next_rendezvous cannot be interrupted; we exit the process and our
-        heartbeat stops, so the others drop us after the (short) keep-alive expiry.
+        Inside a rendezvous the main thread leaves by itself: the join loop checks the
+        leave request at every iteration, removes us from the round and raises
+        ``LeftRendezvous`` (``PetctlElasticAgent._guard_join``); then ``_run`` completes
+        the lifecycle action, publishes LEFT and returns. Only if the main thread is
+        stuck elsewhere (a store read, ``PETCTL_AGENT_STORE_TIMEOUT``) for longer than
+        ``PETCTL_AGENT_LEAVE_FALLBACK`` s does this thread leave the round and exit.
         """
         time.sleep(2)
-        phase = getattr(self.elastic, "phase", "init")
-        if phase in ("running", "draining", "done"):
-            return  # the training loop drains (it polls leave_requested every 0.2 s)
-        log.info("leaving during %s: no workers to drain", phase)
-        if phase == "rendezvous" and self.elastic is not None:
-            # Take ourselves out of the round now: otherwise a node arriving within
-            # the heartbeat expiry completes a round with us in it and then waits
-            # for a MASTER_ADDR we will never publish.
+        if self.elastic is not None:
+            fallback = float(os.environ.get("PETCTL_AGENT_LEAVE_FALLBACK", "30"))
+            deadline = time.monotonic() + fallback
+            while time.monotonic() < deadline:
+                if getattr(self.elastic, "phase", "init") in ("running", "draining", "done"):
+                    return  # the training loop drains (it polls leave_requested every 0.2 s)
+                time.sleep(0.5)
+            phase = getattr(self.elastic, "phase", "init")
+            if phase in ("running", "draining", "done"):
+                return
+            log.warning(
+                "main thread did not leave within %.0fs (%s); leaving from the watcher", fallback, phase
+            )
             self.elastic.leave_rendezvous()
+        else:
+            phase = "init"
+            log.info("leaving during boot: no workers to drain")
         if self.pub:
             self.pub.event("drained", clean=True, phase=phase)
         self.finish_leave()
@@ -156,6 +169,48 @@ class Agent:
             if spot:
                 self.request_leave(f"spot instance-action {spot.strip()}")
                 return
+
+    def complete_lifecycle_action_at_end(self, wait: float) -> None:
+        """After SUCCEEDED/FAILED: complete our termination lifecycle action as soon as the
+        instance enters Terminating:Wait, so it does not sit out the hook's timeout (billed).
+
+        When we just scaled the groups to zero the termination follows within seconds
+        to a minute: watch IMDS for up to ``wait`` s. Otherwise only act if it is pending now.
+        """
+        spec = self.spec
+        if spec is None or not spec.lifecycle_hook or not spec.worker_group:
+            return
+        deadline = time.monotonic() + wait
+        interval = float(os.environ.get("PETCTL_AGENT_IMDS_POLL", "1"))
+        while True:
+            state = self.imds.get("meta-data/autoscaling/target-lifecycle-state")
+            if self.lifecycle_pending or (state and state.strip() == "Terminated"):
+                self.lifecycle_pending = True
+                self.complete_lifecycle_action()
+                return
+            if time.monotonic() >= deadline:
+                if wait > 0:
+                    log.info("no termination lifecycle action within %.0fs; exiting", wait)
+                return
+            time.sleep(interval)
+
+    def capacity(self) -> dict[str, int] | None:
+        """The worker group's capacity (desired, in service, pending), or None without a group."""
+        spec = self.spec
+        if spec is None or not spec.worker_group:
+            return None
+        groups = _boto3_client("autoscaling", spec.region or None).describe_auto_scaling_groups(
+            AutoScalingGroupNames=[spec.worker_group]
+        )["AutoScalingGroups"]
+        if not groups:
+            return {"desired": 0, "in_service": 0, "pending": 0}
+        g = groups[0]
+        states = [i.get("LifecycleState", "") for i in g.get("Instances", [])]
+        return {
+            "desired": int(g.get("DesiredCapacity", 0)),
+            "in_service": sum(1 for s in states if s == "InService"),
+            "pending": sum(1 for s in states if s.startswith("Pending")),
+        }
 
     def complete_lifecycle_action(self) -> None:
         spec = self.spec
@@ -209,19 +264,26 @@ class Agent:
         pub.start()
         pub.event("agent_started", local_addr=self.local_addr, pid=os.getpid())
         try:
+            problem = check_torch(spec.torch_version)
+            if problem:  # before anything joins the rendezvous
+                rc = self.fail(problem)
+                self.complete_lifecycle_action_at_end(0)
+                return rc
             return self._run(spec, pub)
         except SpecError as e:
             return self.fail(str(e))
         except Exception as e:  # noqa: BLE001 - report any crash as FAILED with its reason
             log.exception("agent failed")
             return self.fail(f"{type(e).__name__}: {e}")
+        finally:
+            pub.close()
 
     def fail(self, reason: str) -> int:
         log.error("FAILED: %s", reason)
         if self.pub:
             self.pub.event("failed", reason=reason)
             self.pub.update(state="FAILED", reason=reason)
-            self.pub.close()
+            self.pub.flush()
         return 1
 
     def _rdzv_endpoint(self, spec: JobSpec) -> str:
@@ -245,6 +307,8 @@ class Agent:
             else self.efs / "petctl" / "jobs" / spec.job_name / "checkpoints"
         )
         ckpt_dir.mkdir(parents=True, exist_ok=True)
+        work_dir = job_work_dir(self.efs, spec)
+        work_dir.mkdir(parents=True, exist_ok=True)
         if self.leave_reason:
             self.finish_leave()
             return 0
@@ -256,10 +320,10 @@ class Agent:
         from petctl_agent.logship import CloudWatchShipper, LogTailer, stdout_sink
         from petctl_agent.workarounds import enabled
 
-        self._export_worker_env(spec, ckpt_dir)
         nproc = spec.resolved_nproc()
+        self._export_worker_env(spec, ckpt_dir, work_dir, nproc)
         handler = create_rdzv_handler(
-            endpoint, spec.job_name, spec.min_nodes, spec.max_nodes, self.local_addr
+            endpoint, spec.job_name, spec.min_nodes, spec.max_nodes, self.local_addr, spec.join_timeout
         )
         if enabled("PDEATHSIG"):
             entry_args: tuple[str, ...] = ("-c", _PDEATHSIG_SHIM, str(script), *spec.args)
@@ -294,6 +358,9 @@ class Agent:
             self.paths.progress,
             spec.drain_timeout,
             restart_launch=restart_launch,
+            join_timeout=spec.join_timeout,
+            capacity_probe=self.capacity,
+            min_nodes=spec.min_nodes,
         )
         if self.leave_reason:  # arrived while we were setting up
             agent.leave_reason = self.leave_reason
@@ -313,19 +380,27 @@ class Agent:
         tailer.start()
         threading.Thread(target=self.watch_imds, name="petctl-imds", daemon=True).start()
 
+        # Workers start in the job's work dir on the shared filesystem (as torchrun's
+        # workers start in its cwd): a script's relative paths (snapshot.pt) are shared.
+        os.chdir(work_dir)
         try:
             agent.run()
         except Exception as e:  # noqa: BLE001
             from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
-            if isinstance(e, RendezvousClosedError) and (ckpt_dir / SUCCESS_MARKER).exists():
+            from petctl_agent.elastic import LeftRendezvous
+
+            if isinstance(e, LeftRendezvous):
+                agent.outcome = "drained"
+                pub.event("drained", clean=True, phase="rendezvous", note=str(e))
+            elif isinstance(e, RendezvousClosedError) and (ckpt_dir / SUCCESS_MARKER).exists():
                 agent.outcome = "succeeded"  # we arrived after the job finished
             elif isinstance(e, RendezvousTimeoutError):
                 agent.outcome = "failed"
+                agent.fail_kind = "join_timeout"
                 agent.fail_reason = (
                     f"rendezvous timed out: fewer than min_nodes={spec.min_nodes} nodes joined within "
-                    f"{os.environ.get('PETCTL_AGENT_JOIN_TIMEOUT', '600')}s (PETCTL_AGENT_JOIN_TIMEOUT)"
-                    + (f"; {e}" if str(e) else "")
+                    f"join_timeout {agent.join_timeout:.0f}s" + (f"; {e}" if str(e) else "")
                 )
             elif isinstance(e, RendezvousClosedError):
                 agent.outcome = "failed"
@@ -342,6 +417,7 @@ class Agent:
         if agent.outcome == "drained":
             self.finish_leave()
             return 0
+        lifecycle_wait = float(os.environ.get("PETCTL_AGENT_LIFECYCLE_WAIT", "120"))
         if agent.outcome == "succeeded":
             (ckpt_dir / SUCCESS_MARKER).touch()
             try:
@@ -351,8 +427,18 @@ class Agent:
             pub.event("succeeded", last_step=self._refresh().get("last_step"))
             pub.update(state="SUCCEEDED", reason=None)
             self.scale_groups_to_zero()
+            self.complete_lifecycle_action_at_end(lifecycle_wait)
             pub.close()
             return 0
+        if agent.fail_kind == "join_timeout":
+            # This node's rendezvous timed out. That alone does not end the job: other
+            # nodes may be training (this one waited beyond max_nodes) or about to
+            # arrive. Do not close the rendezvous, do not scale the groups to zero.
+            rc = self.fail(agent.fail_reason or "rendezvous timed out")
+            self.complete_lifecycle_action_at_end(0)
+            if self.pub:
+                self.pub.close()
+            return rc
         try:
             handler.shutdown()  # unrecoverable: close it so the other nodes stop too
         except Exception:  # noqa: BLE001
@@ -361,14 +447,27 @@ class Agent:
         # A failed job must not keep paying for idle instances (the ASG would replace them and
         # systemd would restart the agent): stop the groups; the status, logs and checkpoints stay.
         self.scale_groups_to_zero()
+        self.complete_lifecycle_action_at_end(lifecycle_wait)
+        if self.pub:
+            self.pub.close()
         return rc
 
-    def _export_worker_env(self, spec: JobSpec, ckpt_dir: Path) -> None:
+    def _export_worker_env(self, spec: JobSpec, ckpt_dir: Path, work_dir: Path, nproc: int) -> None:
         """Worker env = agent env + torchrun's vars (set by torch) + these."""
         from petctl_agent.workarounds import enabled
 
         env = os.environ
         env.update(spec.env)
+        omp = omp_num_threads(env, nproc)
+        if omp is not None:
+            log.warning(
+                "Setting OMP_NUM_THREADS environment variable for each process to be %s in default, "
+                "to avoid your system being overloaded, please further tune the variable for optimal "
+                "performance in your application as needed.",
+                omp,
+            )
+            env["OMP_NUM_THREADS"] = omp
+        env["PETCTL_WORK_DIR"] = str(work_dir)
         env["PETCTL_JOB_NAME"] = spec.job_name
         env["PETCTL_CHECKPOINT_DIR"] = str(ckpt_dir)
         env["PETCTL_DRAIN_FILE"] = str(self.paths.drain)
@@ -376,8 +475,10 @@ class Agent:
         env["PETCTL_LOCAL_ADDR"] = self.local_addr
         env["PETCTL_AGENT_PID"] = str(os.getpid())
         env["PYTHONUNBUFFERED"] = "1"
-        # our SIGTERM/SIGINT handlers start a drain; torch's would raise SignalException
-        env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
+        # our SIGTERM/SIGINT handlers start a drain; torch's would raise SignalException.
+        # (torch 2.5-2.8 ignore this variable and install theirs anyway: the agent puts
+        # its own back after every worker start, PetctlElasticAgent._restore_signal_handlers.)
+        env.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGHUP,SIGQUIT")
         if enabled("SPLIT_STORE"):
             # etcd-v2 + shared agent TCPStore: a node joining a running job waits
             # forever for MASTER_ADDR of the new round (DESIGN §4). Workers get
@@ -388,6 +489,25 @@ class Agent:
             # locally instead of rank 0 collecting every node's role info through
             # the store (another place a lost node blocks the store timeout).
             env["TORCH_ELASTIC_WORKER_IDENTICAL"] = "1"
+
+
+def job_work_dir(efs: Path, spec: JobSpec) -> Path:
+    """Where workers start: ``<efs>/petctl/jobs/<job>/work``, shared by every node of the job."""
+    return efs / "petctl" / "jobs" / spec.job_name / "work"
+
+
+def omp_num_threads(env: Any, nproc: int) -> str | None:
+    """What torchrun does: OMP_NUM_THREADS=1 when unset and more than one worker per node."""
+    if "OMP_NUM_THREADS" not in env and nproc > 1:
+        return "1"
+    return None
+
+
+def check_torch(wanted_version: str) -> str | None:
+    """One-line reason the installed torch cannot run this job (wrong version, missing internals)."""
+    from petctl_agent.torch_compat import check
+
+    return check(wanted_version)
 
 
 def _install_signal_handlers(agent: Agent) -> None:

@@ -11,6 +11,9 @@ from urllib.parse import urlparse
 
 JOB_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,38}[a-z0-9]$")
 CODE_KINDS = ("script", "dir", "s3")
+#: bounds of ``join_timeout`` (seconds): below MIN for this long -> FAILED
+MIN_JOIN_TIMEOUT, MAX_JOIN_TIMEOUT = 1.0, 7 * 24 * 3600.0
+TORCH_VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?([a-z0-9.]*)?(\+[A-Za-z0-9.]+)?$")
 
 
 class SpecError(ValueError):
@@ -42,6 +45,8 @@ class JobSpec:
     drain_timeout: float = 60.0
     rdzv_port: int = 2379
     max_restarts: int = 10
+    join_timeout: float = 1800.0
+    torch_version: str = ""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobSpec:
@@ -66,8 +71,19 @@ class JobSpec:
             kw["drain_timeout"] = float(kw.get("drain_timeout", 60))
             kw["rdzv_port"] = int(kw.get("rdzv_port", 2379))
             kw["max_restarts"] = int(kw.get("max_restarts", 10))
+            kw["join_timeout"] = float(kw.get("join_timeout", 1800))
         except (TypeError, ValueError) as e:
             raise SpecError(f"job spec has a non-numeric count or timeout: {e}") from e
+        if kw["max_restarts"] < 0:
+            raise SpecError(f"max_restarts must be >= 0, got {kw['max_restarts']}")
+        if not MIN_JOIN_TIMEOUT <= kw["join_timeout"] <= MAX_JOIN_TIMEOUT:
+            raise SpecError(
+                f"join_timeout must be between {MIN_JOIN_TIMEOUT:.0f} and {MAX_JOIN_TIMEOUT:.0f} seconds, "
+                f"got {kw['join_timeout']:g}"
+            )
+        tv = kw.get("torch_version", "")
+        if not isinstance(tv, str) or (tv and not TORCH_VERSION_RE.match(tv)):
+            raise SpecError(f"torch_version must be a version like '2.13.0' (or empty), got {tv!r}")
         if not 1 <= kw["min_nodes"] <= kw["max_nodes"]:
             raise SpecError(
                 f"need 1 <= min_nodes <= max_nodes, got min={kw['min_nodes']} max={kw['max_nodes']}"
