@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from dataclasses import dataclass
 
 _AGENT_API = "torch.distributed.elastic.agent.server.api"
@@ -92,18 +93,18 @@ def _has(m: Member) -> bool:
             return hasattr(target, m.attr)
         if m.kind == "field":
             return hasattr(target(), m.attr)  # type: ignore[operator]
-        # "self": assigned in __init__ of the class or one of its bases
+        # "self": assigned in __init__ of the class or one of its torch bases
+        pattern = re.compile(rf"self\.{re.escape(m.attr)}\b\s*(:[^=\n]*)?=[^=]")
         for cls in getattr(target, "__mro__", ()):
             init = cls.__dict__.get("__init__")
-            if init is None:
+            if init is None or not cls.__module__.startswith("torch"):
                 continue
             try:
-                if f"self.{m.attr} " in inspect.getsource(init) or f"self.{m.attr}:" in inspect.getsource(
-                    init
-                ):
-                    return True
+                source = inspect.getsource(init)
             except (OSError, TypeError):
                 return True  # no source shipped: cannot tell, do not block the job on it
+            if pattern.search(source):
+                return True
         return False
     except Exception:  # noqa: BLE001 - import errors, renamed classes: all mean "missing"
         return False

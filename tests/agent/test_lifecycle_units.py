@@ -1,0 +1,206 @@
+"""Issue 9 logic that a CPU can show without processes: exit-code classification, restart
+budget inputs, the below-MIN wait decision, spec fields, the torch internals check,
+OMP_NUM_THREADS, signal handler re-installation, lifecycle completion at job end."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from petctl_agent import DRAIN_EXIT_CODE
+from petctl_agent.elastic import (
+    PetctlElasticAgent,
+    capacity_coming,
+    classify_exits,
+    keep_waiting,
+)
+from petctl_agent.harness import FakeImds
+from petctl_agent.spec import JobSpec, SpecError
+from petctl_agent.torch_compat import REQUIRED, Member, check, missing_members, version_mismatch
+
+TERM, KILL = -int(signal.SIGTERM), -int(signal.SIGKILL)
+BASE = {"job_name": "j-1", "min_nodes": 2, "max_nodes": 4, "code_url": "file:///x.py", "script": "x.py"}
+
+
+@pytest.mark.parametrize(
+    ("codes", "kind"),
+    [
+        ([DRAIN_EXIT_CODE], "drain"),
+        ([DRAIN_EXIT_CODE, DRAIN_EXIT_CODE], "drain"),  # every local rank reached the drain
+        ([DRAIN_EXIT_CODE, TERM], "drain"),  # the sibling torch SIGTERMed after rank 0 exited 75
+        ([DRAIN_EXIT_CODE, TERM, TERM, TERM], "drain"),  # 4 GPUs
+        ([DRAIN_EXIT_CODE, KILL], "drain"),  # ... and SIGKILLed past torch's grace period
+        ([TERM], "failure"),  # nobody drained: something else terminated the worker
+        ([1, DRAIN_EXIT_CODE], "failure"),  # a real error next to a drain
+        ([1], "failure"),
+        ([None], "failure"),
+        ([], "failure"),
+    ],
+)
+def test_exit_code_classification(codes, kind) -> None:
+    assert classify_exits(codes) == kind
+
+
+def test_capacity_and_the_below_min_wait() -> None:
+    assert capacity_coming(None, 2) is None
+    assert capacity_coming({"desired": 2, "pending": 0}, 2) is True
+    assert capacity_coming({"desired": 1, "pending": 1}, 2) is True  # still launching
+    assert capacity_coming({"desired": 1, "pending": 0}, 2) is False
+    # within join_timeout: always wait
+    assert keep_waiting(10, 1800, False) and keep_waiting(10, 1800, None)
+    # past it: only while capacity is coming, and never past 2x
+    assert keep_waiting(1900, 1800, True)
+    assert not keep_waiting(1900, 1800, False) and not keep_waiting(1900, 1800, None)
+    assert not keep_waiting(3600, 1800, True)
+
+
+def test_spec_restart_budget_join_timeout_torch_version() -> None:
+    old = JobSpec.from_dict(dict(BASE))  # a spec written before these fields existed
+    assert (old.max_restarts, old.join_timeout, old.torch_version) == (10, 1800.0, "")
+    new = JobSpec.from_dict({**BASE, "max_restarts": 1, "join_timeout": 600, "torch_version": "2.13.0"})
+    assert (new.max_restarts, new.join_timeout, new.torch_version) == (1, 600.0, "2.13.0")
+    for bad, msg in [
+        ({"max_restarts": -1}, "max_restarts must be >= 0"),
+        ({"join_timeout": 0}, "join_timeout must be between"),
+        ({"join_timeout": "soon"}, "non-numeric"),
+        ({"torch_version": "latest"}, "torch_version must be a version"),
+        ({"torch_version": 2.13}, "torch_version must be a version"),
+    ]:
+        with pytest.raises(SpecError, match=msg):
+            JobSpec.from_dict({**BASE, **bad})
+
+
+def test_torch_internals_exist_in_the_installed_torch() -> None:
+    import torch
+
+    assert missing_members() == [], f"torch {torch.__version__} lacks agent internals"
+    assert check(torch.__version__.split("+")[0]) is None
+    assert len(REQUIRED) > 30
+    # the check does notice a missing member, of each kind, and names it with the version
+    fake = (
+        Member("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent", "_no_such_method"),
+        Member("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent", "_no_such_attr", "self"),
+        Member("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NoSuchClass"),
+    )
+    assert missing_members(fake) == [m.name for m in fake]
+    line = check("", fake)
+    assert line and "\n" not in line and torch.__version__ in line and "_no_such_method" in line
+
+
+def test_torch_version_pin() -> None:
+    assert not version_mismatch("", "2.13.0+cpu")
+    assert not version_mismatch("2.13.0", "2.13.0+cpu") and not version_mismatch("2.13.0", "2.13.0+cu128")
+    assert version_mismatch("2.13.0+cu128", "2.13.0+cpu")
+    assert version_mismatch("2.8.0", "2.13.0+cpu")
+    assert "pins torch_version 2.8.0" in (check("2.8.0") or "")
+
+
+def test_omp_num_threads_as_torchrun() -> None:
+    from petctl_agent.main import omp_num_threads
+
+    assert omp_num_threads({}, 2) == "1"
+    assert omp_num_threads({}, 1) is None
+    assert omp_num_threads({"OMP_NUM_THREADS": "8"}, 4) is None
+
+
+def test_our_sigterm_handler_is_put_back_after_torch_replaces_it() -> None:
+    from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
+
+    def ours(signum, frame):  # noqa: ARG001
+        pass
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, ours)
+        fake = SimpleNamespace(_own_signal_handlers={signal.SIGTERM: ours})
+        signal.signal(signal.SIGTERM, _terminate_process_handler)  # what PContext.start does in torch 2.5-2.8
+        PetctlElasticAgent._restore_signal_handlers(fake)
+        assert signal.getsignal(signal.SIGTERM) is ours
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _agent_with_spec(monkeypatch, imds_url: str, calls: list):
+    import petctl_agent.main as agent_main
+
+    monkeypatch.setenv("PETCTL_IMDS_URL", imds_url)
+    monkeypatch.setenv("PETCTL_AGENT_IMDS_POLL", "0.1")
+    agent = agent_main.Agent(SimpleNamespace(local_addr="127.0.0.1", spec=None, rdzv_endpoint=None))
+    agent.spec = JobSpec.from_dict(
+        {**BASE, "worker_group": "petctl-j-1-workers", "lifecycle_hook": "petctl-drain"}
+    )
+
+    class Client:
+        def complete_lifecycle_action(self, **kw):
+            calls.append(("complete", kw))
+
+        def describe_auto_scaling_groups(self, **kw):
+            calls.append(("describe", kw))
+            inst = [{"LifecycleState": s} for s in ("InService", "Pending", "Pending:Wait")]
+            return {"AutoScalingGroups": [{"DesiredCapacity": 3, "Instances": inst}]}
+
+    monkeypatch.setattr(agent_main, "_boto3_client", lambda *a, **k: Client())
+    return agent
+
+
+def test_job_end_completes_the_lifecycle_action_once_terminating(monkeypatch) -> None:
+    imds = FakeImds()
+    try:
+        url = imds.add("i-end", "127.0.0.1")
+        calls: list = []
+        agent = _agent_with_spec(monkeypatch, url, calls)
+        # the groups were just scaled to zero: the instance enters Terminating:Wait a bit later
+        threading.Timer(0.5, imds.set, ("i-end", "autoscaling/target-lifecycle-state", "Terminated")).start()
+        t0 = time.monotonic()
+        agent.complete_lifecycle_action_at_end(20)
+        assert time.monotonic() - t0 < 10
+        assert calls == [
+            (
+                "complete",
+                {
+                    "LifecycleHookName": "petctl-drain",
+                    "AutoScalingGroupName": "petctl-j-1-workers",
+                    "LifecycleActionResult": "CONTINUE",
+                    "InstanceId": "i-end",
+                },
+            )
+        ]
+        # not terminating and no wait: nothing to complete
+        imds.set("i-end", "autoscaling/target-lifecycle-state", "InService")
+        calls.clear()
+        agent.lifecycle_pending = False
+        agent.complete_lifecycle_action_at_end(0)
+        assert calls == []
+        assert agent.capacity() == {"desired": 3, "in_service": 1, "pending": 2}
+    finally:
+        imds.close()
+
+
+def test_wrong_torch_fails_in_one_line_before_the_rendezvous(tmp_path) -> None:
+    """An agent whose torch does not match the spec publishes FAILED and never contacts etcd."""
+    status = tmp_path / "status"
+    spec = {**BASE, "code_url": f"file://{tmp_path}/x.py", "torch_version": "1.0.0",
+            "status_url": f"file://{status}/"}  # fmt: skip
+    (tmp_path / "job.json").write_text(json.dumps(spec))
+    (tmp_path / "x.py").write_text("print('never runs')\n")
+    env = {"PETCTL_IMDS_URL": "http://127.0.0.1:9", "PETCTL_AGENT_DIR": str(tmp_path / "agent"),
+           "PETCTL_EFS_MOUNT": str(tmp_path), "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "PATH": "/usr/bin:/bin"}  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "petctl_agent.main", "run", "--spec", str(tmp_path / "job.json"),
+         "--rdzv-endpoint", "127.0.0.1:9", "--local-addr", "127.0.0.1"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert p.returncode == 1, p.stderr
+    doc = json.loads(next(status.glob("*.json")).read_text())
+    assert doc["state"] == "FAILED"
+    assert doc["reason"].startswith("torch ") and "pins torch_version 1.0.0" in doc["reason"]
+    assert "\n" not in doc["reason"]
+    assert not any(e["kind"].startswith("rendezvous") for e in doc["events"])
+    assert "FAILED: torch" in p.stderr
