@@ -11,6 +11,9 @@
    ``RecordLifecycleActionHeartbeat``. The reconciler emulates the termination
    hook, so these calls are answered from it: success for an instance that is
    draining (which ends its wait), ``ValidationError`` otherwise, as AWS does.
+3. **Log stream prefix**: moto's ``FilterLogEvents`` ignores ``logStreamNamePrefix`` and
+   returns every stream of the group, so ``petctl logs J`` showed other jobs' lines. It is
+   honoured as AWS does (and naming both ``logStreamNames`` and the prefix is refused).
 """
 
 from __future__ import annotations
@@ -67,8 +70,48 @@ def _random_host(cidr: str, taken: Callable[[str], bool]) -> str | None:
     return None
 
 
+def _patch_log_stream_prefix() -> None:
+    import json
+
+    from moto.logs.exceptions import InvalidParameterException
+    from moto.logs.responses import LogsResponse
+
+    if getattr(LogsResponse, "_petctl_prefix_patched", False):
+        return
+    original = LogsResponse.filter_log_events
+
+    def filter_log_events(self: Any) -> str:
+        prefix = self._get_param("logStreamNamePrefix")
+        if not prefix:
+            return original(self)
+        if self._get_param("logStreamNames"):
+            raise InvalidParameterException(
+                "Cannot specify both logStreamNames and logStreamNamePrefix in the same request"
+            )
+        group_name = self._get_param("logGroupName")
+        group = self.logs_backend.groups.get(group_name)
+        names = sorted(n for n in (group.streams if group else {}) if n.startswith(prefix))
+        if not names:  # moto reads an empty list as "every stream"
+            return json.dumps({"events": [], "searchedLogStreams": []})
+        events, next_token, searched = self.logs_backend.filter_log_events(
+            group_name,
+            names,
+            self._get_param("startTime"),
+            self._get_param("endTime"),
+            self._get_param("limit"),
+            self._get_param("nextToken"),
+            self._get_param("filterPattern"),
+            self._get_param("interleaved", False),
+        )
+        return json.dumps({"events": events, "nextToken": next_token, "searchedLogStreams": searched})
+
+    LogsResponse.filter_log_events = filter_log_events  # type: ignore[method-assign]
+    LogsResponse._petctl_prefix_patched = True  # type: ignore[attr-defined]
+
+
 def apply() -> None:
     """Install the patches (idempotent)."""
+    _patch_log_stream_prefix()
     from moto.autoscaling.exceptions import ValidationError
     from moto.autoscaling.responses import AutoScalingResponse
     from moto.core.responses import EmptyResult

@@ -23,6 +23,11 @@ def _free_port() -> int:
 def moto_url() -> Iterator[str]:
     from moto.server import ThreadedMotoServer
 
+    from petctl.local import moto_patches
+
+    # The local cloud's patches make moto refuse/answer what AWS does (moto_patches docstring),
+    # so these tests fail the way AWS would.
+    moto_patches.apply()
     port = _free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()

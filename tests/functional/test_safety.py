@@ -227,3 +227,28 @@ def test_ctrl_c_exits_130(aws, run, ready):
         proc.kill()
         proc.wait()
     assert Path(os.environ["PETCTL_HOME"]).exists()
+
+
+def test_logs_of_one_job_never_show_another_jobs_lines(run, ready):
+    """moto ignores logStreamNamePrefix; the local cloud's patch honours it as AWS does."""
+    start_job(run, ready, "alpha")
+    start_job(run, ready, "alpha-2")  # a name that shares alpha's first letters
+    logs = boto3.client("logs")
+    now = int(time.time() * 1000)
+    for job in ("alpha", "alpha-2"):
+        for inst in ("i-01", "i-02"):
+            logs.create_log_stream(logGroupName="/petctl/default", logStreamName=f"{job}/{inst}")
+            logs.put_log_events(
+                logGroupName="/petctl/default",
+                logStreamName=f"{job}/{inst}",
+                logEvents=[{"timestamp": now, "message": f"line of {job} on {inst}"}],
+            )
+    r = run("logs", "alpha")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.count("line of alpha on") == 2 and "alpha-2" not in r.stdout
+    r = run("logs", "alpha-2", "--instance", "i-02")
+    assert r.stdout.count("line of alpha-2 on i-02") == 1 and len(r.stdout.strip().splitlines()) == 1
+    with pytest.raises(Exception, match="Cannot specify both"):
+        logs.filter_log_events(
+            logGroupName="/petctl/default", logStreamNames=["alpha/i-01"], logStreamNamePrefix="alpha/"
+        )
