@@ -291,12 +291,19 @@ def configure(obj: Context, region_opt: str | None, show: bool, **values: Any) -
     "--instance-type",
     default="c6i.large",
     show_default=True,
-    help="Worker instance type (GPU types get the deep learning AMI).",
+    help="Worker instance type, or several in order of preference (c5.xlarge,c6i.xlarge,m5.xlarge); "
+    "GPU types get the Deep Learning AMI.",
+)
+@click.option(
+    "--rdzv-instance-type",
+    default="t3.small",
+    show_default=True,
+    help="Instance type of the etcd rendezvous server (x86_64).",
 )
 @click.option(
     "--nproc-per-node", default="auto", show_default=True, help="'auto' (GPUs, or 1 on CPU) or a number."
 )
-@click.option("--spot", is_flag=True, help="Spot above MIN on-demand nodes (capacity-optimized).")
+@click.option("--spot", is_flag=True, help="Spot above MIN on-demand nodes (price-capacity-optimized).")
 @click.option("--ami", default=None, help="AMI id instead of the public SSM parameter.")
 @click.option(
     "--drain-timeout",

@@ -26,9 +26,12 @@ from petctl.errors import (
 )
 from petctl.storage import Upload, parse_s3_url
 
-# NVIDIA GPU families: they get the Deep Learning AMI (nccl). Inferentia/Trainium/AMD need other images.
-GPU_FAMILIES = ("p2", "p3", "p4", "p5", "p6", "g3", "g4dn", "g5", "g6", "gr6")
-UNSUPPORTED_FAMILY = re.compile(r"^(a1|[a-z]+\d+g[a-z]*|g4ad|inf\d*|trn\d*|dl\d*)$")
+# NVIDIA GPU families the default image supports: the Deep Learning Base OSS Nvidia Driver AMI
+# (Amazon Linux 2023) lists G4dn, G5, G6, Gr6, G6e, G6f, G7, G7e, P4d/P4de, P5/P5e/P5en, P6.
+DLAMI_GPU_FAMILY = re.compile(r"^(g4dn|g5|g6|gr6|g6e|g6f|g7|g7e|p4d|p4de|p5|p5e|p5en|p6-b\d+)$")
+# Older NVIDIA families that image does not support (its drivers dropped Kepler/Maxwell/Volta).
+OLD_GPU_FAMILY = re.compile(r"^(p2|p3|p3dn|g3|g3s)$")
+UNSUPPORTED_FAMILY = re.compile(r"^(a1|[a-z]+\d+g[a-z]*|g4ad|inf\d*|trn\d*|dl\d*|p6e-.*)$")
 DEFAULT_INSTANCE_TYPE = "c6i.large"
 DEFAULT_RDZV_INSTANCE_TYPE = "t3.small"
 DEFAULT_DRAIN_TIMEOUT = 120
@@ -93,8 +96,24 @@ class Plan:
         }
 
 
+def family(instance_type: str) -> str:
+    return instance_type.split(".", 1)[0]
+
+
 def is_gpu(instance_type: str) -> bool:
-    return instance_type.split(".", 1)[0].startswith(GPU_FAMILIES)
+    """An NVIDIA GPU type (the first of a comma-separated list speaks for all of them)."""
+    first = family(instance_type.split(",", 1)[0])
+    return bool(DLAMI_GPU_FAMILY.match(first) or OLD_GPU_FAMILY.match(first))
+
+
+def instance_types(req: JobRequest) -> list[str]:
+    return [t.strip() for t in req.instance_type.split(",") if t.strip()]
+
+
+def sanitize_tag_value(value: str) -> str:
+    """A tag value AWS accepts everywhere (EC2, Auto Scaling, CloudFormation): letters, digits,
+    spaces and ``_.:/=+-@``, at most 128 characters (other characters become '-')."""
+    return (re.sub(r"[^\w .:/=+\-@]", "-", value, flags=re.ASCII).strip()[:128]) or "unknown"
 
 
 def default_job_name(target: str) -> str:
@@ -120,12 +139,37 @@ def validate_request(req: JobRequest) -> JobRequest:
             f"job name {req.name!r} is invalid: 2-40 characters, lower-case letters, digits and '-', "
             f"starting with a letter"
         )
-    if not INSTANCE_TYPE_RE.match(req.instance_type):
-        raise ConfigError(f"--instance-type {req.instance_type!r} is not an EC2 instance type like c6i.large")
-    if UNSUPPORTED_FAMILY.match(req.instance_type.split(".", 1)[0]) and req.ami is None:
+    types = instance_types(req)
+    if not types or len(types) > 20:
         raise ConfigError(
-            f"--instance-type {req.instance_type}: Graviton, Inferentia, Trainium and AMD GPU types need an "
-            f"image petctl does not pick for you; pass --ami, or use an x86 CPU or NVIDIA GPU type"
+            f"--instance-type {req.instance_type!r}: give 1 to 20 comma-separated instance types"
+        )
+    for t in types:
+        if not INSTANCE_TYPE_RE.match(t):
+            raise ConfigError(f"--instance-type {t!r} is not an EC2 instance type like c6i.large")
+        if len(types) > 1 and types.count(t) > 1:
+            raise ConfigError(f"--instance-type lists {t} twice")
+        if req.ami is None and UNSUPPORTED_FAMILY.match(family(t)):
+            raise ConfigError(
+                f"--instance-type {t}: Graviton, Inferentia, Trainium and AMD GPU types need an "
+                f"image petctl does not pick for you; pass --ami, or use an x86 CPU or NVIDIA GPU type"
+            )
+        if req.ami is None and OLD_GPU_FAMILY.match(family(t)):
+            raise ConfigError(
+                f"--instance-type {t}: the Deep Learning AMI does not support {family(t)}; use a G4dn, G5, "
+                f"G6, G6e, P4d, P5 or newer type, or pass --ami with an image that does"
+            )
+    if len({is_gpu(t) for t in types}) > 1:
+        raise ConfigError(
+            f"--instance-type {req.instance_type}: mixes GPU and CPU types, which need different images; "
+            f"list only one kind"
+        )
+    if not INSTANCE_TYPE_RE.match(req.rdzv_instance_type) or UNSUPPORTED_FAMILY.match(
+        family(req.rdzv_instance_type)
+    ):
+        raise ConfigError(
+            f"--rdzv-instance-type {req.rdzv_instance_type!r}: the rendezvous server runs the x86_64 "
+            f"Amazon Linux 2023 image; use an x86 type like t3.small"
         )
     if req.nproc_per_node != "auto" and not (req.nproc_per_node.isdigit() and int(req.nproc_per_node) >= 1):
         raise ConfigError(
@@ -227,11 +271,14 @@ def plan(ctx: Context, req: JobRequest, dist: Path | None = None) -> Plan:
         Upload(key=prefix + "job.json", data=json.dumps(spec, indent=2).encode(), description="job spec")
     )
     gpu = is_gpu(req.instance_type)
-    template = templates.render_job(gpu=gpu, spot=req.spot, ami_override=req.ami is not None)
+    types = instance_types(req)
+    template = templates.render_job(
+        gpu=gpu, spot=req.spot, ami_override=req.ami is not None, instance_types=len(types)
+    )
     values: dict[str, Any] = {
         "JobName": job,
-        "User": ctx.user,
-        "InstanceType": req.instance_type,
+        "User": sanitize_tag_value(ctx.user),
+        "InstanceType": types[0],
         "RdzvInstanceType": req.rdzv_instance_type,
         "MinSize": str(req.min_nodes),
         "MaxSize": str(req.max_nodes),
@@ -253,10 +300,12 @@ def plan(ctx: Context, req: JobRequest, dist: Path | None = None) -> Plan:
         # An AMI's root device name differs by distribution (/dev/xvda, /dev/sda1): the encrypted
         # root volume must be mapped onto it, not added as a second disk.
         values["RootDeviceName"] = req.root_device_name
+    if len(types) > 1:
+        values["InstanceTypes"] = ",".join(types)
     if req.spot:
         values["OnDemandBaseCapacity"] = str(req.min_nodes)
     parameters = templates.job_parameters(template=template, **values)
-    tags = {"petctl:job": job, "petctl:user": ctx.user, "petctl:profile": profile.name}
+    tags = {"petctl:job": job, "petctl:user": sanitize_tag_value(ctx.user), "petctl:profile": profile.name}
     return Plan(job, naming.job_stack(job), template, parameters, uploads, spec, tags, bucket)
 
 
@@ -336,6 +385,7 @@ def execute(ctx: Context, p: Plan, timeout: float = 1800) -> dict[str, Any]:
             ctx.ui.warn(f"could not remove s3://{p.bucket}/{prefix}: {cleanup_error}")
         raise
     out = result.outputs
+    suspend_az_rebalance(ctx, out.get("WorkerGroupName", naming.worker_group(p.job_name)))
     return {
         "job": p.job_name,
         "stack": p.stack_name,
@@ -347,6 +397,22 @@ def execute(ctx: Context, p: Plan, timeout: float = 1800) -> dict[str, Any]:
         "worker_group": out.get("WorkerGroupName", naming.worker_group(p.job_name)),
         "s3_prefix": f"s3://{p.bucket}/{prefix}",
     }
+
+
+def suspend_az_rebalance(ctx: Context, group: str) -> None:
+    """Keep Auto Scaling from terminating training nodes only to even out zones.
+
+    AZRebalance replaces instances to balance AZs, which costs a membership change each time;
+    CloudFormation has no property for suspended processes, so it is done once here.
+    """
+    try:
+        ctx.clients()("autoscaling").suspend_processes(
+            AutoScalingGroupName=group, ScalingProcesses=["AZRebalance"]
+        )
+    except Exception as e:  # noqa: BLE001 - the job runs either way
+        ctx.ui.warn(
+            f"could not suspend AZRebalance on {group} ({describe_client_error(e)}); it may move nodes"
+        )
 
 
 # -- observing and controlling -------------------------------------------------

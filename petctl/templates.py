@@ -133,7 +133,9 @@ def render_infra(*, az_count: int = 2, create_efs: bool = True, create_bucket: b
     return _render(INFRA_TEMPLATE, az_count=az_count, create_efs=create_efs, create_bucket=create_bucket)
 
 
-def render_job(*, gpu: bool = False, spot: bool = False, ami_override: bool = False) -> str:
+def render_job(
+    *, gpu: bool = False, spot: bool = False, ami_override: bool = False, instance_types: int = 1
+) -> str:
     """Render the job stack template (``petctl run_job``).
 
     Args:
@@ -141,6 +143,9 @@ def render_job(*, gpu: bool = False, spot: bool = False, ami_override: bool = Fa
         spot: a mixed instances policy (on-demand base = ``OnDemandBaseCapacity``, spot above it,
             capacity-optimized); adds the ``OnDemandBaseCapacity`` parameter.
         ami_override: ``ImageId`` is a plain AMI id (``--ami``) instead of an SSM public parameter.
+        instance_types: how many worker instance types the group may launch; above 1, a mixed
+            instances policy with one launch template override each, from the ``InstanceTypes``
+            parameter (a comma-separated list).
 
     Returns:
         The CloudFormation template as YAML text; see :func:`job_parameters` for its parameters.
@@ -148,11 +153,20 @@ def render_job(*, gpu: bool = False, spot: bool = False, ami_override: bool = Fa
     _check_bool("gpu", gpu)
     _check_bool("spot", spot)
     _check_bool("ami_override", ami_override)
+    if (
+        not isinstance(instance_types, int)
+        or isinstance(instance_types, bool)
+        or not 1 <= instance_types <= 20
+    ):
+        raise ValueError(
+            f"instance_types={instance_types!r}: use 1 to 20 (the Auto Scaling limit on overrides)"
+        )
     return _render(
         JOB_TEMPLATE,
         gpu=gpu,
         spot=spot,
         ami_override=ami_override,
+        instance_types=instance_types,
         cpu_ami_parameter=CPU_AMI_PARAMETER,
         gpu_ami_parameter=GPU_AMI_PARAMETER,
     )
@@ -289,8 +303,12 @@ def _job_parameter_names() -> tuple[frozenset[str], frozenset[str]]:
     """Known parameter names over every job template variant, and those required by all of them."""
     known: set[str] = set()
     required: set[str] | None = None
-    for gpu, spot, ami_override in itertools.product((False, True), repeat=3):
-        names, needed = template_parameters(render_job(gpu=gpu, spot=spot, ami_override=ami_override))
+    for gpu, spot, ami_override, types in itertools.product(
+        (False, True), (False, True), (False, True), (1, 2)
+    ):
+        names, needed = template_parameters(
+            render_job(gpu=gpu, spot=spot, ami_override=ami_override, instance_types=types)
+        )
         known |= names
         required = needed if required is None else required & needed
     return frozenset(known), frozenset(required or ())

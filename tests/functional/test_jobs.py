@@ -130,6 +130,34 @@ def test_run_job_pins_torch_and_budgets_in_the_spec(run, ready):
     assert plan["spec"]["drain_timeout"] == 90 and plan["parameters"]["DrainTimeout"] == "90"
 
 
+def test_instance_type_list_becomes_overrides_and_az_rebalance_is_suspended(run, ready):
+    r = run(
+        "run_job",
+        "--name",
+        "multi",
+        "--min",
+        "1",
+        "--max",
+        "3",
+        "--spot",
+        "--instance-type",
+        "c5.xlarge,c6i.xlarge,m5.xlarge",
+        str(ready),
+    )
+    assert r.exit_code == 0, r.output
+    group = boto3.client("autoscaling").describe_auto_scaling_groups(
+        AutoScalingGroupNames=["petctl-multi-workers"]
+    )["AutoScalingGroups"][0]
+    policy = group["MixedInstancesPolicy"]
+    assert [o["InstanceType"] for o in policy["LaunchTemplate"]["Overrides"]] == [
+        "c5.xlarge",
+        "c6i.xlarge",
+        "m5.xlarge",
+    ]
+    assert policy["InstancesDistribution"]["SpotAllocationStrategy"] == "price-capacity-optimized"
+    assert [p["ProcessName"] for p in group["SuspendedProcesses"]] == ["AZRebalance"]
+
+
 def test_run_job_directory_target(run, ready, tmp_path):
     code = tmp_path / "proj"
     (code / "pkg").mkdir(parents=True)

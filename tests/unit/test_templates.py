@@ -27,6 +27,9 @@ INFRA_VARIANTS = [
 JOB_VARIANTS = [
     {"gpu": gpu, "spot": spot, "ami_override": ami}
     for gpu, spot, ami in itertools.product((False, True), repeat=3)
+] + [
+    {"gpu": False, "spot": True, "ami_override": False, "instance_types": 3},
+    {"gpu": True, "spot": False, "ami_override": False, "instance_types": 2},
 ]
 FIVE_TAGS = ("petctl:job", "petctl:user", "petctl:role", "petctl:spec", "petctl:rdzv")
 
@@ -369,7 +372,7 @@ def test_groups_names_sizes_and_five_propagated_tags(flags):
         assert tags["petctl:rdzv"]["Value"] == {"Fn::GetAtt": ["RdzvEni", "PrimaryPrivateIpAddress"]}
 
 
-def test_spot_uses_a_capacity_optimized_mixed_policy():
+def test_spot_uses_a_price_capacity_optimized_mixed_policy():
     on_demand = job(spot=False)["Resources"]["WorkerGroup"]["Properties"]
     assert "MixedInstancesPolicy" not in on_demand
     assert on_demand["LaunchTemplate"]["LaunchTemplateId"] == {"Ref": "WorkerLaunchTemplate"}
@@ -380,13 +383,32 @@ def test_spot_uses_a_capacity_optimized_mixed_policy():
     assert policy["InstancesDistribution"] == {
         "OnDemandBaseCapacity": {"Ref": "OnDemandBaseCapacity"},
         "OnDemandPercentageAboveBaseCapacity": 0,
-        "SpotAllocationStrategy": "capacity-optimized",
+        "SpotAllocationStrategy": "price-capacity-optimized",
     }
     assert policy["LaunchTemplate"]["LaunchTemplateSpecification"]["LaunchTemplateId"] == {
         "Ref": "WorkerLaunchTemplate"
     }
     assert "OnDemandBaseCapacity" in t["Parameters"]
     assert "OnDemandBaseCapacity" not in job(spot=False)["Parameters"]
+
+
+@pytest.mark.parametrize("spot", [False, True])
+def test_several_instance_types_become_launch_template_overrides(spot):
+    t = templates.load_template(templates.render_job(spot=spot, instance_types=3))
+    policy = t["Resources"]["WorkerGroup"]["Properties"]["MixedInstancesPolicy"]
+    overrides = policy["LaunchTemplate"]["Overrides"]
+    assert overrides == [{"InstanceType": {"Fn::Select": [i, {"Ref": "InstanceTypes"}]}} for i in range(3)]
+    assert t["Parameters"]["InstanceTypes"]["Type"] == "CommaDelimitedList"
+    dist = policy["InstancesDistribution"]
+    if spot:
+        assert dist["SpotAllocationStrategy"] == "price-capacity-optimized"
+    else:  # on-demand only, in the order given
+        assert dist == {
+            "OnDemandPercentageAboveBaseCapacity": 100,
+            "OnDemandAllocationStrategy": "prioritized",
+        }
+    with pytest.raises(ValueError, match="use 1 to 20"):
+        templates.render_job(instance_types=21)
 
 
 @pytest.mark.parametrize("flags", JOB_VARIANTS, ids=_id)
@@ -611,6 +633,7 @@ def test_job_parameters_cover_every_required_template_parameter():
         names, required = templates.template_parameters(templates.render_job(**flags))
         extra = {"ImageId"} if flags["ami_override"] else set()
         extra |= {"OnDemandBaseCapacity"} if flags["spot"] else set()
+        extra |= {"InstanceTypes"} if flags.get("instance_types", 1) > 1 else set()
         assert required == set(JOB_VALUES) | extra
 
 

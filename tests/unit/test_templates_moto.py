@@ -214,7 +214,7 @@ def test_job_stack_from_base_outputs(aws, flags):
     if flags["spot"]:
         distribution = workers["MixedInstancesPolicy"]["InstancesDistribution"]
         assert distribution["OnDemandBaseCapacity"] == 2
-        assert distribution["SpotAllocationStrategy"] == "capacity-optimized"
+        assert distribution["SpotAllocationStrategy"] == "price-capacity-optimized"
     expected = {
         "petctl:job": "train-1",
         "petctl:user": "alice",
