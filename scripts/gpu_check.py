@@ -70,6 +70,8 @@ def step_forkserver(cuda: bool, tmp: Path) -> None:
         res.get("compiled") and res.get("nvml_device_count", 0) >= 1 and res.get("nvml_available")
     ):
         problems.append("NVML did not see the GPU")
+    if cuda and res.get("child_cuda_ok") is not True:
+        problems.append("the forked child did not use CUDA")
     record("forkserver", not problems, "; ".join(problems) or json.dumps(res), t0)
 
 
