@@ -58,9 +58,8 @@ def setup(
     vpc_cidr = check_cidr(vpc_cidr or profile.vpc_cidr or "10.0.0.0/16")
     clients.check_credentials()
     if efs_id:
-        _check_exists(
-            lambda: clients("efs").describe_file_systems(FileSystemId=efs_id), f"EFS file system {efs_id}"
-        )
+        _check_file_system(clients, efs_id, az_count, profile.vpc_id)
+    _check_az_count(clients, az_count)
     if bucket:
         _check_exists(lambda: clients("s3").head_bucket(Bucket=bucket), f"S3 bucket {bucket}")
 
@@ -113,6 +112,50 @@ def apply_outputs(profile: config.Profile, outputs: dict[str, str]) -> None:
             if attr == "subnet_ids":
                 value = [s for s in value.split(",") if s]
             setattr(profile, attr, value)
+
+
+def _check_file_system(clients: Any, efs_id: str, az_count: int, own_vpc: str | None) -> None:
+    """Refuse, before any change, a file system the base stack could not mount (AWS would fail
+    the stack half-way: ``MountTargetConflict``, or a One Zone file system outside its zone)."""
+    efs = clients("efs")
+    found: dict[str, Any] = {}
+
+    def describe() -> None:
+        found.update(efs.describe_file_systems(FileSystemId=efs_id)["FileSystems"][0])
+
+    _check_exists(describe, f"EFS file system {efs_id}")
+    zone = found.get("AvailabilityZoneName")
+    if zone and az_count > 1:
+        raise ConfigError(
+            f"EFS file system {efs_id} is One Zone ({zone}) and cannot serve --az-count {az_count}: "
+            f"use --az-count 1, or a Regional file system"
+        )
+    ec2 = clients("ec2")
+    vpcs = set()
+    for mt in efs.describe_mount_targets(FileSystemId=efs_id).get("MountTargets", []):
+        vpc = mt.get("VpcId") or ec2.describe_subnets(SubnetIds=[mt["SubnetId"]])["Subnets"][0]["VpcId"]
+        vpcs.add(vpc)
+    foreign = sorted(vpcs - {own_vpc})
+    if foreign:
+        raise ConfigError(
+            f"EFS file system {efs_id} has mount targets in {foreign[0]}, and a file system serves one VPC "
+            f"at a time (MountTargetConflict): record that VPC's resources with `petctl configure`, "
+            f"delete those mount targets, or use another file system"
+        )
+
+
+def _check_az_count(clients: Any, az_count: int) -> None:
+    zones = clients("ec2").describe_availability_zones(
+        Filters=[
+            {"Name": "state", "Values": ["available"]},
+            {"Name": "zone-type", "Values": ["availability-zone"]},
+        ]
+    )["AvailabilityZones"]
+    if az_count > len(zones):
+        raise ConfigError(
+            f"--az-count {az_count} is more than the {len(zones)} zones of {clients.region} "
+            f"({', '.join(sorted(z['ZoneName'] for z in zones))}); use --az-count {len(zones)} or fewer"
+        )
 
 
 def _check_exists(call: Any, what: str) -> None:

@@ -14,6 +14,9 @@
 3. **Log stream prefix**: moto's ``FilterLogEvents`` ignores ``logStreamNamePrefix`` and
    returns every stream of the group, so ``petctl logs J`` showed other jobs' lines. It is
    honoured as AWS does (and naming both ``logStreamNames`` and the prefix is refused).
+4. **EFS mount targets**: a file system has mount targets in one VPC at a time; AWS answers
+   ``MountTargetConflict`` for a second VPC, and refuses a mount target of a One Zone file
+   system outside its zone. moto allows both.
 """
 
 from __future__ import annotations
@@ -109,9 +112,47 @@ def _patch_log_stream_prefix() -> None:
     LogsResponse._petctl_prefix_patched = True  # type: ignore[attr-defined]
 
 
+def _patch_efs_mount_targets() -> None:
+    from moto.efs.exceptions import BadRequest, MountTargetConflict
+    from moto.efs.models import EFSBackend
+
+    if getattr(EFSBackend, "_petctl_mt_patched", False):
+        return
+    original = EFSBackend.create_mount_target
+
+    def create_mount_target(self: Any, file_system_id: str, subnet_id: str, *args: Any, **kwargs: Any) -> Any:
+        fs = self.file_systems_by_id.get(file_system_id)
+        try:
+            subnet = self.ec2_backend.get_subnet(subnet_id)
+        except Exception:  # noqa: BLE001 - moto's own error for a bad subnet
+            subnet = None
+        if fs is not None and subnet is not None:
+            vpcs = {
+                mt.subnet_vpc_id
+                for mt in self.mount_targets_by_id.values()
+                if mt.file_system_id == file_system_id
+            }
+            if vpcs and subnet.vpc_id not in vpcs:
+                raise MountTargetConflict(
+                    f"File system '{file_system_id}' already has mount targets in VPC {sorted(vpcs)[0]}; "
+                    f"all of a file system's mount targets must be in one VPC"
+                )
+            zone = getattr(fs, "availability_zone_name", None)
+            if zone and subnet.availability_zone != zone:
+                raise BadRequest(
+                    f"One Zone file system '{file_system_id}' lives in {zone}; subnet {subnet_id} is in "
+                    f"{subnet.availability_zone}"
+                )
+        return original(self, file_system_id, subnet_id, *args, **kwargs)
+
+    EFSBackend.create_mount_target = create_mount_target  # type: ignore[method-assign]
+    EFSBackend._petctl_mt_patched = True  # type: ignore[attr-defined]
+
+
 def apply() -> None:
     """Install the patches (idempotent)."""
     _patch_log_stream_prefix()
+    _patch_efs_mount_targets()
     from moto.autoscaling.exceptions import ValidationError
     from moto.autoscaling.responses import AutoScalingResponse
     from moto.core.responses import EmptyResult

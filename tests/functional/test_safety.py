@@ -252,3 +252,49 @@ def test_logs_of_one_job_never_show_another_jobs_lines(run, ready):
         logs.filter_log_events(
             logGroupName="/petctl/default", logStreamNames=["alpha/i-01"], logStreamNamePrefix="alpha/"
         )
+
+
+def _vpc_with_subnet(cidr: str = "10.9.0.0/16") -> tuple[str, str]:
+    ec2 = boto3.client("ec2")
+    vpc = ec2.create_vpc(CidrBlock=cidr)["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock=cidr.replace("/16", "/24"), AvailabilityZone="us-east-1a")
+    return vpc, subnet["Subnet"]["SubnetId"]
+
+
+def test_moto_refuses_mount_targets_in_two_vpcs_as_aws_does(aws):
+    efs = boto3.client("efs")
+    fs = efs.create_file_system(CreationToken="two-vpcs")["FileSystemId"]
+    _, subnet_a = _vpc_with_subnet("10.8.0.0/16")
+    _, subnet_b = _vpc_with_subnet("10.9.0.0/16")
+    efs.create_mount_target(FileSystemId=fs, SubnetId=subnet_a)
+    with pytest.raises(Exception, match="MountTargetConflict"):
+        efs.create_mount_target(FileSystemId=fs, SubnetId=subnet_b)
+
+
+def test_setup_refuses_a_file_system_mounted_in_another_vpc(run):
+    efs = boto3.client("efs")
+    fs = efs.create_file_system(CreationToken="elsewhere")["FileSystemId"]
+    vpc, subnet = _vpc_with_subnet()
+    efs.create_mount_target(FileSystemId=fs, SubnetId=subnet)
+    r = run("setup", "--efs-id", fs)
+    assert r.exit_code == 2, r.output
+    assert f"has mount targets in {vpc}" in r.stderr and "MountTargetConflict" in r.stderr
+    assert "petctl configure" in r.stderr and "another file system" in r.stderr
+    assert live_stacks() == []
+
+
+def test_setup_refuses_a_one_zone_file_system_across_zones(run):
+    fs = boto3.client("efs").create_file_system(CreationToken="onezone", AvailabilityZoneName="us-east-1a")[
+        "FileSystemId"
+    ]
+    r = run("setup", "--efs-id", fs, "--az-count", "2")
+    assert r.exit_code == 2 and "is One Zone (us-east-1a)" in r.stderr and "--az-count 1" in r.stderr
+    assert live_stacks() == []
+
+
+def test_setup_checks_az_count_against_the_regions_zones(run):
+    zones = boto3.client("ec2", region_name="eu-west-3").describe_availability_zones()["AvailabilityZones"]
+    assert len(zones) < 6
+    r = run("--profile", "paris", "--region", "eu-west-3", "setup", "--az-count", str(len(zones) + 1))
+    assert r.exit_code == 2 and f"more than the {len(zones)} zones of eu-west-3" in r.stderr
+    assert live_stacks() == []
