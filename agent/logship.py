@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -21,6 +22,30 @@ from typing import Any
 log = logging.getLogger("petctl_agent.logs")
 
 Sink = Callable[[str, str], None]  # (source label, line)
+
+# CloudWatch PutLogEvents limits (moto enforces none of them; the local cloud's patches do):
+MAX_BATCH_BYTES = 1_048_576  # sum of the messages' UTF-8 bytes + EVENT_OVERHEAD per event
+MAX_BATCH_EVENTS = 10_000
+MAX_EVENT_BYTES = 256 * 1024  # one event, overhead included
+EVENT_OVERHEAD = 26
+# A line end is \n, \r\n or a lone \r: progress bars redraw with \r and must not become one
+# ever-growing event.
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+def split_event(message: str, limit: int = MAX_EVENT_BYTES - EVENT_OVERHEAD) -> list[str]:
+    """``message`` in pieces of at most ``limit`` UTF-8 bytes, never cutting a character."""
+    data = message.encode("utf-8", errors="replace")
+    if len(data) <= limit:
+        return [message]
+    pieces, i = [], 0
+    while i < len(data):
+        j = min(i + limit, len(data))
+        while j < len(data) and j > i and (data[j] & 0xC0) == 0x80:  # inside a multi-byte character
+            j -= 1
+        pieces.append(data[i:j].decode("utf-8", errors="replace"))
+        i = j
+    return pieces
 
 
 class LogTailer:
@@ -86,9 +111,11 @@ class LogTailer:
                 chunk = f.read(st.st_size - off)
             data = self._partial.pop(path, b"") + chunk
             self._offsets[path] = (st.st_ino, off + len(chunk))
-            *lines, rest = data.split(b"\n")
-            if rest:
-                self._partial[path] = rest
+            # A trailing \r may be the first half of \r\n: decide when the next bytes come.
+            held = b"\r" if data.endswith(b"\r") else b""
+            *lines, rest = _LINE_END.split(data[: len(data) - len(held)])
+            if rest or held:
+                self._partial[path] = rest + held
             label = f"{path.parent.parent.name}/rank{path.parent.name}/{path.stem.replace('std', '')}"
             for raw in lines:
                 line = raw.decode(errors="replace")
@@ -113,8 +140,11 @@ def stdout_sink(prefix: str) -> Sink:
 class CloudWatchShipper:
     """Batches lines to CloudWatch Logs (``put_log_events``) from a daemon thread.
 
-    Tolerant: any error is logged (rate-limited) and the batch dropped; the queue
-    is bounded so a dead endpoint never grows memory without limit.
+    Every batch keeps PutLogEvents' limits (bytes, events, event size; lines longer than an
+    event are split). Tolerant: any error is logged (rate-limited) and the batch dropped; the
+    queue is bounded so a dead endpoint never grows memory without limit on a days-long run.
+    (watchtower was considered: its queue is unbounded, it truncates long lines instead of
+    splitting them, and it keeps no count of what it dropped.)
     """
 
     def __init__(
@@ -132,6 +162,7 @@ class CloudWatchShipper:
         self._q: queue.Queue[tuple[int, str]] = queue.Queue(maxsize=max_queue)
         self._stop = threading.Event()
         self._stream_ready = False
+        self._pending: tuple[int, str] | None = None  # did not fit the last batch
         self._last_err = 0.0
         self.dropped = 0
         self._thread = threading.Thread(target=self._run, name="petctl-cwlogs", daemon=True)
@@ -140,10 +171,14 @@ class CloudWatchShipper:
         self._thread.start()
 
     def sink(self, label: str, line: str) -> None:
-        try:
-            self._q.put_nowait((int(time.time() * 1000), f"[{label}] {line}"))
-        except queue.Full:
-            self.dropped += 1
+        if not line:
+            return  # CloudWatch refuses empty messages
+        now = int(time.time() * 1000)
+        for piece in split_event(f"[{label}] {line}"):
+            try:
+                self._q.put_nowait((now, piece))
+            except queue.Full:
+                self.dropped += 1
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -155,15 +190,32 @@ class CloudWatchShipper:
         self._thread.join(timeout=5)
         self.flush()
 
-    def flush(self) -> None:
+    def _next_batch(self) -> list[tuple[int, str]]:
+        """Queued events up to PutLogEvents' count and byte limits (the rest wait for the next)."""
         batch: list[tuple[int, str]] = []
-        while len(batch) < 5000:
+        size = 0
+        while len(batch) < MAX_BATCH_EVENTS:
             try:
-                batch.append(self._q.get_nowait())
+                item = self._pending or self._q.get_nowait()
             except queue.Empty:
                 break
-        if not batch:
-            return
+            self._pending = None
+            cost = len(item[1].encode("utf-8", errors="replace")) + EVENT_OVERHEAD
+            if batch and size + cost > MAX_BATCH_BYTES:
+                self._pending = item
+                break
+            batch.append(item)
+            size += cost
+        batch.sort(key=lambda e: e[0])  # a batch must be in time order (clocks can step back)
+        return batch
+
+    def flush(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if not batch or not self._send(batch):
+                return
+
+    def _send(self, batch: list[tuple[int, str]]) -> bool:
         try:
             if self._client is None:
                 self._client = self._factory()
@@ -178,8 +230,10 @@ class CloudWatchShipper:
                 logStreamName=self.stream,
                 logEvents=[{"timestamp": t, "message": m} for t, m in batch],
             )
+            return True
         except Exception as e:  # noqa: BLE001 - log shipping is best effort
             self.dropped += len(batch)
             if time.monotonic() - self._last_err > 30:
                 log.warning("CloudWatch Logs shipping failed (%d lines dropped so far): %s", self.dropped, e)
                 self._last_err = time.monotonic()
+            return False

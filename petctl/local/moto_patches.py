@@ -14,6 +14,9 @@
 3. **Log stream prefix**: moto's ``FilterLogEvents`` ignores ``logStreamNamePrefix`` and
    returns every stream of the group, so ``petctl logs J`` showed other jobs' lines. It is
    honoured as AWS does (and naming both ``logStreamNames`` and the prefix is refused).
+5. **PutLogEvents limits**: at most 10,000 events and 1,048,576 bytes a batch (messages'
+   UTF-8 bytes plus 26 per event), 256 KB an event, non-empty messages. AWS refuses the
+   call; moto accepts anything.
 4. **EFS mount targets**: a file system has mount targets in one VPC at a time; AWS answers
    ``MountTargetConflict`` for a second VPC, and refuses a mount target of a One Zone file
    system outside its zone. moto allows both.
@@ -149,8 +152,34 @@ def _patch_efs_mount_targets() -> None:
     EFSBackend._petctl_mt_patched = True  # type: ignore[attr-defined]
 
 
+def _patch_put_log_events_limits() -> None:
+    from moto.logs.exceptions import InvalidParameterException
+    from moto.logs.responses import LogsResponse
+
+    if getattr(LogsResponse, "_petctl_limits_patched", False):
+        return
+    original = LogsResponse.put_log_events
+
+    def put_log_events(self: Any) -> str:
+        events = self._get_param("logEvents") or []
+        if len(events) > 10_000:
+            raise InvalidParameterException(f"Too many log events in the batch: {len(events)} (max 10000)")
+        sizes = [len((e.get("message") or "").encode("utf-8")) + 26 for e in events]
+        if any(size > 256 * 1024 for size in sizes):
+            raise InvalidParameterException("Log event too large: the maximum is 262144 bytes")
+        if any(not e.get("message") for e in events):
+            raise InvalidParameterException("Log event message must not be empty")
+        if sum(sizes) > 1_048_576:
+            raise InvalidParameterException(f"Upload too large: {sum(sizes)} bytes exceeds 1048576 bytes")
+        return original(self)
+
+    LogsResponse.put_log_events = put_log_events  # type: ignore[method-assign]
+    LogsResponse._petctl_limits_patched = True  # type: ignore[attr-defined]
+
+
 def apply() -> None:
     """Install the patches (idempotent)."""
+    _patch_put_log_events_limits()
     _patch_log_stream_prefix()
     _patch_efs_mount_targets()
     from moto.autoscaling.exceptions import ValidationError

@@ -19,6 +19,9 @@ moto_server = pytest.importorskip("moto.server")
 
 @pytest.fixture
 def moto_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    from petctl.local import moto_patches
+
+    moto_patches.apply()  # PutLogEvents' limits, enforced as AWS does
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
@@ -87,3 +90,40 @@ def test_shipper_tolerates_a_missing_log_group(moto_endpoint: str) -> None:
     shipper.sink("x", "line")
     shipper.flush()  # logs a warning, does not raise
     assert shipper.dropped == 1
+
+
+def test_shipper_keeps_put_log_events_limits(moto_endpoint: str) -> None:
+    """12,000 lines (~2.4 MB) and one 600 KB line: every batch fits AWS's limits, nothing is lost."""
+    from petctl_agent.logship import MAX_EVENT_BYTES
+
+    logs = _boto3_client("logs")
+    logs.create_log_group(logGroupName="/petctl/big")
+    # the patched moto refuses what AWS refuses
+    logs.create_log_stream(logGroupName="/petctl/big", logStreamName="probe")
+    with pytest.raises(logs.exceptions.InvalidParameterException):
+        logs.put_log_events(
+            logGroupName="/petctl/big",
+            logStreamName="probe",
+            logEvents=[{"timestamp": 1, "message": "x" * 200} for _ in range(10_001)],
+        )
+    shipper = CloudWatchShipper("/petctl/big", "job/i-0big", lambda: _boto3_client("logs"))
+    for i in range(12_000):
+        shipper.sink("attempt_0/rank0/out", f"step={i} " + "x" * 200)
+    shipper.sink("attempt_0/rank0/out", "é" * 300_000)  # 600 KB of two-byte characters
+    shipper.flush()
+    assert shipper.dropped == 0
+    events, token = [], None
+    while True:
+        kw = {"nextToken": token} if token else {}
+        page = logs.get_log_events(
+            logGroupName="/petctl/big", logStreamName="job/i-0big", startFromHead=True, **kw
+        )
+        if not page["events"]:
+            break
+        events += page["events"]
+        token = page["nextForwardToken"]
+    steps = [e for e in events if "step=" in e["message"]]
+    assert len(steps) == 12_000
+    long_pieces = [e["message"] for e in events if "é" in e["message"]]
+    assert len(long_pieces) == 3 and "".join(long_pieces).count("é") == 300_000
+    assert all(len(m.encode()) + 26 <= MAX_EVENT_BYTES for m in long_pieces)
