@@ -195,3 +195,26 @@ def test_lifecycle_completion_and_scale_to_zero_are_tolerant(monkeypatch: pytest
     a.complete_lifecycle_action()
     a.scale_groups_to_zero()  # second group's call fails: logged only
     stub.assert_no_pending_responses()
+
+
+def test_log_tailer_ends_lines_at_carriage_returns(tmp_path: Path) -> None:
+    """A progress bar redraws with \r: each redraw is a line, never one ever-growing event."""
+    got: list[str] = []
+    f = tmp_path / "run" / "attempt_0" / "0" / "stderr.log"
+    f.parent.mkdir(parents=True)
+    f.write_bytes(b"10%|#  \r20%|## \r30%|###\r")
+    t = LogTailer(tmp_path, [lambda label, line: got.append(line)])
+    t.poll()
+    assert got == ["10%|#  ", "20%|## "]  # the last \r may still be the start of \r\n
+    with open(f, "ab") as fh:
+        fh.write(b"\ndone\r\nnext")
+    t.poll()
+    assert got == ["10%|#  ", "20%|## ", "30%|###", "done"]
+
+
+def test_split_event_never_cuts_a_character() -> None:
+    from petctl_agent.logship import split_event
+
+    assert split_event("short") == ["short"]
+    pieces = split_event("aé" * 10, limit=5)
+    assert "".join(pieces) == "aé" * 10 and all(len(p.encode()) <= 5 for p in pieces)
