@@ -8,11 +8,57 @@ with the ``forkserver`` start method and a forkserver that has already imported
 torch; each worker is a fork of it that runs the script with ``runpy`` as
 ``__main__``, with ``sys.argv`` and ``sys.path[0]`` as ``python script.py args``
 would set them.
+
+Process groups outlive ``destroy_process_group`` (the exit hang)
+-----------------------------------------------------------------
+PyTorch's DDP tutorial scripts end ``main()`` with ``destroy_process_group()``
+while the ``Trainer`` that holds the DDP model is still a local of ``main``.
+That call drops ``_world``'s reference, so the DDP ``Reducer`` holds the last
+one; when ``main`` returns, the Reducer is freed by a pybind11 dealloc that
+keeps the GIL, and ``~Reducer -> ~ProcessGroup -> ~ProcessGroupGloo`` joins
+the gloo worker threads *with the GIL held*. A gloo thread that is still
+dropping the last reference to the step's final allreduce ``AsyncWork`` must
+take the GIL: the work captured the caller's ``at::ThreadLocalState``, which
+holds the ``contextvars`` context that ``torch.autograd.graph._engine_run_backward``
+stashes in TLS (``_stash_obj_in_tls("context", ...)``) as a ``SafePyObject``,
+whose destructor acquires the GIL. Deadlock (py-spy: main thread
+``std::thread::join <- ~ProcessGroupGloo <- ~Reducer <- pybind11_object_dealloc``
+at the script's ``main(...)`` line; gloo thread ``gil_scoped_acquire <-
+ConcretePyInterpreterVTable::decref <- ~ThreadLocalState <- ~AsyncWork <- runLoop``).
+
+The race is torch's, but here only the forkserver hits it. Measured with 2 ranks on
+gloo, each run bounded by a timeout (tests/agent/test_forkserver_exit.py; the
+agent's ``start_processes`` path): before this fix the ``tutorial`` script hung in
+11 of 20 forkserver restarts, a loop of the same pattern in 6 of 20 (and the
+DDP tutorial-series script in 4 of 25); the same harness with ``spawn`` (fresh
+interpreters) 0 of 27, a forkserver that preloads only ``torch`` 0 of 20, and
+one that preloads ``torch`` + ``torch._dynamo`` 6 of 20 -- the preloaded
+``torch._dynamo`` widens the window in which the gloo thread still owns the work.
+
+A script that ends *without* ``destroy_process_group`` never runs ``~ProcessGroupGloo`` here at all: the
+forkserver child leaves with ``os._exit`` after torch's return-value handoff,
+so ``_world`` keeps every group alive (0 of 45); a fresh interpreter destroys
+the groups during finalization, when a thread that asks for the GIL is made to
+exit instead of waiting.
+
+The fix makes a forkserver worker behave like that: ``run_script`` wraps
+``torch.distributed.destroy_process_group`` so that the groups it destroys are
+also kept referenced by this module. ``destroy_process_group`` still shuts
+them down and forgets them (``is_initialized()`` is False, a new
+``init_process_group`` works), but no Python dealloc inside the script can be
+the last owner of a gloo backend, so its destructor -- the only place that
+joins the gloo threads -- never runs with the GIL held. The worker process then
+exits through the forkserver's ``os._exit`` without destructing them (as
+before), which is what a fresh interpreter's finalization amounts to. The
+cost: a script that destroys and re-creates groups many times keeps each old
+group's idle threads and sockets until it exits. Set
+``PETCTL_AGENT_NO_PG_KEEPALIVE=1`` to switch this off.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import runpy
 import signal
@@ -27,12 +73,48 @@ PRELOAD = [
     "petctl_agent.worker",
 ]
 
+# process groups passed to destroy_process_group(); never released (see above)
+_KEPT_GROUPS: list[object] = []
+
+
+def keep_destroyed_groups_alive() -> bool:
+    """Make ``torch.distributed.destroy_process_group`` keep a reference to every
+    group it destroys (idempotent). Returns whether the wrapper is installed."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+    except Exception:  # noqa: BLE001 - torch without distributed: nothing to do
+        return False
+    real = c10d.destroy_process_group
+    if getattr(real, "_petctl_keeps_groups", False):
+        return True
+
+    @functools.wraps(real)
+    def destroy_process_group(group=None):  # noqa: ANN001, ANN202 - torch's signature
+        try:
+            if group is None or group == c10d.GroupMember.WORLD:
+                # WORLD destroys every group; pg_map is where torch lists them
+                world = getattr(c10d, "_world", None)
+                _KEPT_GROUPS.extend(getattr(world, "pg_map", None) or [c10d.GroupMember.WORLD])
+            elif group != c10d.GroupMember.NON_GROUP_MEMBER:
+                _KEPT_GROUPS.append(group)
+        except Exception:  # noqa: BLE001 - never change what destroy_process_group does
+            pass
+        return real(group)
+
+    destroy_process_group._petctl_keeps_groups = True  # type: ignore[attr-defined]
+    c10d.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = destroy_process_group
+    return True
+
 
 def run_script(script: str, *args: str) -> None:
     """Entry point torch calls in each worker (must be importable/picklable)."""
     if os.environ.get("PETCTL_AGENT_NO_PDEATHSIG", "") != "1":
         # parent = the forkserver, which exits when the agent dies
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+    if os.environ.get("PETCTL_AGENT_NO_PG_KEEPALIVE", "") != "1":
+        keep_destroyed_groups_alive()
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
