@@ -9,20 +9,70 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import click
 
 from petctl import __version__, config
+from petctl import ui as ui_mod
 from petctl.context import Context
 from petctl.errors import ConfigError, Interrupted, PetctlError
-from petctl.ui import UI, table
+from petctl.ui import UI, AliasGroup, table
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
-class PetctlGroup(click.Group):
-    """A group that accepts dash aliases (``run-job``) and turns surprises into one-line errors."""
+#: Global options also accepted after the command, as aws-cli does (``petctl jobs -o json``):
+#: name -> takes a value.
+GLOBAL_OPTIONS = {
+    "--profile": True,
+    "--region": True,
+    "--output": True,
+    "-o": True,
+    "--local": False,
+    "--debug": False,
+    "--no-color": False,
+}
+
+
+def hoist_global_options(args: list[str], command_options: Callable[[str], set[str]]) -> list[str]:
+    """Move global options written after the command name to before it.
+
+    Stops at ``--`` (the training script's own arguments follow it) and leaves alone an option
+    the command itself defines (``configure --region``).
+    """
+    i = 0
+    while i < len(args) and args[i].startswith("-") and args[i] != "--":
+        i += 2 if GLOBAL_OPTIONS.get(args[i]) else 1
+    if i >= len(args) or args[i] == "--":
+        return args
+    head, name, tail = args[:i], args[i], args[i + 1 :]
+    own = command_options(name)
+    moved: list[str] = []
+    rest: list[str] = []
+    j = 0
+    while j < len(tail):
+        a = tail[j]
+        if a == "--":
+            rest += tail[j:]
+            break
+        key = a.split("=", 1)[0]
+        if key in GLOBAL_OPTIONS and key not in own:
+            if GLOBAL_OPTIONS[key] and "=" not in a and j + 1 < len(tail):
+                moved += tail[j : j + 2]
+                j += 2
+                continue
+            moved.append(a)
+        else:
+            rest.append(a)
+        j += 1
+    return head + moved + [name] + rest
+
+
+class PetctlGroup(AliasGroup):
+    """The top-level group: dash command names with underscore aliases (``AliasGroup``), global
+    options after the command, lazy subgroups, and surprises turned into one-line errors."""
 
     # Subgroups imported only when used, so `petctl --help` stays light: name -> short help.
     LAZY = {"local": "The embedded local cloud: start, stop, faults, demo."}
@@ -36,7 +86,14 @@ class PetctlGroup(click.Group):
 
             local_group.add_command(demo_cmd)
             self.add_command(local_group)
-        return super().get_command(ctx, cmd_name) or super().get_command(ctx, cmd_name.replace("-", "_"))
+        return super().get_command(ctx, cmd_name)
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        def own_options(name: str) -> set[str]:
+            command = self.commands.get(name) or self.commands.get(name.replace("_", "-"))
+            return {o for p in (command.params if command else []) for o in getattr(p, "opts", [])}
+
+        return super().parse_args(ctx, hoist_global_options(list(args), own_options))
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows = []
@@ -52,10 +109,6 @@ class PetctlGroup(click.Group):
         if rows:
             with formatter.section("Commands"):
                 formatter.write_dl(rows)
-
-    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
-        name, cmd, rest = super().resolve_command(ctx, args)
-        return (cmd.name if cmd else name), cmd, rest
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -114,27 +167,40 @@ PROFILE_MAKERS = {"setup", "configure", "profiles", "local", "demo"}
     show_default=True,
     help="Result format.",
 )
-@click.option("--debug", is_flag=True, help="Show tracebacks and debug output.")
+@click.option("--debug", is_flag=True, help="Show tracebacks and log every AWS call made.")
+@click.option("--no-color", is_flag=True, help="No colour in the output (also: NO_COLOR set).")
 @click.version_option(__version__, prog_name="petctl")
 @click.pass_context
 def cli(
-    ctx: click.Context, profile: str | None, region: str | None, local: bool, output: str, debug: bool
+    ctx: click.Context,
+    profile: str | None,
+    region: str | None,
+    local: bool,
+    output: str,
+    debug: bool,
+    no_color: bool,
 ) -> None:
     """Elastic PyTorch training on AWS (or on this machine with --local).
 
     \b
       petctl setup                                 # base infrastructure, once
-      petctl run_job --min 2 --max 8 train.py -- --epochs 10
+      petctl run-job --min 2 --max 8 train.py -- --epochs 10
       petctl scale JOB --size 6
       petctl status JOB
-      petctl kill_job JOB
+      petctl kill-job JOB
       petctl teardown
+
+    Global options may also follow the command (petctl jobs -o json). The
+    underscore names of the original petctl (run_job, kill_job, list_hosts) work too.
     """
     if profile is not None:
         config.validate_profile_name(profile)
     obj = Context(profile_flag=profile, region_flag=region, local=local, ui=UI(output=output, debug=debug))
     obj.profile_must_exist = ctx.invoked_subcommand not in PROFILE_MAKERS
     ctx.obj = obj
+    ui_mod.set_prog(local=local, profile=profile)
+    if no_color or os.environ.get("NO_COLOR"):  # https://no-color.org: any non-empty value
+        ctx.color = False
 
 
 # -- base infrastructure ------------------------------------------------------
@@ -182,7 +248,7 @@ def setup(
         lines = [f"base stack {r['stack']} {r['action']} ({r['status']}) in {r['region']}"]
         lines += [f"  {k}: {v}" for k, v in sorted(r["outputs"].items())]
         lines.append(f"profile {r['profile']!r} saved to {r['profile_path']}")
-        lines.append("next: petctl run_job --min 1 --max 2 train.py")
+        lines.append(f"next: {ui_mod.cmd('run-job --min 1 --max 2 train.py')}")
         return "\n".join(lines)
 
     obj.ui.result(result, text)
@@ -282,7 +348,39 @@ def configure(obj: Context, region_opt: str | None, show: bool, **values: Any) -
 # -- jobs -----------------------------------------------------------------------
 
 
-@cli.command("run_job")
+class RunJobCommand(click.Command):
+    """``run-job [OPTIONS] TARGET -- [SCRIPT ARGS]``: everything after ``--`` belongs to the
+    training script, so an option of the script can never be taken for one of petctl's."""
+
+    def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
+        return super().collect_usage_pieces(ctx) + ["[-- ARGS...]"]
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        script_args: list[str] = []
+        if "--" in args:
+            cut = args.index("--")
+            args, script_args = args[:cut], args[cut + 1 :]
+        try:
+            rest = super().parse_args(ctx, args)
+        except click.NoSuchOption as e:
+            raise click.UsageError(
+                f"{e.format_message().rstrip('.')}; the training script's arguments go after --: "
+                f"{ui_mod.cmd('run-job [OPTIONS] TARGET -- ' + e.option_name + ' ...')}",
+                ctx,
+            ) from None
+        except click.UsageError as e:
+            if "unexpected extra argument" not in e.format_message():
+                raise
+            raise click.UsageError(
+                f"{e.format_message().rstrip('.')}; the training script's arguments go after --: "
+                f"{ui_mod.cmd('run-job [OPTIONS] TARGET -- ARGS...')}",
+                ctx,
+            ) from None
+        ctx.params["args"] = tuple(script_args)
+        return rest
+
+
+@cli.command("run-job", cls=RunJobCommand)
 @click.option("--name", default=None, help="Job name [default: script name + short suffix].")
 @click.option("--min", "min_nodes", type=int, required=True, help="Minimum number of nodes.")
 @click.option("--max", "max_nodes", type=int, required=True, help="Maximum number of nodes.")
@@ -337,7 +435,6 @@ def configure(obj: Context, region_opt: str | None, show: bool, **values: Any) -
 )
 @click.option("--timeout", default=1800, show_default=True, help="Seconds to wait for the job stack.")
 @click.argument("target")
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @pass_ctx
 def run_job(
     obj: Context,
@@ -348,7 +445,19 @@ def run_job(
     env: tuple[str, ...],
     **opts: Any,
 ) -> None:
-    """Start an elastic job running TARGET (script, directory, or s3:// URL) [-- ARGS...]."""
+    """Start an elastic job running TARGET [-- ARGS...].
+
+    \b
+    TARGET is one of:
+      train.py            a script: uploaded, run on every node as `python train.py ARGS`
+      ./project -- pkg/main.py --lr 0.1
+                          a directory: uploaded as a tar; the first argument after --
+                          is the script inside it, the rest are its arguments
+      s3://bucket/petctl/code/train.py
+                          a script already in S3 (must exist)
+
+    Everything after -- goes to the training script unchanged.
+    """
     from petctl import jobs, storage
 
     env_map = {}
@@ -379,9 +488,9 @@ def run_job(
                 f"job {r['job']} started: {r['size']} x {r['instance_type']} (min {r['min']}, max {r['max']})",
                 f"  rendezvous: {r['rendezvous_endpoint']}",
                 f"  code and status: {r['s3_prefix']}",
-                f"  watch it:  petctl status {r['job']}   |   petctl logs {r['job']} --follow",
-                f"  scale it:  petctl scale {r['job']} --size N",
-                f"  stop it:   petctl kill_job {r['job']}",
+                f"  watch it:  {ui_mod.cmd('status ' + r['job'])}   |   {ui_mod.cmd('logs ' + r['job'] + ' --follow')}",
+                f"  scale it:  {ui_mod.cmd('scale ' + r['job'] + ' --size N')}",
+                f"  stop it:   {ui_mod.cmd('kill-job ' + r['job'])}",
             ]
         )
 
@@ -456,7 +565,7 @@ def _status_text(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-@cli.command("list_hosts")
+@cli.command("list-hosts")
 @click.argument("job")
 @pass_ctx
 def list_hosts(obj: Context, job: str) -> None:
@@ -493,7 +602,9 @@ def logs(obj: Context, job: str, follow: bool, since: str | None, instance: str 
     client = obj.clients()("logs")
     # A killed job's lines stay readable; a job that never was is an error, like `status`.
     if jobs_mod.find_job(obj, job) is None and not logs_mod.has_streams(client, group, job):
-        raise NotFound(f"job {job!r} not found in profile {obj.profile_name!r}; `petctl jobs` lists the jobs")
+        raise NotFound(
+            f"job {job!r} not found in profile {obj.profile_name!r}; `{ui_mod.cmd('jobs')}` lists the jobs"
+        )
     printed = 0
     try:
         for ev in logs_mod.iter_events(
@@ -535,7 +646,7 @@ def jobs(obj: Context) -> None:
     )
 
 
-@cli.command("kill_job")
+@cli.command("kill-job")
 @click.argument("job")
 @_yes_option
 @click.option("--timeout", default=1800, show_default=True, help="Seconds to wait for the deletion.")

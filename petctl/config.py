@@ -22,6 +22,7 @@ from typing import Any
 
 from petctl import naming
 from petctl.errors import ConfigError
+from petctl.ui import cmd
 
 DEFAULT_PROFILE = "default"
 LOCAL_PROFILE = "local"
@@ -108,7 +109,7 @@ class Profile:
         if missing:
             raise ConfigError(
                 f"profile {self.name!r} is not set up (missing: {', '.join(missing)}); "
-                f"run `petctl setup` or `petctl configure` first"
+                f"run `{cmd('setup')}` or `{cmd('configure')}` first"
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -136,8 +137,7 @@ def load_profile(name: str, must_exist: bool = False) -> Profile:
         if must_exist:
             known = ", ".join(list_profiles()) or "none"
             raise ConfigError(
-                f"unknown profile {name!r} (known: {known}); run `petctl --profile {name} setup` "
-                f"or `petctl --profile {name} configure`"
+                f"unknown profile {name!r} (known: {known}); run `{cmd('setup')}` or `{cmd('configure')}`"
             )
         return Profile(name=name)
     try:

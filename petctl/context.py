@@ -93,5 +93,10 @@ class Context:
             p = self.profile
             # The local cloud never uses a named AWS profile: only its fake credentials.
             aws_profile = None if self.local else (p.aws_profile or p.name)
-            self._clients = Clients(self.region, aws_profile=aws_profile, endpoint_url=p.endpoint_url)
+            self._clients = Clients(
+                self.region,
+                aws_profile=aws_profile,
+                endpoint_url=p.endpoint_url,
+                debug=self.ui.debug if self.ui.debug_enabled else None,
+            )
         return self._clients

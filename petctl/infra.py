@@ -9,6 +9,7 @@ from petctl import config, naming
 from petctl.aws import ClientError
 from petctl.context import Context
 from petctl.errors import AwsError, ConfigError, PetctlError, describe_client_error
+from petctl.ui import cmd
 
 # Base stack output → profile field.
 OUTPUT_FIELDS = {
@@ -67,7 +68,7 @@ def setup(
     if kept and not efs_id:
         ctx.ui.warn(
             f"EFS file system {kept[-1]}, kept by the last teardown, still holds this profile's "
-            f"checkpoints; to train on from them, run `petctl setup --efs-id {kept[-1]}`"
+            f"checkpoints; to train on from them, run `{cmd('setup --efs-id ' + kept[-1])}`"
         )
     name = naming.base_stack(ctx.profile_name)
     template = templates.render_infra(az_count=az_count, create_efs=not efs_id, create_bucket=not bucket)
@@ -139,7 +140,7 @@ def _check_file_system(clients: Any, efs_id: str, az_count: int, own_vpc: str | 
     if foreign:
         raise ConfigError(
             f"EFS file system {efs_id} has mount targets in {foreign[0]}, and a file system serves one VPC "
-            f"at a time (MountTargetConflict): record that VPC's resources with `petctl configure`, "
+            f"at a time (MountTargetConflict): record that VPC's resources with `{cmd('configure')}`, "
             f"delete those mount targets, or use another file system"
         )
 
@@ -212,7 +213,7 @@ class TeardownPlan:
         why = why or "pass --delete-data to delete it"
         return (
             f"kept: EFS file system {', '.join(keep)} with your checkpoints ({why}); reuse it with "
-            f"`petctl setup --efs-id {keep[0]}`"
+            f"`{cmd('setup --efs-id ' + keep[0])}`"
         )
 
 
@@ -229,7 +230,7 @@ def plan_teardown(ctx: Context, *, force: bool = False, delete_data: bool = Fals
     if live_jobs and not force:
         raise PetctlError(
             f"profile {profile.name!r} still has jobs ({', '.join(live_jobs)}); kill them with "
-            f"`petctl kill_job` or pass --force to delete them first"
+            f"`{cmd('kill-job')}` or pass --force to delete them first"
         )
     name = profile.stack_name or naming.base_stack(ctx.profile_name)
     stack = stacks.describe(name)

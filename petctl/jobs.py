@@ -25,6 +25,7 @@ from petctl.errors import (
     describe_client_error,
 )
 from petctl.storage import Upload, parse_s3_url
+from petctl.ui import cmd
 
 # NVIDIA GPU families the default image supports: the Deep Learning Base OSS Nvidia Driver AMI
 # (Amazon Linux 2023) lists G4dn, G5, G6, Gr6, G6e, G6f, G7, G7e, P4d/P4de, P5/P5e/P5en, P6.
@@ -334,13 +335,13 @@ def check_code_url(ctx: Context, req: JobRequest) -> None:
         code = describe_client_error(e)
         if code.startswith(("404", "NoSuchKey", "NoSuchBucket", "NotFound")):
             raise ConfigError(
-                f"{req.target} does not exist; upload it first (`petctl upload FILE {req.target}`)"
+                f"{req.target} does not exist; upload it first (`{cmd('upload FILE ' + req.target)}`)"
             ) from None
         ctx.ui.warn(f"could not check {req.target} ({code}); the instances may not be able to read it")
     if bucket != ctx.profile.bucket or not key.startswith("petctl/"):
         ctx.ui.warn(
             f"{req.target} is outside s3://{ctx.profile.bucket}/petctl/, which is all the worker role may "
-            f"read; copy it there (`petctl upload`) or grant the worker role access"
+            f"read; copy it there (`{cmd('upload')}`) or grant the worker role access"
         )
 
 
@@ -355,7 +356,7 @@ def execute(ctx: Context, p: Plan, timeout: float = 1800) -> dict[str, Any]:
     stacks = Stacks(clients("cloudformation"), ctx.ui)
     if stacks.describe(p.stack_name) is not None:
         raise PetctlError(
-            f"job {p.job_name!r} already exists; pick another --name or `petctl kill_job {p.job_name}`"
+            f"job {p.job_name!r} already exists; pick another --name or `{cmd('kill-job ' + p.job_name)}`"
         )
     prefix = naming.job_prefix(p.job_name)
     # A reused job name must not inherit the previous run's reports (kill_job keeps the prefix).
@@ -374,8 +375,8 @@ def execute(ctx: Context, p: Plan, timeout: float = 1800) -> dict[str, Any]:
         # them), and say how to follow or remove it. Deleting only the uploads would leave
         # instances booting with nothing to run.
         raise StackWaitTimeout(
-            f"{e}; the job stack and its uploads are kept: watch it with `petctl status {p.job_name}`, "
-            f"or remove it with `petctl kill_job {p.job_name}`"
+            f"{e}; the job stack and its uploads are kept: watch it with `{cmd('status ' + p.job_name)}`, "
+            f"or remove it with `{cmd('kill-job ' + p.job_name)}`"
         ) from e
     except BaseException:
         # Nothing half-made: the stack is already deleted by deploy(); remove the uploads too.
@@ -436,7 +437,7 @@ def _stacks(ctx: Context) -> Any:
 
 def _check_job_name(job: str) -> None:
     if not naming.JOB_NAME_RE.match(job):
-        raise ConfigError(f"{job!r} is not a valid job name; `petctl jobs` lists the jobs")
+        raise ConfigError(f"{job!r} is not a valid job name; `{cmd('jobs')}` lists the jobs")
 
 
 def find_job(ctx: Context, job: str, stacks: Any = None) -> dict[str, Any] | None:
@@ -463,7 +464,9 @@ def find_job(ctx: Context, job: str, stacks: Any = None) -> dict[str, Any] | Non
 def _require_job(ctx: Context, job: str, stacks: Any = None) -> dict[str, Any]:
     stack = find_job(ctx, job, stacks)
     if stack is None:
-        raise NotFound(f"job {job!r} not found in profile {ctx.profile_name!r}; `petctl jobs` lists the jobs")
+        raise NotFound(
+            f"job {job!r} not found in profile {ctx.profile_name!r}; `{cmd('jobs')}` lists the jobs"
+        )
     return stack
 
 
@@ -478,7 +481,7 @@ def scale(ctx: Context, job: str, size: int) -> dict[str, Any]:
     asg = ctx.clients()("autoscaling")
     group = describe_group(asg, naming.worker_group(job))
     if group is None:
-        raise NotFound(f"job {job!r} has no worker group; is it being deleted? `petctl status {job}`")
+        raise NotFound(f"job {job!r} has no worker group; is it being deleted? `{cmd('status ' + job)}`")
     lo, hi, before = group["MinSize"], group["MaxSize"], group["DesiredCapacity"]
     if not lo <= size <= hi:
         raise ConfigError(f"--size {size} is outside the job's range [{lo}, {hi}]")

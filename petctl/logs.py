@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from petctl.errors import ConfigError, PetctlError
+from petctl.ui import cmd
 
 _DURATION = re.compile(r"^(\d+)([smhd])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -62,7 +63,7 @@ def iter_events(
             code = (getattr(e, "response", None) or {}).get("Error", {}).get("Code")
             if code == "ResourceNotFoundException":
                 raise PetctlError(
-                    f"log group {group} does not exist; was `petctl setup` run for this profile?"
+                    f"log group {group} does not exist; was `{cmd('setup')}` run for this profile?"
                 ) from e
             raise
         for ev in sorted(batch, key=lambda e: (e["timestamp"], e.get("eventId", ""))):

@@ -14,6 +14,31 @@ from typing import Any
 
 import click
 
+#: How the user invoked petctl, for the commands a hint tells them to run next: a hint under
+#: ``--local`` (or an explicit ``--profile``) must carry it, or it sends the user to AWS.
+_PROG = ["petctl"]
+
+
+def set_prog(local: bool = False, profile: str | None = None) -> None:
+    _PROG[:] = ["petctl"] + (["--local"] if local else []) + (["--profile", profile] if profile else [])
+
+
+def cmd(rest: str) -> str:
+    """``petctl [--local] [--profile P] <rest>``: a command line to show in a hint."""
+    return " ".join(_PROG + [rest])
+
+
+class AliasGroup(click.Group):
+    """A group whose canonical command names use dashes (``run-job``), as aws-cli's do; the
+    underscore spellings of the original petctl (``run_job``) keep working, unlisted."""
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        return super().get_command(ctx, cmd_name) or super().get_command(ctx, cmd_name.replace("_", "-"))
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
+        name, command, rest = super().resolve_command(ctx, args)
+        return (command.name if command else name), command, rest
+
 
 class UI:
     """Writes progress and results in the chosen output format."""

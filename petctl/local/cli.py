@@ -15,6 +15,7 @@ from typing import Any
 import click
 
 import petctl.local as local
+from petctl.ui import AliasGroup
 
 _JSON = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 
@@ -43,7 +44,7 @@ def _public(info: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in info.items() if k != "control_token"}
 
 
-@click.group("local")
+@click.group("local", cls=AliasGroup)
 def local_group() -> None:
     """The embedded local cloud: AWS APIs (moto), instances as local processes, etcd, EFS as a directory.
 

@@ -195,7 +195,7 @@ def test_run_job_timeout_keeps_the_stack_and_its_uploads(run, ready, monkeypatch
     monkeypatch.setattr(stacks_mod.Stacks, "wait", still_creating)
     r = run("run_job", "--name", "slow", "--min", "1", "--max", "1", "--timeout", "1", str(ready))
     assert r.exit_code == 1
-    assert "petctl status slow" in r.stderr and "petctl kill_job slow" in r.stderr
+    assert "petctl status slow" in r.stderr and "petctl kill-job slow" in r.stderr
     assert "petctl-job-slow" in live_stacks()
     s3 = boto3.client("s3")
     bucket = s3.list_buckets()["Buckets"][0]["Name"]

@@ -23,16 +23,17 @@ def test_help_lists_product_command_names():
         "setup",
         "teardown",
         "configure",
-        "run_job",
+        "run-job",
         "scale",
         "status",
-        "list_hosts",
+        "list-hosts",
         "logs",
         "jobs",
-        "kill_job",
+        "kill-job",
         "upload",
     ):
         assert f"  {name} " in r.stdout, name
+    assert "run_job" not in r.stdout.split("Commands:")[1]  # the aliases work, unlisted
 
 
 def test_version():
@@ -41,12 +42,83 @@ def test_version():
 
 
 @pytest.mark.parametrize(
-    "alias,canonical", [("run-job", "run_job"), ("kill-job", "kill_job"), ("list-hosts", "list_hosts")]
+    "alias,canonical", [("run_job", "run-job"), ("kill_job", "kill-job"), ("list_hosts", "list-hosts")]
 )
-def test_dash_aliases(alias, canonical):
+def test_underscore_names_of_the_original_tool_still_work(alias, canonical):
     r = invoke(alias, "--help")
     assert r.exit_code == 0
     assert f"petctl {canonical} [OPTIONS]" in r.stdout
+
+
+def test_local_group_takes_both_spellings():
+    for name in ("kill-instance", "kill_instance", "spot_interrupt", "restart_rdzv"):
+        r = invoke("local", name, "--help")
+        assert r.exit_code == 0 and "Usage: petctl local" in r.stdout, name
+
+
+def test_global_options_work_after_the_command():
+    from petctl.cli import hoist_global_options
+
+    def none(name):
+        return set()
+
+    assert hoist_global_options(["jobs", "--output", "json"], none) == ["--output", "json", "jobs"]
+    assert hoist_global_options(["status", "j", "--profile", "p", "-o=json"], none) == [
+        "--profile",
+        "p",
+        "-o=json",
+        "status",
+        "j",
+    ]
+    # the training script's own options after -- are never taken
+    assert hoist_global_options(["run-job", "t.py", "--", "--debug", "--region", "x"], none) == [
+        "run-job",
+        "t.py",
+        "--",
+        "--debug",
+        "--region",
+        "x",
+    ]
+    # nor an option the command defines itself (configure --region)
+    assert hoist_global_options(["configure", "--region", "eu-west-1"], lambda n: {"--region"}) == [
+        "configure",
+        "--region",
+        "eu-west-1",
+    ]
+    r = invoke("status", "somejob", "--profile", "bad/name")
+    assert r.exit_code == 2 and "profile name 'bad/name' is invalid" in r.stderr
+
+
+def test_script_arguments_without_double_dash_get_a_hint(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    r = invoke("run-job", "--min", "1", "--max", "1", str(script), "--epochs", "2")
+    assert r.exit_code == 2 and "No such option '--epochs'" in r.stderr
+    assert "the training script's arguments go after --" in r.stderr and "-- --epochs" in r.stderr
+    r = invoke("run-job", "--min", "1", "--max", "1", str(script), "extra")
+    assert r.exit_code == 2 and "go after --" in r.stderr
+
+
+def test_hints_carry_local_when_it_is_used():
+    from petctl import ui
+
+    ui.set_prog(local=True)
+    assert ui.cmd("status j") == "petctl --local status j"
+    ui.set_prog(profile="team")
+    assert ui.cmd("kill-job j") == "petctl --profile team kill-job j"
+    ui.set_prog()
+    assert ui.cmd("setup") == "petctl setup"
+
+
+def test_no_color_strips_styles(monkeypatch):
+    monkeypatch.setenv("NO_COLOR", "1")
+    r = CliRunner().invoke(cli, ["run-job", "--min", "1", "--max", "1", "s3://b/x/"], color=True)
+    assert "\x1b[" not in r.output
+    monkeypatch.delenv("NO_COLOR")
+    r = CliRunner().invoke(
+        cli, ["--no-color", "run-job", "--min", "1", "--max", "1", "s3://b/x/"], color=True
+    )
+    assert "\x1b[" not in r.output
 
 
 def test_help_does_not_import_heavy_modules():
@@ -110,7 +182,7 @@ def test_run_job_without_setup_says_what_to_do(tmp_path, monkeypatch):
     assert invoke("--profile", "fresh", "configure", "--region", "us-east-1").exit_code == 0
     r = invoke("--profile", "fresh", "run_job", "--min", "1", "--max", "1", str(script))
     assert r.exit_code == 2
-    assert "profile 'fresh' is not set up" in r.stderr and "petctl setup" in r.stderr
+    assert "profile 'fresh' is not set up" in r.stderr and "`petctl --profile fresh setup`" in r.stderr
 
 
 def test_unknown_profile_teardown():

@@ -1,0 +1,33 @@
+"""Habits users bring from aws-cli, torchx and SkyPilot, against a real moto server."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_global_options_after_the_command(run):
+    assert run("setup").exit_code == 0
+    r = run("jobs", "--output", "json")
+    assert r.exit_code == 0 and json.loads(r.stdout) == []
+    r = run("jobs", "-o", "json", "--region", "us-east-1", "--profile", "default")
+    assert r.exit_code == 0 and json.loads(r.stdout) == []
+
+
+def test_debug_logs_every_aws_call_without_secrets(run, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "supersecretvalue")
+    r = run("--debug", "setup")
+    assert r.exit_code == 0, r.output
+    calls = [line for line in r.stderr.splitlines() if line.startswith("debug: aws ")]
+    assert any("aws sts.GetCallerIdentity" in c for c in calls)
+    assert any("aws cloudformation.CreateStack" in c and "-> 200 in" in c for c in calls)
+    create = next(c for c in calls if "cloudformation.CreateStack" in c)
+    assert "TemplateBody" in create and "chars>" in create  # long values are cut, not dumped
+    assert "supersecretvalue" not in r.stderr
+    r = run("jobs")  # without --debug: no call lines
+    assert "debug: aws" not in r.stderr
+
+
+def test_hints_name_the_local_cloud_and_the_profile(run):
+    r = run("--profile", "team", "setup")
+    assert r.exit_code == 0, r.output
+    assert "next: petctl --profile team run-job" in r.stdout
