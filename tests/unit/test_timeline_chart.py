@@ -1,0 +1,386 @@
+"""The timeline's derivation, text chart and HTML page, from synthetic agent status documents."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from html.parser import HTMLParser
+
+import pytest
+
+from petctl import timeline
+
+T = 1_700_000_000.0
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def ev(t: float, kind: str, **data) -> dict:
+    return {"t": T + t, "kind": kind, **data}
+
+
+def scenario() -> dict:
+    """What `jobs.status()` returns after: start at 2 nodes, a join, a drain, a hard loss (and its
+    replacement joining), an etcd restart that lost the rendezvous state, success.
+
+    Per-agent documents as agents write them; ``status()`` merges their events in time order.
+    """
+    a = [
+        ev(0, "agent_started"),
+        ev(1, "rendezvous_start", reason="initial", round=None),
+        ev(6, "rendezvous_done", round=0, world_size=2, nodes=2, started=T + 1),
+        ev(7.4, "workers_started", round=0, world_size=2),
+        ev(80, "rendezvous_start", reason="1 node(s) waiting to join", round=0),
+        ev(88, "rendezvous_done", round=1, world_size=3, nodes=3),
+        ev(90, "workers_started", round=1, world_size=3),
+        ev(140, "drain_requested", reason="autoscaling target-lifecycle-state=Terminated", round=1),
+        ev(146, "drained", clean=True, round=1),
+    ]
+    b = [
+        ev(0.5, "agent_started"),
+        ev(1.5, "rendezvous_start", reason="initial", round=None),
+        ev(6, "rendezvous_done", round=0, world_size=2, nodes=2),
+        ev(8, "workers_started", round=0, world_size=2),
+        ev(81, "rendezvous_start", reason="coordinated checkpoint (peer drain/scale)", round=0),
+        ev(88, "rendezvous_done", round=1, world_size=3, nodes=3),
+        ev(91, "workers_started", round=1, world_size=3),
+        ev(145, "rendezvous_start", reason="coordinated checkpoint (peer drain/scale)", round=1),
+        ev(150, "rendezvous_done", round=2, world_size=2, nodes=2),
+        ev(151, "workers_started", round=2, world_size=2),
+    ]
+    c = [
+        ev(60, "agent_started"),
+        ev(70, "rendezvous_start", reason="initial", round=None),
+        ev(88, "rendezvous_done", round=1, world_size=3, nodes=3),
+        ev(92, "workers_started", round=1, world_size=3),
+        ev(145.5, "rendezvous_start", reason="coordinated checkpoint (peer drain/scale)", round=1),
+        ev(150, "rendezvous_done", round=2, world_size=2, nodes=2),
+        ev(152, "workers_started", round=2, world_size=2),
+        ev(203, "workers_failed", round=2, exit_codes=[1]),
+        ev(
+            210,
+            "rendezvous_start",
+            reason="workers failed (exit codes [1]) after a membership change: participant(s) left: b",
+            round=2,
+        ),
+        ev(228, "rendezvous_done", round=3, world_size=2, nodes=2),
+        ev(229, "workers_started", round=3, world_size=2),
+        ev(262, "rendezvous_start", reason="rendezvous round moved on (3 -> 0)", round=3),
+        ev(268, "rendezvous_done", round=0, world_size=2, nodes=2),
+        ev(269, "workers_started", round=0, world_size=2),
+        ev(330, "succeeded", last_step=900),
+    ]
+    d = [
+        ev(215, "agent_started"),
+        ev(225, "rendezvous_start", reason="initial", round=None),
+        ev(228, "rendezvous_done", round=3, world_size=2, nodes=2),
+        ev(230, "workers_started", round=3, world_size=2),
+        ev(263, "rendezvous_start", reason="rendezvous round moved on (3 -> 0)", round=3),
+        ev(268, "rendezvous_done", round=0, world_size=2, nodes=2),
+        ev(270, "workers_started", round=0, world_size=2),
+        ev(330.5, "succeeded", last_step=900),
+    ]
+
+    def doc(iid, ip, state, updated, step, events, reason=None):
+        return {
+            "version": 1,
+            "job_name": "demo",
+            "instance_id": iid,
+            "private_ip": ip,
+            "state": state,
+            "world_size": 2,
+            "round": 0,
+            "restarts": 0,
+            "last_step": step,
+            "last_checkpoint_step": step,
+            "reason": reason,
+            "updated_at": T + updated,
+            "events": events,
+        }
+
+    agents = [
+        doc("i-a", "10.0.0.1", "LEFT", 147, 384, a, reason="autoscaling target-lifecycle-state=Terminated"),
+        doc("i-b", "10.0.0.2", "RUNNING", 198, 450, b),  # hard-killed: its last report stays behind
+        doc("i-c", "10.0.0.3", "SUCCEEDED", 331, 900, c),
+        doc("i-d", "10.0.0.4", "SUCCEEDED", 331.5, 900, d),
+    ]
+    events = sorted(
+        ({**e, "instance_id": x["instance_id"]} for x in agents for e in x["events"]), key=lambda e: e["t"]
+    )
+    return {
+        "job": "demo",
+        "state": "SUCCEEDED",
+        "last_step": 900,
+        "hosts": [],
+        "agents": agents,
+        "events": events,
+    }
+
+
+@pytest.fixture
+def data() -> dict:
+    return timeline.build(scenario(), now=T + 400)
+
+
+def test_rounds_stalls_and_causes(data):
+    rounds = data["rounds"]
+    assert [(r["epoch"], r["round"]) for r in rounds] == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0)]
+    assert [r["causes"] for r in rounds] == [
+        ["start"],
+        ["join"],
+        ["drain"],
+        ["loss", "join"],
+        ["etcd_restart"],
+    ]
+    assert [r["world_size"] for r in rounds] == [2, 3, 2, 2, 2]
+    # start: first rendezvous_start (1) -> last workers_started (8)
+    # join: first training agent leaves (80) -> last workers_started (92)
+    # drain: drain_requested (140) -> 152
+    # loss: the lost node's last report (198, before the survivor's workers_failed at 203) -> 230
+    # etcd restart: 262 -> 270
+    assert [r["stall_s"] for r in rounds] == [7.0, 12.0, 12.0, 32.0, 8.0]
+    assert rounds[3]["stall_source"] == "lost node's last report"
+    assert data["stall_s"] == 12 + 12 + 32 + 8
+    assert rounds[1]["reason"] == "1 node(s) waiting to join"
+    assert rounds[2]["instances"] == ["i-b", "i-c"]
+
+
+def test_membership_events_and_their_cost(data):
+    got = [(m["kind"], m["instance_id"], round(m["t"] - T, 1), m["cost_s"]) for m in data["events"]]
+    assert got == [
+        ("start", None, 0.0, 7.0),
+        ("join", "i-c", 70.0, 12.0),
+        ("drain", "i-a", 140.0, 12.0),
+        ("loss", "i-b", 198.0, 32.0),
+        ("join", "i-d", 225.0, 32.0),
+        ("etcd_restart", None, 262.0, 8.0),
+        ("finish", None, 330.0, None),
+    ]
+    loss = next(m for m in data["events"] if m["kind"] == "loss")
+    assert loss["shared"] and loss["private_ip"] == "10.0.0.2"
+
+
+def test_world_size_over_time(data):
+    w = [(round(p["t"] - T, 1), p["world_size"]) for p in data["world"]]
+    assert w == [
+        (0.0, 0),
+        (8.0, 2),
+        (80.0, 0),
+        (92.0, 3),
+        (140.0, 0),
+        (152.0, 2),
+        (198.0, 0),
+        (230.0, 2),
+        (262.0, 0),
+        (270.0, 2),
+        (330.0, 0),
+    ]
+    assert data["start"] == T and data["end"] == T + 330 and not data["running"]
+
+
+def test_throughput_uses_training_time_only(data):
+    segs = [(round(s["t0"] - T), round(s["t1"] - T), s["steps"], s["train_s"]) for s in data["throughput"]]
+    # samples: a's last report (147, 384), b's (198, 450), c's succeeded event (330, 900)
+    assert segs == [(147, 198, 66, 46.0), (198, 330, 450, 92.0)]
+    assert data["throughput"][0]["steps_per_s"] == pytest.approx(66 / 46, abs=1e-3)
+    by_round = [r["steps_per_s"] for r in data["rounds"]]
+    assert by_round[:2] == [None, None]  # no progress sample before the drain
+    assert by_round[2] == pytest.approx(66 / 46, abs=1e-3)
+    assert by_round[4] == pytest.approx(450 / 92, abs=1e-3)
+    assert any("sample" in m for m in data["missing"])
+
+
+def test_running_job_extends_to_now():
+    st = scenario()
+    cut = T + 200
+    for a in st["agents"]:
+        a["events"] = [e for e in a["events"] if e["t"] <= cut]
+    st["events"] = [e for e in st["events"] if e["t"] <= cut]
+    st["agents"] = [a for a in st["agents"] if a["instance_id"] != "i-d"]
+    st["agents"][2].update(state="RUNNING", updated_at=cut, last_step=470)
+    st["agents"][1].update(updated_at=cut - 1)
+    st["state"] = "RUNNING"
+    d = timeline.build(st, now=cut + 5)
+    assert d["running"] and d["end"] == cut + 5
+    assert [r["causes"] for r in d["rounds"]] == [["start"], ["join"], ["drain"]]
+    assert d["world"][-1] == {"t": cut + 5, "world_size": 2}
+    assert "now" in timeline.render_text(d)
+
+
+def test_etcd_restart_without_round_reset_by_reason_only():
+    """Rounds numbered on (etcd kept its data dir) but an agent saw them move back: still an etcd restart."""
+    evs = [
+        ev(0, "rendezvous_start", reason="initial", round=None, instance_id="x"),
+        ev(5, "workers_started", round=4, world_size=1, instance_id="x"),
+        ev(50, "rendezvous_start", reason="rendezvous round moved on (4 -> 1)", round=4, instance_id="x"),
+        ev(55, "workers_started", round=5, world_size=1, instance_id="x"),
+    ]
+    st = {"job": "j", "state": "RUNNING", "agents": [], "events": evs}
+    d = timeline.build(st, now=T + 60)
+    assert [r["causes"] for r in d["rounds"]] == [["start"], ["etcd_restart"]]
+    assert d["rounds"][1]["stall_s"] == 5.0
+
+
+def test_spot_and_worker_failure_and_event_steps():
+    """A spot notice is a drain of kind spot; steps on events (if agents publish them) give steps lost."""
+    evs = [
+        ev(0, "rendezvous_start", reason="initial", round=None, instance_id="x"),
+        ev(1, "rendezvous_start", reason="initial", round=None, instance_id="y"),
+        ev(5, "workers_started", round=0, world_size=2, instance_id="x", step=0),
+        ev(5, "workers_started", round=0, world_size=2, instance_id="y", step=0),
+        ev(20, "workers_failed", round=0, exit_codes=[1], instance_id="x", step=100),
+        ev(20, "workers_failed", round=0, exit_codes=[1], instance_id="y", step=100),
+        ev(21, "rendezvous_start", reason="workers failed (exit codes [1])", round=0, instance_id="x"),
+        ev(21, "rendezvous_start", reason="workers failed (exit codes [1])", round=0, instance_id="y"),
+        ev(30, "workers_started", round=1, world_size=2, instance_id="x", step=80),
+        ev(31, "workers_started", round=1, world_size=2, instance_id="y", step=80),
+        ev(
+            60,
+            "drain_requested",
+            reason='spot instance-action {"action": "terminate"}',
+            round=1,
+            instance_id="y",
+        ),
+        ev(
+            62,
+            "rendezvous_start",
+            reason="coordinated checkpoint (peer drain/scale)",
+            round=1,
+            instance_id="x",
+        ),
+        ev(70, "workers_started", round=2, world_size=1, instance_id="x", step=300),
+    ]
+    st = {"job": "j", "state": "RUNNING", "agents": [], "events": evs}
+    d = timeline.build(st, now=T + 80)
+    assert [r["causes"] for r in d["rounds"]] == [["start"], ["restart"], ["spot"]]
+    assert [r["stall_s"] for r in d["rounds"]] == [5.0, 11.0, 10.0]
+    assert d["rounds"][1]["steps_lost"] == 20
+    # 0 -> 100 in round 0 (5 s .. 20 s); the restart resumed at 80, and 80 -> 300 by 70 s spans
+    # round 1's training (31 s .. 60 s) only
+    assert d["rounds"][0]["steps_per_s"] == pytest.approx(100 / 15, abs=1e-3)
+    assert d["rounds"][1]["steps_per_s"] == pytest.approx(220 / 29, abs=1e-3)
+    assert not any("events carry no step" in m for m in d["missing"])
+
+
+def test_nothing_to_draw_yet():
+    d = timeline.build({"job": "j", "state": "STARTING", "agents": [], "events": []}, now=T)
+    assert d["rounds"] == [] and "nothing to draw" in timeline.render_text(d)
+    assert "no rendezvous round" in timeline.render_html(d)
+    json.dumps(timeline.to_json(d))
+
+
+def test_text_chart(data):
+    text = timeline.render_text(data, width=66)
+    lines = text.splitlines()
+    assert lines[0].startswith(
+        "job demo: SUCCEEDED, 5m30s from the first agent to the end, 5 round(s), 64.0s not"
+    )
+    world_rows = [ln for ln in lines if "│" in ln][:3]  # world size 3 → three rows
+    assert world_rows[0].lstrip().startswith("3│") and world_rows[2].lstrip().startswith("1│")
+    lane = next(ln for ln in lines if ln.lstrip().startswith("events│"))
+    assert [c for c in lane.split("│", 1)[1] if c != " "] == ["S", "J", "D", "L", "J", "E", "*"]
+    assert "round" in text and "12.0" in text and "32.0" in text
+    ascii_text = timeline.render_text(data, width=66, ascii_only=True)
+    ascii_text.encode("ascii")
+
+
+class Page(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: dict[str, list[list[str]]] = {}
+        self.external: list[str] = []
+        self._table: str | None = None
+        self._row: list[str] | None = None
+        self._cell: list[str] | None = None
+        self.svg_start: int | None = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        for key in ("src", "href"):
+            if a.get(key):
+                self.external.append(a[key])
+        if tag in ("script", "link", "img", "iframe"):
+            self.external.append(tag)
+        if tag == "table":
+            self._table = a.get("id")
+            self.tables[self._table] = []
+        elif tag == "tr" and self._table:
+            self._row = []
+        elif tag in ("td", "th") and self._row is not None:
+            self._cell = []
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None:
+            self._row.append("".join(self._cell).strip())
+            self._cell = None
+        elif tag == "tr" and self._row is not None:
+            self.tables[self._table].append(self._row)
+            self._row = None
+        elif tag == "table":
+            self._table = None
+
+    def handle_data(self, d):
+        if self._cell is not None:
+            self._cell.append(d)
+
+
+def parse_page(page: str) -> tuple[Page, ET.Element]:
+    p = Page()
+    p.feed(page)
+    svg = page[page.index("<svg") : page.index("</svg>") + len("</svg>")]
+    return p, ET.fromstring(svg)
+
+
+def check_page(page: str, stalls: list[float], causes: list[str]) -> None:
+    """Shared with the functional test: the page is self-contained, has the chart and the rounds."""
+    p, svg = parse_page(page)
+    assert p.external == []
+    assert svg.tag == f"{SVG}svg" and svg.get("id") == "timeline-chart"
+    assert svg.find(f".//{SVG}polyline[@class='world']") is not None
+    rows = p.tables["rounds"]
+    assert rows[0][:6] == ["round", "ready at (s)", "world size", "nodes", "cause", "stall (s)"]
+    assert [float(r[5]) for r in rows[1:]] == stalls
+    assert [r[4] for r in rows[1:]] == causes
+    drawn = sorted(float(r.get("data-seconds")) for r in svg.iter(f"{SVG}rect") if r.get("class") == "stall")
+    assert drawn == sorted(s for s in stalls if s > 0)
+
+
+def test_html_page(data):
+    page = timeline.render_html(data)
+    check_page(page, [7.0, 12.0, 12.0, 32.0, 8.0], ["start", "join", "drain", "loss, join", "etcd_restart"])
+    p, svg = parse_page(page)
+    assert [r[2] for r in p.tables["rounds"][1:]] == ["2", "3", "2", "2", "2"]
+    kinds = [g.get("data-kind") for g in svg.iter(f"{SVG}g") if g.get("class") == "event"]
+    assert kinds == ["start", "join", "drain", "loss", "join", "etcd_restart", "finish"]
+    rates = [g for g in svg.iter(f"{SVG}g") if g.get("class") == "rate"]
+    assert [float(g.get("data-steps-per-s")) for g in rates] == [
+        pytest.approx(66 / 46, abs=1e-3),
+        pytest.approx(450 / 92, abs=1e-3),
+    ]
+    # bars cover training only: 152..198 for the first; 230..262 and 270..330 for the second
+    assert [len(g.findall(f"{SVG}rect")) for g in rates] == [1, 2]
+    events = p.tables["events"]
+    assert (
+        events[4][1] == "node lost (hard)" and events[4][2] == "10.0.0.2" and events[4][4] == "32.0 (shared)"
+    )
+
+
+def test_html_escapes_what_agents_wrote():
+    st = scenario()
+    st["agents"][0]["events"][-2]["reason"] = "<script>alert(1)</script>"
+    for e in st["events"]:
+        if e["kind"] == "drain_requested":
+            e["reason"] = "<script>alert(1)</script>"
+    page = timeline.render_html(timeline.build(st, now=T + 400))
+    assert "<script>" not in page
+    parse_page(page)
+
+
+def test_json_has_iso_times(data):
+    j = timeline.to_json(data)
+    json.dumps(j)
+    assert j["start"] == "2023-11-14T22:13:20.000+00:00"
+    assert j["rounds"][1]["ready"] == "2023-11-14T22:14:52.000+00:00" and j["rounds"][1]["at_s"] == 92.0
+    assert j["rounds"][1]["stall_from_s"] == 80.0
+    assert j["events"][3]["kind"] == "loss" and j["events"][3]["at_s"] == 198.0
+    assert j["world"][1] == {"t": "2023-11-14T22:13:28.000+00:00", "at_s": 8.0, "world_size": 2}
+    assert j["throughput"][0]["t0"].endswith("+00:00") and j["throughput"][0]["t1_s"] == 198.0
