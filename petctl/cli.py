@@ -431,8 +431,9 @@ class RunJobCommand(click.Command):
     help="Seconds the job may stay below --min while nodes are on their way [default: 1800].",
 )
 @click.option(
-    "--dry-run", is_flag=True, help="Print the plan (template, parameters, uploads) and create nothing."
+    "--dry-run", is_flag=True, help="Print the plan (resources, sizes, image, uploads) and create nothing."
 )
+@click.option("--show-template", is_flag=True, help="With --dry-run: also print the CloudFormation template.")
 @click.option("--timeout", default=1800, show_default=True, help="Seconds to wait for the job stack.")
 @click.argument("target")
 @pass_ctx
@@ -441,6 +442,7 @@ def run_job(
     target: str,
     args: tuple[str, ...],
     dry_run: bool,
+    show_template: bool,
     timeout: int,
     env: tuple[str, ...],
     **opts: Any,
@@ -475,10 +477,9 @@ def run_job(
     jobs.check_code_url(obj, req)
     if req.ami is not None:
         jobs.resolve_ami(obj, req)
-    dist = None if dry_run else storage.dist_wheel()
-    plan = jobs.plan(obj, req, dist=dist)
+    plan = jobs.plan(obj, req, dist=storage.dist_wheel())
     if dry_run:
-        obj.ui.result(jobs.plan_as_dict(plan), _plan_text)
+        obj.ui.result(jobs.plan_as_dict(plan), lambda p: jobs.plan_text(p, show_template))
         return
     result = jobs.execute(obj, plan, timeout=timeout)
 
@@ -499,14 +500,6 @@ def run_job(
 
 def _stdin_is_terminal() -> bool:
     return sys.stdin.isatty()
-
-
-def _plan_text(p: dict[str, Any]) -> str:
-    lines = [f"plan for job {p['job']} (stack {p['stack']}) -- nothing will be created", "", "uploads:"]
-    lines += [f"  {u['s3_url']}  ({u['bytes']} bytes, from {u['from']})" for u in p["uploads"]]
-    lines += ["", "parameters:"] + [f"  {k} = {v}" for k, v in p["parameters"].items()]
-    lines += ["", "template:", p["template"]]
-    return "\n".join(lines)
 
 
 @cli.command()
@@ -715,6 +708,44 @@ def demo_cmd(total_steps: int, step_time: float, timeout: int, keep: bool) -> No
         d.say("local cloud stopped")
     if st["state"] != "SUCCEEDED":
         raise PetctlError(f"the demo job ended {st['state']}")
+
+
+@cli.command()
+@click.argument("job")
+@click.option(
+    "--html",
+    "html_path",
+    metavar="FILE",
+    default=None,
+    help="Also write a self-contained page (inline SVG chart, table of rounds).",
+)
+@pass_ctx
+def timeline(obj: Context, job: str, html_path: str | None) -> None:
+    """Chart JOB: world size, steps/s, membership events and their cost."""
+    import shutil
+
+    from petctl import jobs
+    from petctl import timeline as tl
+
+    data = tl.build(jobs.status(obj, job))
+    result = tl.to_json(data)
+    if html_path:
+        path = os.path.abspath(html_path)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(tl.render_html(data))
+        result["html"] = path
+    width = max(40, min(120, shutil.get_terminal_size((100, 24)).columns - 8))
+    try:
+        "█│".encode(sys.stdout.encoding or "ascii")
+        ascii_only = False
+    except (UnicodeEncodeError, LookupError):
+        ascii_only = True
+
+    def text(_: dict[str, Any]) -> str:
+        out = tl.render_text(data, width=width, ascii_only=ascii_only)
+        return out + (f"\npage: {result['html']}" if html_path else "")
+
+    obj.ui.result(result, text)
 
 
 def main() -> None:

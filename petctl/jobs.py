@@ -6,11 +6,11 @@ hosts, jobs, kill_job.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -117,12 +117,17 @@ def sanitize_tag_value(value: str) -> str:
     return (re.sub(r"[^\w .:/=+\-@]", "-", value, flags=re.ASCII).strip()[:128]) or "unknown"
 
 
-def default_job_name(target: str) -> str:
-    stem = Path(target.rstrip("/")).stem if not target.startswith("s3://") else Path(target).stem
+def default_job_name(req: JobRequest, profile: str = "") -> str:
+    """``<script stem>-<4 hex>``, the same for the same request: a dry run names the job the real
+    run will make, and running the same command twice finds the first job instead of a twin."""
+    target = req.target if req.target.startswith("s3://") else str(Path(req.target).resolve())
+    stem = Path(req.target.rstrip("/")).stem
     stem = re.sub(r"[^a-z0-9-]+", "-", stem.lower()).strip("-") or "job"
     if not stem[0].isalpha():
         stem = "job-" + stem
-    return f"{stem[:30].rstrip('-')}-{secrets.token_hex(2)}"
+    fields = {k: v for k, v in asdict(req).items() if k not in ("name", "target", "root_device_name")}
+    digest = hashlib.sha1(json.dumps([profile, target, fields], sort_keys=True).encode()).hexdigest()[:4]
+    return f"{stem[:30].rstrip('-')}-{digest}"
 
 
 def validate_request(req: JobRequest) -> JobRequest:
@@ -219,7 +224,7 @@ def plan(ctx: Context, req: JobRequest, dist: Path | None = None) -> Plan:
     validate_request(req)
     profile = ctx.profile
     profile.require_ready()
-    job = req.name or default_job_name(req.target)
+    job = req.name or default_job_name(req, profile.name)
     prefix = naming.job_prefix(job)
     bucket = profile.bucket
     uploads: list[Upload] = []
@@ -356,7 +361,9 @@ def execute(ctx: Context, p: Plan, timeout: float = 1800) -> dict[str, Any]:
     stacks = Stacks(clients("cloudformation"), ctx.ui)
     if stacks.describe(p.stack_name) is not None:
         raise PetctlError(
-            f"job {p.job_name!r} already exists; pick another --name or `{cmd('kill-job ' + p.job_name)}`"
+            f"job {p.job_name!r} already exists (the same command without --name makes the same job); "
+            f"watch it with `{cmd('status ' + p.job_name)}`, give --name for another, or "
+            f"`{cmd('kill-job ' + p.job_name)}`"
         )
     prefix = naming.job_prefix(p.job_name)
     # A reused job name must not inherit the previous run's reports (kill_job keeps the prefix).
@@ -688,3 +695,39 @@ def upload(ctx: Context, path: str, s3_url: str | None) -> dict[str, Any]:
 
 def plan_as_dict(p: Plan) -> dict[str, Any]:
     return {**p.summary(), "template": p.template}
+
+
+def plan_text(p: dict[str, Any], show_template: bool = False) -> str:
+    """The short plan a dry run prints: what would be made, its sizes, image and costs."""
+    par, spec = p["parameters"], p["spec"]
+    gpu = is_gpu(par["InstanceType"])
+    types = par.get("InstanceTypes", par["InstanceType"])
+    workers = f"{spec['min_nodes']}-{spec['max_nodes']} x {types} (start {par['DesiredCapacity']})"
+    if "OnDemandBaseCapacity" in par:
+        workers += f"; spot above {par['OnDemandBaseCapacity']} on-demand (price-capacity-optimized)"
+    else:
+        workers += "; on-demand"
+    image = (
+        f"{par['ImageId']} (--ami)"
+        if "ImageId" in par
+        else "Deep Learning Base OSS Nvidia Driver AMI, Amazon Linux 2023 (from SSM at deploy)"
+        if gpu
+        else "Amazon Linux 2023 (from SSM at deploy)"
+    )
+    uploads = [f"  {u['s3_url']}  ({u['bytes']:,} bytes, from {u['from']})" for u in p["uploads"]]
+    lines = [
+        f"plan for job {p['job']} (stack {p['stack']}) -- nothing will be created",
+        f"  workers:      {workers}",
+        f"  image:        {image}; {'CUDA' if gpu else 'CPU'} torch {spec.get('torch_version')} on every node",
+        f"  rendezvous:   etcd on 1 x {par.get('RdzvInstanceType', DEFAULT_RDZV_INSTANCE_TYPE)}",
+        f"  elasticity:   drain timeout {spec['drain_timeout']} s, {spec.get('max_restarts')} restarts for "
+        f"failures, {spec.get('join_timeout')} s to reach --min",
+        f"  checkpoints:  EFS {par['EfsId']}:/{spec['checkpoint_dir']}",
+        "  uploads:",
+        *uploads,
+    ]
+    if show_template:
+        lines += ["", "template:", p["template"]]
+    else:
+        lines.append("(--show-template prints the CloudFormation template)")
+    return "\n".join(lines)

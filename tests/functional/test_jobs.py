@@ -184,11 +184,45 @@ def test_run_job_directory_target(run, ready, tmp_path):
     assert "petctl/jobs/dirjob/code/code.tar.gz" in objects("petctl/jobs/dirjob/")
 
 
-def test_run_job_default_name_is_readable_and_unique(run, ready):
-    r1 = run("--output", "json", "run_job", "--min", "1", "--max", "1", str(ready))
-    r2 = run("--output", "json", "run_job", "--min", "1", "--max", "1", str(ready))
-    n1, n2 = json.loads(r1.stdout)["job"], json.loads(r2.stdout)["job"]
-    assert n1.startswith("train-") and n2.startswith("train-") and n1 != n2
+def test_default_job_name_is_readable_and_the_same_for_dry_and_real_runs(run, ready):
+    args = ["--output", "json", "run_job", "--min", "1", "--max", "1", str(ready)]
+    dry = json.loads(run(*args[:3], "--dry-run", *args[3:]).stdout)["job"]
+    r1 = run(*args)
+    assert r1.exit_code == 0, r1.output
+    assert json.loads(r1.stdout)["job"] == dry and dry.startswith("train-")
+    # the same command again finds the first job instead of launching a twin
+    r2 = run(*args)
+    assert (
+        r2.exit_code == 1
+        and f"job '{dry}' already exists" in r2.stderr
+        and f"petctl status {dry}" in r2.stderr
+    )
+    # another command (other sizes) is another job
+    r3 = run("--output", "json", "run_job", "--min", "1", "--max", "2", str(ready))
+    assert r3.exit_code == 0 and json.loads(r3.stdout)["job"] not in (dry,)
+
+
+def test_dry_run_text_is_a_short_plan(run, ready):
+    r = run(
+        "run_job",
+        "--dry-run",
+        "--min",
+        "2",
+        "--max",
+        "4",
+        "--spot",
+        "--instance-type",
+        "g5.xlarge",
+        str(ready),
+    )
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    assert "2-4 x g5.xlarge (start 2); spot above 2 on-demand (price-capacity-optimized)" in out
+    assert "Deep Learning Base OSS Nvidia Driver AMI" in out and "CUDA torch 2.13.0" in out
+    assert "dist/petctl-" in out and ".whl" in out  # the wheel is among the uploads
+    assert "AWSTemplateFormatVersion" not in out and "--show-template" in out
+    r = run("run_job", "--dry-run", "--show-template", "--min", "2", "--max", "4", str(ready))
+    assert "AWSTemplateFormatVersion" in r.stdout
 
 
 def test_run_job_duplicate_name_refused(run, ready):
