@@ -43,6 +43,7 @@ class Demo:
     log: Callable[[str], None] = print
     job: str = field(default_factory=lambda: f"demo-{secrets.token_hex(2)}")
     extra_env: dict[str, str] = field(default_factory=dict)
+    page_dir: str | None = None  # where the timeline page goes (default: the current directory)
     _t0: float = field(default_factory=time.monotonic)
     milestones: list[dict[str, Any]] = field(default_factory=list)
 
@@ -105,7 +106,7 @@ class Demo:
     def run(self, keep: bool = False) -> dict[str, Any]:
         self.say("petctl --local setup  (base stack on the local cloud)")
         self.petctl("setup")
-        self.say(f"petctl --local run_job --name {self.job} --min 2 --max 4 elastic_train.py")
+        self.say(f"petctl --local run-job --name {self.job} --min 2 --max 4 elastic_train.py")
         self.petctl(
             "run_job",
             "--name",
@@ -160,9 +161,12 @@ class Demo:
             self.say(f"job {self.job}: {st['state']} at step {st['last_step']} (of {self.total_steps})")
             self.log(self.petctl("status", self.job, json_out=False))
             self.log(timeline(st))
+            page = Path(self.page_dir or Path.cwd()) / f"{self.job}-timeline.html"
+            self.petctl("timeline", self.job, "--html", str(page))
+            self.say(f"petctl --local timeline {self.job} --html {page}  (open it in a browser)")
         finally:
             if not keep:
-                self.say(f"petctl --local kill_job {self.job} --yes")
+                self.say(f"petctl --local kill-job {self.job} --yes")
                 self.petctl("kill_job", self.job, "--yes", check=False)
         return st
 

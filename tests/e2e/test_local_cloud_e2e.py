@@ -49,7 +49,7 @@ def alive(pid: int) -> bool:
     return stat.exists() and ") Z " not in stat.read_text()
 
 
-def test_elastic_job_on_the_local_cloud(local_home):
+def test_elastic_job_on_the_local_cloud(local_home, tmp_path):
     from petctl import local
     from petctl.local.demo import Demo
     from petctl_agent import checkpoint
@@ -62,9 +62,14 @@ def test_elastic_job_on_the_local_cloud(local_home):
         lines.append(line)
         pids.update(i["pid"] for i in local.status().get("instances", []) if i.get("pid"))
 
-    demo = Demo(total_steps=TOTAL, step_time=0.1, checkpoint_every=20, timeout=300, log=log)
+    demo = Demo(
+        total_steps=TOTAL, step_time=0.1, checkpoint_every=20, timeout=300, log=log, page_dir=str(tmp_path)
+    )
     final = demo.run(keep=True)
     report = "\n".join(lines)
+    # the quickstart ends with the timeline page: an SVG chart and the rounds
+    page = (tmp_path / f"{demo.job}-timeline.html").read_text()
+    assert "<svg" in page and "world size" in page.lower(), report
 
     assert final["state"] == "SUCCEEDED", report
     assert final["last_step"] == TOTAL and final["last_checkpoint_step"] == TOTAL, report
