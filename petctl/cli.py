@@ -528,9 +528,15 @@ def _status_text(r: dict[str, Any]) -> str:
     lines = [
         f"job {r['job']}: {r['state']}  (stack {r['stack_status']})",
         f"  workers: desired {r['desired']}, in service {r['in_service']}, min {r['min']}, max {r['max']}",
-        f"  world size {r['world_size'] or '-'}, step {r['last_step'] if r['last_step'] is not None else '-'}, "
-        f"checkpoint step {r['last_checkpoint_step'] if r['last_checkpoint_step'] is not None else '-'}, "
-        f"rendezvous rounds {r['rounds']}, restarts {r['restarts']}",
+        (
+            f"  world size {r['world_size'] or '-'}, step {r['last_step'] if r['last_step'] is not None else '-'}, "
+            f"checkpoint step {r['last_checkpoint_step'] if r['last_checkpoint_step'] is not None else '-'}, "
+            f"rendezvous rounds {r['rounds']}, restarts {r['restarts']}, up {ui_mod.duration(r.get('uptime_s'))}"
+            if r.get("reports_progress", True)
+            else f"  world size {r['world_size'] or '-'}, up {ui_mod.duration(r.get('uptime_s'))}, "
+            f"rendezvous rounds {r['rounds']}, restarts {r['restarts']}; the script reports no progress "
+            f"(it does not use petctl_agent.checkpoint, so steps and checkpoints are not known)"
+        ),
         "",
         table(
             r["hosts"],
@@ -634,7 +640,12 @@ def jobs(obj: Context) -> None:
     obj.ui.result(
         rows,
         lambda r: (
-            table(r, ["job", "state", "min", "max", "desired", "in_service", "created"]) if r else "no jobs"
+            table(
+                [{**j, "age": ui_mod.ago(j["created"])} for j in r],
+                ["job", "state", "min", "max", "desired", "in_service", "age"],
+            )
+            if r
+            else "no jobs"
         ),
     )
 

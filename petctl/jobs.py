@@ -571,12 +571,27 @@ def overall_state(stack_status: str | None, agents: list[dict[str, Any]], desire
     return "STARTING"
 
 
-def current_agents(agents: list[dict[str, Any]], live: set[str]) -> list[dict[str, Any]]:
-    """Reports that still speak for the job: live instances, and final results of gone ones.
+#: A draining agent out of its group (the group lists it no more, while it checkpoints and
+#: leaves) still counts this long after its last report: the longest drain timeout.
+DRAINING_GRACE_S = 7200
+
+
+def current_agents(
+    agents: list[dict[str, Any]], live: set[str], now: float | None = None
+) -> list[dict[str, Any]]:
+    """Reports that still speak for the job: live instances, final results of gone ones, and
+    nodes still draining after their group let go of them.
 
     A hard-killed instance leaves its last report (say RUNNING) behind; it must not count.
     """
-    return [a for a in agents if a.get("instance_id") in live or a.get("state") in ("SUCCEEDED", "FAILED")]
+    now = time.time() if now is None else now
+
+    def speaks(a: dict[str, Any]) -> bool:
+        if a.get("instance_id") in live or a.get("state") in ("SUCCEEDED", "FAILED"):
+            return True
+        return a.get("state") == "DRAINING" and now - float(a.get("updated_at") or 0) < DRAINING_GRACE_S
+
+    return [a for a in agents if speaks(a)]
 
 
 def group_instance_ids(asg: Any, job: str) -> set[str]:
@@ -600,6 +615,19 @@ def status(ctx: Context, job: str) -> dict[str, Any]:
         for k in ("state", "world_size", "round", "restarts", "last_step", "last_checkpoint_step", "reason"):
             h[f"agent_{k}" if k == "state" else k] = a.get(k)
     current = current_agents(agents, live)
+    for a in current:
+        if a.get("instance_id") not in live and a.get("state") == "DRAINING":
+            # Out of the group's list, not gone yet: it is checkpointing and leaving.
+            host_rows.append(
+                {
+                    "role": "worker",
+                    "instance_id": a.get("instance_id"),
+                    "private_ip": a.get("local_addr") or a.get("ip"),
+                    "lifecycle_state": "Terminating",
+                    "agent_state": "DRAINING",
+                    **{k: a.get(k) for k in ("world_size", "round", "restarts", "last_step", "reason")},
+                }
+            )
     steps = [a.get("last_step") for a in agents if a.get("last_step") is not None]
     ckpts = [a.get("last_checkpoint_step") for a in agents if a.get("last_checkpoint_step") is not None]
     worlds = [a.get("world_size") for a in current if a.get("state") == "RUNNING" and a.get("world_size")]
@@ -620,10 +648,31 @@ def status(ctx: Context, job: str) -> dict[str, Any]:
         "last_checkpoint_step": max(ckpts) if ckpts else None,
         "restarts": max((a.get("restarts") or 0 for a in agents), default=0),
         "rounds": max((a.get("round") or 0 for a in agents), default=0),
+        # A script that does not use the checkpoint helper reports no step: say so, not '-'.
+        "reports_progress": bool(steps),
+        "uptime_s": _uptime(stack, agents),
         "hosts": host_rows,
         "agents": agents,
         "events": events,
     }
+
+
+def _iso(value: Any) -> str | None:
+    """An ISO 8601 UTC timestamp (JSON keeps these; text shows ages)."""
+    if hasattr(value, "isoformat"):
+        import datetime as dt
+
+        return value.astimezone(dt.timezone.utc).isoformat(timespec="seconds")
+    return str(value) if value else None
+
+
+def _uptime(stack: dict[str, Any], agents: list[dict[str, Any]]) -> float | None:
+    """Seconds since the job's stack was created (else since its first agent event)."""
+    created = stack.get("CreationTime")
+    if hasattr(created, "timestamp"):
+        return round(time.time() - created.timestamp(), 1)
+    starts = [e.get("t") for a in agents for e in a.get("events", []) or [] if e.get("t")]
+    return round(time.time() - min(starts), 1) if starts else None
 
 
 def list_jobs(ctx: Context) -> list[dict[str, Any]]:
@@ -644,7 +693,7 @@ def list_jobs(ctx: Context) -> list[dict[str, Any]]:
                 "in_service": sum(
                     1 for i in group.get("Instances", []) if i.get("LifecycleState") == "InService"
                 ),
-                "created": str(s.get("CreationTime", "")),
+                "created": _iso(s.get("CreationTime")),
             }
         )
     return rows

@@ -79,6 +79,33 @@ class UI:
         click.echo(text)
 
 
+def duration(seconds: float | None) -> str:
+    """``45s``, ``3m``, ``2h05m``, ``3d4h``."""
+    if seconds is None:
+        return "-"
+    s = int(max(seconds, 0))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m"
+    if s < 86400:
+        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+    return f"{s // 86400}d{(s % 86400) // 3600}h"
+
+
+def ago(iso: str | None, now: float | None = None) -> str:
+    """``3m ago`` for an ISO timestamp; ``-`` when unknown."""
+    import datetime as dt
+
+    if not iso:
+        return "-"
+    try:
+        then = dt.datetime.fromisoformat(iso).timestamp()
+    except ValueError:
+        return iso
+    return duration((time.time() if now is None else now) - then) + " ago"
+
+
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     """A plain aligned text table; empty cells print as ``-``."""
     cells = [[("-" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]
