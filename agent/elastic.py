@@ -533,6 +533,11 @@ class PetctlElasticAgent(LocalElasticAgent):
                 return None
             time.sleep(0.25)
 
+    def _uses_helper(self) -> bool:
+        """Has any worker on this node ever reported progress? Then the script uses the helper
+        (``petctl_agent.checkpoint``) and stops by itself at a drain checkpoint."""
+        return self.progress_file.exists()
+
     def _workers_progressed(self) -> bool:
         """Have the current workers reported a step? (If not, there is nothing to checkpoint.)"""
         try:
@@ -599,11 +604,12 @@ class PetctlElasticAgent(LocalElasticAgent):
     def _drain_and_leave(self, wg: WorkerGroup) -> RunResult:
         """Stop our workers for good, then leave the round.
 
-        Workers that use the helper (they report progress, so they read the drain
-        file) get the drain file: all ranks of all nodes checkpoint the same step and
-        exit 75. Any other script -- and helper workers still running when the drain
-        timeout is up -- gets SIGTERM, as torchrun does, and is waited for (the rest of
-        the drain timeout, at least 5 s) before the node leaves the rendezvous.
+        Workers that use the helper (something on this node reported progress, so they
+        read the drain file) get the drain file: all ranks of all nodes checkpoint the
+        same step and exit 75. Any other script (no progress within
+        ``PETCTL_AGENT_DRAIN_PROBE`` s) -- and helper workers still running when the
+        drain timeout is up -- gets SIGTERM, as torchrun does, and is waited for (the
+        rest of the drain timeout, at least 5 s) before the node leaves the rendezvous.
         """
         self.phase = "draining"
         self.pub.update(state="DRAINING", reason=self.leave_reason)
@@ -612,7 +618,16 @@ class PetctlElasticAgent(LocalElasticAgent):
         t0 = time.monotonic()
         deadline = t0 + self.drain_timeout
         result = self._monitor_workers(wg)
-        if self._workers_progressed():
+        if not self._uses_helper():
+            # nothing on this node ever reported progress: a plain script, or helper
+            # workers that have not reached their first step yet. Give them a moment.
+            probe_end = min(deadline, t0 + env_float("PETCTL_AGENT_DRAIN_PROBE", 5))
+            while time.monotonic() < probe_end and result.state == WorkerState.HEALTHY:
+                if self._uses_helper():
+                    break
+                time.sleep(0.1)
+                result = self._monitor_workers(wg)
+        if self._uses_helper():
             while time.monotonic() < deadline and result.state == WorkerState.HEALTHY:
                 time.sleep(0.1)
                 result = self._monitor_workers(wg)
