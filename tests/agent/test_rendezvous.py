@@ -1,0 +1,374 @@
+"""Round logic of petctl's own rendezvous handler (``petctl_agent.rendezvous``) against a real etcd.
+
+Several handler instances run in threads of this process (no torch workers). Timings are
+asserted with slack for a loaded 2-core machine; the protocol's own numbers are in
+docs/rendezvous.md.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
+
+from petctl_agent.harness import Etcd, wait_for
+from petctl_agent.rendezvous import (
+    BACKEND,
+    Config,
+    PetctlRendezvousHandler,
+    RendezvousLeftError,
+    RequestCounter,
+)
+
+pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
+
+
+def _etcd(tmp: Path) -> Etcd:
+    tmp.mkdir(parents=True, exist_ok=True)
+    e = Etcd(tmp / "data")
+    e.start()
+    return e
+
+
+@pytest.fixture(scope="module")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
+    e = _etcd(tmp_path_factory.mktemp("etcd"))
+    yield e
+    e.stop()
+
+
+class Group:
+    """Handlers of one run id, joined from threads."""
+
+    def __init__(self, endpoint: str, min_nodes: int, max_nodes: int, **cfg: Any) -> None:
+        self.endpoint, self.min, self.max = endpoint, min_nodes, max_nodes
+        self.run_id = f"t-{uuid.uuid4().hex[:8]}"
+        self.cfg = cfg
+        self.counter = RequestCounter()
+        self.handlers: list[PetctlRendezvousHandler] = []
+        self.results: dict[PetctlRendezvousHandler, Any] = {}
+        self.threads: list[threading.Thread] = []
+
+    def new(self, expected: Callable[[], int | None] | None = None, **cfg: Any) -> PetctlRendezvousHandler:
+        h = PetctlRendezvousHandler(
+            self.run_id,
+            self.endpoint,
+            self.min,
+            self.max,
+            "127.0.0.1",
+            config=Config(**{**self.cfg, **cfg}),
+            expected_nodes=expected,
+            counter=self.counter,
+        )
+        self.handlers.append(h)
+        return h
+
+    def join(self, *hs: PetctlRendezvousHandler) -> None:
+        """Start next_rendezvous in a thread for each (result or exception in ``results``)."""
+        for h in hs:
+            self.results.pop(h, None)
+
+            def run(h: PetctlRendezvousHandler = h) -> None:
+                try:
+                    self.results[h] = h.next_rendezvous()
+                except Exception as e:  # noqa: BLE001
+                    self.results[h] = e
+
+            t = threading.Thread(target=run, daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def wait(self, *hs: PetctlRendezvousHandler, timeout: float = 10) -> dict[PetctlRendezvousHandler, Any]:
+        wait_for(lambda: all(h in self.results for h in hs), timeout, "rendezvous results", 0.01)
+        out = {h: self.results[h] for h in hs}
+        for h, r in out.items():
+            assert not isinstance(r, Exception), f"{h.node_id}: {r!r}"
+        return out
+
+    def rendezvous(
+        self, *hs: PetctlRendezvousHandler, timeout: float = 10
+    ) -> dict[PetctlRendezvousHandler, Any]:
+        self.join(*hs)
+        return self.wait(*hs, timeout=timeout)
+
+    def close(self) -> None:
+        for h in self.handlers:
+            h.leave()
+
+
+@pytest.fixture
+def group(etcd_server: Etcd) -> Iterator[Callable[..., Group]]:
+    made: list[Group] = []
+
+    def make(min_nodes: int, max_nodes: int, endpoint: str | None = None, **cfg: Any) -> Group:
+        g = Group(endpoint or etcd_server.endpoint, min_nodes, max_nodes, **cfg)
+        made.append(g)
+        return g
+
+    yield make
+    for g in made:
+        g.close()
+
+
+def ranks(res: dict[PetctlRendezvousHandler, Any]) -> dict[str, tuple[int, int]]:
+    return {h.node_id: (i.rank, i.world_size) for h, i in res.items()}
+
+
+def all_waiting(hs: list[PetctlRendezvousHandler], timeout: float, what: str) -> float:
+    t0 = time.monotonic()
+    wait_for(lambda: all(h.num_nodes_waiting() > 0 for h in hs), timeout, what, 0.01)
+    return time.monotonic() - t0
+
+
+def test_min_max_and_extra_nodes_wait(group: Callable[..., Group]) -> None:
+    g = group(2, 3)
+    hs = [g.new() for _ in range(4)]
+    t0 = time.monotonic()
+    g.join(*hs)
+    wait_for(lambda: len(g.results) == 3, 10, "a round of 3")
+    took = time.monotonic() - t0
+    in_round = [h for h in hs if h in g.results]
+    extra = next(h for h in hs if h not in g.results)
+    res = g.wait(*in_round)
+    assert sorted(i.rank for i in res.values()) == [0, 1, 2]
+    assert {i.world_size for i in res.values()} == {3}
+    assert took < 3.0, f"round closed {took:.2f}s after everyone joined (settle is 0.5 s)"
+    # masters agree and come from rank 0's join
+    assert (
+        len({(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in res.values()})
+        == 1
+    )
+    # at MAX, the extra node is not "waiting" for the running round
+    time.sleep(0.7)
+    assert extra not in g.results
+    assert all(h.num_nodes_waiting() == 0 for h in in_round)
+    # a participant leaves: the extra takes its place; survivors keep their order
+    by_rank = sorted(in_round, key=lambda h: res[h].rank)
+    by_rank[1].leave()
+    all_waiting([by_rank[0], by_rank[2]], 3, "the leave to be seen")
+    res2 = g.rendezvous(by_rank[0], by_rank[2])
+    res2.update(g.wait(extra))
+    assert ranks(res2) == {
+        by_rank[0].node_id: (0, 3),
+        by_rank[2].node_id: (1, 3),
+        extra.node_id: (2, 3),
+    }
+
+
+def test_below_min_waits_then_closes_without_last_call(group: Callable[..., Group]) -> None:
+    g = group(3, 8)
+    a, b, c = g.new(), g.new(), g.new(expected=lambda: 3)
+    g.join(a, b)
+    time.sleep(1.0)
+    assert not g.results, "closed below MIN"
+    t0 = time.monotonic()
+    res = g.rendezvous(a, b, c)
+    took = time.monotonic() - t0
+    assert sorted(i.rank for i in res.values()) == [0, 1, 2]
+    # every live node joined: closes after the settle window (0.5 s) at most, no last call
+    assert took < 1.5, took
+
+    lone = group(2, 2, join_timeout=1.0).new()
+    with pytest.raises(RendezvousTimeoutError):
+        lone.next_rendezvous()
+
+
+def test_hint_closes_at_once(group: Callable[..., Group]) -> None:
+    g = group(2, 8)
+    hs = [g.new(expected=lambda: 2) for _ in range(2)]
+    t0 = time.monotonic()
+    g.rendezvous(*hs)
+    assert time.monotonic() - t0 < 0.45, "the expected-size hint should skip the 0.5 s settle window"
+
+
+def test_join_during_a_round_starts_the_next_one(group: Callable[..., Group]) -> None:
+    g = group(2, 8)
+    a, b = g.new(), g.new()
+    r1 = g.rendezvous(a, b)
+    assert all(h.num_nodes_waiting() == 0 for h in (a, b))
+    c = g.new()
+    g.join(c)
+    seen = all_waiting([a, b], 3, "the newcomer to be seen as waiting")
+    assert seen < 1.0, seen
+    ch = a.pending_change()
+    assert ch is not None and ch["waiting"] == [c.node_id] and ch["gone"] == []
+    r2 = g.rendezvous(a, b)
+    r2.update(g.wait(c))
+    assert ranks(r2) == {a.node_id: (r1[a].rank, 3), b.node_id: (r1[b].rank, 3), c.node_id: (2, 3)}
+    assert a.round == b.round == c.round == 2
+
+
+def test_a_participant_rejoining_opens_a_round(group: Callable[..., Group]) -> None:
+    g = group(2, 8)
+    a, b = g.new(), g.new()
+    g.rendezvous(a, b)
+    g.join(b)  # b's workers failed: it re-rendezvouses on its own
+    all_waiting([a], 3, "a to see b re-join")
+    assert a.pending_change()["reason"] == "a participant re-joined"
+    g.rendezvous(a)
+    g.wait(b)
+    assert a.round == b.round == 2
+
+
+def _burst(
+    g: Group, running: list[PetctlRendezvousHandler], new: list[PetctlRendezvousHandler], gap: float
+) -> int:
+    """Start ``new`` ``gap`` s apart; running nodes re-join when they see waiting > 0 (agent: every 50 ms).
+    Returns how many rounds the running nodes went through until all 6 were in one."""
+    rounds = 0
+
+    def starter() -> None:
+        for h in new:
+            g.join(h)
+            time.sleep(gap)
+
+    threading.Thread(target=starter, daemon=True).start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if all(h.num_nodes_waiting() > 0 for h in running):
+            rounds += 1
+            res = g.rendezvous(*running, timeout=15)
+            if next(iter(res.values())).world_size == len(running) + len(new):
+                g.wait(*new)
+                return rounds
+        time.sleep(0.05)
+    raise AssertionError("burst never formed one round")
+
+
+def test_burst_settles_into_one_round(group: Callable[..., Group]) -> None:
+    g = group(2, 8)
+    running = [g.new(), g.new()]
+    g.rendezvous(*running)
+    assert _burst(g, running, [g.new() for _ in range(4)], gap=0.1) == 1
+
+
+def test_burst_with_the_capacity_hint(group: Callable[..., Group]) -> None:
+    g = group(2, 8, hint_wait=5.0)
+    running = [g.new(expected=lambda: 6), g.new(expected=lambda: 6)]
+    g.rendezvous(*running)
+    # newcomers 0.6 s apart: longer than the settle window, so only the hint makes it one round
+    assert _burst(g, running, [g.new(expected=lambda: 6) for _ in range(4)], gap=0.6) == 1
+
+
+def test_leave_deletes_at_once(group: Callable[..., Group]) -> None:
+    g = group(2, 8)
+    a, b, c = g.new(), g.new(), g.new()
+    g.rendezvous(a, b, c)
+    c.leave()
+    assert all_waiting([a, b], 2, "the leave") < 0.5
+    assert a.pending_change()["gone"] == [c.node_id]
+    with pytest.raises(RendezvousLeftError):
+        c.next_rendezvous()
+    res = g.rendezvous(a, b)
+    assert {i.world_size for i in res.values()} == {2}
+
+
+def test_dead_nodes_expire_and_survivors_keep_rank_order(group: Callable[..., Group]) -> None:
+    g = group(2, 8)
+    hs = [g.new() for _ in range(4)]
+    res = g.rendezvous(*hs)
+    order = sorted(hs, key=lambda h: res[h].rank)
+    order[1]._crash()  # SIGKILL-like: the key stays until its TTL runs out
+    took = all_waiting([order[0], order[2], order[3]], 6, "the dead node's key to expire")
+    assert 1.0 < took < 3.5, took
+    survivors = [order[0], order[2], order[3]]
+    res = g.rendezvous(*survivors)
+    assert [res[h].rank for h in survivors] == [0, 1, 2]
+    # now rank 0 (the leader) dies: the next in line leads and keeps the order
+    survivors[0]._crash()
+    took = all_waiting(survivors[1:], 6, "the dead leader's key to expire")
+    assert took < 4.0, took
+    res = g.rendezvous(*survivors[1:])
+    assert [res[h].rank for h in survivors[1:]] == [0, 1]
+
+
+def test_closed_rendezvous_and_registry(group: Callable[..., Group], etcd_server: Etcd) -> None:
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    run_id = f"t-{uuid.uuid4().hex[:8]}"
+    params = RendezvousParameters(BACKEND, etcd_server.endpoint, run_id, 1, 2, "127.0.0.1", settle=0.1)
+    h = get_rendezvous_handler(params)
+    assert isinstance(h, PetctlRendezvousHandler) and h.get_backend() == BACKEND
+    assert h.use_agent_store is False and h.get_run_id() == run_id
+    info = h.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    assert info.bootstrap_store_info.master_addr == "127.0.0.1" and info.bootstrap_store_info.master_port > 0
+    info.store.set("k", b"v")  # the agent-side store (torch's exit barrier) works
+    assert info.store.get("k") == b"v"
+    assert not h.is_closed()
+    other = PetctlRendezvousHandler(run_id, etcd_server.endpoint, 1, 2, "127.0.0.1")
+    h.shutdown()
+    assert other.is_closed()
+    with pytest.raises(RendezvousClosedError):
+        other.next_rendezvous()
+    other.leave()
+
+
+def test_requests_per_round_grow_linearly(group: Callable[..., Group]) -> None:
+    per_node = {}
+    for n in (4, 12):
+        g = group(2, 64)
+        hs = [g.new() for _ in range(n)]
+        g.rendezvous(*hs)
+        time.sleep(0.6)  # let the cleanup of the first round run
+        new = g.new()
+        before = g.counter.snapshot()
+        g.join(new)
+        all_waiting(hs, 5, "the newcomer")
+        g.rendezvous(*hs)
+        g.wait(new)
+        after = g.counter.snapshot()
+        reqs = sum(after.get(k, 0) - before.get(k, 0) for k in after if k != "refresh")
+        per_node[n] = reqs / (n + 1)
+    # O(N): requests per node and round stay flat (a handful), not growing with N
+    assert per_node[12] < 10 and per_node[12] < 1.6 * per_node[4], per_node
+
+
+def test_etcd_restart_keeps_the_round(group: Callable[..., Group], tmp_path: Path) -> None:
+    e = _etcd(tmp_path / "restart")
+    try:
+        g = group(2, 8, endpoint=e.endpoint)
+        a, b = g.new(), g.new()
+        g.rendezvous(a, b)
+        e.stop()
+        time.sleep(3.0)  # longer than the TTL: the keys expire when etcd comes back
+        e.start()
+        t_end = time.monotonic() + 5.0
+        while time.monotonic() < t_end:
+            assert a.num_nodes_waiting() == 0 and b.num_nodes_waiting() == 0, a.pending_change()
+            time.sleep(0.05)
+        c = g.new()
+        g.join(c)
+        all_waiting([a, b], 5, "the newcomer after the etcd restart")
+        res = g.rendezvous(a, b)
+        res.update(g.wait(c))
+        assert {i.world_size for i in res.values()} == {3}
+    finally:
+        e.stop()
+
+
+def test_etcd_replaced_forms_a_new_round(group: Callable[..., Group], tmp_path: Path) -> None:
+    e = _etcd(tmp_path / "replaced")
+    try:
+        g = group(2, 8, endpoint=e.endpoint)
+        hs = [g.new() for _ in range(3)]
+        res = g.rendezvous(*hs)
+        order = sorted(hs, key=lambda h: res[h].rank)
+        e.stop()
+        shutil.rmtree(e.data_dir)
+        e.start()
+        all_waiting(hs, 8, "the lost round to be noticed")
+        assert hs[0].pending_change()["reason"] == "round record gone"
+        res = g.rendezvous(*hs, timeout=15)
+        assert [res[h].rank for h in order] == [0, 1, 2]
+        assert {h.round for h in hs} == {1}
+    finally:
+        e.stop()
