@@ -434,6 +434,8 @@ class RunJobCommand(click.Command):
     "--dry-run", is_flag=True, help="Print the plan (resources, sizes, image, uploads) and create nothing."
 )
 @click.option("--show-template", is_flag=True, help="With --dry-run: also print the CloudFormation template.")
+@click.option("--wait", is_flag=True, help="Block until the job ends: exit 0 on SUCCEEDED, 1 on FAILED.")
+@click.option("--follow", "-f", is_flag=True, help="Like --wait, and stream the job's log lines meanwhile.")
 @click.option("--timeout", default=1800, show_default=True, help="Seconds to wait for the job stack.")
 @click.argument("target")
 @pass_ctx
@@ -443,6 +445,8 @@ def run_job(
     args: tuple[str, ...],
     dry_run: bool,
     show_template: bool,
+    wait: bool,
+    follow: bool,
     timeout: int,
     env: tuple[str, ...],
     **opts: Any,
@@ -496,6 +500,57 @@ def run_job(
         )
 
     obj.ui.result(result, text)
+    if wait or follow:
+        _wait_for_job(obj, result["job"], follow)
+
+
+def _wait_for_job(obj: Context, job: str, follow: bool) -> None:
+    """run-job --wait/--follow: poll until the job ends; exit 0 on SUCCEEDED, 1 otherwise."""
+    import time
+
+    from petctl import jobs, naming
+    from petctl import logs as logs_mod
+
+    follower = None
+    if follow:
+        group = obj.profile.log_group or naming.log_group(obj.profile_name)
+        follower = logs_mod.LogFollower(obj.clients()("logs"), group, job, since_seconds=600)
+    seen = {"state": None}
+
+    def on_poll(st: dict[str, Any]) -> None:
+        if follower is not None:
+            for ev in follower.poll():
+                click.echo(_log_line(ev, obj.ui.json))
+        if st["state"] != seen["state"]:
+            seen["state"] = st["state"]
+            step = f", step {st['last_step']}" if st.get("last_step") is not None else ""
+            obj.ui.progress(f"job {job}: {st['state']} (world size {st.get('world_size') or '-'}{step})")
+
+    try:
+        final = jobs.wait_for_end(obj, job, on_poll, interval=2.0 if follow else 5.0, sleep=time.sleep)
+    except KeyboardInterrupt:
+        raise Interrupted(
+            f"stopped waiting; job {job} goes on (`{ui_mod.cmd('kill-job ' + job)}` stops it)"
+        ) from None
+    if follower is not None:
+        for ev in follower.poll():
+            click.echo(_log_line(ev, obj.ui.json))
+    if final["state"] != "SUCCEEDED":
+        reason = "; ".join(sorted({a.get("reason") for a in final.get("agents", []) if a.get("reason")}))
+        raise PetctlError(f"job {job} ended {final['state']}" + (f": {reason}" if reason else ""))
+    obj.ui.progress(f"job {job} SUCCEEDED at step {final.get('last_step')}")
+
+
+def _log_line(ev: dict[str, Any], as_json: bool) -> str:
+    import datetime as dt
+    import json
+
+    if as_json:
+        return json.dumps(
+            {"stream": ev["logStreamName"], "timestamp": ev["timestamp"], "message": ev["message"]}
+        )
+    ts = dt.datetime.fromtimestamp(ev["timestamp"] / 1000, dt.timezone.utc).strftime("%H:%M:%S")
+    return f"{ts} {ev['logStreamName'].split('/', 1)[-1]} {ev['message'].rstrip()}"
 
 
 def _stdin_is_terminal() -> bool:
@@ -516,12 +571,53 @@ def scale(obj: Context, job: str, size: int) -> None:
 
 @cli.command()
 @click.argument("job")
+@click.option("--watch", "-w", is_flag=True, help="Refresh until Ctrl-C (which leaves the job alone).")
+@click.option("--interval", default=5.0, show_default=True, help="Seconds between refreshes with --watch.")
 @pass_ctx
-def status(obj: Context, job: str) -> None:
+def status(obj: Context, job: str, watch: bool, interval: float) -> None:
     """The job's state, group sizes, hosts and what the agents report."""
     from petctl import jobs
 
-    obj.ui.result(jobs.status(obj, job), _status_text)
+    if not watch:
+        obj.ui.result(jobs.status(obj, job), _status_text)
+        return
+    _watch_status(obj, job, max(interval, 1.0))
+
+
+def _watch_status(obj: Context, job: str, interval: float) -> None:
+    """status --watch: redraw in place on a terminal, one snapshot after another when piped."""
+    import json
+    import time
+
+    from petctl import jobs
+
+    tty = sys.stdout.isatty()
+    last: tuple[float, int] | None = None
+    try:
+        while True:
+            st = jobs.status(obj, job)
+            now = time.monotonic()
+            rate = None
+            if st.get("last_step") is not None:
+                if last is not None and now > last[0] and st["last_step"] >= last[1]:
+                    rate = (st["last_step"] - last[1]) / (now - last[0])
+                last = (now, st["last_step"])
+            st["steps_per_s"] = None if rate is None else round(rate, 2)
+            if obj.ui.json:
+                click.echo(json.dumps(st, sort_keys=True, default=str))
+            else:
+                body = _status_text(st) + (f"\n  steps/s {rate:.2f}" if rate is not None else "")
+                stamp = time.strftime("%H:%M:%S")
+                if tty:
+                    click.echo("\x1b[H\x1b[2J", nl=False)  # home + clear: redraw in place
+                click.echo(f"[{stamp}] every {interval:g}s, Ctrl-C to leave (the job goes on)\n{body}")
+                if not tty:
+                    click.echo("")
+            if st["state"] in jobs.FINAL_STATES:
+                return
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        raise Interrupted("stopped watching; the job goes on") from None
 
 
 def _status_text(r: dict[str, Any]) -> str:
@@ -583,13 +679,13 @@ def list_hosts(obj: Context, job: str) -> None:
 @cli.command()
 @click.argument("job")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new lines.")
-@click.option("--since", default=None, help="Only lines newer than this (30s, 10m, 2h, 1d).")
+@click.option(
+    "--since", default=None, help="Only lines newer than this (30s, 10m, 2h, 1d) [default: the last hour]."
+)
 @click.option("--instance", default=None, help="Only this instance's stream.")
 @pass_ctx
 def logs(obj: Context, job: str, follow: bool, since: str | None, instance: str | None) -> None:
     """Print the job's log lines from CloudWatch Logs."""
-    import datetime as dt
-    import json
 
     from petctl import jobs as jobs_mod
     from petctl import logs as logs_mod
@@ -610,24 +706,15 @@ def logs(obj: Context, job: str, follow: bool, since: str | None, instance: str 
             client, group, job, since_seconds=since_s, instance=instance, follow=follow
         ):
             printed += 1
-            if obj.ui.json:
-                click.echo(
-                    json.dumps(
-                        {
-                            "stream": ev["logStreamName"],
-                            "timestamp": ev["timestamp"],
-                            "message": ev["message"],
-                        }
-                    )
-                )
-            else:
-                ts = dt.datetime.fromtimestamp(ev["timestamp"] / 1000, dt.timezone.utc).strftime("%H:%M:%S")
-                inst = ev["logStreamName"].split("/", 1)[-1]
-                click.echo(f"{ts} {inst} {ev['message'].rstrip()}")
+            click.echo(_log_line(ev, obj.ui.json))
     except KeyboardInterrupt:
         raise Interrupted("interrupted") from None
     if not printed:
-        click.echo(f"job {job} has no log lines yet" + (f" since {since}" if since else ""), err=True)
+        click.echo(
+            f"job {job} has no log lines "
+            + (f"since {since}" if since else "in the last hour (--since 1d for more)"),
+            err=True,
+        )
 
 
 @cli.command()
@@ -653,10 +740,11 @@ def jobs(obj: Context) -> None:
 @cli.command("kill-job")
 @click.argument("job")
 @_yes_option
+@click.option("--no-wait", is_flag=True, help="Start the deletion and return at once.")
 @click.option("--timeout", default=1800, show_default=True, help="Seconds to wait for the deletion.")
 @pass_ctx
-def kill_job(obj: Context, job: str, yes: bool, timeout: int) -> None:
-    """Delete JOB's stack (instances, groups, rendezvous server). Checkpoints are kept."""
+def kill_job(obj: Context, job: str, yes: bool, no_wait: bool, timeout: int) -> None:
+    """Stop JOB's workers, then delete its stack (rendezvous server, groups). Checkpoints are kept."""
     from petctl import jobs, naming
 
     if jobs.find_job(obj, job) is not None:
@@ -665,11 +753,13 @@ def kill_job(obj: Context, job: str, yes: bool, timeout: int) -> None:
             yes,
             f"delete job {job} (stack {naming.job_stack(job)}, its instances and rendezvous server); "
             f"its checkpoints on {efs} at /{naming.checkpoint_dir(job)} are kept",
-            "kill_job",
+            "kill-job",
         )
-    r = jobs.kill_job(obj, job, timeout=timeout)
-    if r["deleted"]:
-        msg = f"job {job} deleted in {r['seconds']}s; checkpoints kept at {r['checkpoints_kept']}"
+    r = jobs.kill_job(obj, job, timeout=timeout, wait=not no_wait)
+    if r["deleted"] and not r["waited"]:
+        msg = f"job {job}: deletion started; `{ui_mod.cmd('jobs')}` shows it until it is gone"
+    elif r["deleted"]:
+        msg = f"job {job} deleted, every instance gone, in {r['seconds']}s; checkpoints kept at {r['checkpoints_kept']}"
     else:
         msg = f"job {job} does not exist (already deleted?); nothing to do"
     obj.ui.result(r, msg)

@@ -10,6 +10,7 @@ import hashlib
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -699,19 +700,119 @@ def list_jobs(ctx: Context) -> list[dict[str, Any]]:
     return rows
 
 
-def kill_job(ctx: Context, job: str, stacks: Any = None, timeout: float = 1800) -> dict[str, Any]:
-    """Delete the job stack and wait. Killing a job that is gone is not an error; killing
-    another profile's job is (``find_job``)."""
+def kill_job(
+    ctx: Context,
+    job: str,
+    stacks: Any = None,
+    timeout: float = 1800,
+    wait: bool = True,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, Any]:
+    """Stop the workers, then delete the job stack (the rendezvous server goes last), and wait
+    until every instance is really gone. Killing a job that is gone is not an error; killing
+    another profile's job is (``find_job``).
+
+    Workers first: scaled to zero they drain (checkpoint, leave) while etcd still answers, so
+    they neither log connection errors nor lose steps. ``wait=False`` only starts the deletion.
+    """
     stacks = stacks or _stacks(ctx)
     stack = find_job(ctx, job, stacks)
-    t0 = time.monotonic()
-    deleted = stacks.delete(naming.job_stack(job), timeout=timeout) if stack is not None else False
-    return {
+    result = {
         "job": job,
-        "deleted": deleted,
-        "seconds": round(time.monotonic() - t0, 1),
+        "deleted": False,
+        "seconds": 0.0,
+        "waited": wait,
         "checkpoints_kept": f"{ctx.profile.efs_id or '<efs>'}:/{naming.checkpoint_dir(job)}",
     }
+    if stack is None:
+        return result
+    t0 = time.monotonic()
+    if not wait:
+        ctx.clients()("cloudformation").delete_stack(StackName=naming.job_stack(job))
+        result["deleted"] = True
+        return result
+    asg = ctx.clients()("autoscaling")
+    workers = naming.worker_group(job)
+    if describe_group(asg, workers) is not None:
+        ctx.ui.progress(f"stopping the workers of {job} (they checkpoint and leave)")
+        try:
+            asg.update_auto_scaling_group(AutoScalingGroupName=workers, MinSize=0, DesiredCapacity=0)
+        except Exception as e:  # noqa: BLE001 - the stack deletion below stops them anyway
+            ctx.ui.warn(f"could not scale {workers} to zero ({describe_client_error(e)}); deleting the stack")
+        drain = int(_stack_parameter(stack, "DrainTimeout") or DEFAULT_DRAIN_TIMEOUT)
+        _wait_until(
+            ctx,
+            lambda: (
+                not (describe_group(asg, workers) or {}).get("Instances")
+                and not job_instances(ctx, job, "worker")
+            ),
+            drain + 120,
+            "workers gone",
+            sleep,
+        )
+    stacks.delete(naming.job_stack(job), timeout=timeout)
+    _wait_until(ctx, lambda: not job_instances(ctx, job), 600, "instances terminated", sleep)
+    result["deleted"] = True
+    result["seconds"] = round(time.monotonic() - t0, 1)
+    return result
+
+
+def job_instances(ctx: Context, job: str, role: str | None = None) -> list[str]:
+    """EC2 instances of the job (of one ``petctl:role``, if given) that are not terminated yet."""
+    ec2 = ctx.clients()("ec2")
+    filters = [
+        {"Name": "tag:petctl:job", "Values": [job]},
+        *([{"Name": "tag:petctl:role", "Values": [role]}] if role else []),
+        {
+            "Name": "instance-state-name",
+            "Values": ["pending", "running", "stopping", "stopped", "shutting-down"],
+        },
+    ]
+    ids = []
+    for page in ec2.get_paginator("describe_instances").paginate(Filters=filters):
+        ids += [i["InstanceId"] for r in page["Reservations"] for i in r["Instances"]]
+    return ids
+
+
+def _wait_until(
+    ctx: Context, done: Callable[[], bool], timeout: float, what: str, sleep: Callable[[float], None]
+) -> bool:
+    deadline = time.monotonic() + timeout
+    t0 = time.monotonic()
+    while not done():
+        if time.monotonic() > deadline:
+            ctx.ui.warn(f"still waiting for {what} after {timeout:.0f}s; going on")
+            return False
+        sleep(2)
+    ctx.ui.progress(f"{what} ({time.monotonic() - t0:.0f}s)")
+    return True
+
+
+def _stack_parameter(stack: dict[str, Any], key: str) -> str | None:
+    return {p["ParameterKey"]: p.get("ParameterValue") for p in stack.get("Parameters", []) or []}.get(key)
+
+
+FINAL_STATES = ("SUCCEEDED", "FAILED", "GONE", "DELETING")
+
+
+def wait_for_end(
+    ctx: Context,
+    job: str,
+    on_poll: Callable[[dict[str, Any]], None] | None = None,
+    interval: float = 5.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, Any]:
+    """Poll the job's status until it has ended (SUCCEEDED, FAILED, or its stack is gone)."""
+    while True:
+        try:
+            st = status(ctx, job)
+        except NotFound:
+            return {"job": job, "state": "GONE"}
+        if on_poll is not None:
+            on_poll(st)
+        if st["state"] in FINAL_STATES:
+            return st
+        sleep(interval)
 
 
 def upload(ctx: Context, path: str, s3_url: str | None) -> dict[str, Any]:

@@ -12,6 +12,8 @@ from petctl.ui import cmd
 
 _DURATION = re.compile(r"^(\d+)([smhd])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+#: ``logs`` without ``--since`` reads this far back (a days-long job has gigabytes of lines).
+DEFAULT_WINDOW_S = 3600
 
 
 def parse_duration(text: str) -> int:
@@ -33,6 +35,54 @@ def has_streams(logs: Any, group: str, job: str) -> bool:
     return bool(streams.get("logStreams"))
 
 
+class LogFollower:
+    """New log events of a job on each ``poll()`` (time order, each event once)."""
+
+    def __init__(
+        self,
+        logs: Any,
+        group: str,
+        job: str,
+        since_seconds: int | None = None,
+        instance: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.logs, self.group = logs, group
+        # Without --since: a bounded recent window, never the whole group from the epoch.
+        window = since_seconds if since_seconds else DEFAULT_WINDOW_S
+        self.start_ms = int((clock() - window) * 1000)
+        self.prefix = f"{job}/{instance}" if instance else f"{job}/"
+        self.seen: set[str] = set()
+
+    def poll(self) -> list[dict[str, Any]]:
+        kwargs: dict[str, Any] = {
+            "logGroupName": self.group,
+            "logStreamNamePrefix": self.prefix,
+            "startTime": self.start_ms,
+        }
+        try:
+            batch = []
+            for page in self.logs.get_paginator("filter_log_events").paginate(**kwargs):
+                batch.extend(page.get("events", []))
+        except Exception as e:  # noqa: BLE001
+            code = (getattr(e, "response", None) or {}).get("Error", {}).get("Code")
+            if code == "ResourceNotFoundException":
+                raise PetctlError(
+                    f"log group {self.group} does not exist; was `{cmd('setup')}` run for this profile?"
+                ) from e
+            raise
+        new, newest = [], self.start_ms
+        for ev in sorted(batch, key=lambda e: (e["timestamp"], e.get("eventId", ""))):
+            eid = ev.get("eventId") or f"{ev['logStreamName']}:{ev['timestamp']}:{ev['message']}"
+            newest = max(newest, ev["timestamp"])
+            if eid not in self.seen:
+                self.seen.add(eid)
+                new.append(ev)
+        # Streams deliver late: look back a little next time; ``seen`` drops repeats.
+        self.start_ms = max(self.start_ms, newest - 30_000)
+        return new
+
+
 def iter_events(
     logs: Any,
     group: str,
@@ -46,36 +96,11 @@ def iter_events(
     max_polls: int | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Yield log events in time order; with ``follow``, keep polling for new ones."""
-    start_ms = int((clock() - since_seconds) * 1000) if since_seconds else 0
-    prefix = f"{job}/{instance}" if instance else f"{job}/"
-    seen: set[str] = set()
+    follower = LogFollower(logs, group, job, since_seconds, instance, clock)
     polls = 0
     while True:
-        kwargs: dict[str, Any] = {"logGroupName": group, "logStreamNamePrefix": prefix, "startTime": start_ms}
-        newest = start_ms
-        try:
-            paginator = logs.get_paginator("filter_log_events")
-            pages = paginator.paginate(**kwargs)
-            batch = []
-            for page in pages:
-                batch.extend(page.get("events", []))
-        except Exception as e:  # noqa: BLE001
-            code = (getattr(e, "response", None) or {}).get("Error", {}).get("Code")
-            if code == "ResourceNotFoundException":
-                raise PetctlError(
-                    f"log group {group} does not exist; was `{cmd('setup')}` run for this profile?"
-                ) from e
-            raise
-        for ev in sorted(batch, key=lambda e: (e["timestamp"], e.get("eventId", ""))):
-            eid = ev.get("eventId") or f"{ev['logStreamName']}:{ev['timestamp']}:{ev['message']}"
-            if eid in seen:
-                continue
-            seen.add(eid)
-            newest = max(newest, ev["timestamp"])
-            yield ev
+        yield from follower.poll()
         polls += 1
         if not follow or (max_polls is not None and polls >= max_polls):
             return
-        # Streams deliver late: look back a little; ``seen`` drops what was already printed.
-        start_ms = max(start_ms, newest - 30_000)
         sleep(poll)

@@ -31,3 +31,26 @@ def test_hints_name_the_local_cloud_and_the_profile(run):
     r = run("--profile", "team", "setup")
     assert r.exit_code == 0, r.output
     assert "next: petctl --profile team run-job" in r.stdout
+
+
+def test_logs_without_since_reads_the_last_hour_only(run):
+    import time
+
+    import boto3
+
+    assert run("setup").exit_code == 0
+    logs = boto3.client("logs")
+    logs.create_log_stream(logGroupName="/petctl/default", logStreamName="old/i-01")
+    now = int(time.time() * 1000)
+    logs.put_log_events(
+        logGroupName="/petctl/default",
+        logStreamName="old/i-01",
+        logEvents=[
+            {"timestamp": now - 2 * 3600 * 1000, "message": "two hours ago"},
+            {"timestamp": now, "message": "just now"},
+        ],
+    )
+    r = run("logs", "old")
+    assert "just now" in r.stdout and "two hours ago" not in r.stdout
+    r = run("logs", "old", "--since", "3h")
+    assert "two hours ago" in r.stdout

@@ -172,7 +172,7 @@ def test_logs_of_an_unknown_job_exits_3_and_an_empty_one_says_so(run, ready):
     assert r.exit_code == 3 and "job 'ghost' not found" in r.stderr
     start_job(run, ready)
     r = run("logs", "demo")
-    assert r.exit_code == 0 and "job demo has no log lines yet" in r.stderr
+    assert r.exit_code == 0 and "job demo has no log lines in the last hour" in r.stderr
 
 
 def test_missing_s3_target_is_refused_before_anything_is_made(run, ready, profile_data):

@@ -80,3 +80,104 @@ def test_jobs_shows_ages_and_json_keeps_iso_timestamps(run, job):
     assert created.tzinfo is not None and abs(time.time() - created.timestamp()) < 600
     text = run("jobs").stdout
     assert "AGE" in text and " ago" in text and "s ago" in text.split("demo", 1)[1]
+
+
+def _when_stack_exists(job: str, then, timeout: float = 60.0):
+    """Play the agents: once the job stack exists, call ``then`` (from a thread)."""
+    import threading
+
+    def go():
+        cf = boto3.client("cloudformation")
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            stacks = [
+                s["StackName"]
+                for s in cf.describe_stacks()["Stacks"]
+                if s["StackStatus"] == "CREATE_COMPLETE"
+            ]
+            if f"petctl-job-{job}" in stacks:
+                time.sleep(1.0)
+                then()
+                return
+            time.sleep(0.3)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
+def _finish(state: str, reason: str | None = None) -> None:
+    logs = boto3.client("logs")
+    logs.create_log_stream(logGroupName="/petctl/default", logStreamName="waited/i-0abc")
+    logs.put_log_events(
+        logGroupName="/petctl/default",
+        logStreamName="waited/i-0abc",
+        logEvents=[{"timestamp": int(time.time() * 1000), "message": "step=7 from the worker"}],
+    )
+    s3 = boto3.client("s3")
+    bucket = s3.list_buckets()["Buckets"][0]["Name"]
+    doc = {
+        "version": 1,
+        "job_name": "waited",
+        "instance_id": "i-0abc",
+        "state": state,
+        "last_step": 7,
+        "events": [],
+        "updated_at": time.time(),
+        **({"reason": reason} if reason else {}),
+    }
+    s3.put_object(Bucket=bucket, Key="petctl/jobs/waited/status/i-0abc.json", Body=json.dumps(doc).encode())
+
+
+@pytest.mark.parametrize("state,code", [("SUCCEEDED", 0), ("FAILED", 1)])
+def test_run_job_follow_streams_logs_and_exits_with_the_jobs_result(run, job, tmp_path, state, code):
+    script = tmp_path / "train.py"
+    t = _when_stack_exists("waited", lambda: _finish(state, "workers failed: exit 1" if code else None))
+    r = run("run-job", "--name", "waited", "--min", "1", "--max", "1", "--follow", str(script))
+    t.join(5)
+    assert r.exit_code == code, r.output
+    assert "step=7 from the worker" in r.stdout
+    if code:
+        assert "job waited ended FAILED: workers failed: exit 1" in r.stderr
+
+
+def test_status_watch_refreshes_until_the_job_ends(run, job):
+    import threading
+
+    a, b = _workers()
+    for iid in (a, b):
+        _report(iid, last_step=10)
+
+    def finish():
+        time.sleep(2.5)
+        for iid in (a, b):
+            _report(iid, state="SUCCEEDED", last_step=40)
+
+    threading.Thread(target=finish, daemon=True).start()
+    r = run("status", "demo", "--watch", "--interval", "1")
+    assert r.exit_code == 0, r.output
+    snapshots = [line for line in r.stdout.splitlines() if "Ctrl-C to leave" in line]
+    assert len(snapshots) >= 2 and "job demo: SUCCEEDED" in r.stdout
+    assert "steps/s" in r.stdout  # computed between refreshes (10 -> 40)
+
+
+def test_kill_job_waits_until_instances_are_gone_or_returns_at_once(run, job, tmp_path):
+    r = run("-o", "json", "kill-job", "demo", "--yes")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["deleted"] and out["waited"]
+    ec2 = boto3.client("ec2")
+    alive = [
+        i["InstanceId"]
+        for res in ec2.describe_instances(Filters=[{"Name": "tag:petctl:job", "Values": ["demo"]}])[
+            "Reservations"
+        ]
+        for i in res["Instances"]
+        if i["State"]["Name"] != "terminated"
+    ]
+    assert alive == []
+    assert "workers gone" in r.stderr and "instances terminated" in r.stderr
+    script = tmp_path / "train.py"
+    assert run("run-job", "--name", "quick", "--min", "1", "--max", "1", str(script)).exit_code == 0
+    r = run("kill-job", "quick", "--yes", "--no-wait")
+    assert r.exit_code == 0 and "deletion started" in r.stdout
