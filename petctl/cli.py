@@ -330,10 +330,15 @@ def configure(obj: Context, region_opt: str | None, show: bool, **values: Any) -
         current = obj.profile
         for key in config.Profile.REQUIRED_FOR_JOBS:
             default = getattr(current, key)
+            if key == "region":  # as aws-cli: AWS_REGION, AWS_DEFAULT_REGION, then ~/.aws/config
+                default = config.resolve_region(None, current) or _aws_config_region()
             if isinstance(default, list):
                 default = ",".join(default)
-            values[key] = (
-                click.prompt(key.replace("_", " "), default=default or "", show_default=bool(default)) or None
+            values[key] = click.prompt(
+                key.replace("_", " "),
+                default=default or "",
+                show_default=bool(default),
+                value_proc=lambda v, k=key: _checked_answer(k, v),
             )
     result = infra.configure(obj, values)
 
@@ -551,6 +556,25 @@ def _log_line(ev: dict[str, Any], as_json: bool) -> str:
         )
     ts = dt.datetime.fromtimestamp(ev["timestamp"] / 1000, dt.timezone.utc).strftime("%H:%M:%S")
     return f"{ts} {ev['logStreamName'].split('/', 1)[-1]} {ev['message'].rstrip()}"
+
+
+def _checked_answer(key: str, value: str) -> Any:
+    """A prompt answer validated as it is typed: click asks again on a bad one."""
+    if not value:
+        return None
+    try:
+        return config.validate_field(key, value)
+    except ConfigError as e:
+        raise click.UsageError(e.format_message()) from None
+
+
+def _aws_config_region() -> str | None:
+    import boto3
+
+    try:
+        return boto3.session.Session().region_name
+    except Exception:  # noqa: BLE001 - a broken ~/.aws/config only loses the default
+        return None
 
 
 def _stdin_is_terminal() -> bool:

@@ -56,6 +56,32 @@ def validate_id(kind: str, value: str, flag: str | None = None) -> str:
     return value
 
 
+#: Profile fields a user records with ``configure`` -> the id kind that validates them.
+FIELD_KINDS = {
+    "region": "region",
+    "vpc_id": "vpc_id",
+    "subnet_ids": "subnet_id",
+    "security_group_id": "security_group_id",
+    "efs_id": "efs_id",
+    "bucket": "bucket",
+    "worker_instance_profile_arn": "instance_profile_arn",
+    "rdzv_instance_profile_arn": "instance_profile_arn",
+}
+
+
+def validate_field(key: str, value: Any) -> Any:
+    """A ``configure`` value checked and normalised (subnet ids: a list); ConfigError names it."""
+    flag = "--" + key.replace("_", "-")
+    if key == "subnet_ids":
+        ids = [s.strip() for s in (value if isinstance(value, list) else str(value).split(",")) if s.strip()]
+        for s in ids:
+            validate_id("subnet_id", s, flag)
+        return ids
+    if key in FIELD_KINDS:
+        validate_id(FIELD_KINDS[key], value, flag)
+    return value
+
+
 def home() -> Path:
     """The petctl state directory (``$PETCTL_HOME`` or ``~/.petctl``)."""
     return Path(os.environ.get("PETCTL_HOME") or Path.home() / ".petctl")

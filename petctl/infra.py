@@ -348,26 +348,10 @@ def empty_bucket(s3: Any, bucket: str, ctx: Context) -> int:
 def configure(ctx: Context, values: dict[str, Any]) -> dict[str, Any]:
     """Record existing resources in the profile after validating each value."""
     profile = ctx.profile
-    checks = {
-        "region": "region",
-        "vpc_id": "vpc_id",
-        "security_group_id": "security_group_id",
-        "efs_id": "efs_id",
-        "bucket": "bucket",
-        "worker_instance_profile_arn": "instance_profile_arn",
-        "rdzv_instance_profile_arn": "instance_profile_arn",
-    }
     for key, value in values.items():
         if value in (None, "", []):
             continue
-        if key == "subnet_ids":
-            ids = [s.strip() for s in (value if isinstance(value, list) else value.split(",")) if s.strip()]
-            for s in ids:
-                config.validate_id("subnet_id", s, "--subnet-ids")
-            value = ids
-        elif key in checks:
-            config.validate_id(checks[key], value, "--" + key.replace("_", "-"))
-        setattr(profile, key, value)
+        setattr(profile, key, config.validate_field(key, value))
     if not profile.log_group:
         profile.log_group = naming.log_group(profile.name)
     path = config.save_profile(profile)

@@ -70,3 +70,55 @@ def test_configure_show(run):
     run("configure", "--region", "us-west-2")
     r = run("--output", "json", "configure", "--show")
     assert r.exit_code == 0 and '"region": "us-west-2"' in r.stdout
+
+
+def test_configure_prompts_check_each_answer_and_ask_again(aws, monkeypatch):
+    """On a terminal: a bad answer is refused as it is typed and asked again; the region
+    defaults to AWS_REGION as in aws-cli."""
+    import os
+    import pty
+    import select
+    import sys
+    import time
+
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    answers = {
+        "subnet ids": ["subnet-bad!", "subnet-0abc1234"],
+        "security group id": ["sg-0abc1234"],
+        "efs id": ["fs-0abc1234"],
+        "bucket": ["my-petctl-bucket"],
+        "worker instance profile arn": ["arn:aws:iam::123456789012:instance-profile/w"],
+        "rdzv instance profile arn": ["arn:aws:iam::123456789012:instance-profile/r"],
+        "region": [""],  # take the default offered
+    }
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execve(
+            sys.executable,
+            [sys.executable, "-m", "petctl.cli", "--profile", "typed", "configure"],
+            dict(os.environ),
+        )
+    screen, asked, deadline = "", 0, time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if not ready:
+            continue
+        try:
+            chunk = os.read(fd, 4096).decode(errors="replace")
+        except OSError:
+            chunk = ""
+        if not chunk:
+            break
+        screen += chunk
+        tail = screen[asked:]
+        if tail.rstrip().endswith(":"):
+            label = tail.rstrip().rsplit("\n", 1)[-1].lower()
+            key = next(k for k in answers if label.startswith(k))
+            os.write(fd, (answers[key].pop(0) if len(answers[key]) > 1 else answers[key][0]).encode() + b"\r")
+            asked = len(screen)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, screen
+    assert "region [eu-west-1]:" in screen
+    assert "'subnet-bad!' for --subnet-ids is not a subnet id" in screen
+    assert screen.lower().count("subnet ids:") == 2  # asked again after the bad answer
+    assert "ready for jobs" in screen
