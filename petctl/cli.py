@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from petctl import __version__, config
+from petctl import __version__, config, naming
 from petctl import ui as ui_mod
 from petctl.context import Context
 from petctl.errors import ConfigError, Interrupted, PetctlError
@@ -142,6 +142,30 @@ def _as_petctl_error(e: Exception) -> PetctlError:
 
 
 pass_ctx = click.make_pass_decorator(Context)
+
+
+def _complete_job_names(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[str]:
+    """Shell completion for JOB: the active profile's jobs (nothing when that needs a local
+    cloud that is not running, or AWS does not answer: completion must never hang or fail)."""
+    try:
+        from petctl import jobs
+        from petctl.stacks import Stacks
+
+        root = ctx.find_root().params
+        obj = Context(
+            profile_flag=root.get("profile"), region_flag=root.get("region"), local=root.get("local")
+        )
+        if obj.local:
+            from petctl import local as local_cloud
+
+            if not local_cloud.status().get("running"):
+                return []
+        stacks = Stacks(obj.clients()("cloudformation"), obj.ui)
+        names = [naming.job_from_stack(s["StackName"]) or "" for s in jobs.job_stacks(obj, stacks)]
+        return sorted(n for n in names if n.startswith(incomplete))
+    except Exception:  # noqa: BLE001
+        return []
+
 
 #: Commands that may name a profile that does not exist yet; every other command refuses an
 #: unknown one (exit 2), so a typo never acts on another profile's jobs.
@@ -582,7 +606,7 @@ def _stdin_is_terminal() -> bool:
 
 
 @cli.command()
-@click.argument("job")
+@click.argument("job", shell_complete=_complete_job_names)
 @click.option("--size", type=int, required=True, help="New number of worker nodes.")
 @pass_ctx
 def scale(obj: Context, job: str, size: int) -> None:
@@ -594,7 +618,7 @@ def scale(obj: Context, job: str, size: int) -> None:
 
 
 @cli.command()
-@click.argument("job")
+@click.argument("job", shell_complete=_complete_job_names)
 @click.option("--watch", "-w", is_flag=True, help="Refresh until Ctrl-C (which leaves the job alone).")
 @click.option("--interval", default=5.0, show_default=True, help="Seconds between refreshes with --watch.")
 @pass_ctx
@@ -685,7 +709,7 @@ def _status_text(r: dict[str, Any]) -> str:
 
 
 @cli.command("list-hosts")
-@click.argument("job")
+@click.argument("job", shell_complete=_complete_job_names)
 @pass_ctx
 def list_hosts(obj: Context, job: str) -> None:
     """Instances of JOB: id, private IP, AZ, lifecycle state, and how to open a shell."""
@@ -701,7 +725,7 @@ def list_hosts(obj: Context, job: str) -> None:
 
 
 @cli.command()
-@click.argument("job")
+@click.argument("job", shell_complete=_complete_job_names)
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new lines.")
 @click.option(
     "--since", default=None, help="Only lines newer than this (30s, 10m, 2h, 1d) [default: the last hour]."
@@ -762,7 +786,7 @@ def jobs(obj: Context) -> None:
 
 
 @cli.command("kill-job")
-@click.argument("job")
+@click.argument("job", shell_complete=_complete_job_names)
 @_yes_option
 @click.option("--no-wait", is_flag=True, help="Start the deletion and return at once.")
 @click.option("--timeout", default=1800, show_default=True, help="Seconds to wait for the deletion.")
@@ -836,7 +860,7 @@ def demo_cmd(total_steps: int, step_time: float, timeout: int, keep: bool) -> No
 
 
 @cli.command()
-@click.argument("job")
+@click.argument("job", shell_complete=_complete_job_names)
 @click.option(
     "--html",
     "html_path",

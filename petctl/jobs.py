@@ -279,8 +279,27 @@ def plan(ctx: Context, req: JobRequest, dist: Path | None = None) -> Plan:
     )
     gpu = is_gpu(req.instance_type)
     types = instance_types(req)
+    # Least privilege across jobs: the job stack makes this job's own roles, unless the profile
+    # records existing instance profiles (`configure`), which the instances then use as they are.
+    given_roles = [profile.worker_instance_profile_arn, profile.rdzv_instance_profile_arn]
+    if any(given_roles) and not all(given_roles):
+        raise ConfigError(
+            f"profile {profile.name!r} records only one of worker_instance_profile_arn and "
+            f"rdzv_instance_profile_arn; give both with `{cmd('configure')}`, or neither (each job then "
+            f"gets its own roles)"
+        )
+    own_roles = not all(given_roles)
+    if not profile.vpc_id:
+        raise ConfigError(
+            f"profile {profile.name!r} records no vpc_id, which the job's security groups need; "
+            f"run `{cmd('configure --vpc-id VPC')}` (the VPC of subnet {profile.subnet_ids[0]})"
+        )
     template = templates.render_job(
-        gpu=gpu, spot=req.spot, ami_override=req.ami is not None, instance_types=len(types)
+        gpu=gpu,
+        spot=req.spot,
+        ami_override=req.ami is not None,
+        instance_types=len(types),
+        own_roles=own_roles,
     )
     values: dict[str, Any] = {
         "JobName": job,
@@ -292,9 +311,8 @@ def plan(ctx: Context, req: JobRequest, dist: Path | None = None) -> Plan:
         "DesiredCapacity": str(req.size),
         "SubnetIds": ",".join(profile.subnet_ids),
         "RdzvSubnetId": profile.subnet_ids[0],
+        "VpcId": profile.vpc_id,
         "SecurityGroupId": profile.security_group_id,
-        "WorkerInstanceProfileArn": profile.worker_instance_profile_arn,
-        "RdzvInstanceProfileArn": profile.rdzv_instance_profile_arn,
         "EfsId": profile.efs_id,
         "SpecUrl": spec_url,
         "DistUrl": dist_url,
@@ -302,6 +320,11 @@ def plan(ctx: Context, req: JobRequest, dist: Path | None = None) -> Plan:
         "DrainTimeout": str(req.drain_timeout),
         "TorchVersion": req.torch_version,
     }
+    if own_roles:
+        values["LogGroupName"] = spec["log_group"]
+    else:
+        values["WorkerInstanceProfileArn"] = profile.worker_instance_profile_arn
+        values["RdzvInstanceProfileArn"] = profile.rdzv_instance_profile_arn
     if req.ami is not None:
         values["ImageId"] = req.ami
         # An AMI's root device name differs by distribution (/dev/xvda, /dev/sda1): the encrypted
@@ -327,6 +350,29 @@ def resolve_ami(ctx: Context, req: JobRequest) -> None:
     if not images:
         raise ConfigError(f"--ami {req.ami} was not found in {ctx.region}")
     req.root_device_name = images[0].get("RootDeviceName") or None
+
+
+def resolve_vpc(ctx: Context) -> None:
+    """Record the VPC of the profile's first subnet when the profile has none (profiles made by
+    ``configure`` without ``--vpc-id``): the job's security groups are made in it. ``setup``
+    profiles always have it. Saved, so the lookup happens once."""
+    from petctl import config
+
+    profile = ctx.profile
+    if profile.vpc_id or not profile.subnet_ids:
+        return
+    subnet = profile.subnet_ids[0]
+    try:
+        subnets = ctx.clients()("ec2").describe_subnets(SubnetIds=[subnet])["Subnets"]
+    except Exception as e:  # noqa: BLE001 - InvalidSubnetID.NotFound, no access
+        raise ConfigError(
+            f"cannot find the VPC of subnet {subnet} ({describe_client_error(e)}); record it with "
+            f"`{cmd('configure --vpc-id VPC')}`"
+        ) from e
+    if not subnets:
+        raise ConfigError(f"subnet {subnet} of profile {profile.name!r} was not found in {ctx.region}")
+    profile.vpc_id = subnets[0]["VpcId"]
+    config.save_profile(profile)
 
 
 def check_code_url(ctx: Context, req: JobRequest) -> None:
@@ -780,6 +826,7 @@ def _wait_until(
     deadline = time.monotonic() + timeout
     t0 = time.monotonic()
     while not done():
+        ctx.ui.live(f"waiting for {what} ({time.monotonic() - t0:.0f}s)")
         if time.monotonic() > deadline:
             ctx.ui.warn(f"still waiting for {what} after {timeout:.0f}s; going on")
             return False

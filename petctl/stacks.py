@@ -243,6 +243,8 @@ class Stacks:
                 return {"StackName": label, "StackStatus": "DELETE_COMPLETE"}
             if not stack["StackStatus"].endswith(IN_PROGRESS):
                 return stack
+            waited = self.clock() - (deadline - timeout)
+            self.ui.live(f"{label}: {stack['StackStatus']} ({waited:.0f}s of at most {timeout:.0f}s)")
             if self.clock() >= deadline:
                 raise StackWaitTimeout(
                     f"gave up waiting for stack {label} after {timeout:.0f}s (still {stack['StackStatus']}); "

@@ -7,6 +7,7 @@ result of a command goes to stdout, either as text or as one JSON document.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -57,10 +58,32 @@ class UI:
         """A progress line (stderr), timestamped relative to the command start."""
         if self.quiet:
             return
+        self._clear_live()
         elapsed = time.monotonic() - self._t0
         click.echo(f"[{elapsed:6.1f}s] {message}", err=True)
 
+    def live(self, message: str) -> None:
+        """A status line redrawn in place between progress lines (elapsed time of a long wait),
+        on a terminal only: piped output keeps the plain progress lines."""
+        if self.quiet or not self.live_enabled:
+            return
+        elapsed = time.monotonic() - self._t0
+        text = f"[{elapsed:6.1f}s] {message}"
+        width = shutil.get_terminal_size((100, 24)).columns
+        click.echo("\r" + text[: max(width - 1, 20)] + "\x1b[K", err=True, nl=False)
+        self._live_shown = True
+
+    @property
+    def live_enabled(self) -> bool:
+        return sys.stderr.isatty()
+
+    def _clear_live(self) -> None:
+        if getattr(self, "_live_shown", False):
+            click.echo("\r\x1b[K", err=True, nl=False)
+            self._live_shown = False
+
     def warn(self, message: str) -> None:
+        self._clear_live()
         click.echo(click.style("warning: ", fg="yellow") + message, err=True)
 
     def debug(self, message: str) -> None:

@@ -140,3 +140,30 @@ def test_busy_stack_is_a_clear_error(cf):
     st.add_response("describe_stacks", {"Stacks": [stack("UPDATE_IN_PROGRESS")]})
     with pytest.raises(StackError, match="is busy"):
         make(client).deploy("s", "{}", [], {})
+
+
+def test_long_waits_redraw_a_live_line_on_a_terminal_only(monkeypatch, capsys):
+    """A terminal sees one line redrawn with the elapsed time; a pipe sees only progress lines."""
+    from petctl.ui import UI
+
+    class Cf:
+        polls = 0
+
+        def describe_stacks(self, StackName):
+            self.polls += 1
+            status = "CREATE_COMPLETE" if self.polls > 3 else "CREATE_IN_PROGRESS"
+            return {"Stacks": [{"StackName": StackName, "StackStatus": status}]}
+
+        def describe_stack_events(self, StackName, **kw):
+            return {"StackEvents": []}
+
+    for tty in (True, False):
+        ui = UI()
+        monkeypatch.setattr(UI, "live_enabled", property(lambda self, t=tty: t))
+        clock = iter(range(0, 1000, 5))
+        Stacks(Cf(), ui, poll=0, sleep=lambda s: None, clock=lambda c=clock: next(c)).wait("s", timeout=600)
+        err = capsys.readouterr().err
+        if tty:
+            assert "\r" in err and "s: CREATE_IN_PROGRESS (" in err and "of at most 600s)" in err
+        else:
+            assert "\r" not in err and "CREATE_IN_PROGRESS" not in err
