@@ -115,7 +115,9 @@ class Config:
         record_ttl: float = 60.0,
     ) -> None:
         if int(ttl) != ttl or ttl < 1 or not 0 < refresh < ttl:
-            raise ValueError(f"ttl ({ttl}) must be a whole number of seconds (etcd v2) above refresh ({refresh})")
+            raise ValueError(
+                f"ttl ({ttl}) must be a whole number of seconds (etcd v2) above refresh ({refresh})"
+            )
         self.ttl = int(ttl)
         self.refresh = refresh
         self.settle = settle
@@ -873,6 +875,21 @@ class PetctlRendezvousHandler(RendezvousHandler):
             if self._round not in rounds and self._rounds.connected:
                 return {"round": self._round + 1, "reason": "round record gone", "waiting": [], "gone": []}
             return None
+
+    def wait_for_change(self, timeout: float) -> dict[str, Any] | None:
+        """Block until :meth:`pending_change` is not None (returned) or ``timeout`` s passed (None).
+
+        Lets a caller react the moment the watch brings a change instead of polling
+        :meth:`num_nodes_waiting`.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                ch = self.pending_change()
+                left = deadline - time.monotonic()
+                if ch is not None or self._left or left <= 0:
+                    return ch
+                self._cond.wait(left)
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting for the next round, plus participants gone; >0 means re-rendezvous now.

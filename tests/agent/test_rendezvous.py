@@ -372,3 +372,44 @@ def test_etcd_replaced_forms_a_new_round(group: Callable[..., Group], tmp_path: 
         assert {h.round for h in hs} == {1}
     finally:
         e.stop()
+
+
+TRAIN = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+print(f"RANK={os.environ['RANK']} WORLD={os.environ['WORLD_SIZE']} SUM={t.item():.0f}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_with_the_wrapper(etcd_server: Etcd, tmp_path: Path) -> None:
+    """``python -m petctl_agent.rendezvous`` = torchrun with petctl-etcd: 2 nodes run a gloo all_reduce."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    run_id = f"tr-{uuid.uuid4().hex[:8]}"
+    cmd = [
+        sys.executable, "-m", "petctl_agent.rendezvous", "--nnodes", "2:2", "--nproc-per-node", "1",
+        "--rdzv-backend", BACKEND, "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id,
+        "--local-addr", "127.0.0.1", "--rdzv-conf", "settle=0.2", str(script),
+    ]  # fmt: skip
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+        for _ in range(2)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=90)
+            outs.append(out)
+            assert p.returncode == 0, out[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    lines = sorted(line for out in outs for line in out.splitlines() if line.startswith("RANK="))
+    assert lines == ["RANK=0 WORLD=2 SUM=2", "RANK=1 WORLD=2 SUM=2"], outs
