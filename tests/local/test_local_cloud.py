@@ -96,7 +96,7 @@ def test_worker_gets_the_agent_environment(cloud: Cloud) -> None:
 
 
 def test_scale_in_drains_then_kills_the_tree(cloud: Cloud) -> None:
-    job = cloud.make_job("scalein", workers=2, drain_timeout=30)
+    job = cloud.make_job("scalein", workers=2, drain_timeout=3)
     wait_for(lambda: cloud.running("scalein", n=2), what="2 workers")
     before = set(cloud.group_instances(job["groups"]["workers"]))
     cloud.asg.set_desired_capacity(AutoScalingGroupName=job["groups"]["workers"], DesiredCapacity=1)
@@ -106,7 +106,7 @@ def test_scale_in_drains_then_kills_the_tree(cloud: Cloud) -> None:
 
     # The stand-in reads IMDS in its SIGTERM handler: the lifecycle state was flipped first.
     assert wait_for(lambda: cloud.drained(gone), what="SIGTERM handler") == "Terminated"
-    wait_for(lambda: cloud.instance(gone)["state"] == "terminated", what="state terminated")
+    wait_for(lambda: cloud.instance(gone)["state"] == "terminated", timeout=15, what="state terminated")
     assert not procs.group_members(pids["pid"])
     assert not procs.is_alive(pids["child"])  # the grandchild (a torch worker, own session) too
     assert cloud.instance(gone)["lifecycle_state"] == "Terminated"
