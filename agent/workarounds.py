@@ -20,6 +20,8 @@ WORKAROUNDS = {
     "SYNC_RESTART": "coordinated checkpoint before a scale-up/membership restart (torch kills workers mid-step)",
     "FORKSERVER": "workers fork from a torch-preloaded forkserver (torch starts fresh interpreters each restart)",
     "PDEATHSIG": "workers die with their agent (torch starts them in a new session; they would be orphaned)",
+    "PG_KEEPALIVE": "forkserver workers keep destroyed process groups referenced (DDP's Reducer freed "
+    "~ProcessGroupGloo under the GIL and hung at exit, agent/worker.py)",
 }
 
 
