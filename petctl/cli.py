@@ -323,6 +323,10 @@ def teardown(obj: Context, force: bool, delete_data: bool, yes: bool, timeout: i
             lines[0] += f" (emptied {r['objects_deleted']} S3 objects)"
         if r["kept"]:
             lines.append(r["kept"])
+        if r.get("left_behind"):
+            lines.append(f"left behind (delete by hand): {', '.join(r['left_behind'])}")
+        elif r["removed_stacks"]:
+            lines.append("left behind: nothing")
         return "\n".join(lines)
 
     obj.ui.result(result, text)

@@ -266,7 +266,9 @@ def teardown(ctx: Context, plan: TeardownPlan, *, timeout: float = 1800) -> dict
             emptied = empty_bucket(clients("s3"), plan.bucket, ctx)
         stacks.delete(plan.stack, timeout=timeout)
         removed.append(plan.stack)
+        left = sweep_stack_leftovers(clients, plan.stack, ctx)
     else:
+        left = []
         ctx.ui.progress(f"base stack {plan.stack} does not exist; nothing to delete")
     deleted_efs = []
     for fs in plan.efs_to_delete:
@@ -287,7 +289,64 @@ def teardown(ctx: Context, plan: TeardownPlan, *, timeout: float = 1800) -> dict
             f for f in ([plan.efs_id] if plan.efs_id else []) + plan.retained if f not in deleted_efs
         ],
         "kept": plan.kept(),
+        "left_behind": left,
     }
+
+
+def sweep_stack_leftovers(clients: Any, stack: str, ctx: Context) -> list[str]:
+    """Network resources the deleted base stack left behind, removed; what still remains, listed.
+
+    CloudFormation on AWS leaves nothing. An emulator can (moto fails to delete a VPC that
+    still has its route table and reports DependencyViolation after dropping the stack). Only
+    resources tagged as this stack's (``aws:cloudformation:stack-name``) are touched.
+    """
+    ec2 = clients("ec2")
+    tag = [{"Name": "tag:aws:cloudformation:stack-name", "Values": [stack]}]
+    left: list[str] = []
+
+    def attempt(what: str, call: Any) -> None:
+        try:
+            call()
+        except ClientError as e:
+            if "NotFound" not in describe_client_error(e):
+                left.append(f"{what} ({describe_client_error(e)})")
+
+    for vpc in ec2.describe_vpcs(Filters=tag)["Vpcs"]:
+        vpc_id = vpc["VpcId"]
+        by_vpc = [{"Name": "vpc-id", "Values": [vpc_id]}]
+        for igw in ec2.describe_internet_gateways(
+            Filters=[{"Name": "attachment.vpc-id", "Values": [vpc_id]}]
+        )["InternetGateways"]:
+            attempt(
+                igw["InternetGatewayId"],
+                lambda i=igw["InternetGatewayId"], v=vpc_id: ec2.detach_internet_gateway(
+                    InternetGatewayId=i, VpcId=v
+                ),
+            )
+            attempt(
+                igw["InternetGatewayId"],
+                lambda i=igw["InternetGatewayId"]: ec2.delete_internet_gateway(InternetGatewayId=i),
+            )
+        for rt in ec2.describe_route_tables(Filters=by_vpc)["RouteTables"]:
+            if any(a.get("Main") for a in rt.get("Associations", [])):
+                continue  # goes with the VPC
+            for a in rt.get("Associations", []):
+                attempt(
+                    rt["RouteTableId"],
+                    lambda a=a: ec2.disassociate_route_table(AssociationId=a["RouteTableAssociationId"]),
+                )
+            attempt(rt["RouteTableId"], lambda r=rt["RouteTableId"]: ec2.delete_route_table(RouteTableId=r))
+        for subnet in ec2.describe_subnets(Filters=by_vpc)["Subnets"]:
+            attempt(subnet["SubnetId"], lambda n=subnet["SubnetId"]: ec2.delete_subnet(SubnetId=n))
+        for sg in ec2.describe_security_groups(Filters=by_vpc)["SecurityGroups"]:
+            if sg["GroupName"] != "default":
+                attempt(sg["GroupId"], lambda g=sg["GroupId"]: ec2.delete_security_group(GroupId=g))
+        attempt(vpc_id, lambda v=vpc_id: ec2.delete_vpc(VpcId=v))
+    if left:
+        ctx.ui.warn(f"left behind after deleting {stack}: {', '.join(left)}; delete them in the EC2 console")
+    else:
+        ctx.ui.progress(f"nothing of {stack} is left behind")
+    return left
 
 
 def delete_file_system(ctx: Context, efs_id: str, wait: float = 300) -> None:

@@ -211,9 +211,7 @@ class Stacks:
             after = self.describe(name)
             if after is not None and after["StackStatus"] != "DELETE_COMPLETE":
                 raise StackError(f"stack {name} could not be deleted: {describe_client_error(e)}") from e
-            self.ui.warn(
-                f"deleting stack {name} returned an error ({describe_client_error(e)}), but the stack is gone"
-            )
+            self.ui.debug(f"delete_stack {name} answered {describe_client_error(e)}, but the stack is gone")
             return True
         final = self.wait(stack["StackId"], timeout=timeout, since=started, label=name)
         if final and final["StackStatus"] != "DELETE_COMPLETE":

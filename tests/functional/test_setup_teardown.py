@@ -95,6 +95,11 @@ def test_teardown_removes_stack_and_empties_bucket(run, profile_data):
     assert "removed: petctl-default" in r.stdout and "emptied 1 S3 objects" in r.stdout
     assert [s for s in cf().describe_stacks()["Stacks"] if s["StackStatus"] != "DELETE_COMPLETE"] == []
     assert profile_data()["stack_name"] is None
+    # nothing of the stack is left behind (moto leaks the VPC and its route table: swept up)
+    assert "left behind: nothing" in r.stdout and "warning:" not in r.stderr
+    ec2 = boto3.client("ec2")
+    assert ec2.describe_vpcs(Filters=[{"Name": "tag:petctl:profile", "Values": ["default"]}])["Vpcs"] == []
+    assert ec2.describe_internet_gateways()["InternetGateways"] == []
 
 
 def test_teardown_twice_is_harmless(run):
