@@ -116,14 +116,14 @@ class Profile:
     retained_efs_ids: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
+    # No instance profiles: each job stack makes its own roles unless both ARNs are recorded.
+    # vpc_id is looked up from the first subnet when missing (jobs.resolve_vpc).
     REQUIRED_FOR_JOBS = (
         "region",
         "subnet_ids",
         "security_group_id",
         "efs_id",
         "bucket",
-        "worker_instance_profile_arn",
-        "rdzv_instance_profile_arn",
     )
 
     def missing_for_jobs(self) -> list[str]:

@@ -11,17 +11,17 @@ from petctl.context import Context
 from petctl.errors import AwsError, ConfigError, PetctlError, describe_client_error
 from petctl.ui import cmd
 
-# Base stack output → profile field.
+# Base stack output → profile field. No instance profiles: each job stack makes its own roles.
 OUTPUT_FIELDS = {
     "VpcId": "vpc_id",
     "SubnetIds": "subnet_ids",
     "InstanceSecurityGroupId": "security_group_id",
     "EfsId": "efs_id",
     "BucketName": "bucket",
-    "WorkerInstanceProfileArn": "worker_instance_profile_arn",
-    "RdzvInstanceProfileArn": "rdzv_instance_profile_arn",
     "LogGroupName": "log_group",
 }
+#: Outputs of base stacks made before the roles moved into the job stacks.
+OLD_ROLE_OUTPUTS = ("WorkerInstanceProfileArn", "RdzvInstanceProfileArn")
 
 
 def setup(
@@ -81,6 +81,7 @@ def setup(
         profile=ctx.profile_name,
     )
     stacks = Stacks(clients("cloudformation"), ctx.ui)
+    _refuse_to_pull_roles_from_jobs(ctx, stacks, name)
     result = stacks.deploy(
         name,
         template,
@@ -89,6 +90,10 @@ def setup(
         timeout=timeout,
     )
     apply_outputs(profile, result.outputs)
+    # Roles come from each job stack now: ARNs recorded from an older base stack (whose roles the
+    # update above removed) must not be handed to new jobs.
+    profile.worker_instance_profile_arn = None
+    profile.rdzv_instance_profile_arn = None
     profile.region = clients.region
     profile.managed = True
     profile.stack_name = name
@@ -104,6 +109,24 @@ def setup(
         "outputs": result.outputs,
         "profile_path": str(path),
     }
+
+
+def _refuse_to_pull_roles_from_jobs(ctx: Context, stacks: Any, name: str) -> None:
+    """Updating a base stack made before the job stacks had their own roles and security groups
+    removes its instance profiles and its instances' self-ingress rule, which running jobs of that
+    era use: refuse while any job of the profile exists (before any change)."""
+    from petctl import jobs
+
+    old = stacks.describe(name)
+    if old is None or not set(OLD_ROLE_OUTPUTS) & set(_stack_outputs(old)):
+        return
+    live = [naming.job_from_stack(s["StackName"]) or s["StackName"] for s in jobs.job_stacks(ctx, stacks)]
+    if live:
+        raise PetctlError(
+            f"base stack {name} still gives its instance roles and network to job(s) {', '.join(live)}; "
+            f"updating it would cut them off. Let them finish or `{cmd('kill-job')}` them, then run "
+            f"`{cmd('setup')}` again"
+        )
 
 
 def apply_outputs(profile: config.Profile, outputs: dict[str, str]) -> None:

@@ -291,8 +291,8 @@ def plan(ctx: Context, req: JobRequest, dist: Path | None = None) -> Plan:
     own_roles = not all(given_roles)
     if not profile.vpc_id:
         raise ConfigError(
-            f"profile {profile.name!r} records no vpc_id, which the job's security groups need; "
-            f"run `{cmd('configure --vpc-id VPC')}` (the VPC of subnet {profile.subnet_ids[0]})"
+            f"profile {profile.name!r} records no vpc_id (the VPC of subnet {profile.subnet_ids[0]}), "
+            f"which the job's security groups need; look it up first (jobs.resolve_vpc)"
         )
     template = templates.render_job(
         gpu=gpu,
@@ -366,8 +366,8 @@ def resolve_vpc(ctx: Context) -> None:
         subnets = ctx.clients()("ec2").describe_subnets(SubnetIds=[subnet])["Subnets"]
     except Exception as e:  # noqa: BLE001 - InvalidSubnetID.NotFound, no access
         raise ConfigError(
-            f"cannot find the VPC of subnet {subnet} ({describe_client_error(e)}); record it with "
-            f"`{cmd('configure --vpc-id VPC')}`"
+            f"cannot find the VPC of subnet {subnet} ({describe_client_error(e)}); check the profile's "
+            f"subnets with `{cmd('configure --show')}`"
         ) from e
     if not subnets:
         raise ConfigError(f"subnet {subnet} of profile {profile.name!r} was not found in {ctx.region}")
@@ -594,8 +594,78 @@ def agent_statuses(ctx: Context, job: str) -> list[dict[str, Any]]:
         return []
 
 
-def overall_state(stack_status: str | None, agents: list[dict[str, Any]], desired: int | None) -> str:
-    """The job's state from its stack and its agents' reports (contracts.md)."""
+#: Boot logs (s3://<bucket>/petctl/jobs/<job>/boot/) after which, with no agent ever training, the
+#: job counts as FAILED; the boot scripts scale the groups to zero at the same count (common.sh.j2).
+BOOT_FAILURES_TO_FAIL = 3
+#: How much of the newest boot log status shows.
+BOOT_LOG_LINES = 15
+
+
+def boot_failures(ctx: Context, job: str) -> dict[str, Any]:
+    """The boot logs failing instances published: how many, and the newest one's last lines."""
+    result: dict[str, Any] = {"count": 0, "instance_id": None, "at": None, "last_lines": []}
+    bucket = ctx.profile.bucket
+    if not bucket:
+        return result
+    prefix = naming.job_prefix(job) + "boot/"
+    try:
+        s3 = ctx.clients()("s3")
+        logs = [
+            o
+            for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+            for o in page.get("Contents", [])
+            if o["Key"].endswith(".log")
+        ]
+        if not logs:
+            return result
+        newest = max(logs, key=lambda o: (o.get("LastModified") is not None, o.get("LastModified"), o["Key"]))
+        # The end of the log says why: read at most its last 16 KiB.
+        body = s3.get_object(Bucket=bucket, Key=newest["Key"], Range="bytes=-16384")["Body"].read()
+    except Exception as e:  # noqa: BLE001 - status must still show the group
+        ctx.ui.warn(f"could not read boot logs from s3://{bucket}/{prefix}: {describe_client_error(e)}")
+        return result
+    lines = [line for line in body.decode("utf-8", "replace").splitlines() if line.strip()]
+    result.update(
+        count=len(logs),
+        instance_id=newest["Key"][len(prefix) : -len(".log")],
+        at=_iso(newest.get("LastModified")),
+        last_lines=lines[-BOOT_LOG_LINES:],
+    )
+    return result
+
+
+def ever_trained(agents: list[dict[str, Any]]) -> bool:
+    """Whether any agent of the job ever had its workers running (or finished)."""
+    for a in agents:
+        if a.get("state") in ("RUNNING", "SUCCEEDED", "DRAINING", "LEFT"):
+            return True
+        if any(e.get("kind") in ("workers_started", "succeeded") for e in a.get("events", []) or []):
+            return True
+    return False
+
+
+def boot_failed(boot: dict[str, Any] | None, trained: bool, desired: int | None) -> bool:
+    """Every node keeps failing its boot: boot logs exist, no agent ever trained, and there are
+    BOOT_FAILURES_TO_FAIL of them (or the boot scripts already scaled the groups to zero)."""
+    count = (boot or {}).get("count") or 0
+    return count > 0 and not trained and (count >= BOOT_FAILURES_TO_FAIL or desired == 0)
+
+
+def boot_failure_reason(boot: dict[str, Any]) -> str:
+    tail = "\n".join("    " + line for line in boot.get("last_lines") or [])
+    return (
+        f"{boot['count']} instance boot(s) failed and no node ever trained; the newest boot log "
+        f"(s3 .../boot/{boot.get('instance_id')}.log) ends:\n{tail}"
+    )
+
+
+def overall_state(
+    stack_status: str | None,
+    agents: list[dict[str, Any]],
+    desired: int | None,
+    boot_failure: bool = False,
+) -> str:
+    """The job's state from its stack, its agents' reports and its boot logs (contracts.md)."""
     if stack_status is None:
         return "GONE"
     if stack_status.startswith("DELETE"):
@@ -604,6 +674,8 @@ def overall_state(stack_status: str | None, agents: list[dict[str, Any]], desire
         return "FAILED"
     if stack_status.endswith("_IN_PROGRESS") and stack_status.startswith("CREATE"):
         return "STARTING"
+    if boot_failure:
+        return "FAILED"
     states = [a.get("state") for a in agents]
     if "FAILED" in states:
         return "FAILED"
@@ -682,9 +754,15 @@ def status(ctx: Context, job: str) -> dict[str, Any]:
         ({**e, "instance_id": a.get("instance_id")} for a in agents for e in a.get("events", []) or []),
         key=lambda e: e.get("t", 0),
     )
+    boot = boot_failures(ctx, job)
+    failed_boot = boot_failed(boot, ever_trained(agents), group.get("DesiredCapacity"))
+    state = overall_state(stack["StackStatus"], current, group.get("DesiredCapacity"), failed_boot)
     return {
         "job": job,
-        "state": overall_state(stack["StackStatus"], current, group.get("DesiredCapacity")),
+        "state": state,
+        # Why a job failed, when petctl knows it (for now: every boot keeps failing).
+        "reason": boot_failure_reason(boot) if failed_boot and state == "FAILED" else None,
+        "boot_failures": boot,
         "stack_status": stack["StackStatus"],
         "min": group.get("MinSize"),
         "max": group.get("MaxSize"),

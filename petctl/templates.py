@@ -60,9 +60,6 @@ INFRA_OUTPUTS: tuple[str, ...] = (
     "InstanceSecurityGroupId",
     "EfsId",
     "BucketName",
-    "WorkerInstanceProfileArn",
-    "RdzvInstanceProfileArn",
-    "WorkerRoleArn",
     "LogGroupName",
 )
 
@@ -134,7 +131,12 @@ def render_infra(*, az_count: int = 2, create_efs: bool = True, create_bucket: b
 
 
 def render_job(
-    *, gpu: bool = False, spot: bool = False, ami_override: bool = False, instance_types: int = 1
+    *,
+    gpu: bool = False,
+    spot: bool = False,
+    ami_override: bool = False,
+    instance_types: int = 1,
+    own_roles: bool = True,
 ) -> str:
     """Render the job stack template (``petctl run_job``).
 
@@ -146,6 +148,10 @@ def render_job(
         instance_types: how many worker instance types the group may launch; above 1, a mixed
             instances policy with one launch template override each, from the ``InstanceTypes``
             parameter (a comma-separated list).
+        own_roles: the stack makes the job's own IAM roles (scoped to this job's S3 prefix, log
+            streams and groups; adds ``LogGroupName``). ``False``: the instances use existing
+            instance profiles given as ``WorkerInstanceProfileArn`` / ``RdzvInstanceProfileArn``
+            (profiles recorded with ``petctl configure``).
 
     Returns:
         The CloudFormation template as YAML text; see :func:`job_parameters` for its parameters.
@@ -153,6 +159,7 @@ def render_job(
     _check_bool("gpu", gpu)
     _check_bool("spot", spot)
     _check_bool("ami_override", ami_override)
+    _check_bool("own_roles", own_roles)
     if (
         not isinstance(instance_types, int)
         or isinstance(instance_types, bool)
@@ -167,6 +174,7 @@ def render_job(
         spot=spot,
         ami_override=ami_override,
         instance_types=instance_types,
+        own_roles=own_roles,
         cpu_ami_parameter=CPU_AMI_PARAMETER,
         gpu_ami_parameter=GPU_AMI_PARAMETER,
     )
@@ -303,11 +311,13 @@ def _job_parameter_names() -> tuple[frozenset[str], frozenset[str]]:
     """Known parameter names over every job template variant, and those required by all of them."""
     known: set[str] = set()
     required: set[str] | None = None
-    for gpu, spot, ami_override, types in itertools.product(
-        (False, True), (False, True), (False, True), (1, 2)
+    for gpu, spot, ami_override, types, own_roles in itertools.product(
+        (False, True), (False, True), (False, True), (1, 2), (True, False)
     ):
         names, needed = template_parameters(
-            render_job(gpu=gpu, spot=spot, ami_override=ami_override, instance_types=types)
+            render_job(
+                gpu=gpu, spot=spot, ami_override=ami_override, instance_types=types, own_roles=own_roles
+            )
         )
         known |= names
         required = needed if required is None else required & needed

@@ -7,6 +7,8 @@ This file is loaded by path by cfn-lint: keep it free of relative imports.
 
 from __future__ import annotations
 
+import fnmatch
+import re
 from typing import Any
 
 from cfnlint.rules import CloudFormationLintRule, RuleMatch
@@ -234,3 +236,93 @@ class BucketRequiresTls(CloudFormationLintRule):
             for name in cfn.get_resources(["AWS::S3::Bucket"])
             if name not in protected
         ]
+
+
+def _policy_documents(cfn: Template) -> list[tuple[list, Any]]:
+    """``(path, PolicyDocument)`` of every identity policy: inline role/user/group policies and
+    AWS::IAM::Policy / AWS::IAM::ManagedPolicy resources."""
+    found: list[tuple[list, Any]] = []
+    for name, resource in cfn.get_resources(["AWS::IAM::Role", "AWS::IAM::User", "AWS::IAM::Group"]).items():
+        policies = _properties(resource).get("Policies") or []
+        for index, policy in enumerate(policies if isinstance(policies, list) else []):
+            if isinstance(policy, dict):
+                path = ["Resources", name, "Properties", "Policies", index, "PolicyDocument"]
+                found.append((path, policy.get("PolicyDocument")))
+    for name, resource in cfn.get_resources(["AWS::IAM::Policy", "AWS::IAM::ManagedPolicy"]).items():
+        found.append(
+            (["Resources", name, "Properties", "PolicyDocument"], _properties(resource).get("PolicyDocument"))
+        )
+    return found
+
+
+def _as_list(value: Any) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+class S3WritesScopedToTheJob(CloudFormationLintRule):
+    id = "E9108"
+    shortdesc = "IAM policies write to S3 only under one job's status/ or boot/ prefix"
+    description = (
+        "Every Allow statement of an identity policy that grants an S3 object write (PutObject, "
+        "DeleteObject, s3:*, wildcards...) names only resources "
+        "arn:${AWS::Partition}:s3:::<bucket>/petctl/jobs/${JobName}/{status,boot}/*, so an instance can never "
+        "overwrite another job's objects or its own job's code, spec or wheel. NotAction/NotResource "
+        "in such statements are violations."
+    )
+    source_url = "https://docs.aws.amazon.com/IAM/latest/UserGuide/best-practices.html#grant-least-privilege"
+    tags = ["petctl", "security", "iam", "s3"]
+    #: Object writes an instance could use to change or remove what a job reads.
+    WRITE_ACTIONS = (
+        "s3:putobject",
+        "s3:putobjectacl",
+        "s3:putobjecttagging",
+        "s3:deleteobject",
+        "s3:deleteobjectversion",
+        "s3:restoreobject",
+        "s3:replicateobject",
+    )
+    #: A write resource: this job's own reports (status/, boot/); never code/, dist/ or job.json.
+    SCOPED = re.compile(
+        r"^arn:\$\{AWS::Partition\}:s3:::(\$\{[A-Za-z0-9]+\}|[a-z0-9][a-z0-9.-]+)"
+        r"/petctl/jobs/\$\{JobName\}/(status|boot)/\*$"
+    )
+
+    def _writes(self, actions: Any) -> bool:
+        patterns = [a.lower() for a in _as_list(actions) if isinstance(a, str)]
+        if any(not isinstance(a, str) for a in _as_list(actions)):
+            return True  # an intrinsic we cannot read
+        return any(fnmatch.fnmatchcase(write, p) for p in patterns for write in self.WRITE_ACTIONS)
+
+    def _scoped(self, resource: Any) -> bool:
+        if isinstance(resource, dict) and list(resource) == ["Fn::Sub"]:
+            resource = resource["Fn::Sub"]
+        return isinstance(resource, str) and bool(self.SCOPED.match(resource))
+
+    def match(self, cfn: Template) -> list[RuleMatch]:
+        matches = []
+        for path, document in _policy_documents(cfn):
+            statements = document.get("Statement") if isinstance(document, dict) else None
+            for index, statement in enumerate(_as_list(statements)):
+                if not isinstance(statement, dict) or statement.get("Effect") != "Allow":
+                    continue
+                where = [*path, "Statement", index]
+                if "NotAction" in statement or "NotResource" in statement:
+                    if "NotAction" in statement or self._writes(statement.get("Action")):
+                        matches.append(
+                            RuleMatch(
+                                where, f"{path[1]}: NotAction/NotResource hide which S3 writes are allowed"
+                            )
+                        )
+                    continue
+                if not self._writes(statement.get("Action")):
+                    continue
+                for resource in _as_list(statement.get("Resource")):
+                    if not self._scoped(resource):
+                        matches.append(
+                            RuleMatch(
+                                [*where, "Resource"],
+                                f"{path[1]} allows S3 writes outside one job's prefix "
+                                f"(petctl/jobs/${{JobName}}/status/* or boot/*): {resource}",
+                            )
+                        )
+        return matches

@@ -19,17 +19,61 @@ def test_setup_creates_base_stack_and_records_outputs(run, profile_data):
     p = profile_data()
     assert p["stack_name"] == "petctl-default" and p["managed"] is True and p["region"] == "us-east-1"
     assert len(p["subnet_ids"]) == 2 and all(s.startswith("subnet-") for s in p["subnet_ids"])
-    for key in (
-        "efs_id",
-        "bucket",
-        "security_group_id",
-        "worker_instance_profile_arn",
-        "rdzv_instance_profile_arn",
-        "log_group",
-    ):
+    for key in ("vpc_id", "efs_id", "bucket", "security_group_id", "log_group"):
         assert p[key], key
+    # each job stack makes its own roles: the profile records no instance profiles
+    assert p["worker_instance_profile_arn"] is None and p["rdzv_instance_profile_arn"] is None
     status = cf().describe_stacks(StackName="petctl-default")["Stacks"][0]["StackStatus"]
     assert status == "CREATE_COMPLETE"
+
+
+def test_setup_clears_instance_profiles_of_an_older_base_stack(run, profile_data):
+    """Profiles made by an older petctl record the base stack's instance profiles; once setup has
+    run they must go (the roles are gone from the base stack), so jobs make their own."""
+    import os
+    from pathlib import Path
+
+    assert run("setup").exit_code == 0
+    path = Path(os.environ["PETCTL_HOME"]) / "profiles" / "default.json"
+    data = profile_data()
+    data["worker_instance_profile_arn"] = "arn:aws:iam::123456789012:instance-profile/old-worker"
+    data["rdzv_instance_profile_arn"] = "arn:aws:iam::123456789012:instance-profile/old-rdzv"
+    path.write_text(json.dumps(data))
+    r = run("setup")
+    assert r.exit_code == 0, r.output
+    p = profile_data()
+    assert p["worker_instance_profile_arn"] is None and p["rdzv_instance_profile_arn"] is None
+
+
+OLD_BASE = """
+Resources:
+  Handle:
+    Type: AWS::CloudFormation::WaitConditionHandle
+Outputs:
+  WorkerInstanceProfileArn:
+    Value: arn:aws:iam::123456789012:instance-profile/old-worker
+  RdzvInstanceProfileArn:
+    Value: arn:aws:iam::123456789012:instance-profile/old-rdzv
+"""
+
+
+def test_setup_refuses_to_take_roles_from_running_jobs_of_an_older_base_stack(run):
+    """An older base stack gives its roles (and self-ingress) to its jobs: updating it while one
+    runs would cut that job off, so setup refuses before any change."""
+    cf().create_stack(StackName="petctl-default", TemplateBody=OLD_BASE)
+    cf().create_stack(
+        StackName="petctl-job-old-1",
+        TemplateBody=OLD_BASE,
+        Tags=[{"Key": "petctl:profile", "Value": "default"}],
+    )
+    r = run("setup")
+    assert r.exit_code != 0
+    assert "still gives its instance roles and network to job(s) old-1" in r.stderr
+    (stack,) = cf().describe_stacks(StackName="petctl-default")["Stacks"]
+    assert {o["OutputKey"] for o in stack["Outputs"]} == {
+        "WorkerInstanceProfileArn",
+        "RdzvInstanceProfileArn",
+    }
 
 
 def test_setup_again_updates_in_place(run):

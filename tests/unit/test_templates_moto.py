@@ -18,8 +18,10 @@ What moto 5.2 does not do, and how we deal with it (test_templates.py checks the
 
 from __future__ import annotations
 
+import ast
 import base64
 import ipaddress
+import json
 import warnings
 
 import pytest
@@ -88,9 +90,9 @@ def job_values(base: dict[str, str], job: str, **extra) -> dict:
         "DesiredCapacity": 3,
         "SubnetIds": subnets,
         "RdzvSubnetId": subnets[0],
+        "VpcId": base["VpcId"],
         "SecurityGroupId": base["InstanceSecurityGroupId"],
-        "WorkerInstanceProfileArn": base["WorkerInstanceProfileArn"],
-        "RdzvInstanceProfileArn": base["RdzvInstanceProfileArn"],
+        "LogGroupName": base["LogGroupName"],
         "EfsId": base["EfsId"],
         "BucketName": bucket,
         "SpecUrl": f"s3://{bucket}/petctl/jobs/{job}/job.json",
@@ -127,9 +129,7 @@ def test_base_stack_in_local_cidr(aws):
     (vpc,) = ec2.describe_vpcs(VpcIds=[base["VpcId"]])["Vpcs"]
     assert vpc["CidrBlock"] == LOCAL_CIDR
     (sg,) = ec2.describe_security_groups(GroupIds=[base["InstanceSecurityGroupId"]])["SecurityGroups"]
-    (rule,) = sg["IpPermissions"]
-    assert rule["IpProtocol"] == "-1" and rule["IpRanges"] == [] and rule.get("Ipv6Ranges", []) == []
-    assert [p["GroupId"] for p in rule["UserIdGroupPairs"]] == [base["InstanceSecurityGroupId"]]
+    assert sg["IpPermissions"] == []  # the identity EFS admits; traffic between instances is per job
     efs = client("efs")
     (fs,) = efs.describe_file_systems(FileSystemId=base["EfsId"])["FileSystems"]
     assert fs["Encrypted"] is True
@@ -140,12 +140,7 @@ def test_base_stack_in_local_cidr(aws):
     (group,) = client("logs").describe_log_groups(logGroupNamePrefix="/petctl/default")["logGroups"]
     assert group["logGroupName"] == base["LogGroupName"] == "/petctl/default"
     assert group["retentionInDays"] == 30
-    iam = client("iam")
-    profile_name = base["WorkerInstanceProfileArn"].rsplit("/", 1)[1]
-    (role,) = iam.get_instance_profile(InstanceProfileName=profile_name)["InstanceProfile"]["Roles"]
-    assert role["Arn"] == base["WorkerRoleArn"]
-    assert iam.list_role_policies(RoleName=role["RoleName"])["PolicyNames"] == ["petctl-worker"]
-    # (moto does not attach the role's ManagedPolicyArns: checked on the YAML instead)
+    assert client("iam").list_roles()["Roles"] == []  # each job stack makes its own roles
 
 
 def test_base_stack_with_existing_efs_and_bucket(aws):
@@ -265,3 +260,132 @@ def test_pinned_rendezvous_address(aws):
     ]
     assert "127.0.0.254" not in worker_ips
     assert all(tags["petctl:rdzv"] == "127.0.0.254" for tags in instance_tags("petctl-train-3-workers"))
+
+
+def _document(doc) -> dict:
+    """A role policy as moto returns it: a dict, JSON, or (moto 5.2, from CloudFormation) a repr."""
+    if not isinstance(doc, str):
+        return doc
+    try:
+        return json.loads(doc)
+    except ValueError:
+        return ast.literal_eval(doc)
+
+
+def _roles_of(stack: str) -> dict[str, dict]:
+    cf, iam = client("cloudformation"), client("iam")
+    found = {}
+    for r in cf.list_stack_resources(StackName=stack)["StackResourceSummaries"]:
+        if r.get("ResourceType") == "AWS::IAM::Role":
+            name = r["PhysicalResourceId"].rsplit("/", 1)[-1]
+            found[r["LogicalResourceId"]] = {
+                "role": iam.get_role(RoleName=name)["Role"],
+                "policies": {
+                    p: _document(iam.get_role_policy(RoleName=name, PolicyName=p)["PolicyDocument"])
+                    for p in iam.list_role_policies(RoleName=name)["PolicyNames"]
+                },
+            }
+    return found
+
+
+def test_job_stack_makes_its_own_roles_and_security_groups(aws):
+    """Two jobs: each gets its own roles (policies naming only its prefix, streams and groups) and
+    its own security groups (etcd 2379 only from that job's workers)."""
+    base = base_stack()
+    ec2 = client("ec2")
+    made = {}
+    for job in ("train-a", "train-a-2"):  # one name a prefix of the other: petctl-train-a-* would match both
+        template = templates.render_job()
+        create(
+            f"petctl-job-{job}",
+            template,
+            templates.job_parameters(template=template, **job_values(base, job)),
+        )
+        made[job] = _roles_of(f"petctl-job-{job}")
+        assert set(made[job]) == {"WorkerRole", "RdzvRole"}
+    for job, roles in made.items():
+        other = "train-a-2" if job == "train-a" else "train-a"
+        for logical, found in roles.items():
+            text = str(found["policies"])
+            assert f"petctl/jobs/{job}/" in text and f"petctl/jobs/{other}/" not in text, logical
+            for group in ("workers", "rdzv"):  # exact group names: no petctl-train-a-* wildcard
+                assert f"autoScalingGroupName/petctl-{other}-{group}'" not in text
+            assert f":log-stream:{job}/*" in text
+        worker_doc = roles["WorkerRole"]["policies"]["petctl-worker"]
+        writes = [s for s in worker_doc["Statement"] if "s3:PutObject" in str(s["Action"])]
+        (write,) = writes
+        bucket = base["BucketName"]
+        assert write["Resource"] == [
+            f"arn:aws:s3:::{bucket}/petctl/jobs/{job}/status/*",
+            f"arn:aws:s3:::{bucket}/petctl/jobs/{job}/boot/*",
+        ]
+        scoped = [
+            s
+            for s in worker_doc["Statement"]
+            if str(s["Action"]).count("autoscaling:") and s["Resource"] != "*"
+        ]
+        assert scoped and all(
+            s["Condition"] == {"StringEquals": {"aws:ResourceTag/petctl:job": job}} for s in scoped
+        )
+
+        # launch templates use this job's instance profiles and security groups
+        def resource(logical, stack=f"petctl-job-{job}"):
+            detail = client("cloudformation").describe_stack_resource(
+                StackName=stack, LogicalResourceId=logical
+            )
+            return detail["StackResourceDetail"]["PhysicalResourceId"]
+
+        worker_sg, rdzv_sg = resource("WorkerSecurityGroup"), resource("RdzvSecurityGroup")
+        (lt,) = ec2.describe_launch_templates(LaunchTemplateNames=[f"petctl-{job}-workers"])[
+            "LaunchTemplates"
+        ]
+        (version,) = ec2.describe_launch_template_versions(LaunchTemplateId=lt["LaunchTemplateId"])[
+            "LaunchTemplateVersions"
+        ]
+        data = version["LaunchTemplateData"]
+        assert sorted(data["SecurityGroupIds"]) == sorted([base["InstanceSecurityGroupId"], worker_sg])
+        profile_arn = data["IamInstanceProfile"]["Arn"]
+        assert profile_arn.startswith("arn:aws:iam::") and ":instance-profile/" in profile_arn
+        (profile_role,) = client("iam").get_instance_profile(
+            InstanceProfileName=profile_arn.rsplit("/", 1)[1]
+        )["InstanceProfile"]["Roles"]
+        assert profile_role["Arn"] == roles["WorkerRole"]["role"]["Arn"]
+        groups = {
+            g["GroupId"]: g
+            for g in ec2.describe_security_groups(GroupIds=[worker_sg, rdzv_sg])["SecurityGroups"]
+        }
+        assert all(g["VpcId"] == base["VpcId"] for g in groups.values())
+        (self_rule,) = groups[worker_sg]["IpPermissions"]
+        assert self_rule["IpProtocol"] == "-1"
+        assert [p["GroupId"] for p in self_rule["UserIdGroupPairs"]] == [worker_sg]
+        (etcd_rule,) = groups[rdzv_sg]["IpPermissions"]
+        assert (etcd_rule["IpProtocol"], etcd_rule["FromPort"], etcd_rule["ToPort"]) == ("tcp", 2379, 2379)
+        assert [p["GroupId"] for p in etcd_rule["UserIdGroupPairs"]] == [worker_sg]
+        assert etcd_rule["IpRanges"] == []
+
+
+def test_job_stack_with_given_instance_profiles(aws):
+    """A `configure` profile that records instance profiles: the stack makes no roles and uses them."""
+    base = base_stack()
+    iam = client("iam")
+    arns = {}
+    for kind in ("worker", "rdzv"):
+        iam.create_role(RoleName=f"mine-{kind}", AssumeRolePolicyDocument="{}")
+        arns[kind] = iam.create_instance_profile(InstanceProfileName=f"mine-{kind}")["InstanceProfile"]["Arn"]
+        iam.add_role_to_instance_profile(InstanceProfileName=f"mine-{kind}", RoleName=f"mine-{kind}")
+    template = templates.render_job(own_roles=False)
+    values = job_values(
+        base, "train-4", WorkerInstanceProfileArn=arns["worker"], RdzvInstanceProfileArn=arns["rdzv"]
+    )
+    del values["LogGroupName"]
+    create("petctl-job-train-4", template, templates.job_parameters(template=template, **values))
+    assert _roles_of("petctl-job-train-4") == {}
+    ec2 = client("ec2")
+    for kind, name in (("worker", "workers"), ("rdzv", "rdzv")):
+        (lt,) = ec2.describe_launch_templates(LaunchTemplateNames=[f"petctl-train-4-{name}"])[
+            "LaunchTemplates"
+        ]
+        (version,) = ec2.describe_launch_template_versions(LaunchTemplateId=lt["LaunchTemplateId"])[
+            "LaunchTemplateVersions"
+        ]
+        assert version["LaunchTemplateData"]["IamInstanceProfile"]["Arn"] == arns[kind]
