@@ -44,6 +44,8 @@ setup(
         "console_scripts": [
             "petctl=petctl.cli:main",
             "petctl-agent=petctl_agent.main:main",
-        ]
+        ],
+        # torchrun --rdzv-backend petctl-etcd (torch registers what the entry point returns)
+        "torchrun.handlers": ["petctl-etcd = petctl_agent.rendezvous:torchrun_handler"],
     },
 )

@@ -26,11 +26,13 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousPa
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousGracefulExitError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
 
 from petctl_agent import DRAIN_EXIT_CODE
+from petctl_agent.spec import RDZV_BACKENDS  # the rendezvous backends; the first is the default
 from petctl_agent.status import StatusPublisher
 from petctl_agent.workarounds import enabled, env_float
 
@@ -57,6 +59,31 @@ TRANSIENT_RDZV_ERRORS = (
 #: exit "codes" of local ranks torch terminated after a sibling stopped: SIGTERM, then SIGKILL
 #: once its grace period ran out (``PContext.close``)
 TERMINATED_BY_TORCH = frozenset({-int(signal.SIGTERM), -int(signal.SIGKILL)})
+
+
+class _NoAgentTraceback(logging.Filter):
+    """Log a worker's exit without the agent-side traceback (its text stays in the message).
+
+    torch logs every worker exit with ``logger.exception``; torch's log formatter imports
+    ``torch._dynamo`` the first time it formats an exception: 1-3 s in the agent on a busy
+    2-core box, spent between the workers' exit and the re-rendezvous (measured: the first
+    drain of every agent stalled ~2 s in ``MultiprocessContext._poll``).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            record.msg = f"{record.getMessage()}: {type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
+            record.args = None
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+def quiet_worker_exit_tracebacks() -> None:
+    """Install :class:`_NoAgentTraceback` on torch's worker-process logger (idempotent)."""
+    lg = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if not any(isinstance(f, _NoAgentTraceback) for f in lg.filters):
+        lg.addFilter(_NoAgentTraceback())
 
 
 class LeftRendezvous(Exception):
@@ -136,12 +163,54 @@ def rendezvous_config(join_timeout: float = 1800) -> dict[str, Any]:
     return cfg
 
 
+#: backends that are torch's own handlers: only these need the torch workarounds
+TORCH_BACKENDS = frozenset({"etcd-v2", "etcd"})
+
+
+def rdzv_backend(spec_backend: str = "") -> str:
+    """The backend to use: ``$PETCTL_AGENT_RDZV_BACKEND``, else the spec's ``rdzv_backend``, else petctl-etcd."""
+    name = os.environ.get("PETCTL_AGENT_RDZV_BACKEND", "") or spec_backend or RDZV_BACKENDS[0]
+    if name not in RDZV_BACKENDS:
+        raise ValueError(f"rendezvous backend {name!r} is not one of {', '.join(RDZV_BACKENDS)}")
+    return name
+
+
+def torch_workaround(name: str, backend: str) -> bool:
+    """Is the torch workaround ``name`` on for ``backend``? Only torch's own handlers need them
+    (SPLIT_STORE, FAST_LAST_CALL, FAST_HEARTBEAT, STORE_TIMEOUT, ETCD_OUTAGE, MEMBERSHIP_WATCH, ...)."""
+    return backend in TORCH_BACKENDS and enabled(name)
+
+
 def create_rdzv_handler(
-    endpoint: str, run_id: str, min_nodes: int, max_nodes: int, local_addr: str, join_timeout: float = 1800
+    endpoint: str,
+    run_id: str,
+    min_nodes: int,
+    max_nodes: int,
+    local_addr: str,
+    join_timeout: float = 1800,
+    backend: str | None = None,
+    expected_nodes: Callable[[], int | None] | None = None,
 ) -> RendezvousHandler:
-    """Build the rendezvous handler (backend ``$PETCTL_AGENT_RDZV_BACKEND``, default ``etcd-v2``)."""
-    backend_name = os.environ.get("PETCTL_AGENT_RDZV_BACKEND", "etcd-v2")
+    """Build the rendezvous handler for ``backend`` (default :func:`rdzv_backend`: petctl-etcd).
+
+    ``expected_nodes``: the worker group's desired capacity (a hint that turns a burst of
+    joins into one round); only petctl-etcd uses it, and calls it at most once a second
+    from its control thread, so it must not block.
+    """
+    backend_name = backend or rdzv_backend()
     cfg = rendezvous_config(join_timeout)
+    if backend_name == "petctl-etcd":
+        from petctl_agent.rendezvous import Config, PetctlRendezvousHandler
+
+        return PetctlRendezvousHandler(
+            run_id,
+            endpoint,
+            min_nodes,
+            max_nodes,
+            local_addr,
+            config=Config(join_timeout=float(cfg["join_timeout"])),
+            expected_nodes=expected_nodes,
+        )
     if backend_name != "etcd-v2":
         from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
@@ -172,6 +241,13 @@ def create_rdzv_handler(
         store_timeout = timedelta(seconds=env_float("PETCTL_AGENT_STORE_TIMEOUT", 20))
     store = EtcdStore(client, "/torch/elastic/store", timeout=store_timeout)
     return create_handler(store, backend, params)
+
+
+def _ours(handler: RendezvousHandler) -> Any:
+    """The handler if it is petctl's own (petctl-etcd), else None."""
+    from petctl_agent.rendezvous import PetctlRendezvousHandler
+
+    return handler if isinstance(handler, PetctlRendezvousHandler) else None
 
 
 def _dynamic(handler: RendezvousHandler) -> Any:
@@ -227,13 +303,15 @@ class PetctlElasticAgent(LocalElasticAgent):
         progress_file: Path,
         drain_timeout: float,
         exit_barrier_timeout: float = 120,
-        restart_launch: tuple[str, Any, tuple[str, ...]] | None = None,
         join_timeout: float = 1800,
         capacity_probe: Callable[[], dict[str, int] | None] | None = None,
         min_nodes: int = 1,
+        start_method: str = "spawn",
+        step_info: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
-        super().__init__(spec, logs_specs, start_method="spawn", exit_barrier_timeout=exit_barrier_timeout)
-        self._restart_launch = restart_launch  # (start_method, entrypoint, args) for restarts
+        super().__init__(
+            spec, logs_specs, start_method=start_method, exit_barrier_timeout=exit_barrier_timeout
+        )
         self.pub = publisher
         self.drain_file = Path(drain_file)
         self.progress_file = Path(progress_file)
@@ -242,6 +320,8 @@ class PetctlElasticAgent(LocalElasticAgent):
         self.join_timeout = join_timeout_s(join_timeout)
         self.capacity_probe = capacity_probe or (lambda: None)
         self.min_nodes = min_nodes
+        #: () -> {"last_step", "last_checkpoint_step"} (what the status document shows)
+        self.step_info = step_info or (lambda: {})
         self.leave_requested = threading.Event()
         self.leave_reason = ""
         self.phase = "init"  # init | rendezvous | running | draining | done
@@ -255,6 +335,7 @@ class PetctlElasticAgent(LocalElasticAgent):
         self._free_restarts = 0
         self._last_etcd_warn = 0.0
         self._guarded: Any = None
+        self._rdzv_down_since: float | None = None  # etcd unreachable while training (event published)
         self.sync_timeout = env_float("PETCTL_AGENT_SYNC_TIMEOUT", min(max(drain_timeout, 5.0), 30.0))
         # torch 2.5-2.8 install their own SIGTERM/SIGINT handler every time workers start
         # (PContext.start); ours turn SIGTERM into a drain. Remember them to put them back.
@@ -266,16 +347,43 @@ class PetctlElasticAgent(LocalElasticAgent):
                     self._own_signal_handlers[sig] = h
 
     # ---- rendezvous ------------------------------------------------------------------
+    def request_leave(self, reason: str) -> None:
+        """Leave the job (drain while training; leave the round at once while joining one).
+
+        With petctl-etcd a node inside ``next_rendezvous`` leaves from this (watcher) thread:
+        ``handler.leave()`` deletes its membership key and ``next_rendezvous`` raises
+        ``RendezvousLeftError``, which :meth:`_rendezvous` turns into :class:`LeftRendezvous`.
+        (``phase`` is set before the leave request is read there, and the request is set
+        before ``phase`` is read here: one of the two sides always sees the other.)
+        """
+        self.leave_reason = reason
+        self.leave_requested.set()
+        h = _ours(self._worker_group.spec.rdzv_handler)
+        if h is not None and self.phase == "rendezvous":
+            h.leave()
+
+    def _last_step(self) -> Any:
+        try:
+            return self.step_info().get("last_step")
+        except Exception:  # noqa: BLE001 - status detail only
+            return None
+
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         self.phase = "rendezvous"
+        handler = worker_group.spec.rdzv_handler
+        ours = _ours(handler)
         if self.leave_requested.is_set():
+            if ours is not None:
+                ours.leave()
             raise LeftRendezvous("asked to leave before joining the rendezvous")
         self.pub.update(state="RENDEZVOUS")
-        self.pub.event("rendezvous_start", reason=self._rdzv_reason, round=self._round)
+        self.pub.event(
+            "rendezvous_start", reason=self._rdzv_reason, round=self._round, step=self._last_step()
+        )
         started = time.time()
         t0 = time.monotonic()
-        handler = worker_group.spec.rdzv_handler
-        self._guard_join(handler)
+        if ours is None:
+            self._guard_join(handler)
         attempt = 0
         while True:
             try:
@@ -283,6 +391,8 @@ class PetctlElasticAgent(LocalElasticAgent):
                 break
             except RendezvousClosedError:
                 raise
+            except RendezvousGracefulExitError as e:  # petctl-etcd: we left (request_leave) while joining
+                raise LeftRendezvous(f"left the rendezvous while joining ({e})") from None
             except RendezvousTimeoutError:
                 # torch's join timeout is one attempt; the job's bound is join_timeout, and
                 # past it we still wait while the worker group says capacity is coming.
@@ -315,8 +425,16 @@ class PetctlElasticAgent(LocalElasticAgent):
                 reset_lost_state(handler)
                 time.sleep(min(0.5 * attempt, 3.0))
             if self.leave_requested.is_set():
+                if ours is not None:
+                    ours.leave()
                 raise LeftRendezvous("asked to leave while waiting to join")
+        if ours is not None and self.leave_requested.is_set():
+            # the round closed with us just as the leave came: leave it before any worker starts
+            ours.leave()
+            raise LeftRendezvous("asked to leave as the round closed")
         self.pub.update(reason=None)
+        if ours is not None:
+            self._round, self._members = ours.round, set((ours.record or {}).get("participants", []))
         h = _dynamic(handler)
         if h is not None:
             st = h._state_holder.state
@@ -392,15 +510,21 @@ class PetctlElasticAgent(LocalElasticAgent):
         pids = super()._start_workers(worker_group)
         self._restore_signal_handlers()
         self._workers_started_at = time.time()
-        if self._restart_launch is not None:
-            self._switch_to_forkserver(worker_group)
         self.phase = "running"
         self.pub.update(state="RUNNING", restarts=self._restarts)
+        try:
+            resume = self.step_info().get(
+                "last_checkpoint_step"
+            )  # the state they load: they train resume+1 on
+        except Exception:  # noqa: BLE001
+            resume = None
         self.pub.event(
             "workers_started",
             round=self._round,
             world_size=worker_group.workers[0].world_size,
             pids=list(pids.values()),
+            step=resume,
+            start_method=self._start_method,
         )
         return pids
 
@@ -412,24 +536,6 @@ class PetctlElasticAgent(LocalElasticAgent):
             if signal.getsignal(sig) is not handler:
                 log.info("torch replaced the %s handler; re-installing the agent's", signal.Signals(sig).name)
                 signal.signal(sig, handler)
-
-    def _switch_to_forkserver(self, worker_group: WorkerGroup) -> None:
-        """After the first start: warm a torch-preloaded forkserver in the background and
-        launch every later (re)start from it (see ``petctl_agent.worker``)."""
-        import multiprocessing
-        import multiprocessing.forkserver
-
-        from petctl_agent.worker import PRELOAD
-
-        method, entrypoint, args = self._restart_launch
-        self._restart_launch = None
-        multiprocessing.set_forkserver_preload(PRELOAD)
-        threading.Thread(
-            target=multiprocessing.forkserver.ensure_running, name="petctl-forkserver", daemon=True
-        ).start()
-        self._start_method = method
-        worker_group.spec.entrypoint = entrypoint
-        worker_group.spec.args = args
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self._restarts += 1
@@ -448,7 +554,14 @@ class PetctlElasticAgent(LocalElasticAgent):
         check_every = env_float("PETCTL_AGENT_MEMBERSHIP_INTERVAL", 1.0)
         next_check = time.monotonic() + check_every
         while True:
-            time.sleep(wg.spec.monitor_interval)
+            ours = _ours(wg.spec.rdzv_handler)
+            if ours is not None and wg.state == WorkerState.HEALTHY:
+                # petctl-etcd's watches bring a membership change: wake up the moment one does,
+                # and look at it on every pass (pending_change reads local state, no request)
+                ours.wait_for_change(wg.spec.monitor_interval)
+                next_check = 0.0
+            else:
+                time.sleep(wg.spec.monitor_interval)
             if self.leave_requested.is_set():
                 return self._drain_and_leave(wg)
             result = self._monitor_workers(wg)
@@ -488,7 +601,13 @@ class PetctlElasticAgent(LocalElasticAgent):
             return None
         if self.leave_requested.is_set():
             return self._drain_and_leave(wg)
-        self.pub.event("workers_failed", round=self._round, exit_codes=codes, failures=_describe(result))
+        self.pub.event(
+            "workers_failed",
+            round=self._round,
+            exit_codes=codes,
+            failures=_describe(result),
+            step=self._last_step(),
+        )
         why = self._failure_explained()
         if why:
             log.info(
@@ -520,18 +639,27 @@ class PetctlElasticAgent(LocalElasticAgent):
 
         A peer that died is dropped from the round only after the heartbeat expiry, while
         our workers' collectives fail at once: look for up to that long
-        (``PETCTL_AGENT_FAILURE_GRACE``, default keep-alive x attempts + 2 s).
+        (``PETCTL_AGENT_FAILURE_GRACE``; default: petctl-etcd's key TTL + 1.5 s (3.5 s),
+        torch's keep-alive x attempts + 2 s (7 s)).
         """
-        cfg = rendezvous_config(self.join_timeout)
-        default = cfg.get("keep_alive_interval", 5) * cfg.get("keep_alive_max_attempt", 3) + 2
+        ours = _ours(self._worker_group.spec.rdzv_handler)
+        if ours is not None:
+            default = ours.cfg.ttl + 1.5
+        else:
+            cfg = rendezvous_config(self.join_timeout)
+            default = cfg.get("keep_alive_interval", 5) * cfg.get("keep_alive_max_attempt", 3) + 2
         deadline = time.monotonic() + env_float("PETCTL_AGENT_FAILURE_GRACE", default)
         while True:
             change, _ = self._membership_change()
             if change:
                 return change
-            if time.monotonic() >= deadline or self.leave_requested.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or self.leave_requested.is_set():
                 return None
-            time.sleep(0.25)
+            if ours is not None:
+                ours.wait_for_change(min(left, 0.25))
+            else:
+                time.sleep(0.25)
 
     def _uses_helper(self) -> bool:
         """Has any worker on this node ever reported progress? Then the script uses the helper
@@ -549,6 +677,20 @@ class PetctlElasticAgent(LocalElasticAgent):
         """Why the worker group must re-form now (or None), and whether the current
         workers can still take a coordinated checkpoint first (all peers alive)."""
         handler = self._worker_group.spec.rdzv_handler
+        ours = _ours(handler)
+        if ours is not None:
+            # petctl-etcd: never raises, never makes a request; its watches heal by themselves
+            self._note_rdzv_reachable(ours.connected, "etcd watch disconnected")
+            ch = ours.pending_change()
+            if ch is None:
+                return None, False
+            gone = list(ch.get("gone") or [])
+            waiting = list(ch.get("waiting") or [])
+            why = f"{ch['reason']} (round {ch['round']}"
+            why += f"; waiting: {len(waiting)}" if waiting else ""
+            why += f"; gone: {', '.join(gone)}" if gone else ""
+            # a coordinated checkpoint needs every participant: only when nobody is gone
+            return why + ")", not gone
         try:
             waiting = handler.num_nodes_waiting()
         except Exception as e:  # noqa: BLE001
@@ -556,11 +698,13 @@ class PetctlElasticAgent(LocalElasticAgent):
                 raise  # torch: the exception escapes _invoke_run and the agent dies
             # The workers do not need etcd while they train: keep them running
             # through an etcd restart instead of failing the whole job.
+            self._note_rdzv_reachable(False, f"{type(e).__name__}: {e}")
             if time.monotonic() - self._last_etcd_warn > 10:
                 log.warning("rendezvous backend unreachable while training (%s); workers keep running", e)
                 self._last_etcd_warn = time.monotonic()
             reset_lost_state(handler)
             return None, False
+        self._note_rdzv_reachable(True, "")
         if waiting > 0:
             return f"{waiting} node(s) waiting to join", True
         h = _dynamic(handler)
@@ -578,6 +722,21 @@ class PetctlElasticAgent(LocalElasticAgent):
             gone = sorted(str(n) for n in self._members - members)
             return f"participant(s) left: {', '.join(gone) or '?'}", False
         return None, False
+
+    def _note_rdzv_reachable(self, reachable: bool, detail: str) -> None:
+        """Publish ``rdzv_unreachable`` / ``rdzv_recovered`` when etcd goes away / comes back
+        while the workers train on (they do not need it)."""
+        if not reachable and self._rdzv_down_since is None:
+            self._rdzv_down_since = time.time()
+            log.warning("rendezvous server unreachable while training (%s); workers keep running", detail)
+            self.pub.event("rdzv_unreachable", round=self._round, step=self._last_step(), detail=detail[:200])
+        elif reachable and self._rdzv_down_since is not None:
+            down = time.time() - self._rdzv_down_since
+            self._rdzv_down_since = None
+            log.info("rendezvous server reachable again after %.1fs", down)
+            self.pub.event(
+                "rdzv_recovered", round=self._round, step=self._last_step(), seconds=round(down, 3)
+            )
 
     def _coordinated_stop(self, wg: WorkerGroup, timeout: float) -> RunResult | None:
         """Ask the workers to checkpoint and stop (drain file); wait up to ``timeout``.
@@ -613,7 +772,7 @@ class PetctlElasticAgent(LocalElasticAgent):
         """
         self.phase = "draining"
         self.pub.update(state="DRAINING", reason=self.leave_reason)
-        self.pub.event("drain_requested", reason=self.leave_reason, round=self._round)
+        self.pub.event("drain_requested", reason=self.leave_reason, round=self._round, step=self._last_step())
         self.drain_file.touch()
         t0 = time.monotonic()
         deadline = t0 + self.drain_timeout
@@ -677,6 +836,11 @@ class PetctlElasticAgent(LocalElasticAgent):
         Not ``handler.shutdown()``: that marks the whole rendezvous *closed* and
         every other node's next join fails with RendezvousClosedError.
         """
+        ours = _ours(self._worker_group.spec.rdzv_handler)
+        if ours is not None:
+            ours.leave()  # deletes our membership key: the leader opens the next round at once
+            log.info("left the rendezvous (round %s)", self._round)
+            return
         h = _dynamic(self._worker_group.spec.rdzv_handler)
         if h is None:
             return  # legacy etcd rendezvous: peers notice via the key TTL

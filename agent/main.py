@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,40 @@ _PDEATHSIG_SHIM = (
     "os.execv(sys.executable,[sys.executable,'-u']+sys.argv[1:])"
 )
 SUCCESS_MARKER = ".petctl-job-succeeded"
+#: how many [t, step] samples the status document keeps (``progress``)
+PROGRESS_SAMPLES = 300
+
+
+class CapacityHint:
+    """The worker group's desired capacity, for petctl-etcd's ``expected_nodes`` hint.
+
+    The handler calls it from its control thread (at most once a second), which must never
+    wait on the Auto Scaling API: this returns the last value read at once and refreshes it
+    in a background thread when it is older than ``max_age`` seconds. None until the first
+    read succeeds, and whenever there is no worker group.
+    """
+
+    def __init__(self, probe: Any, max_age: float = 5.0) -> None:
+        self.probe = probe
+        self.max_age = max_age
+        self.value: int | None = None
+        self._read_at = float("-inf")
+        self._busy = threading.Lock()
+
+    def __call__(self) -> int | None:
+        if time.monotonic() - self._read_at > self.max_age and self._busy.acquire(blocking=False):
+            threading.Thread(target=self._refresh, name="petctl-capacity", daemon=True).start()
+        return self.value
+
+    def _refresh(self) -> None:
+        try:
+            cap = self.probe()
+            self.value = None if cap is None else int(cap.get("desired", 0)) or None
+        except Exception as e:  # noqa: BLE001 - a hint only
+            log.debug("capacity hint: %s", e)
+        finally:
+            self._read_at = time.monotonic()
+            self._busy.release()
 
 
 class Paths:
@@ -90,16 +125,35 @@ class Agent:
         self.spec: JobSpec | None = None
         self.pub: StatusPublisher | None = None
         self.elastic: Any = None
+        self.backend = "petctl-etcd"
         self.leave_reason: str | None = None
         self.lifecycle_pending = False
         self._stop = threading.Event()
+        self._progress: deque[list[float | int]] = deque(maxlen=PROGRESS_SAMPLES)
+        self._progress_lock = threading.Lock()  # _refresh runs in the status thread and the main one
 
     # ---- status helpers -------------------------------------------------------------
     def _refresh(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         prog = _read_json(self.paths.progress)
         if prog:
-            out["last_step"] = prog.get("step")
+            step = prog.get("step")
+            out["last_step"] = step
+            t = prog.get("t")
+            if t is None:
+                try:
+                    t = self.paths.progress.stat().st_mtime
+                except OSError:
+                    t = None
+            out["last_step_at"] = t
+            with self._progress_lock:
+                if (
+                    isinstance(step, int)
+                    and t is not None
+                    and (not self._progress or self._progress[-1][1] != step)
+                ):
+                    self._progress.append([round(float(t), 3), step])
+                out["progress"] = list(self._progress)
         if self.spec is not None:
             latest = _read_json(self.efs / self.spec.checkpoint_dir / "latest")
             if latest:
@@ -113,8 +167,7 @@ class Agent:
         self.leave_reason = reason
         log.info("leave requested: %s", reason)
         if self.elastic is not None:
-            self.elastic.leave_reason = reason
-            self.elastic.leave_requested.set()
+            self.elastic.request_leave(reason)
         threading.Thread(target=self._leave_outside_training, name="petctl-leave", daemon=True).start()
 
     def _leave_outside_training(self) -> None:
@@ -264,7 +317,13 @@ class Agent:
         pub.start()
         pub.event("agent_started", local_addr=self.local_addr, pid=os.getpid())
         try:
-            problem = check_torch(spec.torch_version)
+            from petctl_agent.elastic import rdzv_backend
+
+            try:
+                self.backend = rdzv_backend(spec.rdzv_backend)
+            except ValueError as e:
+                raise SpecError(str(e)) from None
+            problem = check_torch(spec.torch_version, self.backend)
             if problem:  # before anything joins the rendezvous
                 rc = self.fail(problem)
                 self.complete_lifecycle_action_at_end(0)
@@ -321,28 +380,44 @@ class Agent:
         from petctl_agent.workarounds import enabled
 
         nproc = spec.resolved_nproc()
-        self._export_worker_env(spec, ckpt_dir, work_dir, nproc)
+        backend = self.backend
+        self._export_worker_env(spec, ckpt_dir, work_dir, nproc, backend)
         handler = create_rdzv_handler(
-            endpoint, spec.job_name, spec.min_nodes, spec.max_nodes, self.local_addr, spec.join_timeout
+            endpoint,
+            spec.job_name,
+            spec.min_nodes,
+            spec.max_nodes,
+            self.local_addr,
+            spec.join_timeout,
+            backend=backend,
+            expected_nodes=CapacityHint(self.capacity) if spec.worker_group else None,
         )
-        if enabled("PDEATHSIG"):
-            entry_args: tuple[str, ...] = ("-c", _PDEATHSIG_SHIM, str(script), *spec.args)
-        else:
-            entry_args = ("-u", str(script), *spec.args)
-        restart_launch = None
+        entrypoint: Any = sys.executable
+        start_method = "spawn"
         if enabled("FORKSERVER"):
             # torch launches every worker as a fresh interpreter that re-imports
-            # torch (+ torch._dynamo via torch.optim): 15-30 s per restart on a
-            # loaded 2-core box. The first workers are spawned as usual (a
-            # forkserver import racing the agent's own boot made the first start
-            # slower); restarts fork from a server that imported torch once.
-            from petctl_agent.worker import run_script
+            # torch (+ torch._dynamo via torch.optim): 15-30 s per start on a loaded
+            # 2-core box. Warm a forkserver that imported them once, *before* this
+            # node first joins the rendezvous (joining is what stops the running
+            # nodes), and fork every worker from it, the first ones included.
+            from petctl_agent.worker import run_script, warm_forkserver
 
-            restart_launch = ("forkserver", run_script, (str(script), *spec.args))
+            secs = warm_forkserver()
+            log.info("forkserver warm (torch preloaded) in %.1fs; joining the rendezvous", secs)
+            pub.event("workers_ready", seconds=round(secs, 3))
+            entrypoint, start_method = run_script, "forkserver"
+            entry_args: tuple[str, ...] = (str(script), *spec.args)
+        elif enabled("PDEATHSIG"):
+            entry_args = ("-c", _PDEATHSIG_SHIM, str(script), *spec.args)
+        else:
+            entry_args = ("-u", str(script), *spec.args)
+        if self.leave_reason:  # arrived while we were warming up
+            self.finish_leave()
+            return 0
         wspec = WorkerSpec(
             role="trainer",
             local_world_size=nproc,
-            entrypoint=sys.executable,
+            entrypoint=entrypoint,
             args=entry_args,
             rdzv_handler=handler,
             max_restarts=spec.max_restarts,
@@ -357,14 +432,14 @@ class Agent:
             self.paths.drain,
             self.paths.progress,
             spec.drain_timeout,
-            restart_launch=restart_launch,
             join_timeout=spec.join_timeout,
             capacity_probe=self.capacity,
             min_nodes=spec.min_nodes,
+            start_method=start_method,
+            step_info=self._refresh,
         )
         if self.leave_reason:  # arrived while we were setting up
-            agent.leave_reason = self.leave_reason
-            agent.leave_requested.set()
+            agent.request_leave(self.leave_reason)
 
         sinks = [stdout_sink(self.instance_id)]
         shipper = None
@@ -452,8 +527,11 @@ class Agent:
             self.pub.close()
         return rc
 
-    def _export_worker_env(self, spec: JobSpec, ckpt_dir: Path, work_dir: Path, nproc: int) -> None:
+    def _export_worker_env(
+        self, spec: JobSpec, ckpt_dir: Path, work_dir: Path, nproc: int, backend: str = "petctl-etcd"
+    ) -> None:
         """Worker env = agent env + torchrun's vars (set by torch) + these."""
+        from petctl_agent.elastic import torch_workaround
         from petctl_agent.workarounds import enabled
 
         env = os.environ
@@ -479,10 +557,11 @@ class Agent:
         # (torch 2.5-2.8 ignore this variable and install theirs anyway: the agent puts
         # its own back after every worker start, PetctlElasticAgent._restore_signal_handlers.)
         env.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGHUP,SIGQUIT")
-        if enabled("SPLIT_STORE"):
+        if torch_workaround("SPLIT_STORE", backend):
             # etcd-v2 + shared agent TCPStore: a node joining a running job waits
             # forever for MASTER_ADDR of the new round (DESIGN §4). Workers get
-            # their own store on rank 0's node instead.
+            # their own store on rank 0's node instead. (petctl-etcd never shares
+            # an agent store: the round record carries MASTER_ADDR/PORT.)
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         if enabled("IDENTICAL_RANKS"):
             # homogeneous nodes: ranks = group_rank * nproc + local_rank, computed
@@ -503,11 +582,12 @@ def omp_num_threads(env: Any, nproc: int) -> str | None:
     return None
 
 
-def check_torch(wanted_version: str) -> str | None:
-    """One-line reason the installed torch cannot run this job (wrong version, missing internals)."""
-    from petctl_agent.torch_compat import check
+def check_torch(wanted_version: str, backend: str = "petctl-etcd") -> str | None:
+    """One-line reason the installed torch cannot run this job (wrong version, missing internals
+    that the agent uses with ``backend``)."""
+    from petctl_agent.torch_compat import check, required_for
 
-    return check(wanted_version)
+    return check(wanted_version, required_for(backend))
 
 
 def _install_signal_handlers(agent: Agent) -> None:
@@ -531,6 +611,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("botocore", "boto3", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from petctl_agent.elastic import quiet_worker_exit_tracebacks
+
+    quiet_worker_exit_tracebacks()
     agent = Agent(args)
     _install_signal_handlers(agent)
     try:

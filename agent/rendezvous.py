@@ -964,6 +964,12 @@ class PetctlRendezvousHandler(RendezvousHandler):
         return self.counter.snapshot()
 
     @property
+    def connected(self) -> bool:
+        """Does the rounds watch currently reach etcd? (True before the first join.)"""
+        with self._cond:
+            return self._rounds is None or self._rounds.connected or self._stopping or self._left
+
+    @property
     def round(self) -> int | None:
         return self._round
 

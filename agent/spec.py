@@ -13,6 +13,8 @@ JOB_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,38}[a-z0-9]$")
 CODE_KINDS = ("script", "dir", "s3")
 #: bounds of ``join_timeout`` (seconds): below MIN for this long -> FAILED
 MIN_JOIN_TIMEOUT, MAX_JOIN_TIMEOUT = 1.0, 7 * 24 * 3600.0
+#: ``rdzv_backend`` values (agent/elastic.py RDZV_BACKENDS; the first is the default)
+RDZV_BACKENDS = ("petctl-etcd", "etcd-v2", "etcd")
 TORCH_VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?([a-z0-9.]*)?(\+[A-Za-z0-9.]+)?$")
 
 
@@ -47,6 +49,7 @@ class JobSpec:
     max_restarts: int = 10
     join_timeout: float = 1800.0
     torch_version: str = ""
+    rdzv_backend: str = "petctl-etcd"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobSpec:
@@ -84,6 +87,10 @@ class JobSpec:
         tv = kw.get("torch_version", "")
         if not isinstance(tv, str) or (tv and not TORCH_VERSION_RE.match(tv)):
             raise SpecError(f"torch_version must be a version like '2.13.0' (or empty), got {tv!r}")
+        rb = kw.get("rdzv_backend", "") or RDZV_BACKENDS[0]
+        if rb not in RDZV_BACKENDS:
+            raise SpecError(f"rdzv_backend must be one of {', '.join(RDZV_BACKENDS)}, got {rb!r}")
+        kw["rdzv_backend"] = rb
         if not 1 <= kw["min_nodes"] <= kw["max_nodes"]:
             raise SpecError(
                 f"need 1 <= min_nodes <= max_nodes, got min={kw['min_nodes']} max={kw['max_nodes']}"

@@ -22,12 +22,15 @@ log = logging.getLogger("petctl_agent.status")
 STATES = ("STARTING", "RENDEZVOUS", "RUNNING", "DRAINING", "LEFT", "SUCCEEDED", "FAILED")
 EVENT_KINDS = (
     "agent_started",
+    "workers_ready",
     "rendezvous_start",
     "rendezvous_done",
     "workers_started",
     "workers_failed",
     "drain_requested",
     "drained",
+    "rdzv_unreachable",
+    "rdzv_recovered",
     "succeeded",
     "failed",
 )

@@ -47,8 +47,9 @@ def _m(module: str, obj: str, attrs: str = "", kind: str = "attr") -> list[Membe
     return [Member(module, obj, a, kind) for a in attrs.split()] or [Member(module, obj)]
 
 
-#: what agent/elastic.py, agent/main.py and agent/distributed.py use beyond torch's public API
-REQUIRED: tuple[Member, ...] = tuple(
+#: what agent/elastic.py, agent/main.py, agent/rendezvous.py and agent/distributed.py use beyond
+#: torch's public API, whatever the rendezvous backend
+REQUIRED_BASE: tuple[Member, ...] = tuple(
     _m(_AGENT_API, "SimpleElasticAgent",
        "_invoke_run _rendezvous _initialize_workers _restart_workers _monitor_workers "
        "_exit_barrier _stop_workers _start_workers _shutdown")
@@ -57,7 +58,18 @@ REQUIRED: tuple[Member, ...] = tuple(
     + _m(_AGENT_API, "WorkerState", "HEALTHY UNHEALTHY FAILED SUCCEEDED")
     + _m(_LOCAL_AGENT, "LocalElasticAgent", "_start_workers _stop_workers _monitor_workers _shutdown")
     + _m(_LOCAL_AGENT, "LocalElasticAgent", "_start_method _pcontext", kind="self")
-    + _m(_DYNAMIC, "DynamicRendezvousHandler", "_stop_heartbeats num_nodes_waiting next_rendezvous shutdown")
+    + _m(_ETCD_STORE, "EtcdStore")
+    + _m(_MP_API, "_terminate_process_handler")
+    + _m("torch.distributed.elastic.multiprocessing", "DefaultLogsSpecs")
+    + _m("torch.distributed.elastic.multiprocessing", "Std")
+    + _m("torch.distributed", "ProcessGroupGloo", "create_device")
+    + _m("torch.distributed", "ProcessGroupGloo._Options", "_devices", kind="field")
+)  # fmt: skip
+
+#: what the agent additionally uses with torch's ``etcd-v2`` handler (the fallback backend):
+#: drop these when the fallback goes
+REQUIRED_ETCD_V2: tuple[Member, ...] = tuple(
+    _m(_DYNAMIC, "DynamicRendezvousHandler", "_stop_heartbeats num_nodes_waiting next_rendezvous shutdown")
     + _m(_DYNAMIC, "DynamicRendezvousHandler", "_state_holder _op_executor _heartbeat_lock _this_node",
          kind="self")
     + _m(_DYNAMIC, "_BackendRendezvousStateHolder", "state")
@@ -68,13 +80,15 @@ REQUIRED: tuple[Member, ...] = tuple(
     + _m(_DYNAMIC, "_Action", "FINISH REMOVE_FROM_PARTICIPANTS REMOVE_FROM_WAIT_LIST")
     + _m(_DYNAMIC, "create_handler")
     + _m(_ETCD_BACKEND, "EtcdRendezvousBackend") + _m(_ETCD_BACKEND, "_create_etcd_client")
-    + _m(_ETCD_STORE, "EtcdStore")
-    + _m(_MP_API, "_terminate_process_handler")
-    + _m("torch.distributed.elastic.multiprocessing", "DefaultLogsSpecs")
-    + _m("torch.distributed.elastic.multiprocessing", "Std")
-    + _m("torch.distributed", "ProcessGroupGloo", "create_device")
-    + _m("torch.distributed", "ProcessGroupGloo._Options", "_devices", kind="field")
 )  # fmt: skip
+
+#: everything, for every backend (what the internals test resolves)
+REQUIRED: tuple[Member, ...] = REQUIRED_BASE + REQUIRED_ETCD_V2
+
+
+def required_for(backend: str) -> tuple[Member, ...]:
+    """The members the agent uses with rendezvous ``backend`` (petctl-etcd, etcd-v2, etcd)."""
+    return REQUIRED if backend == "etcd-v2" else REQUIRED_BASE
 
 
 def _resolve(path: str, obj: str) -> object:

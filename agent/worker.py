@@ -63,6 +63,7 @@ import os
 import runpy
 import signal
 import sys
+import time
 
 PRELOAD = [
     "torch",
@@ -106,6 +107,29 @@ def keep_destroyed_groups_alive() -> bool:
     c10d.destroy_process_group = destroy_process_group
     dist.destroy_process_group = destroy_process_group
     return True
+
+
+def _ready() -> None:
+    """A no-op child: forking it proves the forkserver has finished its imports."""
+
+
+def warm_forkserver(timeout: float = 300) -> float:
+    """Start the torch-preloaded forkserver and wait until it has forked one child.
+
+    The agent calls this *before* it first joins the rendezvous: a newcomer registers
+    (which is what makes the running nodes stop) only once its workers can start at
+    once, by forking from a server that already imported torch. Returns the seconds
+    it took. ``multiprocessing.forkserver.ensure_running`` alone returns before the
+    server's imports are done; the server accepts the first fork request only after.
+    """
+    import multiprocessing
+
+    t0 = time.monotonic()
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    p = multiprocessing.get_context("forkserver").Process(target=_ready, name="petctl-forkserver-warmup")
+    p.start()
+    p.join(timeout)
+    return time.monotonic() - t0
 
 
 def run_script(script: str, *args: str) -> None:
