@@ -32,7 +32,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from petctl_agent import DRAIN_EXIT_CODE
-from petctl_agent.spec import RDZV_BACKENDS  # the rendezvous backends; the first is the default
+from petctl_agent.spec import RDZV_BACKENDS, rdzv_backend  # noqa: F401 - rdzv_backend re-exported
 from petctl_agent.status import StatusPublisher
 from petctl_agent.workarounds import enabled, env_float
 
@@ -165,14 +165,6 @@ def rendezvous_config(join_timeout: float = 1800) -> dict[str, Any]:
 
 #: backends that are torch's own handlers: only these need the torch workarounds
 TORCH_BACKENDS = frozenset({"etcd-v2", "etcd"})
-
-
-def rdzv_backend(spec_backend: str = "") -> str:
-    """The backend to use: ``$PETCTL_AGENT_RDZV_BACKEND``, else the spec's ``rdzv_backend``, else petctl-etcd."""
-    name = os.environ.get("PETCTL_AGENT_RDZV_BACKEND", "") or spec_backend or RDZV_BACKENDS[0]
-    if name not in RDZV_BACKENDS:
-        raise ValueError(f"rendezvous backend {name!r} is not one of {', '.join(RDZV_BACKENDS)}")
-    return name
 
 
 def torch_workaround(name: str, backend: str) -> bool:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent.imds import Imds
-from petctl_agent.spec import JobSpec, SpecError, _boto3_client, load_spec
+from petctl_agent.spec import JobSpec, SpecError, _boto3_client, load_spec, rdzv_backend
 from petctl_agent.status import StatusPublisher, make_writer
 
 log = logging.getLogger("petctl_agent")
@@ -317,12 +317,11 @@ class Agent:
         pub.start()
         pub.event("agent_started", local_addr=self.local_addr, pid=os.getpid())
         try:
-            from petctl_agent.elastic import rdzv_backend
-
             try:
                 self.backend = rdzv_backend(spec.rdzv_backend)
             except ValueError as e:
                 raise SpecError(str(e)) from None
+            pub.update(rdzv_backend=self.backend)
             problem = check_torch(spec.torch_version, self.backend)
             if problem:  # before anything joins the rendezvous
                 rc = self.fail(problem)

@@ -130,6 +130,15 @@ class JobSpec:
             return 1
 
 
+def rdzv_backend(spec_backend: str = "") -> str:
+    """The rendezvous backend to use: ``$PETCTL_AGENT_RDZV_BACKEND``, else the spec's
+    ``rdzv_backend``, else petctl-etcd. Raises ValueError for an unknown name."""
+    name = os.environ.get("PETCTL_AGENT_RDZV_BACKEND", "") or spec_backend or RDZV_BACKENDS[0]
+    if name not in RDZV_BACKENDS:
+        raise ValueError(f"rendezvous backend {name!r} is not one of {', '.join(RDZV_BACKENDS)}")
+    return name
+
+
 def read_url(url: str, s3_client_factory: Any = None) -> bytes:
     """Read ``s3://bucket/key``, ``file:///path`` or a plain path."""
     u = urlparse(url)

@@ -36,7 +36,9 @@ from petctl_agent.harness import descendants, free_port
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "elastic_train.py"
 STEP_RE = re.compile(r"step=(\d+) world_size=(\d+) loss=")
-TOOLS = ("petctl", "torchrun-etcd", "torchrun-etcd-v2")
+TOOLS = ("petctl", "petctl-etcd-v2", "torchrun-etcd", "torchrun-etcd-v2")
+#: petctl tools -> the job spec's rdzv_backend (petctl-etcd is the agent's default)
+PETCTL_BACKENDS = {"petctl": "petctl-etcd", "petctl-etcd-v2": "etcd-v2"}
 BIN = Path(sys.executable).parent  # console scripts next to the interpreter (no pyenv shim)
 
 
@@ -230,6 +232,59 @@ class Imds:
         self.server.server_close()
 
 
+# ---- Auto Scaling look-alike --------------------------------------------------------------
+class FakeAutoScaling:
+    """Answers ``DescribeAutoScalingGroups`` with a desired capacity the benchmark sets.
+
+    petctl's agent reads its worker group's desired capacity (a hint that lets a burst of
+    joins form one round); on AWS the group's scale-out sets it before the instances boot.
+    Every other Auto Scaling action (the job-end scale-to-zero) is acknowledged and ignored.
+    """
+
+    def __init__(self, desired: int = 0) -> None:
+        self.desired = desired
+        fake = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                from urllib.parse import parse_qs
+
+                n = int(self.headers.get("Content-Length", "0") or 0)
+                form = parse_qs(self.rfile.read(n).decode())
+                action = (form.get("Action") or [""])[0]
+                ns = 'xmlns="http://autoscaling.amazonaws.com/doc/2011-01-01/"'
+                meta = "<ResponseMetadata><RequestId>bench</RequestId></ResponseMetadata>"
+                if action == "DescribeAutoScalingGroups":
+                    name = (form.get("AutoScalingGroupNames.member.1") or ["bench-workers"])[0]
+                    body = (
+                        f"<DescribeAutoScalingGroupsResponse {ns}><DescribeAutoScalingGroupsResult>"
+                        f"<AutoScalingGroups><member><AutoScalingGroupName>{name}</AutoScalingGroupName>"
+                        f"<MinSize>0</MinSize><MaxSize>8</MaxSize><DesiredCapacity>{fake.desired}</DesiredCapacity>"
+                        "<Instances></Instances></member></AutoScalingGroups>"
+                        f"</DescribeAutoScalingGroupsResult>{meta}</DescribeAutoScalingGroupsResponse>"
+                    )
+                else:
+                    body = f"<{action}Response {ns}>{meta}</{action}Response>"
+                b = body.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/xml")
+                self.send_header("Content-Length", str(len(b)))
+                self.end_headers()
+                self.wfile.write(b)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 # ---- nodes --------------------------------------------------------------------------------
 @dataclass
 class Node:
@@ -287,6 +342,9 @@ class RunConfig:
     drain_timeout: float = 60
     job: str = "bench"
     env: dict[str, str] = field(default_factory=dict)  # extra env for every node (tests only)
+    #: petctl tools: give the agents a worker group whose desired capacity the run sets
+    #: (``Run.asg.desired``), served by :class:`FakeAutoScaling`
+    worker_group: bool = False
 
 
 class Run:
@@ -306,13 +364,16 @@ class Run:
         self.status_dir = self.root / "status"
         self.etcd = Etcd(self.root)
         self.imds: Imds | None = None
+        self.asg: FakeAutoScaling | None = None
         self.nodes: list[Node] = []
         self.seen: dict[int, int] = {}  # pid -> start time of every process this run started
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._sample_pids, daemon=True)
         self.spec_path = self.root / "job.json"
-        if cfg.tool == "petctl":
+        if cfg.tool in PETCTL_BACKENDS:
             self.imds = Imds()
+            if cfg.worker_group:
+                self.asg = FakeAutoScaling()
             self._write_spec()
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -358,11 +419,12 @@ class Run:
             "checkpoint_dir": self.ckpt_rel,
             "status_url": f"file://{self.status_dir}/",
             "log_group": "",
-            "worker_group": "",
+            "worker_group": "bench-workers" if self.asg is not None else "",
             "rdzv_group": "",
             "lifecycle_hook": "",
             "drain_timeout": c.drain_timeout,
             "rdzv_port": self.etcd.port,
+            "rdzv_backend": PETCTL_BACKENDS[c.tool],
         }
         self.spec_path.write_text(json.dumps(spec, indent=2))
 
@@ -376,14 +438,15 @@ class Run:
             **os.environ,
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1",
-            "AWS_ENDPOINT_URL": "http://127.0.0.1:9",  # never real AWS, whatever happens
+            # never real AWS, whatever happens: nothing, or the Auto Scaling look-alike
+            "AWS_ENDPOINT_URL": self.asg.url if self.asg is not None else "http://127.0.0.1:9",
             "AWS_ACCESS_KEY_ID": "bench",
             "AWS_SECRET_ACCESS_KEY": "bench",
             "AWS_EC2_METADATA_DISABLED": "true",
         }
         for k in [k for k in env if k.startswith(("PETCTL_", "TORCH_DISABLE_SHARE", "TORCHELASTIC_"))]:
             del env[k]  # a clean node: only what we set below
-        if self.cfg.tool == "petctl":
+        if self.cfg.tool in PETCTL_BACKENDS:
             assert self.imds is not None
             env.update(
                 PETCTL_IMDS_URL=self.imds.add(f"i-{name}", addr),
@@ -470,6 +533,18 @@ class Run:
         self._see([self.etcd.proc.pid] if self.etcd.proc else [])
         return t_kill, time.monotonic()
 
+    def replace_etcd(self) -> tuple[float, float]:
+        """SIGKILL etcd and start an *empty* one (data dir wiped) on the same port: a replaced server.
+
+        Returns (time of the kill, time the new one answered).
+        """
+        t_kill = time.monotonic()
+        self.etcd.stop(signal.SIGKILL)
+        shutil.rmtree(self.etcd.data_dir, ignore_errors=True)
+        self.etcd.start()
+        self._see([self.etcd.proc.pid] if self.etcd.proc else [])
+        return t_kill, time.monotonic()
+
     def kill_worker(self, node: Node) -> tuple[float, int] | None:
         """SIGKILL just the training worker under ``node`` (not the node); None if none found."""
         ws = node.workers()
@@ -509,6 +584,21 @@ class Run:
             None,
             f"timeout {timeout:.0f}s waiting for world_size={world} on all ranks (world sizes seen: {got})",
         )
+
+    @staticmethod
+    def stall(old: list[Node], nodes: list[Node], world: int, after: float) -> float | None:
+        """Training stall of a membership change: from the last step any rank of ``old`` printed
+        at another world size (before the new world's first step) to the moment every node
+        in ``nodes`` has printed a step at ``world`` (after ``after``). None if not reached."""
+        firsts = [n.steps_after(after, world) for n in nodes]
+        if not all(firsts):
+            return None
+        t_first = min(f[0][0] for f in firsts)
+        t_all = max(f[0][0] for f in firsts)
+        lasts = [s[0] for n in old for s in list(n.steps) if s[0] < t_first and s[2] != world]
+        if not lasts:
+            return None
+        return t_all - max(lasts)
 
     def max_step(self, before: float | None = None) -> int:
         return max((n.last_step(before) for n in self.nodes), default=0)
@@ -552,5 +642,7 @@ class Run:
         self._stop.set()
         if self.imds is not None:
             self.imds.close()
+        if self.asg is not None:
+            self.asg.close()
         poll(lambda: not self.leftovers(), 10, 0.1)
         return still

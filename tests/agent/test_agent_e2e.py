@@ -2,6 +2,11 @@
 
 Every wait is bounded and polls outcomes (progress lines, status files); the
 timings printed here are what scripts/agent_timings.py reports.
+
+The first two tests run on torch's ``etcd-v2`` handler, the fallback backend (spec
+``rdzv_backend: etcd-v2``), so it keeps working: join, drain, hard loss and an etcd
+restart. The default backend (petctl-etcd) goes through the same faults, and more, in
+tests/faults.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ pytestmark = pytest.mark.e2e
 EVERY = 20
 ARGS = ["--step-time", "0.05", "--checkpoint-every", str(EVERY)]
 ENV = {"PETCTL_COLLECTIVE_TIMEOUT": "30"}
+FALLBACK = {"rdzv_backend": "etcd-v2"}
 
 
 def _events(cluster, node, kind):
@@ -25,12 +31,12 @@ def _events(cluster, node, kind):
     return [e for e in st.get("events", []) if e["kind"] == kind]
 
 
-def test_scale_up_drain_and_hard_kill(make_cluster):
-    """MIN=2 start; join (world 3); SIGTERM drain (0 steps lost); join; SIGKILL a node tree.
+def test_fallback_etcd_v2_scale_up_drain_and_hard_kill(make_cluster):
+    """etcd-v2 fallback. MIN=2 start; join (world 3); SIGTERM drain (0 steps lost); join; SIGKILL a node tree.
 
     With ``max_restarts=1``: none of these four membership changes spends the restart budget."""
     c = make_cluster(job="lifecycle", min_nodes=2, max_nodes=4, script_args=["--total-steps", "100000", *ARGS],
-                     extra_env=ENV, spec_extra={"max_restarts": 1})  # fmt: skip
+                     extra_env=ENV, spec_extra={"max_restarts": 1, **FALLBACK})  # fmt: skip
     a, b = c.add_node(), c.add_node()
     c.wait(
         lambda: c.all_at_world([a, b], 2, 0, min_steps=3),
@@ -89,13 +95,14 @@ def test_scale_up_drain_and_hard_kill(make_cluster):
     for n in (a, n3):
         assert (c.status(n.instance_id) or {}).get("state") in ("RUNNING", "RENDEZVOUS")
         assert _events(c, n, "rendezvous_done")[-1]["world_size"] == 2
+    assert (c.status(a.instance_id) or {}).get("rdzv_backend") == "etcd-v2"
 
 
-def test_etcd_restart_then_run_to_completion(make_cluster):
-    """etcd is killed and restarted mid-training; the job carries on and completes consistently."""
+def test_fallback_etcd_v2_etcd_restart_then_run_to_completion(make_cluster):
+    """etcd-v2 fallback: etcd is killed and restarted mid-training; the job carries on and completes."""
     total = 150
     c = make_cluster(job="etcdrestart", min_nodes=2, max_nodes=2, script_args=["--total-steps", str(total), *ARGS],
-                     extra_env=ENV)  # fmt: skip
+                     extra_env=ENV, spec_extra=FALLBACK)  # fmt: skip
     a, b = c.add_node(), c.add_node()
     c.wait(lambda: c.all_at_world([a, b], 2, 0, min_steps=5), 120, "2 nodes stepping", alive=[a, b])
     t = c.now()

@@ -1,4 +1,4 @@
-"""Fault suite (issue 6): petctl agents survive membership changes and failures, correctly.
+"""Fault suite (issues 6, 10): petctl agents (on petctl-etcd, the default rendezvous) survive membership changes and failures, correctly.
 
 Each test: real etcd on 127.0.0.1, one petctl agent per 127.0.0.x "node", the
 example script, a fault, then the job runs to its last step. Checked: right
@@ -122,6 +122,20 @@ def test_rendezvous_server_restart(make_run):
     wait_world(run, [a, b], 2, 0)
     assert_room(run, 150)
     t, _ = run.restart_etcd()
+    wait_world(run, [a, b], 2, t)
+    assert a.alive() and b.alive()
+    finish(run, [a, b])
+    load_every_checkpoint(run)
+
+
+def test_rendezvous_server_replaced(make_run):
+    """etcd SIGKILLed and replaced by an *empty* one on the same address (data dir wiped): the
+    agents re-register, form a new round, and the job carries on to its last step."""
+    run = make_run(total_steps=400)
+    a, b = run.add_node(), run.add_node()
+    wait_world(run, [a, b], 2, 0)
+    assert_room(run, 150)
+    t, _ = run.replace_etcd()
     wait_world(run, [a, b], 2, t)
     assert a.alive() and b.alive()
     finish(run, [a, b])
