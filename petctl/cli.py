@@ -334,6 +334,7 @@ def teardown(obj: Context, force: bool, delete_data: bool, yes: bool, timeout: i
 
 @cli.command()
 @click.option("--region", "region_opt", default=None, help="AWS region of the resources.")
+@click.option("--vpc-id", default=None, help="VPC of the subnets (looked up from them when not given).")
 @click.option("--subnet-ids", default=None, help="Comma-separated subnet ids.")
 @click.option("--security-group-id", default=None, help="Security group of the instances.")
 @click.option("--efs-id", default=None, help="EFS file system id.")
@@ -514,6 +515,7 @@ def run_job(
     jobs.check_code_url(obj, req)
     if req.ami is not None:
         jobs.resolve_ami(obj, req)
+    jobs.resolve_vpc(obj)
     plan = jobs.plan(obj, req, dist=storage.dist_wheel())
     if dry_run:
         obj.ui.result(jobs.plan_as_dict(plan), lambda p: jobs.plan_text(p, show_template))
@@ -569,7 +571,9 @@ def _wait_for_job(obj: Context, job: str, follow: bool) -> None:
         for ev in follower.poll():
             click.echo(_log_line(ev, obj.ui.json))
     if final["state"] != "SUCCEEDED":
-        reason = "; ".join(sorted({a.get("reason") for a in final.get("agents", []) if a.get("reason")}))
+        reason = final.get("reason") or "; ".join(
+            sorted({a.get("reason") for a in final.get("agents", []) if a.get("reason")})
+        )
         raise PetctlError(f"job {job} ended {final['state']}" + (f": {reason}" if reason else ""))
     obj.ui.progress(f"job {job} SUCCEEDED at step {final.get('last_step')}")
 
@@ -709,6 +713,8 @@ def _status_text(r: dict[str, Any]) -> str:
             lines.append(
                 f"  +{e.get('t', 0) - t0:7.1f}s  {e.get('instance_id', '?'):<20} {e.get('kind', '?'):<18} {extra}"
             )
+    if r.get("reason"):
+        lines.insert(1, f"  reason: {r['reason']}")
     return "\n".join(lines)
 
 

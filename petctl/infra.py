@@ -301,6 +301,7 @@ def teardown(ctx: Context, plan: TeardownPlan, *, timeout: float = 1800) -> dict
         setattr(profile, attr, [] if attr == "subnet_ids" else None)
     profile.managed = False
     profile.stack_name = None
+    profile.worker_instance_profile_arn = profile.rdzv_instance_profile_arn = None
     profile.retained_efs_ids = [f for f in plan.ours if f not in deleted_efs]
     config.save_profile(profile)
     return {

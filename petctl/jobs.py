@@ -390,10 +390,10 @@ def check_code_url(ctx: Context, req: JobRequest) -> None:
                 f"{req.target} does not exist; upload it first (`{cmd('upload FILE ' + req.target)}`)"
             ) from None
         ctx.ui.warn(f"could not check {req.target} ({code}); the instances may not be able to read it")
-    if bucket != ctx.profile.bucket or not key.startswith("petctl/"):
+    if bucket != ctx.profile.bucket or not key.startswith("petctl/uploads/"):
         ctx.ui.warn(
-            f"{req.target} is outside s3://{ctx.profile.bucket}/petctl/, which is all the worker role may "
-            f"read; copy it there (`{cmd('upload')}`) or grant the worker role access"
+            f"{req.target} is outside s3://{ctx.profile.bucket}/petctl/uploads/, which is all a job's role "
+            f"may read besides its own prefix; copy it there (`{cmd('upload FILE')}`) or grant the role access"
         )
 
 
@@ -807,11 +807,16 @@ def list_jobs(ctx: Context) -> list[dict[str, Any]]:
     for s in job_stacks(ctx, stacks):
         job = naming.job_from_stack(s["StackName"])
         group = describe_group(asg, naming.worker_group(job)) or {}
-        agents = current_agents(agent_statuses(ctx, job), group_instance_ids(asg, job))
+        reports = agent_statuses(ctx, job)
+        agents = current_agents(reports, group_instance_ids(asg, job))
+        # Only a job that never trained can have failed at boot: skip the S3 list otherwise.
+        failed_boot = not ever_trained(reports) and boot_failed(
+            boot_failures(ctx, job), False, group.get("DesiredCapacity")
+        )
         rows.append(
             {
                 "job": job,
-                "state": overall_state(s["StackStatus"], agents, group.get("DesiredCapacity")),
+                "state": overall_state(s["StackStatus"], agents, group.get("DesiredCapacity"), failed_boot),
                 "min": group.get("MinSize"),
                 "max": group.get("MaxSize"),
                 "desired": group.get("DesiredCapacity"),

@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import urllib.request
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,3 +69,23 @@ def profile_data(aws: str):
         return json.loads((Path(os.environ["PETCTL_HOME"]) / "profiles" / f"{name}.json").read_text())
 
     return _read
+
+
+@pytest.fixture
+def wheel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A stand-in wheel to upload (building the real one is tested in test_dist.py)."""
+    w = tmp_path / "petctl-0.1.0-py3-none-any.whl"
+    with zipfile.ZipFile(w, "w") as z:
+        z.writestr("petctl/__init__.py", "")
+    monkeypatch.setenv("PETCTL_DIST", str(w))
+    return w
+
+
+@pytest.fixture
+def ready(run, wheel: Path, tmp_path: Path) -> Path:
+    """The base stack made; returns a training script to submit."""
+    r = run("setup")
+    assert r.exit_code == 0, r.output
+    script = tmp_path / "train.py"
+    script.write_text("print('training')\n")
+    return script

@@ -56,22 +56,13 @@ def test_logs_without_since_reads_the_last_hour_only(run):
     assert "two hours ago" in r.stdout
 
 
-def test_completion_offers_the_profiles_job_names(run, tmp_path, monkeypatch):
-    import zipfile
-
+def test_completion_offers_the_profiles_job_names(run, ready):
     from click.testing import CliRunner
 
     from petctl.cli import cli
 
-    wheel = tmp_path / "petctl-0.1.0-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as z:
-        z.writestr("petctl/__init__.py", "")
-    monkeypatch.setenv("PETCTL_DIST", str(wheel))
-    assert run("setup").exit_code == 0
-    script = tmp_path / "train.py"
-    script.write_text("print(1)\n")
     for name in ("alpha", "beta"):
-        assert run("run-job", "--name", name, "--min", "1", "--max", "1", str(script)).exit_code == 0
+        assert run("run-job", "--name", name, "--min", "1", "--max", "1", str(ready)).exit_code == 0
     env = {"_PETCTL_COMPLETE": "bash_complete", "COMP_WORDS": "petctl status a", "COMP_CWORD": "2"}
     r = CliRunner().invoke(cli, [], env=env, prog_name="petctl")
     assert "plain,alpha" in r.output and "beta" not in r.output

@@ -3,30 +3,9 @@
 from __future__ import annotations
 
 import json
-import zipfile
 from pathlib import Path
 
 import boto3
-import pytest
-
-
-@pytest.fixture
-def wheel(tmp_path, monkeypatch) -> Path:
-    """A stand-in wheel to upload (building the real one is tested in test_dist.py)."""
-    w = tmp_path / "petctl-0.1.0-py3-none-any.whl"
-    with zipfile.ZipFile(w, "w") as z:
-        z.writestr("petctl/__init__.py", "")
-    monkeypatch.setenv("PETCTL_DIST", str(w))
-    return w
-
-
-@pytest.fixture
-def ready(run, wheel, tmp_path):
-    r = run("setup")
-    assert r.exit_code == 0, r.output
-    script = tmp_path / "train.py"
-    script.write_text("print('training')\n")
-    return script
 
 
 def objects(prefix: str) -> list[str]:

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-import zipfile
 from pathlib import Path
 
 import boto3
@@ -22,19 +21,6 @@ import pytest
 
 from petctl import stacks as stacks_mod
 from petctl.errors import StackWaitTimeout
-
-
-@pytest.fixture
-def ready(run, tmp_path, monkeypatch):
-    wheel = tmp_path / "petctl-0.1.0-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as z:
-        z.writestr("petctl/__init__.py", "")
-    monkeypatch.setenv("PETCTL_DIST", str(wheel))
-    r = run("setup")
-    assert r.exit_code == 0, r.output
-    script = tmp_path / "train.py"
-    script.write_text("print('training')\n")
-    return script
 
 
 def live_stacks() -> list[str]:

@@ -5,22 +5,14 @@ from __future__ import annotations
 import datetime as dt
 import json
 import time
-import zipfile
 
 import boto3
 import pytest
 
 
 @pytest.fixture
-def job(run, tmp_path, monkeypatch):
-    wheel = tmp_path / "petctl-0.1.0-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as z:
-        z.writestr("petctl/__init__.py", "")
-    monkeypatch.setenv("PETCTL_DIST", str(wheel))
-    assert run("setup").exit_code == 0
-    script = tmp_path / "train.py"
-    script.write_text("print('training')\n")
-    r = run("run-job", "--name", "demo", "--min", "2", "--max", "3", str(script))
+def job(run, ready):
+    r = run("run-job", "--name", "demo", "--min", "2", "--max", "3", str(ready))
     assert r.exit_code == 0, r.output
     return "demo"
 
@@ -82,20 +74,21 @@ def test_jobs_shows_ages_and_json_keeps_iso_timestamps(run, job):
     assert "AGE" in text and " ago" in text and "s ago" in text.split("demo", 1)[1]
 
 
-def _when_stack_exists(job: str, then, timeout: float = 60.0):
-    """Play the agents: once the job stack exists, call ``then`` (from a thread)."""
+def _when_stack_exists(job: str, then, timeout: float = 300.0):
+    """Play the agents: once the job's stack is made (its spec is uploaded before), call ``then``
+    from a thread. Generous: on a loaded 2-core machine setup + run-job can take a while."""
     import threading
 
     def go():
         cf = boto3.client("cloudformation")
         deadline = time.time() + timeout
         while time.time() < deadline:
-            stacks = [
+            done = {
                 s["StackName"]
                 for s in cf.describe_stacks()["Stacks"]
                 if s["StackStatus"] == "CREATE_COMPLETE"
-            ]
-            if f"petctl-job-{job}" in stacks:
+            }
+            if f"petctl-job-{job}" in done:
                 time.sleep(1.0)
                 then()
                 return

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
-import zipfile
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -19,16 +18,9 @@ SVG = "{http://www.w3.org/2000/svg}"
 
 
 @pytest.fixture
-def job(run, tmp_path, monkeypatch) -> list[str]:
+def job(run, ready) -> list[str]:
     """Base stack plus a job `demo` (min 2, max 4); returns its two worker instance ids."""
-    wheel = tmp_path / "petctl-0.1.0-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as z:
-        z.writestr("petctl/__init__.py", "")
-    monkeypatch.setenv("PETCTL_DIST", str(wheel))
-    assert run("setup").exit_code == 0
-    script = tmp_path / "train.py"
-    script.write_text("print('training')\n")
-    r = run("run_job", "--name", "demo", "--min", "2", "--max", "4", str(script))
+    r = run("run_job", "--name", "demo", "--min", "2", "--max", "4", str(ready))
     assert r.exit_code == 0, r.output
     group = boto3.client("autoscaling").describe_auto_scaling_groups(
         AutoScalingGroupNames=["petctl-demo-workers"]
