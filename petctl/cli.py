@@ -453,6 +453,12 @@ class RunJobCommand(click.Command):
     help="torch every node installs (CUDA build on GPU types) [default: the version petctl is tested with].",
 )
 @click.option(
+    "--rdzv-backend",
+    type=click.Choice(["petctl-etcd", "etcd-v2", "etcd"]),
+    default=None,
+    help="Rendezvous: petctl's own handler on etcd (default), or torch's etcd-v2 / etcd as a fallback.",
+)
+@click.option(
     "--max-restarts",
     default=None,
     type=int,

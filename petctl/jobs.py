@@ -68,6 +68,7 @@ class JobRequest:
     torch_version: str = DEFAULT_TORCH_VERSION
     max_restarts: int = DEFAULT_MAX_RESTARTS
     join_timeout: int = DEFAULT_JOIN_TIMEOUT
+    rdzv_backend: str = "petctl-etcd"  # petctl_agent.spec.RDZV_BACKENDS
     root_device_name: str | None = None  # of --ami, looked up by resolve_ami()
 
 
@@ -273,6 +274,7 @@ def plan(ctx: Context, req: JobRequest, dist: Path | None = None) -> Plan:
         "torch_version": req.torch_version,
         "max_restarts": req.max_restarts,
         "join_timeout": req.join_timeout,
+        "rdzv_backend": req.rdzv_backend,
     }
     uploads.append(
         Upload(key=prefix + "job.json", data=json.dumps(spec, indent=2).encode(), description="job spec")

@@ -321,3 +321,11 @@ def test_user_tag_values_are_sanitized():
     assert jobs.sanitize_tag_value("DOMAIN\\bob (admin)") == "DOMAIN-bob -admin-"
     assert jobs.sanitize_tag_value("é" * 200) == "-" * 128
     assert jobs.sanitize_tag_value("") == "unknown"
+
+
+def test_rdzv_backend_choices_match_the_agents():
+    from petctl.cli import run_job
+    from petctl_agent.spec import RDZV_BACKENDS
+
+    (opt,) = [p for p in run_job.params if p.name == "rdzv_backend"]
+    assert tuple(opt.type.choices) == RDZV_BACKENDS  # the CLI offers exactly what the agent runs
