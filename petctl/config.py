@@ -107,6 +107,7 @@ class Profile:
     efs_id: str | None = None
     bucket: str | None = None
     bucket_created: bool = False  # petctl created the bucket, so teardown may empty it
+    bucket_kms_key_arn: str | None = None  # the existing bucket's customer KMS key (SSE-KMS)
     worker_instance_profile_arn: str | None = None
     rdzv_instance_profile_arn: str | None = None
     log_group: str | None = None

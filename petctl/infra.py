@@ -63,6 +63,7 @@ def setup(
     _check_az_count(clients, az_count)
     if bucket:
         _check_exists(lambda: clients("s3").head_bucket(Bucket=bucket), f"S3 bucket {bucket}")
+    kms_key = bucket_kms_key(clients, bucket) if bucket else None
 
     kept = [f for f in profile.retained_efs_ids if f != efs_id]
     if kept and not efs_id:
@@ -99,6 +100,7 @@ def setup(
     profile.stack_name = name
     profile.vpc_cidr = vpc_cidr
     profile.bucket_created = not bucket
+    profile.bucket_kms_key_arn = kms_key
     path = config.save_profile(profile)
     return {
         "profile": profile.name,
@@ -180,6 +182,37 @@ def _check_az_count(clients: Any, az_count: int) -> None:
             f"--az-count {az_count} is more than the {len(zones)} zones of {clients.region} "
             f"({', '.join(sorted(z['ZoneName'] for z in zones))}); use --az-count {len(zones)} or fewer"
         )
+
+
+def bucket_kms_key(clients: Any, bucket: str) -> str | None:
+    """The ARN of the customer KMS key an existing bucket encrypts with by default, else None.
+
+    The job roles then get kms:Decrypt/GenerateDataKey on it (through S3 only); without that,
+    every read of the code and write of a status fails on AWS with AccessDenied. AWS-managed
+    keys (aws/s3) need no grant. A key petctl cannot even describe cannot work: refused.
+    """
+    try:
+        rules = clients("s3").get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"][
+            "Rules"
+        ]
+    except ClientError as e:
+        if "ServerSideEncryptionConfigurationNotFound" in describe_client_error(e):
+            return None
+        raise AwsError(f"cannot read the encryption of bucket {bucket} ({describe_client_error(e)})") from e
+    for rule in rules:
+        default = rule.get("ApplyServerSideEncryptionByDefault") or {}
+        key = default.get("KMSMasterKeyID")
+        if not str(default.get("SSEAlgorithm", "")).startswith("aws:kms") or not key:
+            continue
+        try:
+            meta = clients("kms").describe_key(KeyId=key)["KeyMetadata"]
+        except ClientError as e:
+            raise ConfigError(
+                f"bucket {bucket} encrypts with KMS key {key}, which petctl cannot use "
+                f"({describe_client_error(e)}): grant kms:DescribeKey on it, or use another bucket"
+            ) from e
+        return None if meta.get("KeyManager") == "AWS" else meta["Arn"]
+    return None
 
 
 def _check_exists(call: Any, what: str) -> None:

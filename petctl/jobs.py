@@ -302,6 +302,7 @@ def plan(ctx: Context, req: JobRequest, dist: Path | None = None) -> Plan:
         ami_override=req.ami is not None,
         instance_types=len(types),
         own_roles=own_roles,
+        bucket_kms=own_roles and bool(profile.bucket_kms_key_arn),
     )
     values: dict[str, Any] = {
         "JobName": job,
@@ -324,6 +325,8 @@ def plan(ctx: Context, req: JobRequest, dist: Path | None = None) -> Plan:
     }
     if own_roles:
         values["LogGroupName"] = spec["log_group"]
+        if profile.bucket_kms_key_arn:
+            values["BucketKmsKeyArn"] = profile.bucket_kms_key_arn
     else:
         values["WorkerInstanceProfileArn"] = profile.worker_instance_profile_arn
         values["RdzvInstanceProfileArn"] = profile.rdzv_instance_profile_arn

@@ -137,6 +137,7 @@ def render_job(
     ami_override: bool = False,
     instance_types: int = 1,
     own_roles: bool = True,
+    bucket_kms: bool = False,
 ) -> str:
     """Render the job stack template (``petctl run_job``).
 
@@ -152,6 +153,8 @@ def render_job(
             streams and groups; adds ``LogGroupName``). ``False``: the instances use existing
             instance profiles given as ``WorkerInstanceProfileArn`` / ``RdzvInstanceProfileArn``
             (profiles recorded with ``petctl configure``).
+        bucket_kms: the bucket encrypts with a customer KMS key (``BucketKmsKeyArn``): the job's
+            roles get kms:Decrypt/GenerateDataKey on it, through S3 only (with ``own_roles``).
 
     Returns:
         The CloudFormation template as YAML text; see :func:`job_parameters` for its parameters.
@@ -160,6 +163,9 @@ def render_job(
     _check_bool("spot", spot)
     _check_bool("ami_override", ami_override)
     _check_bool("own_roles", own_roles)
+    _check_bool("bucket_kms", bucket_kms)
+    if bucket_kms and not own_roles:
+        raise ValueError("bucket_kms needs own_roles: existing instance profiles are the user's to grant")
     if (
         not isinstance(instance_types, int)
         or isinstance(instance_types, bool)
@@ -175,6 +181,7 @@ def render_job(
         ami_override=ami_override,
         instance_types=instance_types,
         own_roles=own_roles,
+        bucket_kms=bucket_kms,
         cpu_ami_parameter=CPU_AMI_PARAMETER,
         gpu_ami_parameter=GPU_AMI_PARAMETER,
     )
@@ -311,12 +318,19 @@ def _job_parameter_names() -> tuple[frozenset[str], frozenset[str]]:
     """Known parameter names over every job template variant, and those required by all of them."""
     known: set[str] = set()
     required: set[str] | None = None
-    for gpu, spot, ami_override, types, own_roles in itertools.product(
-        (False, True), (False, True), (False, True), (1, 2), (True, False)
+    for gpu, spot, ami_override, types, own_roles, kms in itertools.product(
+        (False, True), (False, True), (False, True), (1, 2), (True, False), (False, True)
     ):
+        if kms and not own_roles:
+            continue
         names, needed = template_parameters(
             render_job(
-                gpu=gpu, spot=spot, ami_override=ami_override, instance_types=types, own_roles=own_roles
+                gpu=gpu,
+                spot=spot,
+                ami_override=ami_override,
+                instance_types=types,
+                own_roles=own_roles,
+                bucket_kms=kms,
             )
         )
         known |= names

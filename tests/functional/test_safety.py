@@ -284,3 +284,62 @@ def test_setup_checks_az_count_against_the_regions_zones(run):
     r = run("--profile", "paris", "--region", "eu-west-3", "setup", "--az-count", str(len(zones) + 1))
     assert r.exit_code == 2 and f"more than the {len(zones)} zones of eu-west-3" in r.stderr
     assert live_stacks() == []
+
+
+def test_an_existing_sse_kms_bucket_gives_the_job_roles_its_key(run, tmp_path):
+    """On AWS every read of the code and write of a status in an SSE-KMS bucket needs the key;
+    moto does not check, so the job template is checked for the grant."""
+    kms = boto3.client("kms")
+    key = kms.create_key(Description="petctl test")["KeyMetadata"]
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket="kms-bucket")
+    s3.put_bucket_encryption(
+        Bucket="kms-bucket",
+        ServerSideEncryptionConfiguration={
+            "Rules": [
+                {
+                    "ApplyServerSideEncryptionByDefault": {
+                        "SSEAlgorithm": "aws:kms",
+                        "KMSMasterKeyID": key["KeyId"],
+                    }
+                }
+            ]
+        },
+    )
+    r = run("setup", "--s3-bucket", "kms-bucket")
+    assert r.exit_code == 0, r.output
+    script = tmp_path / "train.py"
+    script.write_text("print(1)\n")
+    r = run("-o", "json", "run-job", "--dry-run", "--min", "1", "--max", "1", str(script))
+    plan = json.loads(r.stdout)
+    assert plan["parameters"]["BucketKmsKeyArn"] == key["Arn"]
+    from petctl import templates
+
+    t = templates.load_template(plan["template"])
+    for role in ("WorkerRole", "RdzvRole"):
+        (policy,) = t["Resources"][role]["Properties"]["Policies"]
+        (grant,) = [s for s in policy["PolicyDocument"]["Statement"] if s["Sid"] == "BucketKmsKey"]
+        assert grant["Action"] == ["kms:Decrypt", "kms:GenerateDataKey"]
+        assert grant["Resource"] == {"Ref": "BucketKmsKeyArn"}
+        assert "kms:ViaService" in grant["Condition"]["StringEquals"]
+
+
+def test_a_bucket_whose_kms_key_petctl_cannot_use_is_refused(run):
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket="foreign-key-bucket")
+    s3.put_bucket_encryption(
+        Bucket="foreign-key-bucket",
+        ServerSideEncryptionConfiguration={
+            "Rules": [
+                {
+                    "ApplyServerSideEncryptionByDefault": {
+                        "SSEAlgorithm": "aws:kms",
+                        "KMSMasterKeyID": "arn:aws:kms:us-east-1:999999999999:key/00000000-0000-0000-0000-000000000000",
+                    }
+                }
+            ]
+        },
+    )
+    r = run("setup", "--s3-bucket", "foreign-key-bucket")
+    assert r.exit_code == 2 and "which petctl cannot use" in r.stderr and "another bucket" in r.stderr
+    assert live_stacks() == []

@@ -30,6 +30,7 @@ JOB_VARIANTS = [
 ] + [
     {"gpu": False, "spot": True, "ami_override": False, "instance_types": 3},
     {"gpu": True, "spot": False, "ami_override": False, "instance_types": 2},
+    {"gpu": False, "spot": False, "ami_override": False, "bucket_kms": True},
     # profiles recorded with `configure` that give existing instance profiles: no roles in the stack
     {"gpu": False, "spot": False, "ami_override": False, "own_roles": False},
     {"gpu": True, "spot": True, "ami_override": True, "instance_types": 2, "own_roles": False},
@@ -874,6 +875,7 @@ def test_job_parameters_cover_every_required_template_parameter():
         extra = {"ImageId"} if flags["ami_override"] else set()
         extra |= {"OnDemandBaseCapacity"} if flags["spot"] else set()
         extra |= {"InstanceTypes"} if flags.get("instance_types", 1) > 1 else set()
+        extra |= {"BucketKmsKeyArn"} if flags.get("bucket_kms") else set()
         if flags.get("own_roles", True):
             assert required == set(JOB_VALUES) | extra
         else:  # existing instance profiles instead of the log group the job's own roles write to
