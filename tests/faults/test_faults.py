@@ -40,6 +40,25 @@ def test_scale_up_then_graceful_scale_in(make_run):
     load_every_checkpoint(run)
 
 
+def test_burst_scale_up_is_one_round(make_run):
+    """2 nodes; the worker group's desired capacity goes to 4 and 2 nodes start at once -> one
+    round to world 4 (the old ranks never train at 3), no step lost."""
+    run = make_run(total_steps=600, worker_group=True)
+    run.asg.desired = 2
+    a, b = run.add_node(), run.add_node()
+    wait_world(run, [a, b], 2, 0)
+    assert_room(run, 300)
+    run.asg.desired = 4
+    new = [run.add_node(), run.add_node()]
+    t = min(n.started for n in new)
+    wait_world(run, [a, b, *new], 4, t)
+    worlds = {w for n in (a, b) for _, _, w in n.steps_after(t)}
+    assert worlds == {2, 4}, f"the burst took more than one round: world sizes {sorted(worlds)}"
+    assert run.steps_lost([a, b, *new], 4, t) == 0
+    finish(run, [a, b, *new])
+    load_every_checkpoint(run)
+
+
 def test_hard_node_loss(make_run):
     """3 nodes; one whole process tree SIGKILLed -> the 2 survivors resume from a checkpoint and finish."""
     run = make_run(total_steps=500)
