@@ -1,22 +1,37 @@
 #!/usr/bin/env python
-"""Elasticity benchmark: petctl's agent vs plain torchrun (etcd, etcd-v2) on one machine.
+"""Elasticity benchmark: petctl's agent (petctl-etcd, and on the etcd-v2 fallback) vs plain torchrun.
 
 Every run gets its own real etcd 3.5 (``--enable-v2``) on a free 127.0.0.1 port
 and N "nodes", each a process group bound to its own 127.0.0.x address, all
 running ``scripts/elastic_train.py`` (``--nnodes 2:8``, one worker per node,
 gloo). Tools:
 
-- ``petctl``: ``petctl-agent run`` exactly as production configures it (only
-  the local-cloud plumbing -- IMDS URL, EFS dir, agent dir -- is set);
+- ``petctl``: ``petctl-agent run`` exactly as production configures it (only the
+  local-cloud plumbing -- IMDS URL, EFS dir, agent dir -- is set): rendezvous petctl-etcd;
+- ``petctl-etcd-v2``: the same agent with the job spec's ``rdzv_backend: etcd-v2``
+  (torch's handler plus the agent's workarounds: the fallback);
 - ``torchrun-etcd``: ``torchrun --rdzv-backend etcd`` with torch's defaults;
 - ``torchrun-etcd-v2``: ``torchrun --rdzv-backend etcd-v2`` with torch's defaults.
 
-Times come from the example's ``step=<n> world_size=<w>`` lines, timestamped as
-they are read. "All ranks stepping at W" = every live rank printed a step with
-world_size=W after the event. Steps lost = last step any rank reached before
-training resumed - first step after the resume + 1 (clamped at 0). Every wait is
-bounded (``--timeout``); a timeout is a result (a note), not a crash, and the
-remaining reps of that (scenario, tool) are skipped.
+Per rep and tool, two runs. **chain**: a job's life, each step from the previous steady
+state (a checkpoint on disk, a step mid-way between checkpoints): cold start of 3 ->
+SIGTERM drain of one (3->2) -> a join (2->3) -> SIGKILL of a node tree (3->2) -> a join
+(not measured) -> a 4th joins and a running node is SIGKILLed as soon as the running
+ranks stop for the re-rendezvous (-> 3). **burst**: 2 run, then 4 start at once (2->6);
+the petctl agents see a worker group (an Auto Scaling look-alike) whose desired capacity
+goes 2 -> 6 first, as on AWS (``--no-hint``: none).
+
+Times come from the example's ``step=<n> world_size=<w>`` lines, timestamped as they
+are read. For joins, drains and the burst the number is the **stall**: from the last step
+any rank printed at the old size to every rank having printed a step at the new size (a
+newcomer's boot, while the others train on, is not a stall; its time from the process
+start is in ``from_event``). Hard losses: from the SIGKILL to every survivor stepping. Cold
+start: from the first agent's start to all 3 stepping. Steps lost = last step any rank
+reached before training resumed - first step after the resume + 1 (clamped at 0).
+Burst rounds = distinct world sizes the old ranks trained at on the way (1 = one round).
+Every wait is bounded (``--timeout`` after an event, ``--start-timeout`` for starts); a
+timeout is a result (reported as a hang, and counted as +inf in the median), not a crash;
+a chain that hangs reports its later steps as not reached.
 
 By default the whole benchmark runs in a private network namespace with only
 loopback up (``unshare --net``): plain torchrun binds its stores to the
@@ -24,8 +39,9 @@ wildcard address, and here that wildcard then means 127.0.0.0/8 only.
 
 Examples::
 
-    python scripts/bench_elastic.py --reps 3 --json bench.json
-    python scripts/bench_elastic.py --reps 1 --scenarios scale_up,hard_loss --tools petctl
+    python scripts/bench_elastic.py --reps 3 --json bench.json --keep --workdir /tmp/bench
+    python scripts/bench_elastic.py --reps 1 --scenarios burst --tools petctl
+    python scripts/bench_elastic.py --render bench.json
 """
 
 from __future__ import annotations
@@ -47,7 +63,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import BIN, TOOLS, Node, Run, RunConfig, cmdline, cpu_busy, kill_pids, poll, wait_idle  # noqa: E402
 
-SCENARIOS = ("cold_start", "scale_up", "burst", "scale_in", "hard_loss", "loss_during_rdzv", "etcd_restart")
+#: what a rep measures, in the order it happens: one "chain" run (a job's life: cold start,
+#: drain, join, hard loss, a loss during a re-rendezvous) and one "burst" run per tool
+SCENARIOS = ("cold_start", "scale_up", "burst", "scale_in", "hard_loss", "loss_during_rdzv")
+CHAIN = ("cold_start", "scale_in", "scale_up", "hard_loss", "loss_during_rdzv")
 BASELINE = "torchrun-etcd"
 
 
@@ -56,184 +75,194 @@ class Miss(Exception):
 
 
 # ---- scenario building blocks ---------------------------------------------------------------
-def bring_up(run: Run, n: int, timeout: float) -> tuple[list[Node], float]:
-    """Start ``n`` nodes at once; wait until all step at world ``n`` and a checkpoint exists.
-
-    Returns the nodes and the seconds from the first start to the first step at full size.
-    """
-    t0 = time.monotonic()
-    nodes = [run.add_node() for _ in range(n)]
-    t_full, note = run.wait_stepping(nodes, n, t0, timeout)
-    if t_full is None:
-        raise Miss(f"cold start of {n}: {note}")
-    # steady state: a few steps at full size and a checkpoint on disk (a resume point)
-    _, note = run.wait_stepping(nodes, n, t0, timeout, min_steps=5)
+def steady(run: Run, nodes: list[Node], world: int, timeout: float) -> None:
+    """Wait for a few steps at ``world``, a checkpoint on disk, and a step mid-way between
+    checkpoints: a fault at a random moment loses on average half an interval."""
+    _, note = run.wait_stepping(nodes, world, 0, timeout, min_steps=5)
     if note or not poll(lambda: (run.ckpt_dir / "latest").exists(), timeout):
-        raise Miss(f"steady state of {n}: {note or 'no checkpoint written'}")
-    # inject the event mid-way between checkpoints, not right after one: a fault at a
-    # random moment loses on average half an interval, and the figure should show it
-    offset = run.cfg.checkpoint_every // 2
+        raise Miss(f"steady state of {world}: {note or 'no checkpoint written'}")
+    every = run.cfg.checkpoint_every
+    offset = every // 2
+    start = run.max_step()
 
     def mid_interval() -> bool:
         try:
             ck = json.loads((run.ckpt_dir / "latest").read_text())["step"]
         except (OSError, ValueError, KeyError):
             return False
-        return run.max_step() % run.cfg.checkpoint_every >= offset and run.max_step() >= ck + offset
+        m = run.max_step()
+        return m > start and m % every >= offset and m >= ck + offset
 
     if not poll(mid_interval, timeout, 0.01):
         raise Miss(f"timeout {timeout:.0f}s waiting for a step {offset} after a checkpoint")
-    return nodes, t_full - t0
 
 
-def after_event(run: Run, survivors: list[Node], world: int, t0: float, timeout: float) -> dict[str, Any]:
-    t, note = run.wait_stepping(survivors, world, t0, timeout)
+#: agent events, in the order a membership change goes through them (the phases)
+PHASE_EVENTS = ("workers_ready", "drain_requested", "workers_failed", "rendezvous_start", "rendezvous_done",
+                "workers_started")  # fmt: skip
+
+
+def phases(
+    run: Run, nodes: list[Node], t0: float, world: int, extra: list[Node] = ()
+) -> dict[str, float] | None:
+    """petctl tools: where the time of a change went, from the agents' own status events.
+
+    Seconds from the event ``t0`` (monotonic) to the *latest* node's first event of each kind
+    after it, plus ``last_old_step`` (the last step any of ``nodes`` printed at another world
+    size) and ``first_step`` (every node stepping at ``world``). None for torchrun.
+    """
+    if run.imds is None:
+        return None
+    offset = time.time() - time.monotonic()  # status events carry time.time()
+    out: dict[str, float] = {}
+    for kind in PHASE_EVENTS:
+        ts = []
+        for n in [*nodes, *extra]:
+            evs = [e["t"] - offset for e in (run.status(n) or {}).get("events", []) if e.get("kind") == kind]
+            evs = [t for t in evs if t > t0 - 0.05]
+            if evs:
+                ts.append(min(evs))
+        if ts:
+            out[kind] = round(max(ts) - t0, 3)
+    firsts = [n.steps_after(t0, world) for n in nodes]
+    if all(firsts):
+        t_first = min(f[0][0] for f in firsts)
+        lasts = [x[0] for n in nodes for x in list(n.steps) if x[0] < t_first and x[2] != world]
+        if lasts:
+            out["last_old_step"] = round(max(lasts) - t0, 3)
+        out["first_step"] = round(max(f[0][0] for f in firsts) - t0, 3)
+    return out
+
+
+def measure(run: Run, old: list[Node], survivors: list[Node], world: int, t0: float, a: argparse.Namespace,
+            stall: bool = True, extra: list[Node] = ()) -> dict[str, Any]:  # fmt: skip
+    """Wait until every survivor steps at ``world``; the stall (last step at the old size ->
+    every rank stepping at the new one), the time from the event, steps lost, phases."""
+    t, note = run.wait_stepping(survivors, world, t0, a.timeout)
     if t is None:
         raise Miss(note or "no resume")
-    return {"seconds": t - t0, "steps_lost": run.steps_lost(survivors, world, t0)}
-
-
-def sc_cold_start(run: Run, a: argparse.Namespace) -> dict[str, Any]:
-    _, secs = bring_up(run, a.nodes, a.timeout)
-    return {"seconds": secs, "steps_lost": None, "nodes": a.nodes}
-
-
-def _scale_up(run: Run, a: argparse.Namespace, k: int) -> dict[str, Any]:
-    nodes, _ = bring_up(run, 2, a.timeout)
-    new = [run.add_node() for _ in range(k - 2)]
-    t0 = min(n.started for n in new)
-    out = after_event(run, nodes + new, k, t0, a.timeout)
-    return {**out, "nodes": k}
-
-
-def sc_scale_up(run: Run, a: argparse.Namespace) -> dict[str, Any]:
-    return _scale_up(run, a, 3)
-
-
-def sc_burst(run: Run, a: argparse.Namespace) -> dict[str, Any]:
-    return _scale_up(run, a, a.burst)
-
-
-def sc_scale_in(run: Run, a: argparse.Namespace) -> dict[str, Any]:
-    nodes, _ = bring_up(run, 3, a.timeout)
-    leaving, survivors = nodes[-1], nodes[:-1]
-    t0 = run.terminate_node(leaving)
-    out = after_event(run, survivors, 2, t0, a.timeout)
-    poll(lambda: not leaving.alive(), 30)
-    out["leaver_rc"] = leaving.proc.returncode
+    out: dict[str, Any] = {"from_event": t - t0, "steps_lost": run.steps_lost(survivors, world, t0)}
+    out["seconds"] = run.stall(old, survivors, world, t0) if stall else out["from_event"]
+    time.sleep(0.3)  # the status documents follow the step lines by a publish
+    ph = phases(run, survivors, t0, world, extra)
+    if ph:
+        out["phases"] = ph
     return out
 
 
-def sc_hard_loss(run: Run, a: argparse.Namespace) -> dict[str, Any]:
-    nodes, _ = bring_up(run, 3, a.timeout)
-    t0 = run.kill_node(nodes[-1])
-    return after_event(run, nodes[:-1], 2, t0, a.timeout)
+def run_chain(run: Run, a: argparse.Namespace, rec: Callable[..., None]) -> None:
+    """cold start of 3 -> drain one (3->2) -> a join (2->3) -> SIGKILL one (3->2) -> another
+    join (2->3, not measured) -> a 4th joins and a running node is SIGKILLed as soon as the
+    running ranks stop for the re-rendezvous (-> 3). Each step from the previous steady state."""
+    t0 = time.monotonic()
+    nodes = [run.add_node() for _ in range(3)]
+    t, note = run.wait_stepping(nodes, 3, t0, a.start_timeout)
+    if t is None:
+        raise Miss(f"cold start of 3: {note}")
+    rec("cold_start", seconds=t - t0, from_event=t - t0, steps_lost=None)
+    steady(run, nodes, 3, a.timeout)
 
+    leaving, live = nodes[2], nodes[:2]
+    t0 = run.terminate_node(leaving)
+    r = measure(run, nodes, live, 2, t0, a, extra=[leaving])
+    poll(lambda: not leaving.alive(), 30)
+    rec("scale_in", **r, leaver_rc=leaving.proc.returncode)
+    steady(run, live, 2, a.timeout)
 
-def sc_loss_during_rdzv(run: Run, a: argparse.Namespace) -> dict[str, Any]:
-    """3 nodes run; a 4th joins; when the old ranks stop stepping (re-rendezvous), kill node 1."""
-    nodes, _ = bring_up(run, 3, a.timeout)
     new = run.add_node()
-    stall = max(0.6, 10 * a.step_time)
+    r = measure(run, live, live + [new], 3, new.started, a)
+    rec("scale_up", **r)
+    live = live + [new]
+    steady(run, live, 3, a.timeout)
+
+    victim = live[0]
+    t0 = run.kill_node(victim)
+    r = measure(run, live, live[1:], 2, t0, a, stall=False)
+    rec("hard_loss", **r)
+    live = live[1:]
+    steady(run, live, 2, a.timeout)
+
+    new = run.add_node()
+    run.wait_stepping(live + [new], 3, new.started, a.timeout)
+    live = live + [new]
+    steady(run, live, 3, a.timeout)
+    new = run.add_node()
+    quiet = max(0.3, 6 * a.step_time)
 
     def rdzv_started() -> float | None:
-        last = max(n.last_t() for n in nodes)
-        return last if last > new.started and time.monotonic() - last > stall else None
+        last = max(n.last_t() for n in live)
+        return last if last > new.started and time.monotonic() - last > quiet else None
 
-    t_stop = poll(rdzv_started, a.timeout, 0.02)
+    t_stop = poll(rdzv_started, a.start_timeout, 0.01)
     if t_stop is None:
-        raise Miss(f"timeout {a.timeout:.0f}s: the join never stopped the running ranks")
-    victim = nodes[0]
+        raise Miss(f"timeout {a.start_timeout:.0f}s: the join never stopped the running ranks")
+    victim = live[0]
     t0 = run.kill_node(victim)
-    survivors = nodes[1:] + [new]
-    out = after_event(run, survivors, 3, t0, a.timeout)
-    out["join_to_rdzv"] = t_stop - new.started
-    out["kill_after_rdzv_start"] = t0 - t_stop
-    return out
+    r = measure(run, live, live[1:] + [new], 3, t0, a, stall=False)
+    rec("loss_during_rdzv", **r, join_to_rdzv=t_stop - new.started, kill_after_rdzv_start=t0 - t_stop)
 
 
-def sc_etcd_restart(run: Run, a: argparse.Namespace) -> dict[str, Any]:
-    """2 nodes run; SIGKILL etcd, restart it on the same port + data dir; watch ``--settle`` s."""
-    nodes, _ = bring_up(run, 2, a.timeout)
-    t0, t_back = run.restart_etcd()
-    end = t_back + a.settle
-    poll(lambda: time.monotonic() >= end or not any(n.alive() for n in nodes), a.settle + 5, 0.1)
-    end = time.monotonic()
-    dead = [n for n in nodes if not n.alive()]
-    if dead:
-        raise Miss(
-            f"agents exited after the etcd restart ({', '.join(f'{n.name} rc={n.proc.returncode}' for n in dead)})"
-        )
-    gap = max(1.0, 10 * a.step_time)
-    resume_ts, lost = [], []
-    for n in nodes:
-        before = [s for s in n.steps if s[0] <= t0]
-        after = [s for s in n.steps if t0 < s[0] <= end]
-        if not after or after[-1][0] < end - max(3.0, gap):
-            raise Miss(f"{n.name} not stepping {a.settle:.0f}s after etcd came back")
-        prev = before[-1] if before else None
-        brk = None
-        for s in after:
-            if prev is None or s[2] != prev[2] or s[1] != prev[1] + 1 or s[0] - prev[0] > gap:
-                brk = (s, prev)
-            prev = s
-        if brk is None:
-            resume_ts.append(after[0][0])
-            lost.append(0)
-        else:
-            s, p = brk
-            resume_ts.append(s[0])
-            reached = max(x[1] for m in nodes for x in m.steps if x[0] < s[0])
-            lost.append(max(0, reached - s[1] + 1))
-    return {
-        "seconds": max(resume_ts) - t0,
-        "steps_lost": max(lost),
-        "etcd_down": t_back - t0,
-        "restarted_workers": any(x > 0 for x in lost) or max(resume_ts) - t0 > gap,
-    }
+def run_burst(run: Run, a: argparse.Namespace, rec: Callable[..., None]) -> None:
+    """2 nodes run; the worker group's desired capacity goes to ``--burst``; that many - 2 start
+    at once. Rounds = distinct world sizes the old ranks trained at on the way (1 = one round)."""
+    if run.asg is not None:
+        run.asg.desired = 2
+    t0 = time.monotonic()
+    nodes = [run.add_node() for _ in range(2)]
+    t, note = run.wait_stepping(nodes, 2, t0, a.start_timeout)
+    if t is None:
+        raise Miss(f"start of 2: {note}")
+    steady(run, nodes, 2, a.timeout)
+    if run.asg is not None:
+        run.asg.desired = a.burst
+    new = [run.add_node() for _ in range(a.burst - 2)]
+    t0 = min(n.started for n in new)
+    r = measure(run, nodes, nodes + new, a.burst, t0, a)
+    worlds = {s[2] for n in nodes for s in n.steps_after(t0)}
+    rec("burst", **r, rounds=len(worlds - {2}), worlds=sorted(worlds))
 
 
-SCENARIO_FUNCS: dict[str, Callable[[Run, argparse.Namespace], dict[str, Any]]] = {
-    "cold_start": sc_cold_start,
-    "scale_up": sc_scale_up,
-    "burst": sc_burst,
-    "scale_in": sc_scale_in,
-    "hard_loss": sc_hard_loss,
-    "loss_during_rdzv": sc_loss_during_rdzv,
-    "etcd_restart": sc_etcd_restart,
-}
-
-
-def run_one(scenario: str, tool: str, rep: int, a: argparse.Namespace, root: Path) -> dict[str, Any]:
-    """One repetition of one scenario with one tool; never raises."""
+def run_one(kind: str, tool: str, rep: int, a: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
+    """One run (``chain`` or ``burst``) with one tool; one record per measured scenario; never raises."""
     cfg = RunConfig(
         tool=tool, min_nodes=2, max_nodes=8, step_time=a.step_time, checkpoint_every=a.checkpoint_every,
-        job=f"b-{scenario.replace('_', '-')}",
+        job=f"b-{kind}", worker_group=kind == "burst" and not a.no_hint,
     )  # fmt: skip
-    run = Run(root / f"{scenario}-{tool}-{rep}", cfg)
+    run = Run(root / f"{kind}-{tool}-{rep}", cfg)
     waited, busy = wait_idle(a.idle_wait) if a.idle_wait > 0 else (0.0, cpu_busy())
-    rec: dict[str, Any] = {
-        "scenario": scenario, "tool": tool, "rep": rep, "load": os.getloadavg()[0],
-        "cpu_busy_before": round(busy, 2), "idle_wait": round(waited, 1),
-    }  # fmt: skip
+    base = {"tool": tool, "rep": rep, "cpu_busy_before": round(busy, 2), "idle_wait": round(waited, 1)}
+    out: list[dict[str, Any]] = []
+
+    def rec(scenario: str, **kw: Any) -> None:
+        out.append({"scenario": scenario, **base, "load": os.getloadavg()[0], **kw})
+
+    wanted = CHAIN if kind == "chain" else ("burst",)
     t = time.monotonic()
     try:
         run.start()
-        rec.update(SCENARIO_FUNCS[scenario](run, a))
+        (run_chain if kind == "chain" else run_burst)(run, a, rec)
     except Miss as e:
-        rec.update(seconds=None, steps_lost=None, note=str(e))
+        note = str(e)
     except Exception as e:  # noqa: BLE001 - a broken tool is a result too
-        rec.update(seconds=None, steps_lost=None, note=f"error: {type(e).__name__}: {e}")
+        note = f"error: {type(e).__name__}: {e}"
+    else:
+        note = ""
     finally:
         left = run.close()
-        rec["wall"] = round(time.monotonic() - t, 1)
-        rec["left_running_at_end"] = len(left)
         if not a.keep:
             shutil.rmtree(run.root, ignore_errors=True)
-    for k, v in list(rec.items()):
-        if isinstance(v, float):
-            rec[k] = round(v, 3)
-    return rec
+    done = {r["scenario"] for r in out}
+    missed = [sc for sc in wanted if sc not in done]
+    for i, sc in enumerate(missed):
+        why = note if i == 0 else f"not reached: the run stopped at {missed[0]} ({note[:80]})"
+        rec(sc, seconds=None, steps_lost=None, note=why)
+    for r in out:
+        r["wall"] = round(time.monotonic() - t, 1)
+        r["left_running_at_end"] = len(left)
+        for k, v in list(r.items()):
+            if isinstance(v, float):
+                r[k] = round(v, 3)
+    return out
 
 
 # ---- CLI start-up ------------------------------------------------------------------------------
@@ -304,6 +333,19 @@ def time_cli(runs: int) -> list[dict[str, Any]]:
 
 
 # ---- summary -----------------------------------------------------------------------------------
+def _median(recs: list[dict[str, Any]], key: str, timeout: float) -> float | None:
+    """Median over reps; a rep that hit the wait bound counts as +inf (so a hang in most reps
+    is the median); reps that never got to the measurement for another reason are left out."""
+    vals = []
+    for r in recs:
+        v = r.get(key)
+        if v is not None:
+            vals.append(float(v))
+        elif "timeout" in (r.get("note") or "") and not (r.get("note") or "").startswith("not reached"):
+            vals.append(float("inf"))
+    return statistics.median(vals) if vals else None
+
+
 def summarize(
     records: list[dict[str, Any]], scenarios: list[str], tools: list[str], a: argparse.Namespace
 ) -> list[dict[str, Any]]:
@@ -315,60 +357,100 @@ def summarize(
             if not recs:
                 continue
             ok = [r for r in recs if r.get("seconds") is not None]
-            secs = statistics.median(r["seconds"] for r in ok) if ok else None
+            secs = _median(recs, "seconds", a.timeout)
             lost_vals = [r["steps_lost"] for r in ok if r.get("steps_lost") is not None]
-            lost = statistics.median(lost_vals) if lost_vals else None
+            rounds = [r["rounds"] for r in ok if r.get("rounds") is not None]
             notes = sorted({r["note"] for r in recs if r.get("note")})
             note = "; ".join(notes)
             if ok and len(ok) < len(recs):
                 note = f"{len(recs) - len(ok)}/{len(recs)} reps failed: {note}"
-            skipped = sum(1 for r in recs if r.get("skipped"))
-            if skipped:
-                note += f" (hang reproduced; {skipped} further rep(s) skipped)"
             if sc == "burst":
                 note = (f"2->{a.burst} nodes. " + note).strip()
-            if sc == "cold_start":
-                note = (f"{a.nodes} nodes. " + note).strip()
             med[tool] = secs
             rows.append({
                 "scenario": sc, "tool": tool, "seconds": None if secs is None else round(secs, 2),
-                "steps_lost": lost, "reps": len(ok), "attempts": len([r for r in recs if not r.get("skipped")]),
-                "note": note,
+                "from_event": None if _median(recs, "from_event", a.timeout) is None
+                else round(_median(recs, "from_event", a.timeout), 2),
+                "steps_lost": statistics.median(lost_vals) if lost_vals else None,
+                "rounds": statistics.median(rounds) if rounds else None,
+                "per_rep": [r.get("seconds") for r in recs],
+                "load": [r.get("load") for r in recs],
+                "reps": len(ok), "attempts": len(recs), "note": note,
             })  # fmt: skip
         base = med.get(BASELINE)
-        baseline_note = next((r["note"] for r in rows if r["scenario"] == sc and r["tool"] == BASELINE), "")
         for row in rows:
             if row["scenario"] != sc:
                 continue
             s = row["seconds"]
-            if s is not None and base:
+            if s is None or s == float("inf"):
+                row["ratio"] = None
+            elif base is not None and base == float("inf"):
+                row["ratio"] = f"<{s / a.timeout:.3f}"  # the baseline hung: at most s / bound
+            elif base:
                 row["ratio"] = round(s / base, 3)
-            elif s is not None and BASELINE in med and base is None and "timeout" in baseline_note:
-                # baseline timed out: the ratio is at most s / timeout
-                row["ratio"] = f"<{s / a.timeout:.3f}"
             else:
                 row["ratio"] = None
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], cli: list[dict[str, Any]]) -> str:
+WHAT = {
+    "cold_start": "first agent start -> all 3 stepping",
+    "scale_up": "stall: last step at 2 -> all 3 stepping",
+    "burst": "stall: last step at 2 -> all 6 stepping",
+    "scale_in": "stall: last step at 3 -> both stepping at 2",
+    "hard_loss": "SIGKILL -> both survivors stepping",
+    "loss_during_rdzv": "SIGKILL -> 3 survivors stepping",
+}
+
+
+def phase_table(records: list[dict[str, Any]], scenarios: list[str], tools: list[str]) -> str:
+    """Median seconds from the event to each agent event (the latest node's), petctl tools only."""
+    cols = ("workers_ready", "drain_requested", "last_old_step", "workers_failed", "rendezvous_start",
+            "rendezvous_done", "workers_started", "first_step")  # fmt: skip
+    lines = [
+        "| scenario | tool | " + " | ".join(cols) + " | reps |",
+        "|---|---|" + "---:|" * (len(cols) + 1),
+    ]
+    for sc in scenarios:
+        for tool in tools:
+            phs = [
+                r["phases"] for r in records if r["scenario"] == sc and r["tool"] == tool and r.get("phases")
+            ]
+            if not phs:
+                continue
+            cells = []
+            for c in cols:
+                vals = [p[c] for p in phs if c in p]
+                cells.append(f"{statistics.median(vals):.2f}" if vals else "—")
+            lines.append(f"| {sc} | {tool} | " + " | ".join(cells) + f" | {len(phs)} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def markdown(rows: list[dict[str, Any]], cli: list[dict[str, Any]], a: argparse.Namespace) -> str:
     def f(v: Any) -> str:
         if v is None:
             return "—"
         if isinstance(v, float):
+            if v == float("inf"):
+                return f"> {a.timeout:g} (hang)"
             return f"{v:g}" if v == int(v) else f"{v:.2f}"
         return str(v)
 
     lines = [
-        f"| scenario | tool | median s | steps lost | ratio to {BASELINE} | reps | note |",
-        "|---|---|---:|---:|---:|---:|---|",
+        f"| scenario (what the seconds are) | tool | median s | from the event | steps lost | rounds "
+        f"| ratio to {BASELINE} | reps | per rep (s) | load avg | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for r in rows:
         ratio = r.get("ratio")
         ratio_s = f"{ratio:.3f}" if isinstance(ratio, float) else f(ratio)
+        per = " / ".join(f(x) for x in r["per_rep"])
+        loads = [x for x in r["load"] if x is not None]
+        load = f"{min(loads):.1f}–{max(loads):.1f}" if loads else "—"
         lines.append(
-            f"| {r['scenario']} | {r['tool']} | {f(r['seconds'])} | {f(r['steps_lost'])} | {ratio_s} | "
-            f"{r['reps']}/{r['attempts']} | {r['note'].replace('|', '/')} |"
+            f"| {r['scenario']} ({WHAT.get(r['scenario'], '')}) | {r['tool']} | {f(r['seconds'])} | "
+            f"{f(r['from_event'])} | {f(r['steps_lost'])} | {f(r['rounds'])} | {ratio_s} | "
+            f"{r['reps']}/{r['attempts']} | {per} | {load} | {r['note'].replace('|', '/')} |"
         )
     if cli:
         lines += [
@@ -394,23 +476,21 @@ def _csv(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=3, help="repetitions per (scenario, tool); median reported")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list of {', '.join(SCENARIOS)}")
+    p.add_argument("--reps", type=int, default=3, help="repetitions per tool; median reported")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+                   help=f"comma list of {', '.join(SCENARIOS)} (any of the chain runs the whole chain)")  # fmt: skip
     p.add_argument("--tools", default=",".join(TOOLS), help=f"comma list of {', '.join(TOOLS)}")
-    p.add_argument("--json", type=Path, help="write all records + the summary here")
-    p.add_argument(
-        "--baseline-reps", type=int, default=None, help="reps for the torchrun tools (default: --reps)"
-    )
-    p.add_argument("--idle-wait", type=float, default=180,
+    p.add_argument("--json", type=Path, help="write all records + the summary here (after every run)")
+    p.add_argument("--idle-wait", type=float, default=0,
                    help="before each run wait up to this many s for other load to stop (0: don't)")  # fmt: skip
-    p.add_argument("--timeout", type=float, default=120, help="bound of every wait, seconds")
-    p.add_argument("--nodes", type=int, default=3, help="nodes in the cold-start scenario")
+    p.add_argument("--timeout", type=float, default=90, help="bound of every wait after an event, seconds")
+    p.add_argument("--start-timeout", type=float, default=150, help="bound of a (cold) start, seconds")
     p.add_argument("--burst", type=int, default=6, help="target size of the 2->k burst scale-up")
+    p.add_argument("--no-hint", action="store_true",
+                   help="burst: no worker group (petctl gets no desired-capacity hint)")  # fmt: skip
     p.add_argument("--step-time", type=float, default=0.05, help="extra sleep per training step")
     p.add_argument("--checkpoint-every", type=int, default=20, help="checkpoint interval in steps")
-    p.add_argument("--settle", type=float, default=15, help="seconds watched after etcd comes back")
-    p.add_argument("--cli-runs", type=int, default=7, help="runs per CLI start-up timing (0: skip)")
-    p.add_argument("--no-skip-hangs", action="store_true", help="repeat a (scenario, tool) after a timeout")
+    p.add_argument("--cli-runs", type=int, default=0, help="runs per CLI start-up timing (0: skip)")
     p.add_argument("--render", type=Path, help="only print the tables of an existing --json file")
     p.add_argument("--keep", action="store_true", help="keep run directories (logs) under --workdir")
     p.add_argument("--workdir", type=Path, default=None)
@@ -445,7 +525,9 @@ def main(argv: list[str] | None = None) -> int:
         doc = json.loads(a.render.read_text())
         cfg = argparse.Namespace(**{**vars(a), **doc["config"]})
         rows = summarize(doc["records"], cfg.scenario_list, cfg.tool_list, cfg)
-        print(markdown(rows, doc.get("cli", [])))
+        print(markdown(rows, doc.get("cli", []), cfg))
+        print()
+        print(phase_table(doc["records"], cfg.scenario_list, cfg.tool_list))
         return 0
     if a.netns != "off" and not os.environ.get("BENCH_IN_NETNS"):
         rc = _reexec_in_netns(argv)
@@ -471,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
                 "cpus": os.cpu_count(),
                 "python": platform.python_version(),
                 "netns": bool(os.environ.get("BENCH_IN_NETNS")),
+                "loadavg_now": os.getloadavg(),
             },
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
             "summary": rows,
@@ -481,32 +564,28 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(json.dumps(doc, indent=2, default=str))
         os.replace(tmp, a.json)
 
-    def reps_for(tool: str) -> int:
-        return a.reps if tool == "petctl" or a.baseline_reps is None else a.baseline_reps
-
-    # reps outermost: every (scenario, tool) gets its first rep before any gets a second,
-    # so an interrupted run still has the whole table (JSON is rewritten after each run)
-    for rep in range(1, max(reps_for(t) for t in a.tool_list) + 1):
-        for sc in a.scenario_list:
+    kinds = [k for k, scs in (("chain", CHAIN), ("burst", ("burst",))) if set(scs) & set(a.scenario_list)]
+    # reps outermost: every tool gets its first rep before any gets a second, so an
+    # interrupted run still has the whole table (the JSON is rewritten after each run)
+    for rep in range(1, a.reps + 1):
+        for kind in kinds:
             for tool in a.tool_list:
-                if rep > reps_for(tool):
-                    continue
-                prev = [r for r in records if r["scenario"] == sc and r["tool"] == tool]
-                if not a.no_skip_hangs and any("timeout" in (r.get("note") or "") for r in prev):
-                    records.append({"scenario": sc, "tool": tool, "rep": rep, "skipped": True})
-                    continue
-                rec = run_one(sc, tool, rep, a, root)
-                records.append(rec)
-                print(
-                    f"# {sc:17s} {tool:17s} rep {rep}: seconds={rec.get('seconds')} "
-                    f"lost={rec.get('steps_lost')} busy={rec['cpu_busy_before']} wall={rec['wall']}s {rec.get('note') or ''}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                recs = [r for r in run_one(kind, tool, rep, a, root) if r["scenario"] in a.scenario_list]
+                records.extend(recs)
+                for rec in recs:
+                    print(
+                        f"# {rec['scenario']:17s} {tool:17s} rep {rep}: seconds={rec.get('seconds')} "
+                        f"from_event={rec.get('from_event')} lost={rec.get('steps_lost')} "
+                        f"rounds={rec.get('rounds', '')} load={rec['load']:.1f} {rec.get('note') or ''}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 write_json(summarize(records, a.scenario_list, a.tool_list, a), [], False)
     cli = time_cli(a.cli_runs) if a.cli_runs > 0 else []
     rows = summarize(records, a.scenario_list, a.tool_list, a)
-    print(markdown(rows, cli))
+    print(markdown(rows, cli, a))
+    print()
+    print(phase_table(records, a.scenario_list, a.tool_list))
     write_json(rows, cli, True)
     if not a.keep and a.workdir is None:
         shutil.rmtree(root, ignore_errors=True)
