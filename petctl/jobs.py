@@ -639,6 +639,39 @@ def boot_failures(ctx: Context, job: str) -> dict[str, Any]:
     return result
 
 
+def boot_events(ctx: Context, job: str) -> list[dict[str, Any]]:
+    """Each boot's timestamped events (boot/events/<instance-id>.json, written by the boot scripts),
+    oldest boot first, with ``phases``: seconds from each event to the next, ``seconds`` in all."""
+    from petctl import storage
+
+    bucket = ctx.profile.bucket
+    if not bucket:
+        return []
+    try:
+        docs = storage.read_json_objects(ctx.clients()("s3"), bucket, naming.job_prefix(job) + "boot/events/")
+    except Exception as e:  # noqa: BLE001 - status must still show the group
+        ctx.ui.warn(f"could not read boot events from s3://{bucket}: {describe_client_error(e)}")
+        return []
+    out = []
+    for d in docs:
+        events = [
+            e for e in d.get("events") or [] if isinstance(e, dict) and isinstance(e.get("t"), (int, float))
+        ]
+        if not events:
+            continue
+        phases = {b["kind"]: round(b["t"] - a["t"], 2) for a, b in zip(events, events[1:])}
+        out.append(
+            {
+                "instance_id": d.get("instance_id"),
+                "role": d.get("role"),
+                "events": events,
+                "phases": phases,
+                "seconds": round(events[-1]["t"] - events[0]["t"], 2),
+            }
+        )
+    return sorted(out, key=lambda d: d["events"][0]["t"])
+
+
 def ever_trained(agents: list[dict[str, Any]]) -> bool:
     """Whether any agent of the job ever had its workers running (or finished)."""
     for a in agents:
@@ -768,6 +801,7 @@ def status(ctx: Context, job: str) -> dict[str, Any]:
         # Why a job failed, when petctl knows it (for now: every boot keeps failing).
         "reason": boot_failure_reason(boot) if failed_boot and state == "FAILED" else None,
         "boot_failures": boot,
+        "boot_events": boot_events(ctx, job),
         "stack_status": stack["StackStatus"],
         "min": group.get("MinSize"),
         "max": group.get("MaxSize"),

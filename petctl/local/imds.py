@@ -16,6 +16,10 @@ with the token from ``cloud.json`` (readable only by the user)::
     POST /_control/kill-instance/<instance-id>
     POST /_control/spot-interrupt/<instance-id>?seconds=120
     POST /_control/restart-rdzv/<job>
+
+and, for each instance's ``systemctl`` shim (``X-Petctl-Systemd-Token``: that instance's token)::
+
+    POST /<instance-id>/_petctl/systemd/start/<unit>
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ log = logging.getLogger("petctl.local.imds")
 
 TOKEN_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
+SYSTEMD_TOKEN_HEADER = "X-Petctl-Systemd-Token"
 ACCOUNT_ID = "123456789012"  # moto's default account
 
 
@@ -200,6 +205,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(status, json.dumps(body, default=str), "application/json")
             return
         parts = path.lstrip("/").split("/", 2)  # <instance-id>, "latest", rest
+        if len(parts) == 3 and parts[1] == "_petctl" and method == "POST":
+            self._systemd(parts[0], parts[2])
+            return
         if len(parts) < 2 or parts[1] != "latest":
             self._send(404, "Not Found")
             return
@@ -230,6 +238,24 @@ class _Handler(BaseHTTPRequestHandler):
             return
         status, body = self.imds.metadata(rec, rest)
         self._send(status, body)
+
+    def _systemd(self, instance_id: str, rest: str) -> None:
+        """``POST /<instance-id>/_petctl/systemd/start/<unit>`` from the instance's systemctl shim
+        (header ``X-Petctl-Systemd-Token``: the instance's own token, in its boot environment)."""
+        action, _, unit = rest.partition("/start/")
+        if action != "systemd" or not unit:
+            self._send(404, json.dumps({"error": f"unknown request {rest}"}), "application/json")
+            return
+        try:
+            status, body = self.imds.cloud.reconciler.systemd_start(
+                instance_id, unit, self.headers.get(SYSTEMD_TOKEN_HEADER) or ""
+            )
+        except LookupError as e:
+            status, body = 404, {"error": str(e.args[0] if e.args else e)}
+        except Exception as e:  # noqa: BLE001 - report, do not kill the server thread
+            log.exception("systemd start %s on %s failed", unit, instance_id)
+            status, body = 500, {"error": f"{type(e).__name__}: {e}"}
+        self._send(status, json.dumps(body, default=str), "application/json")
 
     def do_GET(self) -> None:  # noqa: N802 - stdlib naming
         self._route("GET")

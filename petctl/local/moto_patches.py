@@ -20,6 +20,11 @@
 4. **EFS mount targets**: a file system has mount targets in one VPC at a time; AWS answers
    ``MountTargetConflict`` for a second VPC, and refuses a mount target of a One Zone file
    system outside its zone. moto allows both.
+6. **Network interfaces**: AWS detaches an interface attached after launch (not deleted on
+   termination) when its instance terminates, and refuses to attach an interface that is in use or
+   at a device index the instance already uses. moto keeps the interface attached to the
+   terminated instance (a replacement rendezvous instance could never take it over) and attaches
+   anything anywhere.
 """
 
 from __future__ import annotations
@@ -177,8 +182,45 @@ def _patch_put_log_events_limits() -> None:
     LogsResponse._petctl_limits_patched = True  # type: ignore[attr-defined]
 
 
+def _patch_network_interfaces() -> None:
+    from moto.ec2.exceptions import EC2ClientError
+    from moto.ec2.models.elastic_network_interfaces import NetworkInterfaceBackend
+    from moto.ec2.models.instances import Instance
+
+    if getattr(Instance, "_petctl_eni_patched", False):
+        return
+    original_terminate = Instance.terminate
+    original_attach = NetworkInterfaceBackend.attach_network_interface
+
+    def terminate(self: Any) -> Any:
+        # Secondary interfaces only: the primary one (device 0) is the instance's own.
+        kept = [nic for idx, nic in self.nics.items() if int(idx) != 0 and not nic.delete_on_termination]
+        result = original_terminate(self)
+        for nic in kept:
+            if nic.instance is self:
+                self.detach_eni(nic)
+        return result
+
+    def attach_network_interface(self: Any, eni_id: str, instance_id: str, device_index: int) -> Any:
+        eni = self.get_network_interface(eni_id)
+        instance = self.get_instance(instance_id)
+        if eni.instance is not None:
+            raise EC2ClientError("InvalidParameterValue", f"Interface: [{eni_id}] in use.")
+        if int(device_index) in instance.nics:
+            raise EC2ClientError(
+                "InvalidParameterValue",
+                f"Instance '{instance_id}' already has an interface attached at device index '{device_index}'.",
+            )
+        return original_attach(self, eni_id, instance_id, device_index)
+
+    Instance.terminate = terminate  # type: ignore[method-assign]
+    NetworkInterfaceBackend.attach_network_interface = attach_network_interface  # type: ignore[method-assign]
+    Instance._petctl_eni_patched = True  # type: ignore[attr-defined]
+
+
 def apply() -> None:
     """Install the patches (idempotent)."""
+    _patch_network_interfaces()
     _patch_put_log_events_limits()
     _patch_log_stream_prefix()
     _patch_efs_mount_targets()

@@ -4,8 +4,13 @@ Every ``period`` seconds it reads moto's state over HTTP (the same API a real
 client uses) and makes the local processes match it:
 
 * an instance tagged ``petctl:role`` that is ``pending``/``running`` and that we
-  have not seen gets a process tree: ``rdzv`` → etcd 3.5 with the v2 API on the
-  ``petctl:rdzv`` address, ``worker`` → ``petctl-agent run``;
+  have not seen boots: the user data of its launch template runs with bash, with the
+  instance's paths mapped into its root directory and host commands shimmed
+  (:mod:`petctl.local.boot`, :mod:`petctl.local.shims`); the units its boot script starts
+  (``systemctl enable --now``: etcd on the rendezvous instance, ``petctl-agent run`` on a
+  worker) are started by :meth:`Reconciler.systemd_start` as processes of the instance;
+* an instance its group considers ``Unhealthy`` (a failed boot marks itself so) is
+  terminated in its group, which replaces it, as AWS's health checks do;
 * an instance that left (terminated by a scale-in, deleted group, …) is drained
   the way the termination lifecycle hook would on AWS (IMDS
   ``target-lifecycle-state`` → ``Terminated``, SIGTERM, then Terminating:Wait: a
@@ -19,11 +24,12 @@ client uses) and makes the local processes match it:
 Instance states (``Instance.state``):
 
 ``running``
-    process tree started; moto says the instance runs.
+    booting or booted (boot script and/or its units running); moto says the instance runs.
 ``exited``
-    the tree's leader exited by itself while the instance still runs in moto.
+    the main unit's process exited by itself, or the boot script ended (failed, or without
+    starting a unit), while the instance still runs in moto.
 ``restarting``
-    ``restart_rdzv``: etcd is being killed and started again.
+    ``restart_rdzv``: the instance reboots (its enabled units are killed and started again).
 ``draining``
     moto terminated the instance; waiting for the drain (lifecycle hook emulation).
 ``interrupted``
@@ -33,28 +39,25 @@ Instance states (``Instance.state``):
 ``terminated``
     the tree is gone after the instance left.
 ``error``
-    the process could not be started (see ``note``).
+    the boot could not be started (no bash user data, …; see ``note``).
 """
 
 from __future__ import annotations
 
-import base64
 import datetime as dt
 import json
 import logging
 import os
-import re
 import secrets
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from petctl.local import LOCAL_ENV, LOCAL_ENV_UNSET, moto_patches, procs
+from petctl.local import LOCAL_ENV, LOCAL_ENV_UNSET, boot, moto_patches, procs, shims
 
 log = logging.getLogger("petctl.local.reconciler")
 
@@ -74,7 +77,6 @@ _NOT_INHERITED = frozenset(
         "PETCTL_AGENT_PID",
     )
 )
-_FS_RE = re.compile(r"\bfs-[0-9a-f]{8,40}\b")
 
 
 def _env_float(name: str, default: float) -> float:
@@ -95,18 +97,6 @@ class Settings:
     drain_slack: float = field(default_factory=lambda: _env_float("PETCTL_LOCAL_DRAIN_SLACK", 10))
     # OS shutdown: SIGTERM, then SIGKILL after this long (spot interruption deadline).
     shutdown_grace: float = field(default_factory=lambda: _env_float("PETCTL_LOCAL_SHUTDOWN_GRACE", 5))
-    etcd: str = field(default_factory=lambda: os.environ.get("PETCTL_LOCAL_ETCD", "etcd"))
-    worker_cmd: list[str] = field(default_factory=lambda: _worker_cmd())
-
-
-def _worker_cmd() -> list[str]:
-    raw = os.environ.get("PETCTL_LOCAL_WORKER_CMD")
-    if raw:
-        argv = json.loads(raw)
-        if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
-            raise ValueError(f"PETCTL_LOCAL_WORKER_CMD must be a JSON list of strings, got {raw!r}")
-        return argv
-    return [sys.executable, "-m", "petctl_agent.main", "run"]
 
 
 def _iso(t: float) -> str:
@@ -128,21 +118,29 @@ class Instance:
     state: str = "running"
     lifecycle: str = "InService"
     spot_action: dict[str, str] | None = None
-    proc: subprocess.Popen | None = None
-    pgid: int | None = None
+    proc: subprocess.Popen | None = None  # the main unit's process (the agent, etcd)
+    boot: subprocess.Popen | None = None  # the boot script (bash running the user data)
+    boot_rc: int | None = None
+    boot_ended_at: float | None = None
+    units: dict[str, boot.Unit] = field(default_factory=dict)
+    systemd_token: str = field(default_factory=lambda: secrets.token_hex(16))
+    replaced: bool = False  # Unhealthy: already terminated in its group
+    pgid: int | None = None  # the boot script's process group
     start_ticks: int | None = None
     exit_code: int | None = None
     started_at: float | None = None
     ended_at: float | None = None
     restarts: int = 0
     drain_timeout: float | None = None
-    efs_id: str | None = None
     marker: str | None = None  # PETCTL_LOCAL_INSTANCE of every process of this instance
     note: str | None = None
     instance_type: str = "t3.medium"
     image_id: str = "ami-local"
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     lifecycle_done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def popens(self) -> list[subprocess.Popen]:
+        return [p for p in [self.boot, *(u.proc for u in self.units.values())] if p is not None]
 
     @property
     def alive(self) -> bool:
@@ -164,17 +162,40 @@ class Instance:
             "state": self.state,
             "lifecycle_state": self.lifecycle,
             "spot_action": self.spot_action,
-            "pid": self.proc.pid if self.proc else None,
+            # the main unit's process once there is one; the boot script's before
+            "pid": self.proc.pid if self.proc else self.boot.pid if self.boot else None,
             "pgid": self.pgid,
             "alive": alive,
             "exit_code": self.exit_code,
             "restarts": self.restarts,
             "started_at": self.started_at,
             "ended_at": self.ended_at,
-            "efs_id": self.efs_id,
+            "efs_id": (shims.mounted(self.root(state_dir)).get("/mnt/efs") or "").split(":")[0] or None,
+            "boot": {
+                "pid": self.boot.pid if self.boot else None,
+                "state": (
+                    None
+                    if self.boot is None
+                    else "running"
+                    if self.boot_rc is None
+                    else "done"
+                    if self.boot_rc == 0
+                    else "failed"
+                ),
+                "exit_code": self.boot_rc,
+                "seconds": round(self.boot_ended_at - self.started_at, 2)
+                if self.boot_ended_at and self.started_at
+                else None,
+                "script": str(state_dir / "instances" / self.instance_id / "user-data.sh"),
+            },
+            "units": {n: {"pid": u.proc.pid, "exit_code": u.proc.poll()} for n, u in self.units.items()},
+            "root": str(self.root(state_dir)),
             "log": str(state_dir / "logs" / f"{self.instance_id}.log"),
             "note": self.note,
         }
+
+    def root(self, state_dir: Path) -> Path:
+        return state_dir / "instances" / self.instance_id / "root"
 
 
 class Reconciler:
@@ -193,7 +214,7 @@ class Reconciler:
         self.lock = threading.RLock()
         self.stopping = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._efs_cache: dict[str, str | None] = {}
+        self._user_data_cache: dict[str, str] = {}
         self._procs_written: dict[str, Any] | None = None
         self._procs_lock = threading.Lock()
         self._ticks = 0
@@ -218,8 +239,8 @@ class Reconciler:
                 last_error = repr(e)
             self.stopping.wait(max(0.05, self.settings.period - (time.monotonic() - t0)))
 
-    def _describe(self) -> tuple[dict[str, dict[str, Any]], set[str] | None]:
-        """Live tagged instances, and (every few ticks, if any is in a group) the group names."""
+    def _describe(self) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]] | None]:
+        """Live tagged instances, and (every few ticks, if any is in a group) the groups by name."""
         ec2, asg = self.clients["ec2"], self.clients["autoscaling"]
         instances: dict[str, dict[str, Any]] = {}
         for page in ec2.get_paginator("describe_instances").paginate(
@@ -236,9 +257,9 @@ class Reconciler:
         in_groups = any(t["Key"] == ASG_TAG for i in instances.values() for t in i.get("Tags", []))
         if not in_groups or self._ticks % 4:
             return instances, None  # moto already terminates a deleted group's instances; this is a backstop
-        groups = set()
+        groups = {}
         for page in asg.get_paginator("describe_auto_scaling_groups").paginate():
-            groups.update(g["AutoScalingGroupName"] for g in page["AutoScalingGroups"])
+            groups.update({g["AutoScalingGroupName"]: g for g in page["AutoScalingGroups"]})
         return instances, groups
 
     def tick(self) -> None:
@@ -273,22 +294,69 @@ class Reconciler:
         if orphaned:
             log.info("terminating %s: their Auto Scaling group was deleted", ", ".join(orphaned))
             self.clients["ec2"].terminate_instances(InstanceIds=orphaned)
+        if groups is not None:
+            self._replace_unhealthy(groups)
         self._ticks += 1
         if self._ticks % 10 == 0:  # a /proc scan; orphans only need reaping now and then
             with self.lock:
-                leaders = {r.proc.pid for r in self.instances.values() if r.proc}
+                leaders = {p.pid for r in self.instances.values() for p in r.popens()}
             procs.reap_orphans(leaders)
         self._write_procs()
 
+    def _replace_unhealthy(self, groups: dict[str, dict[str, Any]]) -> None:
+        """An instance its group holds Unhealthy (SetInstanceHealth, e.g. by a failed boot) is
+        terminated and replaced, as the group's health check does on AWS (moto only records it)."""
+        for g in groups.values():
+            for gi in g.get("Instances", []):
+                if gi.get("HealthStatus") != "Unhealthy" or gi.get("LifecycleState") != "InService":
+                    continue
+                with self.lock:
+                    rec = self.instances.get(gi["InstanceId"])
+                if rec is None or rec.replaced:
+                    continue
+                rec.replaced = True
+                log.info(
+                    "%s: Unhealthy in %s; the group replaces it", rec.instance_id, g["AutoScalingGroupName"]
+                )
+                try:
+                    self.clients["autoscaling"].terminate_instance_in_auto_scaling_group(
+                        InstanceId=rec.instance_id, ShouldDecrementDesiredCapacity=False
+                    )
+                except Exception as e:  # noqa: BLE001 - e.g. the group went meanwhile
+                    log.warning("%s: cannot replace it (%s)", rec.instance_id, e)
+
     def _check_exit(self, rec: Instance) -> None:
         with rec.lock:
-            if rec.state == "running" and rec.proc is not None and rec.proc.poll() is not None:
-                rec.exit_code = rec.proc.returncode
+            if rec.state != "running":
+                return
+            if rec.boot is not None and rec.boot_rc is None and rec.boot.poll() is not None:
+                rec.boot_rc = rec.boot.returncode
+                rec.boot_ended_at = time.time()
+                took = rec.boot_ended_at - (rec.started_at or rec.boot_ended_at)
+                if rec.boot_rc:
+                    log.warning(
+                        "%s: boot script failed (exit %s) after %.1fs", rec.instance_id, rec.boot_rc, took
+                    )
+                else:
+                    log.info("%s: boot script done in %.1fs", rec.instance_id, took)
+            if rec.proc is not None:
+                if rec.proc.poll() is not None:
+                    rec.exit_code = rec.proc.returncode
+                    rec.state = "exited"
+                    rec.ended_at = time.time()
+                    log.info(
+                        "%s (%s) exited with code %s; not restarted", rec.instance_id, rec.role, rec.exit_code
+                    )
+            elif rec.boot_rc is not None:
+                rec.exit_code = rec.boot_rc
                 rec.state = "exited"
                 rec.ended_at = time.time()
-                log.info(
-                    "%s (%s) exited with code %s; not restarted", rec.instance_id, rec.role, rec.exit_code
+                rec.note = (
+                    f"boot script failed (exit {rec.boot_rc})"
+                    if rec.boot_rc
+                    else "boot script finished without starting a service"
                 )
+                log.warning("%s: %s", rec.instance_id, rec.note)
 
     # ------------------------------------------------------------------ start
 
@@ -319,40 +387,6 @@ class Reconciler:
             return None
         return spec if isinstance(spec, dict) else None
 
-    def _efs_id(self, rec: Instance) -> str:
-        if rec.tags.get("petctl:efs"):
-            return rec.tags["petctl:efs"]
-        lt_id, lt_ver = (
-            rec.tags.get("aws:ec2launchtemplate:id"),
-            rec.tags.get("aws:ec2launchtemplate:version"),
-        )
-        key = f"{lt_id}:{lt_ver}" if lt_id else rec.instance_id
-        if key not in self._efs_cache:
-            found = None
-            try:
-                if lt_id:
-                    versions = self.clients["ec2"].describe_launch_template_versions(
-                        LaunchTemplateId=lt_id, Versions=[lt_ver or "$Latest"]
-                    )["LaunchTemplateVersions"]
-                    user_data = versions[0]["LaunchTemplateData"].get("UserData", "") if versions else ""
-                else:
-                    user_data = (
-                        self.clients["ec2"]
-                        .describe_instance_attribute(InstanceId=rec.instance_id, Attribute="userData")
-                        .get("UserData", {})
-                        .get("Value", "")
-                    )
-                m = _FS_RE.search(base64.b64decode(user_data or "").decode(errors="replace"))
-                found = m.group(0) if m else None
-                if not found:
-                    fss = self.clients["efs"].describe_file_systems()["FileSystems"]
-                    if len(fss) == 1:
-                        found = fss[0]["FileSystemId"]
-            except Exception as e:  # noqa: BLE001 - fall back to a default directory
-                log.warning("%s: cannot find its EFS id (%s)", rec.instance_id, e)
-            self._efs_cache[key] = found
-        return self._efs_cache[key] or "fs-local"
-
     def _base_env(self) -> dict[str, str]:
         # The daemon's environment reaches the instances (so agent knobs like PETCTL_AGENT_* set
         # where the cloud was started apply), minus AWS settings, the local cloud's own
@@ -367,69 +401,67 @@ class Reconciler:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def _argv_env(self, rec: Instance) -> tuple[list[str], dict[str, str]]:
-        inst_dir = self.state_dir / "instances" / rec.instance_id
-        inst_dir.mkdir(parents=True, exist_ok=True)
+    def _unit_env(self, rec: Instance) -> dict[str, str]:
+        """What a unit's process starts with before its Environment= lines: the instance's base
+        environment (not the boot script's variables, as under systemd), its marker, and the
+        IMDS URL (the local cloud's IMDS is not at 169.254.169.254)."""
         env = self._base_env()
-        rec.marker = f"{rec.instance_id}@{self.token}"
-        env[procs.MARKER] = rec.marker
-        spec = self.job_spec(rec) or {}
-        if rec.role == "rdzv":
-            rdzv = rec.tags.get(RDZV_TAG, "") or rec.private_ip
-            ip, _, port_s = rdzv.partition(":")
-            port = int(port_s or spec.get("rdzv_port") or 2379)
-            rec.bind_ip = ip
-            peer = f"http://{ip}:{port + 1}"
-            data_dir = inst_dir / "etcd"
-            argv = [
-                self.settings.etcd,
-                "--name", rec.instance_id,
-                "--data-dir", str(data_dir),
-                "--enable-v2=true",
-                "--listen-client-urls", f"http://{ip}:{port}",
-                "--advertise-client-urls", f"http://{ip}:{port}",
-                "--listen-peer-urls", peer,
-                "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"{rec.instance_id}={peer}",
-            ]  # fmt: skip
-            return argv, env
-        rec.bind_ip = rec.private_ip
-        efs = self.state_dir / "efs" / (rec.efs_id or self._efs_id(rec))
-        efs.mkdir(parents=True, exist_ok=True)
-        env.update(
-            PETCTL_IMDS_URL=f"{self.imds_url}/{rec.instance_id}",
-            PETCTL_EFS_MOUNT=str(efs),
-            PETCTL_AGENT_DIR=str(inst_dir),
-        )
-        return list(self.settings.worker_cmd), env
+        env[procs.MARKER] = rec.marker or ""
+        env["PETCTL_IMDS_URL"] = f"{self.imds_url}/{rec.instance_id}"
+        return env
 
     def _start(self, rec: Instance) -> None:
+        """Boot the instance: run its user data (see petctl.local.boot)."""
         with rec.lock:
             spec = self.job_spec(rec) or {}
             rec.drain_timeout = float(spec.get("drain_timeout") or self.settings.default_drain_timeout)
-            if rec.role not in ("rdzv", "worker"):
-                rec.state, rec.note = "error", f"unknown {ROLE_TAG} {rec.role!r} (expected rdzv or worker)"
-                log.warning("%s: %s", rec.instance_id, rec.note)
-                return
             if not rec.private_ip.startswith("127."):
                 # Launched outside the local profile's 127.0.0.0/16 VPC: the address is not local.
                 rec.note = f"private IP {rec.private_ip} is not a loopback address; use a 127.0.0.0/16 VPC"
                 log.warning("%s: %s", rec.instance_id, rec.note)
-            if rec.role == "worker":
-                rec.efs_id = self._efs_id(rec)
-            argv, env = self._argv_env(rec)
-            self._spawn(rec, argv, env)
+            # etcd serves on the rendezvous ENI's address (petctl:rdzv); a worker on its own.
+            rec.bind_ip = (rec.tags.get(RDZV_TAG) or rec.private_ip) if rec.role == "rdzv" else rec.private_ip
+            rec.bind_ip = rec.bind_ip.partition(":")[0]
+            inst_dir = self.state_dir / "instances" / rec.instance_id
+            inst_dir.mkdir(parents=True, exist_ok=True)
+            rec.marker = f"{rec.instance_id}@{self.token}"
+            try:
+                script = boot.user_data(self.clients, rec.instance_id, rec.tags, self._user_data_cache)
+                boot.check_script(script)
+                loopback = rec.private_ip if rec.private_ip.startswith("127.") else None
+                root, bin_dir, path = boot.prepare(inst_dir, script, loopback)
+            except Exception as e:  # noqa: BLE001 - the instance cannot boot; the cloud goes on
+                rec.state, rec.note = "error", f"cannot boot: {e}"
+                log.error("%s: %s", rec.instance_id, rec.note)
+                return
+            env = boot.boot_env(
+                self._base_env(),
+                root,
+                bin_dir,
+                {
+                    procs.MARKER: rec.marker,
+                    "PETCTL_LOCAL_ROOT": str(root),
+                    "PETCTL_LOCAL_STATE": str(self.state_dir),
+                    "PETCTL_LOCAL_IMDS": f"{self.imds_url}/{rec.instance_id}",
+                    "PETCTL_LOCAL_INSTANCE_ID": rec.instance_id,
+                    "PETCTL_LOCAL_AZ": rec.az,
+                    "PETCTL_LOCAL_JOB": rec.job or "",
+                    "PETCTL_LOCAL_SYSTEMD": f"{self.imds_url}/{rec.instance_id}/_petctl/systemd",
+                    "PETCTL_LOCAL_SYSTEMD_TOKEN": rec.systemd_token,
+                },
+            )
+            self._spawn(rec, ["bash", str(path)], env)
 
     def _spawn(self, rec: Instance, argv: list[str], env: dict[str, str]) -> None:
         log_path = self.state_dir / "logs" / f"{rec.instance_id}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         try:
             with open(log_path, "ab") as out:
-                out.write(f"==> {_iso(time.time())} petctl local: starting {rec.role}: {argv}\n".encode())
+                out.write(f"==> {_iso(time.time())} petctl local: booting {rec.role}: {argv}\n".encode())
                 out.flush()
-                rec.proc = subprocess.Popen(
+                rec.boot = subprocess.Popen(
                     argv,
-                    cwd=str(self.state_dir / "instances" / rec.instance_id),
+                    cwd=str(self.state_dir / "instances" / rec.instance_id / "root"),
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=out,
@@ -441,19 +473,68 @@ class Reconciler:
             rec.state, rec.note = "error", f"cannot start {argv[0]}: {e}"
             log.error("%s: %s", rec.instance_id, rec.note)
             return
-        rec.pgid = rec.proc.pid
-        rec.start_ticks = procs.start_ticks(rec.proc.pid)
+        rec.pgid = rec.boot.pid
+        rec.start_ticks = procs.start_ticks(rec.boot.pid)
         rec.started_at = time.time()
         rec.state = "running"
         log.info(
-            "%s: started %s (job %s) on %s, pid %d",
+            "%s: booting %s (job %s) on %s, boot script pid %d",
             rec.instance_id,
             rec.role,
             rec.job,
-            rec.bind_ip,
-            rec.proc.pid,
+            rec.private_ip,
+            rec.boot.pid,
         )
         self._write_procs()
+
+    # ------------------------------------------------------------------ systemd
+
+    def systemd_start(self, instance_id: str, unit: str, token: str) -> tuple[int, dict[str, Any]]:
+        """``systemctl enable --now UNIT`` on an instance (called by the IMDS server for the
+        systemctl shim): start the unit as a process of the instance. Blocks until a
+        ``Type=notify`` unit is ready, as systemctl does."""
+        rec = self.get(instance_id)
+        if not secrets.compare_digest(token, rec.systemd_token):
+            return 403, {"error": "wrong systemd token for this instance"}
+        with rec.lock:
+            if rec.state not in ("running", "restarting"):
+                return 409, {"error": f"instance is {rec.state}"}
+            if unit in rec.units and rec.units[unit].proc.poll() is None:
+                return 200, {"pid": rec.units[unit].proc.pid, "already": True}
+            try:
+                u, deadline = self._start_unit(rec, unit)
+            except shims.Refused as e:
+                return 400, {"error": f"not emulated by the local cloud: {e}"}
+            except Exception as e:  # noqa: BLE001 - the unit fails to start, as systemctl reports
+                return 500, {"error": str(e)}
+        try:
+            boot.wait_ready(u, deadline)  # outside the lock: the reconcile loop goes on
+        except RuntimeError as e:
+            return 500, {"error": str(e)}
+        log.info("%s: unit %s started, main pid %d", instance_id, unit, u.proc.pid)
+        return 200, {"pid": u.proc.pid}
+
+    def _start_unit(self, rec: Instance, unit: str) -> tuple[boot.Unit, float | None]:
+        log_path = self.state_dir / "logs" / f"{rec.instance_id}.log"
+        with open(log_path, "ab") as out:
+            u, deadline = boot.start_unit(
+                rec.root(self.state_dir),
+                self.state_dir,
+                unit,
+                self._unit_env(rec),
+                out,
+                self.clients["efs"],
+                rec.az,
+            )
+        rec.units[unit] = u
+        rec.proc = u.proc
+        self._write_procs()
+        return u, deadline
+
+    def _stop_units(self, rec: Instance) -> None:
+        """What stopping the instance's services sends first: each unit's KillSignal (KillMode)."""
+        for u in list(rec.units.values()):
+            u.stop_signal()
 
     # ------------------------------------------------------------------ leave
 
@@ -489,7 +570,7 @@ class Reconciler:
         running = proc is not None and was != "exited" and proc.poll() is None
         if running or hooked:
             if running:
-                procs.signal_pid(proc.pid, signal.SIGTERM, rec.start_ticks)
+                self._stop_units(rec)
             # The spec is re-read: ``drain_timeout`` is the job's current word on it.
             spec = self.job_spec(rec) or {}
             timeout = float(
@@ -526,11 +607,12 @@ class Reconciler:
         if rec.pgid:
             procs.kill_tree(rec.pgid, rec.marker)
         with rec.lock:
-            if rec.proc is not None:
+            for p in rec.popens():
                 try:
-                    rec.proc.wait(timeout=5)
+                    p.wait(timeout=5)
                 except subprocess.TimeoutExpired:
                     pass
+            if rec.proc is not None:
                 rec.exit_code = rec.proc.returncode if rec.exit_code is None else rec.exit_code
             if rec.state != "killed":  # a hard kill during a drain stays a hard kill
                 rec.state = state
@@ -632,26 +714,40 @@ class Reconciler:
         if not cands:
             raise LookupError(f"job {job!r} has no running rendezvous instance in the local cloud")
         rec = max(cands, key=lambda r: r.started_at or 0)
+        # A reboot: every process goes; the boot script does not run again (user data runs on the
+        # first boot only), systemd starts the enabled units, and the EFS/fstab mounts stay.
         with rec.lock:
             old_pid = rec.proc.pid if rec.proc else None
             rec.state = "restarting"
             if rec.pgid:
                 procs.kill_tree(rec.pgid, rec.marker)
-            if rec.proc:
-                rec.proc.wait(timeout=5)
+            for p in rec.popens():
+                try:
+                    p.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
             rec.exit_code = None
-            argv, env = self._argv_env(rec)
-            self._spawn(rec, argv, env)
+            rec.units, rec.proc = {}, None
+            names = boot.enabled_units(rec.root(self.state_dir))
+            if not names:
+                rec.state, rec.note = "exited", "rebooted, but the boot enabled no unit"
+                raise ValueError(f"{rec.instance_id} has no enabled unit to start after the reboot")
+            started = [self._start_unit(rec, name) for name in names]
+            rec.pgid = started[0][0].proc.pid
+            rec.start_ticks = procs.start_ticks(rec.pgid)
             rec.restarts += 1
+            rec.state = "running"
+        for u, deadline in started:
+            boot.wait_ready(u, deadline)
         log.info(
-            "%s: rendezvous server of %s restarted (pid %s -> %s)", rec.instance_id, job, old_pid, rec.pgid
+            "%s: rendezvous server of %s rebooted (pid %s -> %s)", rec.instance_id, job, old_pid, rec.proc.pid
         )
         return {
             "job": job,
             "instance_id": rec.instance_id,
             "ip": rec.bind_ip,
             "old_pid": old_pid,
-            "pid": rec.pgid,
+            "pid": rec.proc.pid,
         }
 
     # ------------------------------------------------------------------ status / shutdown
@@ -696,9 +792,9 @@ class Reconciler:
         for rec in recs:
             if rec.pgid:
                 procs.kill_tree(rec.pgid, rec.marker)
-            if rec.proc is not None:
+            for p in rec.popens():
                 try:
-                    rec.proc.wait(timeout=5)
+                    p.wait(timeout=5)
                 except subprocess.TimeoutExpired:
                     pass
         for t in self._threads:

@@ -30,8 +30,8 @@ def cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cloud]:
             yield c
         finally:
             c.instances()  # record every process group for the final check
-            for data in (state / "instances").glob("*/env.json"):
-                c.standin(data.parent.name)
+            for data in (state / "instances").glob("*/root/var/lib/petctl/env.json"):
+                c.standin(data.relative_to(state / "instances").parts[0])
             res = local.stop()
             assert res["was_running"]
             assert_nothing_left(c, info["pid"])

@@ -1,8 +1,11 @@
 """Helpers for the local cloud tests: drive a real daemon through boto3, IMDS and /proc.
 
-Workers run ``standin.py`` instead of the real agent (``PETCTL_LOCAL_WORKER_CMD``),
-so these tests exercise the cloud, not the agent. Every fixture that starts a
-daemon stops it and checks that no process it started survives.
+Instances boot from their launch template's user data, as every local instance does: here a
+small bash script (:func:`worker_user_data`, :func:`rdzv_user_data`) that mounts the EFS and
+starts ``standin.py`` (instead of the real agent) or etcd through ``systemctl enable --now``,
+so these tests exercise the cloud and its shims, not the agent (tests/local/test_boot.py boots
+the real boot scripts). Every fixture that starts a daemon stops it and checks that no process
+it started survives.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+import shutil
 import sys
 import time
 import urllib.error
@@ -25,7 +29,9 @@ from petctl.local import procs
 
 STANDIN = Path(__file__).with_name("standin.py")
 DAEMON_ENV = {
-    "PETCTL_LOCAL_WORKER_CMD": json.dumps([sys.executable, str(STANDIN)]),
+    # What the test user data's units run (the daemon's environment reaches the boot scripts).
+    "PETCTL_TEST_STANDIN": f"{sys.executable} {STANDIN}",
+    "PETCTL_TEST_ETCD": shutil.which("etcd") or "etcd",
     "PETCTL_LOCAL_DRAIN_SLACK": "0.5",
     "PETCTL_LOCAL_SHUTDOWN_GRACE": "1",
     "PETCTL_LOCAL_DRAIN_TIMEOUT": "5",
@@ -78,6 +84,7 @@ class Cloud:
             )["Subnet"]["SubnetId"]
             self.s3.create_bucket(Bucket="petctl-local-test")
             fs = self.efs.create_file_system(CreationToken="petctl-local-test")["FileSystemId"]
+            self.efs.create_mount_target(FileSystemId=fs, SubnetId=subnet)  # mount.efs needs one in the AZ
             self._net = {"vpc": vpc, "subnet": subnet, "efs": fs}
         return self._net
 
@@ -97,15 +104,20 @@ class Cloud:
             spec["drain_timeout"] = drain_timeout
         self.s3.put_object(Bucket="petctl-local-test", Key=spec_key, Body=json.dumps(spec).encode())
         eni = self.ec2.create_network_interface(SubnetId=net["subnet"])["NetworkInterface"]
-        user_data = base64.b64encode(f"#!/bin/sh\nmount -t efs {net['efs']}:/ /mnt/efs\n".encode()).decode()
-        lt = self.ec2.create_launch_template(
-            LaunchTemplateName=f"lt-{job}",
-            LaunchTemplateData={
-                "ImageId": "ami-12c6146b",
-                "InstanceType": "t3.medium",
-                "UserData": user_data,
-            },
-        )["LaunchTemplate"]["LaunchTemplateId"]
+        lts = {
+            role: self.ec2.create_launch_template(
+                LaunchTemplateName=f"lt-{job}-{role}",
+                LaunchTemplateData={
+                    "ImageId": "ami-12c6146b",
+                    "InstanceType": "t3.medium",
+                    "UserData": base64.b64encode(script.encode()).decode(),
+                },
+            )["LaunchTemplate"]["LaunchTemplateId"]
+            for role, script in (
+                ("worker", worker_user_data(net["efs"])),
+                ("rdzv", rdzv_user_data(eni["PrivateIpAddress"])),
+            )
+        }
 
         def tags(role: str) -> list[dict[str, Any]]:
             values = {
@@ -119,10 +131,10 @@ class Cloud:
             return [{"Key": k, "Value": v, "PropagateAtLaunch": True} for k, v in values.items()]
 
         groups = {"workers": f"petctl-{job}-workers", "rdzv": f"petctl-{job}-rdzv"}
-        common = {
-            "VPCZoneIdentifier": net["subnet"],
-            "LaunchTemplate": {"LaunchTemplateId": lt, "Version": "$Latest"},
-        }
+
+        def lt(role: str) -> dict[str, Any]:
+            return {"LaunchTemplateId": lts[role], "Version": "$Latest"}
+
         if rdzv:
             self.asg.create_auto_scaling_group(
                 AutoScalingGroupName=groups["rdzv"],
@@ -130,7 +142,8 @@ class Cloud:
                 MaxSize=1,
                 DesiredCapacity=1,
                 Tags=tags("rdzv"),
-                **common,
+                VPCZoneIdentifier=net["subnet"],
+                LaunchTemplate=lt("rdzv"),
             )
         if workers:
             self.asg.create_auto_scaling_group(
@@ -139,7 +152,8 @@ class Cloud:
                 MaxSize=8,
                 DesiredCapacity=workers,
                 Tags=tags("worker"),
-                **common,
+                VPCZoneIdentifier=net["subnet"],
+                LaunchTemplate=lt("worker"),
             )
         return {"job": job, "groups": groups, "rdzv_ip": eni["PrivateIpAddress"], "efs": net["efs"]}
 
@@ -174,8 +188,11 @@ class Cloud:
             alive = [i for i in alive if self.standin(i["instance_id"])]
         return alive if len(alive) == n else None
 
+    def root(self, instance_id: str) -> Path:
+        return self.state_dir / "instances" / instance_id / "root"
+
     def agent_dir(self, instance_id: str) -> Path:
-        return self.state_dir / "instances" / instance_id
+        return self.root(instance_id) / "var" / "lib" / "petctl"
 
     def standin(self, instance_id: str) -> dict[str, Any] | None:
         try:
@@ -196,6 +213,46 @@ class Cloud:
             token = imds_token(base)
         headers = {"X-aws-ec2-metadata-token": token} if token else {}
         return http(base + "/" + path, headers=headers)
+
+
+def worker_user_data(efs: str) -> str:
+    """A worker boot as the real one does it, minus the installs: mount the EFS, write the agent's
+    unit (running the stand-in), enable it --now."""
+    return f"""#!/bin/bash
+set -Eeuo pipefail
+mkdir -p /mnt/efs /var/lib/petctl
+mount -t efs -o tls {efs}:/ /mnt/efs
+cat > /etc/systemd/system/petctl-agent.service <<UNIT
+[Unit]
+RequiresMountsFor=/mnt/efs
+[Service]
+Environment=PETCTL_EFS_MOUNT=/mnt/efs
+Environment=PETCTL_AGENT_DIR=/var/lib/petctl
+ExecStart=$PETCTL_TEST_STANDIN
+KillMode=mixed
+[Install]
+WantedBy=multi-user.target
+UNIT
+systemctl daemon-reload
+systemctl enable --now petctl-agent.service
+"""
+
+
+def rdzv_user_data(ip: str) -> str:
+    """etcd on the rendezvous address as a Type=notify unit (peers on the instance's loopback)."""
+    peer = "http://127.0.0.1:2380"
+    return f"""#!/bin/bash
+set -Eeuo pipefail
+mkdir -p /var/lib/etcd
+cat > /etc/systemd/system/petctl-etcd.service <<UNIT
+[Service]
+Type=notify
+ExecStart=$PETCTL_TEST_ETCD --name rdzv --data-dir /var/lib/etcd --enable-v2 --listen-client-urls http://{ip}:2379 --advertise-client-urls http://{ip}:2379 --listen-peer-urls {peer} --initial-advertise-peer-urls {peer} --initial-cluster rdzv={peer}
+[Install]
+WantedBy=multi-user.target
+UNIT
+systemctl enable --now petctl-etcd.service
+"""
 
 
 def http(

@@ -78,17 +78,26 @@ def test_worker_gets_the_agent_environment(cloud: Cloud) -> None:
     env = data["env"]
     assert data["mode"] == "normal"  # it read its own tag over IMDS
     assert env["PETCTL_IMDS_URL"] == f"{cloud.info['imds_url']}/{iid}"
-    assert env["PETCTL_EFS_MOUNT"] == str(cloud.state_dir / "efs" / job["efs"])
-    assert (cloud.state_dir / "efs" / job["efs"]).is_dir()
+    # The unit's Environment= lines, with the instance's paths mapped into its root; the boot
+    # script's mount made /mnt/efs the shared directory.
+    root = cloud.root(iid)
+    assert env["PETCTL_EFS_MOUNT"] == str(root / "mnt" / "efs")
+    assert (root / "mnt" / "efs").resolve() == (cloud.state_dir / "efs" / job["efs"]).resolve()
+    inst = wait_for(lambda: (i := cloud.instance(iid))["boot"]["state"] == "done" and i, what="boot done")
+    assert inst["efs_id"] == job["efs"] and inst["boot"]["exit_code"] == 0
     assert env["PETCTL_AGENT_DIR"] == str(cloud.agent_dir(iid))
+    # the boot's context stays in the boot; only the instance marker goes everywhere
+    assert [k for k in env if k.startswith("PETCTL_LOCAL_")] == [procs.MARKER]
     assert env["AWS_ENDPOINT_URL"] == cloud.url
     assert env["AWS_EC2_METADATA_DISABLED"] == "true"
     assert env["AWS_ACCESS_KEY_ID"] == "petctl-local"
     assert env["AWS_REGION"] == "us-east-1"
     assert "AWS_PROFILE" not in env and "PETCTL_LOCAL_DIR" not in env and "PETCTL_HOME" not in env
     assert env["PETCTL_AGENT_LOG_LEVEL"] == "DEBUG"  # agent knobs set where the cloud started pass
-    # Its own process group; the grandchild left it (new session) but carries the instance marker.
-    assert inst["pgid"] == data["pid"] and procs.group_members(inst["pgid"]) == [data["pid"]]
+    # The unit runs in its own process group (as in its own cgroup under systemd), apart from the
+    # boot script's (gone by now); the grandchild left it too (new session). All carry the marker.
+    assert inst["pid"] == data["pid"] and procs.group_members(data["pid"]) == [data["pid"]]
+    assert inst["pgid"] == inst["boot"]["pid"] and not procs.group_members(inst["pgid"])
     marker = data["env"][procs.MARKER]
     assert marker.startswith(iid + "@")
     assert sorted(procs.tree_members(inst["pgid"], marker)) == sorted([data["pid"], data["child"]])
