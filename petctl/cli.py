@@ -712,7 +712,7 @@ def _status_text(r: dict[str, Any]) -> str:
     worker_boots = [b for b in r.get("boot_events") or [] if b.get("role") == "worker"]
     if worker_boots:  # the newest worker boot, phase by phase (docs/contracts.md, Boot events)
         b = worker_boots[-1]
-        phases = ", ".join(f"{k} +{v:.1f}s" for k, v in b["phases"].items())
+        phases = ", ".join(f"{p['kind']} +{p['seconds']:.1f}s" for p in b["phases"])
         lines.insert(
             2,
             f"  boot of {b['instance_id']} ({len(worker_boots)} worker boots): {phases}; {b['seconds']:.1f}s",

@@ -641,7 +641,8 @@ def boot_failures(ctx: Context, job: str) -> dict[str, Any]:
 
 def boot_events(ctx: Context, job: str) -> list[dict[str, Any]]:
     """Each boot's timestamped events (boot/events/<instance-id>.json, written by the boot scripts),
-    oldest boot first, with ``phases``: seconds from each event to the next, ``seconds`` in all."""
+    oldest boot first, with ``phases`` (each event after the first, with the seconds since the one
+    before) and ``seconds`` (first to last event)."""
     from petctl import storage
 
     bucket = ctx.profile.bucket
@@ -659,7 +660,9 @@ def boot_events(ctx: Context, job: str) -> list[dict[str, Any]]:
         ]
         if not events:
             continue
-        phases = {b["kind"]: round(b["t"] - a["t"], 2) for a, b in zip(events, events[1:])}
+        phases = [
+            {"kind": b["kind"], "seconds": round(b["t"] - a["t"], 2)} for a, b in zip(events, events[1:])
+        ]
         out.append(
             {
                 "instance_id": d.get("instance_id"),

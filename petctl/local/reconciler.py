@@ -171,27 +171,32 @@ class Instance:
             "started_at": self.started_at,
             "ended_at": self.ended_at,
             "efs_id": (shims.mounted(self.root(state_dir)).get("/mnt/efs") or "").split(":")[0] or None,
-            "boot": {
-                "pid": self.boot.pid if self.boot else None,
-                "state": (
-                    None
-                    if self.boot is None
-                    else "running"
-                    if self.boot_rc is None
-                    else "done"
-                    if self.boot_rc == 0
-                    else "failed"
-                ),
-                "exit_code": self.boot_rc,
-                "seconds": round(self.boot_ended_at - self.started_at, 2)
-                if self.boot_ended_at and self.started_at
-                else None,
-                "script": str(state_dir / "instances" / self.instance_id / "user-data.sh"),
-            },
+            "boot": self._boot_summary(state_dir),
             "units": {n: {"pid": u.proc.pid, "exit_code": u.proc.poll()} for n, u in self.units.items()},
             "root": str(self.root(state_dir)),
             "log": str(state_dir / "logs" / f"{self.instance_id}.log"),
             "note": self.note,
+        }
+
+    def _boot_summary(self, state_dir: Path) -> dict[str, Any]:
+        if self.boot is not None and self.boot_rc is None and self.boot.poll() is not None:
+            # Ended while the instance was leaving (the reconcile loop no longer looks at it).
+            self.boot_rc, self.boot_ended_at = self.boot.returncode, time.time()
+        rc = self.boot_rc
+        return {
+            "pid": self.boot.pid if self.boot else None,
+            "state": None
+            if self.boot is None
+            else "running"
+            if rc is None
+            else "done"
+            if rc == 0
+            else "failed",
+            "exit_code": rc,
+            "seconds": round(self.boot_ended_at - self.started_at, 2)
+            if self.boot_ended_at and self.started_at
+            else None,
+            "script": str(state_dir / "instances" / self.instance_id / "user-data.sh"),
         }
 
     def root(self, state_dir: Path) -> Path:

@@ -1,0 +1,195 @@
+"""The real boot scripts on the local cloud: jobs made by the CLI boot every instance from the user
+data CloudFormation (moto) rendered into their launch templates, through the shims.
+
+A broken boot script must fail here: one job with a bash syntax error, one with a wrong ``${}``
+substitution, one missing the step that starts the agent (each injected into the rendered job
+template, the way a bad edit of cfn_templates/user_data/*.j2 would be).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from localcloud_helpers import Cloud, wait_for
+
+import petctl.local as local
+from petctl import templates
+
+TRAIN = Path(__file__).resolve().parents[2] / "scripts" / "elastic_train.py"
+WORKER_EVENTS = ["launched", "efs_mounted", "deps_installed", "agent_started"]
+RDZV_EVENTS = ["launched", "deps_installed", "eni_attached", "etcd_started"]
+
+
+@pytest.fixture(scope="module")
+def petctl(cloud: Cloud, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """``petctl --local …`` in this process against the session's local cloud, with a profile made
+    by ``setup``; returns the parsed JSON output. The environment the CLI changes is restored."""
+    from petctl.cli import cli
+
+    home = tmp_path_factory.mktemp("petctl-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PETCTL_HOME", str(home))
+        for k in [*local.LOCAL_ENV, "AWS_ENDPOINT_URL"]:
+            mp.setenv(k, os.environ.get(k, ""))
+        for k in local.LOCAL_ENV_UNSET:
+            mp.delenv(k, raising=False)
+
+        def run(*args: str, ok: bool = True) -> Any:
+            res = CliRunner().invoke(cli, ["--local", "-o", "json", *args], catch_exceptions=False)
+            if ok:
+                assert res.exit_code == 0, res.output
+            return json.loads(res.stdout) if res.stdout.strip().startswith(("{", "[")) else res
+
+        run("setup")
+        yield run
+
+
+def s3_text(cloud: Cloud, bucket: str, key: str) -> str:
+    return cloud.s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode()
+
+
+def bucket_of(cloud: Cloud, job: str) -> str:
+    for b in cloud.s3.list_buckets()["Buckets"]:
+        if cloud.s3.list_objects_v2(Bucket=b["Name"], Prefix=f"petctl/jobs/{job}/", MaxKeys=1).get(
+            "KeyCount"
+        ):
+            return b["Name"]
+    raise AssertionError(f"no bucket holds job {job}")
+
+
+def test_real_boot_scripts_start_etcd_and_the_agent(petctl: Any, cloud: Cloud) -> None:
+    job = "boot-ok"
+    petctl("run-job", "--name", job, "--min", "1", "--max", "1", str(TRAIN), "--", "--total-steps", "20")
+    st = wait_for(
+        lambda: (s := petctl("status", job))["state"] in ("SUCCEEDED", "FAILED") and s,
+        timeout=120,
+        what="the job to end",
+        poll=1,
+    )
+    assert st["state"] == "SUCCEEDED", st
+    # Every boot published its phases, in order, as AWS instances do.
+    by_role = {b["role"]: b for b in st["boot_events"]}
+    assert [e["kind"] for e in by_role["worker"]["events"]] == WORKER_EVENTS
+    assert [e["kind"] for e in by_role["rdzv"]["events"]] == RDZV_EVENTS
+    for b in by_role.values():
+        assert [p["kind"] for p in b["phases"]] == [e["kind"] for e in b["events"]][1:] and b["seconds"] > 0
+    assert st["boot_failures"]["count"] == 0
+    text = CliRunner().invoke(__import__("petctl.cli").cli.cli, ["--local", "status", job]).output
+    assert f"boot of {by_role['worker']['instance_id']} (1 worker boots): efs_mounted +" in text
+
+    # The agent ran from the per-job environment the pip shim installed the uploaded wheel into,
+    # on the EFS the mount shim mounted, started by the systemctl shim from the script's unit.
+    worker = next(i for i in cloud.instances(job, "worker"))
+    root = Path(worker["root"])
+    venv = cloud.state_dir / "venvs" / job / "petctl"
+    assert (root / "opt" / "petctl").resolve() == venv.resolve()
+    assert (venv / "lib").glob("python3*/site-packages/petctl_agent/main.py")
+    assert (root / "mnt" / "efs").resolve() == (cloud.state_dir / "efs" / worker["efs_id"]).resolve()
+    assert list(worker["units"]) == ["petctl-agent.service"] and worker["boot"]["state"] == "done"
+    unit = (root / "etc" / "systemd" / "system" / "petctl-agent.service").read_text()
+    assert f"ExecStart={root}/opt/petctl/bin/petctl-agent run" in unit
+    assert (
+        root / "etc" / "systemd" / "system" / "multi-user.target.wants" / "petctl-agent.service"
+    ).is_symlink()
+    assert f"{worker['efs_id']}:/ {root}/mnt/efs efs" in (root / "etc" / "fstab").read_text()
+    (rdzv,) = cloud.instances(job, "rdzv")
+    assert list(rdzv["units"]) == ["petctl-etcd.service"]
+    # The boot script attached the rendezvous ENI (its log shows moto's answer); the job over, the
+    # agent scaled the groups to zero and the terminated instance let go of it, as on AWS.
+    assert '"AttachmentId": "eni-attach-' in Path(rdzv["log"]).read_text()
+
+    def eni() -> dict[str, Any]:
+        (e,) = cloud.ec2.describe_network_interfaces(
+            Filters=[{"Name": "addresses.private-ip-address", "Values": [rdzv["bind_ip"]]}]
+        )["NetworkInterfaces"]
+        return e
+
+    wait_for(lambda: eni()["Status"] == "available", timeout=30, what="the ENI detached")
+    assert "Attachment" not in eni() or not eni()["Attachment"].get("InstanceId")
+    petctl("kill-job", job, "--yes", "--no-wait")
+
+
+BREAKAGES = {
+    # a bash syntax error after the first steps ran (bash parses as it goes)
+    "boot-syntax": ("boot_event efs_mounted\n", "boot_event efs_mounted\n{pad}if then fi\n"),
+    # a wrong ${} substitution (a name that exists, the wrong one): $((boot-subst + 30)) in bash
+    "boot-subst": ("TimeoutStopSec=$((${DrainTimeout} + 30))\n", "TimeoutStopSec=$((${JobName} + 30))\n"),
+    # a missing step: nothing starts the agent
+    "boot-missing": ("systemctl enable --now petctl-agent.service\n", ""),
+}
+
+
+def test_broken_boot_scripts_fail_loudly(petctl: Any, cloud: Cloud, monkeypatch: pytest.MonkeyPatch) -> None:
+    render = templates.render_job
+    breakage: dict[str, tuple[str, str]] = {}
+
+    def broken(**kwargs: Any) -> str:
+        text = render(**kwargs)
+        old, new = breakage["now"]
+        pad = " " * 12  # the user data's indent inside the YAML block
+        assert (pad + old) in text, old
+        return text.replace(pad + old, pad + new.replace("{pad}", pad) if new else "", 1)
+
+    monkeypatch.setattr(templates, "render_job", broken)
+    # A name CloudFormation cannot resolve never reaches an instance: the stack fails (moto, as AWS).
+    breakage["now"] = (
+        BREAKAGES["boot-subst"][0],
+        BREAKAGES["boot-subst"][0].replace("DrainTimeout", "DrainTimeOut"),
+    )
+    res = petctl("run-job", "--name", "boot-unresolved", "--min", "1", "--max", "1", str(TRAIN), ok=False)
+    assert res.exit_code != 0 and "creating stack petctl-job-boot-unresolved" in res.output
+    for job, change in BREAKAGES.items():
+        breakage["now"] = change
+        petctl("run-job", "--name", job, "--min", "1", "--max", "1", "--drain-timeout", "30", str(TRAIN))
+    bucket = bucket_of(cloud, "boot-syntax")
+
+    # A syntax error: every boot fails, publishes its log and marks itself Unhealthy; the group
+    # replaces it; at the third failure the boot scripts stop the job; status says FAILED and why.
+    st = wait_for(
+        lambda: (s := petctl("status", "boot-syntax"))["state"] == "FAILED" and s,
+        timeout=90,
+        what="boot-syntax FAILED",
+        poll=1,
+    )
+    assert st["boot_failures"]["count"] >= 3 and "syntax error" in st["reason"], st["reason"]
+    assert any("petctl boot: FAILED (exit 2)" in line for line in st["boot_failures"]["last_lines"])
+    wait_for(lambda: petctl("status", "boot-syntax")["desired"] == 0, timeout=30, what="the job stopped")
+    failed = [b for b in petctl("status", "boot-syntax")["boot_events"] if b["role"] == "worker"]
+    assert len(failed) >= 3 and all(b["events"][-1]["kind"] == "boot_failed" for b in failed)
+    workers = cloud.instances("boot-syntax", "worker")
+    assert len(workers) >= 3 and all(i["boot"]["state"] in ("failed", None) for i in workers)
+    assert not [i for i in workers if i["boot"]["state"] == "failed" and i["state"] == "running"]
+
+    # A wrong substitution: bash stops at the unset variable; the EXIT trap reports it alike.
+    first = wait_for(
+        lambda: [o["Key"] for o in cloud.s3.list_objects_v2(Bucket=bucket, Prefix="petctl/jobs/boot-subst/boot/i-")
+                 .get("Contents", [])],
+        timeout=60,
+        what="boot-subst boot log",
+    )  # fmt: skip
+    log = s3_text(cloud, bucket, first[0])
+    assert "boot: unbound variable" in log and "petctl boot: FAILED (exit 1)" in log
+    iid = first[0].rsplit("/", 1)[1][: -len(".log")]
+    wait_for(lambda: cloud.ec2_state(iid) == "terminated", timeout=30, what="the Unhealthy instance replaced")
+
+    # A missing step: the boot "succeeds" but starts nothing; the local cloud says so (on AWS the
+    # instance would idle and the job stay STARTING).
+    (inst,) = wait_for(
+        lambda: [i for i in cloud.instances("boot-missing", "worker") if i["state"] == "exited"],
+        timeout=60,
+        what="boot-missing exited",
+    )
+    assert inst["note"] == "boot script finished without starting a service" and inst["units"] == {}
+    events = json.loads(
+        s3_text(cloud, bucket, f"petctl/jobs/boot-missing/boot/events/{inst['instance_id']}.json")
+    )
+    # The boot's own events cannot tell (it still reports agent_started): the local cloud can.
+    assert [e["kind"] for e in events["events"]] == WORKER_EVENTS
+    for job in BREAKAGES:
+        petctl("kill-job", job, "--yes", "--no-wait")
