@@ -2,9 +2,10 @@
 
 One background daemon (``python -m petctl.local.daemon``) hosts an AWS API
 emulator (a moto server on 127.0.0.1), a per-instance IMDS emulator, and a
-reconciler that keeps one local process tree per running EC2 instance (a real
-etcd for the rendezvous role, the real ``petctl-agent`` for workers). See
-``docs/local.md`` for what is and is not emulated.
+reconciler that keeps one local process tree per running EC2 instance, booted by
+running the user data of its launch template (which starts a real etcd on the
+rendezvous instance, the real ``petctl-agent`` on workers). See ``docs/local.md``
+for what is and is not emulated.
 
 This module is the client side. It is deliberately import-light (standard
 library only, no boto3/moto/torch) because the CLI imports it on every
@@ -16,7 +17,8 @@ State lives in :func:`state_dir`::
     cloud.log           the daemon's own log
     procs.json          process groups the daemon started (for cleanup after a crash)
     logs/<id>.log       output of each instance's process tree
-    instances/<id>/     each instance's node-local directory (PETCTL_AGENT_DIR, etcd data)
+    instances/<id>/     each instance's boot script, shims (bin/) and root/ (its /etc, /var, …)
+    venvs/<job>/        each job's environments, shared by its instances
     efs/<fs-id>/        the "EFS" file systems
 """
 
