@@ -1,0 +1,147 @@
+"""The boot shims and the script mapping, without a daemon: each shim refuses what it does not
+model (exit 2, loudly), and the path/loopback rewrite touches exactly the instance's paths."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from petctl.local import boot, shims
+
+
+def run_shim(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    root = tmp_path / "root"
+    (root / "etc" / "systemd" / "system").mkdir(parents=True, exist_ok=True)
+    base = {
+        "PATH": os.environ["PATH"],
+        "PETCTL_LOCAL_ROOT": str(root),
+        "PETCTL_LOCAL_STATE": str(tmp_path / "state"),
+        "PETCTL_LOCAL_IMDS": "http://127.0.0.1:9/i-0",
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+        "AWS_REGION": "us-east-1",
+    }
+    return subprocess.run(
+        [sys.executable, "-I", shims.__file__, *argv],
+        env={**base, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["dnf", "install", "amazon-efs-utils"],  # no -y: a boot cannot answer a prompt
+        ["dnf", "-y", "remove", "python3.11"],
+        ["dnf", "install", "-y", "nginx"],  # no local stand-in
+        ["mount", "-t", "nfs4", "host:/", "/x"],
+        ["mount", "-t", "efs", "-o", "tls,ro,hard", "fs-12345678:/", "ROOT/mnt/efs"],
+        ["mount", "-t", "efs", "fs-12345678:/sub", "ROOT/mnt/efs"],
+        ["mount", "-t", "efs", "fs-12345678:/", "/mnt/efs"],  # not mapped into the root
+        ["systemctl", "restart", "petctl-agent.service"],
+        ["systemctl", "enable", "--now", "a.service", "b.service"],
+        ["aws", "s3", "sync", "s3://b/p", "ROOT/x"],
+        ["aws", "s3", "cp", "--recursive", "s3://b/p", "ROOT/x"],
+        ["aws", "s3", "cp", "s3://b/k", "/etc/passwd"],  # outside the root
+        ["aws", "--region", "eu-west-1", "s3", "ls", "s3://b/"],
+        ["aws", "ec2", "terminate-instances", "--instance-ids", "i-1"],
+        ["aws", "autoscaling", "set-instance-health", "--instance-id", "i-1", "--health-status", "Dead"],
+        ["curl", "-sSf", "https://pypi.org/simple/"],  # nothing but IMDS
+        ["curl", "-L", "http://169.254.169.254/latest/meta-data/"],
+        ["ip", "addr"],
+        ["ip", "-6", "-o", "addr", "show"],
+        ["python3.11", "-c", "print(1)"],
+        ["python3.11", "-m", "venv", "/opt/petctl"],  # not mapped into the root
+        ["pip", "ENV", "uninstall", "torch"],
+        ["pip", "ENV", "install", "torch"],  # never an unpinned torch
+        ["pip", "ENV", "install", "--index-url", "https://example.com/simple", "torch==2.13.0"],
+        ["pip", "ENV", "install", "--pre", "numpy"],
+    ],
+    ids=lambda a: " ".join(a[:3]),
+)
+def test_each_shim_refuses_what_it_does_not_model(tmp_path: Path, argv: list[str]) -> None:
+    argv = [a.replace("ROOT", str(tmp_path / "root")).replace("ENV", str(tmp_path / "env")) for a in argv]
+    res = run_shim(tmp_path, *argv)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert f"{argv[0]} (petctl local shim): REFUSED:" in res.stderr
+
+
+def test_aws_shim_never_calls_outside_the_local_cloud(tmp_path: Path) -> None:
+    res = run_shim(
+        tmp_path, "aws", "s3", "ls", "s3://b/", env={"AWS_ENDPOINT_URL": "https://s3.amazonaws.com"}
+    )
+    assert res.returncode == 2 and "refusing to call AWS" in res.stderr
+
+
+def test_pip_checks_requirements_against_this_machine(tmp_path: Path) -> None:
+    import torch
+
+    have = torch.__version__.split("+")[0]
+    ok = run_shim(tmp_path, "pip", str(tmp_path / "env"), "install", "--quiet", f"torch=={have}", "pip")
+    assert ok.returncode == 0, ok.stderr
+    other = run_shim(tmp_path, "pip", str(tmp_path / "env"), "install", "torch==2.2.0")
+    assert other.returncode == 1 and "--torch-version" in other.stderr
+    missing = run_shim(tmp_path, "pip", str(tmp_path / "env"), "install", "surely-not-installed-pkg")
+    assert missing.returncode == 1 and "No matching distribution" in missing.stderr
+
+
+def test_dnf_logs_what_stands_in(tmp_path: Path) -> None:
+    res = run_shim(tmp_path, "dnf", "install", "-y", "amazon-efs-utils", "python3.11")
+    assert res.returncode == 0 and "provided by the mount shim" in res.stderr
+
+
+@pytest.mark.parametrize(
+    "unit, error",
+    [
+        ("[Service]\nExecStart=/bin/true\nUser=nobody\n", "Service.User not emulated"),
+        ("[Service]\nType=forking\nExecStart=/bin/true\n", "Type=forking"),
+        ("[Service]\nExecStart=/bin/true\n[Install]\nWantedBy=graphical.target\n", "WantedBy"),
+        ("[Service]\nRestart=always\n", "exactly one ExecStart"),
+        ("[Timer]\nOnBootSec=1\n", "[Timer]"),
+    ],
+)
+def test_unknown_unit_keys_are_refused(unit: str, error: str) -> None:
+    with pytest.raises(shims.Refused, match=error.replace("[", r"\[").replace("]", r"\]")):
+        shims.parse_unit(unit)
+
+
+def test_rewrite_maps_instance_paths_and_loopback_only() -> None:
+    root = Path("/s/instances/i-1/root")
+    script = (
+        "#!/bin/bash\n"
+        "exec > >(tee -a /var/log/petctl-boot.log) 2>&1\n"
+        'echo "fs-1:/ /mnt/efs efs _netdev 0 0" >> /etc/fstab\n'
+        "ExecStart=/opt/petctl/bin/petctl-agent run\n"
+        "X=$(/opt/etcd/bin/python -c 'print(1)') Y='/var/lib/etcd' Z=\"/srv\"\n"
+        "curl http://169.254.169.254/latest/ > /dev/null\n"
+        "aws s3 cp s3://bucket/var/x /tmp/x; cat /usr/share/x /proc/1/stat\n"
+        "--listen-peer-urls http://127.0.0.1:2380 --other 127.0.0.10 /optional /etcetera\n"
+    )
+    out = boot.rewrite(script, root, loopback="127.0.5.6")
+    assert out.splitlines() == [
+        "#!/bin/bash",
+        "exec > >(tee -a /s/instances/i-1/root/var/log/petctl-boot.log) 2>&1",
+        'echo "fs-1:/ /s/instances/i-1/root/mnt/efs efs _netdev 0 0" >> /s/instances/i-1/root/etc/fstab',
+        "ExecStart=/s/instances/i-1/root/opt/petctl/bin/petctl-agent run",
+        "X=$(/s/instances/i-1/root/opt/etcd/bin/python -c 'print(1)') Y='/s/instances/i-1/root/var/lib/etcd'"
+        ' Z="/s/instances/i-1/root/srv"',
+        "curl http://169.254.169.254/latest/ > /dev/null",
+        "aws s3 cp s3://bucket/var/x /tmp/x; cat /usr/share/x /proc/1/stat",
+        "--listen-peer-urls http://127.0.5.6:2380 --other 127.0.0.10 /optional /etcetera",
+    ]
+    with pytest.raises(boot.BootError, match="quoting"):
+        boot.rewrite(script, Path("/tmp/my dir/root"))
+
+
+@pytest.mark.parametrize(
+    "user_data, error",
+    [("", "no user data"), ("#cloud-config\nruncmd: []\n", "not a bash script"), ("#!/bin/bash\n", "only")],
+)
+def test_only_bash_user_data_boots(user_data: str, error: str) -> None:
+    with pytest.raises(boot.BootError, match=error):
+        boot.check_script(user_data)
