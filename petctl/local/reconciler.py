@@ -174,6 +174,7 @@ class Instance:
             "boot": self._boot_summary(state_dir),
             "units": {n: {"pid": u.proc.pid, "exit_code": u.proc.poll()} for n, u in self.units.items()},
             "root": str(self.root(state_dir)),
+            "refused": self._refused(state_dir),
             "log": str(state_dir / "logs" / f"{self.instance_id}.log"),
             "note": self.note,
         }
@@ -198,6 +199,13 @@ class Instance:
             else None,
             "script": str(state_dir / "instances" / self.instance_id / "user-data.sh"),
         }
+
+    def _refused(self, state_dir: Path) -> list[str]:
+        """What the boot's shims refused (newest last): the local cloud cannot model it."""
+        try:
+            return shims.refusals_file(self.root(state_dir)).read_text().splitlines()[-5:]
+        except OSError:
+            return []
 
     def root(self, state_dir: Path) -> Path:
         return state_dir / "instances" / self.instance_id / "root"

@@ -868,6 +868,25 @@ COMMANDS = {
 }
 
 
+def refusals_file(r: Path) -> Path:
+    return r / "run" / "petctl-local" / "refused"
+
+
+def _record_refusal(name: str, args: list[str], why: str) -> None:
+    """Note the refusal where ``petctl local status`` shows it (``refused``): a boot script retries
+    a failing command for minutes, and a refusal never gets better."""
+    r = os.environ.get("PETCTL_LOCAL_ROOT")
+    if not r:
+        return
+    try:
+        path = refusals_file(Path(r))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(f"{name} {shlex.join(args)}: {why}\n")
+    except OSError:
+        pass
+
+
 def main(argv: list[str]) -> NoReturn:
     if not argv or argv[0] not in COMMANDS:
         print(f"usage: shims.py {{{','.join(COMMANDS)}}} ARGS…", file=sys.stderr)
@@ -877,6 +896,7 @@ def main(argv: list[str]) -> NoReturn:
         COMMANDS[name](args)
     except Refused as e:
         log(name, f"REFUSED: {e}")
+        _record_refusal(name, args, str(e))
         sys.exit(2)
     except Failed as e:
         if str(e):

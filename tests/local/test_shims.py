@@ -69,6 +69,8 @@ def test_each_shim_refuses_what_it_does_not_model(tmp_path: Path, argv: list[str
     res = run_shim(tmp_path, *argv)
     assert res.returncode == 2, (res.stdout, res.stderr)
     assert f"{argv[0]} (petctl local shim): REFUSED:" in res.stderr
+    # and noted where `petctl local status` shows it (the instance's `refused`)
+    assert (tmp_path / "root" / "run" / "petctl-local" / "refused").read_text().startswith(argv[0] + " ")
 
 
 def test_aws_shim_never_calls_outside_the_local_cloud(tmp_path: Path) -> None:
