@@ -672,6 +672,11 @@ class PetctlRendezvousHandler(RendezvousHandler):
         order = self._order(base, joined, lambda n: live[n])
         parts = order[: self.max_nodes]
         exp = self._expected()
+        survivors = [n for n in base if n in joined]
+        if exp is not None and len(parts) > len(survivors) and exp <= len(survivors):
+            # newcomers are joining but the hint expects no growth: it predates them (a desired
+            # capacity read before the scale-out). A stale hint must not skip the settle window.
+            exp = None
         hinted = exp is not None and len(parts) >= min(exp, self.max_nodes)
         if not hinted and now - last_added < self.cfg.settle:
             return self.cfg.settle - (now - last_added) + 0.01

@@ -258,6 +258,15 @@ def test_burst_with_the_capacity_hint(group: Callable[..., Group]) -> None:
     assert _burst(g, running, [g.new(expected=lambda: 6) for _ in range(4)], gap=0.6) == 1
 
 
+def test_burst_with_a_stale_hint_still_settles(group: Callable[..., Group]) -> None:
+    """A hint read before the scale-out (desired = the running size) must not skip the settle
+    window: newcomers 0.2 s apart still form one round (fault suite, issue 10)."""
+    g = group(2, 8)
+    running = [g.new(expected=lambda: 2), g.new(expected=lambda: 2)]
+    g.rendezvous(*running)
+    assert _burst(g, running, [g.new(expected=lambda: 2) for _ in range(2)], gap=0.2) == 1
+
+
 def test_leave_deletes_at_once(group: Callable[..., Group]) -> None:
     g = group(2, 8)
     a, b, c = g.new(), g.new(), g.new()
