@@ -12,14 +12,12 @@ What the agents publish, and so what can be known:
   ``rendezvous_done`` and ``workers_started`` (the new round, its world size);
 * leaving: ``drain_requested`` (scale-in or spot notice, with the reason), ``drained``;
   failures: ``workers_failed``, ``failed``; the end: ``succeeded`` (with ``last_step``);
-* progress: each status document carries only its latest ``last_step`` (at ``updated_at``).
-  Events carry no step and there is no step history, so steps/s over time is computed
-  from one sample per document (plus ``succeeded``'s last step). Where the documents
-  carry more -- a ``progress`` list of ``[t, step]``, ``last_step_at``, or a ``step`` on
-  an event -- it is used as well.
-* an etcd restart that the workers ride out (they do not need etcd while they train)
-  publishes no event; one that wipes the rendezvous state shows as rounds starting over
-  or as a "rendezvous round moved on (a -> b)" reason with b < a.
+* progress: agents publish a bounded ``progress`` list of ``[t, step]``, ``last_step_at`` and
+  a ``step`` on rendezvous/drain/failure/start events; steps/s over time comes from those.
+  Documents of older agents carry only their latest ``last_step`` (one sample each).
+* an etcd outage that the workers ride out shows as ``rdzv_unreachable``/``rdzv_recovered``
+  events; one that wipes the rendezvous state also shows as rounds starting over or as a
+  "rendezvous round moved on (a -> b)" reason with b < a.
 
 A round's stall ("seconds of training the change cost") runs from the first sign that
 training stopped (the first ``rendezvous_start`` of a training agent, ``drain_requested``
@@ -62,7 +60,7 @@ KIND_LABELS = {
 }
 STOP_KINDS = ("drain_requested", "workers_failed")
 _ROUND_MOVED = re.compile(r"round moved on \((\d+|None) -> (\d+|None)\)")
-#: Event kinds an agent could publish around a rendezvous-server outage (not published today).
+#: Event kinds an agent publishes around a rendezvous-server outage it rides out (agent/elastic.py).
 _RDZV_OUTAGE_KINDS = ("rdzv_unreachable", "rdzv_recovered", "etcd_unreachable", "etcd_restart")
 
 
@@ -415,11 +413,6 @@ def build(st: dict[str, Any], now: float | None = None) -> dict[str, Any]:
         missing.append(
             "stalls run to the last workers_started of the new round; the time to the first step "
             "after it (worker start-up, checkpoint load) and the steps lost are not reported"
-        )
-    if not any(e["kind"] in _RDZV_OUTAGE_KINDS for e in events):
-        missing.append(
-            "an etcd restart that training rides out publishes no event; only one that loses the "
-            "rendezvous state is visible (rounds start over)"
         )
     if len(st.get("events") or []) and any(len(a.get("events") or []) >= 200 for a in agents):
         missing.append("an agent's events are capped at the newest 200: the start of the run may be cut")
