@@ -306,6 +306,8 @@ class PetctlElasticAgent(LocalElasticAgent):
         )
         self.pub = publisher
         self.drain_file = Path(drain_file)
+        #: called right before each (re)start of the workers (main.py: flush the log tailer)
+        self.before_workers_start: Callable[[], None] | None = None
         self.progress_file = Path(progress_file)
         self._workers_started_at = time.time()
         self.drain_timeout = drain_timeout
@@ -499,6 +501,14 @@ class PetctlElasticAgent(LocalElasticAgent):
             self.drain_file.unlink()
         except FileNotFoundError:
             pass
+        if self.before_workers_start is not None:
+            # torch rmtree()s and re-creates attempt_<n>/ when the restart count is unchanged:
+            # read the last lines of the workers that just stopped before they are deleted
+            # (with fast restarts the log tailer's next poll came too late: "step=103" lost).
+            try:
+                self.before_workers_start()
+            except Exception as e:  # noqa: BLE001 - logs must never stop a restart
+                log.debug("before_workers_start: %s", e)
         pids = super()._start_workers(worker_group)
         self._restore_signal_handlers()
         self._workers_started_at = time.time()

@@ -59,6 +59,7 @@ class LogTailer:
         self._partial: dict[Path, bytes] = {}
         self._heads: dict[Path, bytes] = {}  # first bytes seen, to notice a file recreated in place
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # poll() runs in the tail thread and, before a restart, the agent's
         self._thread = threading.Thread(target=self._run, name="petctl-logtail", daemon=True)
 
     def start(self) -> None:
@@ -88,6 +89,11 @@ class LogTailer:
             return True
 
     def poll(self) -> None:
+        """Emit every complete line written since the last poll (thread-safe)."""
+        with self._lock:
+            self._poll()
+
+    def _poll(self) -> None:
         for path in sorted(self.root.glob("**/std*.log")):
             try:
                 st = path.stat()

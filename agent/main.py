@@ -452,6 +452,7 @@ class Agent:
             sinks.append(shipper.sink)
         tailer = LogTailer(self.paths.logs, sinks)
         tailer.start()
+        agent.before_workers_start = tailer.poll
         threading.Thread(target=self.watch_imds, name="petctl-imds", daemon=True).start()
 
         # Workers start in the job's work dir on the shared filesystem (as torchrun's
