@@ -782,7 +782,7 @@ def status(ctx: Context, job: str) -> dict[str, Any]:
                 {
                     "role": "worker",
                     "instance_id": a.get("instance_id"),
-                    "private_ip": a.get("local_addr") or a.get("ip"),
+                    "private_ip": a.get("private_ip"),
                     "lifecycle_state": "Terminating",
                     "agent_state": "DRAINING",
                     **{k: a.get(k) for k in ("world_size", "round", "restarts", "last_step", "reason")},

@@ -56,10 +56,11 @@ def test_a_script_without_the_helper_is_said_to_report_no_progress(run, job):
 def test_a_draining_node_stays_listed_until_it_has_left(run, job):
     a, b = _workers()
     _report(a, last_step=50)
-    _report("i-0draining000001", state="DRAINING", last_step=50, reason="scale-in")
+    _report("i-0draining000001", state="DRAINING", last_step=50, reason="scale-in", private_ip="10.0.0.9")
     st = json.loads(run("-o", "json", "status", "demo").stdout)
     draining = [h for h in st["hosts"] if h["instance_id"] == "i-0draining000001"]
     assert draining and draining[0]["agent_state"] == "DRAINING" and draining[0]["role"] == "worker"
+    assert draining[0]["private_ip"] == "10.0.0.9"  # from the agent's report (the group lists it no more)
     assert "DRAINING" in run("status", "demo").stdout
     _report("i-0draining000001", state="LEFT", last_step=50)  # it has left: gone from the list
     st = json.loads(run("-o", "json", "status", "demo").stdout)
