@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "petctl" / "__init__.py").read_text()).group(1)
@@ -29,7 +29,10 @@ setup(
     long_description=(HERE / "README.md").read_text() if (HERE / "README.md").exists() else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["petctl", "petctl.local", "petctl.lint_rules", "petctl.cfn_templates", "petctl_agent"],
+    # Subpackages are found, not listed: a new package under petctl/ or agent/ ships without an edit here.
+    packages=find_packages(include=["petctl", "petctl.*"])
+    + ["petctl.cfn_templates", "petctl_agent"]
+    + ["petctl_agent." + name for name in find_packages("agent")],
     package_dir={"petctl.cfn_templates": "cfn_templates", "petctl_agent": "agent"},
     package_data={"petctl.cfn_templates": ["*.j2", "user_data/*.j2"]},
     include_package_data=True,
