@@ -36,7 +36,9 @@ setup(
     package_dir={"petctl.cfn_templates": "cfn_templates", "petctl_agent": "agent"},
     package_data={"petctl.cfn_templates": ["*.j2", "user_data/*.j2"]},
     include_package_data=True,
-    install_requires=["boto3>=1.34", "click>=8.1", "jinja2>=3.1", "PyYAML>=6"],
+    # cryptography: run-job makes each job's etcd CA and client certificate (TLS in transit); the
+    # well-kept library beats shelling out to an openssl that users' machines may not have.
+    install_requires=["boto3>=1.34", "click>=8.1", "jinja2>=3.1", "PyYAML>=6", "cryptography>=42"],
     extras_require={
         "agent": AGENT,
         "local": LOCAL + AGENT,
