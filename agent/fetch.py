@@ -1,14 +1,44 @@
-"""Fetch the job's code into the node work dir (``code_kind`` of docs/contracts.md)."""
+"""Read the job spec and fetch the job's code into the node work dir (``code_kind`` of docs/contracts.md)."""
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import tarfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
-from petctl_agent.spec import JobSpec, SpecError, read_url
+from petctl_agent.spec import JobSpec, SpecError
+
+
+def read_url(url: str, s3_client_factory: Any = None) -> bytes:
+    """Read ``s3://bucket/key``, ``file:///path`` or a plain path."""
+    u = urlparse(url)
+    if u.scheme == "s3":
+        if s3_client_factory is None:
+            from petctl_agent import aws
+
+            s3_client_factory = lambda: aws.client("s3")  # noqa: E731
+        obj = s3_client_factory().get_object(Bucket=u.netloc, Key=u.path.lstrip("/"))
+        return obj["Body"].read()
+    path = u.path if u.scheme == "file" else url
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def load_spec(url: str, s3_client_factory: Any = None) -> JobSpec:
+    """Fetch and validate the job spec at ``url`` (S3, ``file://`` or a local path)."""
+    try:
+        raw = read_url(url, s3_client_factory)
+    except Exception as e:  # noqa: BLE001 - every way of not getting it is the same error to the user
+        raise SpecError(f"cannot read the job spec at {url}: {e}") from e
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise SpecError(f"job spec at {url} is not JSON: {e}") from e
+    return JobSpec.from_dict(data)
 
 
 def fetch_code(spec: JobSpec, dest: str | os.PathLike, s3_client_factory: Any = None) -> Path:

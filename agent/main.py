@@ -18,8 +18,10 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from petctl_agent import aws
+from petctl_agent.fetch import load_spec
 from petctl_agent.imds import Imds
-from petctl_agent.spec import JobSpec, SpecError, _boto3_client, load_spec, rdzv_backend
+from petctl_agent.spec import JobSpec, SpecError, checkpoint_dir, rdzv_backend
 from petctl_agent.status import StatusPublisher, make_writer
 
 log = logging.getLogger("petctl_agent")
@@ -252,7 +254,7 @@ class Agent:
         spec = self.spec
         if spec is None or not spec.worker_group:
             return None
-        groups = _boto3_client("autoscaling", spec.region or None).describe_auto_scaling_groups(
+        groups = aws.client("autoscaling", spec.region or None).describe_auto_scaling_groups(
             AutoScalingGroupNames=[spec.worker_group]
         )["AutoScalingGroups"]
         if not groups:
@@ -274,7 +276,7 @@ class Agent:
             if not state or state.strip() != "Terminated":
                 return
         try:
-            _boto3_client("autoscaling", spec.region or None).complete_lifecycle_action(
+            aws.client("autoscaling", spec.region or None).complete_lifecycle_action(
                 LifecycleHookName=spec.lifecycle_hook,
                 AutoScalingGroupName=spec.worker_group,
                 LifecycleActionResult="CONTINUE",
@@ -291,7 +293,7 @@ class Agent:
             if not group:
                 continue
             try:
-                _boto3_client("autoscaling", spec.region or None).update_auto_scaling_group(
+                aws.client("autoscaling", spec.region or None).update_auto_scaling_group(
                     AutoScalingGroupName=group, MinSize=0, DesiredCapacity=0
                 )
                 log.info("set %s to min=desired=0", group)
@@ -362,7 +364,7 @@ class Agent:
         ckpt_dir = (
             self.efs / spec.checkpoint_dir
             if spec.checkpoint_dir
-            else self.efs / "petctl" / "jobs" / spec.job_name / "checkpoints"
+            else self.efs / checkpoint_dir(spec.job_name)
         )
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         work_dir = job_work_dir(self.efs, spec)
@@ -446,7 +448,7 @@ class Agent:
             shipper = CloudWatchShipper(
                 spec.log_group,
                 f"{spec.job_name}/{self.instance_id}",
-                lambda: _boto3_client("logs", spec.region or None),
+                lambda: aws.client("logs", spec.region or None),
             )
             shipper.start()
             sinks.append(shipper.sink)

@@ -1,14 +1,19 @@
-"""The job spec (``job.json`` version 1, docs/contracts.md): parse, validate, load."""
+"""The job spec (``job.json`` version 1, docs/contracts.md): the one contract between the CLI and the agent.
+
+Standard library only, so the CLI (``petctl``) imports it to build the spec it uploads and the
+agent parses the same dataclass: the job-name rule and the checkpoint path are defined here once.
+Loading a spec from S3 is :func:`petctl_agent.fetch.load_spec`.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
-from urllib.parse import urlparse
 
+#: job names: they end up in stack, group, S3 and etcd key names (docs/contracts.md "Names")
 JOB_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,38}[a-z0-9]$")
 CODE_KINDS = ("script", "dir", "s3")
 #: bounds of ``join_timeout`` (seconds): below MIN for this long -> FAILED
@@ -16,6 +21,11 @@ MIN_JOIN_TIMEOUT, MAX_JOIN_TIMEOUT = 1.0, 7 * 24 * 3600.0
 #: ``rdzv_backend`` values (agent/elastic.py RDZV_BACKENDS; the first is the default)
 RDZV_BACKENDS = ("petctl-etcd", "etcd-v2", "etcd")
 TORCH_VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?([a-z0-9.]*)?(\+[A-Za-z0-9.]+)?$")
+
+
+def checkpoint_dir(job: str) -> str:
+    """The job's checkpoint directory, relative to the shared filesystem mount."""
+    return f"petctl/jobs/{job}/checkpoints"
 
 
 class SpecError(ValueError):
@@ -50,6 +60,8 @@ class JobSpec:
     join_timeout: float = 1800.0
     torch_version: str = ""
     rdzv_backend: str = "petctl-etcd"
+    #: the petctl that wrote the spec (informational; the agent does not act on it)
+    petctl_version: str = ""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobSpec:
@@ -91,6 +103,7 @@ class JobSpec:
         if rb not in RDZV_BACKENDS:
             raise SpecError(f"rdzv_backend must be one of {', '.join(RDZV_BACKENDS)}, got {rb!r}")
         kw["rdzv_backend"] = rb
+        kw["petctl_version"] = str(kw.get("petctl_version", ""))
         if not 1 <= kw["min_nodes"] <= kw["max_nodes"]:
             raise SpecError(
                 f"need 1 <= min_nodes <= max_nodes, got min={kw['min_nodes']} max={kw['max_nodes']}"
@@ -118,6 +131,24 @@ class JobSpec:
         kw["env"] = {str(k): str(v) for k, v in env.items()}
         return cls(**kw)
 
+    @classmethod
+    def from_json(cls, text: str | bytes) -> JobSpec:
+        """Parse and validate ``job.json`` text."""
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise SpecError(f"job spec is not JSON: {e}") from e
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``job.json`` object: ``from_dict(to_dict())`` gives back an equal spec."""
+        d = asdict(self)
+        d["args"] = list(self.args)
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
     def resolved_nproc(self) -> int:
         """``nproc_per_node`` with ``auto`` resolved: number of GPUs, or 1 on CPU."""
         if self.nproc_per_node != "auto":
@@ -137,38 +168,3 @@ def rdzv_backend(spec_backend: str = "") -> str:
     if name not in RDZV_BACKENDS:
         raise ValueError(f"rendezvous backend {name!r} is not one of {', '.join(RDZV_BACKENDS)}")
     return name
-
-
-def read_url(url: str, s3_client_factory: Any = None) -> bytes:
-    """Read ``s3://bucket/key``, ``file:///path`` or a plain path."""
-    u = urlparse(url)
-    if u.scheme == "s3":
-        factory = s3_client_factory or (lambda: _boto3_client("s3"))
-        obj = factory().get_object(Bucket=u.netloc, Key=u.path.lstrip("/"))
-        return obj["Body"].read()
-    path = u.path if u.scheme == "file" else url
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def load_spec(url: str, s3_client_factory: Any = None) -> JobSpec:
-    """Fetch and validate the job spec at ``url`` (S3, ``file://`` or a local path)."""
-    try:
-        raw = read_url(url, s3_client_factory)
-    except Exception as e:  # noqa: BLE001 - every way of not getting it is the same error to the user
-        raise SpecError(f"cannot read the job spec at {url}: {e}") from e
-    try:
-        data = json.loads(raw)
-    except ValueError as e:
-        raise SpecError(f"job spec at {url} is not JSON: {e}") from e
-    return JobSpec.from_dict(data)
-
-
-def _boto3_client(service: str, region: str | None = None) -> Any:
-    """boto3 client honouring AWS_ENDPOINT_URL (boto3 does) with short timeouts and few retries."""
-    import boto3
-    from botocore.config import Config
-
-    cfg = Config(connect_timeout=5, read_timeout=20, retries={"max_attempts": 3, "mode": "standard"})
-    region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-    return boto3.client(service, region_name=region, config=cfg)

@@ -79,12 +79,12 @@ def make_writer(status_url: str, client_factory: Callable[[], Any] | None = None
         return NullStatusWriter()
     u = urlparse(status_url)
     if u.scheme == "s3":
-        from petctl_agent.spec import _boto3_client
+        from petctl_agent import aws
 
         prefix = u.path.lstrip("/")
         if prefix and not prefix.endswith("/"):
             prefix += "/"
-        return S3StatusWriter(u.netloc, prefix, client_factory or (lambda: _boto3_client("s3")))
+        return S3StatusWriter(u.netloc, prefix, client_factory or (lambda: aws.client("s3")))
     return FileStatusWriter(u.path if u.scheme == "file" else status_url)
 
 

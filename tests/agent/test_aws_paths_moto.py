@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from petctl_agent.fetch import fetch_code
+from petctl_agent.aws import client as aws_client
+from petctl_agent.fetch import fetch_code, load_spec
 from petctl_agent.logship import CloudWatchShipper
-from petctl_agent.spec import _boto3_client, load_spec
 from petctl_agent.status import S3StatusWriter, StatusPublisher, make_writer
 
 moto_server = pytest.importorskip("moto.server")
@@ -39,7 +39,7 @@ def moto_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 
 
 def test_spec_code_status_and_logs_through_moto(moto_endpoint: str, tmp_path) -> None:
-    s3 = _boto3_client("s3")
+    s3 = aws_client("s3")
     s3.create_bucket(Bucket="bkt")
     spec = {
         "version": 1,
@@ -68,9 +68,9 @@ def test_spec_code_status_and_logs_through_moto(moto_endpoint: str, tmp_path) ->
     body = s3.get_object(Bucket="bkt", Key="petctl/jobs/job-s3/status/i-0abc.json")["Body"].read()
     assert json.loads(body)["state"] == "RUNNING"
 
-    logs = _boto3_client("logs")
+    logs = aws_client("logs")
     logs.create_log_group(logGroupName="/petctl/test")
-    shipper = CloudWatchShipper("/petctl/test", "job-s3/i-0abc", lambda: _boto3_client("logs"), interval=0.2)
+    shipper = CloudWatchShipper("/petctl/test", "job-s3/i-0abc", lambda: aws_client("logs"), interval=0.2)
     shipper.start()
     shipper.sink("attempt_0/rank0/out", "step=1 world_size=1 loss=0.5")
     deadline = time.monotonic() + 20
@@ -86,7 +86,7 @@ def test_spec_code_status_and_logs_through_moto(moto_endpoint: str, tmp_path) ->
 
 
 def test_shipper_tolerates_a_missing_log_group(moto_endpoint: str) -> None:
-    shipper = CloudWatchShipper("/petctl/absent", "s", lambda: _boto3_client("logs"))
+    shipper = CloudWatchShipper("/petctl/absent", "s", lambda: aws_client("logs"))
     shipper.sink("x", "line")
     shipper.flush()  # logs a warning, does not raise
     assert shipper.dropped == 1
@@ -96,7 +96,7 @@ def test_shipper_keeps_put_log_events_limits(moto_endpoint: str) -> None:
     """12,000 lines (~2.4 MB) and one 600 KB line: every batch fits AWS's limits, nothing is lost."""
     from petctl_agent.logship import MAX_EVENT_BYTES
 
-    logs = _boto3_client("logs")
+    logs = aws_client("logs")
     logs.create_log_group(logGroupName="/petctl/big")
     # the patched moto refuses what AWS refuses
     logs.create_log_stream(logGroupName="/petctl/big", logStreamName="probe")
@@ -106,7 +106,7 @@ def test_shipper_keeps_put_log_events_limits(moto_endpoint: str) -> None:
             logStreamName="probe",
             logEvents=[{"timestamp": 1, "message": "x" * 200} for _ in range(10_001)],
         )
-    shipper = CloudWatchShipper("/petctl/big", "job/i-0big", lambda: _boto3_client("logs"))
+    shipper = CloudWatchShipper("/petctl/big", "job/i-0big", lambda: aws_client("logs"))
     for i in range(12_000):
         shipper.sink("attempt_0/rank0/out", f"step={i} " + "x" * 200)
     shipper.sink("attempt_0/rank0/out", "é" * 300_000)  # 600 KB of two-byte characters

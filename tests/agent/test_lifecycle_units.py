@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from petctl_agent import DRAIN_EXIT_CODE
+from petctl_agent import DRAIN_EXIT_CODE, aws
 from petctl_agent.elastic import (
     PetctlElasticAgent,
     capacity_coming,
@@ -146,7 +146,7 @@ def _agent_with_spec(monkeypatch, imds_url: str, calls: list):
             inst = [{"LifecycleState": s} for s in ("InService", "Pending", "Pending:Wait")]
             return {"AutoScalingGroups": [{"DesiredCapacity": 3, "Instances": inst}]}
 
-    monkeypatch.setattr(agent_main, "_boto3_client", lambda *a, **k: Client())
+    monkeypatch.setattr(aws, "client", lambda *a, **k: Client())
     return agent
 
 

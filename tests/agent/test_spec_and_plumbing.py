@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 
-from petctl_agent.fetch import fetch_code
+from petctl_agent import aws
+from petctl_agent.fetch import fetch_code, load_spec
 from petctl_agent.harness import FakeImds
 from petctl_agent.imds import Imds
 from petctl_agent.logship import LogTailer
-from petctl_agent.spec import JobSpec, SpecError, load_spec
+from petctl_agent.spec import JOB_NAME_RE, JobSpec, SpecError, checkpoint_dir
 from petctl_agent.status import FileStatusWriter, StatusPublisher, make_writer
 
 GOOD = {
@@ -45,6 +48,24 @@ def test_contract_example_parses() -> None:
     assert s.resolved_nproc() >= 1
     assert JobSpec.from_dict({**GOOD, "nproc_per_node": 2}).resolved_nproc() == 2
     assert JobSpec.from_dict({**GOOD, "future_field": 1}).job_name == "train-3f2a"  # forward compatible
+
+
+def test_spec_json_round_trip_and_shared_names() -> None:
+    s = JobSpec.from_dict({**GOOD, "petctl_version": "0.1.0", "torch_version": "2.13.0"})
+    d = json.loads(s.to_json())
+    assert d["args"] == ["--epochs", "10"] and d["petctl_version"] == "0.1.0"
+    assert JobSpec.from_json(s.to_json()) == s == JobSpec.from_dict(s.to_dict())
+    assert checkpoint_dir("train-3f2a") == GOOD["checkpoint_dir"]
+    assert JOB_NAME_RE.match("train-3f2a") and not JOB_NAME_RE.match("Train")
+    with pytest.raises(SpecError, match="not JSON"):
+        JobSpec.from_json("{")
+
+
+def test_spec_module_is_stdlib_only() -> None:
+    """The CLI imports petctl_agent.spec: importing it must pull in neither boto3 nor torch."""
+    code = "import sys, petctl_agent.spec; print(sorted(m for m in ('boto3', 'torch') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 @pytest.mark.parametrize(
@@ -187,7 +208,7 @@ def test_lifecycle_completion_and_scale_to_zero_are_tolerant(monkeypatch: pytest
     )
     stub.add_client_error("update_auto_scaling_group", "AccessDenied")
     stub.activate()
-    monkeypatch.setattr(agent_main, "_boto3_client", lambda *a, **k: client)
+    monkeypatch.setattr(aws, "client", lambda *a, **k: client)
     a = agent_main.Agent.__new__(agent_main.Agent)
     a.spec = JobSpec.from_dict(GOOD)
     a.instance_id = "i-7"
