@@ -436,6 +436,14 @@ class RunJobCommand(click.Command):
     "--nproc-per-node", default="auto", show_default=True, help="'auto' (GPUs, or 1 on CPU) or a number."
 )
 @click.option("--spot", is_flag=True, help="Spot above MIN on-demand nodes (price-capacity-optimized).")
+@click.option(
+    "--warm-pool",
+    default=None,
+    type=int,
+    metavar="N",
+    help="Stopped instances, pre-booted with the job's environment, that a scale-up takes first "
+    "(0-100, at most --max; not with --spot or several instance types) [default: 0].",
+)
 @click.option("--ami", default=None, help="AMI id instead of the public SSM parameter.")
 @click.option(
     "--drain-timeout",

@@ -47,6 +47,7 @@ SUPPORTED_TORCH = ((2, 9), (2, 13))  # inclusive, major.minor
 TORCH_VERSION_RE = re.compile(r"^(\d+)\.(\d+)\.(\d+)$")
 DEFAULT_MAX_RESTARTS = 10
 DEFAULT_JOIN_TIMEOUT = 1800
+MAX_WARM_POOL = 100
 STATES = ("STARTING", "RENDEZVOUS", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED", "DELETING")
 
 
@@ -70,6 +71,8 @@ class JobRequest:
     join_timeout: int = DEFAULT_JOIN_TIMEOUT
     rdzv_backend: str = "petctl-etcd"  # petctl_agent.spec.RDZV_BACKENDS
     root_device_name: str | None = None  # of --ami, looked up by resolve_ami()
+    #: Stopped instances, pre-booted with the job's environment, that a scale-up takes first.
+    warm_pool: int = 0
 
 
 @dataclass
@@ -84,6 +87,9 @@ class Plan:
     spec: dict[str, Any]
     tags: dict[str, str]
     bucket: str
+    #: The bucket's customer KMS key, which the job's roles may use: uploads encrypt with it.
+    kms_key: str | None = None
+    warm_pool: int = 0
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -96,6 +102,7 @@ class Plan:
             ],
             "spec": self.spec,
             "tags": self.tags,
+            "warm_pool": self.warm_pool,
         }
 
 
@@ -128,6 +135,8 @@ def default_job_name(req: JobRequest, profile: str = "") -> str:
     if not stem[0].isalpha():
         stem = "job-" + stem
     fields = {k: v for k, v in asdict(req).items() if k not in ("name", "target", "root_device_name")}
+    if not req.warm_pool:
+        del fields["warm_pool"]  # jobs named before warm pools existed keep their names
     digest = hashlib.sha1(json.dumps([profile, target, fields], sort_keys=True).encode()).hexdigest()[:4]
     return f"{stem[:30].rstrip('-')}-{digest}"
 
@@ -185,6 +194,7 @@ def validate_request(req: JobRequest) -> JobRequest:
         )
     if req.ami is not None and not re.match(r"^ami-[0-9a-f]{8,17}$", req.ami):
         raise ConfigError(f"--ami {req.ami!r} is not an AMI id like ami-0abc12345")
+    _check_warm_pool(req, types)
     if req.drain_timeout is None:
         req.drain_timeout = DEFAULT_SPOT_DRAIN_TIMEOUT if req.spot else DEFAULT_DRAIN_TIMEOUT
     if req.drain_timeout < 30 or req.drain_timeout > 7200:
@@ -217,6 +227,23 @@ def validate_request(req: JobRequest) -> JobRequest:
         if p.is_dir() and not (p / req.args[0]).is_file():
             raise ConfigError(f"{req.args[0]} is not a file inside {req.target}")
     return req
+
+
+def _check_warm_pool(req: JobRequest, types: list[str]) -> None:
+    if not 0 <= req.warm_pool <= MAX_WARM_POOL:
+        raise ConfigError(f"--warm-pool {req.warm_pool} is out of range: use 0 to {MAX_WARM_POOL}")
+    if not req.warm_pool:
+        return
+    if req.spot or len(types) > 1:
+        raise ConfigError(
+            f"--warm-pool cannot go with {'--spot' if req.spot else 'several --instance-type values'}: "
+            f"AWS does not allow a warm pool on a group with Spot instances or a mixed instances policy"
+        )
+    if req.warm_pool > req.max_nodes:
+        raise ConfigError(
+            f"--warm-pool {req.warm_pool} is more than --max {req.max_nodes}: the group never runs more "
+            f"than --max nodes, so the rest of the pool would only cost; use --warm-pool {req.max_nodes} or fewer"
+        )
 
 
 def plan(ctx: Context, req: JobRequest, dist: Path | None = None) -> Plan:
@@ -303,6 +330,8 @@ def plan(ctx: Context, req: JobRequest, dist: Path | None = None) -> Plan:
         instance_types=len(types),
         own_roles=own_roles,
         bucket_kms=own_roles and bool(profile.bucket_kms_key_arn),
+        # F's render_job(warm_pool=...) pending
+        **({"warm_pool": True} if req.warm_pool else {}),
     )
     values: dict[str, Any] = {
         "JobName": job,
@@ -339,9 +368,14 @@ def plan(ctx: Context, req: JobRequest, dist: Path | None = None) -> Plan:
         values["InstanceTypes"] = ",".join(types)
     if req.spot:
         values["OnDemandBaseCapacity"] = str(req.min_nodes)
+    if req.warm_pool:
+        values["WarmPoolSize"] = str(req.warm_pool)
     parameters = templates.job_parameters(template=template, **values)
     tags = {"petctl:job": job, "petctl:user": sanitize_tag_value(ctx.user), "petctl:profile": profile.name}
-    return Plan(job, naming.job_stack(job), template, parameters, uploads, spec, tags, bucket)
+    kms_key = profile.bucket_kms_key_arn if own_roles else None
+    return Plan(
+        job, naming.job_stack(job), template, parameters, uploads, spec, tags, bucket, kms_key, req.warm_pool
+    )
 
 
 def resolve_ami(ctx: Context, req: JobRequest) -> None:
@@ -425,7 +459,7 @@ def execute(ctx: Context, p: Plan, timeout: float = 1800) -> dict[str, Any]:
         for u in p.uploads:
             ctx.ui.progress(f"uploading s3://{p.bucket}/{u.key} ({u.size()} bytes)")
             try:
-                storage.put(s3, p.bucket, u)
+                storage.put(s3, p.bucket, u, kms_key=p.kms_key)
             except Exception as e:  # boto3's S3 transfer raises several types
                 raise AwsError(f"upload to s3://{p.bucket}/{u.key} failed: {describe_client_error(e)}") from e
         result = stacks.deploy(p.stack_name, p.template, p.parameters, p.tags, timeout=timeout)
@@ -457,6 +491,21 @@ def execute(ctx: Context, p: Plan, timeout: float = 1800) -> dict[str, Any]:
         "worker_group": out.get("WorkerGroupName", naming.worker_group(p.job_name)),
         "s3_prefix": f"s3://{p.bucket}/{prefix}",
     }
+
+
+def upload_tls(s3: Any, p: Plan) -> None:
+    """The job's etcd CA and client certificate, made here and readable only by its instances
+    (their roles read their own job's prefix); the keys never leave this machine otherwise."""
+    from petctl import storage, tls
+
+    prefix = naming.job_prefix(p.job_name) + "tls/"
+    for name, data in tls.make_job_tls(p.job_name).items():
+        try:
+            storage.put(s3, p.bucket, Upload(key=prefix + name, data=data), kms_key=p.kms_key)
+        except Exception as e:  # noqa: BLE001 - named, then cleaned up like every other upload
+            raise AwsError(
+                f"upload to s3://{p.bucket}/{prefix}{name} failed: {describe_client_error(e)}"
+            ) from e
 
 
 def suspend_az_rebalance(ctx: Context, group: str) -> None:
@@ -896,10 +945,13 @@ def kill_job(
         "checkpoints_kept": f"{ctx.profile.efs_id or '<efs>'}:/{naming.checkpoint_dir(job)}",
     }
     if stack is None:
+        delete_tls(ctx, job)  # left by a `kill-job --no-wait`
         return result
     t0 = time.monotonic()
     if not wait:
         ctx.clients()("cloudformation").delete_stack(StackName=naming.job_stack(job))
+        # No instance of a deleting stack may start any more: its keys can go now.
+        delete_tls(ctx, job)
         result["deleted"] = True
         return result
     asg = ctx.clients()("autoscaling")
@@ -923,9 +975,25 @@ def kill_job(
         )
     stacks.delete(naming.job_stack(job), timeout=timeout)
     _wait_until(ctx, lambda: not job_instances(ctx, job), 600, "instances terminated", sleep)
+    delete_tls(ctx, job)
     result["deleted"] = True
     result["seconds"] = round(time.monotonic() - t0, 1)
     return result
+
+
+def delete_tls(ctx: Context, job: str) -> None:
+    """The job's etcd keys are secrets nothing needs once its instances are gone."""
+    from petctl import storage
+
+    if not ctx.profile.bucket:
+        return
+    try:
+        storage.delete_prefix(ctx.clients()("s3"), ctx.profile.bucket, naming.job_prefix(job) + "tls/")
+    except Exception as e:  # noqa: BLE001 - the job is gone either way; say what is left
+        ctx.ui.warn(
+            f"could not delete s3://{ctx.profile.bucket}/{naming.job_prefix(job)}tls/ "
+            f"({describe_client_error(e)}); delete it by hand"
+        )
 
 
 def job_instances(ctx: Context, job: str, role: str | None = None) -> list[str]:
@@ -1019,6 +1087,12 @@ def plan_as_dict(p: Plan) -> dict[str, Any]:
     return {**p.summary(), "template": p.template}
 
 
+def _warm_pool_text(size: int) -> str:
+    if not size:
+        return "none (a scale-up boots and installs from scratch)"
+    return f"{size} stopped instance(s), pre-booted with the job's environment, taken first by a scale-up"
+
+
 def plan_text(p: dict[str, Any], show_template: bool = False) -> str:
     """The short plan a dry run prints: what would be made, its sizes, image and costs."""
     par, spec = p["parameters"], p["spec"]
@@ -1045,6 +1119,7 @@ def plan_text(p: dict[str, Any], show_template: bool = False) -> str:
         f"  elasticity:   drain timeout {spec['drain_timeout']} s, {spec.get('max_restarts')} restarts for "
         f"failures, {spec.get('join_timeout')} s to reach --min",
         f"  checkpoints:  EFS {par['EfsId']}:/{spec['checkpoint_dir']}",
+        f"  warm pool:    {_warm_pool_text(int(par.get('WarmPoolSize', 0)))}",
         "  uploads:",
         *uploads,
     ]

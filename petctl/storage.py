@@ -78,8 +78,14 @@ def tar_directory(directory: Path) -> bytes:
     return buf.getvalue()
 
 
-def put(s3: Any, bucket: str, upload: Upload) -> None:
-    extra = {"ServerSideEncryption": "AES256"}
+def put(s3: Any, bucket: str, upload: Upload, kms_key: str | None = None) -> None:
+    """Put one object, encrypted at rest: with ``kms_key`` (the bucket's customer key, which the
+    job roles may use) when given, else with S3's own keys."""
+    extra = (
+        {"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": kms_key}
+        if kms_key
+        else {"ServerSideEncryption": "AES256"}
+    )
     if upload.data is not None:
         s3.put_object(Bucket=bucket, Key=upload.key, Body=upload.data, **extra)
     else:

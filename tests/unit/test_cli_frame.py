@@ -329,3 +329,11 @@ def test_rdzv_backend_choices_match_the_agents():
 
     (opt,) = [p for p in run_job.params if p.name == "rdzv_backend"]
     assert tuple(opt.type.choices) == RDZV_BACKENDS  # the CLI offers exactly what the agent runs
+
+
+def test_warm_pool_is_refused_with_spot_in_one_line(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    r = invoke("run-job", "--min", "1", "--max", "2", "--spot", "--warm-pool", "1", str(script))
+    assert r.exit_code == 2 and "--warm-pool cannot go with --spot" in r.stderr
+    assert "Traceback" not in r.output and len(r.stderr.strip().splitlines()) == 1
