@@ -1,8 +1,8 @@
 """The local cloud daemon: ``python -m petctl.local.daemon --state-dir DIR``.
 
-Started detached by :func:`petctl.local.ensure_started`; stopped by SIGTERM
-(:func:`petctl.local.stop`). One process hosts the moto server, the IMDS
-emulator with the control API, and the reconciler. It holds an exclusive lock
+Started detached by :func:`petctl.local.client.ensure_started`; stopped by SIGTERM
+(:func:`petctl.local.client.stop`). One process hosts the moto server, the IMDS
+emulator, the control API (on the IMDS server's port) and the reconciler. It holds an exclusive lock
 on ``DIR/daemon.lock`` for its whole life, so two daemons never share a state
 dir, and writes ``DIR/cloud.json`` once every part answers.
 """
@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from petctl.local import LOCAL_ENV, REGION, procs
+from petctl.local import procs
+from petctl.local.environment import LOCAL_ENV, REGION
 
 log = logging.getLogger("petctl.local")
 
@@ -44,6 +45,7 @@ class LocalCloud:
         from moto.server import ThreadedMotoServer
 
         from petctl.local import moto_patches
+        from petctl.local.control import ControlApi
         from petctl.local.imds import ImdsServer
         from petctl.local.reconciler import Reconciler
 
@@ -65,8 +67,12 @@ class LocalCloud:
             name: session.client(name, endpoint_url=self.endpoint_url, config=cfg)
             for name in ("ec2", "autoscaling", "s3", "efs")
         }
-        self.imds = ImdsServer(self, port=int(os.environ.get("PETCTL_LOCAL_IMDS_PORT") or 0))
+        self.control = ControlApi(self)
+        self.imds = ImdsServer(
+            self.region, self.control, port=int(os.environ.get("PETCTL_LOCAL_IMDS_PORT") or 0)
+        )
         self.reconciler = Reconciler(self.state_dir, clients, self.endpoint_url, self.imds.url, self.region)
+        self.imds.instances = self.reconciler
         self.imds.start()
         # The first call into each moto backend imports it (seconds); pay that before
         # announcing readiness so the first CLI command is not the slow one.
@@ -85,7 +91,7 @@ class LocalCloud:
             "started_at": self.started_at,
             "log_file": str(self.state_dir / "cloud.log"),
             "state_dir": str(self.state_dir),
-            "control_token": self.imds.control_token,
+            "control_token": self.control.token,
         }
 
     def status(self) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""A per-instance EC2 instance metadata service (IMDSv2) plus the daemon's control API.
+"""A per-instance EC2 instance metadata service (IMDSv2); it also carries the daemon's control API.
 
 One HTTP server on 127.0.0.1 serves every instance under its own prefix::
 
@@ -9,15 +9,8 @@ One HTTP server on 127.0.0.1 serves every instance under its own prefix::
 A token is only valid for the instance it was issued for. Without a valid token
 a GET is answered ``401`` (IMDSv2 required, as the job template configures).
 
-The control API (``/_control/...``) requires the ``X-Petctl-Control-Token`` header
-with the token from ``cloud.json`` (readable only by the user)::
-
-    GET  /_control/status
-    POST /_control/kill-instance/<instance-id>
-    POST /_control/spot-interrupt/<instance-id>?seconds=120
-    POST /_control/restart-rdzv/<job>
-
-and, for each instance's ``systemctl`` shim (``X-Petctl-Systemd-Token``: that instance's token)::
+Requests under ``/_control/`` go to the control API (:mod:`petctl.local.control`) once their
+``X-Petctl-Control-Token`` header matches its token; and, for each instance's ``systemctl`` shim (``X-Petctl-Systemd-Token``: that instance's token)::
 
     POST /<instance-id>/_petctl/systemd/start/<unit>
 """
@@ -31,14 +24,13 @@ import secrets
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
-from petctl.local import CONTROL_TOKEN_HEADER
+from petctl.local.environment import CONTROL_TOKEN_HEADER
 
 if TYPE_CHECKING:
-    from petctl.local.daemon import LocalCloud
-    from petctl.local.reconciler import Instance
+    from petctl.local.instance import Instance
 
 log = logging.getLogger("petctl.local.imds")
 
@@ -48,17 +40,37 @@ SYSTEMD_TOKEN_HEADER = "X-Petctl-Systemd-Token"
 ACCOUNT_ID = "123456789012"  # moto's default account
 
 
+class Instances(Protocol):
+    """What the IMDS server needs of the reconciler."""
+
+    def get(self, instance_id: str) -> Instance: ...
+
+    def systemd_start(self, instance_id: str, unit: str, token: str) -> tuple[int, dict[str, Any]]: ...
+
+
+class Control(Protocol):
+    """What the IMDS server needs of the control API (:class:`petctl.local.control.ControlApi`)."""
+
+    token: str
+
+    def handle(self, method: str, path: str, query: dict[str, list[str]]) -> tuple[int, dict[str, Any]]: ...
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
 
 class ImdsServer:
-    """Serves IMDS views of the reconciler's instances and the control API."""
+    """Serves IMDS views of the reconciler's instances, and routes control requests.
 
-    def __init__(self, cloud: LocalCloud, port: int = 0) -> None:
-        self.cloud = cloud
-        self.control_token = secrets.token_hex(16)
+    ``instances`` is set once the reconciler exists (it needs this server's URL first).
+    """
+
+    def __init__(self, region: str, control: Control, port: int = 0) -> None:
+        self.region = region
+        self.control = control
+        self.instances: Instances | None = None
         self._tokens: dict[str, tuple[str, float]] = {}  # token -> (instance id, expiry)
         self._tokens_lock = threading.Lock()
         handler = type("Handler", (_Handler,), {"imds": self})
@@ -76,6 +88,14 @@ class ImdsServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+    def reconciler(self) -> Instances:
+        if self.instances is None:
+            raise LookupError("the local cloud is still starting")
+        return self.instances
+
+    def lookup(self, instance_id: str) -> Instance:
+        return self.reconciler().get(instance_id)
 
     # ---------------------------------------------------------------- tokens
 
@@ -98,7 +118,7 @@ class ImdsServer:
 
     def metadata(self, rec: Instance, path: str) -> tuple[int, str]:
         """(status, body) of ``/latest/<path>`` for one instance."""
-        region = self.cloud.region
+        region = self.region
         path = path.strip("/")
         md: dict[str, str | None] = {
             "meta-data/instance-id": rec.instance_id,
@@ -146,29 +166,6 @@ class ImdsServer:
             return 200, "\n".join(children)
         return 404, "Not Found"
 
-    # ---------------------------------------------------------------- control
-
-    def control(self, method: str, path: str, query: dict[str, list[str]]) -> tuple[int, dict[str, Any]]:
-        parts = path.strip("/").split("/")[1:]  # drop "_control"
-        rec = self.cloud.reconciler
-        try:
-            if method == "GET" and parts == ["status"]:
-                return 200, self.cloud.status()
-            if method == "POST" and len(parts) == 2 and parts[0] == "kill-instance":
-                return 200, rec.kill_instance(parts[1])
-            if method == "POST" and len(parts) == 2 and parts[0] == "spot-interrupt":
-                seconds = float(query.get("seconds", ["120"])[0])
-                if not 0 <= seconds <= 3600:
-                    raise ValueError(f"seconds={seconds} is out of range: use 0 to 3600")
-                return 200, rec.spot_interrupt(parts[1], seconds)
-            if method == "POST" and len(parts) == 2 and parts[0] == "restart-rdzv":
-                return 200, rec.restart_rdzv(parts[1])
-        except LookupError as e:
-            return 404, {"error": str(e.args[0] if e.args else e)}
-        except ValueError as e:
-            return 409, {"error": str(e)}
-        return 404, {"error": f"unknown control request {method} {path}"}
-
 
 class _Handler(BaseHTTPRequestHandler):
     imds: ImdsServer
@@ -194,11 +191,11 @@ class _Handler(BaseHTTPRequestHandler):
         path = url.path
         if path.startswith("/_control/"):
             given = self.headers.get(CONTROL_TOKEN_HEADER) or ""
-            if not hmac.compare_digest(given, self.imds.control_token):
+            if not hmac.compare_digest(given, self.imds.control.token):
                 self._send(403, json.dumps({"error": "missing or wrong control token"}), "application/json")
                 return
             try:
-                status, body = self.imds.control(method, path, parse_qs(url.query))
+                status, body = self.imds.control.handle(method, path, parse_qs(url.query))
             except Exception as e:  # noqa: BLE001 - report, do not kill the server thread
                 log.exception("control request %s %s failed", method, path)
                 status, body = 500, {"error": f"{type(e).__name__}: {e}"}
@@ -213,7 +210,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         instance_id, rest = parts[0], parts[2] if len(parts) > 2 else ""
         try:
-            rec = self.imds.cloud.reconciler.get(instance_id)
+            rec = self.imds.lookup(instance_id)
         except LookupError:
             self._send(404, "Not Found")
             return
@@ -247,7 +244,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(404, json.dumps({"error": f"unknown request {rest}"}), "application/json")
             return
         try:
-            status, body = self.imds.cloud.reconciler.systemd_start(
+            status, body = self.imds.reconciler().systemd_start(
                 instance_id, unit, self.headers.get(SYSTEMD_TOKEN_HEADER) or ""
             )
         except LookupError as e:
