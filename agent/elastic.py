@@ -32,9 +32,9 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from petctl_agent import DRAIN_EXIT_CODE
+from petctl_agent.settings import Settings
 from petctl_agent.spec import RDZV_BACKENDS, rdzv_backend  # noqa: F401 - rdzv_backend re-exported
 from petctl_agent.status import StatusPublisher
-from petctl_agent.workarounds import enabled, env_float
 
 log = logging.getLogger("petctl_agent.elastic")
 
@@ -138,28 +138,28 @@ def describe_capacity(capacity: dict[str, int] | None) -> str:
     )
 
 
-def join_timeout_s(spec_join_timeout: float) -> float:
+def join_timeout_s(spec_join_timeout: float, settings: Settings) -> float:
     """The job's join timeout: ``$PETCTL_AGENT_JOIN_TIMEOUT`` overrides the spec (tests, emergencies)."""
-    return env_float("PETCTL_AGENT_JOIN_TIMEOUT", spec_join_timeout)
+    return spec_join_timeout if settings.join_timeout is None else settings.join_timeout
 
 
-def rendezvous_config(join_timeout: float = 1800) -> dict[str, Any]:
+def rendezvous_config(join_timeout: float = 1800, settings: Settings = Settings()) -> dict[str, Any]:
     """Rendezvous timeouts/heartbeats, chosen by measurement (docs/agent.md)."""
     # torch's join timeout is one *attempt*: when it fires the agent asks the worker group
     # whether capacity is still coming and joins again (PetctlElasticAgent._rendezvous);
     # the job's own bound is the spec's join_timeout.
-    attempt = min(env_float("PETCTL_AGENT_RDZV_ATTEMPT", 300), join_timeout_s(join_timeout))
+    attempt = min(settings.rdzv_attempt, join_timeout_s(join_timeout, settings))
     cfg: dict[str, Any] = {"join_timeout": max(1, int(attempt))}
-    if enabled("FAST_LAST_CALL"):
+    if settings.enabled("FAST_LAST_CALL"):
         # torch default last_call_timeout=30 s: every (re-)rendezvous with >= min
         # nodes waits 30 s for stragglers (DESIGN §4: 33 s start, 43 s join).
-        cfg["last_call_timeout"] = int(env_float("PETCTL_AGENT_LAST_CALL", 5))
-    if enabled("FAST_HEARTBEAT"):
+        cfg["last_call_timeout"] = settings.last_call
+    if settings.enabled("FAST_HEARTBEAT"):
         # torch default keep-alive 5 s x 3 attempts: a SIGKILLed node stays a
         # participant for ~15-20 s and the survivors' next round cannot start
         # (the round only advances when its participants are gone).
-        cfg["keep_alive_interval"] = int(env_float("PETCTL_AGENT_KEEPALIVE", 1))
-        cfg["keep_alive_max_attempt"] = int(env_float("PETCTL_AGENT_KEEPALIVE_ATTEMPTS", 5))
+        cfg["keep_alive_interval"] = settings.keepalive
+        cfg["keep_alive_max_attempt"] = settings.keepalive_attempts
     return cfg
 
 
@@ -167,10 +167,10 @@ def rendezvous_config(join_timeout: float = 1800) -> dict[str, Any]:
 TORCH_BACKENDS = frozenset({"etcd-v2", "etcd"})
 
 
-def torch_workaround(name: str, backend: str) -> bool:
+def torch_workaround(name: str, backend: str, settings: Settings = Settings()) -> bool:
     """Is the torch workaround ``name`` on for ``backend``? Only torch's own handlers need them
     (SPLIT_STORE, FAST_LAST_CALL, FAST_HEARTBEAT, STORE_TIMEOUT, ETCD_OUTAGE, MEMBERSHIP_WATCH, ...)."""
-    return backend in TORCH_BACKENDS and enabled(name)
+    return backend in TORCH_BACKENDS and settings.enabled(name)
 
 
 def create_rdzv_handler(
@@ -182,6 +182,7 @@ def create_rdzv_handler(
     join_timeout: float = 1800,
     backend: str | None = None,
     expected_nodes: Callable[[], int | None] | None = None,
+    settings: Settings = Settings(),
 ) -> RendezvousHandler:
     """Build the rendezvous handler for ``backend`` (default :func:`rdzv_backend`: petctl-etcd).
 
@@ -189,8 +190,8 @@ def create_rdzv_handler(
     joins into one round); only petctl-etcd uses it, and calls it at most once a second
     from its control thread, so it must not block.
     """
-    backend_name = backend or rdzv_backend()
-    cfg = rendezvous_config(join_timeout)
+    backend_name = backend or rdzv_backend("", settings.rdzv_backend)
+    cfg = rendezvous_config(join_timeout, settings)
     if backend_name == "petctl-etcd":
         from petctl_agent.rendezvous import Config, PetctlRendezvousHandler
 
@@ -225,12 +226,12 @@ def create_rdzv_handler(
     client = _create_etcd_client(params)
     backend = EtcdRendezvousBackend(client, run_id, key_prefix="/torch/elastic/rendezvous")
     store_timeout = None
-    if enabled("STORE_TIMEOUT"):
+    if settings.enabled("STORE_TIMEOUT"):
         # torch builds EtcdStore with the c10d default timeout (300 s). After a
         # round completes, non-zero ranks block in EtcdStore.get("MASTER_ADDR")
         # until rank 0 publishes it; if rank 0 dies in between they block ~300 s.
         # A short timeout raises LookupError, which our retry turns into a new round.
-        store_timeout = timedelta(seconds=env_float("PETCTL_AGENT_STORE_TIMEOUT", 20))
+        store_timeout = timedelta(seconds=settings.store_timeout)
     store = EtcdStore(client, "/torch/elastic/store", timeout=store_timeout)
     return create_handler(store, backend, params)
 
@@ -300,18 +301,20 @@ class PetctlElasticAgent(LocalElasticAgent):
         min_nodes: int = 1,
         start_method: str = "spawn",
         step_info: Callable[[], dict[str, Any]] | None = None,
+        settings: Settings = Settings(),
     ) -> None:
         super().__init__(
             spec, logs_specs, start_method=start_method, exit_barrier_timeout=exit_barrier_timeout
         )
         self.pub = publisher
+        self.settings = settings
         self.drain_file = Path(drain_file)
         #: called right before each (re)start of the workers (main.py: flush the log tailer)
         self.before_workers_start: Callable[[], None] | None = None
         self.progress_file = Path(progress_file)
         self._workers_started_at = time.time()
         self.drain_timeout = drain_timeout
-        self.join_timeout = join_timeout_s(join_timeout)
+        self.join_timeout = join_timeout_s(join_timeout, settings)
         self.capacity_probe = capacity_probe or (lambda: None)
         self.min_nodes = min_nodes
         #: () -> {"last_step", "last_checkpoint_step"} (what the status document shows)
@@ -330,7 +333,9 @@ class PetctlElasticAgent(LocalElasticAgent):
         self._last_etcd_warn = 0.0
         self._guarded: Any = None
         self._rdzv_down_since: float | None = None  # etcd unreachable while training (event published)
-        self.sync_timeout = env_float("PETCTL_AGENT_SYNC_TIMEOUT", min(max(drain_timeout, 5.0), 30.0))
+        self.sync_timeout = (
+            min(max(drain_timeout, 5.0), 30.0) if settings.sync_timeout is None else settings.sync_timeout
+        )
         # torch 2.5-2.8 install their own SIGTERM/SIGINT handler every time workers start
         # (PContext.start); ours turn SIGTERM into a drain. Remember them to put them back.
         self._own_signal_handlers: dict[int, Any] = {}
@@ -405,7 +410,7 @@ class PetctlElasticAgent(LocalElasticAgent):
                 self.pub.update(reason=f"waiting for nodes ({describe_capacity(capacity)})")
             except TRANSIENT_RDZV_ERRORS as e:
                 attempt += 1
-                if not enabled("RDZV_RETRY"):
+                if not self.settings.enabled("RDZV_RETRY"):
                     raise
                 if time.monotonic() - t0 > self.join_timeout:
                     self.fail_kind = "join_timeout"
@@ -553,7 +558,7 @@ class PetctlElasticAgent(LocalElasticAgent):
     def _invoke_run(self, role: str = "default") -> RunResult:
         wg = self._worker_group
         self._initialize_workers(wg)
-        check_every = env_float("PETCTL_AGENT_MEMBERSHIP_INTERVAL", 1.0)
+        check_every = self.settings.membership_interval
         next_check = time.monotonic() + check_every
         while True:
             ours = _ours(wg.spec.rdzv_handler)
@@ -583,7 +588,7 @@ class PetctlElasticAgent(LocalElasticAgent):
                 change, can_sync = self._membership_change()
                 if change:
                     log.info("re-rendezvous: %s", change)
-                    if can_sync and enabled("SYNC_RESTART") and self._workers_progressed():
+                    if can_sync and self.settings.enabled("SYNC_RESTART") and self._workers_progressed():
                         self._rdzv_reason = change
                         done = self._coordinated_stop(wg, self.sync_timeout)
                         if done is not None:
@@ -648,9 +653,10 @@ class PetctlElasticAgent(LocalElasticAgent):
         if ours is not None:
             default = ours.cfg.ttl + 1.5
         else:
-            cfg = rendezvous_config(self.join_timeout)
+            cfg = rendezvous_config(self.join_timeout, self.settings)
             default = cfg.get("keep_alive_interval", 5) * cfg.get("keep_alive_max_attempt", 3) + 2
-        deadline = time.monotonic() + env_float("PETCTL_AGENT_FAILURE_GRACE", default)
+        grace = self.settings.failure_grace
+        deadline = time.monotonic() + (default if grace is None else grace)
         while True:
             change, _ = self._membership_change()
             if change:
@@ -696,7 +702,7 @@ class PetctlElasticAgent(LocalElasticAgent):
         try:
             waiting = handler.num_nodes_waiting()
         except Exception as e:  # noqa: BLE001
-            if not enabled("ETCD_OUTAGE"):
+            if not self.settings.enabled("ETCD_OUTAGE"):
                 raise  # torch: the exception escapes _invoke_run and the agent dies
             # The workers do not need etcd while they train: keep them running
             # through an etcd restart instead of failing the whole job.
@@ -710,7 +716,7 @@ class PetctlElasticAgent(LocalElasticAgent):
         if waiting > 0:
             return f"{waiting} node(s) waiting to join", True
         h = _dynamic(handler)
-        if h is None or not enabled("MEMBERSHIP_WATCH"):
+        if h is None or not self.settings.enabled("MEMBERSHIP_WATCH"):
             return None, False
         # torch only looks at the wait list; a participant that died or left is
         # noticed only when our workers' collectives fail -- which can take the
@@ -782,7 +788,7 @@ class PetctlElasticAgent(LocalElasticAgent):
         if not self._uses_helper():
             # nothing on this node ever reported progress: a plain script, or helper
             # workers that have not reached their first step yet. Give them a moment.
-            probe_end = min(deadline, t0 + env_float("PETCTL_AGENT_DRAIN_PROBE", 5))
+            probe_end = min(deadline, t0 + self.settings.drain_probe)
             while time.monotonic() < probe_end and result.state == WorkerState.HEALTHY:
                 if self._uses_helper():
                     break

@@ -1,8 +1,7 @@
-"""Minimal IMDSv2 client (stdlib only, short timeouts). Base URL from ``PETCTL_IMDS_URL``."""
+"""Minimal IMDSv2 client (stdlib only, short timeouts). The agent passes its base URL (``PETCTL_IMDS_URL``)."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import urllib.error
@@ -18,8 +17,10 @@ class Imds:
     it from a watcher thread without crashing the agent).
     """
 
-    def __init__(self, base_url: str | None = None, timeout: float = 2.0, token_ttl: int = 21600) -> None:
-        self.base_url = (base_url or os.environ.get("PETCTL_IMDS_URL") or DEFAULT_IMDS_URL).rstrip("/")
+    def __init__(
+        self, base_url: str = DEFAULT_IMDS_URL, timeout: float = 2.0, token_ttl: int = 21600
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.token_ttl = token_ttl
         self._token: str | None = None

@@ -21,6 +21,7 @@ from typing import Any
 from petctl_agent import aws
 from petctl_agent.fetch import load_spec
 from petctl_agent.imds import Imds
+from petctl_agent.settings import Settings
 from petctl_agent.spec import JobSpec, SpecError, checkpoint_dir, rdzv_backend
 from petctl_agent.status import StatusPublisher, make_writer
 
@@ -117,11 +118,12 @@ def wait_for_dir(path: Path, timeout: float, what: str) -> None:
 class Agent:
     """One node's agent: owns the status publisher, the watcher and the torch agent."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, settings: Settings, imds: Imds) -> None:
         self.args = args
-        self.imds = Imds()
-        self.paths = Paths(Path(os.environ.get("PETCTL_AGENT_DIR", "/var/lib/petctl")))
-        self.efs = Path(os.environ.get("PETCTL_EFS_MOUNT", "/mnt/efs")).absolute()
+        self.settings = settings
+        self.imds = imds
+        self.paths = Paths(settings.agent_dir)
+        self.efs = settings.efs_mount
         self.instance_id = self.imds.meta("instance-id") or socket.gethostname()
         self.local_addr = args.local_addr or self.imds.meta("local-ipv4") or "127.0.0.1"
         self.spec: JobSpec | None = None
@@ -184,7 +186,7 @@ class Agent:
         """
         time.sleep(2)
         if self.elastic is not None:
-            fallback = float(os.environ.get("PETCTL_AGENT_LEAVE_FALLBACK", "30"))
+            fallback = self.settings.leave_fallback
             deadline = time.monotonic() + fallback
             while time.monotonic() < deadline:
                 if getattr(self.elastic, "phase", "init") in ("running", "draining", "done"):
@@ -213,7 +215,7 @@ class Agent:
 
     def watch_imds(self) -> None:
         """Poll IMDS every ~1 s for a scale-in (lifecycle) or spot interruption notice."""
-        interval = float(os.environ.get("PETCTL_AGENT_IMDS_POLL", "1"))
+        interval = self.settings.imds_poll
         while not self._stop.wait(interval):
             state = self.imds.get("meta-data/autoscaling/target-lifecycle-state")
             if state and state.strip() == "Terminated":
@@ -236,7 +238,7 @@ class Agent:
         if spec is None or not spec.lifecycle_hook or not spec.worker_group:
             return
         deadline = time.monotonic() + wait
-        interval = float(os.environ.get("PETCTL_AGENT_IMDS_POLL", "1"))
+        interval = self.settings.imds_poll
         while True:
             state = self.imds.get("meta-data/autoscaling/target-lifecycle-state")
             if self.lifecycle_pending or (state and state.strip() == "Terminated"):
@@ -313,14 +315,14 @@ class Agent:
             spec.job_name,
             self.instance_id,
             self.local_addr,
-            interval=float(os.environ.get("PETCTL_AGENT_STATUS_INTERVAL", "5")),
+            interval=self.settings.status_interval,
             refresh=self._refresh,
         )
         pub.start()
         pub.event("agent_started", local_addr=self.local_addr, pid=os.getpid())
         try:
             try:
-                self.backend = rdzv_backend(spec.rdzv_backend)
+                self.backend = rdzv_backend(spec.rdzv_backend, self.settings.rdzv_backend)
             except ValueError as e:
                 raise SpecError(str(e)) from None
             pub.update(rdzv_backend=self.backend)
@@ -360,7 +362,7 @@ class Agent:
         endpoint = self._rdzv_endpoint(spec)
         self.paths.root.mkdir(parents=True, exist_ok=True)
         script = fetch_code(spec, self.paths.code)
-        wait_for_dir(self.efs, float(os.environ.get("PETCTL_AGENT_EFS_WAIT", "300")), "shared filesystem")
+        wait_for_dir(self.efs, self.settings.efs_wait, "shared filesystem")
         ckpt_dir = (
             self.efs / spec.checkpoint_dir
             if spec.checkpoint_dir
@@ -378,7 +380,6 @@ class Agent:
 
         from petctl_agent.elastic import PetctlElasticAgent, create_rdzv_handler
         from petctl_agent.logship import CloudWatchShipper, LogTailer, stdout_sink
-        from petctl_agent.workarounds import enabled
 
         nproc = spec.resolved_nproc()
         backend = self.backend
@@ -392,10 +393,11 @@ class Agent:
             spec.join_timeout,
             backend=backend,
             expected_nodes=CapacityHint(self.capacity) if spec.worker_group else None,
+            settings=self.settings,
         )
         entrypoint: Any = sys.executable
         start_method = "spawn"
-        if enabled("FORKSERVER"):
+        if self.settings.enabled("FORKSERVER"):
             # torch launches every worker as a fresh interpreter that re-imports
             # torch (+ torch._dynamo via torch.optim): 15-30 s per start on a loaded
             # 2-core box. Warm a forkserver that imported them once, *before* this
@@ -408,7 +410,7 @@ class Agent:
             pub.event("workers_ready", seconds=round(secs, 3))
             entrypoint, start_method = run_script, "forkserver"
             entry_args: tuple[str, ...] = (str(script), *spec.args)
-        elif enabled("PDEATHSIG"):
+        elif self.settings.enabled("PDEATHSIG"):
             entry_args = ("-c", _PDEATHSIG_SHIM, str(script), *spec.args)
         else:
             entry_args = ("-u", str(script), *spec.args)
@@ -438,13 +440,14 @@ class Agent:
             min_nodes=spec.min_nodes,
             start_method=start_method,
             step_info=self._refresh,
+            settings=self.settings,
         )
         if self.leave_reason:  # arrived while we were setting up
             agent.request_leave(self.leave_reason)
 
         sinks = [stdout_sink(self.instance_id)]
         shipper = None
-        if spec.log_group and os.environ.get("PETCTL_AGENT_NO_CLOUDWATCH", "") != "1":
+        if spec.log_group and self.settings.cloudwatch:
             shipper = CloudWatchShipper(
                 spec.log_group,
                 f"{spec.job_name}/{self.instance_id}",
@@ -494,7 +497,7 @@ class Agent:
         if agent.outcome == "drained":
             self.finish_leave()
             return 0
-        lifecycle_wait = float(os.environ.get("PETCTL_AGENT_LIFECYCLE_WAIT", "120"))
+        lifecycle_wait = self.settings.lifecycle_wait
         if agent.outcome == "succeeded":
             (ckpt_dir / SUCCESS_MARKER).touch()
             try:
@@ -534,7 +537,6 @@ class Agent:
     ) -> None:
         """Worker env = agent env + torchrun's vars (set by torch) + these."""
         from petctl_agent.elastic import torch_workaround
-        from petctl_agent.workarounds import enabled
 
         env = os.environ
         env.update(spec.env)
@@ -559,13 +561,13 @@ class Agent:
         # (torch 2.5-2.8 ignore this variable and install theirs anyway: the agent puts
         # its own back after every worker start, PetctlElasticAgent._restore_signal_handlers.)
         env.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGHUP,SIGQUIT")
-        if torch_workaround("SPLIT_STORE", backend):
+        if torch_workaround("SPLIT_STORE", backend, self.settings):
             # etcd-v2 + shared agent TCPStore: a node joining a running job waits
             # forever for MASTER_ADDR of the new round (DESIGN §4). Workers get
             # their own store on rank 0's node instead. (petctl-etcd never shares
             # an agent store: the round record carries MASTER_ADDR/PORT.)
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        if enabled("IDENTICAL_RANKS"):
+        if self.settings.enabled("IDENTICAL_RANKS"):
             # homogeneous nodes: ranks = group_rank * nproc + local_rank, computed
             # locally instead of rank 0 collecting every node's role info through
             # the store (another place a lost node blocks the store timeout).
@@ -603,20 +605,19 @@ def _install_signal_handlers(agent: Agent) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point of ``petctl-agent``."""
     args = _parse(argv)
+    settings = Settings.from_env()
     logging.basicConfig(
-        level=os.environ.get("PETCTL_AGENT_LOG_LEVEL", "INFO"),
+        level=settings.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    logging.getLogger("torch.distributed.elastic").setLevel(
-        os.environ.get("PETCTL_AGENT_TORCH_LOG", "WARNING")
-    )
+    logging.getLogger("torch.distributed.elastic").setLevel(settings.torch_log)
     for noisy in ("botocore", "boto3", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from petctl_agent.elastic import quiet_worker_exit_tracebacks
 
     quiet_worker_exit_tracebacks()
-    agent = Agent(args)
+    agent = Agent(args, settings, Imds(settings.imds_url))
     _install_signal_handlers(agent)
     try:
         rc = agent.run()

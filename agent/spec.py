@@ -8,7 +8,6 @@ Loading a spec from S3 is :func:`petctl_agent.fetch.load_spec`.
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -161,10 +160,10 @@ class JobSpec:
             return 1
 
 
-def rdzv_backend(spec_backend: str = "") -> str:
-    """The rendezvous backend to use: ``$PETCTL_AGENT_RDZV_BACKEND``, else the spec's
-    ``rdzv_backend``, else petctl-etcd. Raises ValueError for an unknown name."""
-    name = os.environ.get("PETCTL_AGENT_RDZV_BACKEND", "") or spec_backend or RDZV_BACKENDS[0]
+def rdzv_backend(spec_backend: str = "", override: str = "") -> str:
+    """The rendezvous backend to use: ``override`` (the agent's ``$PETCTL_AGENT_RDZV_BACKEND``),
+    else the spec's ``rdzv_backend``, else petctl-etcd. Raises ValueError for an unknown name."""
+    name = override or spec_backend or RDZV_BACKENDS[0]
     if name not in RDZV_BACKENDS:
         raise ValueError(f"rendezvous backend {name!r} is not one of {', '.join(RDZV_BACKENDS)}")
     return name

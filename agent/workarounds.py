@@ -6,7 +6,7 @@ Each workaround is on by default and has an off-switch ``PETCTL_AGENT_NO_<NAME>=
 
 from __future__ import annotations
 
-import os
+from collections.abc import Mapping
 
 WORKAROUNDS = {
     "SPLIT_STORE": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: etcd-v2 newcomer hangs on the shared agent TCP store",
@@ -25,15 +25,8 @@ WORKAROUNDS = {
 }
 
 
-def enabled(name: str) -> bool:
-    """True unless ``PETCTL_AGENT_NO_<name>=1``."""
+def switched_off(name: str, env: Mapping[str, str]) -> bool:
+    """``PETCTL_AGENT_NO_<name>`` is 1/true/yes in ``env``."""
     if name not in WORKAROUNDS:
         raise KeyError(name)
-    return os.environ.get(f"PETCTL_AGENT_NO_{name}", "") not in ("1", "true", "yes")
-
-
-def env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        return default
+    return env.get(f"PETCTL_AGENT_NO_{name}", "") in ("1", "true", "yes")

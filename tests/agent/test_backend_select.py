@@ -12,7 +12,9 @@ import pytest
 
 from petctl_agent import torch_compat
 from petctl_agent.elastic import _NoAgentTraceback, torch_workaround
+from petctl_agent.imds import Imds
 from petctl_agent.main import CapacityHint
+from petctl_agent.settings import Settings
 from petctl_agent.spec import JobSpec, SpecError, rdzv_backend
 from petctl_agent.status import EVENT_KINDS
 
@@ -28,10 +30,10 @@ def test_spec_rdzv_backend_defaults_validates_and_env_overrides(monkeypatch: pyt
         JobSpec.from_dict({**BASE, "rdzv_backend": "c10d"})
     assert rdzv_backend("etcd-v2") == "etcd-v2"
     monkeypatch.setenv("PETCTL_AGENT_RDZV_BACKEND", "etcd")
-    assert rdzv_backend("etcd-v2") == "etcd"
+    assert rdzv_backend("etcd-v2", Settings.from_env().rdzv_backend) == "etcd"
     monkeypatch.setenv("PETCTL_AGENT_RDZV_BACKEND", "nope")
     with pytest.raises(ValueError, match="'nope'"):
-        rdzv_backend()
+        rdzv_backend("", Settings.from_env().rdzv_backend)
 
 
 def test_torch_workarounds_apply_to_torch_backends_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -39,7 +41,7 @@ def test_torch_workarounds_apply_to_torch_backends_only(monkeypatch: pytest.Monk
         assert not torch_workaround(name, "petctl-etcd")
         assert torch_workaround(name, "etcd-v2")
     monkeypatch.setenv("PETCTL_AGENT_NO_SPLIT_STORE", "1")
-    assert not torch_workaround("SPLIT_STORE", "etcd-v2")
+    assert not torch_workaround("SPLIT_STORE", "etcd-v2", Settings.from_env())
 
 
 def test_internals_check_needs_only_what_the_backend_uses() -> None:
@@ -96,8 +98,10 @@ def test_status_progress_and_new_event_kinds(tmp_path: Path, monkeypatch: pytest
     for kind in ("workers_ready", "rdzv_unreachable", "rdzv_recovered"):
         assert kind in EVENT_KINDS
     monkeypatch.setenv("PETCTL_AGENT_DIR", str(tmp_path / "agent"))
-    monkeypatch.setenv("PETCTL_IMDS_URL", "http://127.0.0.1:9")
-    agent = main.Agent(main._parse(["run", "--local-addr", "127.0.0.1"]))
+    settings = Settings.from_env()
+    agent = main.Agent(
+        main._parse(["run", "--local-addr", "127.0.0.1"]), settings, Imds("http://127.0.0.1:9")
+    )
     agent.paths.root.mkdir(parents=True)
     for step in (1, 1, 2, 3):
         agent.paths.progress.write_text(json.dumps({"step": step, "world_size": 2, "t": 100.0 + step}))

@@ -22,6 +22,8 @@ from petctl_agent.elastic import (
     keep_waiting,
 )
 from petctl_agent.harness import FakeImds
+from petctl_agent.imds import Imds
+from petctl_agent.settings import Settings
 from petctl_agent.spec import JobSpec, SpecError
 from petctl_agent.torch_compat import REQUIRED, Member, check, missing_members, version_mismatch
 
@@ -130,9 +132,11 @@ def test_our_sigterm_handler_is_put_back_after_torch_replaces_it() -> None:
 def _agent_with_spec(monkeypatch, imds_url: str, calls: list):
     import petctl_agent.main as agent_main
 
-    monkeypatch.setenv("PETCTL_IMDS_URL", imds_url)
-    monkeypatch.setenv("PETCTL_AGENT_IMDS_POLL", "0.1")
-    agent = agent_main.Agent(SimpleNamespace(local_addr="127.0.0.1", spec=None, rdzv_endpoint=None))
+    agent = agent_main.Agent(
+        SimpleNamespace(local_addr="127.0.0.1", spec=None, rdzv_endpoint=None),
+        Settings(imds_poll=0.1),
+        Imds(imds_url),
+    )
     agent.spec = JobSpec.from_dict(
         {**BASE, "worker_group": "petctl-j-1-workers", "lifecycle_hook": "petctl-drain"}
     )
