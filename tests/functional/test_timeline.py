@@ -7,14 +7,11 @@ import json
 import subprocess
 import sys
 import time
-import xml.etree.ElementTree as ET
-from html.parser import HTMLParser
 from pathlib import Path
 
 import boto3
 import pytest
-
-SVG = "{http://www.w3.org/2000/svg}"
+from timeline_fixtures import Agent, check_page, event_kinds
 
 
 @pytest.fixture
@@ -28,112 +25,49 @@ def job(run, ready) -> list[str]:
     return sorted(i["InstanceId"] for i in group["AutoScalingGroups"][0]["Instances"])
 
 
+COORDINATED = "coordinated checkpoint (peer drain/scale)"
+
+
 def put_reports(ids: list[str], t0: float, finished: bool = False) -> None:
     """As agents would write them: node `gone` and ids[0] start (world 2), ids[1] joins (world 3),
     `gone` is scaled in and drains (world 2); optionally the job then succeeds."""
     a, b = ids
-
-    def ev(t, kind, **d):
-        return {"t": t0 + t, "kind": kind, **d}
-
-    gone = [
-        ev(0, "agent_started"),
-        ev(1, "rendezvous_start", reason="initial", round=None),
-        ev(6, "rendezvous_done", round=0, world_size=2, nodes=2),
-        ev(7, "workers_started", round=0, world_size=2),
-        ev(101, "rendezvous_start", reason="coordinated checkpoint (peer drain/scale)", round=0),
-        ev(106, "rendezvous_done", round=1, world_size=3, nodes=3),
-        ev(108, "workers_started", round=1, world_size=3),
-        ev(200, "drain_requested", reason="autoscaling target-lifecycle-state=Terminated", round=1),
-        ev(204, "drained", clean=True, round=1),
-    ]
-    first = [
-        ev(0.5, "agent_started"),
-        ev(2, "rendezvous_start", reason="initial", round=None),
-        ev(6, "rendezvous_done", round=0, world_size=2, nodes=2),
-        ev(8, "workers_started", round=0, world_size=2),
-        ev(100, "rendezvous_start", reason="1 node(s) waiting to join", round=0),
-        ev(106, "rendezvous_done", round=1, world_size=3, nodes=3),
-        ev(109, "workers_started", round=1, world_size=3),
-        ev(203, "rendezvous_start", reason="coordinated checkpoint (peer drain/scale)", round=1),
-        ev(207, "rendezvous_done", round=2, world_size=2, nodes=2),
-        ev(208, "workers_started", round=2, world_size=2),
-    ]
-    joiner = [
-        ev(80, "agent_started"),
-        ev(95, "rendezvous_start", reason="initial", round=None),
-        ev(106, "rendezvous_done", round=1, world_size=3, nodes=3),
-        ev(110, "workers_started", round=1, world_size=3),
-        ev(203, "rendezvous_start", reason="coordinated checkpoint (peer drain/scale)", round=1),
-        ev(207, "rendezvous_done", round=2, world_size=2, nodes=2),
-        ev(209, "workers_started", round=2, world_size=2),
-    ]
+    gone = (
+        Agent(t0, "i-0gone", "10.0.0.9")
+        .ev(0, "agent_started")
+        .rendezvous(1, 6, 7, rnd=0, world=2)
+        .rendezvous(101, 106, 108, rnd=1, world=3, reason=COORDINATED, left=0)
+        .ev(200, "drain_requested", reason="autoscaling target-lifecycle-state=Terminated", round=1)
+        .ev(204, "drained", clean=True, round=1)
+    )
+    first = (
+        Agent(t0, a, "10.0.0.1")
+        .ev(0.5, "agent_started")
+        .rendezvous(2, 6, 8, rnd=0, world=2)
+        .rendezvous(100, 106, 109, rnd=1, world=3, reason="1 node(s) waiting to join", left=0)
+        .rendezvous(203, 207, 208, rnd=2, world=2, reason=COORDINATED, left=1)
+    )
+    joiner = (
+        Agent(t0, b, "10.0.0.2")
+        .ev(80, "agent_started")
+        .rendezvous(95, 106, 110, rnd=1, world=3)
+        .rendezvous(203, 207, 209, rnd=2, world=2, reason=COORDINATED, left=1)
+    )
     end = 260.0
     if finished:
-        first.append(ev(end, "succeeded", last_step=700))
-        joiner.append(ev(end + 0.5, "succeeded", last_step=700))
+        first.ev(end, "succeeded", last_step=700)
+        joiner.ev(end + 0.5, "succeeded", last_step=700)
     state = "SUCCEEDED" if finished else "RUNNING"
     docs = [
-        ("i-0gone", "10.0.0.9", "LEFT", 205, 300, gone),
-        (a, "10.0.0.1", state, end + 1, 700, first),
-        (b, "10.0.0.2", state, end + 1, 700, joiner),
+        gone.doc("LEFT", 205, 300, current_round=2),
+        first.doc(state, end + 1, 700, current_round=2),
+        joiner.doc(state, end + 1, 700, current_round=2),
     ]
     s3 = boto3.client("s3")
     bucket = [x["Name"] for x in s3.list_buckets()["Buckets"]][0]
-    for iid, ip, st, updated, step, events in docs:
-        report = {
-            "version": 1,
-            "job_name": "demo",
-            "instance_id": iid,
-            "private_ip": ip,
-            "state": st,
-            "world_size": 2,
-            "round": 2,
-            "restarts": 0,
-            "last_step": step,
-            "last_checkpoint_step": step,
-            "reason": None,
-            "updated_at": t0 + updated,
-            "events": events,
-        }
-        s3.put_object(
-            Bucket=bucket, Key=f"petctl/jobs/demo/status/{iid}.json", Body=json.dumps(report).encode()
-        )
-
-
-class Tables(HTMLParser):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tables: dict[str, list[list[str]]] = {}
-        self.external: list[str] = []
-        self._t: str | None = None
-        self._row: list[str] | None = None
-        self._cell: list[str] | None = None
-
-    def handle_starttag(self, tag, attrs):
-        a = dict(attrs)
-        self.external += [a[k] for k in ("src", "href") if a.get(k)]
-        if tag in ("script", "link", "img", "iframe"):
-            self.external.append(tag)
-        if tag == "table":
-            self._t = a.get("id")
-            self.tables[self._t] = []
-        elif tag == "tr" and self._t:
-            self._row = []
-        elif tag in ("td", "th") and self._row is not None:
-            self._cell = []
-
-    def handle_endtag(self, tag):
-        if tag in ("td", "th") and self._cell is not None:
-            self._row.append("".join(self._cell).strip())
-            self._cell = None
-        elif tag == "tr" and self._row is not None:
-            self.tables[self._t].append(self._row)
-            self._row = None
-
-    def handle_data(self, d):
-        if self._cell is not None:
-            self._cell.append(d)
+    for report in docs:
+        key = f"petctl/jobs/demo/status/{report['instance_id']}.json"
+        s3.put_object(Bucket=bucket, Key=key, Body=json.dumps(report).encode())
 
 
 def test_timeline_of_a_running_job_text_json_html(run, job, tmp_path):
@@ -177,22 +111,14 @@ def test_timeline_of_a_running_job_text_json_html(run, job, tmp_path):
     r = run("--output", "json", "timeline", "demo", "--html", str(page))
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["html"] == str(page)
-    doc = page.read_text(encoding="utf-8")
-    p = Tables()
-    p.feed(doc)
-    assert p.external == []
-    rounds = p.tables["rounds"]
-    assert [(row[0], row[2], row[4], row[5]) for row in rounds[1:]] == [
+    # self-contained, one shaded stall per round, the rounds table
+    p, svg = check_page(page.read_text(encoding="utf-8"), [7.0, 10.0, 9.0], ["start", "join", "drain"])
+    assert [(row[0], row[2], row[4], row[5]) for row in p.tables["rounds"][1:]] == [
         ("0", "2", "start", "7.0"),
         ("1", "3", "join", "10.0"),
         ("2", "2", "drain", "9.0"),
     ]
-    svg = ET.fromstring(doc[doc.index("<svg") : doc.index("</svg>") + 6])
-    assert svg.get("id") == "timeline-chart"
-    stalls = sorted(float(x.get("data-seconds")) for x in svg.iter(f"{SVG}rect") if x.get("class") == "stall")
-    assert stalls == [7.0, 9.0, 10.0]
-    kinds = [g.get("data-kind") for g in svg.iter(f"{SVG}g") if g.get("class") == "event"]
-    assert kinds == ["start", "join", "drain"]
+    assert event_kinds(svg) == ["start", "join", "drain"]
 
     r = run("timeline", "demo", "--html", str(page))
     assert r.exit_code == 0 and r.stdout.rstrip().endswith(f"page: {page}")

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import json
-import xml.etree.ElementTree as ET
-from html.parser import HTMLParser
 
 import pytest
+from timeline_fixtures import SVG, Agent, check_page, event_kinds, parse_page
 
 from petctl import timeline
 
 T = 1_700_000_000.0
-SVG = "{http://www.w3.org/2000/svg}"
 
 
 def ev(t: float, kind: str, **data) -> dict:
     return {"t": T + t, "kind": kind, **data}
+
+
+COORDINATED = "coordinated checkpoint (peer drain/scale)"
+MOVED = "rendezvous round moved on (3 -> 0)"
+SCALED_IN = "autoscaling target-lifecycle-state=Terminated"
+FAILED = "workers failed (exit codes [1]) after a membership change: participant(s) left: b"
 
 
 def scenario() -> dict:
@@ -24,84 +28,43 @@ def scenario() -> dict:
 
     Per-agent documents as agents write them; ``status()`` merges their events in time order.
     """
-    a = [
-        ev(0, "agent_started"),
-        ev(1, "rendezvous_start", reason="initial", round=None),
-        ev(6, "rendezvous_done", round=0, world_size=2, nodes=2, started=T + 1),
-        ev(7.4, "workers_started", round=0, world_size=2),
-        ev(80, "rendezvous_start", reason="1 node(s) waiting to join", round=0),
-        ev(88, "rendezvous_done", round=1, world_size=3, nodes=3),
-        ev(90, "workers_started", round=1, world_size=3),
-        ev(140, "drain_requested", reason="autoscaling target-lifecycle-state=Terminated", round=1),
-        ev(146, "drained", clean=True, round=1),
-    ]
-    b = [
-        ev(0.5, "agent_started"),
-        ev(1.5, "rendezvous_start", reason="initial", round=None),
-        ev(6, "rendezvous_done", round=0, world_size=2, nodes=2),
-        ev(8, "workers_started", round=0, world_size=2),
-        ev(81, "rendezvous_start", reason="coordinated checkpoint (peer drain/scale)", round=0),
-        ev(88, "rendezvous_done", round=1, world_size=3, nodes=3),
-        ev(91, "workers_started", round=1, world_size=3),
-        ev(145, "rendezvous_start", reason="coordinated checkpoint (peer drain/scale)", round=1),
-        ev(150, "rendezvous_done", round=2, world_size=2, nodes=2),
-        ev(151, "workers_started", round=2, world_size=2),
-    ]
-    c = [
-        ev(60, "agent_started"),
-        ev(70, "rendezvous_start", reason="initial", round=None),
-        ev(88, "rendezvous_done", round=1, world_size=3, nodes=3),
-        ev(92, "workers_started", round=1, world_size=3),
-        ev(145.5, "rendezvous_start", reason="coordinated checkpoint (peer drain/scale)", round=1),
-        ev(150, "rendezvous_done", round=2, world_size=2, nodes=2),
-        ev(152, "workers_started", round=2, world_size=2),
-        ev(203, "workers_failed", round=2, exit_codes=[1]),
-        ev(
-            210,
-            "rendezvous_start",
-            reason="workers failed (exit codes [1]) after a membership change: participant(s) left: b",
-            round=2,
-        ),
-        ev(228, "rendezvous_done", round=3, world_size=2, nodes=2),
-        ev(229, "workers_started", round=3, world_size=2),
-        ev(262, "rendezvous_start", reason="rendezvous round moved on (3 -> 0)", round=3),
-        ev(268, "rendezvous_done", round=0, world_size=2, nodes=2),
-        ev(269, "workers_started", round=0, world_size=2),
-        ev(330, "succeeded", last_step=900),
-    ]
-    d = [
-        ev(215, "agent_started"),
-        ev(225, "rendezvous_start", reason="initial", round=None),
-        ev(228, "rendezvous_done", round=3, world_size=2, nodes=2),
-        ev(230, "workers_started", round=3, world_size=2),
-        ev(263, "rendezvous_start", reason="rendezvous round moved on (3 -> 0)", round=3),
-        ev(268, "rendezvous_done", round=0, world_size=2, nodes=2),
-        ev(270, "workers_started", round=0, world_size=2),
-        ev(330.5, "succeeded", last_step=900),
-    ]
-
-    def doc(iid, ip, state, updated, step, events, reason=None):
-        return {
-            "version": 1,
-            "job_name": "demo",
-            "instance_id": iid,
-            "private_ip": ip,
-            "state": state,
-            "world_size": 2,
-            "round": 0,
-            "restarts": 0,
-            "last_step": step,
-            "last_checkpoint_step": step,
-            "reason": reason,
-            "updated_at": T + updated,
-            "events": events,
-        }
-
+    a = (
+        Agent(T, "i-a", "10.0.0.1")
+        .ev(0, "agent_started")
+        .rendezvous(1, 6, 7.4, rnd=0, world=2, started=T + 1)
+        .rendezvous(80, 88, 90, rnd=1, world=3, reason="1 node(s) waiting to join", left=0)
+        .ev(140, "drain_requested", reason=SCALED_IN, round=1)
+        .ev(146, "drained", clean=True, round=1)
+    )
+    b = (
+        Agent(T, "i-b", "10.0.0.2")
+        .ev(0.5, "agent_started")
+        .rendezvous(1.5, 6, 8, rnd=0, world=2)
+        .rendezvous(81, 88, 91, rnd=1, world=3, reason=COORDINATED, left=0)
+        .rendezvous(145, 150, 151, rnd=2, world=2, reason=COORDINATED, left=1)
+    )
+    c = (
+        Agent(T, "i-c", "10.0.0.3")
+        .ev(60, "agent_started")
+        .rendezvous(70, 88, 92, rnd=1, world=3)
+        .rendezvous(145.5, 150, 152, rnd=2, world=2, reason=COORDINATED, left=1)
+        .ev(203, "workers_failed", round=2, exit_codes=[1])
+        .rendezvous(210, 228, 229, rnd=3, world=2, reason=FAILED, left=2)
+        .rendezvous(262, 268, 269, rnd=0, world=2, reason=MOVED, left=3)
+        .ev(330, "succeeded", last_step=900)
+    )
+    d = (
+        Agent(T, "i-d", "10.0.0.4")
+        .ev(215, "agent_started")
+        .rendezvous(225, 228, 230, rnd=3, world=2)
+        .rendezvous(263, 268, 270, rnd=0, world=2, reason=MOVED, left=3)
+        .ev(330.5, "succeeded", last_step=900)
+    )
     agents = [
-        doc("i-a", "10.0.0.1", "LEFT", 147, 384, a, reason="autoscaling target-lifecycle-state=Terminated"),
-        doc("i-b", "10.0.0.2", "RUNNING", 198, 450, b),  # hard-killed: its last report stays behind
-        doc("i-c", "10.0.0.3", "SUCCEEDED", 331, 900, c),
-        doc("i-d", "10.0.0.4", "SUCCEEDED", 331.5, 900, d),
+        a.doc("LEFT", 147, 384, reason=SCALED_IN),
+        b.doc("RUNNING", 198, 450),  # hard-killed: its last report stays behind
+        c.doc("SUCCEEDED", 331, 900),
+        d.doc("SUCCEEDED", 331.5, 900),
     ]
     events = sorted(
         ({**e, "instance_id": x["instance_id"]} for x in agents for e in x["events"]), key=lambda e: e["t"]
@@ -283,74 +246,12 @@ def test_text_chart(data):
     ascii_text.encode("ascii")
 
 
-class Page(HTMLParser):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tables: dict[str, list[list[str]]] = {}
-        self.external: list[str] = []
-        self._table: str | None = None
-        self._row: list[str] | None = None
-        self._cell: list[str] | None = None
-        self.svg_start: int | None = None
-
-    def handle_starttag(self, tag, attrs):
-        a = dict(attrs)
-        for key in ("src", "href"):
-            if a.get(key):
-                self.external.append(a[key])
-        if tag in ("script", "link", "img", "iframe"):
-            self.external.append(tag)
-        if tag == "table":
-            self._table = a.get("id")
-            self.tables[self._table] = []
-        elif tag == "tr" and self._table:
-            self._row = []
-        elif tag in ("td", "th") and self._row is not None:
-            self._cell = []
-
-    def handle_endtag(self, tag):
-        if tag in ("td", "th") and self._cell is not None:
-            self._row.append("".join(self._cell).strip())
-            self._cell = None
-        elif tag == "tr" and self._row is not None:
-            self.tables[self._table].append(self._row)
-            self._row = None
-        elif tag == "table":
-            self._table = None
-
-    def handle_data(self, d):
-        if self._cell is not None:
-            self._cell.append(d)
-
-
-def parse_page(page: str) -> tuple[Page, ET.Element]:
-    p = Page()
-    p.feed(page)
-    svg = page[page.index("<svg") : page.index("</svg>") + len("</svg>")]
-    return p, ET.fromstring(svg)
-
-
-def check_page(page: str, stalls: list[float], causes: list[str]) -> None:
-    """Shared with the functional test: the page is self-contained, has the chart and the rounds."""
-    p, svg = parse_page(page)
-    assert p.external == []
-    assert svg.tag == f"{SVG}svg" and svg.get("id") == "timeline-chart"
-    assert svg.find(f".//{SVG}polyline[@class='world']") is not None
-    rows = p.tables["rounds"]
-    assert rows[0][:6] == ["round", "ready at (s)", "world size", "nodes", "cause", "stall (s)"]
-    assert [float(r[5]) for r in rows[1:]] == stalls
-    assert [r[4] for r in rows[1:]] == causes
-    drawn = sorted(float(r.get("data-seconds")) for r in svg.iter(f"{SVG}rect") if r.get("class") == "stall")
-    assert drawn == sorted(s for s in stalls if s > 0)
-
-
 def test_html_page(data):
     page = timeline.render_html(data)
-    check_page(page, [7.0, 12.0, 12.0, 32.0, 8.0], ["start", "join", "drain", "loss, join", "etcd_restart"])
-    p, svg = parse_page(page)
+    causes = ["start", "join", "drain", "loss, join", "etcd_restart"]
+    p, svg = check_page(page, [7.0, 12.0, 12.0, 32.0, 8.0], causes)
     assert [r[2] for r in p.tables["rounds"][1:]] == ["2", "3", "2", "2", "2"]
-    kinds = [g.get("data-kind") for g in svg.iter(f"{SVG}g") if g.get("class") == "event"]
-    assert kinds == ["start", "join", "drain", "loss", "join", "etcd_restart", "finish"]
+    assert event_kinds(svg) == ["start", "join", "drain", "loss", "join", "etcd_restart", "finish"]
     rates = [g for g in svg.iter(f"{SVG}g") if g.get("class") == "rate"]
     assert [float(g.get("data-steps-per-s")) for g in rates] == [
         pytest.approx(66 / 46, abs=1e-3),
