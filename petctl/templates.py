@@ -138,6 +138,7 @@ def render_job(
     instance_types: int = 1,
     own_roles: bool = True,
     bucket_kms: bool = False,
+    warm_pool: bool = False,
 ) -> str:
     """Render the job stack template (``petctl run_job``).
 
@@ -155,6 +156,10 @@ def render_job(
             (profiles recorded with ``petctl configure``).
         bucket_kms: the bucket encrypts with a customer KMS key (``BucketKmsKeyArn``): the job's
             roles get kms:Decrypt/GenerateDataKey on it, through S3 only (with ``own_roles``).
+        warm_pool: an Auto Scaling warm pool of ``WarmPoolSize`` stopped, pre-booted workers (adds
+            that parameter), with the launch hook ``petctl-launch`` that holds each instance until
+            its boot is done. AWS refuses a warm pool on a group with a mixed instances policy, so
+            neither ``spot`` nor ``instance_types`` > 1 go with it.
 
     Returns:
         The CloudFormation template as YAML text; see :func:`job_parameters` for its parameters.
@@ -164,6 +169,7 @@ def render_job(
     _check_bool("ami_override", ami_override)
     _check_bool("own_roles", own_roles)
     _check_bool("bucket_kms", bucket_kms)
+    _check_bool("warm_pool", warm_pool)
     if bucket_kms and not own_roles:
         raise ValueError("bucket_kms needs own_roles: existing instance profiles are the user's to grant")
     if (
@@ -174,6 +180,11 @@ def render_job(
         raise ValueError(
             f"instance_types={instance_types!r}: use 1 to 20 (the Auto Scaling limit on overrides)"
         )
+    if warm_pool and (spot or instance_types > 1):
+        raise ValueError(
+            "a warm pool cannot go with spot or several instance types: AWS accepts no warm pool on an "
+            "Auto Scaling group with a mixed instances policy; drop --warm-pool, or use one on-demand type"
+        )
     return _render(
         JOB_TEMPLATE,
         gpu=gpu,
@@ -182,6 +193,7 @@ def render_job(
         instance_types=instance_types,
         own_roles=own_roles,
         bucket_kms=bucket_kms,
+        warm_pool=warm_pool,
         cpu_ami_parameter=CPU_AMI_PARAMETER,
         gpu_ami_parameter=GPU_AMI_PARAMETER,
     )
@@ -318,10 +330,10 @@ def _job_parameter_names() -> tuple[frozenset[str], frozenset[str]]:
     """Known parameter names over every job template variant, and those required by all of them."""
     known: set[str] = set()
     required: set[str] | None = None
-    for gpu, spot, ami_override, types, own_roles, kms in itertools.product(
-        (False, True), (False, True), (False, True), (1, 2), (True, False), (False, True)
+    for gpu, spot, ami_override, types, own_roles, kms, warm in itertools.product(
+        (False, True), (False, True), (False, True), (1, 2), (True, False), (False, True), (False, True)
     ):
-        if kms and not own_roles:
+        if (kms and not own_roles) or (warm and (spot or types > 1)):
             continue
         names, needed = template_parameters(
             render_job(
@@ -331,6 +343,7 @@ def _job_parameter_names() -> tuple[frozenset[str], frozenset[str]]:
                 instance_types=types,
                 own_roles=own_roles,
                 bucket_kms=kms,
+                warm_pool=warm,
             )
         )
         known |= names

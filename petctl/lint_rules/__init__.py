@@ -7,7 +7,7 @@ file by path, so the rule modules are self-contained and this package does not i
     from cfnlint.config import ManualArgs
     lint(text, config=ManualArgs(regions=["us-east-1"], append_rules=[str(RULES_DIR)]))
 
-Rule ids: E9101-E9108 (the E9xxx range is unused by cfn-lint's built-in rules).
+Rule ids: E9101-E9110 (the E9xxx range is unused by cfn-lint's built-in rules).
 """
 
 from pathlib import Path
@@ -15,4 +15,4 @@ from pathlib import Path
 RULES_DIR = Path(__file__).resolve().parent
 
 #: ids of the rules defined in this directory.
-RULE_IDS = ("E9101", "E9102", "E9103", "E9104", "E9105", "E9106", "E9107", "E9108")
+RULE_IDS = ("E9101", "E9102", "E9103", "E9104", "E9105", "E9106", "E9107", "E9108", "E9109", "E9110")

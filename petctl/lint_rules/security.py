@@ -326,3 +326,109 @@ class S3WritesScopedToTheJob(CloudFormationLintRule):
                             )
                         )
         return matches
+
+
+#: etcd flags a TLS-only server needs: https client URLs and client certificates signed by the job's CA.
+_ETCD_TLS_FLAGS = ("--client-cert-auth", "--trusted-ca-file", "--cert-file", "--key-file")
+_URL_FLAG = re.compile(r"--(listen|advertise)-client-urls[ =]+(\S+)")
+
+
+class EtcdServesTlsOnly(CloudFormationLintRule):
+    id = "E9109"
+    shortdesc = "etcd serves its clients over TLS with client certificates"
+    description = (
+        "Every launch template whose user data starts etcd (--listen-client-urls) serves and advertises "
+        "https:// client URLs only, with --client-cert-auth, --trusted-ca-file, --cert-file and --key-file."
+    )
+    source_url = "https://etcd.io/docs/v3.5/op-guide/security/"
+    tags = ["petctl", "security", "etcd", "tls"]
+
+    def match(self, cfn: Template) -> list[RuleMatch]:
+        matches = []
+        for name, resource in cfn.get_resources(["AWS::EC2::LaunchTemplate"]).items():
+            data = _properties(resource).get("LaunchTemplateData")
+            user_data = data.get("UserData") if isinstance(data, dict) else None
+            path = ["Resources", name, "Properties", "LaunchTemplateData", "UserData"]
+            for text in _strings(user_data):
+                for line in text.splitlines():
+                    urls = [u for m in _URL_FLAG.finditer(line) for u in m.group(2).split(",")]
+                    if not urls:
+                        continue
+                    plain = [u for u in urls if not u.startswith("https://")]
+                    if plain:
+                        matches.append(
+                            RuleMatch(
+                                path, f"{name}: etcd serves client URLs without TLS: {', '.join(plain)}"
+                            )
+                        )
+                    missing = [f for f in _ETCD_TLS_FLAGS if not re.search(re.escape(f) + r"(\s|=|$)", line)]
+                    if missing:
+                        matches.append(
+                            RuleMatch(
+                                path, f"{name}: etcd runs without {', '.join(missing)} (client certificates)"
+                            )
+                        )
+        return matches
+
+
+#: Object reads (identity policies) that would fetch a job's keys.
+_READ_ACTIONS = ("s3:getobject", "s3:getobjectversion")
+#: The job's secret keys under petctl/jobs/<job>/tls/ (petctl/tls.py).
+_TLS_KEYS = ("ca.key", "client.key")
+
+
+class TlsKeysReadExactly(CloudFormationLintRule):
+    id = "E9110"
+    shortdesc = "A job's TLS keys are readable only by name, and never both by one role"
+    description = (
+        "An identity policy may read petctl/jobs/${JobName}/tls/ca.key or tls/client.key only through a "
+        "resource naming that object exactly (no wildcard that sweeps them in, such as "
+        "petctl/jobs/${JobName}/*), and no policy reads both: the CA key signs servers, the client key "
+        "is a client's, and a role holding both could pose as the job's etcd."
+    )
+    source_url = "https://docs.aws.amazon.com/IAM/latest/UserGuide/best-practices.html#grant-least-privilege"
+    tags = ["petctl", "security", "iam", "s3", "tls"]
+
+    @staticmethod
+    def _reads(actions: Any) -> bool:
+        if any(not isinstance(a, str) for a in _as_list(actions)):
+            return True
+        patterns = [a.lower() for a in _as_list(actions)]
+        return any(fnmatch.fnmatchcase(read, p) for p in patterns for read in _READ_ACTIONS)
+
+    @staticmethod
+    def _key_pattern(resource: Any) -> str | None:
+        """The object-key part of an S3 ARN (``None``: not readable as one)."""
+        if isinstance(resource, dict) and list(resource) == ["Fn::Sub"]:
+            resource = resource["Fn::Sub"]
+        if not isinstance(resource, str):
+            return None
+        if resource == "*":
+            return "*"
+        _, sep, rest = resource.partition(":::")
+        return rest.partition("/")[2] if sep else ""
+
+    def match(self, cfn: Template) -> list[RuleMatch]:
+        matches = []
+        for path, document in _policy_documents(cfn):
+            statements = document.get("Statement") if isinstance(document, dict) else None
+            exact: set[str] = set()
+            for index, statement in enumerate(_as_list(statements)):
+                if not isinstance(statement, dict) or statement.get("Effect") != "Allow":
+                    continue
+                if not self._reads(statement.get("Action", [])) and "NotAction" not in statement:
+                    continue
+                where = [*path, "Statement", index, "Resource"]
+                for resource in _as_list(statement.get("Resource", "*")):
+                    pattern = self._key_pattern(resource)
+                    for key in _TLS_KEYS:
+                        probe = f"petctl/jobs/${{JobName}}/tls/{key}"
+                        if pattern == probe:
+                            exact.add(key)
+                        elif pattern is None or fnmatch.fnmatchcase(probe, pattern):
+                            matches.append(
+                                RuleMatch(where, f"{path[1]} reads tls/{key} through a wildcard: {resource}")
+                            )
+            if len(exact) == len(_TLS_KEYS):
+                matches.append(RuleMatch(path, f"{path[1]} reads both the job's CA key and its client key"))
+        return matches

@@ -17,7 +17,7 @@ from cfnlint.config import ManualArgs
 from cfnlint.core import get_rules
 from cfnlint.decode import cfn_yaml
 
-from petctl import templates
+from petctl import templates, tls
 from petctl.lint_rules import RULE_IDS, RULES_DIR
 
 INFRA_VARIANTS = [
@@ -34,6 +34,9 @@ JOB_VARIANTS = [
     # profiles recorded with `configure` that give existing instance profiles: no roles in the stack
     {"gpu": False, "spot": False, "ami_override": False, "own_roles": False},
     {"gpu": True, "spot": True, "ami_override": True, "instance_types": 2, "own_roles": False},
+    # a warm pool of stopped, pre-booted workers (run_job --warm-pool N)
+    {"gpu": False, "spot": False, "ami_override": False, "warm_pool": True},
+    {"gpu": True, "spot": False, "ami_override": True, "warm_pool": True, "own_roles": False},
 ]
 FIVE_TAGS = ("petctl:job", "petctl:user", "petctl:role", "petctl:spec", "petctl:rdzv")
 
@@ -127,6 +130,7 @@ def test_strict_undefined_rejects_missing_context():
         lambda: templates.render_infra(az_count="2"),
         lambda: templates.render_infra(create_efs="yes"),
         lambda: templates.render_job(gpu=1),
+        lambda: templates.render_job(warm_pool=1),
     ],
 )
 def test_render_rejects_bad_flags(call):
@@ -332,9 +336,18 @@ def test_job_roles_are_least_privilege_across_jobs():
     worker = _policy_statements(t, "WorkerRole")
     assert worker["ReadJobInputs"]["Action"] == "s3:GetObject"
     assert _subs(worker["ReadJobInputs"]["Resource"]) == [
-        S3 + "/petctl/jobs/${JobName}/*",
+        S3 + "/petctl/jobs/${JobName}/job.json",
+        S3 + "/petctl/jobs/${JobName}/code/*",
+        S3 + "/petctl/jobs/${JobName}/dist/*",
         S3 + "/petctl/uploads/*",
     ]
+    # etcd TLS: a worker reads the CA certificate and the client pair, never the CA key
+    assert worker["ReadEtcdClientCertificate"]["Action"] == "s3:GetObject"
+    assert _subs(worker["ReadEtcdClientCertificate"]["Resource"]) == [
+        S3 + "/petctl/jobs/${JobName}/tls/" + name for name in tls.WORKER_OBJECTS
+    ]
+    reads = [r for st in worker.values() if st["Action"] == "s3:GetObject" for r in _subs(st["Resource"])]
+    assert not [r for r in reads if "/tls/" in r and not r.endswith(tls.WORKER_OBJECTS)]
     assert worker["WriteJobReports"]["Action"] == "s3:PutObject"
     assert _subs(worker["WriteJobReports"]["Resource"]) == [
         S3 + "/petctl/jobs/${JobName}/status/*",
@@ -374,7 +387,13 @@ def test_job_roles_are_least_privilege_across_jobs():
     }
     assert rdzv["PublishBootLog"]["Action"] == "s3:PutObject"
     assert _subs(rdzv["PublishBootLog"]["Resource"]) == [S3 + "/petctl/jobs/${JobName}/boot/*"]
-    assert not any("s3:GetObject" in str(s["Action"]) for s in rdzv.values())  # reads nothing
+    # reads the job's CA only (it signs etcd's server certificate at boot), never the client key
+    assert [sid for sid, st in rdzv.items() if "s3:GetObject" in str(st["Action"])] == ["ReadEtcdCa"]
+    assert _subs(rdzv["ReadEtcdCa"]["Resource"]) == [
+        S3 + "/petctl/jobs/${JobName}/tls/" + name for name in tls.RDZV_OBJECTS
+    ]
+    for role in (worker, rdzv):  # no role writes tls/ (E9108 holds writes to status/ and boot/)
+        assert not [st for st in role.values() if "Put" in str(st["Action"]) and "/tls/" in str(st)]
     assert _subs(rdzv["ReplaceSelf"]["Resource"]) == [ASG + "petctl-${JobName}-rdzv"]
     assert rdzv["ReplaceSelf"]["Action"] == "autoscaling:SetInstanceHealth"
     assert _subs(rdzv["StopJob"]["Resource"]) == both_groups
@@ -567,7 +586,9 @@ def test_several_instance_types_become_launch_template_overrides(spot):
 
 @pytest.mark.parametrize("flags", JOB_VARIANTS, ids=_id)
 def test_drain_lifecycle_hook(flags):
-    (hook,) = resources_of_type(job(**flags), "AWS::AutoScaling::LifecycleHook").values()
+    hooks = resources_of_type(job(**flags), "AWS::AutoScaling::LifecycleHook")
+    assert set(hooks) == ({"DrainHook", "LaunchHook"} if flags.get("warm_pool") else {"DrainHook"})
+    hook = hooks["DrainHook"]
     assert hook["Properties"] == {
         "LifecycleHookName": "petctl-drain",
         "AutoScalingGroupName": {"Ref": "WorkerGroup"},
@@ -575,6 +596,67 @@ def test_drain_lifecycle_hook(flags):
         "DefaultResult": "CONTINUE",
         "HeartbeatTimeout": {"Ref": "DrainTimeout"},
     }
+
+
+def test_warm_pool_of_stopped_workers_held_until_booted():
+    """AWS: a warm pool sits on a group with a plain launch template (no mixed instances policy),
+    its size is absolute only with MinSize = MaxGroupPreparedCapacity, and an instance is stopped
+    as soon as it has launched unless a launch hook holds it until its boot is done."""
+    assert (
+        not resources_of_type(job(), "AWS::AutoScaling::WarmPool")
+        and "WarmPoolSize" not in job()["Parameters"]
+    )
+    t = job(warm_pool=True)
+    ((name, pool),) = resources_of_type(t, "AWS::AutoScaling::WarmPool").items()
+    assert pool["DependsOn"] == "LaunchHook"  # every pool instance is held by the hook
+    assert pool["Properties"] == {
+        "AutoScalingGroupName": {"Ref": "WorkerGroup"},
+        "MinSize": {"Ref": "WarmPoolSize"},
+        "MaxGroupPreparedCapacity": {"Ref": "WarmPoolSize"},
+        "PoolState": "Stopped",
+        "InstanceReusePolicy": {"ReuseOnScaleIn": False},
+    }
+    assert (
+        t["Parameters"]["WarmPoolSize"]["Type"] == "Number"
+        and t["Parameters"]["WarmPoolSize"]["MinValue"] == 1
+    )
+    group = t["Resources"]["WorkerGroup"]["Properties"]
+    assert "MixedInstancesPolicy" not in group and "CapacityRebalance" not in group
+    assert group["LaunchTemplate"]["LaunchTemplateId"] == {"Ref": "WorkerLaunchTemplate"}
+    launch = t["Resources"]["LaunchHook"]["Properties"]
+    assert launch == {
+        "LifecycleHookName": "petctl-launch",
+        "AutoScalingGroupName": {"Ref": "WorkerGroup"},
+        "LifecycleTransition": "autoscaling:EC2_INSTANCE_LAUNCHING",
+        "DefaultResult": "CONTINUE",
+        "HeartbeatTimeout": 900,
+    }
+    # the boot completes the launch action once the agent's unit is enabled, abandons it on failure
+    script = _user_data(
+        {"gpu": False, "spot": False, "ami_override": False, "warm_pool": True}, "WorkerLaunchTemplate"
+    )
+    lines = [line.strip() for line in script.splitlines()]
+    assert "LAUNCH_HOOK=petctl-launch" in lines
+    done = '--lifecycle-hook-name "$LAUNCH_HOOK" --instance-id "$INSTANCE_ID" --lifecycle-action-result CONTINUE ||'
+    assert lines.index(done) > lines.index("boot_event agent_started")
+    assert (
+        '--lifecycle-hook-name "$LAUNCH_HOOK" --instance-id "$INSTANCE_ID" --lifecycle-action-result ABANDON'
+        in lines
+    )
+    # user data never runs again when a pool instance starts: the mount and the agent come back at boot
+    assert "${EfsId}:/ /mnt/efs efs _netdev,tls,noresvport 0 0" in script
+    assert "systemctl enable --now petctl-agent.service" in lines
+    plain = _user_data({"gpu": False, "spot": False, "ami_override": False}, "WorkerLaunchTemplate")
+    assert "LAUNCH_HOOK=" in plain and "--lifecycle-action-result CONTINUE" not in plain
+    assert 'LAUNCH_HOOK=""' in _user_data(
+        {"gpu": False, "spot": False, "ami_override": False}, "RdzvLaunchTemplate"
+    )
+
+
+@pytest.mark.parametrize("kwargs", [{"spot": True}, {"instance_types": 2}])
+def test_warm_pool_refused_with_a_mixed_instances_policy(kwargs):
+    with pytest.raises(ValueError, match="mixed instances policy"):
+        templates.render_job(warm_pool=True, **kwargs)
 
 
 def test_rendezvous_eni_is_in_the_rdzv_subnet_with_the_instance_group():
@@ -637,9 +719,20 @@ def test_worker_boot_script(flags):
         "TimeoutStopSec=$((${DrainTimeout} + 30))",
         "RequiresMountsFor=/mnt/efs",
         "Environment=PETCTL_EFS_MOUNT=/mnt/efs",
+        "Environment=PETCTL_ETCD_CACERT=/etc/petctl/tls/ca.pem",
+        "Environment=PETCTL_ETCD_CERT=/etc/petctl/tls/client.pem",
+        "Environment=PETCTL_ETCD_KEY=/etc/petctl/tls/client.key",
     ):
         assert line in unit.splitlines(), line
+    assert ("Environment=PETCTL_LAUNCH_HOOK=petctl-launch" in unit.splitlines()) is flags.get(
+        "warm_pool", False
+    )
     assert "systemctl enable --now petctl-agent.service" in script
+    fetch = (
+        'retry aws s3 cp --region "$REGION" --only-show-errors "$JOB_URL/tls/$name" "/etc/petctl/tls/$name"'
+    )
+    assert fetch in script and "for name in ca.pem client.pem client.key; do" in script
+    assert script.index(fetch) < script.index("boot_event deps_installed")
 
 
 BOOT_FAILURE_LINES = (
@@ -730,7 +823,20 @@ def test_rdzv_boot_script():
     assert "until attach_eni; do" in script  # retried while the old instance still holds it
     exec_start = next(line for line in script.splitlines() if line.startswith("ExecStart="))
     assert "--enable-v2" in exec_start
-    assert "--listen-client-urls http://$ENI_IP:2379" in exec_start
+    # TLS only, client certificates from the job's CA (docs/contracts.md, etcd TLS)
+    assert "--listen-client-urls https://$ENI_IP:2379,https://127.0.0.1:2379" in exec_start
+    assert "--advertise-client-urls https://$ENI_IP:2379 " in exec_start
+    for flag in (
+        "--cert-file $TLS/server.pem",
+        "--key-file $TLS/server.key",
+        "--client-cert-auth",
+        "--trusted-ca-file $TLS/ca.pem",
+    ):
+        assert flag in exec_start
+    assert "http://" not in exec_start.replace("http://127.0.0.1:2380", "")  # peers: loopback only
+    lines = script.splitlines()
+    assert lines.index("rm -f $TLS/ca.key") < lines.index("systemctl enable --now petctl-etcd.service")
+    assert lines.index("retry etcd_health") < lines.index("boot_event etcd_started")
     assert "ENI_IP=${RdzvEni.PrimaryPrivateIpAddress}" in script
     assert "systemctl enable --now petctl-etcd.service" in script
     assert 'fail "rendezvous ENI $ENI_ID is still attached elsewhere after 15 minutes"' in script
@@ -876,6 +982,7 @@ def test_job_parameters_cover_every_required_template_parameter():
         extra |= {"OnDemandBaseCapacity"} if flags["spot"] else set()
         extra |= {"InstanceTypes"} if flags.get("instance_types", 1) > 1 else set()
         extra |= {"BucketKmsKeyArn"} if flags.get("bucket_kms") else set()
+        extra |= {"WarmPoolSize"} if flags.get("warm_pool") else set()
         if flags.get("own_roles", True):
             assert required == set(JOB_VALUES) | extra
         else:  # existing instance profiles instead of the log group the job's own roles write to
@@ -986,6 +1093,40 @@ BAD_SNIPPETS = {
                       Action: s3:GetObject
                       Resource: "*"
         """,
+    "E9109": """
+        Lt:
+          Type: AWS::EC2::LaunchTemplate
+          Properties:
+            LaunchTemplateData:
+              MetadataOptions: {HttpTokens: required}
+              UserData:
+                Fn::Base64: !Sub |
+                  #!/bin/bash
+                  etcd --listen-client-urls http://${Ip}:2379,https://127.0.0.1:2379 --advertise-client-urls https://${Ip}:2379 --cert-file s.pem --key-file s.key --client-cert-auth --trusted-ca-file ca.pem
+                  etcd --listen-client-urls https://${Ip}:2379 --advertise-client-urls https://${Ip}:2379 --cert-file s.pem --key-file s.key
+        """,
+    "E9110": """
+        R:
+          Type: AWS::IAM::Role
+          Properties:
+            AssumeRolePolicyDocument:
+              Version: '2012-10-17'
+              Statement:
+                - {Effect: Allow, Principal: {Service: ec2.amazonaws.com}, Action: sts:AssumeRole}
+            Policies:
+              - PolicyName: p
+                PolicyDocument:
+                  Version: '2012-10-17'
+                  Statement:
+                    - Effect: Allow
+                      Action: s3:Get*
+                      Resource: !Sub arn:${AWS::Partition}:s3:::bucket/petctl/jobs/${JobName}/*
+                    - Effect: Allow
+                      Action: s3:GetObject
+                      Resource:
+                        - !Sub arn:${AWS::Partition}:s3:::bucket/petctl/jobs/${JobName}/tls/ca.key
+                        - !Sub arn:${AWS::Partition}:s3:::bucket/petctl/jobs/${JobName}/tls/client.key
+        """,
 }
 
 
@@ -994,7 +1135,9 @@ def test_security_rule_fires_on_a_bad_snippet(rule_id, rules):
     ids = [m.rule.id for m in run_lint(_template(BAD_SNIPPETS[rule_id]), rules)]
     assert rule_id in ids
     # two ingress rules; two bucket defects; three write statements outside one job's reports
-    expected = {"E9102": 2, "E9104": 2, "E9108": 3}.get(rule_id, 1)
+    # an http URL and a launch without client certificates; a wildcard over both keys, and one
+    # policy reading both
+    expected = {"E9102": 2, "E9104": 2, "E9108": 3, "E9109": 2, "E9110": 3}.get(rule_id, 1)
     assert ids.count(rule_id) == expected
 
 
