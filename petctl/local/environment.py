@@ -34,3 +34,6 @@ LOCAL_ENV_UNSET: tuple[str, ...] = (
 )
 
 CONTROL_TOKEN_HEADER = "X-Petctl-Control-Token"
+
+#: moto's default account: the local cloud's account id.
+ACCOUNT_ID = "123456789012"

@@ -27,7 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
-from petctl.local.environment import CONTROL_TOKEN_HEADER
+from petctl.local.environment import ACCOUNT_ID, CONTROL_TOKEN_HEADER
 
 if TYPE_CHECKING:
     from petctl.local.instance import Instance
@@ -37,7 +37,6 @@ log = logging.getLogger("petctl.local.imds")
 TOKEN_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
 SYSTEMD_TOKEN_HEADER = "X-Petctl-Systemd-Token"
-ACCOUNT_ID = "123456789012"  # moto's default account
 
 
 class Instances(Protocol):

@@ -25,6 +25,10 @@
    at a device index the instance already uses. moto keeps the interface attached to the
    terminated instance (a replacement rendezvous instance could never take it over) and attaches
    anything anywhere.
+7. **Warm pools**: moto keeps a warm pool's settings only; :mod:`petctl.local.moto_warm_pool`
+   gives it instances, AWS's sizing and lifecycle states, and CloudFormation support.
+
+Each patch wraps one moto method with :func:`petctl.local.patching.wrap`.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from petctl.local import moto_warm_pool
+from petctl.local.patching import wrap
 
 _claims: dict[str, int] = {}  # ip -> fd holding its flock
 _claims_lock = threading.Lock()
@@ -87,11 +94,8 @@ def _patch_log_stream_prefix() -> None:
     from moto.logs.exceptions import InvalidParameterException
     from moto.logs.responses import LogsResponse
 
-    if getattr(LogsResponse, "_petctl_prefix_patched", False):
-        return
-    original = LogsResponse.filter_log_events
-
-    def filter_log_events(self: Any) -> str:
+    @wrap(LogsResponse, "filter_log_events")
+    def filter_log_events(original: Callable[[Any], str], self: Any) -> str:
         prefix = self._get_param("logStreamNamePrefix")
         if not prefix:
             return original(self)
@@ -116,19 +120,20 @@ def _patch_log_stream_prefix() -> None:
         )
         return json.dumps({"events": events, "nextToken": next_token, "searchedLogStreams": searched})
 
-    LogsResponse.filter_log_events = filter_log_events  # type: ignore[method-assign]
-    LogsResponse._petctl_prefix_patched = True  # type: ignore[attr-defined]
-
 
 def _patch_efs_mount_targets() -> None:
     from moto.efs.exceptions import BadRequest, MountTargetConflict
     from moto.efs.models import EFSBackend
 
-    if getattr(EFSBackend, "_petctl_mt_patched", False):
-        return
-    original = EFSBackend.create_mount_target
-
-    def create_mount_target(self: Any, file_system_id: str, subnet_id: str, *args: Any, **kwargs: Any) -> Any:
+    @wrap(EFSBackend, "create_mount_target")
+    def create_mount_target(
+        original: Callable[..., Any],
+        self: Any,
+        file_system_id: str,
+        subnet_id: str,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         fs = self.file_systems_by_id.get(file_system_id)
         try:
             subnet = self.ec2_backend.get_subnet(subnet_id)
@@ -153,19 +158,13 @@ def _patch_efs_mount_targets() -> None:
                 )
         return original(self, file_system_id, subnet_id, *args, **kwargs)
 
-    EFSBackend.create_mount_target = create_mount_target  # type: ignore[method-assign]
-    EFSBackend._petctl_mt_patched = True  # type: ignore[attr-defined]
-
 
 def _patch_put_log_events_limits() -> None:
     from moto.logs.exceptions import InvalidParameterException
     from moto.logs.responses import LogsResponse
 
-    if getattr(LogsResponse, "_petctl_limits_patched", False):
-        return
-    original = LogsResponse.put_log_events
-
-    def put_log_events(self: Any) -> str:
+    @wrap(LogsResponse, "put_log_events")
+    def put_log_events(original: Callable[[Any], str], self: Any) -> str:
         events = self._get_param("logEvents") or []
         if len(events) > 10_000:
             raise InvalidParameterException(f"Too many log events in the batch: {len(events)} (max 10000)")
@@ -178,30 +177,26 @@ def _patch_put_log_events_limits() -> None:
             raise InvalidParameterException(f"Upload too large: {sum(sizes)} bytes exceeds 1048576 bytes")
         return original(self)
 
-    LogsResponse.put_log_events = put_log_events  # type: ignore[method-assign]
-    LogsResponse._petctl_limits_patched = True  # type: ignore[attr-defined]
-
 
 def _patch_network_interfaces() -> None:
     from moto.ec2.exceptions import EC2ClientError
     from moto.ec2.models.elastic_network_interfaces import NetworkInterfaceBackend
     from moto.ec2.models.instances import Instance
 
-    if getattr(Instance, "_petctl_eni_patched", False):
-        return
-    original_terminate = Instance.terminate
-    original_attach = NetworkInterfaceBackend.attach_network_interface
-
-    def terminate(self: Any) -> Any:
+    @wrap(Instance, "terminate")
+    def terminate(original: Callable[[Any], Any], self: Any) -> Any:
         # Secondary interfaces only: the primary one (device 0) is the instance's own.
         kept = [nic for idx, nic in self.nics.items() if int(idx) != 0 and not nic.delete_on_termination]
-        result = original_terminate(self)
+        result = original(self)
         for nic in kept:
             if nic.instance is self:
                 self.detach_eni(nic)
         return result
 
-    def attach_network_interface(self: Any, eni_id: str, instance_id: str, device_index: int) -> Any:
+    @wrap(NetworkInterfaceBackend, "attach_network_interface")
+    def attach_network_interface(
+        original: Callable[..., Any], self: Any, eni_id: str, instance_id: str, device_index: int
+    ) -> Any:
         eni = self.get_network_interface(eni_id)
         instance = self.get_instance(instance_id)
         if eni.instance is not None:
@@ -211,49 +206,34 @@ def _patch_network_interfaces() -> None:
                 "InvalidParameterValue",
                 f"Instance '{instance_id}' already has an interface attached at device index '{device_index}'.",
             )
-        return original_attach(self, eni_id, instance_id, device_index)
-
-    Instance.terminate = terminate  # type: ignore[method-assign]
-    NetworkInterfaceBackend.attach_network_interface = attach_network_interface  # type: ignore[method-assign]
-    Instance._petctl_eni_patched = True  # type: ignore[attr-defined]
+        return original(self, eni_id, instance_id, device_index)
 
 
-def apply() -> None:
-    """Install the patches (idempotent)."""
-    _patch_network_interfaces()
-    _patch_put_log_events_limits()
-    _patch_log_stream_prefix()
-    _patch_efs_mount_targets()
-    from moto.autoscaling.exceptions import ValidationError
-    from moto.autoscaling.responses import AutoScalingResponse
-    from moto.core.responses import EmptyResult
+def _patch_private_ips() -> None:
     from moto.ec2.models import elastic_network_interfaces as eni_mod
     from moto.ec2.models.subnets import Subnet
 
-    if getattr(Subnet, "_petctl_patched", False):
-        return
-
-    original_get = Subnet.get_available_subnet_ip
-
-    def get_available_subnet_ip(self: Any, instance: Any) -> str:
+    @wrap(Subnet, "get_available_subnet_ip")
+    def get_available_subnet_ip(original: Callable[..., str], self: Any, instance: Any) -> str:
         ip = _random_host(str(self.cidr), lambda a: a in self._subnet_ips)
         if ip is None:
-            return original_get(self, instance)
+            return original(self, instance)
         self._subnet_ips[ip] = instance
         return ip
 
-    original_random = eni_mod.random_private_ip
-
-    def random_private_ip(cidr: str | None = None, ipv6: bool = False) -> str:
+    @wrap(eni_mod, "random_private_ip")
+    def random_private_ip(original: Callable[..., str], cidr: str | None = None, ipv6: bool = False) -> str:
         if cidr and not ipv6:
             ip = _random_host(cidr, lambda a: False)
             if ip:
                 return ip
-        return original_random(cidr, ipv6)
+        return original(cidr, ipv6)
 
-    Subnet.get_available_subnet_ip = get_available_subnet_ip  # type: ignore[method-assign]
-    eni_mod.random_private_ip = random_private_ip  # type: ignore[assignment]
-    Subnet._petctl_patched = True  # type: ignore[attr-defined]
+
+def _patch_lifecycle_actions() -> None:
+    from moto.autoscaling.exceptions import ValidationError
+    from moto.autoscaling.responses import AutoScalingResponse
+    from moto.core.responses import EmptyResult
 
     def _lifecycle(self: Any, action: str) -> Any:
         params = {
@@ -270,3 +250,14 @@ def apply() -> None:
 
     AutoScalingResponse.complete_lifecycle_action = lambda self: _lifecycle(self, "complete")  # type: ignore[attr-defined]
     AutoScalingResponse.record_lifecycle_action_heartbeat = lambda self: _lifecycle(self, "heartbeat")  # type: ignore[attr-defined]
+
+
+def apply() -> None:
+    """Install the patches (idempotent)."""
+    _patch_private_ips()
+    _patch_lifecycle_actions()
+    _patch_network_interfaces()
+    _patch_put_log_events_limits()
+    _patch_log_stream_prefix()
+    _patch_efs_mount_targets()
+    moto_warm_pool.apply()
