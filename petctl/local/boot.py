@@ -45,12 +45,15 @@ MAPPED_DIRS = ("etc", "mnt", "opt", "var", "run", "srv")
 #: Created in every root (what the AMI has).
 SKELETON = ("etc/systemd/system", "mnt", "opt", "var/lib", "var/log", "run", "srv", "tmp", "root")
 #: Host programs a boot script may run besides the shims (text and file tools, nothing that
-#: changes the host outside the instance's paths on its own).
+#: changes the host outside the instance's paths on its own). ``openssl`` runs for real: the
+#: rendezvous boot makes etcd's server key and certificate with it (in the instance's mapped
+#: ``/etc/petctl/tls``), exactly as on Amazon Linux 2023.
 HOST_TOOLS = (
     "bash", "sh", "env", "cat", "tee", "date", "sleep", "mkdir", "rmdir", "basename", "dirname",
     "wc", "grep", "cut", "paste", "sed", "tr", "head", "tail", "sort", "uniq", "seq", "printf",
     "echo", "true", "false", "test", "ls", "cp", "mv", "ln", "rm", "touch", "chmod", "stat",
     "readlink", "realpath", "mktemp", "id", "uname", "hostname", "nproc", "xargs",
+    "openssl",
 )  # fmt: skip
 SHIMS = ("dnf", "mount", "systemctl", "aws", "curl", "ip", "python3.11")
 _PATH_RE = re.compile(r"(?<![^\s\"'=(:><,`;|&\[])/(" + "|".join(MAPPED_DIRS) + r")(?=/|$|[\s\"');|&`])")

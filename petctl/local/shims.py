@@ -429,6 +429,35 @@ def _aws_update_asg(rest: list[str], quiet: bool) -> None:
     _client("autoscaling").update_auto_scaling_group(**kwargs)
 
 
+def _aws_complete_lifecycle_action(rest: list[str], quiet: bool) -> None:
+    o = _opts(
+        rest,
+        {
+            "--auto-scaling-group-name": "value",
+            "--lifecycle-hook-name": "value",
+            "--instance-id": "value",
+            "--lifecycle-action-token": "value",
+            "--lifecycle-action-result": "value",
+        },
+    )
+    needed = ("--auto-scaling-group-name", "--lifecycle-hook-name", "--lifecycle-action-result")
+    if any(k not in o for k in needed) or not ("--instance-id" in o or "--lifecycle-action-token" in o):
+        raise Refused(
+            "complete-lifecycle-action needs --auto-scaling-group-name, --lifecycle-hook-name, "
+            "--lifecycle-action-result and --instance-id or --lifecycle-action-token"
+        )
+    if o["--lifecycle-action-result"] not in ("CONTINUE", "ABANDON"):
+        raise Refused(f"--lifecycle-action-result {o['--lifecycle-action-result']}: CONTINUE or ABANDON")
+    names = {
+        "--auto-scaling-group-name": "AutoScalingGroupName",
+        "--lifecycle-hook-name": "LifecycleHookName",
+        "--instance-id": "InstanceId",
+        "--lifecycle-action-token": "LifecycleActionToken",
+        "--lifecycle-action-result": "LifecycleActionResult",
+    }
+    _client("autoscaling").complete_lifecycle_action(**{names[k]: v for k, v in o.items()})
+
+
 def _aws_describe_enis(rest: list[str], quiet: bool) -> dict[str, Any]:
     o = _opts(rest, {"--network-interface-ids": "values"})
     if not o.get("--network-interface-ids"):
@@ -454,6 +483,7 @@ _AWS = {
     ("s3", "ls"): _aws_s3_ls,
     ("autoscaling", "set-instance-health"): _aws_set_instance_health,
     ("autoscaling", "update-auto-scaling-group"): _aws_update_asg,
+    ("autoscaling", "complete-lifecycle-action"): _aws_complete_lifecycle_action,
     ("ec2", "describe-network-interfaces"): _aws_describe_enis,
     ("ec2", "attach-network-interface"): _aws_attach_eni,
 }

@@ -4,6 +4,7 @@ model (exit 2, loudly), and the path/loopback rewrite touches exactly the instan
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,30 @@ def run_shim(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> s
         ["aws", "--region", "eu-west-1", "s3", "ls", "s3://b/"],
         ["aws", "ec2", "terminate-instances", "--instance-ids", "i-1"],
         ["aws", "autoscaling", "set-instance-health", "--instance-id", "i-1", "--health-status", "Dead"],
+        [
+            "aws",
+            "autoscaling",
+            "complete-lifecycle-action",
+            "--auto-scaling-group-name",
+            "g",
+            "--lifecycle-hook-name",
+            "h",
+            "--instance-id",
+            "i-1",
+            "--lifecycle-action-result",
+            "MAYBE",
+        ],
+        [
+            "aws",
+            "autoscaling",
+            "complete-lifecycle-action",
+            "--lifecycle-hook-name",
+            "h",
+            "--instance-id",
+            "i-1",
+            "--lifecycle-action-result",
+            "CONTINUE",
+        ],
         ["curl", "-sSf", "https://pypi.org/simple/"],  # nothing but IMDS
         ["curl", "-L", "http://169.254.169.254/latest/meta-data/"],
         ["ip", "addr"],
@@ -123,6 +148,7 @@ def test_rewrite_maps_instance_paths_and_loopback_only() -> None:
         "curl http://169.254.169.254/latest/ > /dev/null\n"
         "aws s3 cp s3://bucket/var/x /tmp/x; cat /usr/share/x /proc/1/stat\n"
         "--listen-peer-urls http://127.0.0.1:2380 --other 127.0.0.10 /optional /etcetera\n"
+        'printf subjectAltName=IP:$ENI_IP,IP:127.0.0.1 > "$TLS/server.ext"; TLS=/etc/petctl/tls\n'
     )
     out = boot.rewrite(script, root, loopback="127.0.5.6")
     assert out.splitlines() == [
@@ -135,6 +161,8 @@ def test_rewrite_maps_instance_paths_and_loopback_only() -> None:
         "curl http://169.254.169.254/latest/ > /dev/null",
         "aws s3 cp s3://bucket/var/x /tmp/x; cat /usr/share/x /proc/1/stat",
         "--listen-peer-urls http://127.0.5.6:2380 --other 127.0.0.10 /optional /etcetera",
+        # etcd's certificate names the address its loopback URL really has; its files stay in the root
+        'printf subjectAltName=IP:$ENI_IP,IP:127.0.5.6 > "$TLS/server.ext"; TLS=/s/instances/i-1/root/etc/petctl/tls',
     ]
     with pytest.raises(boot.BootError, match="quoting"):
         boot.rewrite(script, Path("/tmp/my dir/root"))
@@ -147,3 +175,12 @@ def test_rewrite_maps_instance_paths_and_loopback_only() -> None:
 def test_only_bash_user_data_boots(user_data: str, error: str) -> None:
     with pytest.raises(boot.BootError, match=error):
         boot.check_script(user_data)
+
+
+@pytest.mark.skipif(not shutil.which("openssl"), reason="openssl not installed")
+def test_openssl_runs_for_real_in_an_instance(tmp_path: Path) -> None:
+    """The rendezvous boot signs etcd's certificate with the host's openssl (as on Amazon Linux)."""
+    _, bin_dir, _ = boot.prepare(tmp_path / "i-1", "#!/bin/bash\ntrue\n")
+    assert (bin_dir / "openssl").resolve() == Path(shutil.which("openssl")).resolve()
+    res = subprocess.run(["openssl", "version"], env={"PATH": str(bin_dir)}, capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.startswith("OpenSSL")
