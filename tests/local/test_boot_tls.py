@@ -1,0 +1,134 @@
+"""etcd TLS through the real rendezvous boot script on the local cloud: a job stack rendered from
+cfn_templates (no workers), its CA made by petctl/tls.py and put where run_job puts it; the
+instance signs etcd's certificate with the host's openssl and serves https on its 127.x ENI
+address, to this job's client certificate only.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from localcloud_helpers import Cloud, wait_for
+
+from petctl import templates, tls
+
+BUCKET = "petctl-local-test"
+RDZV_EVENTS = ["launched", "deps_installed", "eni_attached", "etcd_started"]
+
+
+def _job_stack(cloud: Cloud, job: str) -> dict[str, Any]:
+    """The job stack as run_job creates it, with no workers, after uploading the job's TLS objects."""
+    net = cloud.network()
+    objects = tls.make_job_tls(job)
+    for name, data in objects.items():
+        cloud.s3.put_object(Bucket=BUCKET, Key=f"petctl/jobs/{job}/tls/{name}", Body=data)
+    spec = {
+        "version": 1,
+        "job_name": job,
+        "min_nodes": 1,
+        "max_nodes": 1,
+        "code_url": "s3://x/y",
+        "script": "y",
+    }
+    cloud.s3.put_object(Bucket=BUCKET, Key=f"petctl/jobs/{job}/job.json", Body=json.dumps(spec).encode())
+    sg = cloud.ec2.create_security_group(GroupName=f"sg-{job}", Description="base", VpcId=net["vpc"])[
+        "GroupId"
+    ]
+    params = templates.job_parameters(
+        JobName=job,
+        User="tester",
+        MinSize=0,
+        MaxSize=1,
+        DesiredCapacity=0,
+        SubnetIds=[net["subnet"]],
+        RdzvSubnetId=net["subnet"],
+        VpcId=net["vpc"],
+        SecurityGroupId=sg,
+        LogGroupName="/petctl/test",
+        EfsId=net["efs"],
+        BucketName=BUCKET,
+        SpecUrl=f"s3://{BUCKET}/petctl/jobs/{job}/job.json",
+        DistUrl=f"s3://{BUCKET}/petctl/jobs/{job}/dist/petctl-0-py3-none-any.whl",
+        TorchVersion="2.13.0",
+    )
+    import boto3
+
+    cfn = boto3.session.Session(
+        aws_access_key_id="petctl-local", aws_secret_access_key="petctl-local", region_name="us-east-1"
+    ).client("cloudformation", endpoint_url=cloud.url)
+    cfn.create_stack(
+        StackName=f"petctl-job-{job}",
+        TemplateBody=templates.render_job(),
+        Parameters=params,
+        Capabilities=["CAPABILITY_IAM"],
+    )
+    return objects
+
+
+def _get(url: str, context: ssl.SSLContext | None = None) -> str:
+    with urllib.request.urlopen(url, context=context, timeout=5) as resp:
+        return resp.read().decode()
+
+
+def test_rdzv_boot_serves_etcd_over_tls_to_the_jobs_clients_only(cloud: Cloud, tmp_path: Path) -> None:
+    job = "boot-tls"
+    objects = _job_stack(cloud, job)
+
+    def booted() -> Any:
+        assert not [r for i in cloud.instances(job) for r in i["refused"]]
+        rdzv = cloud.instances(job, "rdzv")
+        return rdzv and rdzv[0]["boot"]["state"] in ("done", "failed") and rdzv[0]
+
+    rdzv = wait_for(booted, timeout=120, what="the rendezvous boot", poll=1)
+    log = Path(rdzv["log"]).read_text()
+    assert rdzv["boot"]["state"] == "done", log[-3000:]
+    assert '{"health":"true"' in log  # the boot's own check, over TLS with its client certificate
+    events = json.loads(
+        cloud.s3.get_object(Bucket=BUCKET, Key=f"petctl/jobs/{job}/boot/events/{rdzv['instance_id']}.json")[
+            "Body"
+        ].read()
+    )
+    assert [e["kind"] for e in events["events"]] == RDZV_EVENTS
+
+    # The CA key is gone from the instance; what is left is root-only.
+    d = Path(rdzv["root"]) / "etc" / "petctl" / "tls"
+    assert sorted(p.name for p in d.iterdir()) == [
+        "ca.pem",
+        "check.key",
+        "check.pem",
+        "server.key",
+        "server.pem",
+    ]
+    assert d.stat().st_mode & 0o777 == 0o700 and all(p.stat().st_mode & 0o777 == 0o600 for p in d.iterdir())
+
+    # A worker of this job (its CA, its client certificate) reads and writes v2 keys on the ENI.
+    for name, data in objects.items():
+        (tmp_path / name).write_bytes(data)
+    ip = rdzv["bind_ip"]
+    worker = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+    worker.load_cert_chain(tmp_path / "client.pem", tmp_path / "client.key")
+    base = f"https://{ip}:2379"
+    req = urllib.request.Request(f"{base}/v2/keys/petctl-tls", data=b"value=ok", method="PUT")
+    with urllib.request.urlopen(req, context=worker, timeout=5) as resp:
+        assert resp.status in (200, 201)
+    assert json.loads(_get(f"{base}/v2/keys/petctl-tls", worker))["node"]["value"] == "ok"
+
+    # Plain http, TLS without a client certificate, and another job's certificate are all refused.
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        _get(f"http://{ip}:2379/v2/keys/petctl-tls")
+    anonymous = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+    with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+        _get(f"{base}/v2/keys/petctl-tls", anonymous)
+    other = tls.make_job_tls("someone-else")
+    for name, data in other.items():
+        (tmp_path / f"other-{name}").write_bytes(data)
+    stranger = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+    stranger.load_cert_chain(tmp_path / "other-client.pem", tmp_path / "other-client.key")
+    with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+        _get(f"{base}/v2/keys/petctl-tls", stranger)
