@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from petctl_agent.harness import Cluster, recovery, wait_for
+from harness import Cluster, recovery, wait_for
 
 EVERY = 20
 ARGS = ["--total-steps", "1000000", "--step-time", "0.05", "--checkpoint-every", str(EVERY)]

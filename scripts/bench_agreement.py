@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
-    from petctl_agent.harness import free_port
+    from harness import free_port
 
     port = free_port()
     tmp = Path(tempfile.mkdtemp(prefix="bench-agreement-"))

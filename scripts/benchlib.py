@@ -8,9 +8,9 @@ with torch's defaults and an etcd rendezvous backend. Every node runs the same
 ``scripts/elastic_train.py``; its ``step=<n> world_size=<w> loss=<x>`` lines are
 timestamped (``time.monotonic()``) as they are read.
 
-Deliberately independent of ``petctl_agent.harness``: the benchmark must treat
-petctl and torchrun the same way, and must not move when the agent's own test
-harness does.
+etcd, the IMDS look-alike and the process helpers come from ``harness.py`` (next to this
+file), the one launcher the agent tests use too; what is specific to benchmarking (torchrun
+nodes, timestamps, leak accounting) stays here.
 """
 
 from __future__ import annotations
@@ -24,14 +24,15 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from petctl_agent.harness import descendants, free_port
+from harness import Etcd, FakeImds
+
+from petctl.local.procs import descendants
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "elastic_train.py"
@@ -86,7 +87,7 @@ def wait_idle(max_wait: float, threshold: float = 0.5) -> tuple[float, float]:
     return time.monotonic() - t0, busy
 
 
-# ---- processes (descendants, free_port: petctl_agent.harness) --------------------------------
+# ---- processes (descendants: petctl.local.procs) --------------------------------
 def _stat(pid: int) -> list[str] | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -128,108 +129,6 @@ def kill_pids(pids: list[int], sig: int = signal.SIGKILL) -> None:
             os.kill(p, sig)
         except (ProcessLookupError, PermissionError):
             pass
-
-
-# ---- etcd ---------------------------------------------------------------------------------
-class Etcd:
-    """A real etcd 3.5 with ``--enable-v2`` on 127.0.0.1; restartable on the same port + data dir."""
-
-    def __init__(self, root: Path, binary: str = "etcd") -> None:
-        self.root = root
-        self.data_dir = root / "etcd-data"
-        self.binary = shutil.which(binary) or binary
-        self.port = free_port()
-        self.peer_port = free_port()
-        self.endpoint = f"127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout: float = 30) -> float:
-        """Start (or restart) etcd; return seconds until it answered the v2 API."""
-        t0 = time.monotonic()
-        url, peer = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer_port}"
-        with open(self.root / "etcd.log", "ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    self.binary, "--enable-v2", "--name", "bench", "--data-dir", str(self.data_dir),
-                    "--listen-client-urls", url, "--advertise-client-urls", url,
-                    "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                    "--initial-cluster", f"bench={peer}", "--log-level", "warn",
-                ],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
-        if not poll(self.healthy, timeout, 0.05):
-            raise RuntimeError(
-                f"etcd on {self.endpoint} not healthy within {timeout:.0f}s (see {self.root}/etcd.log)"
-            )
-        return time.monotonic() - t0
-
-    def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{self.endpoint}/v2/keys/", timeout=1) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    def stop(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(15)
-        self.proc = None
-
-
-# ---- IMDS look-alike ----------------------------------------------------------------------
-class Imds:
-    """IMDSv2 look-alike: ``http://127.0.0.1:<port>/<instance-id>/latest/meta-data/...``."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, dict[str, str]] = {}
-        data = self.data
-
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a: Any) -> None:
-                pass
-
-            def _reply(self, code: int, body: str = "") -> None:
-                b = body.encode()
-                self.send_response(code)
-                self.send_header("Content-Length", str(len(b)))
-                self.end_headers()
-                self.wfile.write(b)
-
-            def do_PUT(self) -> None:
-                iid = self.path.lstrip("/").split("/", 1)[0]
-                self._reply(200, f"tok-{iid}") if iid in data else self._reply(404)
-
-            def do_GET(self) -> None:
-                parts = self.path.lstrip("/").split("/", 1)
-                inst = data.get(parts[0])
-                key = parts[1].removeprefix("latest/") if len(parts) > 1 else ""
-                if inst is None or key not in inst:
-                    self._reply(404)
-                else:
-                    self._reply(200, inst[key])
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def add(self, iid: str, addr: str) -> str:
-        self.data[iid] = {
-            "meta-data/instance-id": iid,
-            "meta-data/local-ipv4": addr,
-            "meta-data/placement/region": "us-east-1",
-            "meta-data/placement/availability-zone": "us-east-1a",
-            "meta-data/autoscaling/target-lifecycle-state": "InService",
-        }
-        return f"{self.url}/{iid}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 # ---- Auto Scaling look-alike --------------------------------------------------------------
@@ -363,7 +262,7 @@ class Run:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         self.status_dir = self.root / "status"
         self.etcd = Etcd(self.root)
-        self.imds: Imds | None = None
+        self.imds: FakeImds | None = None
         self.asg: FakeAutoScaling | None = None
         self.nodes: list[Node] = []
         self.seen: dict[int, int] = {}  # pid -> start time of every process this run started
@@ -371,7 +270,7 @@ class Run:
         self._sampler = threading.Thread(target=self._sample_pids, daemon=True)
         self.spec_path = self.root / "job.json"
         if cfg.tool in PETCTL_BACKENDS:
-            self.imds = Imds()
+            self.imds = FakeImds()
             if cfg.worker_group:
                 self.asg = FakeAutoScaling()
             self._write_spec()

@@ -8,7 +8,7 @@ Steps (each PASS/FAIL, summary at the end, exit 1 on any FAIL):
 - roundtrip:   1 rank, ``init_process_group()`` (cpu:gloo,cuda:nccl, bound to cuda:0),
                save on cuda -> resume maps to the rank device -> tensors equal; the
                gloo checkpoint barrier; the DCP path with a DTensor; the lagged agreement;
-- agent:       a 1-node job through the real agent (etcd + fake IMDS, ``petctl_agent.harness``)
+- agent:       a 1-node job through the real agent (etcd + fake IMDS, ``scripts/harness.py``)
                with ``nproc_per_node=1`` training ``scripts/elastic_train.py`` on the GPU:
                (1) a coordinated drain: checkpoint at the drain step, exit 75, workers
                restarted from the forkserver resume it on the GPU; (2) SIGTERM (leave):
@@ -123,7 +123,7 @@ ROUNDTRIP = textwrap.dedent(
 
 def step_roundtrip(cuda: bool, tmp: Path) -> None:
     t0 = time.monotonic()
-    from petctl_agent.harness import free_port
+    from harness import free_port
 
     env = {
         **os.environ,
@@ -176,8 +176,9 @@ def _lines_after(node, t: float) -> list[str]:
 
 def step_agent(cuda: bool, tmp: Path, total: int) -> None:
     t0 = time.monotonic()
+    from harness import Cluster
+
     from petctl_agent import checkpoint as ckpt
-    from petctl_agent.harness import Cluster
 
     etcd_bin = shutil.which("etcd")
     if etcd_bin is None:

@@ -1,14 +1,20 @@
-"""Fixtures for the agent tests: a real etcd + fake IMDS + agent processes (petctl_agent.harness)."""
+"""Fixtures for the agent tests: a real etcd + fake IMDS + agent processes (scripts/harness.py).
+
+The harness is test-only and does not ship in ``petctl_agent``: it lives in ``scripts/`` (the
+benchmarks and the GPU check use it too), which this puts on ``sys.path``.
+"""
 
 from __future__ import annotations
 
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from petctl_agent.harness import Cluster
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from harness import Cluster  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:

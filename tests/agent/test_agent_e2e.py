@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from harness import recovery, wait_for
 
 from petctl_agent import checkpoint as ckpt
-from petctl_agent.harness import recovery, wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -212,7 +212,7 @@ def _run_ranks(
     tmp_path: Path, body: str, world: int = 2, env: dict | None = None, timeout: float = 120
 ) -> list:
     """Run ``body`` on ``world`` gloo ranks (fresh processes); return their CompletedProcess."""
-    from petctl_agent.harness import free_port
+    from harness import free_port
 
     (tmp_path / "ranks.py").write_text(RANKS)
     (tmp_path / "body.py").write_text(textwrap.dedent(body))

@@ -17,8 +17,7 @@ import re
 from pathlib import Path
 
 import pytest
-
-from petctl_agent.harness import wait_for
+from harness import wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from petctl_agent.harness import wait_for
+from harness import wait_for
 
 moto_server = pytest.importorskip("moto.server")
 pytestmark = pytest.mark.e2e

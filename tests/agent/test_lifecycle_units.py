@@ -13,6 +13,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from harness import FakeImds
 
 from petctl_agent import DRAIN_EXIT_CODE, aws
 from petctl_agent.elastic import (
@@ -21,7 +22,6 @@ from petctl_agent.elastic import (
     classify_exits,
     keep_waiting,
 )
-from petctl_agent.harness import FakeImds
 from petctl_agent.imds import Imds
 from petctl_agent.settings import Settings
 from petctl_agent.spec import JobSpec, SpecError

@@ -9,10 +9,10 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from harness import FakeImds
 
 from petctl_agent import aws
 from petctl_agent.fetch import fetch_code, load_spec
-from petctl_agent.harness import FakeImds
 from petctl_agent.imds import Imds
 from petctl_agent.logship import LogTailer
 from petctl_agent.spec import JOB_NAME_RE, JobSpec, SpecError, checkpoint_dir

@@ -1,7 +1,10 @@
-"""Real-process harness for the agent: etcd, a fake per-instance IMDS, agent processes.
+"""Real-process test harness: etcd (plain or TLS), a fake per-instance IMDS, agent processes.
 
-Used by ``tests/agent`` and ``scripts/agent_timings.py``. Everything listens on
-127.0.0.0/8; nothing talks to AWS (specs leave log group / ASG / hook empty).
+Test-only, so it lives outside the ``petctl_agent`` package (which ships to every instance):
+``tests/agent`` and ``tests/faults`` put ``scripts/`` on ``sys.path`` (their conftest), and the
+scripts here (``agent_timings.py``, ``benchlib.py``, ``gpu_check.py``, ...) import it from their
+own directory. Everything listens on 127.0.0.0/8; nothing talks to AWS (specs leave log group,
+groups and hook empty).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -120,67 +124,158 @@ class FakeImds:
 
 
 # ---- etcd -------------------------------------------------------------------------------
-class Etcd:
-    """A real etcd 3.5 with the v2 API, on 127.0.0.1."""
+@dataclass(frozen=True)
+class EtcdCerts:
+    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate (PEM paths)."""
 
-    def __init__(self, data_dir: Path, binary: str = "etcd") -> None:
-        self.data_dir = data_dir
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+    def agent_env(self) -> dict[str, str]:
+        """The agent's TLS settings (what the worker boot script puts in its systemd unit)."""
+        return {
+            "PETCTL_ETCD_CACERT": str(self.ca),
+            "PETCTL_ETCD_CERT": str(self.client_cert),
+            "PETCTL_ETCD_KEY": str(self.client_key),
+        }
+
+
+def make_etcd_certs(directory: Path) -> EtcdCerts:
+    """Write a CA and the etcd server and client certificates it signed into ``directory``."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    directory.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def write(stem: str, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> tuple[Path, Path]:
+        c, k = directory / f"{stem}.pem", directory / f"{stem}.key"
+        c.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        k.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+        return c, k
+
+    def issue(cn: str, ca_key: Any, usage: Any, san: list[Any] | None) -> tuple[Any, x509.Certificate]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(name(cn))
+            .issuer_name(name("petctl-test-ca"))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        )
+        if san:
+            b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        return key, b.sign(ca_key, hashes.SHA256())
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(name("petctl-test-ca"))
+        .issuer_name(name("petctl-test-ca"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    ca_path, _ = write("ca", ca_key, ca)
+    san = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+    server = write("server", *issue("etcd", ca_key, ExtendedKeyUsageOID.SERVER_AUTH, san))
+    client = write("client", *issue("petctl-worker", ca_key, ExtendedKeyUsageOID.CLIENT_AUTH, None))
+    return EtcdCerts(ca_path, server[0], server[1], client[0], client[1])
+
+
+class Etcd:
+    """A real etcd 3.5 with the v2 API on 127.0.0.1; restartable on the same port and data dir.
+
+    The one launcher of the agent tests, the fault tests and the benchmarks. With ``certs`` it
+    serves https only and requires a client certificate signed by their CA (``--client-cert-auth``),
+    as the job's rendezvous instance does when the job's etcd speaks TLS.
+    """
+
+    def __init__(self, root: Path, binary: str = "etcd", certs: EtcdCerts | None = None) -> None:
+        self.root = Path(root)
+        self.data_dir = self.root / "etcd-data"
         self.binary = shutil.which(binary) or binary
+        self.certs = certs
         self.port = free_port()
         self.peer_port = free_port()
-        self.proc: subprocess.Popen | None = None
         self.endpoint = f"127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 30) -> None:
-        url = f"http://127.0.0.1:{self.port}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        self.log = open(self.data_dir.parent / "etcd.log", "ab")
-        self.proc = subprocess.Popen(
-            [
-                self.binary, "--enable-v2", "--name", "petctl-test", "--data-dir", str(self.data_dir),
-                "--listen-client-urls", url, "--advertise-client-urls", url,
-                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"petctl-test={peer}",
-            ],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-        wait_for(self.healthy, timeout, "etcd to become healthy")
+    def start(self, timeout: float = 30) -> float:
+        """Start (or restart) etcd; return seconds until it answered the v2 API."""
+        t0 = time.monotonic()
+        self.root.mkdir(parents=True, exist_ok=True)
+        scheme = "https" if self.certs else "http"
+        url, peer = f"{scheme}://{self.endpoint}", f"http://127.0.0.1:{self.peer_port}"
+        tls = []
+        if self.certs:
+            c = self.certs
+            tls = [
+                "--cert-file", str(c.server_cert), "--key-file", str(c.server_key),
+                "--trusted-ca-file", str(c.ca), "--client-cert-auth",
+            ]  # fmt: skip
+        with open(self.root / "etcd.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    self.binary, "--enable-v2", "--name", "petctl-test", "--data-dir", str(self.data_dir),
+                    "--listen-client-urls", url, "--advertise-client-urls", url,
+                    "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                    "--initial-cluster", f"petctl-test={peer}", "--log-level", "warn", *tls,
+                ],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        wait_for(
+            self.healthy,
+            timeout,
+            f"etcd on {self.endpoint} to become healthy (see {self.root}/etcd.log)",
+            0.05,
+        )
+        return time.monotonic() - t0
 
     def healthy(self) -> bool:
+        ctx = None
+        if self.certs:
+            ctx = ssl.create_default_context(cafile=str(self.certs.ca))
+            ctx.load_cert_chain(str(self.certs.client_cert), str(self.certs.client_key))
+        scheme = "https" if self.certs else "http"
         try:
-            with urllib.request.urlopen(f"http://{self.endpoint}/v2/keys/", timeout=1) as r:
+            with urllib.request.urlopen(f"{scheme}://{self.endpoint}/v2/keys/", timeout=1, context=ctx) as r:
                 return r.status == 200
         except OSError:
             return False
 
     def stop(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-            self.proc.wait(10)
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(15)
         self.proc = None
 
 
 # ---- agents -----------------------------------------------------------------------------
-def descendants(pid: int) -> list[int]:
-    """All live descendants of ``pid`` (from /proc), including other sessions."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(d))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 @dataclass
 class Node:
     instance_id: str
@@ -213,16 +308,18 @@ class Cluster:
         script: Path | None = None,
         nproc_per_node: int = 1,
         spec_extra: dict[str, Any] | None = None,
+        etcd_tls: bool = False,
     ) -> None:
         self.tmp = Path(tmp)
         self.job = job
         self.efs = self.tmp / "efs"
         self.efs.mkdir(parents=True, exist_ok=True)
         self.status_dir = self.tmp / "status"
-        self.etcd = Etcd(self.tmp / "etcd-data")
+        certs = make_etcd_certs(self.tmp / "tls") if etcd_tls else None
+        self.etcd = Etcd(self.tmp, certs=certs)
         self.imds = FakeImds()
         self.nodes: dict[str, Node] = {}
-        self.extra_env = extra_env or {}
+        self.extra_env = {**(certs.agent_env() if certs else {}), **(extra_env or {})}
         self._next = 1
         code = self.tmp / "code"
         code.mkdir(exist_ok=True)
@@ -324,6 +421,10 @@ class Cluster:
 
     def kill_hard(self, node: Node) -> None:
         """SIGKILL the agent's process group and every descendant (an instance vanishing)."""
+        # here, not at the top: scripts/gpu_check.sh imports this file on a GPU box where
+        # petctl's own dependencies (click, through petctl.local) may be missing
+        from petctl.local.procs import descendants
+
         victims = descendants(node.proc.pid)
         try:
             os.killpg(node.proc.pid, signal.SIGKILL)
