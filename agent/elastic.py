@@ -32,7 +32,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from petctl_agent import DRAIN_EXIT_CODE
-from petctl_agent.settings import Settings
+from petctl_agent.settings import EtcdTls, Settings
 from petctl_agent.spec import RDZV_BACKENDS, rdzv_backend  # noqa: F401 - rdzv_backend re-exported
 from petctl_agent.status import StatusPublisher
 
@@ -173,6 +173,21 @@ def torch_workaround(name: str, backend: str, settings: Settings = Settings()) -
     return backend in TORCH_BACKENDS and settings.enabled(name)
 
 
+def etcd_tls_config(tls: EtcdTls | None, backend: str) -> dict[str, str]:
+    """The handler config keys that make ``backend``'s etcd client speak https with ``tls``.
+
+    torch names them differently per handler (torch 2.13): the legacy ``etcd`` handler reads
+    ``cacert``/``cert``/``key`` (``etcd_rendezvous.py``), ``etcd-v2``'s ``_create_etcd_client``
+    reads ``ca_cert``/``ssl_cert``/``ssl_cert_key`` (``etcd_rendezvous_backend.py``); petctl-etcd
+    takes the former. The endpoint stays ``host:port``. Empty without TLS (plain http).
+    """
+    if tls is None:
+        return {}
+    if backend == "etcd-v2":
+        return {"protocol": "https", "ca_cert": tls.cacert, "ssl_cert": tls.cert, "ssl_cert_key": tls.key}
+    return {"protocol": "https", "cacert": tls.cacert, "cert": tls.cert, "key": tls.key}
+
+
 def create_rdzv_handler(
     endpoint: str,
     run_id: str,
@@ -192,6 +207,7 @@ def create_rdzv_handler(
     """
     backend_name = backend or rdzv_backend("", settings.rdzv_backend)
     cfg = rendezvous_config(join_timeout, settings)
+    tls = etcd_tls_config(settings.etcd_tls, backend_name)
     if backend_name == "petctl-etcd":
         from petctl_agent.rendezvous import Config, PetctlRendezvousHandler
 
@@ -201,7 +217,7 @@ def create_rdzv_handler(
             min_nodes,
             max_nodes,
             local_addr,
-            config=Config(join_timeout=float(cfg["join_timeout"])),
+            config=Config(join_timeout=float(cfg["join_timeout"]), **tls),
             expected_nodes=expected_nodes,
         )
     if backend_name != "etcd-v2":
@@ -209,7 +225,7 @@ def create_rdzv_handler(
 
         legacy = {"last_call_timeout": cfg.get("last_call_timeout", 30), "timeout": cfg["join_timeout"]}
         params = RendezvousParameters(
-            backend_name, endpoint, run_id, min_nodes, max_nodes, local_addr, **legacy
+            backend_name, endpoint, run_id, min_nodes, max_nodes, local_addr, **legacy, **tls
         )
         return get_rendezvous_handler(params)
 
@@ -221,7 +237,7 @@ def create_rdzv_handler(
     from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
 
     params = RendezvousParameters(
-        backend_name, endpoint, run_id, min_nodes, max_nodes, local_addr, read_timeout=10, **cfg
+        backend_name, endpoint, run_id, min_nodes, max_nodes, local_addr, read_timeout=10, **cfg, **tls
     )
     client = _create_etcd_client(params)
     backend = EtcdRendezvousBackend(client, run_id, key_prefix="/torch/elastic/rendezvous")

@@ -323,6 +323,7 @@ class Agent:
         try:
             try:
                 self.backend = rdzv_backend(spec.rdzv_backend, self.settings.rdzv_backend)
+                check_etcd_tls(self.settings)
             except ValueError as e:
                 raise SpecError(str(e)) from None
             pub.update(rdzv_backend=self.backend)
@@ -584,6 +585,20 @@ def omp_num_threads(env: Any, nproc: int) -> str | None:
     if "OMP_NUM_THREADS" not in env and nproc > 1:
         return "1"
     return None
+
+
+def check_etcd_tls(settings: Settings) -> None:
+    """Refuse half a TLS setup or a missing file now, before a handler retries TLS errors for ever."""
+    tls = settings.etcd_tls
+    if tls is None:
+        return
+    for var, path in (
+        ("PETCTL_ETCD_CACERT", tls.cacert),
+        ("PETCTL_ETCD_CERT", tls.cert),
+        ("PETCTL_ETCD_KEY", tls.key),
+    ):
+        if not os.path.isfile(path):
+            raise ValueError(f"{var}={path} is not a file: the boot script fetches the job's TLS files first")
 
 
 def check_torch(wanted_version: str, backend: str = "petctl-etcd") -> str | None:
