@@ -227,6 +227,34 @@ class Agent:
                 self.request_leave(f"spot instance-action {spot.strip()}")
                 return
 
+    def lifecycle_state(self) -> str:
+        """IMDS ``autoscaling/target-lifecycle-state``; absent (404: no group, or a group without
+        a warm pool) or unreachable reads as ``InService``."""
+        state = self.imds.get("meta-data/autoscaling/target-lifecycle-state")
+        return state.strip() if state and state.strip() else "InService"
+
+    def wait_while_warmed(self) -> None:
+        """An instance of the group's warm pool never joins: wait until it is put in service.
+
+        On AWS a warmed instance runs its boot (install, mount) and is stopped; started again
+        for a scale-out, systemd starts this agent anew. The local cloud pauses the process tree
+        (SIGSTOP) and resumes it (SIGCONT). Either way this agent reaches the rendezvous only
+        once the target lifecycle state is no longer ``Warmed:*``. A leave request ends the wait.
+        """
+        state = self.lifecycle_state()
+        if not state.startswith("Warmed:"):
+            return
+        t0 = time.monotonic()
+        log.info("in the warm pool (%s): not joining until InService", state)
+        if self.pub:
+            self.pub.update(state="WARMED", reason=f"warm pool: target-lifecycle-state {state}")
+        while state.startswith("Warmed:") and self.leave_reason is None:
+            time.sleep(self.settings.imds_poll)
+            state = self.lifecycle_state()
+        log.info("left the warm pool after %.1fs (%s)", time.monotonic() - t0, state)
+        if self.pub:
+            self.pub.update(state="STARTING", reason=None)
+
     def complete_lifecycle_action_at_end(self, wait: float) -> None:
         """After SUCCEEDED/FAILED: complete our termination lifecycle action as soon as the
         instance enters Terminating:Wait, so it does not sit out the hook's timeout (billed).
@@ -372,6 +400,7 @@ class Agent:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         work_dir = job_work_dir(self.efs, spec)
         work_dir.mkdir(parents=True, exist_ok=True)
+        self.wait_while_warmed()  # before the forkserver's imports and before registering
         if self.leave_reason:
             self.finish_leave()
             return 0

@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 
 log = logging.getLogger("petctl_agent.status")
 
-STATES = ("STARTING", "RENDEZVOUS", "RUNNING", "DRAINING", "LEFT", "SUCCEEDED", "FAILED")
+STATES = ("STARTING", "WARMED", "RENDEZVOUS", "RUNNING", "DRAINING", "LEFT", "SUCCEEDED", "FAILED")
 EVENT_KINDS = (
     "agent_started",
     "workers_ready",

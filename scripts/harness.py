@@ -253,17 +253,31 @@ class Etcd:
         )
         return time.monotonic() - t0
 
-    def healthy(self) -> bool:
+    def _get(self, path: str) -> Any:
         ctx = None
         if self.certs:
             ctx = ssl.create_default_context(cafile=str(self.certs.ca))
             ctx.load_cert_chain(str(self.certs.client_cert), str(self.certs.client_key))
         scheme = "https" if self.certs else "http"
+        with urllib.request.urlopen(f"{scheme}://{self.endpoint}{path}", timeout=1, context=ctx) as r:
+            return json.loads(r.read())
+
+    def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{scheme}://{self.endpoint}/v2/keys/", timeout=1, context=ctx) as r:
-                return r.status == 200
+            self._get("/v2/keys/")
+            return True
         except OSError:
             return False
+
+    def keys(self) -> list[str]:
+        """Every leaf key in the v2 store (what rendezvous handlers wrote)."""
+        out, todo = [], [self._get("/v2/keys/?recursive=true")["node"]]
+        while todo:
+            n = todo.pop()
+            todo.extend(n.get("nodes", []))
+            if not n.get("dir"):
+                out.append(n["key"])
+        return out
 
     def stop(self, sig: int = signal.SIGKILL) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -364,7 +378,9 @@ class Cluster:
     def start_etcd(self) -> None:
         self.etcd.start()
 
-    def add_node(self) -> Node:
+    def add_node(self, lifecycle_state: str = "InService") -> Node:
+        """Start one more agent; ``lifecycle_state``: its IMDS target lifecycle state at start
+        (``Warmed:Running``: an instance of the group's warm pool)."""
         n = self._next
         self._next += 1
         iid = f"i-{n:04d}"
@@ -372,6 +388,7 @@ class Cluster:
         base = self.imds.add(
             iid, addr, {"petctl:spec": str(self.spec_path), "petctl:rdzv": self.etcd.endpoint}
         )
+        self.imds.set(iid, "autoscaling/target-lifecycle-state", lifecycle_state)
         agent_dir = self.tmp / "nodes" / iid
         agent_dir.mkdir(parents=True, exist_ok=True)
         env = {

@@ -1,0 +1,108 @@
+"""Warm pools (issue 12): an instance in a ``Warmed:*`` state never joins the rendezvous.
+
+Unit: the agent's wait against the fake IMDS. End to end: a real agent started warmed publishes
+``WARMED``, registers nowhere while it stays warmed (nor while its process tree is paused and
+resumed, as the local cloud does), and trains once IMDS says InService.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+from harness import FakeImds, wait_for
+
+from petctl_agent.imds import Imds
+from petctl_agent.main import Agent
+from petctl_agent.settings import Settings
+from petctl_agent.status import STATES
+
+STATE = "autoscaling/target-lifecycle-state"
+
+
+class Pub:
+    def __init__(self) -> None:
+        self.states: list[str] = []
+
+    def update(self, **kw) -> None:
+        if "state" in kw:
+            self.states.append(kw["state"])
+
+
+@pytest.fixture
+def imds():
+    f = FakeImds()
+    yield f
+    f.close()
+
+
+def _agent(url: str) -> Agent:
+    a = Agent(SimpleNamespace(local_addr="127.0.0.1"), Settings(imds_poll=0.05), Imds(url, timeout=1))
+    a.pub = Pub()
+    return a
+
+
+def test_warmed_waits_until_in_service(imds) -> None:
+    assert "WARMED" in STATES
+    url = imds.add("i-warm", "127.0.0.1")
+    imds.set("i-warm", STATE, "Warmed:Running")
+    a = _agent(url)
+    t = threading.Thread(target=a.wait_while_warmed)
+    t.start()
+    time.sleep(0.5)
+    assert t.is_alive() and a.pub.states == ["WARMED"]
+    imds.set("i-warm", STATE, "Warmed:Pending")  # still warmed: keeps waiting
+    time.sleep(0.3)
+    assert t.is_alive()
+    imds.set("i-warm", STATE, "InService")
+    t.join(5)
+    assert not t.is_alive() and a.pub.states == ["WARMED", "STARTING"]
+
+
+def test_absent_state_is_in_service_and_a_leave_ends_the_wait(imds) -> None:
+    url = imds.add("i-plain", "127.0.0.1")
+    imds.set("i-plain", STATE, None)  # 404: an instance outside a group with a warm pool
+    a = _agent(url)
+    t0 = time.monotonic()
+    a.wait_while_warmed()
+    assert time.monotonic() - t0 < 1 and a.pub.states == [] and a.lifecycle_state() == "InService"
+
+    imds.set("i-plain", STATE, "Warmed:Stopped")
+    t = threading.Thread(target=a.wait_while_warmed)
+    t.start()
+    time.sleep(0.3)
+    a.leave_reason = "signal SIGTERM"
+    t.join(5)
+    assert not t.is_alive()
+
+
+@pytest.mark.e2e
+def test_warmed_agent_joins_only_once_in_service(make_cluster) -> None:
+    from petctl.local.procs import descendants
+
+    c = make_cluster(job="warm", min_nodes=1, max_nodes=2,
+                     script_args=["--total-steps", "20", "--step-time", "0.05", "--checkpoint-every", "10"])  # fmt: skip
+    a = c.add_node(lifecycle_state="Warmed:Running")
+    c.wait(lambda: (c.status(a.instance_id) or {}).get("state") == "WARMED", 90, "a WARMED", alive=[a])
+    # the local cloud's warm pool: the instance's process tree is paused, later resumed
+    tree = [a.proc.pid, *descendants(a.proc.pid)]
+    for pid in tree:
+        os.kill(pid, signal.SIGSTOP)
+    time.sleep(1)
+    for pid in tree:
+        os.kill(pid, signal.SIGCONT)
+    time.sleep(2)
+    doc = c.status(a.instance_id) or {}
+    assert doc.get("state") == "WARMED" and a.alive() and not a.steps
+    assert not [e for e in doc.get("events", []) if e["kind"] in ("workers_ready", "rendezvous_start")]
+    assert not c.etcd.keys(), "a warmed agent registered with the rendezvous"
+
+    t = c.now()
+    c.imds.set(a.instance_id, STATE, "InService")
+    wait_for(lambda: a.proc.poll() is not None, 180, "a to finish the job")
+    assert a.proc.returncode == 0 and a.steps and a.steps[0][0] > t
+    assert (c.status(a.instance_id) or {}).get("state") == "SUCCEEDED"
