@@ -47,6 +47,7 @@ DNF_PACKAGES = {
     "amazon-efs-utils": "the mount shim (mount -t efs onto the local EFS directory)",
     "python3.11": "the python3.11 shim (venvs of this machine's Python)",
     "python3.11-pip": "the pip shim of those venvs",
+    "openssl": "this machine's openssl (a host tool of every instance)",
 }
 #: Where a pip --index-url may point (the boot scripts' CPU torch index, and PyPI's).
 PIP_INDEXES = ("https://download.pytorch.org/whl/cpu", "https://pypi.org/simple")
