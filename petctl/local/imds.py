@@ -127,7 +127,8 @@ class ImdsServer:
             "meta-data/ami-id": rec.image_id,
             "meta-data/placement/availability-zone": rec.az,
             "meta-data/placement/region": region,
-            "meta-data/autoscaling/target-lifecycle-state": rec.lifecycle if rec.asg else None,
+            # Every instance (the agents' contract): InService outside a group too.
+            "meta-data/autoscaling/target-lifecycle-state": rec.lifecycle,
             "meta-data/spot/instance-action": json.dumps(rec.spot_action) if rec.spot_action else None,
             "meta-data/tags/instance": "\n".join(sorted(rec.tags)),
         }

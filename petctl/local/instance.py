@@ -52,7 +52,10 @@ class Instance:
     tags: dict[str, str]
     bind_ip: str | None = None
     state: str = "running"
-    lifecycle: str = "InService"
+    lifecycle: str = "InService"  # the target lifecycle state IMDS serves
+    warm: str | None = None  # its lifecycle state while in a warm pool (Warmed:Pending, Warmed:Stopped)
+    paused: bool = False  # every process SIGSTOPped: a stopped warm pool instance
+    status_url: str | None = None  # the job's agent status prefix (s3://…/status/), from its spec
     spot_action: dict[str, str] | None = None
     proc: subprocess.Popen | None = None  # the main unit's process (the agent, etcd)
     boot: subprocess.Popen | None = None  # the boot script (bash running the user data)
@@ -78,6 +81,14 @@ class Instance:
     def popens(self) -> list[subprocess.Popen]:
         return [p for p in [self.boot, *(u.proc for u in self.units.values())] if p is not None]
 
+    def reap(self, timeout: float = 5) -> None:
+        """Collect the exit status of the processes this daemon started for the instance."""
+        for p in self.popens():
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+
     @property
     def alive(self) -> bool:
         return bool(self.pgid and procs.tree_members(self.pgid, self.marker))
@@ -97,6 +108,8 @@ class Instance:
             "group": self.asg,
             "state": self.state,
             "lifecycle_state": self.lifecycle,
+            "warm": self.warm,
+            "paused": self.paused,
             "spot_action": self.spot_action,
             # the main unit's process once there is one; the boot script's before
             "pid": self.proc.pid if self.proc else self.boot.pid if self.boot else None,

@@ -1,0 +1,198 @@
+"""How a local instance leaves: the termination lifecycle hook's drain, an OS shutdown, a hard
+kill, a spot interruption. A mixin of :class:`petctl.local.reconciler.Reconciler`, whose state
+it shares; each drain or deadline runs in its own thread, so one slow drain never delays the
+others.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from typing import Any
+
+from petctl.local import procs
+from petctl.local.instance import Instance, iso
+
+log = logging.getLogger("petctl.local.reconciler")
+
+
+class Leaving:
+    """Drains, shuts down and kills instances (see the module docstring)."""
+
+    clients: dict[str, Any]
+    settings: Any
+    lock: threading.RLock
+    stopping: threading.Event
+    instances: dict[str, Instance]
+    _threads: list[threading.Thread]
+
+    def get(self, instance_id: str) -> Instance:
+        raise NotImplementedError
+
+    def job_spec(self, rec: Instance) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def _stop_units(self, rec: Instance) -> None:
+        raise NotImplementedError
+
+    def _write_procs(self) -> None:
+        raise NotImplementedError
+
+    def _thread(self, target: Any, *args: Any, name: str) -> None:
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        t.start()
+
+    def _begin_leave(self, rec: Instance, why: str) -> None:
+        with rec.lock:
+            if rec.state not in ("running", "exited", "restarting"):
+                return
+            was = rec.state
+            rec.state = "draining"
+            rec.lifecycle = "Terminated"
+        log.info("%s: leaving (%s); draining", rec.instance_id, why)
+        self._thread(self._drain, rec, was, name=f"drain-{rec.instance_id}")
+
+    def _drain(self, rec: Instance, was: str) -> None:
+        """The termination lifecycle hook (Terminating:Wait), then the tree is killed.
+
+        An instance of an Auto Scaling group (the job template puts the ``petctl-drain``
+        hook on it) stays in Terminating:Wait until CompleteLifecycleAction is called or
+        the hook's timeout (the job's drain timeout + ``drain_slack``) runs out -- even if
+        its agent has exited meanwhile, as on AWS, where the instance keeps running (and
+        billing) until then. The agent is also sent SIGTERM at the start (AWS does not;
+        the agent reacts to either). An instance outside a group has no hook: it is
+        shut down as soon as its agent is gone (or at the timeout).
+        """
+        t0 = time.monotonic()
+        proc = rec.proc
+        if rec.paused:  # a stopped instance: terminating it ends it, no process runs to drain
+            self._finish(rec, "terminated")
+            return
+        # A warm pool instance never served: the group's termination hook is for its members.
+        hooked = bool(rec.asg) and not rec.warm
+        running = proc is not None and was != "exited" and proc.poll() is None
+        if running or hooked:
+            if running:
+                self._stop_units(rec)
+            # The spec is re-read: ``drain_timeout`` is the job's current word on it.
+            spec = self.job_spec(rec) or {}
+            timeout = float(
+                spec.get("drain_timeout") or rec.drain_timeout or self.settings.default_drain_timeout
+            )
+            deadline = t0 + timeout + self.settings.drain_slack
+            while not self.stopping.is_set() and time.monotonic() < deadline:
+                if not hooked and (proc is None or proc.poll() is not None):
+                    break
+                if rec.lifecycle_done.is_set():
+                    # The agent completed the lifecycle action: AWS now shuts the instance down.
+                    self._shutdown(rec, self.settings.shutdown_grace)
+                    break
+                time.sleep(0.05)
+            else:
+                if not self.stopping.is_set():
+                    alive = proc is not None and proc.poll() is None
+                    log.warning(
+                        "%s: lifecycle action not completed within %.0fs (drain timeout %.0fs)%s",
+                        rec.instance_id,
+                        timeout + self.settings.drain_slack,
+                        timeout,
+                        "; killing it" if alive else "; the instance waited it out",
+                    )
+        self._finish(rec, "terminated")
+
+    def _shutdown(self, rec: Instance, grace: float) -> None:
+        """OS shutdown of an instance: SIGTERM to every process, SIGKILL after ``grace``."""
+        if rec.pgid:
+            procs.signal_tree(rec.pgid, rec.marker, signal.SIGTERM)
+            procs.wait_tree_gone(rec.pgid, rec.marker, grace)
+
+    def _finish(self, rec: Instance, state: str) -> None:
+        if rec.pgid:
+            procs.kill_tree(rec.pgid, rec.marker)
+        with rec.lock:
+            rec.reap()
+            if rec.proc is not None:
+                rec.exit_code = rec.proc.returncode if rec.exit_code is None else rec.exit_code
+            if rec.state != "killed":  # a hard kill during a drain stays a hard kill
+                rec.state = state
+            rec.ended_at = rec.ended_at or time.time()
+        log.info("%s: process tree gone (%s)", rec.instance_id, rec.state)
+        self._write_procs()
+
+    def on_lifecycle_call(self, instance_id: str, action: str, params: dict[str, Any]) -> str | None:
+        """Called by the patched moto for CompleteLifecycleAction / RecordLifecycleActionHeartbeat."""
+        with self.lock:
+            rec = self.instances.get(instance_id)
+        if rec is None or rec.state != "draining":
+            return f"No active Lifecycle Action found with instance ID {instance_id}"
+        if action == "complete":
+            log.info("%s: lifecycle action completed (%s)", instance_id, params.get("LifecycleActionResult"))
+            rec.lifecycle_done.set()
+        return None
+
+    def _terminate_in_aws(self, rec: Instance) -> bool:
+        """Terminate in moto as a hard failure would; True if the group will replace it."""
+        if rec.asg:
+            try:
+                self.clients["autoscaling"].terminate_instance_in_auto_scaling_group(
+                    InstanceId=rec.instance_id, ShouldDecrementDesiredCapacity=False
+                )
+                return True
+            except Exception as e:  # noqa: BLE001 - e.g. the group is gone meanwhile
+                log.warning("%s: autoscaling terminate failed (%s); terminating in EC2", rec.instance_id, e)
+        self.clients["ec2"].terminate_instances(InstanceIds=[rec.instance_id])
+        return False
+
+    def kill_instance(self, instance_id: str) -> dict[str, Any]:
+        rec = self.get(instance_id)
+        with rec.lock:
+            if rec.state not in ("running", "exited", "restarting", "draining"):
+                raise ValueError(f"instance {instance_id} is {rec.state}: nothing to kill")
+            # A draining instance is already terminated in AWS: only its processes remain.
+            was_draining = rec.state == "draining"
+            rec.state = "killed"
+        log.info("%s: hard kill (fault injection)", instance_id)
+        t0 = time.monotonic()
+        self._finish(rec, "killed")
+        replaced = False if was_draining else self._terminate_in_aws(rec)
+        return {
+            "instance_id": instance_id,
+            "pgid": rec.pgid,
+            "killed": True,
+            "kill_seconds": round(time.monotonic() - t0, 3),
+            "replaced_by_group": replaced,
+        }
+
+    def spot_interrupt(self, instance_id: str, seconds: float) -> dict[str, Any]:
+        rec = self.get(instance_id)
+        with rec.lock:
+            if rec.state not in ("running", "exited"):
+                raise ValueError(f"instance {instance_id} is {rec.state}: cannot interrupt it")
+            if rec.spot_action:
+                raise ValueError(
+                    f"instance {instance_id} already has a spot notice for {rec.spot_action['time']}"
+                )
+            when = time.time() + seconds
+            rec.spot_action = {"action": "terminate", "time": iso(when)}
+        log.info("%s: spot interruption notice, termination at %s", instance_id, rec.spot_action["time"])
+        self._thread(self._spot_deadline, rec, when, name=f"spot-{instance_id}")
+        return {"instance_id": instance_id, "spot_action": rec.spot_action}
+
+    def _spot_deadline(self, rec: Instance, when: float) -> None:
+        # Early exit: once the drained agent is gone the instance has nothing left to do,
+        # so the local cloud terminates it at once instead of idling until the deadline.
+        while time.time() < when and not self.stopping.is_set():
+            if rec.state not in ("running", "exited") or (rec.proc and rec.proc.poll() is not None):
+                break
+            time.sleep(0.05)
+        with rec.lock:
+            if self.stopping.is_set() or rec.state not in ("running", "exited"):
+                return
+            rec.state = "interrupted"
+            rec.lifecycle = "Terminated"
+        self._shutdown(rec, self.settings.shutdown_grace)
+        self._finish(rec, "terminated")
+        self._terminate_in_aws(rec)
