@@ -178,8 +178,10 @@ def test_rdzv_boot_signs_its_server_certificate_and_drops_the_ca_key(
         ipaddress.ip_address("10.0.0.10"),
         ipaddress.ip_address("127.0.0.1"),
     ]
+    # clientAuth as well: etcd's gRPC gateway dials etcd itself with the server certificate
     assert list(server.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [
-        ExtendedKeyUsageOID.SERVER_AUTH
+        ExtendedKeyUsageOID.SERVER_AUTH,
+        ExtendedKeyUsageOID.CLIENT_AUTH,
     ]
     assert not server.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
     assert _openssl_verify(d, "server.pem", "sslserver").returncode == 0
