@@ -104,8 +104,19 @@ def test_real_boot_scripts_start_etcd_and_the_agent(petctl: Any, cloud: Cloud) -
         root / "etc" / "systemd" / "system" / "multi-user.target.wants" / "petctl-agent.service"
     ).is_symlink()
     assert f"{worker['efs_id']}:/ {root}/mnt/efs efs" in (root / "etc" / "fstab").read_text()
+    # etcd serves TLS only, so the job's success is the agent's TLS: the worker fetched the job's CA
+    # and client pair (root-only) and its unit hands them to the agent.
+    tls_dir = root / "etc" / "petctl" / "tls"
+    assert sorted(p.name for p in tls_dir.iterdir()) == ["ca.pem", "client.key", "client.pem"]
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in tls_dir.iterdir())
+    assert f"Environment=PETCTL_ETCD_KEY={tls_dir}/client.key" in unit.splitlines()
     (rdzv,) = cloud.instances(job, "rdzv")
     assert list(rdzv["units"]) == ["petctl-etcd.service"]
+    etcd_unit = (Path(rdzv["root"]) / "etc" / "systemd" / "system" / "petctl-etcd.service").read_text()
+    assert (
+        f"--listen-client-urls https://{rdzv['bind_ip']}:2379," in etcd_unit
+        and "--client-cert-auth" in etcd_unit
+    )
     # The boot script attached the rendezvous ENI (its log shows moto's answer); the job over, the
     # agent scaled the groups to zero and the terminated instance let go of it, as on AWS.
     assert '"AttachmentId": "eni-attach-' in Path(rdzv["log"]).read_text()
