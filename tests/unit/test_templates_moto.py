@@ -162,6 +162,9 @@ def test_base_stack_with_existing_efs_and_bucket(aws):
         {"gpu": False, "spot": False, "ami_override": False},  # AL2023 resolved through moto's SSM
         {"gpu": False, "spot": True, "ami_override": True},
         {"gpu": True, "spot": True, "ami_override": True},
+        # the warm pool and its launch hook (both skipped by moto; the local cloud's patches add
+        # the pool) must not stop the stack: the local cloud runs run-job --warm-pool through it
+        {"gpu": False, "spot": False, "ami_override": False, "warm_pool": True},
     ],
     ids=lambda f: ",".join(k for k, v in f.items() if v) or "cpu",
 )
@@ -179,6 +182,8 @@ def test_job_stack_from_base_outputs(aws, flags):
         extra["ImageId"] = "/petctl-test/dlami"
     if flags["spot"]:
         extra["OnDemandBaseCapacity"] = 2
+    if flags.get("warm_pool"):
+        extra["WarmPoolSize"] = 2
     template = templates.render_job(**flags)
     outputs = create(
         "petctl-job-train-1",
