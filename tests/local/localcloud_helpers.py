@@ -95,11 +95,18 @@ class Cloud:
         rdzv: bool = False,
         drain_timeout: float | None = 5,
         mode: str = "normal",
+        warm_pool: int = 0,
     ) -> dict[str, Any]:
-        """A job as the job stack would make it: spec in S3, launch template, groups, tags."""
+        """A job as the job stack would make it: spec in S3, launch template, groups, tags, and
+        with ``warm_pool`` a warm pool of that absolute size (stopped instances) on the workers."""
         net = self.network()
         spec_key = f"petctl/jobs/{job}/job.json"
-        spec: dict[str, Any] = {"version": 1, "job_name": job, "rdzv_port": 2379}
+        spec: dict[str, Any] = {
+            "version": 1,
+            "job_name": job,
+            "rdzv_port": 2379,
+            "status_url": f"s3://petctl-local-test/petctl/jobs/{job}/status/",
+        }
         if drain_timeout is not None:
             spec["drain_timeout"] = drain_timeout
         self.s3.put_object(Bucket="petctl-local-test", Key=spec_key, Body=json.dumps(spec).encode())
@@ -154,6 +161,13 @@ class Cloud:
                 Tags=tags("worker"),
                 VPCZoneIdentifier=net["subnet"],
                 LaunchTemplate=lt("worker"),
+            )
+        if warm_pool:
+            self.asg.put_warm_pool(
+                AutoScalingGroupName=groups["workers"],
+                MinSize=warm_pool,
+                MaxGroupPreparedCapacity=warm_pool,
+                PoolState="Stopped",
             )
         return {"job": job, "groups": groups, "rdzv_ip": eni["PrivateIpAddress"], "efs": net["efs"]}
 
