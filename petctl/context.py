@@ -5,11 +5,14 @@ from __future__ import annotations
 import getpass
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from petctl import config
 from petctl.errors import ConfigError
 from petctl.ui import UI
+
+if TYPE_CHECKING:
+    from petctl.gateway import Gateway
 
 
 @dataclass
@@ -19,6 +22,7 @@ class Context:
     local: bool = False
     ui: UI = field(default_factory=UI)
     _clients: Any = None
+    _gateway: Any = None
     _local_active: bool = False
     _profile: config.Profile | None = None
     #: Job commands act on one existing profile: a typo in --profile must never reach the jobs
@@ -84,11 +88,20 @@ class Context:
             profile.vpc_cidr = profile.vpc_cidr or "127.0.0.0/16"
             config.save_profile(profile)
 
+    def gateway(self) -> Gateway:
+        """The AWS account (or the local cloud) behind typed methods; built on first use."""
+        from petctl.gateway import Gateway
+
+        if self._gateway is None:
+            self._gateway = Gateway(self.clients(), self.ui)
+        self._gateway.bucket = self.profile.bucket  # setup and configure change it
+        return self._gateway
+
     def clients(self) -> Any:
         """boto3 client factory (imports boto3 on first use only)."""
         self.activate_local()
         if self._clients is None:
-            from petctl.aws import Clients
+            from petctl.gateway.session import Clients
 
             p = self.profile
             # The local cloud never uses a named AWS profile: only its fake credentials.

@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from petctl import config, naming
-from petctl.aws import ClientError
 from petctl.context import Context
-from petctl.errors import AwsError, ConfigError, PetctlError, describe_client_error
+from petctl.errors import ConfigError, PetctlError
+from petctl.gateway import Gateway
+from petctl.gateway.stacks import outputs_of, parameters_of
 from petctl.ui import cmd
 
 # Base stack output → profile field. No instance profiles: each job stack makes its own roles.
@@ -36,7 +37,6 @@ def setup(
 ) -> dict[str, Any]:
     """Create or update the base stack and record its outputs in the profile."""
     from petctl import templates
-    from petctl.stacks import Stacks
 
     if efs_id:
         config.validate_id("efs_id", efs_id, "--efs-id")
@@ -54,16 +54,16 @@ def setup(
 
     if vpc_cidr:
         check_cidr(vpc_cidr)
-    clients = ctx.clients()
+    gw = ctx.gateway()
     profile = ctx.profile
     vpc_cidr = check_cidr(vpc_cidr or profile.vpc_cidr or "10.0.0.0/16")
-    clients.check_credentials()
+    gw.check_credentials()
     if efs_id:
-        _check_file_system(clients, efs_id, az_count, profile.vpc_id)
-    _check_az_count(clients, az_count)
+        _check_file_system(gw, efs_id, az_count, profile.vpc_id)
+    _check_az_count(gw, az_count)
     if bucket:
-        _check_exists(lambda: clients("s3").head_bucket(Bucket=bucket), f"S3 bucket {bucket}")
-    kms_key = bucket_kms_key(clients, bucket) if bucket else None
+        gw.objects.require_bucket(bucket)
+    kms_key = bucket_kms_key(gw, bucket) if bucket else None
 
     kept = [f for f in profile.retained_efs_ids if f != efs_id]
     if kept and not efs_id:
@@ -81,9 +81,8 @@ def setup(
         log_retention_days=log_retention_days,
         profile=ctx.profile_name,
     )
-    stacks = Stacks(clients("cloudformation"), ctx.ui)
-    _refuse_to_pull_roles_from_jobs(ctx, stacks, name)
-    result = stacks.deploy(
+    _refuse_to_pull_roles_from_jobs(ctx, gw, name)
+    result = gw.stacks.deploy(
         name,
         template,
         params,
@@ -95,7 +94,7 @@ def setup(
     # update above removed) must not be handed to new jobs.
     profile.worker_instance_profile_arn = None
     profile.rdzv_instance_profile_arn = None
-    profile.region = clients.region
+    profile.region = gw.region
     profile.managed = True
     profile.stack_name = name
     profile.vpc_cidr = vpc_cidr
@@ -113,16 +112,14 @@ def setup(
     }
 
 
-def _refuse_to_pull_roles_from_jobs(ctx: Context, stacks: Any, name: str) -> None:
+def _refuse_to_pull_roles_from_jobs(ctx: Context, gw: Gateway, name: str) -> None:
     """Updating a base stack made before the job stacks had their own roles and security groups
     removes its instance profiles and its instances' self-ingress rule, which running jobs of that
     era use: refuse while any job of the profile exists (before any change)."""
-    from petctl import jobs
-
-    old = stacks.describe(name)
-    if old is None or not set(OLD_ROLE_OUTPUTS) & set(_stack_outputs(old)):
+    old = gw.stacks.describe(name)
+    if old is None or not set(OLD_ROLE_OUTPUTS) & set(outputs_of(old)):
         return
-    live = [naming.job_from_stack(s["StackName"]) or s["StackName"] for s in jobs.job_stacks(ctx, stacks)]
+    live = _job_names(gw, ctx.profile_name)
     if live:
         raise PetctlError(
             f"base stack {name} still gives its instance roles and network to job(s) {', '.join(live)}; "
@@ -140,28 +137,16 @@ def apply_outputs(profile: config.Profile, outputs: dict[str, str]) -> None:
             setattr(profile, attr, value)
 
 
-def _check_file_system(clients: Any, efs_id: str, az_count: int, own_vpc: str | None) -> None:
+def _check_file_system(gw: Gateway, efs_id: str, az_count: int, own_vpc: str | None) -> None:
     """Refuse, before any change, a file system the base stack could not mount (AWS would fail
     the stack half-way: ``MountTargetConflict``, or a One Zone file system outside its zone)."""
-    efs = clients("efs")
-    found: dict[str, Any] = {}
-
-    def describe() -> None:
-        found.update(efs.describe_file_systems(FileSystemId=efs_id)["FileSystems"][0])
-
-    _check_exists(describe, f"EFS file system {efs_id}")
-    zone = found.get("AvailabilityZoneName")
+    zone = gw.file_systems.describe(efs_id).get("AvailabilityZoneName")
     if zone and az_count > 1:
         raise ConfigError(
             f"EFS file system {efs_id} is One Zone ({zone}) and cannot serve --az-count {az_count}: "
             f"use --az-count 1, or a Regional file system"
         )
-    ec2 = clients("ec2")
-    vpcs = set()
-    for mt in efs.describe_mount_targets(FileSystemId=efs_id).get("MountTargets", []):
-        vpc = mt.get("VpcId") or ec2.describe_subnets(SubnetIds=[mt["SubnetId"]])["Subnets"][0]["VpcId"]
-        vpcs.add(vpc)
-    foreign = sorted(vpcs - {own_vpc})
+    foreign = sorted(gw.file_systems.mount_target_vpcs(efs_id) - {own_vpc})
     if foreign:
         raise ConfigError(
             f"EFS file system {efs_id} has mount targets in {foreign[0]}, and a file system serves one VPC "
@@ -170,56 +155,28 @@ def _check_file_system(clients: Any, efs_id: str, az_count: int, own_vpc: str | 
         )
 
 
-def _check_az_count(clients: Any, az_count: int) -> None:
-    zones = clients("ec2").describe_availability_zones(
-        Filters=[
-            {"Name": "state", "Values": ["available"]},
-            {"Name": "zone-type", "Values": ["availability-zone"]},
-        ]
-    )["AvailabilityZones"]
+def _check_az_count(gw: Gateway, az_count: int) -> None:
+    zones = gw.compute.zones()
     if az_count > len(zones):
         raise ConfigError(
-            f"--az-count {az_count} is more than the {len(zones)} zones of {clients.region} "
-            f"({', '.join(sorted(z['ZoneName'] for z in zones))}); use --az-count {len(zones)} or fewer"
+            f"--az-count {az_count} is more than the {len(zones)} zones of {gw.region} "
+            f"({', '.join(zones)}); use --az-count {len(zones)} or fewer"
         )
 
 
-def bucket_kms_key(clients: Any, bucket: str) -> str | None:
+def bucket_kms_key(gw: Gateway, bucket: str) -> str | None:
     """The ARN of the customer KMS key an existing bucket encrypts with by default, else None.
 
     The job roles then get kms:Decrypt/GenerateDataKey on it (through S3 only); without that,
     every read of the code and write of a status fails on AWS with AccessDenied. AWS-managed
     keys (aws/s3) need no grant. A key petctl cannot even describe cannot work: refused.
     """
-    try:
-        rules = clients("s3").get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"][
-            "Rules"
-        ]
-    except ClientError as e:
-        if "ServerSideEncryptionConfigurationNotFound" in describe_client_error(e):
-            return None
-        raise AwsError(f"cannot read the encryption of bucket {bucket} ({describe_client_error(e)})") from e
-    for rule in rules:
-        default = rule.get("ApplyServerSideEncryptionByDefault") or {}
-        key = default.get("KMSMasterKeyID")
-        if not str(default.get("SSEAlgorithm", "")).startswith("aws:kms") or not key:
-            continue
-        try:
-            meta = clients("kms").describe_key(KeyId=key)["KeyMetadata"]
-        except ClientError as e:
-            raise ConfigError(
-                f"bucket {bucket} encrypts with KMS key {key}, which petctl cannot use "
-                f"({describe_client_error(e)}): grant kms:DescribeKey on it, or use another bucket"
-            ) from e
-        return None if meta.get("KeyManager") == "AWS" else meta["Arn"]
-    return None
+    key = gw.objects.default_kms_key(bucket)
+    return gw.keys.customer_key_arn(key, bucket) if key else None
 
 
-def _check_exists(call: Any, what: str) -> None:
-    try:
-        call()
-    except ClientError as e:
-        raise PetctlError(f"{what} was not found or is not accessible ({describe_client_error(e)})") from e
+def _job_names(gw: Gateway, profile: str) -> list[str]:
+    return [naming.job_from_stack(s["StackName"]) or s["StackName"] for s in gw.stacks.job_stacks(profile)]
 
 
 @dataclass
@@ -275,31 +232,25 @@ class TeardownPlan:
 
 def plan_teardown(ctx: Context, *, force: bool = False, delete_data: bool = False) -> TeardownPlan:
     """Find what teardown would remove; refuse (before any change) while jobs exist, unless ``force``."""
-    from petctl import jobs
-    from petctl.stacks import Stacks
-
     profile = ctx.profile
-    stacks = Stacks(ctx.clients()("cloudformation"), ctx.ui)
-    live_jobs = [
-        naming.job_from_stack(s["StackName"]) or s["StackName"] for s in jobs.job_stacks(ctx, stacks)
-    ]
+    gw = ctx.gateway()
+    live_jobs = _job_names(gw, ctx.profile_name)
     if live_jobs and not force:
         raise PetctlError(
             f"profile {profile.name!r} still has jobs ({', '.join(live_jobs)}); kill them with "
             f"`{cmd('kill-job')}` or pass --force to delete them first"
         )
     name = profile.stack_name or naming.base_stack(ctx.profile_name)
-    stack = stacks.describe(name)
+    stack = gw.stacks.describe(name)
     plan = TeardownPlan(profile=profile.name, stack=name, stack_exists=stack is not None, jobs=live_jobs)
     plan.delete_data = delete_data
     plan.retained = list(profile.retained_efs_ids)
     if stack is not None:
-        out = _stack_outputs(stack)
+        out = outputs_of(stack)
         if profile.bucket_created is not False:
             plan.bucket = out.get("BucketName")
         plan.efs_id = out.get("EfsId") or profile.efs_id
-        given = {p["ParameterKey"]: p.get("ParameterValue") for p in stack.get("Parameters", []) or []}
-        plan.efs_created = not given.get("ExistingEfsId")
+        plan.efs_created = not parameters_of(stack).get("ExistingEfsId")
     return plan
 
 
@@ -307,22 +258,22 @@ def teardown(ctx: Context, plan: TeardownPlan, *, timeout: float = 1800) -> dict
     """Carry out a :class:`TeardownPlan`: jobs first, then the base stack, then (only with
     ``delete_data``) the file system, which the stack itself always retains."""
     from petctl import jobs
-    from petctl.stacks import Stacks
 
     profile = ctx.profile
-    clients = ctx.clients()
-    stacks = Stacks(clients("cloudformation"), ctx.ui)
+    gw = ctx.gateway()
     removed: list[str] = []
     for job in plan.jobs:
-        jobs.kill_job(ctx, job, stacks=stacks, timeout=timeout)
+        jobs.kill_job(ctx, job, timeout=timeout)
         removed.append(naming.job_stack(job))
     emptied = 0
     if plan.stack_exists:
         if plan.bucket:
-            emptied = empty_bucket(clients("s3"), plan.bucket, ctx)
-        stacks.delete(plan.stack, timeout=timeout)
+            emptied = gw.objects.empty_bucket(plan.bucket)
+            if emptied:
+                ctx.ui.progress(f"emptied bucket {plan.bucket} ({emptied} objects)")
+        gw.stacks.delete(plan.stack, timeout=timeout)
         removed.append(plan.stack)
-        left = sweep_stack_leftovers(clients, plan.stack, ctx)
+        left = sweep_stack_leftovers(gw, plan.stack, ctx)
     else:
         left = []
         ctx.ui.progress(f"base stack {plan.stack} does not exist; nothing to delete")
@@ -350,55 +301,14 @@ def teardown(ctx: Context, plan: TeardownPlan, *, timeout: float = 1800) -> dict
     }
 
 
-def sweep_stack_leftovers(clients: Any, stack: str, ctx: Context) -> list[str]:
+def sweep_stack_leftovers(gw: Gateway, stack: str, ctx: Context) -> list[str]:
     """Network resources the deleted base stack left behind, removed; what still remains, listed.
 
     CloudFormation on AWS leaves nothing. An emulator can (moto fails to delete a VPC that
     still has its route table and reports DependencyViolation after dropping the stack). Only
     resources tagged as this stack's (``aws:cloudformation:stack-name``) are touched.
     """
-    ec2 = clients("ec2")
-    tag = [{"Name": "tag:aws:cloudformation:stack-name", "Values": [stack]}]
-    left: list[str] = []
-
-    def attempt(what: str, call: Any) -> None:
-        try:
-            call()
-        except ClientError as e:
-            if "NotFound" not in describe_client_error(e):
-                left.append(f"{what} ({describe_client_error(e)})")
-
-    for vpc in ec2.describe_vpcs(Filters=tag)["Vpcs"]:
-        vpc_id = vpc["VpcId"]
-        by_vpc = [{"Name": "vpc-id", "Values": [vpc_id]}]
-        for igw in ec2.describe_internet_gateways(
-            Filters=[{"Name": "attachment.vpc-id", "Values": [vpc_id]}]
-        )["InternetGateways"]:
-            attempt(
-                igw["InternetGatewayId"],
-                lambda i=igw["InternetGatewayId"], v=vpc_id: ec2.detach_internet_gateway(
-                    InternetGatewayId=i, VpcId=v
-                ),
-            )
-            attempt(
-                igw["InternetGatewayId"],
-                lambda i=igw["InternetGatewayId"]: ec2.delete_internet_gateway(InternetGatewayId=i),
-            )
-        for rt in ec2.describe_route_tables(Filters=by_vpc)["RouteTables"]:
-            if any(a.get("Main") for a in rt.get("Associations", [])):
-                continue  # goes with the VPC
-            for a in rt.get("Associations", []):
-                attempt(
-                    rt["RouteTableId"],
-                    lambda a=a: ec2.disassociate_route_table(AssociationId=a["RouteTableAssociationId"]),
-                )
-            attempt(rt["RouteTableId"], lambda r=rt["RouteTableId"]: ec2.delete_route_table(RouteTableId=r))
-        for subnet in ec2.describe_subnets(Filters=by_vpc)["Subnets"]:
-            attempt(subnet["SubnetId"], lambda n=subnet["SubnetId"]: ec2.delete_subnet(SubnetId=n))
-        for sg in ec2.describe_security_groups(Filters=by_vpc)["SecurityGroups"]:
-            if sg["GroupName"] != "default":
-                attempt(sg["GroupId"], lambda g=sg["GroupId"]: ec2.delete_security_group(GroupId=g))
-        attempt(vpc_id, lambda v=vpc_id: ec2.delete_vpc(VpcId=v))
+    left = gw.compute.sweep_stack_leftovers(stack)
     if left:
         ctx.ui.warn(f"left behind after deleting {stack}: {', '.join(left)}; delete them in the EC2 console")
     else:
@@ -406,59 +316,15 @@ def sweep_stack_leftovers(clients: Any, stack: str, ctx: Context) -> list[str]:
     return left
 
 
-def delete_file_system(ctx: Context, efs_id: str, wait: float = 300) -> None:
-    """Delete an EFS file system once its mount targets are gone (AWS deletes those
-    asynchronously: ``FileSystemInUse`` until then)."""
-    import time
-
-    efs = ctx.clients()("efs")
+def delete_file_system(ctx: Context, efs_id: str) -> None:
     ctx.ui.progress(f"deleting EFS file system {efs_id} and every checkpoint on it")
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            for mt in efs.describe_mount_targets(FileSystemId=efs_id).get("MountTargets", []):
-                efs.delete_mount_target(MountTargetId=mt["MountTargetId"])
-            efs.delete_file_system(FileSystemId=efs_id)
-            break
-        except ClientError as e:
-            code = describe_client_error(e)
-            if code.startswith("FileSystemNotFound"):
-                break
-            if not code.startswith("FileSystemInUse") or time.monotonic() > deadline:
-                raise AwsError(f"could not delete EFS file system {efs_id} ({code})") from e
-            time.sleep(5)
+    ctx.gateway().file_systems.delete(efs_id)
     if ctx.local:
         import shutil
 
         from petctl import local as local_cloud
 
         shutil.rmtree(local_cloud.state_dir() / "efs" / efs_id, ignore_errors=True)
-
-
-def _stack_outputs(stack: dict[str, Any]) -> dict[str, str]:
-    return {o["OutputKey"]: o["OutputValue"] for o in stack.get("Outputs", []) or []}
-
-
-def empty_bucket(s3: Any, bucket: str, ctx: Context) -> int:
-    """Delete every object (and version) so CloudFormation can delete the bucket."""
-    count = 0
-    try:
-        paginator = s3.get_paginator("list_object_versions")
-        for page in paginator.paginate(Bucket=bucket):
-            batch = [
-                {"Key": o["Key"], "VersionId": o["VersionId"]}
-                for o in page.get("Versions", []) + page.get("DeleteMarkers", [])
-            ]
-            for i in range(0, len(batch), 1000):
-                s3.delete_objects(Bucket=bucket, Delete={"Objects": batch[i : i + 1000], "Quiet": True})
-                count += len(batch[i : i + 1000])
-    except ClientError as e:
-        if "NoSuchBucket" in describe_client_error(e):
-            return count
-        raise AwsError(f"cannot empty bucket {bucket} ({describe_client_error(e)})") from e
-    if count:
-        ctx.ui.progress(f"emptied bucket {bucket} ({count} objects)")
-    return count
 
 
 def configure(ctx: Context, values: dict[str, Any]) -> dict[str, Any]:

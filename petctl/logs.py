@@ -1,14 +1,16 @@
-"""CloudWatch Logs of a job: the agents write stream ``<job>/<instance-id>``."""
+"""Reading a job's log lines in time order, once each (the agents write stream ``<job>/<instance-id>``)."""
 
 from __future__ import annotations
 
 import re
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from petctl.errors import ConfigError, PetctlError
-from petctl.ui import cmd
+from petctl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from petctl.gateway.logs import Logs
 
 _DURATION = re.compile(r"^(\d+)([smhd])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -24,23 +26,12 @@ def parse_duration(text: str) -> int:
     return int(m.group(1)) * _UNIT[m.group(2)]
 
 
-def has_streams(logs: Any, group: str, job: str) -> bool:
-    """Did any instance of ``job`` ever write a log stream?"""
-    try:
-        streams = logs.describe_log_streams(logGroupName=group, logStreamNamePrefix=f"{job}/", limit=1)
-    except Exception as e:  # noqa: BLE001 - a missing group has no streams
-        if (getattr(e, "response", None) or {}).get("Error", {}).get("Code") == "ResourceNotFoundException":
-            return False
-        raise
-    return bool(streams.get("logStreams"))
-
-
 class LogFollower:
     """New log events of a job on each ``poll()`` (time order, each event once)."""
 
     def __init__(
         self,
-        logs: Any,
+        logs: Logs,
         group: str,
         job: str,
         since_seconds: int | None = None,
@@ -55,22 +46,7 @@ class LogFollower:
         self.seen: set[str] = set()
 
     def poll(self) -> list[dict[str, Any]]:
-        kwargs: dict[str, Any] = {
-            "logGroupName": self.group,
-            "logStreamNamePrefix": self.prefix,
-            "startTime": self.start_ms,
-        }
-        try:
-            batch = []
-            for page in self.logs.get_paginator("filter_log_events").paginate(**kwargs):
-                batch.extend(page.get("events", []))
-        except Exception as e:  # noqa: BLE001
-            code = (getattr(e, "response", None) or {}).get("Error", {}).get("Code")
-            if code == "ResourceNotFoundException":
-                raise PetctlError(
-                    f"log group {self.group} does not exist; was `{cmd('setup')}` run for this profile?"
-                ) from e
-            raise
+        batch = self.logs.events(self.group, self.prefix, self.start_ms)
         new, newest = [], self.start_ms
         for ev in sorted(batch, key=lambda e: (e["timestamp"], e.get("eventId", ""))):
             eid = ev.get("eventId") or f"{ev['logStreamName']}:{ev['timestamp']}:{ev['message']}"
@@ -84,7 +60,7 @@ class LogFollower:
 
 
 def iter_events(
-    logs: Any,
+    logs: Logs,
     group: str,
     job: str,
     since_seconds: int | None = None,

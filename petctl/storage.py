@@ -1,10 +1,11 @@
-"""S3 uploads: the user's script or directory, the job spec, and petctl's own wheel."""
+"""What a job uploads: the user's script or directory (tarred), and petctl's own wheel.
+
+Nothing here talks to AWS: the gateway puts the :class:`Upload` objects."""
 
 from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import shutil
 import subprocess
@@ -15,7 +16,6 @@ import zipfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 from petctl import __version__
 from petctl.errors import ConfigError, PetctlError
@@ -76,46 +76,6 @@ def tar_directory(directory: Path) -> bytes:
                     )
                 tar.add(full, arcname=str(full.relative_to(directory)))
     return buf.getvalue()
-
-
-def put(s3: Any, bucket: str, upload: Upload, kms_key: str | None = None) -> None:
-    """Put one object, encrypted at rest: with ``kms_key`` (the bucket's customer key, which the
-    job roles may use) when given, else with S3's own keys."""
-    extra = (
-        {"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": kms_key}
-        if kms_key
-        else {"ServerSideEncryption": "AES256"}
-    )
-    if upload.data is not None:
-        s3.put_object(Bucket=bucket, Key=upload.key, Body=upload.data, **extra)
-    else:
-        s3.upload_file(upload.path, bucket, upload.key, ExtraArgs=extra)
-
-
-def delete_prefix(s3: Any, bucket: str, prefix: str) -> int:
-    """Delete every object under ``prefix``; returns how many."""
-    count = 0
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-        if keys:
-            s3.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
-            count += len(keys)
-    return count
-
-
-def read_json_objects(s3: Any, bucket: str, prefix: str) -> list[dict[str, Any]]:
-    """Every ``*.json`` object under ``prefix``, parsed; unreadable ones are skipped."""
-    result = []
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        for o in page.get("Contents", []):
-            if not o["Key"].endswith(".json"):
-                continue
-            try:
-                body = s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
-                result.append(json.loads(body))
-            except Exception:  # noqa: BLE001 - a half-written or foreign object must not break status
-                continue
-    return result
 
 
 # -- petctl's own distribution ------------------------------------------------

@@ -44,7 +44,7 @@ def test_configure_rejects_bad_subnet_naming_it(run):
 
 
 def test_configure_prompts_on_terminal_input(run, monkeypatch, profile_data):
-    monkeypatch.setattr("petctl.cli._stdin_is_terminal", lambda: True)
+    monkeypatch.setattr("petctl.commands.common.stdin_is_terminal", lambda: True)
     answers = "\n".join(
         [
             "eu-west-1",

@@ -234,7 +234,7 @@ def test_failed_stack_leaves_nothing_behind(run, ready, profile_data):
 
 def test_interrupted_run_job_cleans_up(run, ready, monkeypatch):
     """Ctrl-C while waiting for the new stack: the stack and the uploads are removed."""
-    from petctl import stacks
+    from petctl.gateway import stacks
 
     real_wait = stacks.Stacks.wait
     calls = []
@@ -441,7 +441,7 @@ def test_jobs_ignores_reports_of_instances_that_are_gone(run, ready):
 
 def test_ctrl_c_during_create_stack_call_cleans_up(run, ready, monkeypatch):
     """The request reached CloudFormation, then Ctrl-C: the stack it made must still go."""
-    from petctl import stacks
+    from petctl.gateway import stacks
 
     real_init = stacks.Stacks.__init__
 
@@ -472,3 +472,25 @@ def test_ctrl_c_during_create_stack_call_cleans_up(run, ready, monkeypatch):
     ]
     assert live == ["petctl-default"]
     assert boto3.client("autoscaling").describe_auto_scaling_groups()["AutoScalingGroups"] == []
+
+
+def test_tls_keys_are_uploaded_encrypted_and_deleted_with_the_job(run, ready):
+    run_job(run, ready)
+    s3 = boto3.client("s3")
+    bucket = [b["Name"] for b in s3.list_buckets()["Buckets"]][0]
+    keys = sorted(objects("petctl/jobs/demo/tls/"))
+    assert keys == [f"petctl/jobs/demo/tls/{n}" for n in ("ca.key", "ca.pem", "client.key", "client.pem")]
+    for key in keys:
+        head = s3.head_object(Bucket=bucket, Key=key)
+        assert head["ServerSideEncryption"] == "AES256", key
+    assert b"BEGIN CERTIFICATE" in s3.get_object(Bucket=bucket, Key=keys[1])["Body"].read()
+    assert run("kill-job", "demo", "--yes").exit_code == 0
+    assert objects("petctl/jobs/demo/tls/") == []  # secrets: nothing needs them after the job
+    assert "petctl/jobs/demo/job.json" in objects("petctl/jobs/demo/")  # the rest is kept
+
+
+def test_kill_job_no_wait_deletes_the_tls_keys_too(run, ready):
+    run_job(run, ready)
+    r = run("kill-job", "demo", "--yes", "--no-wait")
+    assert r.exit_code == 0 and "deletion started" in r.stdout
+    assert objects("petctl/jobs/demo/tls/") == []

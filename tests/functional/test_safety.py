@@ -19,8 +19,8 @@ from pathlib import Path
 import boto3
 import pytest
 
-from petctl import stacks as stacks_mod
 from petctl.errors import StackWaitTimeout
+from petctl.gateway import stacks as stacks_mod
 
 
 def live_stacks() -> list[str]:
@@ -322,6 +322,14 @@ def test_an_existing_sse_kms_bucket_gives_the_job_roles_its_key(run, tmp_path):
         assert grant["Action"] == ["kms:Decrypt", "kms:GenerateDataKey"]
         assert grant["Resource"] == {"Ref": "BucketKmsKeyArn"}
         assert "kms:ViaService" in grant["Condition"]["StringEquals"]
+    # The job's uploads, its TLS keys included, encrypt with that key, which its roles may use.
+    r = run("run-job", "--name", "kmsjob", "--min", "1", "--max", "1", str(script))
+    assert r.exit_code == 0, r.output
+    listed = s3.list_objects_v2(Bucket="kms-bucket", Prefix="petctl/jobs/kmsjob/")["Contents"]
+    assert any("/tls/" in o["Key"] for o in listed)
+    for o in listed:
+        head = s3.head_object(Bucket="kms-bucket", Key=o["Key"])
+        assert head["ServerSideEncryption"] == "aws:kms" and head["SSEKMSKeyId"] in (key["Arn"], key["KeyId"])
 
 
 def test_a_bucket_whose_kms_key_petctl_cannot_use_is_refused(run):

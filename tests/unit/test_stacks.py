@@ -10,7 +10,7 @@ import pytest
 from botocore.stub import ANY, Stubber
 
 from petctl.errors import StackError
-from petctl.stacks import Stacks
+from petctl.gateway.stacks import Stacks
 from petctl.ui import UI
 
 NOW = dt.datetime.now(dt.timezone.utc)

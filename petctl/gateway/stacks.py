@@ -7,8 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from petctl.aws import ClientError
+from petctl import naming
 from petctl.errors import AwsError, StackError, StackWaitTimeout, describe_client_error
+from petctl.gateway.session import ClientError
 from petctl.ui import UI
 
 IN_PROGRESS = "_IN_PROGRESS"
@@ -72,6 +73,13 @@ class Stacks:
         except ClientError as e:
             raise AwsError(f"cannot list stacks ({describe_client_error(e)})") from e
         return result
+
+    def job_stacks(self, profile: str) -> list[dict[str, Any]]:
+        """Live job stacks of ``profile`` (job stacks are named per account and region, not per
+        profile: the ``petctl:profile`` tag tells whose they are)."""
+        return [
+            s for s in self.list_stacks(naming.job_stack("")) if tags_of(s).get("petctl:profile") == profile
+        ]
 
     def failure_reasons(self, name: str, since: Any = None) -> list[str]:
         """``LogicalId (Type): reason`` for every failed resource event, oldest first."""
@@ -196,6 +204,10 @@ class Stacks:
                 f"could not delete the failed stack {name}: {e}; delete it in the CloudFormation console"
             )
 
+    def start_delete(self, name: str) -> None:
+        """Start deleting a stack and return at once."""
+        self.cf.delete_stack(StackName=name)
+
     def delete(self, name: str, timeout: float = 1800) -> bool:
         """Delete a stack and wait; False if it did not exist."""
         stack = self.describe(name)
@@ -260,3 +272,11 @@ class Stacks:
 
 def outputs_of(stack: dict[str, Any]) -> dict[str, str]:
     return {o["OutputKey"]: o["OutputValue"] for o in stack.get("Outputs", []) or []}
+
+
+def parameters_of(stack: dict[str, Any]) -> dict[str, str | None]:
+    return {p["ParameterKey"]: p.get("ParameterValue") for p in stack.get("Parameters", []) or []}
+
+
+def tags_of(stack: dict[str, Any]) -> dict[str, str]:
+    return {t["Key"]: t["Value"] for t in stack.get("Tags", []) or []}

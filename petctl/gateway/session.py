@@ -1,4 +1,4 @@
-"""boto3 sessions and clients: profile, region, endpoint URL, retries.
+"""boto3 sessions and clients: profile, region, endpoint URL, retries, --debug call logging.
 
 Clients are created lazily and cached. The endpoint comes from boto3's own
 ``AWS_ENDPOINT_URL`` handling (the local cloud sets it), so the code path is
@@ -22,6 +22,17 @@ from petctl.ui import cmd
 _RETRIES = botocore.config.Config(
     retries={"max_attempts": 8, "mode": "standard"}, connect_timeout=10, read_timeout=60
 )
+
+
+NO_CREDENTIALS = "no AWS credentials found: run `aws configure`, set AWS_PROFILE, or try `petctl --local`"
+
+
+def default_region() -> str | None:
+    """The region aws-cli would use (AWS_REGION, AWS_DEFAULT_REGION, then ~/.aws/config)."""
+    try:
+        return boto3.session.Session().region_name
+    except Exception:  # noqa: BLE001 - a broken ~/.aws/config only loses the default
+        return None
 
 
 class Clients:
@@ -65,9 +76,7 @@ class Clients:
         try:
             return self("sts").get_caller_identity()["Account"]
         except botocore.exceptions.NoCredentialsError as e:
-            raise ConfigError(
-                "no AWS credentials found: run `aws configure`, set AWS_PROFILE, or try `petctl --local`"
-            ) from e
+            raise ConfigError(NO_CREDENTIALS) from e
         except botocore.exceptions.ClientError as e:
             raise AwsError(f"AWS rejected the credentials ({describe_client_error(e)})") from e
         except botocore.exceptions.EndpointConnectionError as e:
@@ -114,14 +123,4 @@ def _log_calls(client: Any, debug: Callable[[str], None]) -> None:
     events.register("after-call.*.*", report)
 
 
-def is_not_found(err: Exception) -> bool:
-    """True for a ClientError that means "no such thing"."""
-    code = (getattr(err, "response", None) or {}).get("Error", {}).get("Code", "")
-    msg = (getattr(err, "response", None) or {}).get("Error", {}).get("Message", "")
-    return code in ("ValidationError", "NoSuchKey", "NoSuchBucket", "ResourceNotFoundException", "404") and (
-        "does not exist" in msg or code != "ValidationError"
-    )
-
-
 ClientError = botocore.exceptions.ClientError
-BotoCoreError = botocore.exceptions.BotoCoreError

@@ -1,0 +1,219 @@
+"""A validated request becomes a :class:`Plan`: plain data, made without any AWS call.
+
+What the plan needs from AWS or the disk is gathered before and handed in: the code (read,
+tarred and checked by :func:`prepare_code`), the profile (its VPC looked up by
+``lookups.resolve_vpc``), the AMI's root device (``lookups.resolve_ami``). ``--dry-run``
+prints the plan; ``apply`` carries it out.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from petctl import __version__, naming, storage, templates
+from petctl.config import Profile
+from petctl.errors import ConfigError
+from petctl.jobs.request import JobRequest, default_job_name, instance_types, is_gpu, sanitize_tag_value
+from petctl.storage import Upload, parse_s3_url
+from petctl.ui import cmd
+
+
+@dataclass
+class Code:
+    """The training code as it will reach the instances, read and checked before planning.
+
+    ``kind`` is ``script`` (a local file), ``dir`` (a local directory, tarred into ``data``) or
+    ``s3`` (a script already in S3 at ``url``); ``script`` and ``args`` are what every node runs.
+    """
+
+    kind: str
+    script: str
+    args: list[str]
+    path: str | None = None
+    data: bytes | None = None
+    url: str | None = None
+    source: str = ""
+    #: petctl's own wheel, which every instance installs (None: the released one is named).
+    dist: Path | None = None
+
+
+def prepare_code(req: JobRequest, dist: Path | None = None) -> Code:
+    """Read the request's target (a directory is tarred here, and refused when too large)."""
+    args = list(req.args)
+    if req.target.startswith("s3://"):
+        return Code("s3", Path(parse_s3_url(req.target)[1]).name, args, url=req.target, dist=dist)
+    target = Path(req.target)
+    if target.is_dir():
+        data = storage.tar_directory(target)
+        return Code("dir", args[0], args[1:], data=data, source=f"tar of {req.target}", dist=dist)
+    return Code("script", target.name, args, path=str(target.resolve()), dist=dist)
+
+
+@dataclass
+class Plan:
+    """Everything ``run-job`` would do, as plain data."""
+
+    job_name: str
+    stack_name: str
+    template: str
+    parameters: list[dict[str, str]]
+    uploads: list[Upload]
+    spec: dict[str, Any]
+    tags: dict[str, str]
+    bucket: str
+    #: The bucket's customer KMS key, which the job's roles may use: uploads encrypt with it.
+    kms_key: str | None = None
+    warm_pool: int = 0
+
+    @property
+    def parameter_values(self) -> dict[str, str]:
+        return {p["ParameterKey"]: p["ParameterValue"] for p in self.parameters}
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "job": self.job_name,
+            "stack": self.stack_name,
+            "parameters": self.parameter_values,
+            "uploads": [
+                {"s3_url": f"s3://{self.bucket}/{u.key}", "from": u.path or u.description, "bytes": u.size()}
+                for u in self.uploads
+            ],
+            "spec": self.spec,
+            "tags": self.tags,
+            "warm_pool": self.warm_pool,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``--dry-run --output json`` document."""
+        return {**self.summary(), "template": self.template}
+
+
+def plan(req: JobRequest, profile: Profile, code: Code, *, user: str, region: str | None) -> Plan:
+    """The plan for a validated ``req`` (``validate_request``) in a ready ``profile``."""
+    job = req.name or default_job_name(req, profile.name)
+    prefix = naming.job_prefix(job)
+    bucket = profile.bucket
+    uploads: list[Upload] = []
+    if code.kind == "s3":
+        code_url = code.url
+    else:
+        key = prefix + ("code/code.tar.gz" if code.kind == "dir" else "code/" + code.script)
+        uploads.append(Upload(key=key, path=code.path, data=code.data, description=code.source))
+        code_url = f"s3://{bucket}/{key}"
+    dist_name = code.dist.name if code.dist is not None else f"petctl-{__version__}-py3-none-any.whl"
+    if code.dist is not None:
+        uploads.append(Upload(key=prefix + "dist/" + dist_name, path=str(code.dist)))
+    spec = {
+        "version": 1,
+        "job_name": job,
+        "user": user,
+        "region": region,
+        "min_nodes": req.min_nodes,
+        "max_nodes": req.max_nodes,
+        "nproc_per_node": req.nproc_per_node if req.nproc_per_node == "auto" else int(req.nproc_per_node),
+        "code_url": code_url,
+        "code_kind": code.kind,
+        "script": code.script,
+        "args": list(code.args),
+        "env": dict(req.env),
+        "checkpoint_dir": naming.checkpoint_dir(job),
+        "status_url": f"s3://{bucket}/{prefix}status/",
+        "log_group": profile.log_group or naming.log_group(profile.name),
+        "worker_group": naming.worker_group(job),
+        "rdzv_group": naming.rdzv_group(job),
+        "lifecycle_hook": naming.LIFECYCLE_HOOK,
+        "drain_timeout": req.drain_timeout,
+        "rdzv_port": naming.RDZV_PORT,
+        "petctl_version": __version__,
+        "torch_version": req.torch_version,
+        "max_restarts": req.max_restarts,
+        "join_timeout": req.join_timeout,
+        "rdzv_backend": req.rdzv_backend,
+    }
+    uploads.append(
+        Upload(key=prefix + "job.json", data=json.dumps(spec, indent=2).encode(), description="job spec")
+    )
+    own_roles = _own_roles(profile)
+    types = instance_types(req)
+    template = templates.render_job(
+        gpu=is_gpu(req.instance_type),
+        spot=req.spot,
+        ami_override=req.ami is not None,
+        instance_types=len(types),
+        own_roles=own_roles,
+        bucket_kms=own_roles and bool(profile.bucket_kms_key_arn),
+        # F's render_job(warm_pool=...) pending
+        **({"warm_pool": True} if req.warm_pool else {}),
+    )
+    values = _parameters(req, profile, job, types, own_roles, spec_url=f"s3://{bucket}/{prefix}job.json")
+    values["DistUrl"] = f"s3://{bucket}/{prefix}dist/{dist_name}"
+    values["User"] = sanitize_tag_value(user)
+    if own_roles:
+        values["LogGroupName"] = spec["log_group"]
+    parameters = templates.job_parameters(template=template, **values)
+    tags = {"petctl:job": job, "petctl:user": sanitize_tag_value(user), "petctl:profile": profile.name}
+    kms_key = profile.bucket_kms_key_arn if own_roles else None
+    return Plan(
+        job, naming.job_stack(job), template, parameters, uploads, spec, tags, bucket, kms_key, req.warm_pool
+    )
+
+
+def _own_roles(profile: Profile) -> bool:
+    """Least privilege across jobs: the job stack makes this job's own roles, unless the profile
+    records existing instance profiles (``configure``), which the instances then use as they are."""
+    given_roles = [profile.worker_instance_profile_arn, profile.rdzv_instance_profile_arn]
+    if any(given_roles) and not all(given_roles):
+        raise ConfigError(
+            f"profile {profile.name!r} records only one of worker_instance_profile_arn and "
+            f"rdzv_instance_profile_arn; give both with `{cmd('configure')}`, or neither (each job then "
+            f"gets its own roles)"
+        )
+    if not profile.vpc_id:
+        raise ConfigError(
+            f"profile {profile.name!r} records no vpc_id (the VPC of subnet {profile.subnet_ids[0]}), "
+            f"which the job's security groups need; look it up first (jobs.resolve_vpc)"
+        )
+    return not all(given_roles)
+
+
+def _parameters(
+    req: JobRequest, profile: Profile, job: str, types: list[str], own_roles: bool, spec_url: str
+) -> dict[str, Any]:
+    values: dict[str, Any] = {
+        "JobName": job,
+        "InstanceType": types[0],
+        "RdzvInstanceType": req.rdzv_instance_type,
+        "MinSize": str(req.min_nodes),
+        "MaxSize": str(req.max_nodes),
+        "DesiredCapacity": str(req.size),
+        "SubnetIds": ",".join(profile.subnet_ids),
+        "RdzvSubnetId": profile.subnet_ids[0],
+        "VpcId": profile.vpc_id,
+        "SecurityGroupId": profile.security_group_id,
+        "EfsId": profile.efs_id,
+        "SpecUrl": spec_url,
+        "BucketName": profile.bucket,
+        "DrainTimeout": str(req.drain_timeout),
+        "TorchVersion": req.torch_version,
+    }
+    if own_roles:
+        if profile.bucket_kms_key_arn:
+            values["BucketKmsKeyArn"] = profile.bucket_kms_key_arn
+    else:
+        values["WorkerInstanceProfileArn"] = profile.worker_instance_profile_arn
+        values["RdzvInstanceProfileArn"] = profile.rdzv_instance_profile_arn
+    if req.ami is not None:
+        values["ImageId"] = req.ami
+        # An AMI's root device name differs by distribution (/dev/xvda, /dev/sda1): the encrypted
+        # root volume must be mapped onto it, not added as a second disk.
+        values["RootDeviceName"] = req.root_device_name
+    if len(types) > 1:
+        values["InstanceTypes"] = ",".join(types)
+    if req.spot:
+        values["OnDemandBaseCapacity"] = str(req.min_nodes)
+    if req.warm_pool:
+        values["WarmPoolSize"] = str(req.warm_pool)
+    return values

@@ -1,0 +1,20 @@
+"""From a request to a plan, in order: validate, look up what AWS must tell, read the code, plan."""
+
+from __future__ import annotations
+
+from petctl import storage
+from petctl.context import Context
+from petctl.jobs.lookups import check_code_url, resolve_ami, resolve_vpc
+from petctl.jobs.planning import Plan, plan, prepare_code
+from petctl.jobs.request import JobRequest, validate_request
+
+
+def prepare(ctx: Context, req: JobRequest) -> Plan:
+    """The plan ``run-job`` shows (``--dry-run``) or applies; nothing is created here."""
+    validate_request(req)
+    ctx.profile.require_ready()
+    check_code_url(ctx, req)
+    resolve_ami(ctx, req)
+    resolve_vpc(ctx)
+    code = prepare_code(req, dist=storage.dist_wheel())
+    return plan(req, ctx.profile, code, user=ctx.user, region=ctx.region)

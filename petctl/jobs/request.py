@@ -1,0 +1,200 @@
+"""A job request as the user gives it, and its validation: everything is checked here, before
+any file is read for upload or any AWS call is made."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from petctl import naming
+from petctl.errors import ConfigError
+from petctl.storage import parse_s3_url
+
+# NVIDIA GPU families the default image supports: the Deep Learning Base OSS Nvidia Driver AMI
+# (Amazon Linux 2023) lists G4dn, G5, G6, Gr6, G6e, G6f, G7, G7e, P4d/P4de, P5/P5e/P5en, P6.
+DLAMI_GPU_FAMILY = re.compile(r"^(g4dn|g5|g6|gr6|g6e|g6f|g7|g7e|p4d|p4de|p5|p5e|p5en|p6-b\d+)$")
+# Older NVIDIA families that image does not support (its drivers dropped Kepler/Maxwell/Volta).
+OLD_GPU_FAMILY = re.compile(r"^(p2|p3|p3dn|g3|g3s)$")
+UNSUPPORTED_FAMILY = re.compile(r"^(a1|[a-z]+\d+g[a-z]*|g4ad|inf\d*|trn\d*|dl\d*|p6e-.*)$")
+DEFAULT_INSTANCE_TYPE = "c6i.large"
+DEFAULT_RDZV_INSTANCE_TYPE = "t3.small"
+DEFAULT_DRAIN_TIMEOUT = 120
+# A spot node gets a 2-minute interruption notice: its drain must end inside it.
+DEFAULT_SPOT_DRAIN_TIMEOUT = 90
+INSTANCE_TYPE_RE = re.compile(r"^[a-z][a-z0-9-]*\d[a-z0-9-]*\.[a-z0-9]+$")
+
+# One torch per job. The default is the version CI tests the agent with; the range is where the
+# agent's torch internals were checked (the agent verifies them again at start, torch_compat).
+DEFAULT_TORCH_VERSION = "2.13.0"
+SUPPORTED_TORCH = ((2, 9), (2, 13))  # inclusive, major.minor
+TORCH_VERSION_RE = re.compile(r"^(\d+)\.(\d+)\.(\d+)$")
+DEFAULT_MAX_RESTARTS = 10
+DEFAULT_JOIN_TIMEOUT = 1800
+MAX_WARM_POOL = 100
+
+
+@dataclass
+class JobRequest:
+    target: str
+    args: list[str] = field(default_factory=list)
+    min_nodes: int = 1
+    max_nodes: int = 1
+    size: int | None = None
+    name: str | None = None
+    instance_type: str = DEFAULT_INSTANCE_TYPE
+    rdzv_instance_type: str = DEFAULT_RDZV_INSTANCE_TYPE
+    nproc_per_node: str = "auto"
+    spot: bool = False
+    ami: str | None = None
+    drain_timeout: int | None = None  # DEFAULT_(SPOT_)DRAIN_TIMEOUT, set by validate_request
+    env: dict[str, str] = field(default_factory=dict)
+    torch_version: str = DEFAULT_TORCH_VERSION
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    join_timeout: int = DEFAULT_JOIN_TIMEOUT
+    rdzv_backend: str = "petctl-etcd"  # petctl_agent.spec.RDZV_BACKENDS
+    root_device_name: str | None = None  # of --ami, looked up by resolve_ami()
+    #: Stopped instances, pre-booted with the job's environment, that a scale-up takes first.
+    warm_pool: int = 0
+
+
+def family(instance_type: str) -> str:
+    return instance_type.split(".", 1)[0]
+
+
+def is_gpu(instance_type: str) -> bool:
+    """An NVIDIA GPU type (the first of a comma-separated list speaks for all of them)."""
+    first = family(instance_type.split(",", 1)[0])
+    return bool(DLAMI_GPU_FAMILY.match(first) or OLD_GPU_FAMILY.match(first))
+
+
+def instance_types(req: JobRequest) -> list[str]:
+    return [t.strip() for t in req.instance_type.split(",") if t.strip()]
+
+
+def sanitize_tag_value(value: str) -> str:
+    """A tag value AWS accepts everywhere (EC2, Auto Scaling, CloudFormation): letters, digits,
+    spaces and ``_.:/=+-@``, at most 128 characters (other characters become '-')."""
+    return (re.sub(r"[^\w .:/=+\-@]", "-", value, flags=re.ASCII).strip()[:128]) or "unknown"
+
+
+def default_job_name(req: JobRequest, profile: str = "") -> str:
+    """``<script stem>-<4 hex>``, the same for the same request: a dry run names the job the real
+    run will make, and running the same command twice finds the first job instead of a twin."""
+    target = req.target if req.target.startswith("s3://") else str(Path(req.target).resolve())
+    stem = Path(req.target.rstrip("/")).stem
+    stem = re.sub(r"[^a-z0-9-]+", "-", stem.lower()).strip("-") or "job"
+    if not stem[0].isalpha():
+        stem = "job-" + stem
+    fields = {k: v for k, v in asdict(req).items() if k not in ("name", "target", "root_device_name")}
+    if not req.warm_pool:
+        del fields["warm_pool"]  # jobs named before warm pools existed keep their names
+    digest = hashlib.sha1(json.dumps([profile, target, fields], sort_keys=True).encode()).hexdigest()[:4]
+    return f"{stem[:30].rstrip('-')}-{digest}"
+
+
+def validate_request(req: JobRequest) -> JobRequest:
+    """Check sizes, name and target before anything is created."""
+    size = req.min_nodes if req.size is None else req.size
+    if req.min_nodes < 1:
+        raise ConfigError(f"--min {req.min_nodes} is invalid: a job needs at least 1 node")
+    if req.max_nodes < req.min_nodes:
+        raise ConfigError(f"--max {req.max_nodes} is smaller than --min {req.min_nodes}")
+    if not req.min_nodes <= size <= req.max_nodes:
+        raise ConfigError(f"--size {size} is outside [--min {req.min_nodes}, --max {req.max_nodes}]")
+    req.size = size
+    if req.name is not None and not naming.JOB_NAME_RE.match(req.name):
+        raise ConfigError(
+            f"job name {req.name!r} is invalid: 2-40 characters, lower-case letters, digits and '-', "
+            f"starting with a letter"
+        )
+    types = instance_types(req)
+    if not types or len(types) > 20:
+        raise ConfigError(
+            f"--instance-type {req.instance_type!r}: give 1 to 20 comma-separated instance types"
+        )
+    for t in types:
+        if not INSTANCE_TYPE_RE.match(t):
+            raise ConfigError(f"--instance-type {t!r} is not an EC2 instance type like c6i.large")
+        if len(types) > 1 and types.count(t) > 1:
+            raise ConfigError(f"--instance-type lists {t} twice")
+        if req.ami is None and UNSUPPORTED_FAMILY.match(family(t)):
+            raise ConfigError(
+                f"--instance-type {t}: Graviton, Inferentia, Trainium and AMD GPU types need an "
+                f"image petctl does not pick for you; pass --ami, or use an x86 CPU or NVIDIA GPU type"
+            )
+        if req.ami is None and OLD_GPU_FAMILY.match(family(t)):
+            raise ConfigError(
+                f"--instance-type {t}: the Deep Learning AMI does not support {family(t)}; use a G4dn, G5, "
+                f"G6, G6e, P4d, P5 or newer type, or pass --ami with an image that does"
+            )
+    if len({is_gpu(t) for t in types}) > 1:
+        raise ConfigError(
+            f"--instance-type {req.instance_type}: mixes GPU and CPU types, which need different images; "
+            f"list only one kind"
+        )
+    if not INSTANCE_TYPE_RE.match(req.rdzv_instance_type) or UNSUPPORTED_FAMILY.match(
+        family(req.rdzv_instance_type)
+    ):
+        raise ConfigError(
+            f"--rdzv-instance-type {req.rdzv_instance_type!r}: the rendezvous server runs the x86_64 "
+            f"Amazon Linux 2023 image; use an x86 type like t3.small"
+        )
+    if req.nproc_per_node != "auto" and not (req.nproc_per_node.isdigit() and int(req.nproc_per_node) >= 1):
+        raise ConfigError(
+            f"--nproc-per-node {req.nproc_per_node!r} is invalid: use 'auto' or a positive integer"
+        )
+    if req.ami is not None and not re.match(r"^ami-[0-9a-f]{8,17}$", req.ami):
+        raise ConfigError(f"--ami {req.ami!r} is not an AMI id like ami-0abc12345")
+    _check_warm_pool(req, types)
+    if req.drain_timeout is None:
+        req.drain_timeout = DEFAULT_SPOT_DRAIN_TIMEOUT if req.spot else DEFAULT_DRAIN_TIMEOUT
+    if req.drain_timeout < 30 or req.drain_timeout > 7200:
+        raise ConfigError(f"--drain-timeout {req.drain_timeout} is out of range: use 30 to 7200 seconds")
+    m = TORCH_VERSION_RE.match(req.torch_version)
+    lo, hi = SUPPORTED_TORCH
+    if not m or not lo <= (int(m.group(1)), int(m.group(2))) <= hi:
+        raise ConfigError(
+            f"--torch-version {req.torch_version!r} is not supported: use a release like "
+            f"{DEFAULT_TORCH_VERSION} from {lo[0]}.{lo[1]}.0 to {hi[0]}.{hi[1]}.x"
+        )
+    if not 0 <= req.max_restarts <= 1000:
+        raise ConfigError(f"--max-restarts {req.max_restarts} is out of range: use 0 to 1000")
+    if not 60 <= req.join_timeout <= 7 * 86400:
+        raise ConfigError(
+            f"--join-timeout {req.join_timeout} is out of range: use 60 to 604800 seconds (7 days)"
+        )
+    if req.target.startswith("s3://"):
+        parse_s3_url(req.target)
+        if req.target.endswith("/"):
+            raise ConfigError(f"{req.target} is a prefix: give the URL of the script itself")
+    else:
+        p = Path(req.target)
+        if not p.exists():
+            raise ConfigError(f"{req.target} does not exist: give a script, a directory or an s3:// URL")
+        if p.is_dir() and not req.args:
+            raise ConfigError(
+                f"{req.target} is a directory: give the script inside it as the first argument after --"
+            )
+        if p.is_dir() and not (p / req.args[0]).is_file():
+            raise ConfigError(f"{req.args[0]} is not a file inside {req.target}")
+    return req
+
+
+def _check_warm_pool(req: JobRequest, types: list[str]) -> None:
+    if not 0 <= req.warm_pool <= MAX_WARM_POOL:
+        raise ConfigError(f"--warm-pool {req.warm_pool} is out of range: use 0 to {MAX_WARM_POOL}")
+    if not req.warm_pool:
+        return
+    if req.spot or len(types) > 1:
+        raise ConfigError(
+            f"--warm-pool cannot go with {'--spot' if req.spot else 'several --instance-type values'}: "
+            f"AWS does not allow a warm pool on a group with Spot instances or a mixed instances policy"
+        )
+    if req.warm_pool > req.max_nodes:
+        raise ConfigError(
+            f"--warm-pool {req.warm_pool} is more than --max {req.max_nodes}: the group never runs more "
+            f"than --max nodes, so the rest of the pool would only cost; use --warm-pool {req.max_nodes} or fewer"
+        )

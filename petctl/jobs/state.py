@@ -1,0 +1,376 @@
+"""A job's status, derived from facts gathered beforehand: pure, no AWS call, no clock read.
+
+:func:`derive` turns :class:`Facts` (the stack, the worker group, the hosts, what the agents and
+boot scripts published) into a :class:`JobStatus`, whose ``to_dict()`` is the ``status --output
+json`` document (docs/contracts.md). A new agent state is handled in :func:`overall_state` and
+:func:`ever_trained`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Boot logs (s3://<bucket>/petctl/jobs/<job>/boot/) after which, with no agent ever training, the
+#: job counts as FAILED; the boot scripts scale the groups to zero at the same count (common.sh.j2).
+BOOT_FAILURES_TO_FAIL = 3
+#: How much of the newest boot log status shows.
+BOOT_LOG_LINES = 15
+#: A draining agent out of its group (the group lists it no more, while it checkpoints and
+#: leaves) still counts this long after its last report: the longest drain timeout.
+DRAINING_GRACE_S = 7200
+FINAL_STATES = ("SUCCEEDED", "FAILED", "GONE", "DELETING")
+#: The agent-side fields a host row of ``status`` shows.
+AGENT_FIELDS = ("world_size", "round", "restarts", "last_step", "last_checkpoint_step", "reason")
+
+
+@dataclass
+class AgentStatus:
+    """One agent's report (``status/<instance-id>.json``); ``raw`` keeps fields petctl does not read."""
+
+    raw: dict[str, Any]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.raw.get(key, default)
+
+    @property
+    def instance_id(self) -> str | None:
+        return self.raw.get("instance_id")
+
+    @property
+    def state(self) -> str | None:
+        return self.raw.get("state")
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return self.raw.get("events") or []
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.raw
+
+
+@dataclass
+class Host:
+    """An instance of the job: what its group and EC2 say, and what its agent reports.
+
+    A host of the warm pool (``Warmed:*``) is shown as ``WARMED``: it is stopped, never joins the
+    rendezvous and is no running capacity. A draining host the group no longer lists is
+    ``draining_only`` (known from its agent's report alone).
+    """
+
+    role: str
+    instance_id: str | None
+    lifecycle_state: str | None
+    availability_zone: str | None = None
+    health: str | None = None
+    instance_type: str | None = None
+    private_ip: str | None = None
+    spot: bool = False
+    ssm: str | None = None
+    agent: dict[str, Any] | None = None
+    draining_only: bool = False
+
+    @property
+    def warmed(self) -> bool:
+        return (self.lifecycle_state or "").startswith("Warmed:")
+
+    @property
+    def agent_state(self) -> str | None:
+        if self.warmed:
+            return "WARMED"
+        return (self.agent or {}).get("state")
+
+    def to_dict(self) -> dict[str, Any]:
+        """``list-hosts`` rows, and with the agent's fields once ``agent`` is set (``status``)."""
+        if self.draining_only:
+            a = self.agent or {}
+            row = {"role": self.role, "instance_id": self.instance_id, "private_ip": self.private_ip}
+            row |= {"lifecycle_state": self.lifecycle_state, "agent_state": "DRAINING"}
+            return row | {k: a.get(k) for k in AGENT_FIELDS if k != "last_checkpoint_step"}
+        row = {
+            "role": self.role,
+            "instance_id": self.instance_id,
+            "availability_zone": self.availability_zone,
+            "lifecycle_state": self.lifecycle_state,
+            "health": self.health,
+            "instance_type": self.instance_type,
+            "private_ip": self.private_ip,
+            "spot": self.spot,
+            "ssm": self.ssm,
+        }
+        if self.agent is None:
+            return row
+        return row | {"agent_state": self.agent_state} | {k: self.agent.get(k) for k in AGENT_FIELDS}
+
+
+@dataclass
+class BootFailures:
+    """The boot logs failing instances published: how many, and the newest one's last lines."""
+
+    count: int = 0
+    instance_id: str | None = None
+    at: str | None = None
+    last_lines: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "count": self.count,
+            "instance_id": self.instance_id,
+            "at": self.at,
+            "last_lines": self.last_lines,
+        }
+
+
+@dataclass
+class Facts:
+    """Everything a status is derived from, as gathered (``observe.gather``)."""
+
+    job: str
+    stack: dict[str, Any]
+    group: dict[str, Any]
+    hosts: list[Host]
+    reports: list[dict[str, Any]]
+    boot: BootFailures
+    boot_docs: list[dict[str, Any]]
+    now: float
+
+
+@dataclass
+class JobStatus:
+    job: str
+    state: str
+    reason: str | None
+    boot_failures: BootFailures
+    boot_events: list[dict[str, Any]]
+    stack_status: str
+    min: int | None
+    max: int | None
+    desired: int | None
+    in_service: int
+    world_size: int | None
+    last_step: int | None
+    last_checkpoint_step: int | None
+    restarts: int
+    rounds: int
+    reports_progress: bool
+    uptime_s: float | None
+    hosts: list[Host]
+    agents: list[AgentStatus]
+    events: list[dict[str, Any]]
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL_STATES
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "job": self.job,
+            "state": self.state,
+            # Why a job failed, when petctl knows it (for now: every boot keeps failing).
+            "reason": self.reason,
+            "boot_failures": self.boot_failures.to_dict(),
+            "boot_events": self.boot_events,
+            "stack_status": self.stack_status,
+            "min": self.min,
+            "max": self.max,
+            "desired": self.desired,
+            "in_service": self.in_service,
+            "world_size": self.world_size,
+            "last_step": self.last_step,
+            "last_checkpoint_step": self.last_checkpoint_step,
+            "restarts": self.restarts,
+            "rounds": self.rounds,
+            # A script that does not use the checkpoint helper reports no step: say so, not '-'.
+            "reports_progress": self.reports_progress,
+            "uptime_s": self.uptime_s,
+            "hosts": [h.to_dict() for h in self.hosts],
+            "agents": [a.to_dict() for a in self.agents],
+            "events": self.events,
+        }
+
+
+def derive(f: Facts) -> JobStatus:
+    """The job's status from its facts (docs/contracts.md, Agent status and Boot failures)."""
+    agents = [AgentStatus(r) for r in f.reports]
+    by_id = {a.instance_id: a for a in agents}
+    hosts = list(f.hosts)
+    live = {h.instance_id for h in hosts}
+    for h in hosts:
+        h.agent = by_id.get(h.instance_id, AgentStatus({})).raw
+    current = current_agents(f.reports, live, f.now)
+    for a in current:
+        if a.get("instance_id") not in live and a.get("state") == "DRAINING":
+            # Out of the group's list, not gone yet: it is checkpointing and leaving.
+            hosts.append(
+                Host(
+                    role="worker",
+                    instance_id=a.get("instance_id"),
+                    private_ip=a.get("private_ip"),
+                    lifecycle_state="Terminating",
+                    agent=a,
+                    draining_only=True,
+                )
+            )
+    steps = [a.get("last_step") for a in agents if a.get("last_step") is not None]
+    ckpts = [a.get("last_checkpoint_step") for a in agents if a.get("last_checkpoint_step") is not None]
+    worlds = [a.get("world_size") for a in current if a.get("state") == "RUNNING" and a.get("world_size")]
+    events = sorted(
+        ({**e, "instance_id": a.instance_id} for a in agents for e in a.events),
+        key=lambda e: e.get("t", 0),
+    )
+    desired = f.group.get("DesiredCapacity")
+    failed_boot = boot_failed(f.boot, ever_trained(f.reports), desired)
+    state = overall_state(f.stack["StackStatus"], current, desired, failed_boot)
+    return JobStatus(
+        job=f.job,
+        state=state,
+        reason=boot_failure_reason(f.boot) if failed_boot and state == "FAILED" else None,
+        boot_failures=f.boot,
+        boot_events=boot_phases(f.boot_docs),
+        stack_status=f.stack["StackStatus"],
+        min=f.group.get("MinSize"),
+        max=f.group.get("MaxSize"),
+        desired=desired,
+        in_service=in_service(f.group),
+        world_size=max(worlds) if worlds else None,
+        last_step=max(steps) if steps else None,
+        last_checkpoint_step=max(ckpts) if ckpts else None,
+        restarts=max((a.get("restarts") or 0 for a in agents), default=0),
+        rounds=max((a.get("round") or 0 for a in agents), default=0),
+        reports_progress=bool(steps),
+        uptime_s=uptime(f.stack, f.reports, f.now),
+        hosts=hosts,
+        agents=agents,
+        events=events,
+    )
+
+
+def in_service(group: dict[str, Any]) -> int:
+    """Running capacity: instances in service (a warm pool's ``Warmed:*`` ones are not)."""
+    return sum(1 for i in group.get("Instances", []) if i.get("LifecycleState") == "InService")
+
+
+def overall_state(
+    stack_status: str | None,
+    agents: list[dict[str, Any]],
+    desired: int | None,
+    boot_failure: bool = False,
+) -> str:
+    """The job's state from its stack, its agents' reports and its boot logs (contracts.md)."""
+    if stack_status is None:
+        return "GONE"
+    if stack_status.startswith("DELETE"):
+        return "DELETING"
+    if stack_status.endswith("_FAILED") or stack_status in ("ROLLBACK_COMPLETE", "ROLLBACK_IN_PROGRESS"):
+        return "FAILED"
+    if stack_status.endswith("_IN_PROGRESS") and stack_status.startswith("CREATE"):
+        return "STARTING"
+    if boot_failure:
+        return "FAILED"
+    states = [a.get("state") for a in agents]
+    if "FAILED" in states:
+        return "FAILED"
+    if "SUCCEEDED" in states and not any(s in ("RUNNING", "RENDEZVOUS", "STARTING") for s in states):
+        return "SUCCEEDED"
+    if "RENDEZVOUS" in states:
+        return "RENDEZVOUS"
+    if "RUNNING" in states:
+        return "RUNNING"
+    if desired == 0:
+        return "STOPPED"
+    return "STARTING"
+
+
+def current_agents(agents: list[dict[str, Any]], live: set[Any], now: float) -> list[dict[str, Any]]:
+    """Reports that still speak for the job: live instances, final results of gone ones, and
+    nodes still draining after their group let go of them.
+
+    A hard-killed instance leaves its last report (say RUNNING) behind; it must not count.
+    """
+
+    def speaks(a: dict[str, Any]) -> bool:
+        if a.get("instance_id") in live or a.get("state") in ("SUCCEEDED", "FAILED"):
+            return True
+        return a.get("state") == "DRAINING" and now - float(a.get("updated_at") or 0) < DRAINING_GRACE_S
+
+    return [a for a in agents if speaks(a)]
+
+
+def ever_trained(agents: list[dict[str, Any]]) -> bool:
+    """Whether any agent of the job ever had its workers running (or finished)."""
+    for a in agents:
+        if a.get("state") in ("RUNNING", "SUCCEEDED", "DRAINING", "LEFT"):
+            return True
+        if any(e.get("kind") in ("workers_started", "succeeded") for e in a.get("events", []) or []):
+            return True
+    return False
+
+
+def boot_failed(boot: BootFailures, trained: bool, desired: int | None) -> bool:
+    """Every node keeps failing its boot: boot logs exist, no agent ever trained, and there are
+    BOOT_FAILURES_TO_FAIL of them (or the boot scripts already scaled the groups to zero)."""
+    return boot.count > 0 and not trained and (boot.count >= BOOT_FAILURES_TO_FAIL or desired == 0)
+
+
+def boot_failure_reason(boot: BootFailures) -> str:
+    tail = "\n".join("    " + line for line in boot.last_lines)
+    return (
+        f"{boot.count} instance boot(s) failed and no node ever trained; the newest boot log "
+        f"(s3 .../boot/{boot.instance_id}.log) ends:\n{tail}"
+    )
+
+
+def boot_summary(logs: list[dict[str, Any]], newest_tail: bytes, prefix: str) -> BootFailures:
+    """:class:`BootFailures` from the boot log listing (newest last) and the newest log's end."""
+    if not logs:
+        return BootFailures()
+    newest = logs[-1]
+    lines = [line for line in newest_tail.decode("utf-8", "replace").splitlines() if line.strip()]
+    return BootFailures(
+        count=len(logs),
+        instance_id=newest["Key"][len(prefix) : -len(".log")],
+        at=iso(newest.get("LastModified")),
+        last_lines=lines[-BOOT_LOG_LINES:],
+    )
+
+
+def boot_phases(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each boot's timestamped events, oldest boot first, with ``phases`` (each event after the
+    first, with the seconds since the one before) and ``seconds`` (first to last event)."""
+    out = []
+    for d in docs:
+        events = [
+            e for e in d.get("events") or [] if isinstance(e, dict) and isinstance(e.get("t"), (int, float))
+        ]
+        if not events:
+            continue
+        phases = [
+            {"kind": b["kind"], "seconds": round(b["t"] - a["t"], 2)} for a, b in zip(events, events[1:])
+        ]
+        out.append(
+            {
+                "instance_id": d.get("instance_id"),
+                "role": d.get("role"),
+                "events": events,
+                "phases": phases,
+                "seconds": round(events[-1]["t"] - events[0]["t"], 2),
+            }
+        )
+    return sorted(out, key=lambda d: d["events"][0]["t"])
+
+
+def uptime(stack: dict[str, Any], agents: list[dict[str, Any]], now: float) -> float | None:
+    """Seconds since the job's stack was created (else since its first agent event)."""
+    created = stack.get("CreationTime")
+    if hasattr(created, "timestamp"):
+        return round(now - created.timestamp(), 1)
+    starts = [e.get("t") for a in agents for e in a.get("events", []) or [] if e.get("t")]
+    return round(now - min(starts), 1) if starts else None
+
+
+def iso(value: Any) -> str | None:
+    """An ISO 8601 UTC timestamp (JSON keeps these; text shows ages)."""
+    if hasattr(value, "isoformat"):
+        return value.astimezone(dt.timezone.utc).isoformat(timespec="seconds")
+    return str(value) if value else None

@@ -1,0 +1,196 @@
+"""Every command's text output; ``--output json`` prints the result documents themselves.
+
+Each function takes a command's result document (a ``to_dict()`` or a plain dict) and returns
+the text a person reads. Tables go through :func:`petctl.ui.table`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+from petctl import ui
+from petctl.ui import cmd, table
+
+
+def setup_text(r: dict[str, Any]) -> str:
+    lines = [f"base stack {r['stack']} {r['action']} ({r['status']}) in {r['region']}"]
+    lines += [f"  {k}: {v}" for k, v in sorted(r["outputs"].items())]
+    lines.append(f"profile {r['profile']!r} saved to {r['profile_path']}")
+    lines.append(f"next: {cmd('run-job --min 1 --max 2 train.py')}")
+    return "\n".join(lines)
+
+
+def teardown_text(r: dict[str, Any]) -> str:
+    if not r["removed_stacks"] and not r["efs_deleted"]:
+        lines = [f"nothing to remove for profile {r['profile']!r}"]
+    else:
+        lines = [f"removed: {', '.join(r['removed_stacks'] + r['efs_deleted'])}"]
+        lines[0] += f" (emptied {r['objects_deleted']} S3 objects)"
+    if r["kept"]:
+        lines.append(r["kept"])
+    if r.get("left_behind"):
+        lines.append(f"left behind (delete by hand): {', '.join(r['left_behind'])}")
+    elif r["removed_stacks"]:
+        lines.append("left behind: nothing")
+    return "\n".join(lines)
+
+
+def configure_text(r: dict[str, Any]) -> str:
+    missing = r["missing_for_jobs"]
+    state = "ready for jobs" if not missing else f"still missing: {', '.join(missing)}"
+    return f"profile {r['name']!r} saved to {r['profile_path']} ({state})"
+
+
+def profiles_table(rows: list[dict[str, Any]]) -> str:
+    return table(rows, ["profile", "region", "stack", "ready"]) if rows else "no profiles"
+
+
+def started_text(r: dict[str, Any]) -> str:
+    return "\n".join(
+        [
+            f"job {r['job']} started: {r['size']} x {r['instance_type']} (min {r['min']}, max {r['max']})",
+            f"  rendezvous: {r['rendezvous_endpoint']}",
+            f"  code and status: {r['s3_prefix']}",
+            f"  watch it:  {cmd('status ' + r['job'])}   |   {cmd('logs ' + r['job'] + ' --follow')}",
+            f"  scale it:  {cmd('scale ' + r['job'] + ' --size N')}",
+            f"  stop it:   {cmd('kill-job ' + r['job'])}",
+        ]
+    )
+
+
+def _warm_pool_text(size: int) -> str:
+    if not size:
+        return "none (a scale-up boots and installs from scratch)"
+    return f"{size} stopped instance(s), pre-booted with the job's environment, taken first by a scale-up"
+
+
+def plan_text(p: dict[str, Any], show_template: bool = False) -> str:
+    """The short plan a dry run prints: what would be made, its sizes, image and costs."""
+    par, spec = p["parameters"], p["spec"]
+    from petctl.jobs.request import DEFAULT_RDZV_INSTANCE_TYPE, is_gpu  # not at import: --help stays light
+
+    gpu = is_gpu(par["InstanceType"])
+    types = par.get("InstanceTypes", par["InstanceType"])
+    workers = f"{spec['min_nodes']}-{spec['max_nodes']} x {types} (start {par['DesiredCapacity']})"
+    if "OnDemandBaseCapacity" in par:
+        workers += f"; spot above {par['OnDemandBaseCapacity']} on-demand (price-capacity-optimized)"
+    else:
+        workers += "; on-demand"
+    image = (
+        f"{par['ImageId']} (--ami)"
+        if "ImageId" in par
+        else "Deep Learning Base OSS Nvidia Driver AMI, Amazon Linux 2023 (from SSM at deploy)"
+        if gpu
+        else "Amazon Linux 2023 (from SSM at deploy)"
+    )
+    uploads = [f"  {u['s3_url']}  ({u['bytes']:,} bytes, from {u['from']})" for u in p["uploads"]]
+    lines = [
+        f"plan for job {p['job']} (stack {p['stack']}) -- nothing will be created",
+        f"  workers:      {workers}",
+        f"  image:        {image}; {'CUDA' if gpu else 'CPU'} torch {spec.get('torch_version')} on every node",
+        f"  rendezvous:   etcd on 1 x {par.get('RdzvInstanceType', DEFAULT_RDZV_INSTANCE_TYPE)}",
+        f"  elasticity:   drain timeout {spec['drain_timeout']} s, {spec.get('max_restarts')} restarts for "
+        f"failures, {spec.get('join_timeout')} s to reach --min",
+        f"  checkpoints:  EFS {par['EfsId']}:/{spec['checkpoint_dir']}",
+        f"  warm pool:    {_warm_pool_text(int(par.get('WarmPoolSize', 0)))}",
+        "  uploads:",
+        *uploads,
+    ]
+    if show_template:
+        lines += ["", "template:", p["template"]]
+    else:
+        lines.append("(--show-template prints the CloudFormation template)")
+    return "\n".join(lines)
+
+
+def status_text(r: dict[str, Any]) -> str:
+    """``status``: the state, sizes and progress, a table of hosts, the newest boot and events."""
+    lines = [
+        f"job {r['job']}: {r['state']}  (stack {r['stack_status']})",
+        f"  workers: desired {r['desired']}, in service {r['in_service']}, min {r['min']}, max {r['max']}",
+        (
+            f"  world size {r['world_size'] or '-'}, step {r['last_step'] if r['last_step'] is not None else '-'}, "
+            f"checkpoint step {r['last_checkpoint_step'] if r['last_checkpoint_step'] is not None else '-'}, "
+            f"rendezvous rounds {r['rounds']}, restarts {r['restarts']}, up {ui.duration(r.get('uptime_s'))}"
+            if r.get("reports_progress", True)
+            else f"  world size {r['world_size'] or '-'}, up {ui.duration(r.get('uptime_s'))}, "
+            f"rendezvous rounds {r['rounds']}, restarts {r['restarts']}; the script reports no progress "
+            f"(it does not use petctl_agent.checkpoint, so steps and checkpoints are not known)"
+        ),
+        "",
+        table(
+            r["hosts"],
+            [
+                "role",
+                "instance_id",
+                "private_ip",
+                "lifecycle_state",
+                "agent_state",
+                "world_size",
+                "last_step",
+            ],
+        ),
+    ]
+    worker_boots = [b for b in r.get("boot_events") or [] if b.get("role") == "worker"]
+    if worker_boots:  # the newest worker boot, phase by phase (docs/contracts.md, Boot events)
+        b = worker_boots[-1]
+        phases = ", ".join(f"{p['kind']} +{p['seconds']:.1f}s" for p in b["phases"])
+        lines.insert(
+            2,
+            f"  boot of {b['instance_id']} ({len(worker_boots)} worker boots): {phases}; {b['seconds']:.1f}s",
+        )
+    if r["events"]:
+        lines += ["", "recent events:"]
+        t0 = r["events"][0].get("t", 0)
+        for e in r["events"][-12:]:
+            extra = ", ".join(
+                f"{k}={e[k]}" for k in ("round", "world_size", "reason") if e.get(k) is not None
+            )
+            lines.append(
+                f"  +{e.get('t', 0) - t0:7.1f}s  {e.get('instance_id', '?'):<20} {e.get('kind', '?'):<18} {extra}"
+            )
+    if r.get("reason"):
+        lines.insert(1, f"  reason: {r['reason']}")
+    return "\n".join(lines)
+
+
+def hosts_table(rows: list[dict[str, Any]]) -> str:
+    return table(rows, ["role", "instance_id", "private_ip", "availability_zone", "lifecycle_state", "ssm"])
+
+
+def jobs_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "no jobs"
+    return table(
+        [{**j, "age": ui.ago(j["created"])} for j in rows],
+        ["job", "state", "min", "max", "desired", "in_service", "age"],
+    )
+
+
+def scaled_text(r: dict[str, Any]) -> str:
+    return f"{r['job']}: desired workers {r['from']} -> {r['to']} (range {r['min']}-{r['max']})"
+
+
+def killed_text(r: dict[str, Any]) -> str:
+    job = r["job"]
+    if r["deleted"] and not r["waited"]:
+        return f"job {job}: deletion started; `{cmd('jobs')}` shows it until it is gone"
+    if r["deleted"]:
+        return f"job {job} deleted, every instance gone, in {r['seconds']}s; checkpoints kept at {r['checkpoints_kept']}"
+    return f"job {job} does not exist (already deleted?); nothing to do"
+
+
+def uploaded_text(r: dict[str, Any]) -> str:
+    return "\n".join(r["uploaded"]) + f"\n{r['count']} file(s) uploaded"
+
+
+def log_line(ev: dict[str, Any], as_json: bool) -> str:
+    """One log event: ``HH:MM:SS <instance> <message>``, or a JSON line."""
+    if as_json:
+        return json.dumps(
+            {"stream": ev["logStreamName"], "timestamp": ev["timestamp"], "message": ev["message"]}
+        )
+    ts = dt.datetime.fromtimestamp(ev["timestamp"] / 1000, dt.timezone.utc).strftime("%H:%M:%S")
+    return f"{ts} {ev['logStreamName'].split('/', 1)[-1]} {ev['message'].rstrip()}"

@@ -1,0 +1,122 @@
+"""A job's status derived from gathered facts: no AWS, no clock (petctl.jobs.state)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from petctl.jobs import state
+from petctl.jobs.state import BootFailures, Facts, Host
+
+NOW = 1_764_400_000.0
+
+
+def facts(reports=(), hosts=None, group=None, boot=None, stack_status="CREATE_COMPLETE", **kw) -> Facts:
+    group = (
+        group if group is not None else {"MinSize": 1, "MaxSize": 4, "DesiredCapacity": 2, "Instances": []}
+    )
+    hosts = (
+        hosts
+        if hosts is not None
+        else [Host("worker", "i-1", "InService"), Host("worker", "i-2", "InService")]
+    )
+    stack = {
+        "StackStatus": stack_status,
+        "CreationTime": dt.datetime.fromtimestamp(NOW - 90, dt.timezone.utc),
+    }
+    return Facts("demo", stack, group, hosts, list(reports), boot or BootFailures(), kw.get("docs", []), NOW)
+
+
+def report(iid: str, **fields) -> dict:
+    return {"instance_id": iid, "state": "RUNNING", "world_size": 2, "round": 1, "events": [], **fields}
+
+
+def test_running_job_sums_up_its_agents():
+    st = state.derive(facts([report("i-1", last_step=40, restarts=1), report("i-2", last_step=42, round=3)]))
+    assert (st.state, st.world_size, st.last_step, st.rounds, st.restarts) == ("RUNNING", 2, 42, 3, 1)
+    assert st.reports_progress and st.uptime_s == 90.0 and st.reason is None
+    d = st.to_dict()
+    assert d["hosts"][0]["agent_state"] == "RUNNING" and d["hosts"][0]["last_step"] == 40
+    assert set(d) == {
+        "job", "state", "reason", "boot_failures", "boot_events", "stack_status", "min", "max", "desired",
+        "in_service", "world_size", "last_step", "last_checkpoint_step", "restarts", "rounds",
+        "reports_progress", "uptime_s", "hosts", "agents", "events",
+    }  # fmt: skip
+
+
+def test_a_hard_killed_node_no_longer_speaks_but_a_draining_one_does():
+    reports = [
+        report("i-1"),
+        report("i-gone", state="RUNNING"),  # hard-killed: its last report must not count
+        report("i-leaving", state="DRAINING", updated_at=NOW - 10, private_ip="10.0.0.9"),
+        report("i-long-gone", state="DRAINING", updated_at=NOW - state.DRAINING_GRACE_S - 1),
+    ]
+    st = state.derive(facts(reports, hosts=[Host("worker", "i-1", "InService")]))
+    rows = {h["instance_id"]: h for h in st.to_dict()["hosts"]}
+    assert set(rows) == {"i-1", "i-leaving"}
+    assert rows["i-leaving"] == {
+        "role": "worker",
+        "instance_id": "i-leaving",
+        "private_ip": "10.0.0.9",
+        "lifecycle_state": "Terminating",
+        "agent_state": "DRAINING",
+        "world_size": 2,
+        "round": 1,
+        "restarts": None,
+        "last_step": None,
+        "reason": None,
+    }
+
+
+def test_warmed_hosts_are_shown_but_are_no_running_capacity():
+    group = {
+        "MinSize": 1,
+        "MaxSize": 4,
+        "DesiredCapacity": 1,
+        "Instances": [{"InstanceId": "i-1", "LifecycleState": "InService"}],
+    }
+    hosts = [Host("worker", "i-1", "InService"), Host("worker", "i-w", "Warmed:Stopped")]
+    st = state.derive(facts([report("i-1", world_size=1)], hosts=hosts, group=group))
+    assert st.in_service == 1 and st.world_size == 1
+    warmed = [h for h in st.to_dict()["hosts"] if h["instance_id"] == "i-w"]
+    assert warmed[0]["agent_state"] == "WARMED" and warmed[0]["lifecycle_state"] == "Warmed:Stopped"
+
+
+def test_every_boot_failing_fails_the_job_with_the_log_tail():
+    boot = BootFailures(count=3, instance_id="i-3", last_lines=["dnf: no mirror"])
+    st = state.derive(facts([], boot=boot))
+    assert st.state == "FAILED" and "3 instance boot(s) failed" in st.reason and "dnf: no mirror" in st.reason
+    # one failed boot: the group replaces it
+    assert state.derive(facts([], boot=BootFailures(count=1))).state == "STARTING"
+    # a job that trained once did not fail at boot
+    trained = [report("i-1", state="STARTING", events=[{"t": NOW, "kind": "workers_started"}])]
+    assert state.derive(facts(trained, boot=boot)).state == "STARTING"
+
+
+def test_overall_state_order():
+    assert state.overall_state(None, [], 1) == "GONE"
+    assert state.overall_state("DELETE_IN_PROGRESS", [], 1) == "DELETING"
+    assert state.overall_state("ROLLBACK_COMPLETE", [], 1) == "FAILED"
+    assert state.overall_state("CREATE_IN_PROGRESS", [], 1) == "STARTING"
+    running = [{"state": "RUNNING"}]
+    assert state.overall_state("CREATE_COMPLETE", running + [{"state": "FAILED"}], 1) == "FAILED"
+    assert state.overall_state("CREATE_COMPLETE", running + [{"state": "RENDEZVOUS"}], 1) == "RENDEZVOUS"
+    assert state.overall_state("CREATE_COMPLETE", [{"state": "SUCCEEDED"}] * 2, 0) == "SUCCEEDED"
+    assert state.overall_state("CREATE_COMPLETE", [], 0) == "STOPPED"
+
+
+def test_boot_phases_and_summary():
+    docs = [
+        {"instance_id": "i-2", "role": "worker", "events": [{"t": 20.0, "kind": "launched"}]},
+        {
+            "instance_id": "i-1",
+            "role": "worker",
+            "events": [{"t": 10.0, "kind": "launched"}, {"t": 13.5, "kind": "efs_mounted"}, "junk"],
+        },
+        {"instance_id": "i-0", "events": []},
+    ]
+    phases = state.boot_phases(docs)
+    assert [p["instance_id"] for p in phases] == ["i-1", "i-2"]
+    assert phases[0]["phases"] == [{"kind": "efs_mounted", "seconds": 3.5}] and phases[0]["seconds"] == 3.5
+    logs = [{"Key": "p/boot/i-1.log"}, {"Key": "p/boot/i-9.log", "LastModified": None}]
+    boot = state.boot_summary(logs, b"a\n\nb\n" + b"x\n" * 20, "p/boot/")
+    assert boot.count == 2 and boot.instance_id == "i-9" and len(boot.last_lines) == state.BOOT_LOG_LINES
