@@ -1,64 +1,49 @@
-"""torch elastic integration: the rendezvous handler and petctl's ``LocalElasticAgent``.
+"""petctl's ``LocalElasticAgent``: one node's worker group through joins, drains and failures.
 
 We drive torch's own ``LocalElasticAgent`` + ``WorkerSpec`` (not a home-made
 launcher) and override a few hooks to (a) publish status/events, (b) run the
 drain protocol and leave the rendezvous without closing it for everyone, and
 (c) work around torch behaviours that stall elastic jobs. Every workaround names
 the torch behaviour it answers and can be switched off (see ``workarounds.py``).
+Handlers: ``handlers.py``; membership while training: ``membership.py``; the pure
+decisions (exit codes, waiting below ``min_nodes``): ``decisions.py``.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
-from datetime import timedelta
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import urllib3.exceptions
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
-    RendezvousConnectionError,
     RendezvousGracefulExitError,
-    RendezvousStateError,
     RendezvousTimeoutError,
 )
 
-from petctl_agent import DRAIN_EXIT_CODE
-from petctl_agent.settings import EtcdTls, Settings
-from petctl_agent.spec import RDZV_BACKENDS, rdzv_backend  # noqa: F401 - rdzv_backend re-exported
+from petctl_agent.decisions import capacity_coming, classify_exits, describe_capacity, keep_waiting
+from petctl_agent.handlers import (
+    TRANSIENT_RDZV_ERRORS,
+    LeftRendezvous,
+    guard_join,
+    join_timeout_s,
+    leave_round,
+    ours,
+    reset_lost_state,
+)
+from petctl_agent.membership import MembershipWatch
+from petctl_agent.settings import Settings
 from petctl_agent.status import StatusPublisher
 
 log = logging.getLogger("petctl_agent.elastic")
-
-try:
-    import etcd  # python-etcd
-
-    _ETCD_ERRORS: tuple[type[BaseException], ...] = (etcd.EtcdException,)
-except ImportError:  # pragma: no cover
-    _ETCD_ERRORS = ()
-
-#: errors that mean "etcd or the etcd-backed store is unreachable/slow": retryable
-TRANSIENT_RDZV_ERRORS = (
-    RendezvousConnectionError,
-    RendezvousStateError,
-    LookupError,  # EtcdStore.get/wait timeout (e.g. the node that should publish MASTER_ADDR died)
-    ConnectionError,
-    urllib3.exceptions.HTTPError,
-    *_ETCD_ERRORS,
-)
-
-
-#: exit "codes" of local ranks torch terminated after a sibling stopped: SIGTERM, then SIGKILL
-#: once its grace period ran out (``PContext.close``)
-TERMINATED_BY_TORCH = frozenset({-int(signal.SIGTERM), -int(signal.SIGKILL)})
 
 
 class _NoAgentTraceback(logging.Filter):
@@ -86,216 +71,21 @@ def quiet_worker_exit_tracebacks() -> None:
         lg.addFilter(_NoAgentTraceback())
 
 
-class LeftRendezvous(Exception):
-    """This node was asked to leave while it was inside a rendezvous, and left it."""
+class Outcome(enum.Enum):
+    """How :meth:`PetctlElasticAgent.run` ended for this node."""
 
-
-def classify_exits(codes: Iterable[int | None]) -> str:
-    """``drain`` or ``failure``: why a node's worker processes stopped.
-
-    ``drain``: at least one local rank exited ``DRAIN_EXIT_CODE`` (it stopped on purpose
-    after the coordinated checkpoint) and every other failed rank did too or was
-    terminated by torch afterwards (-15, or -9 past torch's grace period): when one
-    local rank exits, torch SIGTERMs its siblings. Everything else is a ``failure``.
-    ``codes`` are the exit codes of the failed ranks only (torch leaves out ranks that exited 0).
-    """
-    seen = [c for c in codes]
-    if DRAIN_EXIT_CODE not in seen:
-        return "failure"
-    if all(c == DRAIN_EXIT_CODE or c in TERMINATED_BY_TORCH for c in seen):
-        return "drain"
-    return "failure"
-
-
-def capacity_coming(capacity: dict[str, int] | None, min_nodes: int) -> bool | None:
-    """Does the worker group still bring us to ``min_nodes``? None = unknown (no group, API error).
-
-    Yes while it has instances pending (launching) or a desired capacity of at least ``min_nodes``.
-    """
-    if capacity is None:
-        return None
-    return capacity.get("pending", 0) > 0 or capacity.get("desired", 0) >= min_nodes
-
-
-def keep_waiting(elapsed: float, join_timeout: float, coming: bool | None) -> bool:
-    """Below MIN after a rendezvous attempt timed out: wait on (True) or fail (False)?
-
-    Always within ``join_timeout``. Past it only while the group says capacity is still
-    coming (instances pending, or desired >= MIN: a capacity shortage, slow spot), and
-    never past twice ``join_timeout`` (a group that never delivers must not bill forever).
-    """
-    if elapsed < join_timeout:
-        return True
-    return bool(coming) and elapsed < 2 * join_timeout
-
-
-def describe_capacity(capacity: dict[str, int] | None) -> str:
-    if capacity is None:
-        return "worker group capacity unknown"
-    return (
-        f"worker group desired {capacity.get('desired', '?')}, in service {capacity.get('in_service', '?')}, "
-        f"pending {capacity.get('pending', '?')}"
-    )
-
-
-def join_timeout_s(spec_join_timeout: float, settings: Settings) -> float:
-    """The job's join timeout: ``$PETCTL_AGENT_JOIN_TIMEOUT`` overrides the spec (tests, emergencies)."""
-    return spec_join_timeout if settings.join_timeout is None else settings.join_timeout
-
-
-def rendezvous_config(join_timeout: float = 1800, settings: Settings = Settings()) -> dict[str, Any]:
-    """Rendezvous timeouts/heartbeats, chosen by measurement (docs/agent.md)."""
-    # torch's join timeout is one *attempt*: when it fires the agent asks the worker group
-    # whether capacity is still coming and joins again (PetctlElasticAgent._rendezvous);
-    # the job's own bound is the spec's join_timeout.
-    attempt = min(settings.rdzv_attempt, join_timeout_s(join_timeout, settings))
-    cfg: dict[str, Any] = {"join_timeout": max(1, int(attempt))}
-    if settings.enabled("FAST_LAST_CALL"):
-        # torch default last_call_timeout=30 s: every (re-)rendezvous with >= min
-        # nodes waits 30 s for stragglers (DESIGN §4: 33 s start, 43 s join).
-        cfg["last_call_timeout"] = settings.last_call
-    if settings.enabled("FAST_HEARTBEAT"):
-        # torch default keep-alive 5 s x 3 attempts: a SIGKILLed node stays a
-        # participant for ~15-20 s and the survivors' next round cannot start
-        # (the round only advances when its participants are gone).
-        cfg["keep_alive_interval"] = settings.keepalive
-        cfg["keep_alive_max_attempt"] = settings.keepalive_attempts
-    return cfg
-
-
-#: backends that are torch's own handlers: only these need the torch workarounds
-TORCH_BACKENDS = frozenset({"etcd-v2", "etcd"})
-
-
-def torch_workaround(name: str, backend: str, settings: Settings = Settings()) -> bool:
-    """Is the torch workaround ``name`` on for ``backend``? Only torch's own handlers need them
-    (SPLIT_STORE, FAST_LAST_CALL, FAST_HEARTBEAT, STORE_TIMEOUT, ETCD_OUTAGE, MEMBERSHIP_WATCH, ...)."""
-    return backend in TORCH_BACKENDS and settings.enabled(name)
-
-
-def etcd_tls_config(tls: EtcdTls | None, backend: str) -> dict[str, str]:
-    """The handler config keys that make ``backend``'s etcd client speak https with ``tls``.
-
-    torch names them differently per handler (torch 2.13): the legacy ``etcd`` handler reads
-    ``cacert``/``cert``/``key`` (``etcd_rendezvous.py``), ``etcd-v2``'s ``_create_etcd_client``
-    reads ``ca_cert``/``ssl_cert``/``ssl_cert_key`` (``etcd_rendezvous_backend.py``); petctl-etcd
-    takes the former. The endpoint stays ``host:port``. Empty without TLS (plain http).
-    """
-    if tls is None:
-        return {}
-    if backend == "etcd-v2":
-        return {"protocol": "https", "ca_cert": tls.cacert, "ssl_cert": tls.cert, "ssl_cert_key": tls.key}
-    return {"protocol": "https", "cacert": tls.cacert, "cert": tls.cert, "key": tls.key}
-
-
-def create_rdzv_handler(
-    endpoint: str,
-    run_id: str,
-    min_nodes: int,
-    max_nodes: int,
-    local_addr: str,
-    join_timeout: float = 1800,
-    backend: str | None = None,
-    expected_nodes: Callable[[], int | None] | None = None,
-    settings: Settings = Settings(),
-) -> RendezvousHandler:
-    """Build the rendezvous handler for ``backend`` (default :func:`rdzv_backend`: petctl-etcd).
-
-    ``expected_nodes``: the worker group's desired capacity (a hint that turns a burst of
-    joins into one round); only petctl-etcd uses it, and calls it at most once a second
-    from its control thread, so it must not block.
-    """
-    backend_name = backend or rdzv_backend("", settings.rdzv_backend)
-    cfg = rendezvous_config(join_timeout, settings)
-    tls = etcd_tls_config(settings.etcd_tls, backend_name)
-    if backend_name == "petctl-etcd":
-        from petctl_agent.rendezvous import Config, PetctlRendezvousHandler
-
-        return PetctlRendezvousHandler(
-            run_id,
-            endpoint,
-            min_nodes,
-            max_nodes,
-            local_addr,
-            config=Config(join_timeout=float(cfg["join_timeout"]), **tls),
-            expected_nodes=expected_nodes,
-        )
-    if backend_name != "etcd-v2":
-        from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
-
-        legacy = {"last_call_timeout": cfg.get("last_call_timeout", 30), "timeout": cfg["join_timeout"]}
-        params = RendezvousParameters(
-            backend_name, endpoint, run_id, min_nodes, max_nodes, local_addr, **legacy, **tls
-        )
-        return get_rendezvous_handler(params)
-
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
-    from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import (
-        EtcdRendezvousBackend,
-        _create_etcd_client,
-    )
-    from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
-
-    params = RendezvousParameters(
-        backend_name, endpoint, run_id, min_nodes, max_nodes, local_addr, read_timeout=10, **cfg, **tls
-    )
-    client = _create_etcd_client(params)
-    backend = EtcdRendezvousBackend(client, run_id, key_prefix="/torch/elastic/rendezvous")
-    store_timeout = None
-    if settings.enabled("STORE_TIMEOUT"):
-        # torch builds EtcdStore with the c10d default timeout (300 s). After a
-        # round completes, non-zero ranks block in EtcdStore.get("MASTER_ADDR")
-        # until rank 0 publishes it; if rank 0 dies in between they block ~300 s.
-        # A short timeout raises LookupError, which our retry turns into a new round.
-        store_timeout = timedelta(seconds=settings.store_timeout)
-    store = EtcdStore(client, "/torch/elastic/store", timeout=store_timeout)
-    return create_handler(store, backend, params)
-
-
-def _ours(handler: RendezvousHandler) -> Any:
-    """The handler if it is petctl's own (petctl-etcd), else None."""
-    from petctl_agent.rendezvous import PetctlRendezvousHandler
-
-    return handler if isinstance(handler, PetctlRendezvousHandler) else None
-
-
-def _dynamic(handler: RendezvousHandler) -> Any:
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
-
-    return handler if isinstance(handler, DynamicRendezvousHandler) else None
-
-
-def reset_lost_state(handler: RendezvousHandler) -> bool:
-    """If etcd lost the rendezvous key (replaced/wiped etcd), forget our stale fencing token.
-
-    torch's state holder keeps the etcd modifiedIndex it last saw; once the key is
-    gone every write with ``prevIndex`` fails with EtcdKeyNotFound, which torch
-    maps to RendezvousConnectionError -- forever. Returns True when it reset.
-    """
-    h = _dynamic(handler)
-    if h is None:
-        return False
-    holder = h._state_holder
-    try:
-        if holder._backend.get_state() is not None:
-            return False
-    except Exception:  # noqa: BLE001 - etcd still down: nothing to decide yet
-        return False
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
-
-    log.warning("rendezvous state is gone from etcd (etcd replaced?): starting from a fresh state")
-    holder._token = None
-    holder._dirty = False
-    holder._state = _RendezvousState()
-    return True
+    SUCCEEDED = "succeeded"  # every worker exited 0 (the job is done)
+    DRAINED = "drained"  # this node left gracefully (a drain, or a leave while joining)
+    JOIN_TIMEOUT = "join_timeout"  # never reached min_nodes: fails this node, not the job
+    CLOSED = "closed"  # another node closed the rendezvous (the job ended or failed elsewhere)
+    FAILED = "failed"  # unrecoverable here (restart budget spent, an unexpected error)
 
 
 class PetctlElasticAgent(LocalElasticAgent):
     """torch's LocalElasticAgent plus petctl's drain protocol, status and stall workarounds.
 
-    Outcome after :meth:`run` in :attr:`outcome`: ``succeeded``, ``drained`` or ``failed``
-    (with :attr:`fail_reason`; :attr:`fail_kind` ``join_timeout`` for a rendezvous that
-    never reached ``min_nodes``, which is not a reason to stop the whole job).
+    :meth:`run` returns an :class:`Outcome`; :attr:`fail_reason` says why for the failures.
+    :meth:`request_leave` (any thread) drains the workers, or leaves a round being joined.
 
     Restart budget (``WorkerSpec.max_restarts``, torch's ``_remaining_restarts``): only
     worker failures that no membership change explains spend it. Joins, drains
@@ -331,6 +121,7 @@ class PetctlElasticAgent(LocalElasticAgent):
         self._workers_started_at = time.time()
         self.drain_timeout = drain_timeout
         self.join_timeout = join_timeout_s(join_timeout, settings)
+        self.watch = MembershipWatch(settings, publisher, self._last_step, self.join_timeout)
         self.capacity_probe = capacity_probe or (lambda: None)
         self.min_nodes = min_nodes
         #: () -> {"last_step", "last_checkpoint_step"} (what the status document shows)
@@ -338,17 +129,11 @@ class PetctlElasticAgent(LocalElasticAgent):
         self.leave_requested = threading.Event()
         self.leave_reason = ""
         self.phase = "init"  # init | rendezvous | running | draining | done
-        self.outcome: str | None = None
+        self.outcome: Outcome | None = None  # set by _invoke_run when it returns
         self.fail_reason: str | None = None
-        self.fail_kind: str | None = None
         self._rdzv_reason = "initial"
-        self._round: int | None = None
-        self._members: set[Any] | None = None
         self._restarts = 0
         self._free_restarts = 0
-        self._last_etcd_warn = 0.0
-        self._guarded: Any = None
-        self._rdzv_down_since: float | None = None  # etcd unreachable while training (event published)
         self.sync_timeout = (
             min(max(drain_timeout, 5.0), 30.0) if settings.sync_timeout is None else settings.sync_timeout
         )
@@ -360,6 +145,28 @@ class PetctlElasticAgent(LocalElasticAgent):
                 h = signal.getsignal(sig)
                 if callable(h) and h not in (signal.default_int_handler,):
                     self._own_signal_handlers[sig] = h
+
+    def run(self, role: str = DEFAULT_ROLE) -> Outcome:  # type: ignore[override]
+        """Run the worker group until this node is done here; never raises for a rendezvous error."""
+        try:
+            super().run(role)
+        except LeftRendezvous as e:
+            self.pub.event("drained", clean=True, phase="rendezvous", note=str(e))
+            return Outcome.DRAINED
+        except RendezvousTimeoutError as e:
+            self.fail_reason = (
+                f"rendezvous timed out: fewer than min_nodes={self.min_nodes} nodes joined within "
+                f"join_timeout {self.join_timeout:.0f}s" + (f"; {e}" if str(e) else "")
+            )
+            return Outcome.JOIN_TIMEOUT
+        except RendezvousClosedError:
+            self.fail_reason = "the rendezvous was closed by another node (job failed elsewhere)"
+            return Outcome.CLOSED
+        except Exception as e:  # noqa: BLE001 - reported as FAILED with its reason
+            log.exception("elastic agent failed")
+            self.fail_reason = f"{type(e).__name__}: {e}"
+            return Outcome.FAILED
+        return self.outcome or Outcome.FAILED
 
     # ---- rendezvous ------------------------------------------------------------------
     def request_leave(self, reason: str) -> None:
@@ -373,7 +180,7 @@ class PetctlElasticAgent(LocalElasticAgent):
         """
         self.leave_reason = reason
         self.leave_requested.set()
-        h = _ours(self._worker_group.spec.rdzv_handler)
+        h = ours(self._worker_group.spec.rdzv_handler)
         if h is not None and self.phase == "rendezvous":
             h.leave()
 
@@ -386,19 +193,19 @@ class PetctlElasticAgent(LocalElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         self.phase = "rendezvous"
         handler = worker_group.spec.rdzv_handler
-        ours = _ours(handler)
+        mine = ours(handler)
         if self.leave_requested.is_set():
-            if ours is not None:
-                ours.leave()
+            if mine is not None:
+                mine.leave()
             raise LeftRendezvous("asked to leave before joining the rendezvous")
         self.pub.update(state="RENDEZVOUS")
         self.pub.event(
-            "rendezvous_start", reason=self._rdzv_reason, round=self._round, step=self._last_step()
+            "rendezvous_start", reason=self._rdzv_reason, round=self.watch.round, step=self._last_step()
         )
         started = time.time()
         t0 = time.monotonic()
-        if ours is None:
-            self._guard_join(handler)
+        if mine is None:
+            guard_join(handler, self.leave_requested)
         attempt = 0
         while True:
             try:
@@ -415,7 +222,6 @@ class PetctlElasticAgent(LocalElasticAgent):
                 capacity = self._probe_capacity()
                 coming = capacity_coming(capacity, self.min_nodes)
                 if not keep_waiting(elapsed, self.join_timeout, coming):
-                    self.fail_kind = "join_timeout"
                     raise RendezvousTimeoutError(
                         f"below min_nodes for {elapsed:.0f}s (join_timeout {self.join_timeout:.0f}s; "
                         f"{describe_capacity(capacity)})"
@@ -429,7 +235,6 @@ class PetctlElasticAgent(LocalElasticAgent):
                 if not self.settings.enabled("RDZV_RETRY"):
                     raise
                 if time.monotonic() - t0 > self.join_timeout:
-                    self.fail_kind = "join_timeout"
                     raise RendezvousTimeoutError(
                         f"no complete round within the join timeout; last error {type(e).__name__}: {e}"
                     ) from e
@@ -440,25 +245,20 @@ class PetctlElasticAgent(LocalElasticAgent):
                 reset_lost_state(handler)
                 time.sleep(min(0.5 * attempt, 3.0))
             if self.leave_requested.is_set():
-                if ours is not None:
-                    ours.leave()
+                if mine is not None:
+                    mine.leave()
                 raise LeftRendezvous("asked to leave while waiting to join")
-        if ours is not None and self.leave_requested.is_set():
+        if mine is not None and self.leave_requested.is_set():
             # the round closed with us just as the leave came: leave it before any worker starts
-            ours.leave()
+            mine.leave()
             raise LeftRendezvous("asked to leave as the round closed")
         self.pub.update(reason=None)
-        if ours is not None:
-            self._round, self._members = ours.round, set((ours.record or {}).get("participants", []))
-        h = _dynamic(handler)
-        if h is not None:
-            st = h._state_holder.state
-            self._round, self._members = st.round, set(st.participants)
+        self.watch.started(handler)
         world = worker_group.workers[0].world_size if worker_group.workers else None
-        self.pub.update(world_size=world, round=self._round)
+        self.pub.update(world_size=world, round=self.watch.round)
         self.pub.event(
             "rendezvous_done",
-            round=self._round,
+            round=self.watch.round,
             world_size=world,
             nodes=worker_group.group_world_size,
             group_rank=worker_group.group_rank,
@@ -473,49 +273,6 @@ class PetctlElasticAgent(LocalElasticAgent):
         except Exception as e:  # noqa: BLE001 - unknown capacity: decide on the join timeout alone
             log.warning("cannot read the worker group's capacity (%s)", e)
             return None
-
-    def _guard_join(self, handler: RendezvousHandler) -> None:
-        """Make a leave request take effect *inside* torch's join loop.
-
-        torch's join op runs in this (main) thread and cannot be interrupted. If another
-        thread removed us from the round meanwhile, the join loop would add us back: a
-        ghost that a round can complete with. Instead the join op itself checks the
-        leave request at every iteration: it removes us (participants, wait list or
-        redundancy list) with the same state write torch uses, then raises
-        :class:`LeftRendezvous` before the round can count us.
-        """
-        h = _dynamic(handler)
-        if h is None or self._guarded is h:
-            return
-        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _Action, _RendezvousJoinOp
-
-        executor = h._op_executor
-        orig_run = executor.run
-        leave = self.leave_requested
-
-        def leaving_join(op: Any) -> Callable[..., Any]:
-            def state_handler(ctx: Any, deadline: float) -> Any:
-                if not leave.is_set():
-                    return op(ctx, deadline)
-                st = ctx.state
-                if ctx.node in st.participants:
-                    return _Action.REMOVE_FROM_PARTICIPANTS
-                if ctx.node in st.wait_list:
-                    return _Action.REMOVE_FROM_WAIT_LIST
-                if ctx.node in getattr(st, "redundancy_list", ()):
-                    return _Action.REMOVE_FROM_REDUNDANCY_LIST
-                log.info("left the rendezvous before round %s completed with us", st.round)
-                raise LeftRendezvous("left the rendezvous (leave requested while joining)")
-
-            return state_handler
-
-        def run(state_handler: Any, *args: Any, **kwargs: Any) -> Any:
-            if isinstance(state_handler, _RendezvousJoinOp):
-                state_handler = leaving_join(state_handler)
-            return orig_run(state_handler, *args, **kwargs)
-
-        executor.run = run
-        self._guarded = h
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         try:
@@ -543,7 +300,7 @@ class PetctlElasticAgent(LocalElasticAgent):
             resume = None
         self.pub.event(
             "workers_started",
-            round=self._round,
+            round=self.watch.round,
             world_size=worker_group.workers[0].world_size,
             pids=list(pids.values()),
             step=resume,
@@ -577,11 +334,11 @@ class PetctlElasticAgent(LocalElasticAgent):
         check_every = self.settings.membership_interval
         next_check = time.monotonic() + check_every
         while True:
-            ours = _ours(wg.spec.rdzv_handler)
-            if ours is not None and wg.state == WorkerState.HEALTHY:
+            mine = ours(wg.spec.rdzv_handler)
+            if mine is not None and wg.state == WorkerState.HEALTHY:
                 # petctl-etcd's watches bring a membership change: wake up the moment one does,
                 # and look at it on every pass (pending_change reads local state, no request)
-                ours.wait_for_change(wg.spec.monitor_interval)
+                mine.wait_for_change(wg.spec.monitor_interval)
                 next_check = 0.0
             else:
                 time.sleep(wg.spec.monitor_interval)
@@ -591,7 +348,7 @@ class PetctlElasticAgent(LocalElasticAgent):
             wg.state = result.state
             if result.state == WorkerState.SUCCEEDED:
                 self.phase = "done"
-                self.outcome = "succeeded"
+                self.outcome = Outcome.SUCCEEDED
                 self._exit_barrier()
                 return result
             if result.state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
@@ -601,7 +358,7 @@ class PetctlElasticAgent(LocalElasticAgent):
                 continue
             if result.state == WorkerState.HEALTHY and time.monotonic() >= next_check:
                 next_check = time.monotonic() + check_every
-                change, can_sync = self._membership_change()
+                change, can_sync = self.watch.change()
                 if change:
                     log.info("re-rendezvous: %s", change)
                     if can_sync and self.settings.enabled("SYNC_RESTART") and self._workers_progressed():
@@ -626,12 +383,12 @@ class PetctlElasticAgent(LocalElasticAgent):
             return self._drain_and_leave(wg)
         self.pub.event(
             "workers_failed",
-            round=self._round,
+            round=self.watch.round,
             exit_codes=codes,
             failures=_describe(result),
             step=self._last_step(),
         )
-        why = self._failure_explained()
+        why = self.watch.failure_explained(self.leave_requested)
         if why:
             log.info(
                 "workers failed (exit codes %s) and %s: restarting, restart budget untouched", codes, why
@@ -653,37 +410,9 @@ class PetctlElasticAgent(LocalElasticAgent):
             return None
         self._stop_workers(wg)
         wg.state = WorkerState.FAILED
-        self.outcome = "failed"
+        self.outcome = Outcome.FAILED
         self.fail_reason = f"workers failed after {wg.spec.max_restarts} restarts: {_describe(result)}"
         return result
-
-    def _failure_explained(self) -> str | None:
-        """Did the membership change around a worker failure (a peer died or left, a node is waiting)?
-
-        A peer that died is dropped from the round only after the heartbeat expiry, while
-        our workers' collectives fail at once: look for up to that long
-        (``PETCTL_AGENT_FAILURE_GRACE``; default: petctl-etcd's key TTL + 1.5 s (3.5 s),
-        torch's keep-alive x attempts + 2 s (7 s)).
-        """
-        ours = _ours(self._worker_group.spec.rdzv_handler)
-        if ours is not None:
-            default = ours.cfg.ttl + 1.5
-        else:
-            cfg = rendezvous_config(self.join_timeout, self.settings)
-            default = cfg.get("keep_alive_interval", 5) * cfg.get("keep_alive_max_attempt", 3) + 2
-        grace = self.settings.failure_grace
-        deadline = time.monotonic() + (default if grace is None else grace)
-        while True:
-            change, _ = self._membership_change()
-            if change:
-                return change
-            left = deadline - time.monotonic()
-            if left <= 0 or self.leave_requested.is_set():
-                return None
-            if ours is not None:
-                ours.wait_for_change(min(left, 0.25))
-            else:
-                time.sleep(0.25)
 
     def _uses_helper(self) -> bool:
         """Has any worker on this node ever reported progress? Then the script uses the helper
@@ -697,71 +426,6 @@ class PetctlElasticAgent(LocalElasticAgent):
         except OSError:
             return False
 
-    def _membership_change(self) -> tuple[str | None, bool]:
-        """Why the worker group must re-form now (or None), and whether the current
-        workers can still take a coordinated checkpoint first (all peers alive)."""
-        handler = self._worker_group.spec.rdzv_handler
-        ours = _ours(handler)
-        if ours is not None:
-            # petctl-etcd: never raises, never makes a request; its watches heal by themselves
-            self._note_rdzv_reachable(ours.connected, "etcd watch disconnected")
-            ch = ours.pending_change()
-            if ch is None:
-                return None, False
-            gone = list(ch.get("gone") or [])
-            waiting = list(ch.get("waiting") or [])
-            why = f"{ch['reason']} (round {ch['round']}"
-            why += f"; waiting: {len(waiting)}" if waiting else ""
-            why += f"; gone: {', '.join(gone)}" if gone else ""
-            # a coordinated checkpoint needs every participant: only when nobody is gone
-            return why + ")", not gone
-        try:
-            waiting = handler.num_nodes_waiting()
-        except Exception as e:  # noqa: BLE001
-            if not self.settings.enabled("ETCD_OUTAGE"):
-                raise  # torch: the exception escapes _invoke_run and the agent dies
-            # The workers do not need etcd while they train: keep them running
-            # through an etcd restart instead of failing the whole job.
-            self._note_rdzv_reachable(False, f"{type(e).__name__}: {e}")
-            if time.monotonic() - self._last_etcd_warn > 10:
-                log.warning("rendezvous backend unreachable while training (%s); workers keep running", e)
-                self._last_etcd_warn = time.monotonic()
-            reset_lost_state(handler)
-            return None, False
-        self._note_rdzv_reachable(True, "")
-        if waiting > 0:
-            return f"{waiting} node(s) waiting to join", True
-        h = _dynamic(handler)
-        if h is None or not self.settings.enabled("MEMBERSHIP_WATCH"):
-            return None, False
-        # torch only looks at the wait list; a participant that died or left is
-        # noticed only when our workers' collectives fail -- which can take the
-        # whole collective timeout when a peer died during worker start-up.
-        st = h._state_holder.state
-        # A participant that is gone cannot join a drain all-reduce: restart at once.
-        if st.round != self._round:
-            return f"rendezvous round moved on ({self._round} -> {st.round})", False
-        members = set(st.participants)
-        if self._members is not None and members != self._members:
-            gone = sorted(str(n) for n in self._members - members)
-            return f"participant(s) left: {', '.join(gone) or '?'}", False
-        return None, False
-
-    def _note_rdzv_reachable(self, reachable: bool, detail: str) -> None:
-        """Publish ``rdzv_unreachable`` / ``rdzv_recovered`` when etcd goes away / comes back
-        while the workers train on (they do not need it)."""
-        if not reachable and self._rdzv_down_since is None:
-            self._rdzv_down_since = time.time()
-            log.warning("rendezvous server unreachable while training (%s); workers keep running", detail)
-            self.pub.event("rdzv_unreachable", round=self._round, step=self._last_step(), detail=detail[:200])
-        elif reachable and self._rdzv_down_since is not None:
-            down = time.time() - self._rdzv_down_since
-            self._rdzv_down_since = None
-            log.info("rendezvous server reachable again after %.1fs", down)
-            self.pub.event(
-                "rdzv_recovered", round=self._round, step=self._last_step(), seconds=round(down, 3)
-            )
-
     def _coordinated_stop(self, wg: WorkerGroup, timeout: float) -> RunResult | None:
         """Ask the workers to checkpoint and stop (drain file); wait up to ``timeout``.
 
@@ -773,7 +437,7 @@ class PetctlElasticAgent(LocalElasticAgent):
             result = self._monitor_workers(wg)
             if result.state == WorkerState.SUCCEEDED:
                 self.phase = "done"
-                self.outcome = "succeeded"
+                self.outcome = Outcome.SUCCEEDED
                 self._exit_barrier()
                 return result
             if result.state != WorkerState.HEALTHY:
@@ -796,7 +460,9 @@ class PetctlElasticAgent(LocalElasticAgent):
         """
         self.phase = "draining"
         self.pub.update(state="DRAINING", reason=self.leave_reason)
-        self.pub.event("drain_requested", reason=self.leave_reason, round=self._round, step=self._last_step())
+        self.pub.event(
+            "drain_requested", reason=self.leave_reason, round=self.watch.round, step=self._last_step()
+        )
         self.drain_file.touch()
         t0 = time.monotonic()
         deadline = t0 + self.drain_timeout
@@ -832,14 +498,14 @@ class PetctlElasticAgent(LocalElasticAgent):
         self._stop_workers(wg)
         self.leave_rendezvous()
         self.phase = "done"
-        self.outcome = "drained"
+        self.outcome = Outcome.DRAINED
         self.pub.event(
             "drained",
             clean=clean,
             sigterm=sigterm,
             exit_codes=sorted(set(codes), key=lambda c: (c is None, c)),
             seconds=round(time.monotonic() - t0, 3),
-            round=self._round,
+            round=self.watch.round,
         )
         # torch's run() records one event per worker and insists every worker has a result
         return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in wg.workers})
@@ -855,28 +521,10 @@ class PetctlElasticAgent(LocalElasticAgent):
                 pass
 
     def leave_rendezvous(self) -> None:
-        """Remove this node from the current round so the others re-form at once.
-
-        Not ``handler.shutdown()``: that marks the whole rendezvous *closed* and
-        every other node's next join fails with RendezvousClosedError.
-        """
-        ours = _ours(self._worker_group.spec.rdzv_handler)
-        if ours is not None:
-            ours.leave()  # deletes our membership key: the leader opens the next round at once
-            log.info("left the rendezvous (round %s)", self._round)
-            return
-        h = _dynamic(self._worker_group.spec.rdzv_handler)
-        if h is None:
-            return  # legacy etcd rendezvous: peers notice via the key TTL
-        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
-
-        h._stop_heartbeats()
-        try:
-            with h._heartbeat_lock:
-                h._op_executor.run(_RendezvousExitOp(), time.monotonic() + 15)
-            log.info("left the rendezvous (round %s)", self._round)
-        except Exception as e:  # noqa: BLE001 - peers fall back to heartbeat expiry
-            log.warning("could not leave the rendezvous cleanly (%s); peers will expire us", e)
+        """Remove this node from the current round so the others re-form at once
+        (never ``handler.shutdown()``, which would close the rendezvous for everyone)."""
+        if leave_round(self._worker_group.spec.rdzv_handler):
+            log.info("left the rendezvous (round %s)", self.watch.round)
 
 
 def _describe(result: RunResult) -> str:

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 
 from petctl_agent import torch_compat
-from petctl_agent.elastic import _NoAgentTraceback, torch_workaround
-from petctl_agent.imds import Imds
-from petctl_agent.main import CapacityHint
+from petctl_agent.elastic import _NoAgentTraceback
+from petctl_agent.handlers import torch_workaround
+from petctl_agent.lifecycle import CapacityHint
 from petctl_agent.settings import Settings
 from petctl_agent.spec import JobSpec, SpecError, rdzv_backend
 from petctl_agent.status import EVENT_KINDS
+from petctl_agent.workerenv import PROGRESS_SAMPLES, StepInfo
 
 BASE = {"job_name": "job-a", "min_nodes": 1, "max_nodes": 2, "code_url": "file:///x.py", "script": "x.py"}
 
@@ -92,24 +93,18 @@ def test_worker_exit_logged_without_agent_traceback(caplog: pytest.LogCaptureFix
     assert rec.getMessage() == "failed (exitcode: 75): RuntimeError: process 0 terminated with exit code 75"
 
 
-def test_status_progress_and_new_event_kinds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from petctl_agent import main
-
+def test_status_progress_and_new_event_kinds(tmp_path: Path) -> None:
     for kind in ("workers_ready", "rdzv_unreachable", "rdzv_recovered"):
         assert kind in EVENT_KINDS
-    monkeypatch.setenv("PETCTL_AGENT_DIR", str(tmp_path / "agent"))
-    settings = Settings.from_env()
-    agent = main.Agent(
-        main._parse(["run", "--local-addr", "127.0.0.1"]), settings, Imds("http://127.0.0.1:9")
-    )
-    agent.paths.root.mkdir(parents=True)
+    progress = tmp_path / "progress.json"
+    info = StepInfo(progress)
     for step in (1, 1, 2, 3):
-        agent.paths.progress.write_text(json.dumps({"step": step, "world_size": 2, "t": 100.0 + step}))
-        out = agent._refresh()
+        progress.write_text(json.dumps({"step": step, "world_size": 2, "t": 100.0 + step}))
+        out = info()
     assert out["last_step"] == 3 and out["last_step_at"] == 103.0
     assert out["progress"] == [[101.0, 1], [102.0, 2], [103.0, 3]]
-    for step in range(4, 4 + main.PROGRESS_SAMPLES + 10):
-        agent.paths.progress.write_text(json.dumps({"step": step, "t": 100.0 + step}))
-        out = agent._refresh()
-    assert len(out["progress"]) == main.PROGRESS_SAMPLES
+    for step in range(4, 4 + PROGRESS_SAMPLES + 10):
+        progress.write_text(json.dumps({"step": step, "t": 100.0 + step}))
+        out = info()
+    assert len(out["progress"]) == PROGRESS_SAMPLES
     assert out["progress"][-1][1] == step

@@ -14,8 +14,8 @@ import etcd
 import pytest
 from harness import Etcd, EtcdCerts, make_etcd_certs
 
-from petctl_agent.elastic import create_rdzv_handler, etcd_tls_config
-from petctl_agent.main import check_etcd_tls
+from petctl_agent.handlers import create_rdzv_handler, etcd_tls_config
+from petctl_agent.node import check_etcd_tls
 from petctl_agent.rendezvous import Config
 from petctl_agent.settings import Settings
 

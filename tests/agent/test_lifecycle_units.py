@@ -16,13 +16,10 @@ import pytest
 from harness import FakeImds
 
 from petctl_agent import DRAIN_EXIT_CODE, aws
-from petctl_agent.elastic import (
-    PetctlElasticAgent,
-    capacity_coming,
-    classify_exits,
-    keep_waiting,
-)
+from petctl_agent.decisions import capacity_coming, classify_exits, keep_waiting
+from petctl_agent.elastic import PetctlElasticAgent
 from petctl_agent.imds import Imds
+from petctl_agent.lifecycle import Lifecycle
 from petctl_agent.settings import Settings
 from petctl_agent.spec import JobSpec, SpecError
 from petctl_agent.torch_compat import REQUIRED, Member, check, missing_members, version_mismatch
@@ -105,7 +102,7 @@ def test_torch_version_pin() -> None:
 
 
 def test_omp_num_threads_as_torchrun() -> None:
-    from petctl_agent.main import omp_num_threads
+    from petctl_agent.workerenv import omp_num_threads
 
     assert omp_num_threads({}, 2) == "1"
     assert omp_num_threads({}, 1) is None
@@ -129,17 +126,9 @@ def test_our_sigterm_handler_is_put_back_after_torch_replaces_it() -> None:
         signal.signal(signal.SIGTERM, before)
 
 
-def _agent_with_spec(monkeypatch, imds_url: str, calls: list):
-    import petctl_agent.main as agent_main
-
-    agent = agent_main.Agent(
-        SimpleNamespace(local_addr="127.0.0.1", spec=None, rdzv_endpoint=None),
-        Settings(imds_poll=0.1),
-        Imds(imds_url),
-    )
-    agent.spec = JobSpec.from_dict(
-        {**BASE, "worker_group": "petctl-j-1-workers", "lifecycle_hook": "petctl-drain"}
-    )
+def _lifecycle(monkeypatch, imds_url: str, calls: list) -> Lifecycle:
+    spec = JobSpec.from_dict({**BASE, "worker_group": "petctl-j-1-workers", "lifecycle_hook": "petctl-drain"})
+    lifecycle = Lifecycle(spec, Imds(imds_url), Settings(imds_poll=0.1), "i-end")
 
     class Client:
         def complete_lifecycle_action(self, **kw):
@@ -151,7 +140,7 @@ def _agent_with_spec(monkeypatch, imds_url: str, calls: list):
             return {"AutoScalingGroups": [{"DesiredCapacity": 3, "Instances": inst}]}
 
     monkeypatch.setattr(aws, "client", lambda *a, **k: Client())
-    return agent
+    return lifecycle
 
 
 def test_job_end_completes_the_lifecycle_action_once_terminating(monkeypatch) -> None:
@@ -159,11 +148,11 @@ def test_job_end_completes_the_lifecycle_action_once_terminating(monkeypatch) ->
     try:
         url = imds.add("i-end", "127.0.0.1")
         calls: list = []
-        agent = _agent_with_spec(monkeypatch, url, calls)
+        lifecycle = _lifecycle(monkeypatch, url, calls)
         # the groups were just scaled to zero: the instance enters Terminating:Wait a bit later
         threading.Timer(0.5, imds.set, ("i-end", "autoscaling/target-lifecycle-state", "Terminated")).start()
         t0 = time.monotonic()
-        agent.complete_lifecycle_action_at_end(20)
+        lifecycle.complete_action_at_end(20)
         assert time.monotonic() - t0 < 10
         assert calls == [
             (
@@ -179,10 +168,10 @@ def test_job_end_completes_the_lifecycle_action_once_terminating(monkeypatch) ->
         # not terminating and no wait: nothing to complete
         imds.set("i-end", "autoscaling/target-lifecycle-state", "InService")
         calls.clear()
-        agent.lifecycle_pending = False
-        agent.complete_lifecycle_action_at_end(0)
+        lifecycle.pending = False
+        lifecycle.complete_action_at_end(0)
         assert calls == []
-        assert agent.capacity() == {"desired": 3, "in_service": 1, "pending": 2}
+        assert lifecycle.capacity() == {"desired": 3, "in_service": 1, "pending": 2}
     finally:
         imds.close()
 

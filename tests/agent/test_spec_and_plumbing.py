@@ -15,6 +15,7 @@ from petctl_agent import aws
 from petctl_agent.fetch import fetch_code, load_spec
 from petctl_agent.imds import Imds
 from petctl_agent.logship import LogTailer
+from petctl_agent.settings import Settings
 from petctl_agent.spec import JOB_NAME_RE, JobSpec, SpecError, checkpoint_dir
 from petctl_agent.status import FileStatusWriter, StatusPublisher, make_writer
 
@@ -185,7 +186,7 @@ def test_lifecycle_completion_and_scale_to_zero_are_tolerant(monkeypatch: pytest
     import boto3
     from botocore.stub import Stubber
 
-    from petctl_agent import main as agent_main
+    from petctl_agent.lifecycle import Lifecycle
 
     client = boto3.client(
         "autoscaling", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="y"
@@ -209,11 +210,9 @@ def test_lifecycle_completion_and_scale_to_zero_are_tolerant(monkeypatch: pytest
     stub.add_client_error("update_auto_scaling_group", "AccessDenied")
     stub.activate()
     monkeypatch.setattr(aws, "client", lambda *a, **k: client)
-    a = agent_main.Agent.__new__(agent_main.Agent)
-    a.spec = JobSpec.from_dict(GOOD)
-    a.instance_id = "i-7"
-    a.lifecycle_pending = True
-    a.complete_lifecycle_action()
+    a = Lifecycle(JobSpec.from_dict(GOOD), Imds("http://127.0.0.1:9"), Settings(), "i-7")
+    a.pending = True
+    a.complete_action()
     a.scale_groups_to_zero()  # second group's call fails: logged only
     stub.assert_no_pending_responses()
 

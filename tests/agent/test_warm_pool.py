@@ -17,8 +17,10 @@ import pytest
 from harness import FakeImds, wait_for
 
 from petctl_agent.imds import Imds
-from petctl_agent.main import Agent
+from petctl_agent.lifecycle import Lifecycle
+from petctl_agent.node import Agent
 from petctl_agent.settings import Settings
+from petctl_agent.spec import JobSpec
 from petctl_agent.status import STATES
 
 STATE = "autoscaling/target-lifecycle-state"
@@ -40,8 +42,15 @@ def imds():
     f.close()
 
 
+SPEC = JobSpec.from_dict(
+    {"job_name": "warm", "min_nodes": 1, "max_nodes": 2, "code_url": "x.py", "script": "x.py"}
+)
+
+
 def _agent(url: str) -> Agent:
-    a = Agent(SimpleNamespace(local_addr="127.0.0.1"), Settings(imds_poll=0.05), Imds(url, timeout=1))
+    settings, imds = Settings(imds_poll=0.05), Imds(url, timeout=1)
+    a = Agent(SimpleNamespace(local_addr="127.0.0.1"), settings, imds)
+    a.lifecycle = Lifecycle(SPEC, imds, settings, a.instance_id)
     a.pub = Pub()
     return a
 
@@ -51,7 +60,7 @@ def test_warmed_waits_until_in_service(imds) -> None:
     url = imds.add("i-warm", "127.0.0.1")
     imds.set("i-warm", STATE, "Warmed:Running")
     a = _agent(url)
-    t = threading.Thread(target=a.wait_while_warmed)
+    t = threading.Thread(target=a._wait_while_warmed)
     t.start()
     time.sleep(0.5)
     assert t.is_alive() and a.pub.states == ["WARMED"]
@@ -68,11 +77,11 @@ def test_absent_state_is_in_service_and_a_leave_ends_the_wait(imds) -> None:
     imds.set("i-plain", STATE, None)  # 404: an instance outside a group with a warm pool
     a = _agent(url)
     t0 = time.monotonic()
-    a.wait_while_warmed()
-    assert time.monotonic() - t0 < 1 and a.pub.states == [] and a.lifecycle_state() == "InService"
+    a._wait_while_warmed()
+    assert time.monotonic() - t0 < 1 and a.pub.states == [] and a.lifecycle.state() == "InService"
 
     imds.set("i-plain", STATE, "Warmed:Stopped")
-    t = threading.Thread(target=a.wait_while_warmed)
+    t = threading.Thread(target=a._wait_while_warmed)
     t.start()
     time.sleep(0.3)
     a.leave_reason = "signal SIGTERM"

@@ -1,0 +1,180 @@
+"""This instance in its Auto Scaling group: IMDS lifecycle state, warm pool, scale-in, job end.
+
+What the agent reads (IMDS ``autoscaling/target-lifecycle-state``, ``spot/instance-action``)
+and does (complete the termination lifecycle action, scale the job's groups to zero, read the
+worker group's capacity) about the instance's place in its group. The Auto Scaling client comes
+from ``petctl_agent.aws``; tests point it at moto or a stub.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from petctl_agent import aws
+from petctl_agent.imds import Imds
+from petctl_agent.settings import Settings
+from petctl_agent.spec import JobSpec
+
+log = logging.getLogger("petctl_agent.lifecycle")
+
+STATE_PATH = "meta-data/autoscaling/target-lifecycle-state"
+
+
+class CapacityHint:
+    """The worker group's desired capacity, for petctl-etcd's ``expected_nodes`` hint.
+
+    The handler calls it from its control thread (at most once a second), which must never
+    wait on the Auto Scaling API: this returns the last value read at once and refreshes it
+    in a background thread when it is older than ``max_age`` seconds. None until the first
+    read succeeds, and whenever there is no worker group.
+    """
+
+    def __init__(self, probe: Any, max_age: float = 5.0) -> None:
+        self.probe = probe
+        self.max_age = max_age
+        self.value: int | None = None
+        self._read_at = float("-inf")
+        self._busy = threading.Lock()
+
+    def __call__(self) -> int | None:
+        if time.monotonic() - self._read_at > self.max_age and self._busy.acquire(blocking=False):
+            threading.Thread(target=self._refresh, name="petctl-capacity", daemon=True).start()
+        return self.value
+
+    def _refresh(self) -> None:
+        try:
+            cap = self.probe()
+            self.value = None if cap is None else int(cap.get("desired", 0)) or None
+        except Exception as e:  # noqa: BLE001 - a hint only
+            log.debug("capacity hint: %s", e)
+        finally:
+            self._read_at = time.monotonic()
+            self._busy.release()
+
+
+class Lifecycle:
+    """The instance ``instance_id`` of the job ``spec`` in its Auto Scaling groups."""
+
+    def __init__(self, spec: JobSpec, imds: Imds, settings: Settings, instance_id: str) -> None:
+        self.spec = spec
+        self.imds = imds
+        self.settings = settings
+        self.instance_id = instance_id
+        #: the instance is in Terminating:Wait: our lifecycle action must be completed
+        self.pending = False
+
+    def _autoscaling(self) -> Any:
+        return aws.client("autoscaling", self.spec.region or None)
+
+    def state(self) -> str:
+        """IMDS ``autoscaling/target-lifecycle-state``; absent (404: no group, or a group without
+        a warm pool) or unreachable reads as ``InService``."""
+        state = (self.imds.get(STATE_PATH) or "").strip()
+        return state or "InService"
+
+    def wait_while_warmed(self, leaving: Callable[[], bool], on_warmed: Callable[[str], None]) -> bool:
+        """An instance of the group's warm pool never joins: wait until it is put in service.
+
+        On AWS a warmed instance runs its boot (install, mount) and is stopped; started again
+        for a scale-out, systemd starts the agent anew. The local cloud pauses the process tree
+        (SIGSTOP) and resumes it (SIGCONT). Either way the agent goes on only once the target
+        lifecycle state is no longer ``Warmed:*``; ``leaving()`` ends the wait early.
+        ``on_warmed(state)`` is called once when the instance is warmed. Returns whether it was.
+        """
+        state = self.state()
+        if not state.startswith("Warmed:"):
+            return False
+        t0 = time.monotonic()
+        log.info("in the warm pool (%s): not joining until InService", state)
+        on_warmed(state)
+        while state.startswith("Warmed:") and not leaving():
+            time.sleep(self.settings.imds_poll)
+            state = self.state()
+        log.info("left the warm pool after %.1fs (%s)", time.monotonic() - t0, state)
+        return True
+
+    def watch(self, stop: threading.Event, request_leave: Callable[[str], None]) -> None:
+        """Poll IMDS every ``PETCTL_AGENT_IMDS_POLL`` s for a scale-in (lifecycle) or a spot
+        interruption notice, and ask the agent to leave on the first one."""
+        while not stop.wait(self.settings.imds_poll):
+            if self.state() == "Terminated":
+                self.pending = True
+                request_leave("autoscaling target-lifecycle-state=Terminated")
+                return
+            spot = self.imds.get("meta-data/spot/instance-action")
+            if spot:
+                request_leave(f"spot instance-action {spot.strip()}")
+                return
+
+    def complete_action_at_end(self, wait: float) -> None:
+        """After SUCCEEDED/FAILED: complete our termination lifecycle action as soon as the
+        instance enters Terminating:Wait, so it does not sit out the hook's timeout (billed).
+
+        When we just scaled the groups to zero the termination follows within seconds
+        to a minute: watch IMDS for up to ``wait`` s. Otherwise only act if it is pending now.
+        """
+        if not self.spec.lifecycle_hook or not self.spec.worker_group:
+            return
+        deadline = time.monotonic() + wait
+        while True:
+            if self.pending or self.state() == "Terminated":
+                self.pending = True
+                self.complete_action()
+                return
+            if time.monotonic() >= deadline:
+                if wait > 0:
+                    log.info("no termination lifecycle action within %.0fs; exiting", wait)
+                return
+            time.sleep(self.settings.imds_poll)
+
+    def complete_action(self) -> None:
+        """Complete our termination lifecycle action (CONTINUE) when one is pending."""
+        spec = self.spec
+        if not spec.lifecycle_hook or not spec.worker_group:
+            return
+        if not self.pending and self.state() != "Terminated":
+            return
+        try:
+            self._autoscaling().complete_lifecycle_action(
+                LifecycleHookName=spec.lifecycle_hook,
+                AutoScalingGroupName=spec.worker_group,
+                LifecycleActionResult="CONTINUE",
+                InstanceId=self.instance_id,
+            )
+            log.info("completed lifecycle action %s on %s", spec.lifecycle_hook, spec.worker_group)
+        except Exception as e:  # noqa: BLE001 - the hook's heartbeat timeout completes it anyway
+            log.warning("complete_lifecycle_action failed (ignored): %s", e)
+
+    def capacity(self) -> dict[str, int] | None:
+        """The worker group's capacity (desired, in service, pending), or None without a group."""
+        if not self.spec.worker_group:
+            return None
+        groups = self._autoscaling().describe_auto_scaling_groups(
+            AutoScalingGroupNames=[self.spec.worker_group]
+        )["AutoScalingGroups"]
+        if not groups:
+            return {"desired": 0, "in_service": 0, "pending": 0}
+        g = groups[0]
+        states = [i.get("LifecycleState", "") for i in g.get("Instances", [])]
+        return {
+            "desired": int(g.get("DesiredCapacity", 0)),
+            "in_service": sum(1 for s in states if s == "InService"),
+            "pending": sum(1 for s in states if s.startswith("Pending")),
+        }
+
+    def scale_groups_to_zero(self) -> None:
+        """The job is over (or failed for good): no group may replace its instances."""
+        for group in (self.spec.worker_group, self.spec.rdzv_group):
+            if not group:
+                continue
+            try:
+                self._autoscaling().update_auto_scaling_group(
+                    AutoScalingGroupName=group, MinSize=0, DesiredCapacity=0
+                )
+                log.info("set %s to min=desired=0", group)
+            except Exception as e:  # noqa: BLE001
+                log.warning("could not scale %s to zero (ignored): %s", group, e)

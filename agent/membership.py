@@ -1,0 +1,144 @@
+"""While workers train: has the job's membership changed, and is the rendezvous server reachable?
+
+petctl-etcd answers from its watches (``pending_change()``: local state, no request, never
+raises). torch's handlers are asked: nodes waiting to join, and, with ``MEMBERSHIP_WATCH``, the
+round and participants compared with those the workers started with (torch itself only reacts
+to waiting nodes). An etcd that goes away while the workers train is published once
+(``rdzv_unreachable``) and its return too (``rdzv_recovered``); the workers never stop for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from threading import Event
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import RendezvousHandler
+
+from petctl_agent.handlers import dynamic, ours, rendezvous_config, reset_lost_state
+from petctl_agent.settings import Settings
+from petctl_agent.status import StatusPublisher
+
+log = logging.getLogger("petctl_agent.membership")
+
+
+class MembershipWatch:
+    """Membership of the round this node's workers run in (``started`` at each rendezvous)."""
+
+    def __init__(
+        self, settings: Settings, pub: StatusPublisher, last_step: Callable[[], Any], join_timeout: float
+    ) -> None:
+        self.settings = settings
+        self.pub = pub
+        self.last_step = last_step
+        self.join_timeout = join_timeout
+        self.handler: RendezvousHandler | None = None
+        self.round: int | None = None
+        self.members: set[Any] | None = None
+        self._last_etcd_warn = 0.0
+        self._down_since: float | None = None  # etcd unreachable while training (event published)
+
+    def started(self, handler: RendezvousHandler) -> None:
+        """A round completed with us: remember its number and participants."""
+        self.handler = handler
+        mine = ours(handler)
+        if mine is not None:
+            self.round, self.members = mine.round, set((mine.record or {}).get("participants", []))
+        h = dynamic(handler)
+        if h is not None:
+            st = h._state_holder.state
+            self.round, self.members = st.round, set(st.participants)
+
+    def change(self) -> tuple[str | None, bool]:
+        """Why the worker group must re-form now (or None), and whether the current
+        workers can still take a coordinated checkpoint first (all peers alive)."""
+        handler = self.handler
+        assert handler is not None
+        mine = ours(handler)
+        if mine is not None:
+            # petctl-etcd: never raises, never makes a request; its watches heal by themselves
+            self._note_reachable(mine.connected, "etcd watch disconnected")
+            ch = mine.pending_change()
+            if ch is None:
+                return None, False
+            gone = list(ch.get("gone") or [])
+            waiting = list(ch.get("waiting") or [])
+            why = f"{ch['reason']} (round {ch['round']}"
+            why += f"; waiting: {len(waiting)}" if waiting else ""
+            why += f"; gone: {', '.join(gone)}" if gone else ""
+            # a coordinated checkpoint needs every participant: only when nobody is gone
+            return why + ")", not gone
+        try:
+            waiting = handler.num_nodes_waiting()
+        except Exception as e:  # noqa: BLE001
+            if not self.settings.enabled("ETCD_OUTAGE"):
+                raise  # torch: the exception escapes _invoke_run and the agent dies
+            # The workers do not need etcd while they train: keep them running
+            # through an etcd restart instead of failing the whole job.
+            self._note_reachable(False, f"{type(e).__name__}: {e}")
+            if time.monotonic() - self._last_etcd_warn > 10:
+                log.warning("rendezvous backend unreachable while training (%s); workers keep running", e)
+                self._last_etcd_warn = time.monotonic()
+            reset_lost_state(handler)
+            return None, False
+        self._note_reachable(True, "")
+        if waiting > 0:
+            return f"{waiting} node(s) waiting to join", True
+        h = dynamic(handler)
+        if h is None or not self.settings.enabled("MEMBERSHIP_WATCH"):
+            return None, False
+        # torch only looks at the wait list; a participant that died or left is
+        # noticed only when our workers' collectives fail -- which can take the
+        # whole collective timeout when a peer died during worker start-up.
+        st = h._state_holder.state
+        # A participant that is gone cannot join a drain all-reduce: restart at once.
+        if st.round != self.round:
+            return f"rendezvous round moved on ({self.round} -> {st.round})", False
+        members = set(st.participants)
+        if self.members is not None and members != self.members:
+            gone = sorted(str(n) for n in self.members - members)
+            return f"participant(s) left: {', '.join(gone) or '?'}", False
+        return None, False
+
+    def failure_explained(self, leaving: Event) -> str | None:
+        """Did the membership change around a worker failure (a peer died or left, a node is waiting)?
+
+        A peer that died is dropped from the round only after the heartbeat expiry, while
+        our workers' collectives fail at once: look for up to that long
+        (``PETCTL_AGENT_FAILURE_GRACE``; default: petctl-etcd's key TTL + 1.5 s (3.5 s),
+        torch's keep-alive x attempts + 2 s (7 s)).
+        """
+        mine = ours(self.handler) if self.handler is not None else None
+        if mine is not None:
+            default = mine.cfg.ttl + 1.5
+        else:
+            cfg = rendezvous_config(self.join_timeout, self.settings)
+            default = cfg.get("keep_alive_interval", 5) * cfg.get("keep_alive_max_attempt", 3) + 2
+        grace = self.settings.failure_grace
+        deadline = time.monotonic() + (default if grace is None else grace)
+        while True:
+            change, _ = self.change()
+            if change:
+                return change
+            left = deadline - time.monotonic()
+            if left <= 0 or leaving.is_set():
+                return None
+            if mine is not None:
+                mine.wait_for_change(min(left, 0.25))
+            else:
+                time.sleep(0.25)
+
+    def _note_reachable(self, reachable: bool, detail: str) -> None:
+        """Publish ``rdzv_unreachable`` / ``rdzv_recovered`` when etcd goes away / comes back
+        while the workers train on (they do not need it)."""
+        if not reachable and self._down_since is None:
+            self._down_since = time.time()
+            log.warning("rendezvous server unreachable while training (%s); workers keep running", detail)
+            self.pub.event("rdzv_unreachable", round=self.round, step=self.last_step(), detail=detail[:200])
+        elif reachable and self._down_since is not None:
+            down = time.time() - self._down_since
+            self._down_since = None
+            log.info("rendezvous server reachable again after %.1fs", down)
+            self.pub.event("rdzv_recovered", round=self.round, step=self.last_step(), seconds=round(down, 3))

@@ -1,0 +1,405 @@
+"""One node's agent, from the job spec to the job's end: the boot sequence as named steps.
+
+``Agent.run``: read the spec, publish ``agent_started``, check torch, then :meth:`Agent._run`:
+prepare the node (code, shared filesystem, dirs) -> wait while warmed -> build the rendezvous
+handler -> warm the workers' forkserver -> build petctl's torch agent -> train -> finish
+(``SUCCEEDED``, ``LEFT`` or ``FAILED``, and what each means for the job's groups).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from petctl_agent import aws
+from petctl_agent.fetch import fetch_code, load_spec
+from petctl_agent.imds import Imds
+from petctl_agent.lifecycle import CapacityHint, Lifecycle
+from petctl_agent.settings import Settings
+from petctl_agent.spec import JobSpec, SpecError, rdzv_backend
+from petctl_agent.status import StatusPublisher, make_writer
+from petctl_agent.workerenv import (
+    Paths,
+    StepInfo,
+    export_worker_env,
+    job_checkpoint_dir,
+    job_work_dir,
+    worker_entrypoint,
+)
+
+log = logging.getLogger("petctl_agent")
+
+SUCCESS_MARKER = ".petctl-job-succeeded"
+
+
+def wait_for_dir(path: Path, timeout: float, what: str) -> None:
+    """Wait (bounded) for a directory, e.g. the EFS mount, to exist."""
+    deadline = time.monotonic() + timeout
+    while not path.is_dir():
+        if time.monotonic() > deadline:
+            raise SpecError(
+                f"{what} {path} did not appear within {timeout:.0f}s (is the filesystem mounted?)"
+            )
+        time.sleep(1)
+
+
+def check_etcd_tls(settings: Settings) -> None:
+    """Refuse half a TLS setup or a missing file now, before a handler retries TLS errors for ever."""
+    tls = settings.etcd_tls
+    if tls is None:
+        return
+    for var, path in (
+        ("PETCTL_ETCD_CACERT", tls.cacert),
+        ("PETCTL_ETCD_CERT", tls.cert),
+        ("PETCTL_ETCD_KEY", tls.key),
+    ):
+        if not os.path.isfile(path):
+            raise ValueError(f"{var}={path} is not a file: the boot script fetches the job's TLS files first")
+
+
+def check_torch(wanted_version: str, backend: str = "petctl-etcd") -> str | None:
+    """One-line reason the installed torch cannot run this job (wrong version, missing internals
+    that the agent uses with ``backend``)."""
+    from petctl_agent.torch_compat import check, required_for
+
+    return check(wanted_version, required_for(backend))
+
+
+class Agent:
+    """One node's agent: owns the status publisher, the IMDS watcher and the torch agent."""
+
+    def __init__(self, args: argparse.Namespace, settings: Settings, imds: Imds) -> None:
+        self.args = args
+        self.settings = settings
+        self.imds = imds
+        self.paths = Paths(settings.agent_dir)
+        self.efs = settings.efs_mount
+        self.instance_id = imds.meta("instance-id") or socket.gethostname()
+        self.local_addr = args.local_addr or imds.meta("local-ipv4") or "127.0.0.1"
+        self.spec: JobSpec | None = None
+        self.lifecycle: Lifecycle | None = None
+        self.pub: StatusPublisher | None = None
+        self.elastic: Any = None
+        self.backend = "petctl-etcd"
+        self.leave_reason: str | None = None
+        self.step_info = StepInfo(self.paths.progress)
+        self._stop = threading.Event()
+
+    # ---- leaving --------------------------------------------------------------------
+    def request_leave(self, reason: str) -> None:
+        """Leave the job (signal, scale-in, spot notice); the first reason wins. Any thread."""
+        if self.leave_reason is not None:
+            return
+        self.leave_reason = reason
+        log.info("leave requested: %s", reason)
+        if self.elastic is not None:
+            self.elastic.request_leave(reason)
+        threading.Thread(target=self._leave_outside_training, name="petctl-leave", daemon=True).start()
+
+    def _leave_outside_training(self) -> None:
+        """A leave that arrives before the torch agent exists (boot: code, shared filesystem).
+
+        Inside a rendezvous the main thread leaves by itself: the join loop checks the
+        leave request at every iteration, removes us from the round and raises
+        ``LeftRendezvous`` (``handlers.guard_join``); then ``_run`` completes the lifecycle
+        action, publishes LEFT and returns. Only if the main thread is stuck elsewhere (a
+        store read, ``PETCTL_AGENT_STORE_TIMEOUT``) for longer than
+        ``PETCTL_AGENT_LEAVE_FALLBACK`` s does this thread leave the round and exit.
+        """
+        time.sleep(2)
+        if self.elastic is not None:
+            fallback = self.settings.leave_fallback
+            deadline = time.monotonic() + fallback
+            while time.monotonic() < deadline:
+                if getattr(self.elastic, "phase", "init") in ("running", "draining", "done"):
+                    return  # the training loop drains (it polls leave_requested every 0.2 s)
+                time.sleep(0.5)
+            phase = getattr(self.elastic, "phase", "init")
+            if phase in ("running", "draining", "done"):
+                return
+            log.warning(
+                "main thread did not leave within %.0fs (%s); leaving from the watcher", fallback, phase
+            )
+            self.elastic.leave_rendezvous()
+        else:
+            phase = "init"
+            log.info("leaving during boot: no workers to drain")
+        if self.pub:
+            self.pub.event("drained", clean=True, phase=phase)
+        self.finish_leave()
+        os._exit(0)
+
+    def finish_leave(self) -> int:
+        """Complete a pending lifecycle action, publish LEFT; exit status 0."""
+        if self.lifecycle is not None:
+            self.lifecycle.complete_action()
+        if self.pub:
+            self.pub.update(state="LEFT", reason=self.leave_reason)
+            self.pub.close()
+        return 0
+
+    def fail(self, reason: str) -> int:
+        log.error("FAILED: %s", reason)
+        if self.pub:
+            self.pub.event("failed", reason=reason)
+            self.pub.update(state="FAILED", reason=reason)
+            self.pub.flush()
+        return 1
+
+    # ---- run ------------------------------------------------------------------------
+    def run(self) -> int:
+        spec_url = self.args.spec or self.imds.tag("petctl:spec")
+        if not spec_url:
+            raise SpecError(
+                "no job spec: pass --spec or set the instance tag petctl:spec (IMDS tags enabled?)"
+            )
+        self.spec = spec = load_spec(spec_url)
+        self.lifecycle = Lifecycle(spec, self.imds, self.settings, self.instance_id)
+        self.step_info.ckpt_dir = job_checkpoint_dir(self.efs, spec)
+        self.pub = pub = StatusPublisher(
+            make_writer(spec.status_url),
+            spec.job_name,
+            self.instance_id,
+            self.local_addr,
+            interval=self.settings.status_interval,
+            refresh=self.step_info,
+        )
+        pub.start()
+        pub.event("agent_started", local_addr=self.local_addr, pid=os.getpid())
+        try:
+            try:
+                self.backend = rdzv_backend(spec.rdzv_backend, self.settings.rdzv_backend)
+                check_etcd_tls(self.settings)
+            except ValueError as e:
+                raise SpecError(str(e)) from None
+            pub.update(rdzv_backend=self.backend)
+            problem = check_torch(spec.torch_version, self.backend)
+            if problem:  # before anything joins the rendezvous
+                rc = self.fail(problem)
+                self.lifecycle.complete_action_at_end(0)
+                return rc
+            return self._run(spec)
+        except SpecError as e:
+            return self.fail(str(e))
+        except Exception as e:  # noqa: BLE001 - report any crash as FAILED with its reason
+            log.exception("agent failed")
+            return self.fail(f"{type(e).__name__}: {e}")
+        finally:
+            pub.close()
+
+    def _run(self, spec: JobSpec) -> int:
+        endpoint = self._rdzv_endpoint(spec)
+        script, ckpt_dir, work_dir = self._prepare_node(spec)
+        self._wait_while_warmed()  # before the forkserver's imports and before registering
+        if self.leave_reason:
+            return self.finish_leave()
+        nproc = spec.resolved_nproc()
+        export_worker_env(
+            os.environ,
+            spec,
+            self.paths,
+            ckpt_dir,
+            work_dir,
+            self.local_addr,
+            nproc,
+            self.backend,
+            self.settings,
+        )
+        handler = self._rendezvous_handler(spec, endpoint)
+        entrypoint, entry_args, start_method = self._worker_entrypoint(spec, script)
+        if self.leave_reason:  # arrived while we were warming up
+            return self.finish_leave()
+        agent = self._elastic_agent(spec, handler, nproc, entrypoint, entry_args, start_method)
+        outcome = self._train(spec, agent, work_dir)
+        return self._finish(agent, handler, outcome, ckpt_dir)
+
+    # ---- the steps of _run ----------------------------------------------------------
+    def _rdzv_endpoint(self, spec: JobSpec) -> str:
+        ep = self.args.rdzv_endpoint or self.imds.tag("petctl:rdzv")
+        if not ep:
+            raise SpecError(
+                "no rendezvous endpoint: pass --rdzv-endpoint or set the instance tag petctl:rdzv"
+            )
+        return ep if ":" in ep else f"{ep}:{spec.rdzv_port}"
+
+    def _prepare_node(self, spec: JobSpec) -> tuple[Path, Path, Path]:
+        """Fetch the code, wait for the shared filesystem, make the checkpoint and work dirs:
+        ``(script, checkpoint dir, work dir)``."""
+        self.paths.root.mkdir(parents=True, exist_ok=True)
+        script = fetch_code(spec, self.paths.code)
+        wait_for_dir(self.efs, self.settings.efs_wait, "shared filesystem")
+        ckpt_dir = job_checkpoint_dir(self.efs, spec)
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        work_dir = job_work_dir(self.efs, spec)
+        work_dir.mkdir(parents=True, exist_ok=True)
+        return script, ckpt_dir, work_dir
+
+    def _wait_while_warmed(self) -> None:
+        """A warm-pool instance publishes WARMED and waits, joining nothing, until InService."""
+        assert self.lifecycle is not None
+
+        def warmed(state: str) -> None:
+            if self.pub:
+                self.pub.update(state="WARMED", reason=f"warm pool: target-lifecycle-state {state}")
+
+        if self.lifecycle.wait_while_warmed(lambda: self.leave_reason is not None, warmed) and self.pub:
+            self.pub.update(state="STARTING", reason=None)
+
+    def _rendezvous_handler(self, spec: JobSpec, endpoint: str) -> Any:
+        from petctl_agent.handlers import create_rdzv_handler
+
+        assert self.lifecycle is not None
+        return create_rdzv_handler(
+            endpoint,
+            spec.job_name,
+            spec.min_nodes,
+            spec.max_nodes,
+            self.local_addr,
+            spec.join_timeout,
+            backend=self.backend,
+            expected_nodes=CapacityHint(self.lifecycle.capacity) if spec.worker_group else None,
+            settings=self.settings,
+        )
+
+    def _worker_entrypoint(self, spec: JobSpec, script: Path) -> tuple[Any, tuple[str, ...], str]:
+        """torch's entry point for the workers. With the forkserver, warm it first (and wait):
+        torch launches every worker as a fresh interpreter that re-imports torch (+ torch._dynamo
+        via torch.optim): 15-30 s per start on a loaded 2-core box. The forkserver imports them
+        once, *before* this node first joins the rendezvous (joining is what stops the running
+        nodes), and every worker forks from it, the first ones included."""
+        entrypoint, args, start_method = worker_entrypoint(script, spec.args, self.settings)
+        if start_method == "forkserver":
+            from petctl_agent.worker import warm_forkserver
+
+            secs = warm_forkserver()
+            log.info("forkserver warm (torch preloaded) in %.1fs; joining the rendezvous", secs)
+            if self.pub:
+                self.pub.event("workers_ready", seconds=round(secs, 3))
+        return entrypoint, args, start_method
+
+    def _elastic_agent(
+        self,
+        spec: JobSpec,
+        handler: Any,
+        nproc: int,
+        entrypoint: Any,
+        args: tuple[str, ...],
+        start_method: str,
+    ) -> Any:
+        from torch.distributed.elastic.agent.server.api import WorkerSpec
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+        from petctl_agent.elastic import PetctlElasticAgent
+
+        assert self.pub is not None and self.lifecycle is not None
+        wspec = WorkerSpec(
+            role="trainer",
+            local_world_size=nproc,
+            entrypoint=entrypoint,
+            args=args,
+            rdzv_handler=handler,
+            max_restarts=spec.max_restarts,
+            monitor_interval=0.2,
+            local_addr=self.local_addr,
+        )
+        logs_specs = DefaultLogsSpecs(log_dir=str(self.paths.logs), redirects=Std.ALL)
+        self.elastic = agent = PetctlElasticAgent(
+            wspec,
+            logs_specs,
+            self.pub,
+            self.paths.drain,
+            self.paths.progress,
+            spec.drain_timeout,
+            join_timeout=spec.join_timeout,
+            capacity_probe=self.lifecycle.capacity,
+            min_nodes=spec.min_nodes,
+            start_method=start_method,
+            step_info=self.step_info,
+            settings=self.settings,
+        )
+        if self.leave_reason:  # arrived while we were setting up
+            agent.request_leave(self.leave_reason)
+        return agent
+
+    def _train(self, spec: JobSpec, agent: Any, work_dir: Path) -> Any:
+        """Run the torch agent with the worker logs shipped and IMDS watched; its Outcome."""
+        from petctl_agent.logship import CloudWatchShipper, LogTailer, stdout_sink
+
+        assert self.lifecycle is not None
+        sinks = [stdout_sink(self.instance_id)]
+        shipper = None
+        if spec.log_group and self.settings.cloudwatch:
+            shipper = CloudWatchShipper(
+                spec.log_group,
+                f"{spec.job_name}/{self.instance_id}",
+                lambda: aws.client("logs", spec.region or None),
+            )
+            shipper.start()
+            sinks.append(shipper.sink)
+        tailer = LogTailer(self.paths.logs, sinks)
+        tailer.start()
+        agent.before_workers_start = tailer.poll
+        threading.Thread(
+            target=self.lifecycle.watch,
+            args=(self._stop, self.request_leave),
+            name="petctl-imds",
+            daemon=True,
+        ).start()
+        # Workers start in the job's work dir on the shared filesystem (as torchrun's
+        # workers start in its cwd): a script's relative paths (snapshot.pt) are shared.
+        os.chdir(work_dir)
+        try:
+            return agent.run()
+        finally:
+            self._stop.set()
+            tailer.stop()
+            if shipper:
+                shipper.stop()
+
+    def _finish(self, agent: Any, handler: Any, outcome: Any, ckpt_dir: Path) -> int:
+        """What the outcome means for this node and for the job."""
+        from petctl_agent.elastic import Outcome
+
+        assert self.pub is not None and self.lifecycle is not None
+        if outcome is Outcome.DRAINED:
+            return self.finish_leave()
+        if outcome is Outcome.CLOSED and (ckpt_dir / SUCCESS_MARKER).exists():
+            outcome = Outcome.SUCCEEDED  # we arrived after the job finished
+        lifecycle_wait = self.settings.lifecycle_wait
+        if outcome is Outcome.SUCCEEDED:
+            (ckpt_dir / SUCCESS_MARKER).touch()
+            try:
+                handler.shutdown()  # close the rendezvous: late joiners stop instead of waiting
+            except Exception as e:  # noqa: BLE001
+                log.debug("rendezvous shutdown: %s", e)
+            self.pub.event("succeeded", last_step=self.step_info().get("last_step"))
+            self.pub.update(state="SUCCEEDED", reason=None)
+            self.lifecycle.scale_groups_to_zero()
+            self.lifecycle.complete_action_at_end(lifecycle_wait)
+            self.pub.close()
+            return 0
+        if outcome is Outcome.JOIN_TIMEOUT:
+            # This node's rendezvous timed out. That alone does not end the job: other
+            # nodes may be training (this one waited beyond max_nodes) or about to
+            # arrive. Do not close the rendezvous, do not scale the groups to zero.
+            rc = self.fail(agent.fail_reason or "rendezvous timed out")
+            self.lifecycle.complete_action_at_end(0)
+            self.pub.close()
+            return rc
+        try:
+            handler.shutdown()  # unrecoverable: close it so the other nodes stop too
+        except Exception:  # noqa: BLE001
+            pass
+        rc = self.fail(agent.fail_reason or "unknown failure")
+        # A failed job must not keep paying for idle instances (the ASG would replace them and
+        # systemd would restart the agent): stop the groups; the status, logs and checkpoints stay.
+        self.lifecycle.scale_groups_to_zero()
+        self.lifecycle.complete_action_at_end(lifecycle_wait)
+        self.pub.close()
+        return rc
