@@ -121,7 +121,9 @@ class Reconciler(Starting, Leaving):
         if self.stopping.is_set():
             return
         with self.lock:
-            local = {iid: _snapshot(rec) for iid, rec in self.instances.items()}
+            recs = dict(self.instances)
+        # Each record's own lock, never inside self.lock: systemd_start takes them the other way.
+        local = {iid: _snapshot(rec) for iid, rec in recs.items()}
         for action in plan.diff(observed, local):
             self.execute(action)
         self._ticks += 1
