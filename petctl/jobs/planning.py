@@ -145,8 +145,7 @@ def plan(req: JobRequest, profile: Profile, code: Code, *, user: str, region: st
         instance_types=len(types),
         own_roles=own_roles,
         bucket_kms=own_roles and bool(profile.bucket_kms_key_arn),
-        # F's render_job(warm_pool=...) pending
-        **({"warm_pool": True} if req.warm_pool else {}),
+        warm_pool=req.warm_pool > 0,
     )
     values = _parameters(req, profile, job, types, own_roles, spec_url=f"s3://{bucket}/{prefix}job.json")
     values["DistUrl"] = f"s3://{bucket}/{prefix}dist/{dist_name}"

@@ -494,3 +494,20 @@ def test_kill_job_no_wait_deletes_the_tls_keys_too(run, ready):
     r = run("kill-job", "demo", "--yes", "--no-wait")
     assert r.exit_code == 0 and "deletion started" in r.stdout
     assert objects("petctl/jobs/demo/tls/") == []
+
+
+def test_warm_pool_is_made_and_its_hosts_are_warmed_not_capacity(run, ready):
+    out = run_job(run, ready, "--warm-pool", "1")
+    assert out["job"] == "demo"
+    asg = boto3.client("autoscaling")
+    pool = asg.describe_warm_pool(AutoScalingGroupName="petctl-demo-workers")
+    assert pool["WarmPoolConfiguration"]["PoolState"] == "Stopped"
+    st = json.loads(run("-o", "json", "status", "demo").stdout)
+    workers = [h for h in st["hosts"] if h["role"] == "worker"]
+    warmed = [h for h in workers if h["lifecycle_state"].startswith("Warmed:")]
+    assert len(warmed) == 1 and warmed[0]["agent_state"] == "WARMED"  # the pool's one instance
+    assert st["in_service"] == 2 == len(workers) - 1  # running capacity: the pool is not part of it
+    r = run(
+        "run-job", "--dry-run", "--name", "warm2", "--min", "1", "--max", "2", "--warm-pool", "2", str(ready)
+    )
+    assert r.exit_code == 0 and "warm pool:    2 stopped instance(s)" in r.stdout

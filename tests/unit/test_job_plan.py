@@ -83,3 +83,14 @@ def test_configured_instance_profiles_mean_no_job_roles_and_no_kms_upload(tmp_pa
     )
     p = make_plan(tmp_path, given, name="given")
     assert p.kms_key is None and "LogGroupName" not in p.parameter_values
+
+
+def test_a_warm_pool_is_planned_as_its_size(tmp_path):
+    p = make_plan(tmp_path, name="warm", warm_pool=3)
+    d = p.to_dict()
+    assert d["parameters"]["WarmPoolSize"] == "3" and d["warm_pool"] == 3
+    assert "AWS::AutoScaling::WarmPool" in d["template"]
+    from petctl import render
+
+    assert "warm pool:    3 stopped instance(s)" in render.plan_text(d)
+    assert "warm pool:    none" in render.plan_text(make_plan(tmp_path, name="cold").to_dict())
