@@ -57,7 +57,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -65,6 +64,9 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent import DRAIN_EXIT_CODE
+from petctl_agent.atomic import atomic_write, fsync_dir
+from petctl_agent.distributed import dist_on, dist_rank, dist_world
+from petctl_agent.drain import drain_requested, exit_for_drain, report_progress, should_checkpoint
 
 __all__ = [
     "DRAIN_EXIT_CODE",
@@ -83,7 +85,6 @@ __all__ = [
 
 LATEST = "latest"
 _CKPT_RE = re.compile(r"^ckpt-(\d{10})\.(pt|dcp)$")
-_agreed_drain = False  # the drain decision all ranks took at the last should_checkpoint()
 
 
 def checkpoint_dir(directory: str | os.PathLike | None = None) -> Path:
@@ -96,59 +97,6 @@ def checkpoint_dir(directory: str | os.PathLike | None = None) -> Path:
     if not d:
         raise ValueError("no checkpoint directory: pass directory= or set PETCTL_CHECKPOINT_DIR")
     return Path(d)
-
-
-def _dist_on() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    if _dist_on():
-        import torch.distributed as dist
-
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
-
-
-def _dist_world() -> int:
-    if _dist_on():
-        import torch.distributed as dist
-
-        return dist.get_world_size()
-    return 1
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: temp file in the same dir, fsync, replace, fsync dir."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(path.parent)
 
 
 # ---- the checkpoint process group (its own timeout) ----------------------------------
@@ -182,7 +130,7 @@ def _barrier() -> None:
     ``monitored_barrier`` on the checkpoint group: CPU-only, its own timeout, and on
     timeout rank 0 names the ranks that never arrived.
     """
-    if not _dist_on():
+    if not dist_on():
         return
     import torch.distributed as dist
 
@@ -248,7 +196,7 @@ def save(
     if _is_sharded(state):
         return _save_sharded(state, int(step), d, keep)
     out: Path | None = None
-    if _rank() == 0:
+    if dist_rank() == 0:
         out = _write_checkpoint(state, step, d, keep)
     _barrier()
     return out
@@ -263,7 +211,7 @@ def _write_checkpoint(state: dict[str, Any], step: int, d: Path, keep: int) -> P
     data = buf.getvalue()
     name = f"ckpt-{int(step):010d}.pt"
     path = d / name
-    _atomic_write(path, data)
+    atomic_write(path, data)
     pointer = {
         "file": name,
         "step": int(step),
@@ -271,7 +219,7 @@ def _write_checkpoint(state: dict[str, Any], step: int, d: Path, keep: int) -> P
         "sha256": hashlib.sha256(data).hexdigest(),
         "size": len(data),
     }
-    _atomic_write(d / LATEST, json.dumps(pointer).encode())
+    atomic_write(d / LATEST, json.dumps(pointer).encode())
     _prune(d, keep, name)
     return path
 
@@ -281,8 +229,8 @@ def _save_sharded(state: dict[str, Any], step: int, d: Path, keep: int) -> Path 
 
     name = f"ckpt-{step:010d}.dcp"
     tmp = d / f".{name}.tmp"
-    group = _ckpt_group() if _dist_on() else None
-    rank0 = _rank() == 0
+    group = _ckpt_group() if dist_on() else None
+    rank0 = dist_rank() == 0
     if rank0:
         d.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a writer killed earlier at this step
@@ -292,7 +240,7 @@ def _save_sharded(state: dict[str, Any], step: int, d: Path, keep: int) -> Path 
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), process_group=group)
     out: Path | None = None
     if rank0:
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         final = d / name
         if final.exists():  # saved this step before (a retry): replace it
             trash = d / f".{name}.old.tmp"
@@ -300,9 +248,9 @@ def _save_sharded(state: dict[str, Any], step: int, d: Path, keep: int) -> Path 
             os.rename(final, trash)
             shutil.rmtree(trash, ignore_errors=True)
         os.rename(tmp, final)
-        _fsync_dir(d)
-        pointer = {"file": name, "step": step, "format": "dcp", "world_size": _dist_world()}
-        _atomic_write(d / LATEST, json.dumps(pointer).encode())
+        fsync_dir(d)
+        pointer = {"file": name, "step": step, "format": "dcp", "world_size": dist_world()}
+        atomic_write(d / LATEST, json.dumps(pointer).encode())
         _prune(d, keep, name)
         out = final
     _barrier()
@@ -380,7 +328,7 @@ def _load_dcp(path: Path, into: dict[str, Any] | None) -> tuple[dict[str, Any], 
             f"{path.name} is a sharded (torch.distributed.checkpoint) checkpoint: pass the state "
             "dict to load into, e.g. resume({'model': model.state_dict(), ...})"
         )
-    group = _ckpt_group() if _dist_on() else None
+    group = _ckpt_group() if dist_on() else None
     dcp.load(into, storage_reader=dcp.FileSystemReader(str(path)), process_group=group)
     return into, int(_CKPT_RE.match(path.name).group(1))
 
@@ -447,140 +395,6 @@ def resume(
     return load_latest(directory, into=into)
 
 
-# ---- drain agreement --------------------------------------------------------------------
-def _local_drain_flag() -> bool:
-    f = os.environ.get("PETCTL_DRAIN_FILE")
-    return bool(f) and os.path.exists(f)
-
-
-class _Agreement:
-    """All-reduce MAX of the local drain flag on ``device``; the result is read one call later."""
-
-    def __init__(self, group: Any, device: Any) -> None:
-        import torch
-
-        self.group = group
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.work: Any = None  # CPU: the pending all-reduce
-        self.tensor: Any = None
-        self.host = torch.empty(1, dtype=torch.int32, pin_memory=True) if self.cuda else None
-        self.event: Any = torch.cuda.Event() if self.cuda else None
-        self.pending = False
-
-    def _tensor(self, flag: bool) -> Any:
-        import torch
-
-        # torch.full: a fill kernel, no host-to-device copy (a pageable copy would sync)
-        return torch.full((1,), int(flag), dtype=torch.int32, device=self.device)
-
-    def collect(self) -> bool:
-        """Result of the all-reduce started by the previous call (False if none)."""
-        if not self.pending:
-            return False
-        self.pending = False
-        if self.cuda:
-            self.event.synchronize()  # only waits for the GPU work queued before the previous call
-            return bool(self.host[0])
-        self.work.wait()
-        v = bool(self.tensor[0])
-        self.work = self.tensor = None
-        return v
-
-    def launch(self, flag: bool) -> None:
-        import torch.distributed as dist
-
-        t = self._tensor(flag)
-        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        if self.cuda:
-            work.wait()  # NCCL: the current stream waits for the all-reduce; the host does not
-            self.host.copy_(t, non_blocking=True)
-            self.event.record()
-        else:
-            self.work, self.tensor = work, t
-        self.pending = True
-
-    def exchange(self, flag: bool, sync: bool) -> bool:
-        if sync:
-            import torch.distributed as dist
-
-            self.collect()  # (a mode switch mid-run: finish the pending one first)
-            t = self._tensor(flag)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-            return bool(t.item())
-        decided = self.collect()
-        self.launch(flag)
-        return decided
-
-
-_agreement: _Agreement | None = None
-
-
-def _get_agreement() -> _Agreement:
-    global _agreement
-    import torch.distributed as dist
-
-    world = dist.group.WORLD
-    if _agreement is None or _agreement.group is not world:
-        from petctl_agent.distributed import rank_device
-
-        _agreement = _Agreement(world, rank_device())
-    return _agreement
-
-
-def _sync_mode() -> bool:
-    return os.environ.get("PETCTL_AGREEMENT", "async").strip().lower() == "sync"
-
-
-def drain_requested() -> bool:
-    """True when the last :func:`should_checkpoint` call agreed (on every rank) to drain.
-
-    The local drain file alone never counts: a rank that stopped on its own would
-    leave its peers blocked in their next collective.
-    """
-    return _agreed_drain
-
-
-def should_checkpoint(step: int, every: int) -> bool:
-    """Return True when this step must be checkpointed: every ``every`` steps, or on an agreed drain.
-
-    A collective when a process group with more than one rank is initialised and the
-    agent set ``$PETCTL_DRAIN_FILE``: call it on every rank at every step. The drain
-    flag seen at one call is decided at the next (see the module doc); every rank
-    returns the same value at the same step.
-    """
-    global _agreed_drain
-    flag = _local_drain_flag()
-    if _dist_world() > 1 and os.environ.get("PETCTL_DRAIN_FILE"):
-        flag = _get_agreement().exchange(flag, _sync_mode())
-    _agreed_drain = flag
-    return flag or (every > 0 and step % every == 0)
-
-
-def exit_for_drain() -> None:
-    """Stop this worker at once after a drain checkpoint, with :data:`DRAIN_EXIT_CODE`.
-
-    ``os._exit``: the checkpoint is durable (``save`` ended in a barrier), and a
-    clean ``destroy_process_group`` + interpreter shutdown took ~10 s with gloo
-    here while peers tear down -- time every rank would spend not training.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(DRAIN_EXIT_CODE)
-
-
-def report_progress(step: int, world_size: int) -> None:
-    """Record the last completed step in ``$PETCTL_PROGRESS_FILE`` (local rank 0 only; atomic)."""
-    f = os.environ.get("PETCTL_PROGRESS_FILE")
-    if not f or os.environ.get("LOCAL_RANK", "0") != "0":
-        return
-    body = json.dumps({"step": int(step), "world_size": int(world_size), "t": time.time()}).encode()
-    try:
-        _atomic_write(Path(f), body)
-    except OSError:
-        pass  # progress is advisory
-
-
 def step(
     step: int,
     state_fn: Callable[[], dict[str, Any]],
@@ -607,11 +421,11 @@ def step(
     Returns:
         True if a checkpoint was saved.
     """
-    report_progress(step, world_size if world_size is not None else _dist_world())
+    report_progress(step, world_size if world_size is not None else dist_world())
     saved = False
     if should_checkpoint(step, every) or last:
         save(state_fn(), step, directory)
         saved = True
-    if _agreed_drain and not last:
+    if drain_requested() and not last:
         exit_for_drain()
     return saved

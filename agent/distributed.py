@@ -165,3 +165,28 @@ def init_process_group(backend: str | None = None, timeout_s: float | None = Non
         kwargs["pg_options"] = pg_options
     dist.init_process_group(plan.backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
     return plan.backend
+
+
+def dist_on() -> bool:
+    """Is a default process group initialised in this process?"""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def dist_rank() -> int:
+    """This process's rank: the process group's, else ``$RANK``, else 0."""
+    if dist_on():
+        import torch.distributed as dist
+
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def dist_world() -> int:
+    """The process group's size, or 1 without one."""
+    if dist_on():
+        import torch.distributed as dist
+
+        return dist.get_world_size()
+    return 1

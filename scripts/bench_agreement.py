@@ -52,7 +52,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from petctl_agent import checkpoint as ckpt
+    from petctl_agent import drain
     from petctl_agent.distributed import init_process_group, rank_device
 
     backend = init_process_group(None if args.device == "cuda" else "gloo")
@@ -69,10 +69,10 @@ def worker(args: argparse.Namespace) -> None:
         model(x).square().mean().backward()
         opt.step()
 
-    agreement = ckpt._get_agreement()
+    agreement = drain._get_agreement()
 
     def agree(sync: bool) -> bool:  # what should_checkpoint does with world > 1
-        return agreement.exchange(ckpt._local_drain_flag(), sync)
+        return agreement.exchange(drain._local_drain_flag(), sync)
 
     def sync_all() -> None:
         if device.type == "cuda":
