@@ -25,7 +25,7 @@ client uses) and makes the local processes match it:
   stops it (:func:`petctl.local.moto_warm_pool.mark_warmed`) and its whole tree is SIGSTOPped;
   when a scale-out moves it into its group, IMDS says ``InService`` and the tree is SIGCONTinued.
 
-Each tick reads moto (:meth:`Reconciler.observe`), snapshots the local records, asks the pure
+Each tick reads moto (:func:`petctl.local.observe.observe`), snapshots the local records, asks the pure
 :func:`petctl.local.plan.diff` what to do, and carries the actions out (:meth:`Reconciler.execute`).
 Booting and units live in :mod:`petctl.local.starting`, leaving and faults in
 :mod:`petctl.local.leaving`.
@@ -50,7 +50,8 @@ from typing import Any
 from petctl.local import moto_patches, moto_warm_pool, plan, procs
 from petctl.local.instance import Instance
 from petctl.local.leaving import Leaving
-from petctl.local.starting import ROLE_TAG, Starting
+from petctl.local.observe import observe
+from petctl.local.starting import Starting
 
 log = logging.getLogger("petctl.local.reconciler")
 
@@ -117,7 +118,9 @@ class Reconciler(Starting, Leaving):
             self.stopping.wait(max(0.05, self.settings.period - (time.monotonic() - t0)))
 
     def tick(self) -> None:
-        observed = self.observe()
+        with self.lock:
+            known = dict(self.instances)
+        observed = observe(self.clients, known, with_groups=not self._ticks % 4)
         if self.stopping.is_set():
             return
         with self.lock:
@@ -132,66 +135,6 @@ class Reconciler(Starting, Leaving):
                 leaders = {p.pid for r in self.instances.values() for p in r.popens()}
             procs.reap_orphans(leaders)
         self._write_procs()
-
-    # ------------------------------------------------------------------ observe (moto)
-
-    def observe(self) -> plan.Observed:
-        """Tagged instances (live, and stopped ones a warm pool parks), their lifecycle state where
-        it matters (new instances of a group, warm pool instances), the groups every few ticks, and
-        which warm pool instances' agents report WARMED."""
-        ec2, asg = self.clients["ec2"], self.clients["autoscaling"]
-        described: dict[str, dict[str, Any]] = {}
-        for page in ec2.get_paginator("describe_instances").paginate(
-            # Only live (or parked) instances: one that left simply vanishes from the answer, and
-            # the answer does not grow with every instance ever terminated.
-            Filters=[
-                {"Name": "tag-key", "Values": [ROLE_TAG]},
-                {"Name": "instance-state-name", "Values": [*plan.LIVE_STATES, *plan.PARKED_STATES]},
-            ]
-        ):
-            for res in page["Reservations"]:
-                for i in res["Instances"]:
-                    described[i["InstanceId"]] = i
-        tags = {iid: {t["Key"]: t["Value"] for t in i.get("Tags", [])} for iid, i in described.items()}
-        with self.lock:
-            known = dict(self.instances)
-        ask = [
-            iid for iid in described if plan.ASG_TAG in tags[iid] and (iid not in known or known[iid].warm)
-        ]
-        lifecycle: dict[str, str] = {}
-        if ask:
-            for gi in asg.describe_auto_scaling_instances(InstanceIds=ask)["AutoScalingInstances"]:
-                lifecycle[gi["InstanceId"]] = gi["LifecycleState"]
-        seen = {
-            iid: plan.Seen(iid, i["State"]["Name"], tags[iid], i, lifecycle.get(iid))
-            for iid, i in described.items()
-        }
-        groups = None
-        # moto already terminates a deleted group's instances; this is a backstop, every few ticks.
-        if not self._ticks % 4 and any(x.group for x in seen.values()):
-            groups = {}
-            for page in asg.get_paginator("describe_auto_scaling_groups").paginate():
-                groups.update({g["AutoScalingGroupName"]: g for g in page["AutoScalingGroups"]})
-        warmed = frozenset(
-            iid
-            for iid, rec in known.items()
-            if rec.warm == plan.WARMED + "Pending" and self._reports_warmed(rec)
-        )
-        return plan.Observed(seen, groups, warmed)
-
-    def _reports_warmed(self, rec: Instance) -> bool:
-        """Whether the instance's agent published status WARMED (its boot is done, it waits)."""
-        url = rec.status_url or ""
-        if not url.startswith("s3://"):
-            return False
-        bucket, _, prefix = url[5:].partition("/")
-        try:
-            body = self.clients["s3"].get_object(
-                Bucket=bucket, Key=f"{prefix.rstrip('/')}/{rec.instance_id}.json"
-            )
-            return json.loads(body["Body"].read()).get("state") == "WARMED"
-        except Exception:  # noqa: BLE001 - no status yet
-            return False
 
     # ------------------------------------------------------------------ execute
 
