@@ -1,14 +1,8 @@
-"""The worker side of the drain protocol: agree on every rank, at the same step, to stop.
+"""The worker side of the drain protocol: every rank agrees, at the same step, to stop.
 
-Drain agreement: the agent creates ``$PETCTL_DRAIN_FILE`` on a node that must
-stop (leaving, or a scale-up it absorbs without losing steps). Each call of
-:func:`should_checkpoint` starts an all-reduce (MAX) of the local flag on the
-process group's device (a CUDA tensor under NCCL, CPU under gloo) *without
-waiting for it* and reads the result of the previous call's all-reduce: a flag
-raised at step ``s`` is decided at step ``s + 1``, by every rank, at the same
-step. ``PETCTL_AGREEMENT=sync`` decides at the same step instead. Without
-``$PETCTL_DRAIN_FILE`` (plain torchrun) nothing is exchanged and only ``step % every``
-counts. User scripts reach these through ``petctl_agent.checkpoint`` (module doc there).
+The agent raises the flag (``$PETCTL_DRAIN_FILE``); :func:`should_checkpoint` exchanges it
+one step late (or at once with ``PETCTL_AGREEMENT=sync``). The protocol, for the user scripts
+that reach these calls through ``petctl_agent.checkpoint``, is described in that module's doc.
 """
 
 from __future__ import annotations
