@@ -52,28 +52,22 @@ from petctl.local.instance import Instance
 from petctl.local.leaving import Leaving
 from petctl.local.observe import observe
 from petctl.local.starting import Starting
+from petctl_agent.settings import env_float
 
 log = logging.getLogger("petctl.local.reconciler")
-
-
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        return default
 
 
 @dataclass
 class Settings:
     """Knobs, read from the daemon's environment (see docs/local.md)."""
 
-    period: float = field(default_factory=lambda: _env_float("PETCTL_LOCAL_PERIOD", 0.5))
-    default_drain_timeout: float = field(default_factory=lambda: _env_float("PETCTL_LOCAL_DRAIN_TIMEOUT", 60))
+    period: float = field(default_factory=lambda: env_float("PETCTL_LOCAL_PERIOD", 0.5))
+    default_drain_timeout: float = field(default_factory=lambda: env_float("PETCTL_LOCAL_DRAIN_TIMEOUT", 60))
     # Time after the drain timeout for the agent to leave the rendezvous and complete the
     # lifecycle action before the instance is killed (the hook's heartbeat timeout on AWS).
-    drain_slack: float = field(default_factory=lambda: _env_float("PETCTL_LOCAL_DRAIN_SLACK", 10))
+    drain_slack: float = field(default_factory=lambda: env_float("PETCTL_LOCAL_DRAIN_SLACK", 10))
     # OS shutdown: SIGTERM, then SIGKILL after this long (spot interruption deadline).
-    shutdown_grace: float = field(default_factory=lambda: _env_float("PETCTL_LOCAL_SHUTDOWN_GRACE", 5))
+    shutdown_grace: float = field(default_factory=lambda: env_float("PETCTL_LOCAL_SHUTDOWN_GRACE", 5))
 
 
 class Reconciler(Starting, Leaving):
