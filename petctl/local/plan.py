@@ -79,58 +79,68 @@ class Local:
 
 @dataclass(frozen=True)
 class Boot:
+    """Run the instance's user data (into its warm pool when ``warm``)."""
+
     seen: Seen
     warm: bool = False
 
 
 @dataclass(frozen=True)
 class UpdateTags:
+    """Its tags changed in moto."""
+
     instance_id: str
     tags: Mapping[str, str]
 
 
 @dataclass(frozen=True)
-class BootEnded:
+class _OnInstance:
     instance_id: str
+
+
+@dataclass(frozen=True)
+class _Exited(_OnInstance):
     rc: int
 
 
-@dataclass(frozen=True)
-class MainExited:
-    instance_id: str
-    rc: int
+class BootEnded(_Exited):
+    """Its boot script exited with ``rc``: record it."""
+
+
+class MainExited(_Exited):
+    """Its main unit's process exited with ``rc``: the instance is ``exited``, never restarted."""
+
+
+class BootWithoutService(_Exited):
+    """Its boot ended (``rc``) without starting a unit: ``exited``, with a note."""
+
+
+class Warmed(_OnInstance):
+    """Booted in its warm pool: the pool stops it, its tree is paused."""
+
+
+class Resume(_OnInstance):
+    """A scale-out took it from its pool: InService, its tree continues."""
 
 
 @dataclass(frozen=True)
-class BootWithoutService:
-    instance_id: str
-    rc: int
+class Leave(_OnInstance):
+    """It left moto (terminated, gone): drain it, then end its tree."""
 
-
-@dataclass(frozen=True)
-class Warmed:
-    instance_id: str
-
-
-@dataclass(frozen=True)
-class Resume:
-    instance_id: str
-
-
-@dataclass(frozen=True)
-class Leave:
-    instance_id: str
     why: str
 
 
 @dataclass(frozen=True)
 class TerminateOrphans:
+    """Their group is gone: terminate them in EC2, as AWS does."""
+
     instance_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True)
-class ReplaceUnhealthy:
-    instance_id: str
+class ReplaceUnhealthy(_OnInstance):
+    """Unhealthy in ``group``: terminate it there without decrement, so the group replaces it."""
+
     group: str
 
 
