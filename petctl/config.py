@@ -192,14 +192,6 @@ def save_profile(profile: Profile) -> Path:
     return path
 
 
-def delete_profile(name: str) -> bool:
-    path = profile_path(name)
-    if path.exists():
-        path.unlink()
-        return True
-    return False
-
-
 def list_profiles() -> list[str]:
     d = home() / "profiles"
     return sorted(p.stem for p in d.glob("*.json")) if d.is_dir() else []

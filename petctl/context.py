@@ -46,10 +46,6 @@ class Context:
             )
         return self._profile
 
-    def reload_profile(self) -> config.Profile:
-        self._profile = None
-        return self.profile
-
     @property
     def region(self) -> str | None:
         region = config.resolve_region(self.region_flag, self.profile)

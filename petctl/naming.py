@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import re
 
-JOB_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,38}[a-z0-9]$")
+# The job-name rule and the checkpoint path are the agent's too: defined once, in the job spec.
+from petctl_agent.spec import JOB_NAME_RE, checkpoint_dir
+
 # Profile names become stack names (petctl-<profile>): letters, digits, '-' only. "job-*" would
 # collide with job stacks (petctl-job-<job>).
 PROFILE_RE = re.compile(r"^(?!job-)[A-Za-z0-9][A-Za-z0-9-]{0,31}$")
@@ -38,10 +40,21 @@ def job_prefix(job: str) -> str:
     return f"petctl/jobs/{job}/"
 
 
-def checkpoint_dir(job: str) -> str:
-    """Checkpoint directory relative to the shared filesystem mount."""
-    return f"petctl/jobs/{job}/checkpoints"
-
-
 def log_group(profile: str) -> str:
     return f"/petctl/{profile}"
+
+
+__all__ = [
+    "JOB_NAME_RE",
+    "LIFECYCLE_HOOK",
+    "PROFILE_RE",
+    "RDZV_PORT",
+    "base_stack",
+    "checkpoint_dir",
+    "job_from_stack",
+    "job_prefix",
+    "job_stack",
+    "log_group",
+    "rdzv_group",
+    "worker_group",
+]

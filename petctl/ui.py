@@ -137,15 +137,3 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     for row in cells:
         lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
     return "\n".join(lines)
-
-
-def out() -> UI:
-    """The UI of the current click context (a default one outside a command)."""
-    ctx = click.get_current_context(silent=True)
-    obj = getattr(ctx, "obj", None) if ctx else None
-    ui = getattr(obj, "ui", None)
-    return ui if isinstance(ui, UI) else UI()
-
-
-def echo_err(message: str) -> None:
-    print(message, file=sys.stderr)

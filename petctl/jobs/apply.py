@@ -69,8 +69,8 @@ def apply(p: Plan, gw: Gateway, timeout: float = 1800) -> Started:
     return Started(
         job=p.job_name,
         stack=p.stack_name,
-        min=p.spec["min_nodes"],
-        max=p.spec["max_nodes"],
+        min=p.spec.min_nodes,
+        max=p.spec.max_nodes,
         size=int(values["DesiredCapacity"]),
         instance_type=values["InstanceType"],
         rendezvous_endpoint=out.get("RdzvEndpoint"),

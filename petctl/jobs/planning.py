@@ -8,7 +8,6 @@ prints the plan; ``apply`` carries it out.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from petctl.errors import ConfigError
 from petctl.jobs.request import JobRequest, default_job_name, instance_types, is_gpu, sanitize_tag_value
 from petctl.storage import Upload, parse_s3_url
 from petctl.ui import cmd
+from petctl_agent.spec import JobSpec, SpecError
 
 
 @dataclass
@@ -61,7 +61,7 @@ class Plan:
     template: str
     parameters: list[dict[str, str]]
     uploads: list[Upload]
-    spec: dict[str, Any]
+    spec: JobSpec
     tags: dict[str, str]
     bucket: str
     #: The bucket's customer KMS key, which the job's roles may use: uploads encrypt with it.
@@ -81,7 +81,7 @@ class Plan:
                 {"s3_url": f"s3://{self.bucket}/{u.key}", "from": u.path or u.description, "bytes": u.size()}
                 for u in self.uploads
             ],
-            "spec": self.spec,
+            "spec": self.spec.to_dict(),
             "tags": self.tags,
             "warm_pool": self.warm_pool,
         }
@@ -106,36 +106,37 @@ def plan(req: JobRequest, profile: Profile, code: Code, *, user: str, region: st
     dist_name = code.dist.name if code.dist is not None else f"petctl-{__version__}-py3-none-any.whl"
     if code.dist is not None:
         uploads.append(Upload(key=prefix + "dist/" + dist_name, path=str(code.dist)))
-    spec = {
-        "version": 1,
-        "job_name": job,
-        "user": user,
-        "region": region,
-        "min_nodes": req.min_nodes,
-        "max_nodes": req.max_nodes,
-        "nproc_per_node": req.nproc_per_node if req.nproc_per_node == "auto" else int(req.nproc_per_node),
-        "code_url": code_url,
-        "code_kind": code.kind,
-        "script": code.script,
-        "args": list(code.args),
-        "env": dict(req.env),
-        "checkpoint_dir": naming.checkpoint_dir(job),
-        "status_url": f"s3://{bucket}/{prefix}status/",
-        "log_group": profile.log_group or naming.log_group(profile.name),
-        "worker_group": naming.worker_group(job),
-        "rdzv_group": naming.rdzv_group(job),
-        "lifecycle_hook": naming.LIFECYCLE_HOOK,
-        "drain_timeout": req.drain_timeout,
-        "rdzv_port": naming.RDZV_PORT,
-        "petctl_version": __version__,
-        "torch_version": req.torch_version,
-        "max_restarts": req.max_restarts,
-        "join_timeout": req.join_timeout,
-        "rdzv_backend": req.rdzv_backend,
-    }
-    uploads.append(
-        Upload(key=prefix + "job.json", data=json.dumps(spec, indent=2).encode(), description="job spec")
+    spec = JobSpec(
+        job_name=job,
+        user=user,
+        region=region or "",
+        min_nodes=req.min_nodes,
+        max_nodes=req.max_nodes,
+        nproc_per_node=req.nproc_per_node if req.nproc_per_node == "auto" else int(req.nproc_per_node),
+        code_url=code_url,
+        code_kind=code.kind,
+        script=code.script,
+        args=tuple(code.args),
+        env=dict(req.env),
+        checkpoint_dir=naming.checkpoint_dir(job),
+        status_url=f"s3://{bucket}/{prefix}status/",
+        log_group=profile.log_group or naming.log_group(profile.name),
+        worker_group=naming.worker_group(job),
+        rdzv_group=naming.rdzv_group(job),
+        lifecycle_hook=naming.LIFECYCLE_HOOK,
+        drain_timeout=req.drain_timeout,
+        rdzv_port=naming.RDZV_PORT,
+        petctl_version=__version__,
+        torch_version=req.torch_version,
+        max_restarts=req.max_restarts,
+        join_timeout=req.join_timeout,
+        rdzv_backend=req.rdzv_backend,
     )
+    try:
+        JobSpec.from_dict(spec.to_dict())  # what every agent will parse: refuse it here, not there
+    except SpecError as e:
+        raise ConfigError(f"the job spec would not be accepted by the agent: {e}") from None
+    uploads.append(Upload(key=prefix + "job.json", data=spec.to_json().encode(), description="job spec"))
     own_roles = _own_roles(profile)
     types = instance_types(req)
     template = templates.render_job(
@@ -151,7 +152,7 @@ def plan(req: JobRequest, profile: Profile, code: Code, *, user: str, region: st
     values["DistUrl"] = f"s3://{bucket}/{prefix}dist/{dist_name}"
     values["User"] = sanitize_tag_value(user)
     if own_roles:
-        values["LogGroupName"] = spec["log_group"]
+        values["LogGroupName"] = spec.log_group
     parameters = templates.job_parameters(template=template, **values)
     tags = {"petctl:job": job, "petctl:user": sanitize_tag_value(user), "petctl:profile": profile.name}
     kms_key = profile.bucket_kms_key_arn if own_roles else None

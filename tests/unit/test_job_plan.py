@@ -69,7 +69,7 @@ def test_a_directory_is_tarred_before_the_plan(tmp_path):
     assert (code.kind, code.script, code.args) == ("dir", "pkg/main.py", ["--lr", "0.1"])
     assert tarfile.open(fileobj=io.BytesIO(code.data)).getnames() == ["pkg/main.py"]
     p = jobs.plan(req, PROFILE, code, user="bob", region="us-east-1")
-    assert p.spec["code_url"] == "s3://team-bucket/petctl/jobs/dirjob/code/code.tar.gz"
+    assert p.spec.code_url == "s3://team-bucket/petctl/jobs/dirjob/code/code.tar.gz"
     assert p.summary()["uploads"][0]["from"] == f"tar of {project}"
 
 
