@@ -7,7 +7,8 @@ applied through the gateway, and observed.
     prepare.py   prepare(ctx, request) -> Plan: validation, lookups, code, plan, in that order
     apply.py     apply(plan, gateway) -> Started
     observe.py   find a job, gather its facts, observe() -> JobStatus, list_jobs, wait_for_end
-    state.py     the status derived from gathered facts (pure): JobStatus, Host, AgentStatus
+    status.py    what status reports: JobStatus, Host, AgentStatus, BootFailures (to_dict: --output json)
+    state.py     the status derived from gathered facts (pure)
     control.py   scale, kill_job, upload
 
 A new job option goes into request.py (validation) and planning.py (spec, parameters); a new
@@ -28,7 +29,8 @@ from petctl.jobs.request import (
     sanitize_tag_value,
     validate_request,
 )
-from petctl.jobs.state import BOOT_FAILURES_TO_FAIL, BOOT_LOG_LINES, FINAL_STATES, Host, JobStatus
+from petctl.jobs.state import BOOT_FAILURES_TO_FAIL, BOOT_LOG_LINES
+from petctl.jobs.status import FINAL_STATES, Host, JobStatus
 
 __all__ = [
     "BOOT_FAILURES_TO_FAIL",

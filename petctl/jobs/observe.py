@@ -12,7 +12,8 @@ from petctl.errors import ConfigError, NotFound
 from petctl.gateway import Gateway
 from petctl.gateway.stacks import parameters_of, tags_of
 from petctl.jobs import state as st
-from petctl.jobs.state import Facts, Host, JobStatus
+from petctl.jobs.state import Facts
+from petctl.jobs.status import Host, JobStatus
 from petctl.ui import cmd
 
 

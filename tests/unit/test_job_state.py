@@ -5,7 +5,8 @@ from __future__ import annotations
 import datetime as dt
 
 from petctl.jobs import state
-from petctl.jobs.state import BootFailures, Facts, Host
+from petctl.jobs.state import Facts
+from petctl.jobs.status import BootFailures, Host
 
 NOW = 1_764_400_000.0
 
