@@ -29,10 +29,14 @@ def cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cloud]:
         try:
             yield c
         finally:
-            c.instances()  # record every process group for the final check
-            for data in (state / "instances").glob("*/root/var/lib/petctl/env.json"):
-                c.standin(data.relative_to(state / "instances").parts[0])
-            res = local.stop()
+            try:
+                c.instances()  # record every process group for the final check
+                for data in (state / "instances").glob("*/root/var/lib/petctl/env.json"):
+                    c.standin(data.relative_to(state / "instances").parts[0])
+            finally:
+                # Even when the daemon no longer answers: stop kills it and, from procs.json and
+                # its marker, every process it started.
+                res = local.stop()
             assert res["was_running"]
             assert_nothing_left(c, info["pid"])
 
