@@ -113,14 +113,12 @@ class Reconciler(Starting, Leaving):
 
     def tick(self) -> None:
         with self.lock:
-            known = dict(self.instances)
+            known = dict(self.instances)  # only this loop adds records
         observed = observe(self.clients, known, with_groups=not self._ticks % 4)
         if self.stopping.is_set():
             return
-        with self.lock:
-            recs = dict(self.instances)
         # Each record's own lock, never inside self.lock: systemd_start takes them the other way.
-        local = {iid: _snapshot(rec) for iid, rec in recs.items()}
+        local = {iid: _snapshot(rec) for iid, rec in known.items()}
         for action in plan.diff(observed, local):
             self.execute(action)
         self._ticks += 1
