@@ -1,0 +1,181 @@
+"""Check the import graph of petctl/ and agent/ against docs/architecture.md's layers.
+
+    python scripts/import_graph.py            # exit 1 and one line per broken rule
+    python scripts/import_graph.py --edges    # also print every module -> module edge
+
+It reads imports as text (ast), so it runs without the dependencies installed. Imports inside a
+function count too: a lazy import is still a dependency. The rules:
+
+- no cycle among modules;
+- the agent (``petctl_agent``) never imports ``petctl``;
+- outside ``petctl.gateway`` and ``petctl.local`` (the emulator), nothing in ``petctl`` imports
+  boto3 or botocore;
+- the job and infra layers never import the CLI (``petctl.cli``, ``petctl.commands``,
+  ``petctl.render``), and the gateway imports none of the layers above it;
+- ``petctl`` imports from the agent only its standard-library contracts (``spec``, ``settings``);
+- the CLI's job code never imports the local cloud's daemon side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"petctl": ROOT / "petctl", "petctl_agent": ROOT / "agent"}
+AGENT_CONTRACTS = {"petctl_agent", "petctl_agent.spec", "petctl_agent.settings"}
+CLI_LAYER = ("petctl.cli", "petctl.commands", "petctl.render")
+UPPER_LAYERS = (*CLI_LAYER, "petctl.jobs", "petctl.infra", "petctl.timeline", "petctl.context")
+# The daemon side of the local cloud; the CLI reaches the local cloud through petctl.local.client.
+DAEMON_SIDE = (
+    "petctl.local.daemon",
+    "petctl.local.reconciler",
+    "petctl.local.moto_patches",
+    "petctl.local.shims",
+    "petctl.local.starting",
+)
+
+
+def modules() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for package, base in PACKAGES.items():
+        for path in sorted(base.rglob("*.py")):
+            if "__pycache__" in path.parts:
+                continue
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports(known: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the modules it imports (the agent's ``agent.x`` spelling maps to petctl_agent.x)."""
+    graph: dict[str, set[str]] = {}
+    for module, path in known.items():
+        tree = ast.parse(path.read_text(), str(path))
+        names: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                target = _resolve(module, path.name == "__init__.py", node)
+                for alias in node.names:
+                    # ``from pkg import submodule`` depends on the submodule, not on pkg's __init__
+                    sub = f"{target}.{alias.name}"
+                    names.add(
+                        sub if sub in known or sub.replace("agent.", "petctl_agent.", 1) in known else target
+                    )
+        resolved = set()
+        for name in names:
+            if name.startswith("agent."):
+                name = "petctl_agent." + name[len("agent.") :]
+            # the longest known module the name starts with (``from x import y`` may name a class)
+            while name and name not in known and "." in name:
+                name = name.rsplit(".", 1)[0]
+            if name in known and name != module:
+                resolved.add(name)
+            elif name.split(".")[0] in ("boto3", "botocore"):
+                resolved.add(name.split(".")[0])
+        graph[module] = resolved
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(10_000)
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _under(module: str, prefixes: tuple[str, ...] | str) -> bool:
+    prefixes = (prefixes,) if isinstance(prefixes, str) else prefixes
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def broken_rules(graph: dict[str, set[str]]) -> list[str]:
+    problems = [f"import cycle: {' <-> '.join(c)}" for c in cycles(graph)]
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            edge = f"{module} imports {target}"
+            if _under(module, "petctl_agent") and _under(target, "petctl"):
+                problems.append(f"{edge}: the agent never imports petctl")
+            if (
+                target in ("boto3", "botocore")
+                and _under(module, "petctl")
+                and not _under(module, ("petctl.gateway", "petctl.local"))
+            ):
+                problems.append(f"{edge}: only petctl.gateway talks to AWS")
+            if _under(module, ("petctl.jobs", "petctl.infra", "petctl.timeline")) and _under(
+                target, CLI_LAYER
+            ):
+                problems.append(f"{edge}: the job layer never imports the CLI")
+            if _under(module, "petctl.gateway") and _under(target, UPPER_LAYERS):
+                problems.append(f"{edge}: the gateway imports no layer above it")
+            if _under(module, "petctl") and _under(target, "petctl_agent") and target not in AGENT_CONTRACTS:
+                problems.append(f"{edge}: petctl imports only the agent's stdlib contracts (spec, settings)")
+            if not _under(module, "petctl.local") and _under(target, DAEMON_SIDE):
+                problems.append(f"{edge}: the CLI reaches the local cloud through petctl.local.client only")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--edges", action="store_true", help="print every edge too")
+    args = parser.parse_args(argv)
+    graph = imports(modules())
+    if args.edges:
+        for module, targets in sorted(graph.items()):
+            for target in sorted(targets):
+                print(f"{module} -> {target}")
+    problems = broken_rules(graph)
+    for line in problems:
+        print(line)
+    edges = sum(len(t) for t in graph.values())
+    print(f"{len(graph)} modules, {edges} imports: {'OK' if not problems else f'{len(problems)} broken'}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
