@@ -90,6 +90,7 @@ def test_rdzv_boot_serves_etcd_over_tls_to_the_jobs_clients_only(cloud: Cloud, t
     assert rdzv["boot"]["state"] == "done", log[-3000:]
     assert '{"health":"true"' in log  # the boot's own check, over TLS with its client certificate
     assert "rejected connection" not in log  # etcd's own gateway accepts its certificate
+    assert "check file permission" not in log  # its data dir is 0700
     events = json.loads(
         cloud.s3.get_object(Bucket=BUCKET, Key=f"petctl/jobs/{job}/boot/events/{rdzv['instance_id']}.json")[
             "Body"
