@@ -39,9 +39,10 @@ membership change therefore costs 8-20 s even tuned. Here:
 * **etcd outages**: every watcher re-reads its keys after a connection error and resumes from
   the read's index; a restarted etcd (same data) changes nothing, and membership losses
   seen within ``ttl + 1`` s of a reconnect are not acted on (keys that expired while etcd
-  was down come back with the next refresh). A replaced etcd (empty data dir) makes the
-  refresher re-register, running nodes see their round record gone and form a new round;
-  the previous rank order is kept from local memory.
+  was down come back with the next refresh). A replaced etcd (empty data dir; seen as a
+  changed cluster id, an index that went backwards, or our key gone) drops every watcher's
+  view, the refresher re-registers, running nodes see their round record gone and form a
+  new round; the previous rank order is kept from local memory.
 
 Register with torch: importing this module registers ``petctl-etcd`` in torch's handler
 registry; ``python -m petctl_agent.rendezvous <torchrun args>`` runs torchrun with it. See
@@ -147,35 +148,63 @@ class RequestCounter:
 
 
 class _Client:
-    """A python-etcd client (one per thread: watches hold their connection) that counts requests."""
+    """A python-etcd client (one per thread: watches hold their connection) that counts requests.
 
-    def __init__(self, host: str, port: int, counter: RequestCounter, timeout: float) -> None:
-        self.c = etcd.Client(host=host, port=port, read_timeout=timeout, allow_reconnect=False)
+    python-etcd remembers the cluster id of its first answer and refuses, once, the first answer
+    of another cluster (``EtcdClusterIdChanged``): a new etcd (fresh data dir) now serves this
+    address. Then this client starts afresh, tells ``on_new_cluster`` (the handler drops every
+    view it read from the old etcd) and re-raises, so the caller retries as after any outage.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        counter: RequestCounter,
+        timeout: float,
+        on_new_cluster: Callable[[str], None],
+    ) -> None:
+        self.host, self.port, self.timeout = host, port, timeout
         self.counter = counter
+        self.on_new_cluster = on_new_cluster
+        self.c = self._connect()
+
+    def _connect(self) -> etcd.Client:
+        return etcd.Client(host=self.host, port=self.port, read_timeout=self.timeout, allow_reconnect=False)
+
+    def _call(self, kind: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        self.counter.add(kind)
+        try:
+            return fn(*args, **kw)
+        except etcd.EtcdClusterIdChanged:
+            cluster = str(self.c.expected_cluster_id)
+            self.c = self._connect()
+            self.on_new_cluster(cluster)
+            raise
 
     def get(self, key: str, kind: str, recursive: bool = False) -> etcd.EtcdResult:
-        self.counter.add(kind)
-        return self.c.read(key, recursive=recursive)
+        return self._call(kind, lambda: self.c.read(key, recursive=recursive))
 
     def write(self, key: str, value: str | None, kind: str, **kw: Any) -> etcd.EtcdResult:
-        self.counter.add(kind)
-        return self.c.write(key, value, **kw)
+        return self._call(kind, lambda: self.c.write(key, value, **kw))
 
     def delete(self, key: str, kind: str, **kw: Any) -> None:
-        self.counter.add(kind)
-        self.c.delete(key, **kw)
+        self._call(kind, lambda: self.c.delete(key, **kw))
 
     def watch(self, key: str, index: int, timeout: float, recursive: bool) -> etcd.EtcdResult:
-        self.counter.add("watch")
-        return self.c.read(key, wait=True, waitIndex=index, timeout=timeout, recursive=recursive)
+        return self._call(
+            "watch",
+            lambda: self.c.read(key, wait=True, waitIndex=index, timeout=timeout, recursive=recursive),
+        )
 
 
 class _Watcher:
     """A local copy of one etcd key or directory tree, kept current by a v2 watch in a thread.
 
     ``items``: leaf key -> (value, createdIndex). After any error it re-reads the tree and
-    resumes from the read's ``X-Etcd-Index`` (so etcd restarts and replacements heal).
-    Every change bumps the handler's version and notifies its condition.
+    resumes from the read's ``X-Etcd-Index`` (so etcd restarts heal). When the handler learns
+    that etcd was replaced it stops every watcher and starts new ones: a view of the old etcd
+    is never used again. Every change bumps the handler's version and notifies its condition.
     """
 
     def __init__(self, h: PetctlRendezvousHandler, key: str, recursive: bool, timeout: float) -> None:
@@ -190,7 +219,6 @@ class _Watcher:
         self.reconnected_at = float("-inf")
         self.last_added = float("-inf")
         self.added_at: dict[str, float] = {}
-        self.replaced = 0
         self._stop = False
         self.thread = threading.Thread(target=self._run, name=f"petctl-rdzv-watch{key}", daemon=True)
 
@@ -204,6 +232,11 @@ class _Watcher:
     @property
     def stopped(self) -> bool:
         return self._stop
+
+    @property
+    def current(self) -> bool:
+        """Read since the last error: what etcd holds now, give or take one round trip."""
+        return self.synced and self.connected
 
     def _run(self) -> None:
         client = self.h._client(self.timeout + 5)
@@ -245,8 +278,11 @@ class _Watcher:
             index = int(e.payload.get("index", 0)) if getattr(e, "payload", None) else 0
         now = time.monotonic()
         with self.h._cond:
-            if index < self.index:
-                self.replaced += 1  # the index went backwards: a new (empty) etcd at the same address
+            if self._stop:
+                return
+            if index < self.index:  # an etcd index never goes backwards: a new etcd at this address
+                self.h._etcd_replaced(f"the index of {self.key} went back from {self.index} to {index}")
+                return
             if self.synced and not self.connected:
                 self.reconnected_at = now
             added = set(items) - set(self.items)
@@ -347,6 +383,9 @@ class PetctlRendezvousHandler(RendezvousHandler):
         self._main = self._client(self.cfg.request_timeout)  # the caller's thread
         self._reg_index: int | None = None  # createdIndex of our node key; None = not registered
         self._reg_epoch = 0
+        self._generation = 0  # etcd replacements (or losses of our key) seen: each drops every view
+        self._cluster_id: str | None = None  # the etcd cluster id a client last switched to
+        self._replaced_at = float("-inf")
         self._started = False
         self._rounds: _Watcher | None = None
         self._members: _Watcher | None = None  # only while we are the leader
@@ -367,7 +406,36 @@ class PetctlRendezvousHandler(RendezvousHandler):
 
     # ---- plumbing --------------------------------------------------------------------
     def _client(self, timeout: float) -> _Client:
-        return _Client(self.host, self.port, self.counter, timeout)
+        return _Client(self.host, self.port, self.counter, timeout, self._new_cluster)
+
+    def _new_cluster(self, cluster_id: str) -> None:
+        """A client met another etcd cluster at our address (each client tells it once)."""
+        with self._cond:
+            if cluster_id == self._cluster_id:
+                return  # another client told it first
+            self._cluster_id = cluster_id
+            self._etcd_replaced(f"etcd cluster id changed to {cluster_id}")
+
+    def _etcd_replaced(self, why: str) -> None:
+        """etcd lost our state (a new etcd at this address, or our key vanished): stop every watcher
+        and start afresh, so nothing acts on what the old etcd held. The refresher re-registers;
+        a node that is joining picks its round again from the new view (see next_rendezvous)."""
+        with self._cond:
+            if self._stopping or self._left:
+                return
+            self._generation += 1
+            self._replaced_at = time.monotonic()
+            for w in (self._members, self._leader_w, self._joins):
+                if w is not None:
+                    w.stop()
+            self._members = self._leader_w = self._joins = None
+            self._snapped_for = None
+            if self._rounds is not None:
+                self._rounds.stop()
+                self._rounds = _Watcher(self, self.rounds_dir, True, self.cfg.watch_timeout).start()
+            self._bump()
+        log.warning("%s: re-reading the rendezvous state", why)
+        self._event(f"etcd state lost: {why}")
 
     def _bump(self) -> None:  # caller holds _cond
         self._version += 1
@@ -476,7 +544,7 @@ class PetctlRendezvousHandler(RendezvousHandler):
             except etcd.EtcdKeyNotFound:
                 if self._left or self._stopping:
                     break
-                log.warning("our membership key vanished (expired or etcd replaced); registering again")
+                self._etcd_replaced("our membership key vanished (expired, or etcd was replaced)")
                 try:
                     self._register(client)
                     self._event("re-registered")
@@ -572,8 +640,9 @@ class PetctlRendezvousHandler(RendezvousHandler):
                 return None
             if not w.connected:
                 return None
-            if now - w.reconnected_at < self.cfg.reconnect_grace:
-                return self.cfg.reconnect_grace - (now - w.reconnected_at) + 0.05
+            since = max(w.reconnected_at, self._replaced_at)
+            if now - since < self.cfg.reconnect_grace:
+                return self.cfg.reconnect_grace - (now - since) + 0.05
             if self._snapped_for == (w.key, w.index):
                 return 0.2  # already re-read the membership for this state of the leader's key
             self._snapped_for = (w.key, w.index)
@@ -586,8 +655,9 @@ class PetctlRendezvousHandler(RendezvousHandler):
             m = self._members
             if m is None or not m.synced or not m.connected:
                 return None
-            if now - m.reconnected_at < self.cfg.reconnect_grace:
-                return self.cfg.reconnect_grace - (now - m.reconnected_at) + 0.05
+            since = max(m.reconnected_at, self._replaced_at)
+            if now - since < self.cfg.reconnect_grace:
+                return self.cfg.reconnect_grace - (now - since) + 0.05
             live = {k.rsplit("/", 1)[-1]: idx for k, (_, idx) in m.items.items()}
             rounds, closed = self._rounds_view()
             if closed:
@@ -762,8 +832,9 @@ class PetctlRendezvousHandler(RendezvousHandler):
                 if closed:
                     self._target = None
                     raise RendezvousClosedError(f"rendezvous {self.run_id} is closed")
-                synced = self._rounds is not None and self._rounds.synced
-                epoch = (self._reg_epoch, self._rounds.replaced if self._rounds else 0)
+                # a view from before an etcd error may be the old etcd's: never pick a round from it
+                synced = self._rounds is not None and self._rounds.current
+                epoch = (self._reg_epoch, self._generation)
                 if target is not None and synced:
                     got = rounds.get(target)
                     if got is not None and got[0].get("state") == "closed":

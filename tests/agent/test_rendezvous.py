@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import Etcd, free_port, wait_for
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
-from petctl_agent.harness import Etcd, wait_for
 from petctl_agent.rendezvous import (
     BACKEND,
     Config,
@@ -31,9 +31,8 @@ from petctl_agent.rendezvous import (
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
 
 
-def _etcd(tmp: Path) -> Etcd:
-    tmp.mkdir(parents=True, exist_ok=True)
-    e = Etcd(tmp / "data")
+def _etcd(root: Path) -> Etcd:
+    e = Etcd(root)
     e.start()
     return e
 
@@ -379,6 +378,34 @@ def test_etcd_replaced_forms_a_new_round(group: Callable[..., Group], tmp_path: 
         res = g.rendezvous(*hs, timeout=15)
         assert [res[h].rank for h in order] == [0, 1, 2]
         assert {h.round for h in hs} == {1}
+    finally:
+        e.stop()
+
+
+def test_etcd_replaced_with_a_new_cluster_id(group: Callable[..., Group], tmp_path: Path) -> None:
+    """The local cloud's (and any re-created instance's) case: the new etcd has a fresh data dir
+    *and* another peer address, hence another cluster id, which python-etcd refuses once per
+    client (EtcdClusterIdChanged). Every node re-joins the moment the new etcd answers, as the
+    agents do when a peer's workers stop: a node must not join from its view of the old etcd
+    (it used to pick round r+1 while the others formed round 1, and all waited forever)."""
+    e = _etcd(tmp_path / "new-cluster")
+    try:
+        g = group(2, 8, endpoint=e.endpoint, join_timeout=30.0)
+        hs = [g.new() for _ in range(3)]
+        g.rendezvous(*hs)
+        g.rendezvous(*hs)  # round 2: the old etcd's index is ahead of the new one's
+        order = sorted(hs, key=lambda h: g.results[h].rank)
+        e.stop()
+        shutil.rmtree(e.data_dir)
+        time.sleep(3.0)  # the instance is re-created: longer than the TTL
+        e.peer_port = free_port()  # a new member id, so a new cluster id
+        e.start()
+        t0 = time.monotonic()
+        res = g.rendezvous(*hs, timeout=20)
+        took = time.monotonic() - t0
+        assert {h.round for h in hs} == {1}, [h.round for h in hs]
+        assert [res[h].rank for h in order] == [0, 1, 2]
+        assert took < 6.0, f"the new round took {took:.1f}s after the new etcd answered"
     finally:
         e.stop()
 
