@@ -100,7 +100,13 @@ class RendezvousLeftError(RendezvousGracefulExitError):
 
 
 class Config:
-    """Timing knobs (seconds). Defaults follow issue 10; all can be set via ``--rdzv-conf``."""
+    """Timing knobs (seconds), and how to reach etcd. Defaults follow issue 10; all can be set
+    via ``--rdzv-conf``.
+
+    TLS takes torch's ``etcd`` handler's keys: ``protocol`` (``http``/``https``), ``cacert`` (the
+    CA bundle that signed etcd's certificate), ``cert`` and ``key`` (our client certificate and
+    its key; ``cert`` alone is a PEM holding both).
+    """
 
     def __init__(
         self,
@@ -114,11 +120,24 @@ class Config:
         request_timeout: float = 5.0,
         reconnect_grace: float | None = None,
         record_ttl: float = 60.0,
+        protocol: str = "http",
+        cacert: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
     ) -> None:
         if int(ttl) != ttl or ttl < 1 or not 0 < refresh < ttl:
             raise ValueError(
                 f"ttl ({ttl}) must be a whole number of seconds (etcd v2) above refresh ({refresh})"
             )
+        if protocol not in ("http", "https"):
+            raise ValueError(f"protocol {protocol!r}: use http or https")
+        if key and not cert:
+            raise ValueError("key given without cert: give the client certificate too (cert=...)")
+        if protocol == "http" and (cacert or cert):
+            raise ValueError("cacert/cert/key are for TLS: add protocol=https")
+        for name, path in (("cacert", cacert), ("cert", cert), ("key", key)):
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{name}={path} is not a file")
         self.ttl = int(ttl)
         self.refresh = refresh
         self.settle = settle
@@ -129,6 +148,20 @@ class Config:
         self.request_timeout = request_timeout
         self.reconnect_grace = ttl + 1.0 if reconnect_grace is None else reconnect_grace
         self.record_ttl = int(record_ttl)
+        self.protocol = protocol
+        self.cacert = cacert or None
+        self.cert = cert or None
+        self.key = key or None
+
+    def client_tls(self) -> dict[str, Any]:
+        """python-etcd ``Client`` arguments for our protocol and certificates."""
+        if self.protocol == "http":
+            return {}
+        return {
+            "protocol": "https",
+            "ca_cert": self.cacert,
+            "cert": (self.cert, self.key) if self.key else self.cert,
+        }
 
 
 class RequestCounter:
@@ -163,14 +196,18 @@ class _Client:
         counter: RequestCounter,
         timeout: float,
         on_new_cluster: Callable[[str], None],
+        tls: dict[str, Any] | None = None,
     ) -> None:
         self.host, self.port, self.timeout = host, port, timeout
+        self.tls = tls or {}
         self.counter = counter
         self.on_new_cluster = on_new_cluster
         self.c = self._connect()
 
     def _connect(self) -> etcd.Client:
-        return etcd.Client(host=self.host, port=self.port, read_timeout=self.timeout, allow_reconnect=False)
+        return etcd.Client(
+            host=self.host, port=self.port, read_timeout=self.timeout, allow_reconnect=False, **self.tls
+        )
 
     def _call(self, kind: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         self.counter.add(kind)
@@ -406,7 +443,7 @@ class PetctlRendezvousHandler(RendezvousHandler):
 
     # ---- plumbing --------------------------------------------------------------------
     def _client(self, timeout: float) -> _Client:
-        return _Client(self.host, self.port, self.counter, timeout, self._new_cluster)
+        return _Client(self.host, self.port, self.counter, timeout, self._new_cluster, self.cfg.client_tls())
 
     def _new_cluster(self, cluster_id: str) -> None:
         """A client met another etcd cluster at our address (each client tells it once)."""
@@ -524,7 +561,7 @@ class PetctlRendezvousHandler(RendezvousHandler):
             except _TRANSIENT as e:
                 if time.monotonic() > deadline:
                     raise RendezvousConnectionError(
-                        f"cannot register at etcd {self.host}:{self.port}: {e}"
+                        f"cannot register at etcd {self.cfg.protocol}://{self.host}:{self.port}: {e}"
                     ) from e
                 log.warning("etcd unreachable while registering (%s); retrying", e)
                 time.sleep(0.5)
@@ -1057,7 +1094,7 @@ class PetctlRendezvousHandler(RendezvousHandler):
 # ---- torch registry ------------------------------------------------------------------------
 def create_handler(params: RendezvousParameters) -> PetctlRendezvousHandler:
     """Creator for torch's registry; ``--rdzv-conf`` keys: ttl, refresh, settle, hint_wait,
-    join_timeout, store_timeout, watch_timeout, key_prefix."""
+    join_timeout, store_timeout, watch_timeout, key_prefix, and TLS: protocol, cacert, cert, key."""
     cfg = Config(
         ttl=float(params.get("ttl", 2.0)),
         refresh=float(params.get("refresh", 0.5)),
@@ -1066,6 +1103,10 @@ def create_handler(params: RendezvousParameters) -> PetctlRendezvousHandler:
         join_timeout=float(params.get("join_timeout", 600)),
         store_timeout=float(params.get("store_timeout", 20)),
         watch_timeout=float(params.get("watch_timeout", 30)),
+        protocol=str(params.get("protocol", "http")),
+        cacert=params.get("cacert"),
+        cert=params.get("cert"),
+        key=params.get("key"),
     )
     return PetctlRendezvousHandler(
         params.run_id,
