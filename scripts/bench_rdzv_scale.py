@@ -35,14 +35,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from harness import Etcd  # noqa: E402 - scripts/harness.py, next to this script
+
 try:
-    from petctl_agent.harness import Etcd
     from petctl_agent.rendezvous import Config, PetctlRendezvousHandler, RequestCounter
 except ImportError:  # running from a checkout without the package installed
     import importlib
 
     sys.modules["petctl_agent"] = importlib.import_module("agent")
-    from petctl_agent.harness import Etcd
     from petctl_agent.rendezvous import Config, PetctlRendezvousHandler, RequestCounter
 
 
@@ -267,7 +267,7 @@ def main() -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = []
     with tempfile.TemporaryDirectory(prefix="rdzv-scale-") as tmp:
-        etcd = Etcd(Path(tmp) / "data")
+        etcd = Etcd(Path(tmp))
         etcd.start()
         try:
             for n in sizes:
