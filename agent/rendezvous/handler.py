@@ -1,0 +1,264 @@
+"""The torch ``RendezvousHandler`` of ``petctl-etcd``: the handler's state, and what torch and
+the agent ask of it between rounds (pending changes, leaving, closing). Its threads and the
+round protocol are its mixins: :mod:`.membership`, :mod:`.leader`, :mod:`.joining`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import etcd
+from torch.distributed.elastic.rendezvous.api import RendezvousHandler
+
+from petctl_agent.rendezvous.client import TRANSIENT, Client, RequestCounter
+from petctl_agent.rendezvous.config import BACKEND, DEFAULT_PORT, DEFAULT_PREFIX, Config
+from petctl_agent.rendezvous.joining import Joining
+from petctl_agent.rendezvous.layout import Keys, Rounds, rounds_view
+from petctl_agent.rendezvous.leader import Leadership
+from petctl_agent.rendezvous.membership import Membership
+from petctl_agent.rendezvous.watcher import Watcher
+
+log = logging.getLogger("petctl_agent.rendezvous")
+
+
+class PetctlRendezvousHandler(Membership, Leadership, Joining, RendezvousHandler):
+    """petctl's rendezvous handler (the package docstring, docs/rendezvous.md). Thread-safe;
+    :meth:`next_rendezvous` runs in the caller's thread.
+
+    ``expected_nodes``: optional hint (e.g. the worker group's desired capacity). While the
+    current round plus the waiting nodes are below it, the leader holds off announcing a
+    new round for up to ``hint_wait`` s so that a burst becomes one round (the running
+    workers keep training meanwhile); once it is met the round closes without the settle
+    window.
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        endpoint: str,
+        min_nodes: int,
+        max_nodes: int,
+        local_addr: str | None = None,
+        *,
+        config: Config | None = None,
+        expected_nodes: Callable[[], int | None] | None = None,
+        prefix: str = DEFAULT_PREFIX,
+        node_id: str | None = None,
+        counter: RequestCounter | None = None,
+    ) -> None:
+        if not 1 <= min_nodes <= max_nodes:
+            raise ValueError(f"need 1 <= min_nodes ({min_nodes}) <= max_nodes ({max_nodes})")
+        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+        self.run_id = run_id
+        self.host, self.port = parse_rendezvous_endpoint(endpoint, DEFAULT_PORT)
+        self.min_nodes, self.max_nodes = min_nodes, max_nodes
+        self.addr = local_addr or socket.getfqdn()
+        self.cfg = config or Config()
+        self.expected_nodes = expected_nodes
+        self.counter = counter or RequestCounter()
+        safe = "".join(ch if ch.isalnum() or ch in ".-" else "-" for ch in self.addr)
+        self.node_id = node_id or f"{safe}_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+        self.keys = Keys(prefix, run_id)
+        self.node_key = self.keys.node(self.node_id)
+
+        self._cond = threading.Condition(threading.RLock())
+        self._version = 0
+        self._stopping = False
+        self._left = False
+        self._main = self._client(self.cfg.request_timeout)  # the caller's thread
+        self._reg_index: int | None = None  # createdIndex of our node key; None = not registered
+        self._reg_epoch = 0
+        self._generation = 0  # etcd replacements (or losses of our key) seen: each drops every view
+        self._cluster_id: str | None = None  # the etcd cluster id a client last switched to
+        self._replaced_at = float("-inf")
+        self._started = False
+        self._rounds: Watcher | None = None
+        self._members: Watcher | None = None  # only while we are the leader
+        self._leader_w: Watcher | None = None  # the leader's key, while someone else leads
+        self._joins: Watcher | None = None  # leader in a rendezvous: joins of the target round
+        self._snap: dict[str, int] = {}  # node id -> registration index, from the last read of nodes/
+        self._snap_index = 0
+        self._round: int | None = None  # the round we run in (None while joining / before)
+        self._record: dict[str, Any] | None = None
+        self._last_record: dict[str, Any] | None = None  # survives etcd replacement: rank order
+        self._target: int | None = None  # the round we are joining
+        self._expected_cache: tuple[float, int | None] = (float("-inf"), None)
+        self._cleanup: list[Callable[[Client], None]] = []
+        self._snapped_for: tuple[str, int] | None = None
+        self._threads: list[threading.Thread] = []
+        #: (time.time(), what): the last few hundred steps, for tests, benchmarks and logs
+        self.events: deque[tuple[float, str]] = deque(maxlen=500)
+
+    # ---- plumbing --------------------------------------------------------------------
+    def _bump(self) -> None:  # caller holds _cond
+        self._version += 1
+        self._cond.notify_all()
+
+    def _expected(self) -> int | None:
+        if self.expected_nodes is None:
+            return None
+        t, v = self._expected_cache
+        if time.monotonic() - t < 1.0:
+            return v
+        try:
+            v = self.expected_nodes()
+        except Exception as e:  # noqa: BLE001 - a hint only
+            log.debug("expected_nodes hint failed: %s", e)
+            v = None
+        self._expected_cache = (time.monotonic(), v)
+        return v
+
+    def _event(self, what: str) -> None:
+        self.events.append((time.time(), what))
+        log.debug("%s: %s", self.node_id, what)
+
+    def _rounds_view(self) -> tuple[Rounds, bool]:
+        """The rounds and the closed flag, from the rounds watcher (caller holds _cond)."""
+        return rounds_view(self._rounds.items if self._rounds is not None else {})
+
+    # ---- RendezvousHandler -------------------------------------------------------------
+    def get_backend(self) -> str:
+        return BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        # Workers run their own TCPStore on rank 0's node at the port in the round record.
+        return False
+
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    def pending_change(self) -> dict[str, Any] | None:
+        """Why the current round must end, or None: ``{"round", "reason", "waiting", "gone"}``.
+
+        ``gone`` non-empty (or ``reason`` "round record gone") means a participant is missing:
+        the workers cannot take a coordinated checkpoint. Reads local state only (no request).
+        """
+        with self._cond:
+            if self._round is None or self._record is None or self._rounds is None or not self._rounds.synced:
+                return None
+            rounds, _ = self._rounds_view()
+            newer = sorted(r for r in rounds if r > self._round)
+            if newer:
+                v = rounds[newer[0]][0]
+                reason = "new round opened" if v.get("state") == "open" else "a newer round closed without us"
+                if v.get("rejoin"):
+                    reason = "a participant re-joined"
+                return {
+                    "round": newer[0],
+                    "reason": reason,
+                    "waiting": list(v.get("waiting", [])),
+                    "gone": list(v.get("gone", [])),
+                }
+            if self._round not in rounds and self._rounds.connected:
+                return {"round": self._round + 1, "reason": "round record gone", "waiting": [], "gone": []}
+            return None
+
+    def wait_for_change(self, timeout: float) -> dict[str, Any] | None:
+        """Block until :meth:`pending_change` is not None (returned) or ``timeout`` s passed (None).
+
+        Lets a caller react the moment the watch brings a change instead of polling
+        :meth:`num_nodes_waiting`.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                ch = self.pending_change()
+                left = deadline - time.monotonic()
+                if ch is not None or self._left or left <= 0:
+                    return ch
+                self._cond.wait(left)
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes waiting for the next round, plus participants gone; >0 means re-rendezvous now.
+
+        Never raises and never talks to etcd: it reads what the watches brought.
+        """
+        ch = self.pending_change()
+        if ch is None:
+            return 0
+        return max(1, len(ch["waiting"]) + len(ch["gone"]))
+
+    def is_closed(self) -> bool:
+        with self._cond:
+            if self._rounds is not None and self._rounds.synced:
+                return self._rounds_view()[1]
+        try:
+            self._main.get(self.keys.closed, "get")
+            return True
+        except etcd.EtcdKeyNotFound:
+            return False
+
+    def set_closed(self) -> None:
+        self._main.write(self.keys.closed, "1", "close")
+
+    def leave(self) -> None:
+        """Leave now: delete our membership key (peers see it at once), stop all threads.
+
+        A :meth:`next_rendezvous` running in another thread raises :class:`RendezvousLeftError`.
+        Does not close the rendezvous for the others.
+        """
+        with self._cond:
+            if self._left:
+                return
+            self._left = True
+            self._round = self._target = None
+            self._bump()
+        try:
+            self._client(self.cfg.request_timeout).delete(self.node_key, "leave")
+        except etcd.EtcdKeyNotFound:
+            pass
+        except TRANSIENT as e:
+            log.warning("could not delete our membership key (%s); peers will see it expire", e)
+        self._stop_watchers()
+        self._event("left")
+
+    def _stop_watchers(self) -> None:
+        with self._cond:
+            for w in (self._rounds, self._members, self._leader_w, self._joins):
+                if w is not None:
+                    w.stop()
+            self._bump()
+
+    def shutdown(self) -> bool:
+        """torch's contract: the job is over, close the rendezvous for everyone, release resources."""
+        try:
+            self.set_closed()
+        except TRANSIENT as e:
+            log.warning("could not close the rendezvous: %s", e)
+        self.leave()
+        self._stopping = True
+        return True
+
+    def _crash(self) -> None:
+        """Tests: stop every thread without deleting the membership key (a SIGKILLed node)."""
+        with self._cond:
+            self._left = True
+            self._stopping = True
+            self._bump()
+        self._stop_watchers()
+
+    def stats(self) -> dict[str, int]:
+        return self.counter.snapshot()
+
+    @property
+    def connected(self) -> bool:
+        """Does the rounds watch currently reach etcd? (True before the first join.)"""
+        with self._cond:
+            return self._rounds is None or self._rounds.connected or self._stopping or self._left
+
+    @property
+    def round(self) -> int | None:
+        return self._round
+
+    @property
+    def record(self) -> dict[str, Any] | None:
+        return self._record

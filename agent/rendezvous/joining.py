@@ -1,0 +1,166 @@
+"""Joining: :meth:`next_rendezvous`, the caller's side of a round.
+
+A node joins round ``latest closed + 1`` (``joins/<r>/<id>``) and waits until the leader's
+record of that round names it (then it has its rank) or leaves it out (then it joins the next).
+It picks its round only from a rounds view read since the last etcd error, and picks again
+when it re-registered or etcd lost its state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+
+import etcd
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousGracefulExitError,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+
+from petctl_agent.rendezvous.client import TRANSIENT
+from petctl_agent.rendezvous.layout import Rounds, latest_closed
+
+log = logging.getLogger("petctl_agent.rendezvous")
+
+
+class RendezvousLeftError(RendezvousGracefulExitError):
+    """This node left the rendezvous (:meth:`PetctlRendezvousHandler.leave`) while joining."""
+
+
+def _free_port(addr: str | None) -> int:
+    for host in ([addr] if addr else []) + [""]:
+        try:
+            with socket.socket(socket.AF_INET6 if host and ":" in host else socket.AF_INET) as s:
+                s.bind((host, 0))
+                return s.getsockname()[1]
+        except OSError:
+            continue
+    raise OSError("no free port")
+
+
+class Joining:
+    """Mixin of :class:`~petctl_agent.rendezvous.handler.PetctlRendezvousHandler` (its state is
+    made in the handler's ``__init__``): the torch ``next_rendezvous`` call."""
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        t0 = time.monotonic()
+        deadline = t0 + self.cfg.join_timeout
+        if self._left:
+            raise RendezvousLeftError(f"node {self.node_id} left the rendezvous")
+        with self._cond:
+            prev_round, prev_record = self._round, self._record
+            self._round = self._record = None
+            self._bump()
+        self._start()
+        self._event("join")
+        target: int | None = None
+        join_epoch: tuple[int, int] = (-1, -1)
+        while True:
+            with self._cond:
+                if self._left:
+                    self._target = None
+                    raise RendezvousLeftError(f"node {self.node_id} left the rendezvous")
+                rounds, closed = self._rounds_view()
+                if closed:
+                    self._target = None
+                    raise RendezvousClosedError(f"rendezvous {self.run_id} is closed")
+                # a view from before an etcd error may be the old etcd's: never pick a round from it
+                synced = self._rounds is not None and self._rounds.current
+                epoch = (self._reg_epoch, self._generation)
+                if target is not None and synced:
+                    got = rounds.get(target)
+                    if got is not None and got[0].get("state") == "closed":
+                        rec = got[0]
+                        if self.node_id in rec.get("participants", []):
+                            return self._accept(target, rec, t0)
+                        self._event(f"round {target} closed without us")
+                        target = None
+                    elif latest_closed(rounds)[0] >= target or epoch != join_epoch:
+                        target = None
+                latest, _ = latest_closed(rounds)
+                version = self._version
+            if time.monotonic() > deadline:
+                with self._cond:
+                    self._target = None
+                raise RendezvousTimeoutError(
+                    f"no round with this node within {self.cfg.join_timeout:.0f}s "
+                    f"(min_nodes={self.min_nodes}, max_nodes={self.max_nodes})"
+                )
+            if target is None and synced:
+                target = latest + 1
+                try:
+                    self._join(target, prev_round, prev_record, latest, rounds)
+                    join_epoch = epoch
+                except TRANSIENT as e:
+                    log.warning("join write failed (%s); retrying", e)
+                    target = None
+                    time.sleep(0.2)
+                continue
+            with self._cond:
+                if self._version == version:
+                    self._cond.wait(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+
+    def _join(
+        self,
+        target: int,
+        prev_round: int | None,
+        prev_record: dict[str, Any] | None,
+        latest: int,
+        rounds: Rounds,
+    ) -> None:
+        value = {
+            "addr": self.addr,
+            "port": _free_port(self.addr),
+            "reg": self._reg_index or 0,
+            "t": time.time(),
+        }
+        self._main.write(self.keys.join(target, self.node_id), json.dumps(value), "join")
+        if (
+            prev_round is not None
+            and prev_round == latest
+            and prev_record is not None
+            and self.node_id in prev_record.get("participants", [])
+            and target not in rounds
+        ):
+            # a participant of the running round wants a new one (its workers stopped): tell everyone
+            marker = {"state": "open", "by": self.node_id, "waiting": [], "gone": [], "rejoin": True}
+            try:
+                self._main.write(self.keys.round(target), json.dumps(marker), "open", prevExist=False)
+            except (etcd.EtcdAlreadyExist, etcd.EtcdCompareFailed):
+                pass
+        with self._cond:
+            self._target = target
+            self._bump()
+        self._event(f"joined round {target}")
+
+    def _accept(self, target: int, rec: dict[str, Any], t0: float) -> RendezvousInfo:
+        """Caller holds _cond."""
+        from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+
+        self._round, self._record, self._last_record, self._target = target, rec, rec, None
+        if self._joins is not None:
+            self._joins.stop()
+            self._joins = None
+        self._bump()
+        parts = rec["participants"]
+        rank = parts.index(self.node_id)
+        store = EtcdStore(
+            self._client(self.cfg.store_timeout + 5).c,
+            self.keys.store(target),
+            timeout=timedelta(seconds=self.cfg.store_timeout),
+        )
+        self._event(f"round {target} rank {rank}/{len(parts)}")
+        log.info(
+            "rendezvous %s round %d: rank %d of %d (master %s:%s) after %.3fs",
+            self.run_id, target, rank, len(parts), rec["master_addr"], rec["master_port"], time.monotonic() - t0,
+        )  # fmt: skip
+        return RendezvousInfo(
+            store, rank, len(parts), RendezvousStoreInfo(rec["master_addr"], int(rec["master_port"]))
+        )
