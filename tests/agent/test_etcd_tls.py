@@ -6,7 +6,6 @@ cannot talk to it, so a handler that completes a rendezvous there used the TLS s
 
 from __future__ import annotations
 
-import inspect
 import shutil
 from pathlib import Path
 
@@ -16,7 +15,6 @@ from harness import Etcd, EtcdCerts, make_etcd_certs
 
 from petctl_agent.handlers import create_rdzv_handler, etcd_tls_config
 from petctl_agent.node import check_etcd_tls
-from petctl_agent.rendezvous import Config
 from petctl_agent.settings import Settings
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
@@ -85,10 +83,6 @@ def test_legacy_etcd_handler_over_tls(tls_etcd: tuple[Etcd, EtcdCerts]) -> None:
     assert h.next_rendezvous().world_size == 1
 
 
-@pytest.mark.skipif(
-    "protocol" not in inspect.signature(Config).parameters,
-    reason="the petctl-etcd handler does not take TLS settings yet (agent/rendezvous.py Config)",
-)
 def test_petctl_etcd_handler_over_tls(tls_etcd: tuple[Etcd, EtcdCerts]) -> None:
     e, certs = tls_etcd
     h = create_rdzv_handler(
