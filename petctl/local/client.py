@@ -18,7 +18,6 @@ State lives in :func:`state_dir`::
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import signal
@@ -27,113 +26,18 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, MutableMapping
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
 from petctl.errors import PetctlError
-from petctl.local import procs
+from petctl.local import statedir
 from petctl.local.environment import CONTROL_TOKEN_HEADER, LOCAL_ENV, LOCAL_ENV_UNSET
-
-DAEMON_MODULE = "petctl.local.daemon"
+from petctl.local.statedir import DAEMON_MODULE, cloud_log, instance_log, state_dir
 
 
 class LocalCloudError(PetctlError):
     """The local cloud could not do what was asked (not running, unknown instance, …)."""
-
-
-# ---------------------------------------------------------------------------- paths
-
-
-def state_dir() -> Path:
-    """``$PETCTL_LOCAL_DIR``, else ``$PETCTL_HOME/local``, else ``~/.petctl/local``."""
-    if os.environ.get("PETCTL_LOCAL_DIR"):
-        return Path(os.environ["PETCTL_LOCAL_DIR"]).expanduser().absolute()
-    if os.environ.get("PETCTL_HOME"):
-        return Path(os.environ["PETCTL_HOME"]).expanduser().absolute() / "local"
-    return Path.home() / ".petctl" / "local"
-
-
-def cloud_log(d: Path | None = None) -> Path:
-    return (d or state_dir()) / "cloud.log"
-
-
-def instance_log(instance_id: str, d: Path | None = None) -> Path:
-    return (d or state_dir()) / "logs" / f"{instance_id}.log"
-
-
-# ---------------------------------------------------------------------------- helpers
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path, timeout: float) -> Iterator[None]:
-    """An exclusive advisory lock (serialises concurrent ``ensure_started`` calls)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise LocalCloudError(
-                        f"another process holds {path} for more than {timeout:.0f}s"
-                    ) from None
-                time.sleep(0.1)
-        yield
-    finally:
-        os.close(fd)
-
-
-def _daemon_lock_held(d: Path) -> bool:
-    """True while a daemon holds ``daemon.lock`` (it does for its whole life)."""
-    path = d / "daemon.lock"
-    if not path.exists():
-        return False
-    fd = os.open(path, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing drops the lock if we got it
-    return False
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _is_our_daemon(pid: int, d: Path) -> bool:
-    cmd = procs.cmdline(pid)
-    return procs.is_alive(pid) and DAEMON_MODULE in cmd and str(d) in cmd
-
-
-def _starting_pid(d: Path) -> int | None:
-    """Pid of a daemon that holds the lock but has not written cloud.json yet."""
-    if not _daemon_lock_held(d):
-        return None
-    try:
-        pid = int((d / "daemon.lock").read_text().strip() or 0)
-    except (OSError, ValueError):
-        return None
-    return pid if pid > 1 and _is_our_daemon(pid, d) else None
-
-
-def _running_info(d: Path) -> dict[str, Any] | None:
-    """cloud.json of a live daemon for ``d``, or None."""
-    info = _read_json(d / "cloud.json")
-    if not info or not isinstance(info.get("pid"), int):
-        return None
-    if not _is_our_daemon(info["pid"], d):
-        return None
-    return info
 
 
 def _http_answers(url: str, timeout: float = 2.0) -> bool:
@@ -144,47 +48,6 @@ def _http_answers(url: str, timeout: float = 2.0) -> bool:
         return True  # any HTTP answer means the server is up
     except (OSError, ValueError):
         return False
-
-
-def _reap(pid: int) -> None:
-    """Collect our own child's exit status (a zombie still looks like a pid)."""
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
-
-
-def _wait_pid_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while True:
-        _reap(pid)
-        if not procs.is_alive(pid):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-
-
-def _cleanup_leftovers(d: Path) -> list[dict[str, Any]]:
-    """Kill the instance process trees a dead daemon recorded in procs.json.
-
-    Only processes that are provably ours are signalled: a process group whose
-    leader has the recorded start time (see :func:`procs.owned_group_alive`), or a
-    process carrying that daemon's random instance marker. Nothing the daemon did
-    not start is touched.
-    """
-    data = _read_json(d / "procs.json") or {}
-    killed = []
-    for iid, entry in (data.get("groups") or {}).items():
-        pgid, ticks, marker = entry.get("pgid"), entry.get("start_ticks"), entry.get("marker")
-        pgid = pgid if isinstance(pgid, int) and pgid > 1 else None
-        if pgid and not procs.owned_group_alive(pgid, ticks):
-            pgid = None
-        marker = marker if isinstance(marker, str) and "@" in marker else None
-        if (pgid or marker) and procs.tree_members(pgid, marker):
-            procs.kill_tree(pgid, marker)
-            killed.append({"instance_id": iid, "pgid": entry.get("pgid")})
-    with contextlib.suppress(FileNotFoundError):
-        (d / "procs.json").unlink()
-    return killed
 
 
 def _daemon_env(d: Path) -> dict[str, str]:
@@ -224,16 +87,16 @@ def ensure_started(timeout: float = 30) -> dict[str, Any]:
     d = state_dir()
     d.mkdir(parents=True, exist_ok=True)
     os.chmod(d, 0o700)
-    with _file_lock(d / "start.lock", timeout):
-        info = _running_info(d)
+    with statedir.file_lock(d / "start.lock", timeout, LocalCloudError):
+        info = statedir.running_info(d)
         if info and _http_answers(info["endpoint_url"]):
             return info
-        if _daemon_lock_held(d):
+        if statedir.daemon_lock_held(d):
             # A daemon is alive but not (yet) answering: wait for it rather than start a second one.
             return _wait_ready(d, None, timeout)
         with contextlib.suppress(FileNotFoundError):
             (d / "cloud.json").unlink()
-        _cleanup_leftovers(d)
+        statedir.cleanup_leftovers(d)
         with open(cloud_log(d), "ab") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", DAEMON_MODULE, "--state-dir", str(d)],
@@ -256,13 +119,13 @@ def _wait_ready(d: Path, proc: subprocess.Popen | None, timeout: float) -> dict[
                 f"the local cloud daemon exited with code {proc.returncode} while starting; "
                 f"see {cloud_log(d)}:\n{_tail(cloud_log(d))}"
             )
-        info = _running_info(d)
+        info = statedir.running_info(d)
         if info and (proc is None or info["pid"] == proc.pid) and _http_answers(info["endpoint_url"]):
             return info
         time.sleep(0.1)
     if proc is not None and proc.poll() is None:
         proc.terminate()
-        _wait_pid_gone(proc.pid, 10)
+        statedir.wait_pid_gone(proc.pid, 10)
     raise LocalCloudError(f"the local cloud did not start within {timeout:.0f}s; see {cloud_log(d)}")
 
 
@@ -279,8 +142,8 @@ def stop(timeout: float = 30) -> dict[str, Any]:
     result: dict[str, Any] = {"was_running": False, "pid": None, "instances": [], "leftovers_killed": []}
     if not d.exists():
         return result
-    info = _running_info(d)
-    pid = info["pid"] if info else _starting_pid(d)
+    info = statedir.running_info(d)
+    pid = info["pid"] if info else statedir.starting_pid(d)
     if pid:
         result.update(was_running=True, pid=pid)
         if info:
@@ -292,12 +155,12 @@ def stop(timeout: float = 30) -> dict[str, Any]:
                     if i.get("alive")
                 ]
         os.kill(pid, signal.SIGTERM)
-        if not _wait_pid_gone(pid, timeout):
+        if not statedir.wait_pid_gone(pid, timeout):
             # The daemon is stuck: kill it; its instance groups are cleaned up from procs.json below.
             os.kill(pid, signal.SIGKILL)
-            _wait_pid_gone(pid, 5)
+            statedir.wait_pid_gone(pid, 5)
             result["daemon_killed"] = True
-    result["leftovers_killed"] = _cleanup_leftovers(d)
+    result["leftovers_killed"] = statedir.cleanup_leftovers(d)
     with contextlib.suppress(FileNotFoundError):
         (d / "cloud.json").unlink()
     return result
@@ -306,7 +169,7 @@ def stop(timeout: float = 30) -> dict[str, Any]:
 def status() -> dict[str, Any]:
     """Whether the daemon runs, its endpoints, and its instances (role, job, ip, pid, state)."""
     d = state_dir()
-    info = _running_info(d) if d.exists() else None
+    info = statedir.running_info(d) if d.exists() else None
     out: dict[str, Any] = {"running": bool(info), "state_dir": str(d), "log_file": str(cloud_log(d))}
     if not info:
         out["instances"] = []
@@ -358,7 +221,7 @@ def _control(info: dict[str, Any], method: str, path: str, timeout: float = 30) 
 
 
 def _running_or_fail() -> dict[str, Any]:
-    info = _running_info(state_dir())
+    info = statedir.running_info(state_dir())
     if not info:
         raise LocalCloudError("the local cloud is not running: start it with `petctl local start`")
     return info

@@ -13,7 +13,7 @@ import pytest
 from localcloud_helpers import DAEMON_ENV, Cloud, assert_nothing_left
 
 import petctl.local as local
-from petctl.local import client, procs
+from petctl.local import procs, statedir
 
 
 @pytest.fixture(scope="session")
@@ -49,7 +49,7 @@ def local_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
     for k, v in DAEMON_ENV.items():
         monkeypatch.setenv(k, v)
     yield d
-    info = client._read_json(d / "cloud.json")
+    info = statedir.read_json(d / "cloud.json")
     local.stop()
     if info:
         assert not procs.is_alive(info["pid"])
