@@ -47,7 +47,7 @@ def _m(module: str, obj: str, attrs: str = "", kind: str = "attr") -> list[Membe
     return [Member(module, obj, a, kind) for a in attrs.split()] or [Member(module, obj)]
 
 
-#: what agent/elastic.py, agent/handlers.py, agent/membership.py, agent/rendezvous.py and
+#: what agent/elastic.py, agent/handlers.py, agent/membership.py, agent/rendezvous/ and
 #: agent/distributed.py use beyond
 #: torch's public API, whatever the rendezvous backend
 REQUIRED_BASE: tuple[Member, ...] = tuple(
