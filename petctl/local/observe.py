@@ -9,7 +9,6 @@ from typing import Any
 
 from petctl.local import plan
 from petctl.local.instance import Instance
-from petctl.local.starting import ROLE_TAG
 
 
 def observe(clients: Mapping[str, Any], known: Mapping[str, Instance], with_groups: bool) -> plan.Observed:
@@ -23,7 +22,7 @@ def observe(clients: Mapping[str, Any], known: Mapping[str, Instance], with_grou
         # Only live (or parked) instances: one that left simply vanishes from the answer, and
         # the answer does not grow with every instance ever terminated.
         Filters=[
-            {"Name": "tag-key", "Values": [ROLE_TAG]},
+            {"Name": "tag-key", "Values": [plan.ROLE_TAG]},
             {"Name": "instance-state-name", "Values": [*plan.LIVE_STATES, *plan.PARKED_STATES]},
         ]
     ):

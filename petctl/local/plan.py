@@ -29,6 +29,7 @@ PARKED_STATES = ("stopping", "stopped")
 #: Instances that have processes here and are not leaving.
 ACTIVE = ("running", "exited", "restarting")
 ASG_TAG = "aws:autoscaling:groupName"
+ROLE_TAG, JOB_TAG, SPEC_TAG, RDZV_TAG = "petctl:role", "petctl:job", "petctl:spec", "petctl:rdzv"
 WARMED = "Warmed:"
 
 

@@ -18,11 +18,10 @@ from typing import Any
 from petctl.local import boot, procs, shims
 from petctl.local.environment import LOCAL_ENV, LOCAL_ENV_UNSET
 from petctl.local.instance import Instance, iso
-from petctl.local.plan import ASG_TAG, Seen
+from petctl.local.plan import ASG_TAG, JOB_TAG, RDZV_TAG, ROLE_TAG, SPEC_TAG, Seen
 
 log = logging.getLogger("petctl.local.reconciler")
 
-ROLE_TAG, JOB_TAG, SPEC_TAG, RDZV_TAG = "petctl:role", "petctl:job", "petctl:spec", "petctl:rdzv"
 _NOT_INHERITED = frozenset(
     LOCAL_ENV_UNSET
     + (
