@@ -16,7 +16,8 @@ instance for it, and its CloudFormation skips ``AWS::AutoScaling::WarmPool``. He
   group's capacity changes, and shrinks (terminating the surplus) the same way.
 * A scale-out takes pool instances first (``Warmed:Stopped`` ones before those still booting): each
   is started in EC2 and joins the group ``InService``; only the rest is launched cold.
-* A scale-in terminates group instances (no ``InstanceReusePolicy``: nothing returns to the pool);
+* A scale-in terminates group instances: nothing returns to the pool (``InstanceReusePolicy``
+  ``ReuseOnScaleIn: true`` is refused, not emulated);
   deleting the group or the pool terminates the pool's instances.
 """
 
@@ -122,6 +123,14 @@ def _patch_group() -> None:
 
     @wrap(FakeAutoScalingGroup, "put_warm_pool")
     def put_warm_pool(original: Callable[..., None], self: Any, **kwargs: Any) -> None:
+        reuse = (kwargs.get("instance_reuse_policy") or {}).get("ReuseOnScaleIn")
+        if str(reuse).lower() == "true":
+            from moto.autoscaling.exceptions import ValidationError
+
+            # Refused rather than silently terminating what AWS would return to the pool.
+            raise ValidationError(
+                "InstanceReusePolicy ReuseOnScaleIn=true is not emulated by the local cloud"
+            )
         with _lock:
             kept = _instances(self)
             original(self, **kwargs)

@@ -162,3 +162,12 @@ def test_terminating_a_pool_instance_refills_the_pool(moto: str) -> None:
     group = asg.describe_auto_scaling_groups(AutoScalingGroupNames=[WORKERS])["AutoScalingGroups"][0]
     assert group["DesiredCapacity"] == 1 and len(group["Instances"]) == 1
     cfn.delete_stack(StackName="wp-term")
+
+
+def test_reuse_on_scale_in_is_refused_not_ignored(moto: str) -> None:
+    ec2, asg, cfn = _stack(moto, "wp-reuse", {"MinSize": 1, "InstanceReusePolicy": {"ReuseOnScaleIn": False}})
+    with pytest.raises(asg.exceptions.ClientError, match="ReuseOnScaleIn=true is not emulated"):
+        asg.put_warm_pool(
+            AutoScalingGroupName=WORKERS, MinSize=1, InstanceReusePolicy={"ReuseOnScaleIn": True}
+        )
+    cfn.delete_stack(StackName="wp-reuse")
