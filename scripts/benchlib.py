@@ -30,7 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from harness import Etcd, FakeImds
+from harness import Etcd, FakeImds, free_port
 
 from petctl.local.procs import descendants
 
@@ -435,11 +435,14 @@ class Run:
     def replace_etcd(self) -> tuple[float, float]:
         """SIGKILL etcd and start an *empty* one (data dir wiped) on the same port: a replaced server.
 
+        The new one also gets a new peer URL, so its cluster id differs, as a replaced rendezvous
+        instance's does (python-etcd refuses answers from another cluster: docs/rendezvous.md).
         Returns (time of the kill, time the new one answered).
         """
         t_kill = time.monotonic()
         self.etcd.stop(signal.SIGKILL)
         shutil.rmtree(self.etcd.data_dir, ignore_errors=True)
+        self.etcd.peer_port = free_port()
         self.etcd.start()
         self._see([self.etcd.proc.pid] if self.etcd.proc else [])
         return t_kill, time.monotonic()
