@@ -10,7 +10,7 @@ import logging
 import signal
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from petctl.local import procs
 from petctl.local.instance import Instance, iso
@@ -28,17 +28,15 @@ class Leaving:
     instances: dict[str, Instance]
     _threads: list[threading.Thread]
 
-    def get(self, instance_id: str) -> Instance:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # provided by Reconciler (petctl.local.reconciler) and the other mixin
 
-    def job_spec(self, rec: Instance) -> dict[str, Any] | None:
-        raise NotImplementedError
+        def get(self, instance_id: str) -> Instance: ...
 
-    def _stop_units(self, rec: Instance) -> None:
-        raise NotImplementedError
+        def job_spec(self, rec: Instance) -> dict[str, Any] | None: ...
 
-    def _write_procs(self) -> None:
-        raise NotImplementedError
+        def _stop_units(self, rec: Instance) -> None: ...
+
+        def _write_procs(self) -> None: ...
 
     def _thread(self, target: Any, *args: Any, name: str) -> None:
         t = threading.Thread(target=target, args=args, name=name, daemon=True)

@@ -13,7 +13,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from petctl.local import boot, procs, shims
 from petctl.local.environment import LOCAL_ENV, LOCAL_ENV_UNSET
@@ -51,11 +51,11 @@ class Starting:
     instances: dict[str, Instance]
     _user_data_cache: dict[str, str]
 
-    def get(self, instance_id: str) -> Instance:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # provided by Reconciler (petctl.local.reconciler) and the other mixin
 
-    def _write_procs(self) -> None:
-        raise NotImplementedError
+        def get(self, instance_id: str) -> Instance: ...
+
+        def _write_procs(self) -> None: ...
 
     def _new_instance(self, seen: Seen) -> Instance:
         data, tags = seen.data, dict(seen.tags)
