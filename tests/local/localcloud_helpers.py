@@ -139,29 +139,21 @@ class Cloud:
 
         groups = {"workers": f"petctl-{job}-workers", "rdzv": f"petctl-{job}-rdzv"}
 
-        def lt(role: str) -> dict[str, Any]:
-            return {"LaunchTemplateId": lts[role], "Version": "$Latest"}
+        def group(name: str, role: str, max_size: int, desired: int) -> None:
+            self.asg.create_auto_scaling_group(
+                AutoScalingGroupName=groups[name],
+                MinSize=1 if role == "rdzv" else 0,
+                MaxSize=max_size,
+                DesiredCapacity=desired,
+                Tags=tags(role),
+                VPCZoneIdentifier=net["subnet"],
+                LaunchTemplate={"LaunchTemplateId": lts[role], "Version": "$Latest"},
+            )
 
         if rdzv:
-            self.asg.create_auto_scaling_group(
-                AutoScalingGroupName=groups["rdzv"],
-                MinSize=1,
-                MaxSize=1,
-                DesiredCapacity=1,
-                Tags=tags("rdzv"),
-                VPCZoneIdentifier=net["subnet"],
-                LaunchTemplate=lt("rdzv"),
-            )
+            group("rdzv", "rdzv", 1, 1)
         if workers:
-            self.asg.create_auto_scaling_group(
-                AutoScalingGroupName=groups["workers"],
-                MinSize=0,
-                MaxSize=8,
-                DesiredCapacity=workers,
-                Tags=tags("worker"),
-                VPCZoneIdentifier=net["subnet"],
-                LaunchTemplate=lt("worker"),
-            )
+            group("workers", "worker", 8, workers)
         if warm_pool:
             self.asg.put_warm_pool(
                 AutoScalingGroupName=groups["workers"],
