@@ -40,6 +40,17 @@ class Groups:
                 return instances
             kwargs["NextToken"] = page["NextToken"]
 
+    def delete_warm_pool(self, name: str) -> bool:
+        """Delete the group's warm pool and its stopped instances; False when it has none.
+
+        Scaling a group to zero keeps its pool (AWS sizes it max(MinSize, ...)), and those
+        stopped instances would still bill their volumes and still be the job's instances.
+        """
+        if not self.asg.describe_warm_pool(AutoScalingGroupName=name).get("WarmPoolConfiguration"):
+            return False
+        self.asg.delete_warm_pool(AutoScalingGroupName=name, ForceDelete=True)
+        return True
+
     def set_capacity(self, name: str, size: int) -> None:
         try:
             self.asg.set_desired_capacity(

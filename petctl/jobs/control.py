@@ -88,6 +88,9 @@ def kill_job(
         ctx.ui.progress(f"stopping the workers of {job} (they checkpoint and leave)")
         try:
             gw.groups.stop(workers)
+            # a warm pool outlives a scale to zero: its stopped instances would hold the wait below
+            if gw.groups.delete_warm_pool(workers):
+                ctx.ui.progress(f"deleting the warm pool of {workers}")
         except Exception as e:  # noqa: BLE001 - the stack deletion below stops them anyway
             ctx.ui.warn(f"could not scale {workers} to zero ({describe_client_error(e)}); deleting the stack")
         drain = int(parameters_of(stack).get("DrainTimeout") or DEFAULT_DRAIN_TIMEOUT)

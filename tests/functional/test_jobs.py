@@ -511,3 +511,28 @@ def test_warm_pool_is_made_and_its_hosts_are_warmed_not_capacity(run, ready):
         "run-job", "--dry-run", "--name", "warm2", "--min", "1", "--max", "2", "--warm-pool", "2", str(ready)
     )
     assert r.exit_code == 0 and "warm pool:    2 stopped instance(s)" in r.stdout
+
+
+def test_kill_job_deletes_the_warm_pool_so_its_stopped_instances_do_not_hold_it(run, ready):
+    run_job(run, ready, "--warm-pool", "1")
+    asg = boto3.client("autoscaling")
+    r = run("kill-job", "demo", "--yes")
+    # Scaled to zero, the group keeps its pool; waiting for "workers gone" with the pool's stopped
+    # instance still there would run to its timeout (drain + 120 s) and leave it billing.
+    assert r.exit_code == 0 and "deleting the warm pool" in r.output, r.output
+    assert "still waiting" not in r.output, r.output
+    ec2 = boto3.client("ec2")
+    left = [
+        i["InstanceId"]
+        for page in ec2.get_paginator("describe_instances").paginate(
+            Filters=[{"Name": "tag:petctl:job", "Values": ["demo"]}]
+        )
+        for res in page["Reservations"]
+        for i in res["Instances"]
+        if i["State"]["Name"] not in ("terminated", "shutting-down")
+    ]
+    assert left == []
+    assert (
+        asg.describe_auto_scaling_groups(AutoScalingGroupNames=["petctl-demo-workers"])["AutoScalingGroups"]
+        == []
+    )
