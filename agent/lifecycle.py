@@ -97,6 +97,30 @@ class Lifecycle:
         log.info("left the warm pool after %.1fs (%s)", time.monotonic() - t0, state)
         return True
 
+    def complete_launch(self) -> None:
+        """Complete the launch lifecycle action (CONTINUE) holding this instance in Pending:Wait.
+
+        Only a worker group with a warm pool has a launch hook (``PETCTL_LAUNCH_HOOK``): AWS would
+        otherwise stop a pool instance before its boot ran. The boot completes it at the first
+        launch; an instance started again from the pool runs no user data, so the agent completes
+        it once the instance is no longer ``Warmed:*``. Without this it would sit in Pending:Wait
+        (training, but counted as pending) until the hook's timeout. "No active Lifecycle Action"
+        (the boot completed it already) is expected.
+        """
+        hook, group = self.settings.launch_hook, self.spec.worker_group
+        if not hook or not group or self.state().startswith("Warmed:"):
+            return
+        try:
+            self._autoscaling().complete_lifecycle_action(
+                LifecycleHookName=hook,
+                AutoScalingGroupName=group,
+                LifecycleActionResult="CONTINUE",
+                InstanceId=self.instance_id,
+            )
+            log.info("completed launch lifecycle action %s on %s", hook, group)
+        except Exception as e:  # noqa: BLE001 - no action pending, or the hook's timeout continues it
+            log.info("launch lifecycle action %s not completed here: %s", hook, e)
+
     def watch(self, stop: threading.Event, request_leave: Callable[[str], None]) -> None:
         """Poll IMDS every ``PETCTL_AGENT_IMDS_POLL`` s for a scale-in (lifecycle) or a spot
         interruption notice, and ask the agent to leave on the first one."""

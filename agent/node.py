@@ -250,6 +250,8 @@ class Agent:
 
         if self.lifecycle.wait_while_warmed(lambda: self.leave_reason is not None, warmed) and self.pub:
             self.pub.update(state="STARTING", reason=None)
+        if self.leave_reason is None:
+            self.lifecycle.complete_launch()
 
     def _rendezvous_handler(self, spec: JobSpec, endpoint: str) -> Any:
         from petctl_agent.handlers import create_rdzv_handler

@@ -79,6 +79,7 @@ class Settings:
     etcd_cacert: str = ""  # PETCTL_ETCD_CACERT
     etcd_cert: str = ""  # PETCTL_ETCD_CERT
     etcd_key: str = ""  # PETCTL_ETCD_KEY
+    launch_hook: str = ""  # PETCTL_LAUNCH_HOOK (set by the worker boot only with a warm pool)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -111,6 +112,7 @@ class Settings:
             etcd_cacert=e.get("PETCTL_ETCD_CACERT", ""),
             etcd_cert=e.get("PETCTL_ETCD_CERT", ""),
             etcd_key=e.get("PETCTL_ETCD_KEY", ""),
+            launch_hook=e.get("PETCTL_LAUNCH_HOOK", ""),
         )
 
     def enabled(self, workaround: str) -> bool:

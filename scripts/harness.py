@@ -169,7 +169,7 @@ def make_etcd_certs(directory: Path) -> EtcdCerts:
         )
         return c, k
 
-    def issue(cn: str, ca_key: Any, usage: Any, san: list[Any] | None) -> tuple[Any, x509.Certificate]:
+    def issue(cn: str, ca_key: Any, usage: list[Any], san: list[Any] | None) -> tuple[Any, x509.Certificate]:
         key = ec.generate_private_key(ec.SECP256R1())
         b = (
             x509.CertificateBuilder()
@@ -179,7 +179,7 @@ def make_etcd_certs(directory: Path) -> EtcdCerts:
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(hours=1))
             .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
         )
         if san:
             b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
@@ -199,8 +199,11 @@ def make_etcd_certs(directory: Path) -> EtcdCerts:
     )
     ca_path, _ = write("ca", ca_key, ca)
     san = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
-    server = write("server", *issue("etcd", ca_key, ExtendedKeyUsageOID.SERVER_AUTH, san))
-    client = write("client", *issue("petctl-worker", ca_key, ExtendedKeyUsageOID.CLIENT_AUTH, None))
+    # clientAuth too, as the job's rendezvous boot makes it: etcd dials its own client URLs with
+    # its server certificate, and with --client-cert-auth it rejects itself without it
+    eku = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    server = write("server", *issue("etcd", ca_key, eku, san))
+    client = write("client", *issue("petctl-worker", ca_key, [ExtendedKeyUsageOID.CLIENT_AUTH], None))
     return EtcdCerts(ca_path, server[0], server[1], client[0], client[1])
 
 

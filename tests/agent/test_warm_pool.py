@@ -13,7 +13,9 @@ import threading
 import time
 from types import SimpleNamespace
 
+import boto3
 import pytest
+from botocore.stub import Stubber
 from harness import FakeImds, wait_for
 
 from petctl_agent.imds import Imds
@@ -115,3 +117,63 @@ def test_warmed_agent_joins_only_once_in_service(make_cluster) -> None:
     wait_for(lambda: a.proc.poll() is not None, 180, "a to finish the job")
     assert a.proc.returncode == 0 and a.steps and a.steps[0][0] > t
     assert (c.status(a.instance_id) or {}).get("state") == "SUCCEEDED"
+
+
+def _stubbed(a: Agent, monkeypatch) -> Stubber:
+    """moto cannot fake a pending launch action: a Stubber stands for Auto Scaling here."""
+    client = boto3.client(
+        "autoscaling", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
+    )
+    stub = Stubber(client)
+    monkeypatch.setattr(a.lifecycle, "_autoscaling", lambda: client)
+    return stub
+
+
+def test_leaving_the_pool_completes_the_launch_hook(imds, monkeypatch) -> None:
+    url = imds.add("i-pool", "127.0.0.1")
+    imds.set("i-pool", STATE, "Warmed:Stopped")
+    spec = JobSpec.from_dict({**SPEC.to_dict(), "worker_group": "petctl-warm-workers"})
+    settings, client = Settings(imds_poll=0.05, launch_hook="petctl-launch"), Imds(url, timeout=1)
+    a = Agent(SimpleNamespace(local_addr="127.0.0.1"), settings, client)
+    a.lifecycle = Lifecycle(spec, client, settings, "i-pool")
+    a.pub = Pub()
+    stub = _stubbed(a, monkeypatch)
+    with stub:  # no call while warmed: the boot completes the first launch's action
+        t = threading.Thread(target=a._wait_while_warmed)
+        t.start()
+        time.sleep(0.3)
+        stub.add_response(
+            "complete_lifecycle_action",
+            {},
+            {
+                "LifecycleHookName": "petctl-launch",
+                "AutoScalingGroupName": "petctl-warm-workers",
+                "LifecycleActionResult": "CONTINUE",
+                "InstanceId": "i-pool",
+            },
+        )
+        imds.set("i-pool", STATE, "InService")
+        t.join(5)
+        assert not t.is_alive()
+        stub.assert_no_pending_responses()
+
+
+def test_no_launch_hook_no_call_and_no_action_pending_is_fine(imds, monkeypatch) -> None:
+    url = imds.add("i-hook", "127.0.0.1")
+    imds.set("i-hook", STATE, "InService")
+    spec = JobSpec.from_dict({**SPEC.to_dict(), "worker_group": "petctl-warm-workers"})
+    client = Imds(url, timeout=1)
+    plain = Lifecycle(spec, client, Settings(), "i-hook")
+    stub = _stubbed(SimpleNamespace(lifecycle=plain), monkeypatch)
+    with stub:
+        plain.complete_launch()  # no hook: nothing to call (the Stubber would refuse a call)
+    hooked = Lifecycle(spec, client, Settings(launch_hook="petctl-launch"), "i-hook")
+    stub = _stubbed(SimpleNamespace(lifecycle=hooked), monkeypatch)
+    with stub:
+        stub.add_client_error(
+            "complete_lifecycle_action",
+            "ValidationError",
+            "No active Lifecycle Action found with instance ID i-hook",
+        )
+        hooked.complete_launch()  # the boot completed it already: not an error
+        stub.assert_no_pending_responses()
