@@ -19,6 +19,7 @@ from cfnlint.decode import cfn_yaml
 
 from petctl import templates, tls
 from petctl.lint_rules import RULE_IDS, RULES_DIR
+from petctl.templates import rendering
 
 INFRA_VARIANTS = [
     {"az_count": az, "create_efs": efs, "create_bucket": bucket}
@@ -119,7 +120,7 @@ def test_templates_come_from_the_installed_package(tmp_path, monkeypatch):
 
 def test_strict_undefined_rejects_missing_context():
     with pytest.raises(jinja2.UndefinedError):
-        templates._environment().get_template(templates.JOB_TEMPLATE).render(gpu=False)
+        rendering._environment().get_template(templates.JOB_TEMPLATE).render(gpu=False)
 
 
 @pytest.mark.parametrize(
