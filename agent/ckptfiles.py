@@ -1,0 +1,119 @@
+"""The checkpoint directory: its names, the ``latest`` pointer, pruning, and the single-file format.
+
+A plain checkpoint is one ``ckpt-<step:010d>.pt`` (``torch.save`` bytes written atomically, their
+sha256 in the pointer); a sharded one is a ``ckpt-<step:010d>.dcp`` directory
+(:mod:`petctl_agent.ckptsharded`). :mod:`petctl_agent.checkpoint` is the API on top; torch is
+imported only to write or read a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from petctl_agent.atomic import atomic_write
+
+LATEST = "latest"
+CKPT_RE = re.compile(r"^ckpt-(\d{10})\.(pt|dcp)$")
+
+
+def checkpoint_dir(directory: str | os.PathLike | None = None) -> Path:
+    """Return the checkpoint directory: the argument, else ``$PETCTL_CHECKPOINT_DIR``.
+
+    Raises:
+        ValueError: neither is set (under plain torchrun, pass a directory).
+    """
+    d = directory or os.environ.get("PETCTL_CHECKPOINT_DIR")
+    if not d:
+        raise ValueError("no checkpoint directory: pass directory= or set PETCTL_CHECKPOINT_DIR")
+    return Path(d)
+
+
+def write_pointer(d: Path, pointer: dict[str, Any]) -> None:
+    """Replace ``latest`` atomically (only once the checkpoint it names is durable)."""
+    atomic_write(d / LATEST, json.dumps(pointer).encode())
+
+
+def read_pointer(d: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((d / LATEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_file(state: dict[str, Any], step: int, d: Path, keep: int) -> Path:
+    """Write the single-file checkpoint of ``step``, point ``latest`` at it, prune (rank 0's job)."""
+    import torch
+
+    d.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    torch.save({"step": int(step), "state": state, "saved_at": time.time()}, buf)
+    data = buf.getvalue()
+    name = f"ckpt-{int(step):010d}.pt"
+    path = d / name
+    atomic_write(path, data)
+    write_pointer(
+        d,
+        {
+            "file": name,
+            "step": int(step),
+            "format": "torch",
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "size": len(data),
+        },
+    )
+    prune(d, keep, name)
+    return path
+
+
+def load_file(path: Path, expect_sha: str | None, map_location: Any) -> tuple[dict[str, Any], int]:
+    import torch
+
+    data = path.read_bytes()
+    if expect_sha is not None and hashlib.sha256(data).hexdigest() != expect_sha:
+        raise ValueError(f"checksum mismatch for {path}")
+    obj = torch.load(io.BytesIO(data), map_location=map_location, weights_only=False)
+    return obj["state"], int(obj["step"])
+
+
+def list_checkpoints(d: Path) -> list[tuple[int, Path]]:
+    """Checkpoints in ``d`` (files and DCP directories), newest first."""
+    try:
+        names = os.listdir(d)
+    except FileNotFoundError:
+        return []
+    found = [(int(m.group(1)), d / n) for n in names if (m := CKPT_RE.match(n))]
+    return sorted(found, reverse=True)
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        try:
+            p.unlink()
+        except OSError:
+            pass
+
+
+def prune(d: Path, keep: int, current: str) -> None:
+    """Keep the newest ``keep`` checkpoints (and ``current``); remove dead writers' temp files."""
+    for _, p in list_checkpoints(d)[max(keep, 1) :]:
+        if p.name != current:
+            _remove(p)
+    # temp files/dirs of writers killed mid-save (older than a minute: not a live writer)
+    for n in os.listdir(d):
+        if n.startswith(".") and n.endswith(".tmp"):
+            p = d / n
+            try:
+                if time.time() - p.stat().st_mtime > 60:
+                    _remove(p)
+            except OSError:
+                pass
