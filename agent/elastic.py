@@ -5,15 +5,15 @@ launcher) and override a few hooks to (a) publish status/events, (b) run the
 drain protocol and leave the rendezvous without closing it for everyone, and
 (c) work around torch behaviours that stall elastic jobs. Every workaround names
 the torch behaviour it answers and can be switched off (see ``workarounds.py``).
-Handlers: ``handlers.py``; membership while training: ``membership.py``; the pure
-decisions (exit codes, waiting below ``min_nodes``): ``decisions.py``.
+Handlers: ``handlers.py``; how long to keep joining: ``joining.py``; membership while
+training: ``membership.py``; how the workers are stopped (drain file, SIGTERM) and waited for:
+``stopping.py``; the pure decisions (exit codes, waiting below ``min_nodes``): ``decisions.py``.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-import os
 import signal
 import threading
 import time
@@ -23,25 +23,15 @@ from typing import Any
 
 from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.rendezvous.api import (
-    RendezvousClosedError,
-    RendezvousGracefulExitError,
-    RendezvousTimeoutError,
-)
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
-from petctl_agent.decisions import capacity_coming, classify_exits, describe_capacity, keep_waiting
-from petctl_agent.handlers import (
-    TRANSIENT_RDZV_ERRORS,
-    LeftRendezvous,
-    guard_join,
-    join_timeout_s,
-    leave_round,
-    ours,
-    reset_lost_state,
-)
+from petctl_agent.decisions import classify_exits
+from petctl_agent.handlers import LeftRendezvous, guard_join, join_timeout_s, leave_round, ours
+from petctl_agent.joining import join_round
 from petctl_agent.membership import MembershipWatch
 from petctl_agent.settings import Settings
 from petctl_agent.status import StatusPublisher
+from petctl_agent.stopping import WorkerStops
 
 log = logging.getLogger("petctl_agent.elastic")
 
@@ -114,11 +104,9 @@ class PetctlElasticAgent(LocalElasticAgent):
         )
         self.pub = publisher
         self.settings = settings
-        self.drain_file = Path(drain_file)
+        self.stops = WorkerStops(drain_file, progress_file, settings.drain_probe)
         #: called right before each (re)start of the workers (main.py: flush the log tailer)
         self.before_workers_start: Callable[[], None] | None = None
-        self.progress_file = Path(progress_file)
-        self._workers_started_at = time.time()
         self.drain_timeout = drain_timeout
         self.join_timeout = join_timeout_s(join_timeout, settings)
         self.watch = MembershipWatch(settings, publisher, self._last_step, self.join_timeout)
@@ -203,51 +191,19 @@ class PetctlElasticAgent(LocalElasticAgent):
             "rendezvous_start", reason=self._rdzv_reason, round=self.watch.round, step=self._last_step()
         )
         started = time.time()
-        t0 = time.monotonic()
         if mine is None:
             guard_join(handler, self.leave_requested)
-        attempt = 0
-        while True:
-            try:
-                super()._rendezvous(worker_group)
-                break
-            except RendezvousClosedError:
-                raise
-            except RendezvousGracefulExitError as e:  # petctl-etcd: we left (request_leave) while joining
-                raise LeftRendezvous(f"left the rendezvous while joining ({e})") from None
-            except RendezvousTimeoutError:
-                # torch's join timeout is one attempt; the job's bound is join_timeout, and
-                # past it we still wait while the worker group says capacity is coming.
-                elapsed = time.monotonic() - t0
-                capacity = self._probe_capacity()
-                coming = capacity_coming(capacity, self.min_nodes)
-                if not keep_waiting(elapsed, self.join_timeout, coming):
-                    raise RendezvousTimeoutError(
-                        f"below min_nodes for {elapsed:.0f}s (join_timeout {self.join_timeout:.0f}s; "
-                        f"{describe_capacity(capacity)})"
-                    ) from None
-                log.info(
-                    "still below min_nodes after %.0fs (%s); waiting on", elapsed, describe_capacity(capacity)
-                )
-                self.pub.update(reason=f"waiting for nodes ({describe_capacity(capacity)})")
-            except TRANSIENT_RDZV_ERRORS as e:
-                attempt += 1
-                if not self.settings.enabled("RDZV_RETRY"):
-                    raise
-                if time.monotonic() - t0 > self.join_timeout:
-                    raise RendezvousTimeoutError(
-                        f"no complete round within the join timeout; last error {type(e).__name__}: {e}"
-                    ) from e
-                # torch lets these escape agent.run(): an etcd restart or a peer
-                # dying between "round complete" and "MASTER_ADDR published" would
-                # kill the agent. Retry: the next attempt exits and re-joins a round.
-                log.warning("rendezvous attempt %d failed (%s: %s); retrying", attempt, type(e).__name__, e)
-                reset_lost_state(handler)
-                time.sleep(min(0.5 * attempt, 3.0))
-            if self.leave_requested.is_set():
-                if mine is not None:
-                    mine.leave()
-                raise LeftRendezvous("asked to leave while waiting to join")
+        join_round(
+            lambda: super(PetctlElasticAgent, self)._rendezvous(worker_group),
+            handler,
+            mine,
+            self.leave_requested,
+            join_timeout=self.join_timeout,
+            min_nodes=self.min_nodes,
+            capacity_probe=self.capacity_probe,
+            retry=self.settings.enabled("RDZV_RETRY"),
+            waiting=lambda reason: self.pub.update(reason=reason),
+        )
         if mine is not None and self.leave_requested.is_set():
             # the round closed with us just as the leave came: leave it before any worker starts
             mine.leave()
@@ -267,18 +223,8 @@ class PetctlElasticAgent(LocalElasticAgent):
             seconds=round(time.time() - started, 3),
         )
 
-    def _probe_capacity(self) -> dict[str, int] | None:
-        try:
-            return self.capacity_probe()
-        except Exception as e:  # noqa: BLE001 - unknown capacity: decide on the join timeout alone
-            log.warning("cannot read the worker group's capacity (%s)", e)
-            return None
-
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        try:
-            self.drain_file.unlink()
-        except FileNotFoundError:
-            pass
+        self.stops.workers_starting()
         if self.before_workers_start is not None:
             # torch rmtree()s and re-creates attempt_<n>/ when the restart count is unchanged:
             # read the last lines of the workers that just stopped before they are deleted
@@ -289,7 +235,7 @@ class PetctlElasticAgent(LocalElasticAgent):
                 log.debug("before_workers_start: %s", e)
         pids = super()._start_workers(worker_group)
         self._restore_signal_handlers()
-        self._workers_started_at = time.time()
+        self.stops.workers_started()
         self.phase = "running"
         self.pub.update(state="RUNNING", restarts=self._restarts)
         try:
@@ -361,7 +307,7 @@ class PetctlElasticAgent(LocalElasticAgent):
                 change, can_sync = self.watch.change()
                 if change:
                     log.info("re-rendezvous: %s", change)
-                    if can_sync and self.settings.enabled("SYNC_RESTART") and self._workers_progressed():
+                    if can_sync and self.settings.enabled("SYNC_RESTART") and self.stops.workers_progressed():
                         self._rdzv_reason = change
                         done = self._coordinated_stop(wg, self.sync_timeout)
                         if done is not None:
@@ -414,38 +360,15 @@ class PetctlElasticAgent(LocalElasticAgent):
         self.fail_reason = f"workers failed after {wg.spec.max_restarts} restarts: {_describe(result)}"
         return result
 
-    def _uses_helper(self) -> bool:
-        """Has any worker on this node ever reported progress? Then the script uses the helper
-        (``petctl_agent.checkpoint``) and stops by itself at a drain checkpoint."""
-        return self.progress_file.exists()
-
-    def _workers_progressed(self) -> bool:
-        """Have the current workers reported a step? (If not, there is nothing to checkpoint.)"""
-        try:
-            return self.progress_file.stat().st_mtime > self._workers_started_at
-        except OSError:
-            return False
-
     def _coordinated_stop(self, wg: WorkerGroup, timeout: float) -> RunResult | None:
-        """Ask the workers to checkpoint and stop (drain file); wait up to ``timeout``.
-
-        Returns a RunResult only if the workers finished the job meanwhile.
-        """
-        self.drain_file.touch()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not self.leave_requested.is_set():
-            result = self._monitor_workers(wg)
-            if result.state == WorkerState.SUCCEEDED:
-                self.phase = "done"
-                self.outcome = Outcome.SUCCEEDED
-                self._exit_barrier()
-                return result
-            if result.state != WorkerState.HEALTHY:
-                return None
-            time.sleep(0.1)
-        if not self.leave_requested.is_set():
-            log.warning("workers did not stop at a checkpoint within %.0fs; stopping them", timeout)
-        return None
+        """Ask the workers to checkpoint and stop; a RunResult only if they finished the job meanwhile."""
+        result = self.stops.coordinated_stop(lambda: self._monitor_workers(wg), timeout, self.leave_requested)
+        if result is None:
+            return None
+        self.phase = "done"
+        self.outcome = Outcome.SUCCEEDED
+        self._exit_barrier()
+        return result
 
     # ---- graceful leave --------------------------------------------------------------
     def _drain_and_leave(self, wg: WorkerGroup) -> RunResult:
@@ -463,62 +386,23 @@ class PetctlElasticAgent(LocalElasticAgent):
         self.pub.event(
             "drain_requested", reason=self.leave_reason, round=self.watch.round, step=self._last_step()
         )
-        self.drain_file.touch()
-        t0 = time.monotonic()
-        deadline = t0 + self.drain_timeout
-        result = self._monitor_workers(wg)
-        if not self._uses_helper():
-            # nothing on this node ever reported progress: a plain script, or helper
-            # workers that have not reached their first step yet. Give them a moment.
-            probe_end = min(deadline, t0 + self.settings.drain_probe)
-            while time.monotonic() < probe_end and result.state == WorkerState.HEALTHY:
-                if self._uses_helper():
-                    break
-                time.sleep(0.1)
-                result = self._monitor_workers(wg)
-        if self._uses_helper():
-            while time.monotonic() < deadline and result.state == WorkerState.HEALTHY:
-                time.sleep(0.1)
-                result = self._monitor_workers(wg)
-        sigterm = result.state == WorkerState.HEALTHY
-        if sigterm:
-            self._signal_workers(wg, signal.SIGTERM)
-            grace = max(deadline - time.monotonic(), 5.0)
-            end = time.monotonic() + grace
-            while time.monotonic() < end and result.state == WorkerState.HEALTHY:
-                time.sleep(0.1)
-                result = self._monitor_workers(wg)
-        codes = [f.exitcode for f in result.failures.values()]
-        if sigterm:  # a plain script: clean if every worker ended on our SIGTERM, not our SIGKILL
-            clean = result.state != WorkerState.HEALTHY and -int(signal.SIGKILL) not in codes
-        else:
-            clean = result.state == WorkerState.SUCCEEDED or (
-                result.state == WorkerState.FAILED and classify_exits(codes) == "drain"
-            )
+        d = self.stops.drain(
+            lambda: self._monitor_workers(wg), [w.id for w in wg.workers], self.drain_timeout
+        )
         self._stop_workers(wg)
         self.leave_rendezvous()
         self.phase = "done"
         self.outcome = Outcome.DRAINED
         self.pub.event(
             "drained",
-            clean=clean,
-            sigterm=sigterm,
-            exit_codes=sorted(set(codes), key=lambda c: (c is None, c)),
-            seconds=round(time.monotonic() - t0, 3),
+            clean=d.clean,
+            sigterm=d.sigterm,
+            exit_codes=sorted(set(d.codes), key=lambda c: (c is None, c)),
+            seconds=round(time.monotonic() - d.started, 3),
             round=self.watch.round,
         )
         # torch's run() records one event per worker and insists every worker has a result
         return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in wg.workers})
-
-    @staticmethod
-    def _signal_workers(wg: WorkerGroup, sig: int) -> None:
-        for w in wg.workers:
-            if w.id is None:
-                continue
-            try:
-                os.kill(int(w.id), sig)
-            except (ProcessLookupError, ValueError, TypeError):
-                pass
 
     def leave_rendezvous(self) -> None:
         """Remove this node from the current round so the others re-form at once

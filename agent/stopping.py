@@ -1,0 +1,142 @@
+"""How one node's workers are asked to stop, and how long the agent waits for them.
+
+Two ways: the drain file (a script that uses ``petctl_agent.checkpoint`` sees it, agrees with
+every rank on a step, checkpoints it and exits 75) and SIGTERM (any script, as torchrun does).
+The agent tells which applies from the node's progress file: once any worker on the node has
+reported progress, the script uses the helper. :class:`WorkerStops` owns both files and the
+waits; :class:`petctl_agent.elastic.PetctlElasticAgent` decides when to stop and publishes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+
+from petctl_agent.decisions import classify_exits
+
+log = logging.getLogger("petctl_agent.elastic")
+
+Monitor = Callable[[], RunResult]  # one look at the workers (torch's _monitor_workers)
+
+
+@dataclass
+class Drained:
+    """How the workers ended in a drain."""
+
+    result: RunResult
+    sigterm: bool  # they were sent SIGTERM (a plain script, or stragglers at the drain timeout)
+    clean: bool  # every worker stopped at the drain checkpoint, or ended on our SIGTERM
+    codes: list[Any]  # the failed workers' exit codes
+    started: float  # time.monotonic() when the drain began
+
+
+class WorkerStops:
+    """The drain file and the progress file of this node, and the waits on the workers."""
+
+    def __init__(self, drain_file: Path, progress_file: Path, drain_probe: float) -> None:
+        self.drain_file = Path(drain_file)
+        self.progress_file = Path(progress_file)
+        self.drain_probe = drain_probe
+        self._workers_started_at = time.time()
+
+    def workers_starting(self) -> None:
+        """New workers must not see the previous drain request."""
+        try:
+            self.drain_file.unlink()
+        except FileNotFoundError:
+            pass
+
+    def workers_started(self) -> None:
+        self._workers_started_at = time.time()
+
+    def uses_helper(self) -> bool:
+        """Has any worker on this node ever reported progress? Then the script uses the helper
+        (``petctl_agent.checkpoint``) and stops by itself at a drain checkpoint."""
+        return self.progress_file.exists()
+
+    def workers_progressed(self) -> bool:
+        """Have the current workers reported a step? (If not, there is nothing to checkpoint.)"""
+        try:
+            return self.progress_file.stat().st_mtime > self._workers_started_at
+        except OSError:
+            return False
+
+    def coordinated_stop(self, monitor: Monitor, timeout: float, leave: threading.Event) -> RunResult | None:
+        """Ask the workers to checkpoint and stop (drain file); wait up to ``timeout``.
+
+        Returns a RunResult only if the workers finished the job meanwhile.
+        """
+        self.drain_file.touch()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not leave.is_set():
+            result = monitor()
+            if result.state == WorkerState.SUCCEEDED:
+                return result
+            if result.state != WorkerState.HEALTHY:
+                return None
+            time.sleep(0.1)
+        if not leave.is_set():
+            log.warning("workers did not stop at a checkpoint within %.0fs; stopping them", timeout)
+        return None
+
+    def drain(self, monitor: Monitor, worker_pids: Iterable[Any], timeout: float) -> Drained:
+        """Stop the workers for good: the drain file, then SIGTERM for what still runs.
+
+        Workers that use the helper get the drain file and ``timeout``. Any other script (no
+        progress within ``drain_probe`` s) -- and helper workers still running when ``timeout``
+        is up -- gets SIGTERM, as torchrun does, and is waited for (the rest of ``timeout``, at
+        least 5 s).
+        """
+        self.drain_file.touch()
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        result = monitor()
+        if not self.uses_helper():
+            # nothing on this node ever reported progress: a plain script, or helper
+            # workers that have not reached their first step yet. Give them a moment.
+            probe_end = min(deadline, t0 + self.drain_probe)
+            while time.monotonic() < probe_end and result.state == WorkerState.HEALTHY:
+                if self.uses_helper():
+                    break
+                time.sleep(0.1)
+                result = monitor()
+        if self.uses_helper():
+            while time.monotonic() < deadline and result.state == WorkerState.HEALTHY:
+                time.sleep(0.1)
+                result = monitor()
+        sigterm = result.state == WorkerState.HEALTHY
+        if sigterm:
+            signal_workers(worker_pids, signal.SIGTERM)
+            grace = max(deadline - time.monotonic(), 5.0)
+            end = time.monotonic() + grace
+            while time.monotonic() < end and result.state == WorkerState.HEALTHY:
+                time.sleep(0.1)
+                result = monitor()
+        codes = [f.exitcode for f in result.failures.values()]
+        if sigterm:  # a plain script: clean if every worker ended on our SIGTERM, not our SIGKILL
+            clean = result.state != WorkerState.HEALTHY and -int(signal.SIGKILL) not in codes
+        else:
+            clean = result.state == WorkerState.SUCCEEDED or (
+                result.state == WorkerState.FAILED and classify_exits(codes) == "drain"
+            )
+        return Drained(result, sigterm, clean, codes, t0)
+
+
+def signal_workers(pids: Iterable[Any], sig: int) -> None:
+    """Send ``sig`` to each worker pid (torch's ``Worker.id``; None before it started)."""
+    for pid in pids:
+        if pid is None:
+            continue
+        try:
+            os.kill(int(pid), sig)
+        except (ProcessLookupError, ValueError, TypeError):
+            pass
