@@ -17,10 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from petctl_agent import aws
+from petctl_agent import aws, ending
 from petctl_agent.fetch import fetch_code, load_spec
 from petctl_agent.imds import Imds
 from petctl_agent.lifecycle import CapacityHint, Lifecycle
+from petctl_agent.preflight import check_etcd_tls, check_torch, wait_for_dir
 from petctl_agent.settings import Settings
 from petctl_agent.spec import JobSpec, SpecError, rdzv_backend
 from petctl_agent.status import StatusPublisher, make_writer
@@ -34,41 +35,6 @@ from petctl_agent.workerenv import (
 )
 
 log = logging.getLogger("petctl_agent")
-
-SUCCESS_MARKER = ".petctl-job-succeeded"
-
-
-def wait_for_dir(path: Path, timeout: float, what: str) -> None:
-    """Wait (bounded) for a directory, e.g. the EFS mount, to exist."""
-    deadline = time.monotonic() + timeout
-    while not path.is_dir():
-        if time.monotonic() > deadline:
-            raise SpecError(
-                f"{what} {path} did not appear within {timeout:.0f}s (is the filesystem mounted?)"
-            )
-        time.sleep(1)
-
-
-def check_etcd_tls(settings: Settings) -> None:
-    """Refuse half a TLS setup or a missing file now, before a handler retries TLS errors for ever."""
-    tls = settings.etcd_tls
-    if tls is None:
-        return
-    for var, path in (
-        ("PETCTL_ETCD_CACERT", tls.cacert),
-        ("PETCTL_ETCD_CERT", tls.cert),
-        ("PETCTL_ETCD_KEY", tls.key),
-    ):
-        if not os.path.isfile(path):
-            raise ValueError(f"{var}={path} is not a file: the boot script fetches the job's TLS files first")
-
-
-def check_torch(wanted_version: str, backend: str = "petctl-etcd") -> str | None:
-    """One-line reason the installed torch cannot run this job (wrong version, missing internals
-    that the agent uses with ``backend``)."""
-    from petctl_agent.torch_compat import check, required_for
-
-    return check(wanted_version, required_for(backend))
 
 
 class Agent:
@@ -137,20 +103,11 @@ class Agent:
 
     def finish_leave(self) -> int:
         """Complete a pending lifecycle action, publish LEFT; exit status 0."""
-        if self.lifecycle is not None:
-            self.lifecycle.complete_action()
-        if self.pub:
-            self.pub.update(state="LEFT", reason=self.leave_reason)
-            self.pub.close()
-        return 0
+        return ending.finish_leave(self.lifecycle, self.pub, self.leave_reason)
 
     def fail(self, reason: str) -> int:
-        log.error("FAILED: %s", reason)
-        if self.pub:
-            self.pub.event("failed", reason=reason)
-            self.pub.update(state="FAILED", reason=reason)
-            self.pub.flush()
-        return 1
+        """Publish FAILED; exit status 1."""
+        return ending.fail(self.pub, reason)
 
     # ---- run ------------------------------------------------------------------------
     def run(self) -> int:
@@ -365,43 +322,16 @@ class Agent:
                 shipper.stop()
 
     def _finish(self, agent: Any, handler: Any, outcome: Any, ckpt_dir: Path) -> int:
-        """What the outcome means for this node and for the job."""
-        from petctl_agent.elastic import Outcome
-
+        """What the outcome means for this node and for the job (``ending.finish``)."""
         assert self.pub is not None and self.lifecycle is not None
-        if outcome is Outcome.DRAINED:
-            return self.finish_leave()
-        if outcome is Outcome.CLOSED and (ckpt_dir / SUCCESS_MARKER).exists():
-            outcome = Outcome.SUCCEEDED  # we arrived after the job finished
-        lifecycle_wait = self.settings.lifecycle_wait
-        if outcome is Outcome.SUCCEEDED:
-            (ckpt_dir / SUCCESS_MARKER).touch()
-            try:
-                handler.shutdown()  # close the rendezvous: late joiners stop instead of waiting
-            except Exception as e:  # noqa: BLE001
-                log.debug("rendezvous shutdown: %s", e)
-            self.pub.event("succeeded", last_step=self.step_info().get("last_step"))
-            self.pub.update(state="SUCCEEDED", reason=None)
-            self.lifecycle.scale_groups_to_zero()
-            self.lifecycle.complete_action_at_end(lifecycle_wait)
-            self.pub.close()
-            return 0
-        if outcome is Outcome.JOIN_TIMEOUT:
-            # This node's rendezvous timed out. That alone does not end the job: other
-            # nodes may be training (this one waited beyond max_nodes) or about to
-            # arrive. Do not close the rendezvous, do not scale the groups to zero.
-            rc = self.fail(agent.fail_reason or "rendezvous timed out")
-            self.lifecycle.complete_action_at_end(0)
-            self.pub.close()
-            return rc
-        try:
-            handler.shutdown()  # unrecoverable: close it so the other nodes stop too
-        except Exception:  # noqa: BLE001
-            pass
-        rc = self.fail(agent.fail_reason or "unknown failure")
-        # A failed job must not keep paying for idle instances (the ASG would replace them and
-        # systemd would restart the agent): stop the groups; the status, logs and checkpoints stay.
-        self.lifecycle.scale_groups_to_zero()
-        self.lifecycle.complete_action_at_end(lifecycle_wait)
-        self.pub.close()
-        return rc
+        return ending.finish(
+            outcome,
+            agent.fail_reason,
+            handler,
+            ckpt_dir,
+            self.pub,
+            self.lifecycle,
+            leave_reason=self.leave_reason,
+            lifecycle_wait=self.settings.lifecycle_wait,
+            last_step=lambda: self.step_info().get("last_step"),
+        )

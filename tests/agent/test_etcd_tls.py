@@ -14,7 +14,7 @@ import pytest
 from harness import Etcd, EtcdCerts, make_etcd_certs
 
 from petctl_agent.handlers import create_rdzv_handler, etcd_tls_config
-from petctl_agent.node import check_etcd_tls
+from petctl_agent.preflight import check_etcd_tls
 from petctl_agent.settings import Settings
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")

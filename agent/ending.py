@@ -1,0 +1,93 @@
+"""How this node's agent ends, and what that means for the job.
+
+``LEFT`` (a graceful leave: complete the lifecycle action), ``FAILED`` (one line, published) and,
+after the torch agent returned its ``Outcome``, :func:`finish`: who closes the rendezvous, who
+scales the job's groups to zero, how long to wait for ``Terminating:Wait``. Exit status 0 or 1.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from petctl_agent.lifecycle import Lifecycle
+from petctl_agent.status import StatusPublisher
+
+log = logging.getLogger("petctl_agent")
+
+# In the job's checkpoint dir once any node saw the workers succeed: a node that arrives after
+# the job ended finds the rendezvous closed and this file, and succeeds too.
+SUCCESS_MARKER = ".petctl-job-succeeded"
+
+
+def finish_leave(lifecycle: Lifecycle | None, pub: StatusPublisher | None, reason: str | None) -> int:
+    """Complete a pending lifecycle action, publish LEFT; exit status 0."""
+    if lifecycle is not None:
+        lifecycle.complete_action()
+    if pub:
+        pub.update(state="LEFT", reason=reason)
+        pub.close()
+    return 0
+
+
+def fail(pub: StatusPublisher | None, reason: str) -> int:
+    """Publish FAILED with its reason; exit status 1."""
+    log.error("FAILED: %s", reason)
+    if pub:
+        pub.event("failed", reason=reason)
+        pub.update(state="FAILED", reason=reason)
+        pub.flush()
+    return 1
+
+
+def finish(
+    outcome: Any,
+    fail_reason: str | None,
+    handler: Any,
+    ckpt_dir: Path,
+    pub: StatusPublisher,
+    lifecycle: Lifecycle,
+    *,
+    leave_reason: str | None,
+    lifecycle_wait: float,
+    last_step: Any,
+) -> int:
+    """What the torch agent's ``Outcome`` means for this node and for the job; the exit status."""
+    from petctl_agent.elastic import Outcome
+
+    if outcome is Outcome.DRAINED:
+        return finish_leave(lifecycle, pub, leave_reason)
+    if outcome is Outcome.CLOSED and (ckpt_dir / SUCCESS_MARKER).exists():
+        outcome = Outcome.SUCCEEDED  # we arrived after the job finished
+    if outcome is Outcome.SUCCEEDED:
+        (ckpt_dir / SUCCESS_MARKER).touch()
+        try:
+            handler.shutdown()  # close the rendezvous: late joiners stop instead of waiting
+        except Exception as e:  # noqa: BLE001
+            log.debug("rendezvous shutdown: %s", e)
+        pub.event("succeeded", last_step=last_step())
+        pub.update(state="SUCCEEDED", reason=None)
+        lifecycle.scale_groups_to_zero()
+        lifecycle.complete_action_at_end(lifecycle_wait)
+        pub.close()
+        return 0
+    if outcome is Outcome.JOIN_TIMEOUT:
+        # This node's rendezvous timed out. That alone does not end the job: other
+        # nodes may be training (this one waited beyond max_nodes) or about to
+        # arrive. Do not close the rendezvous, do not scale the groups to zero.
+        rc = fail(pub, fail_reason or "rendezvous timed out")
+        lifecycle.complete_action_at_end(0)
+        pub.close()
+        return rc
+    try:
+        handler.shutdown()  # unrecoverable: close it so the other nodes stop too
+    except Exception:  # noqa: BLE001
+        pass
+    rc = fail(pub, fail_reason or "unknown failure")
+    # A failed job must not keep paying for idle instances (the ASG would replace them and
+    # systemd would restart the agent): stop the groups; the status, logs and checkpoints stay.
+    lifecycle.scale_groups_to_zero()
+    lifecycle.complete_action_at_end(lifecycle_wait)
+    pub.close()
+    return rc
