@@ -23,6 +23,16 @@ from benchlib import Node, Run, RunConfig, poll  # noqa: E402
 
 STEP_TIME = 0.03
 EVERY = 20  # checkpoint interval (steps)
+# Every fault test's job but its size and worker group (make_run's arguments).
+FAULT_JOB: dict[str, Any] = {
+    "tool": "petctl",
+    "step_time": STEP_TIME,
+    "checkpoint_every": EVERY,
+    "drain_timeout": 30,
+    "job": "fault",
+    # keep every checkpoint so the test can load each one; a status every second
+    "env": {"PETCTL_CHECKPOINT_KEEP": "100000", "PETCTL_AGENT_STATUS_INTERVAL": "1"},
+}
 
 
 @pytest.fixture
@@ -38,20 +48,8 @@ def make_run(tmp_path: Path) -> Iterator[Callable[..., Run]]:
     runs: list[Run] = []
 
     def make(total_steps: int, min_nodes: int = 2, max_nodes: int = 8, worker_group: bool = False) -> Run:
-        cfg = RunConfig(
-            tool="petctl",
-            min_nodes=min_nodes,
-            max_nodes=max_nodes,
-            step_time=STEP_TIME,
-            total_steps=total_steps,
-            checkpoint_every=EVERY,
-            drain_timeout=30,
-            job="fault",
-            worker_group=worker_group,
-            # keep every checkpoint so the test can load each one; shorter collective
-            # timeout than production only bounds how long a broken test can hang
-            env={"PETCTL_CHECKPOINT_KEEP": "100000", "PETCTL_AGENT_STATUS_INTERVAL": "1"},
-        )
+        size = {"total_steps": total_steps, "min_nodes": min_nodes, "max_nodes": max_nodes}
+        cfg = RunConfig(**FAULT_JOB, **size, worker_group=worker_group)
         run = Run(tmp_path / f"run{len(runs)}", cfg)
         runs.append(run)
         run.start()
