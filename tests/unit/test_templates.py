@@ -16,6 +16,7 @@ from cfnlint.api import lint
 from cfnlint.config import ManualArgs
 from cfnlint.core import get_rules
 from cfnlint.decode import cfn_yaml
+from cfnlint.helpers import load_plugins
 
 from petctl import templates, tls
 from petctl.lint_rules import RULE_IDS, RULES_DIR
@@ -1129,6 +1130,11 @@ BAD_SNIPPETS = {
                         - !Sub arn:${AWS::Partition}:s3:::bucket/petctl/jobs/${JobName}/tls/client.key
         """,
 }
+
+
+def test_rules_dir_loads_each_of_our_rules_once():
+    """cfn-lint loads every rule file of the directory by path: all ten rules, none twice, nothing else."""
+    assert sorted(r.id for r in load_plugins(str(RULES_DIR))) == sorted(RULE_IDS)
 
 
 @pytest.mark.parametrize("rule_id", RULE_IDS)
