@@ -58,6 +58,45 @@ def _name(common_name: str) -> x509.Name:
     )
 
 
+#: Every flag of X.509 keyUsage, as :class:`cryptography.x509.KeyUsage` names them.
+_KEY_USAGES = (
+    "digital_signature",
+    "content_commitment",
+    "key_encipherment",
+    "data_encipherment",
+    "key_agreement",
+    "key_cert_sign",
+    "crl_sign",
+    "encipher_only",
+    "decipher_only",
+)
+
+
+def _key_usage(*usages: str) -> x509.KeyUsage:
+    """A keyUsage with only ``usages`` on (cryptography wants all nine flags spelled out; a name
+    that is not one of them is a TypeError)."""
+    return x509.KeyUsage(**(dict.fromkeys(_KEY_USAGES, False) | dict.fromkeys(usages, True)))
+
+
+def _builder(
+    subject: x509.Name,
+    issuer: x509.Name,
+    key: ec.EllipticCurvePrivateKey,
+    start: datetime.datetime,
+    end: datetime.datetime,
+) -> x509.CertificateBuilder:
+    """A certificate of ``key`` for ``subject``, issued by ``issuer``, valid from ``start`` to ``end``."""
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+    )
+
+
 def make_job_tls(job: str) -> dict[str, bytes]:
     """A new CA for job ``job`` and a client certificate it signed, as PEM bytes.
 
@@ -77,56 +116,18 @@ def make_job_tls(job: str) -> dict[str, bytes]:
     ca_name = _name(f"petctl {job} etcd CA")
     ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
     ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(end)
+        _builder(ca_name, ca_name, ca_key, start, end)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=False,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(_key_usage("key_cert_sign", "crl_sign"), critical=True)
         .add_extension(ca_ski, critical=False)
         .sign(ca_key, hashes.SHA256())
     )
 
     client_key = _key()
     client = (
-        x509.CertificateBuilder()
-        .subject_name(_name(f"petctl-{job}-worker"))
-        .issuer_name(ca_name)
-        .public_key(client_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(end)
+        _builder(_name(f"petctl-{job}-worker"), ca_name, client_key, start, end)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(_key_usage("digital_signature"), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(client_key.public_key()), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
