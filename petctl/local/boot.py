@@ -122,11 +122,10 @@ def prepare(inst_dir: Path, script: str, loopback: str | None = None) -> tuple[P
     (root / "etc" / "fstab").touch()
     bin_dir = inst_dir / "bin"
     bin_dir.mkdir(exist_ok=True)
-    shim_py = Path(shims.__file__).resolve()
     for name in SHIMS:
         path = bin_dir / name
         path.write_text(
-            f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -I {shlex.quote(str(shim_py))} {name} "$@"\n'
+            f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -I {shlex.quote(str(shims.SCRIPT))} {name} "$@"\n'
         )
         path.chmod(0o755)
     for tool in HOST_TOOLS:

@@ -26,7 +26,7 @@ def run_shim(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> s
         "AWS_REGION": "us-east-1",
     }
     return subprocess.run(
-        [sys.executable, "-I", shims.__file__, *argv],
+        [sys.executable, "-I", str(shims.SCRIPT), *argv],
         env={**base, **(env or {})},
         capture_output=True,
         text=True,

@@ -1,0 +1,131 @@
+"""``systemctl``: units are parsed as the local systemd knows them (:func:`parse_unit`, which the
+daemon's :mod:`petctl.local.boot` also starts them by), enabled by link, and started by the daemon."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .base import Failed, Refused, env, log, root
+
+WANTS = "multi-user.target.wants"
+#: Unit file keys the local systemd knows. ``True``: emulated; a string: accepted, and why it
+#: has no effect locally. Any other key is refused.
+UNIT_KEYS: dict[str, dict[str, bool | str]] = {
+    "Unit": {
+        "Description": True,
+        "RequiresMountsFor": True,
+        "Wants": "ordering only (units start when enabled --now)",
+        "After": "ordering only",
+        "StartLimitIntervalSec": "restarts are not emulated",
+        "StartLimitBurst": "restarts are not emulated",
+    },
+    "Service": {
+        "Type": True,
+        "Environment": True,
+        "ExecStart": True,
+        "KillMode": True,
+        "KillSignal": True,
+        "TimeoutStartSec": True,
+        "Restart": "not emulated: a main process that exits stays down (instance state 'exited')",
+        "RestartSec": "restarts are not emulated",
+        "TimeoutStopSec": "the local cloud SIGKILLs at the drain timeout + PETCTL_LOCAL_DRAIN_SLACK",
+        "LimitNOFILE": "not applied (this machine's limit)",
+    },
+    "Install": {"WantedBy": True},
+}
+
+
+def parse_unit(text: str) -> dict[str, dict[str, list[str]]]:
+    """A unit file as {section: {key: [values…]}}; refuses unknown sections, keys and values."""
+    out: dict[str, dict[str, list[str]]] = {}
+    section = None
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i].strip()
+        i += 1
+        while line.endswith("\\") and i < len(lines):
+            line = line[:-1] + " " + lines[i].strip()
+            i += 1
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+            if section not in UNIT_KEYS:
+                raise Refused(f"unit section [{section}] not emulated")
+            out.setdefault(section, {})
+            continue
+        key, eq, value = line.partition("=")
+        key = key.strip()
+        if not eq or section is None:
+            raise Refused(f"unit line not understood: {line!r}")
+        if key not in UNIT_KEYS[section]:
+            raise Refused(f"unit key {section}.{key} not emulated (known: {', '.join(UNIT_KEYS[section])})")
+        out[section].setdefault(key, []).append(value.strip())
+    svc = out.get("Service", {})
+    if len(svc.get("ExecStart", [])) != 1:
+        raise Refused("a unit needs exactly one ExecStart=")
+    if svc.get("Type", ["simple"])[-1] not in ("simple", "notify"):
+        raise Refused(f"Type={svc['Type'][-1]} not emulated (simple, notify)")
+    if svc.get("KillMode", ["control-group"])[-1] not in ("control-group", "mixed", "process"):
+        raise Refused(f"KillMode={svc['KillMode'][-1]} not emulated")
+    if svc.get("KillSignal", ["SIGTERM"])[-1] not in ("SIGTERM", "SIGINT"):
+        raise Refused(f"KillSignal={svc['KillSignal'][-1]} not emulated (SIGTERM, SIGINT)")
+    wanted = out.get("Install", {}).get("WantedBy", [])
+    if any(w != "multi-user.target" for w in wanted):
+        raise Refused(f"WantedBy={' '.join(wanted)} not emulated (multi-user.target)")
+    return out
+
+
+def systemctl(args: list[str]) -> None:
+    """``systemctl daemon-reload`` and ``systemctl enable [--now] UNIT.service``."""
+    if args == ["daemon-reload"]:
+        return  # units are read when they start
+    if len(args) in (2, 3) and args[0] == "enable" and (len(args) == 2 or "--now" in args[1:]):
+        names = [a for a in args[1:] if a != "--now"]
+        if len(names) != 1 or not re.fullmatch(r"[A-Za-z0-9@_.-]+\.service", names[0]):
+            raise Refused(f"give one UNIT.service, not {names}")
+        unit = names[0]
+        path = root() / "etc" / "systemd" / "system" / unit
+        if not path.is_file():
+            raise Failed(f"Failed to enable unit: Unit file {unit} does not exist.", 1)
+        spec = parse_unit(path.read_text())
+        if spec.get("Install", {}).get("WantedBy"):
+            wants = path.parent / WANTS
+            wants.mkdir(exist_ok=True)
+            link = wants / unit
+            if not link.is_symlink():
+                link.symlink_to(Path("..") / unit)
+                print(f"Created symlink {link} \u2192 {path}.", file=sys.stderr)
+        if "--now" in args:
+            _start_via_daemon(unit)
+        return
+    raise Refused(
+        f"only 'systemctl daemon-reload' and 'systemctl enable [--now] UNIT' are emulated, not: systemctl {shlex.join(args)}"
+    )
+
+
+def _start_via_daemon(unit: str) -> None:
+    url = env("PETCTL_LOCAL_SYSTEMD") + "/start/" + unit
+    req = urllib.request.Request(
+        url, method="POST", data=b"", headers={"X-Petctl-Systemd-Token": env("PETCTL_LOCAL_SYSTEMD_TOKEN")}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            answer = json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        try:
+            why = json.loads(e.read()).get("error")
+        except ValueError:
+            why = f"HTTP {e.code}"
+        raise Failed(
+            f"Job for {unit} failed: {why}\nSee the instance log (petctl local logs <instance>) for details.",
+            1,
+        ) from e
+    log("systemctl", f"started {unit}: main pid {answer.get('pid')}")
