@@ -159,27 +159,29 @@ def template_parameters(template: str) -> tuple[set[str], set[str]]:
     return set(declared), {name for name, spec in declared.items() if "Default" not in spec}
 
 
+#: Every value of each render_job flag: job_parameters() without a template checks against them all.
+_JOB_VARIANTS: dict[str, tuple[Any, ...]] = {
+    "gpu": (False, True),
+    "spot": (False, True),
+    "ami_override": (False, True),
+    "instance_types": (1, 2),
+    "own_roles": (True, False),
+    "bucket_kms": (False, True),
+    "warm_pool": (False, True),
+}
+
+
 @functools.lru_cache(maxsize=1)
 def _job_parameter_names() -> tuple[frozenset[str], frozenset[str]]:
     """Known parameter names over every job template variant, and those required by all of them."""
     known: set[str] = set()
     required: set[str] | None = None
-    for gpu, spot, ami_override, types, own_roles, kms, warm in itertools.product(
-        (False, True), (False, True), (False, True), (1, 2), (True, False), (False, True), (False, True)
-    ):
-        if (kms and not own_roles) or (warm and (spot or types > 1)):
+    for values in itertools.product(*_JOB_VARIANTS.values()):
+        try:
+            template = render_job(**dict(zip(_JOB_VARIANTS, values)))
+        except ValueError:  # a combination render_job refuses, such as a warm pool with spot
             continue
-        names, needed = template_parameters(
-            render_job(
-                gpu=gpu,
-                spot=spot,
-                ami_override=ami_override,
-                instance_types=types,
-                own_roles=own_roles,
-                bucket_kms=kms,
-                warm_pool=warm,
-            )
-        )
+        names, needed = template_parameters(template)
         known |= names
         required = needed if required is None else required & needed
     return frozenset(known), frozenset(required or ())
