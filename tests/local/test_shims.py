@@ -117,6 +117,22 @@ def test_pip_checks_requirements_against_this_machine(tmp_path: Path) -> None:
     assert missing.returncode == 1 and "No matching distribution" in missing.stderr
 
 
+def test_a_kept_environment_gets_the_pip_shim_of_now(tmp_path: Path) -> None:
+    # The job's environment stays in the state dir across petctl versions; one made when the
+    # shims were a single file has a pip shim naming that file.
+    venv = ["python3.11", "-m", "venv", str(tmp_path / "root" / "opt" / "petctl")]
+    made = run_shim(tmp_path, *venv, env={"PETCTL_LOCAL_JOB": "j"})
+    assert made.returncode == 0, made.stderr
+    pip = tmp_path / "state" / "venvs" / "j" / "petctl" / "bin" / "pip"
+    now = pip.read_text()
+    pip.write_text(now.replace(str(shims.SCRIPT), str(shims.SCRIPT.parent.with_suffix(".py"))))
+    again = run_shim(tmp_path, *venv, env={"PETCTL_LOCAL_JOB": "j"})
+    assert again.returncode == 0, again.stderr
+    assert pip.read_text() == now
+    res = subprocess.run([str(pip), "install", "pip"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "this machine's pip" in res.stderr, res.stderr
+
+
 def test_dnf_logs_what_stands_in(tmp_path: Path) -> None:
     res = run_shim(tmp_path, "dnf", "install", "-y", "amazon-efs-utils", "python3.11")
     assert res.returncode == 0 and "provided by the mount shim" in res.stderr

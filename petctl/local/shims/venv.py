@@ -53,6 +53,11 @@ def python(args: list[str]) -> None:
                 "python3.11",
                 f"made {cache} ({time.monotonic() - made:.1f}s; Python {sys.version.split()[0]})",
             )
+        elif pip.read_text() != pip_shim:
+            # The job's environment outlives a move of the shims (it is kept in the state dir): its
+            # pip shim must name the shims' entry of now. Rewritten only when it differs, as another
+            # instance may be running it.
+            pip.write_text(pip_shim)
     finally:
         os.close(fd)
     if target.is_symlink():
