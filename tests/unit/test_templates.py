@@ -76,22 +76,17 @@ def resources_of_type(template: dict, type_: str) -> dict[str, dict]:
 # --------------------------------------------------------------------------- every variant
 
 
-@pytest.mark.parametrize("flags", INFRA_VARIANTS, ids=_id)
-def test_infra_variant_parses_and_lints_clean(flags, rules):
+@pytest.mark.parametrize(
+    ("stack", "flags"),
+    [("infra", flags) for flags in INFRA_VARIANTS] + [("job", flags) for flags in JOB_VARIANTS],
+    ids=lambda value: _id(value) if isinstance(value, dict) else value,
+)
+def test_variant_parses_and_lints_clean(stack, flags, rules):
     """Zero errors and zero warnings, cfn-lint's rules and our security rules (petctl/lint_rules)."""
-    text = templates.render_infra(**flags)
+    text = {"infra": templates.render_infra, "job": templates.render_job}[stack](**flags)
     # cfn-lint's own decoder (CloudFormation short tags) and ours must read the same document.
     assert cfn_yaml.loads(text) == templates.load_template(text)
-    matches = run_lint(text, rules)
-    assert [str(m) for m in matches] == []
-
-
-@pytest.mark.parametrize("flags", JOB_VARIANTS, ids=_id)
-def test_job_variant_parses_and_lints_clean(flags, rules):
-    text = templates.render_job(**flags)
-    assert cfn_yaml.loads(text) == templates.load_template(text)
-    matches = run_lint(text, rules)
-    assert [str(m) for m in matches] == []
+    assert [str(m) for m in run_lint(text, rules)] == []
 
 
 def test_lint_harness_reports_warnings_and_our_rules(rules):
@@ -1001,6 +996,28 @@ def _template(resources: str) -> str:
     )
 
 
+#: An EC2 instance role; a snippet appends what it tests to the role's Properties.
+_ROLE = """
+        R:
+          Type: AWS::IAM::Role
+          Properties:
+            AssumeRolePolicyDocument:
+              Version: '2012-10-17'
+              Statement:
+                - {Effect: Allow, Principal: {Service: ec2.amazonaws.com}, Action: sts:AssumeRole}
+"""
+#: The role with one inline policy; a snippet appends the policy's statements.
+_ROLE_POLICY = (
+    _ROLE
+    + """\
+            Policies:
+              - PolicyName: p
+                PolicyDocument:
+                  Version: '2012-10-17'
+                  Statement:
+"""
+)
+
 BAD_SNIPPETS = {
     "E9101": """
         Lt:
@@ -1048,14 +1065,8 @@ BAD_SNIPPETS = {
             ImageId: ami-12c6146b
             InstanceType: t3.micro
         """,
-    "E9106": """
-        R:
-          Type: AWS::IAM::Role
-          Properties:
-            AssumeRolePolicyDocument:
-              Version: '2012-10-17'
-              Statement:
-                - {Effect: Allow, Principal: {Service: ec2.amazonaws.com}, Action: sts:AssumeRole}
+    "E9106": _ROLE
+    + """\
             ManagedPolicyArns:
               - !Sub arn:${AWS::Partition}:iam::aws:policy/AmazonS3FullAccess
         """,
@@ -1069,19 +1080,8 @@ BAD_SNIPPETS = {
             PublicAccessBlockConfiguration:
               {BlockPublicAcls: true, BlockPublicPolicy: true, IgnorePublicAcls: true, RestrictPublicBuckets: true}
         """,
-    "E9108": """
-        R:
-          Type: AWS::IAM::Role
-          Properties:
-            AssumeRolePolicyDocument:
-              Version: '2012-10-17'
-              Statement:
-                - {Effect: Allow, Principal: {Service: ec2.amazonaws.com}, Action: sts:AssumeRole}
-            Policies:
-              - PolicyName: p
-                PolicyDocument:
-                  Version: '2012-10-17'
-                  Statement:
+    "E9108": _ROLE_POLICY
+    + """\
                     - Effect: Allow
                       Action: [s3:GetObject, s3:PutObject]
                       Resource: !Sub arn:${AWS::Partition}:s3:::bucket/petctl/*
@@ -1107,19 +1107,8 @@ BAD_SNIPPETS = {
                   etcd --listen-client-urls http://${Ip}:2379,https://127.0.0.1:2379 --advertise-client-urls https://${Ip}:2379 --cert-file s.pem --key-file s.key --client-cert-auth --trusted-ca-file ca.pem
                   etcd --listen-client-urls https://${Ip}:2379 --advertise-client-urls https://${Ip}:2379 --cert-file s.pem --key-file s.key
         """,
-    "E9110": """
-        R:
-          Type: AWS::IAM::Role
-          Properties:
-            AssumeRolePolicyDocument:
-              Version: '2012-10-17'
-              Statement:
-                - {Effect: Allow, Principal: {Service: ec2.amazonaws.com}, Action: sts:AssumeRole}
-            Policies:
-              - PolicyName: p
-                PolicyDocument:
-                  Version: '2012-10-17'
-                  Statement:
+    "E9110": _ROLE_POLICY
+    + """\
                     - Effect: Allow
                       Action: s3:Get*
                       Resource: !Sub arn:${AWS::Partition}:s3:::bucket/petctl/jobs/${JobName}/*
