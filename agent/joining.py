@@ -24,7 +24,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from petctl_agent.decisions import capacity_coming, describe_capacity, keep_waiting
 from petctl_agent.handlers import TRANSIENT_RDZV_ERRORS, LeftRendezvous, reset_lost_state
 
-log = logging.getLogger("petctl_agent.elastic")
+log = logging.getLogger("petctl_agent.elastic")  # the torch agent's lines, under its logger as before
 
 
 def join_round(

@@ -23,7 +23,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 
 from petctl_agent.decisions import classify_exits
 
-log = logging.getLogger("petctl_agent.elastic")
+log = logging.getLogger("petctl_agent.elastic")  # the torch agent's lines, under its logger as before
 
 Monitor = Callable[[], RunResult]  # one look at the workers (torch's _monitor_workers)
 
