@@ -93,7 +93,9 @@ class Lifecycle:
         on_warmed(state)
         while state.startswith("Warmed:") and not leaving():
             time.sleep(self.settings.imds_poll)
-            state = self.state()
+            # Only a real answer ends the wait: one failed read taken as InService would join a
+            # parked instance, re-forming the whole job's round just before AWS stops it.
+            state = (self.imds.get(STATE_PATH) or "").strip() or state
         log.info("left the warm pool after %.1fs (%s)", time.monotonic() - t0, state)
         return True
 

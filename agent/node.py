@@ -54,6 +54,8 @@ class Agent:
         self.elastic: Any = None
         self.backend = "petctl-etcd"
         self.leave_reason: str | None = None
+        #: in the warm pool (Warmed:*), joined nothing: a stop or termination exits quietly
+        self.parked = False
         self.step_info = StepInfo(self.paths.progress)
         self._stop = threading.Event()
 
@@ -64,6 +66,12 @@ class Agent:
             return
         self.leave_reason = reason
         log.info("leave requested: %s", reason)
+        if self.parked:
+            # AWS stops a warm pool instance once its boot is done (systemd's SIGTERM), and ends
+            # pool instances the same way. It never joined: nothing to drain, and no LEFT, which
+            # would tell `status` this node once trained. Its report stays WARMED.
+            log.info("stopped in the warm pool: exiting, still WARMED")
+            os._exit(0)
         if self.elastic is not None:
             self.elastic.request_leave(reason)
         threading.Thread(target=self._leave_outside_training, name="petctl-leave", daemon=True).start()
@@ -202,10 +210,13 @@ class Agent:
         assert self.lifecycle is not None
 
         def warmed(state: str) -> None:
+            self.parked = True
             if self.pub:
                 self.pub.update(state="WARMED", reason=f"warm pool: target-lifecycle-state {state}")
 
-        if self.lifecycle.wait_while_warmed(lambda: self.leave_reason is not None, warmed) and self.pub:
+        was_warmed = self.lifecycle.wait_while_warmed(lambda: self.leave_reason is not None, warmed)
+        self.parked = False
+        if was_warmed and self.pub and self.leave_reason is None:
             self.pub.update(state="STARTING", reason=None)
         if self.leave_reason is None:
             self.lifecycle.complete_launch()

@@ -69,6 +69,9 @@ def test_warmed_waits_until_in_service(imds) -> None:
     imds.set("i-warm", STATE, "Warmed:Pending")  # still warmed: keeps waiting
     time.sleep(0.3)
     assert t.is_alive()
+    imds.set("i-warm", STATE, None)  # a failed read is no InService: joining now would re-form
+    time.sleep(0.3)  # the whole job's round just before AWS stops this instance
+    assert t.is_alive() and a.pub.states == ["WARMED"]
     imds.set("i-warm", STATE, "InService")
     t.join(5)
     assert not t.is_alive() and a.pub.states == ["WARMED", "STARTING"]
@@ -111,6 +114,16 @@ def test_warmed_agent_joins_only_once_in_service(make_cluster) -> None:
     assert doc.get("state") == "WARMED" and a.alive() and not a.steps
     assert not [e for e in doc.get("events", []) if e["kind"] in ("workers_ready", "rendezvous_start")]
     assert not c.etcd.keys(), "a warmed agent registered with the rendezvous"
+
+    # AWS stops a pool instance once its boot is done (systemd: SIGTERM). It never trained: it
+    # exits without a drain and without LEFT, which would tell `status` it once trained.
+    b = c.add_node(lifecycle_state="Warmed:Pending")
+    c.wait(lambda: (c.status(b.instance_id) or {}).get("state") == "WARMED", 90, "b WARMED", alive=[b])
+    b.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: b.proc.poll() is not None, 30, "b to exit")
+    doc = c.status(b.instance_id) or {}
+    assert b.proc.returncode == 0 and doc.get("state") == "WARMED", doc
+    assert not [e for e in doc.get("events", []) if e["kind"] in ("drained", "rendezvous_start")], doc
 
     t = c.now()
     c.imds.set(a.instance_id, STATE, "InService")
