@@ -1,8 +1,8 @@
 """A picture of an elastic run: world size, throughput, membership events and what each cost.
 
-Everything here is derived from ``jobs.status()`` (the agents' status documents and their
-events, docs/contracts.md), so it works the same for a running or a finished job, on AWS
-and on the local cloud. Plain Python only: ``build`` turns a status into data (``derive``,
+Everything here is derived from ``jobs.observe(...).to_dict()``, the ``status --output json``
+document (the agents' status documents and their events, docs/contracts.md), so it works the
+same for a running or a finished job, on AWS and on the local cloud. Plain Python only: ``build`` turns a status into data (``derive``,
 from what ``parse`` reads), ``render_text`` draws it for a terminal (``text``), ``render_html``
 writes a self-contained page (``page``: inline SVG, no scripts, no external resources),
 ``to_json`` is what ``--output json`` prints.

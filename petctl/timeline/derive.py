@@ -215,7 +215,7 @@ def _missing(st: dict, events: list[dict], samples: list[dict], rounds: list[dic
 
 
 def build(st: dict[str, Any], now: float | None = None) -> dict[str, Any]:
-    """The timeline of ``st`` (the dict ``jobs.status()`` returns), all times epoch seconds."""
+    """The timeline of ``st`` (``jobs.observe(...).to_dict()``, the ``status --output json`` document), all times epoch seconds."""
     now = time.time() if now is None else now
     events = read_events(st)
     agents = st.get("agents") or []
