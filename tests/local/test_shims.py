@@ -76,6 +76,16 @@ def run_shim(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> s
             "--lifecycle-action-result",
             "CONTINUE",
         ],
+        ["aws", "autoscaling", "delete-warm-pool", "--force-delete"],  # which group?
+        [
+            "aws",
+            "autoscaling",
+            "delete-warm-pool",
+            "--auto-scaling-group-name",
+            "g",
+            "--cli-input-json",
+            "{}",
+        ],
         ["curl", "-sSf", "https://pypi.org/simple/"],  # nothing but IMDS
         ["curl", "-L", "http://169.254.169.254/latest/meta-data/"],
         ["ip", "addr"],
@@ -103,6 +113,65 @@ def test_aws_shim_never_calls_outside_the_local_cloud(tmp_path: Path) -> None:
         tmp_path, "aws", "s3", "ls", "s3://b/", env={"AWS_ENDPOINT_URL": "https://s3.amazonaws.com"}
     )
     assert res.returncode == 2 and "refusing to call AWS" in res.stderr
+
+
+def test_aws_delete_warm_pool_reaches_moto_and_ends_the_pools_instances(tmp_path: Path) -> None:
+    """A boot that gives up deletes the worker group's warm pool (common.sh.j2): through the shim,
+    against moto with the local cloud's warm pools, the pool and its instance are gone."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from petctl.local import moto_patches
+
+    moto_patches.apply()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        url = "http://{}:{}".format(*server.get_host_and_port())
+        session = boto3.session.Session(
+            aws_access_key_id="petctl-local", aws_secret_access_key="petctl-local", region_name="us-east-1"
+        )
+        ec2, asg = session.client("ec2", endpoint_url=url), session.client("autoscaling", endpoint_url=url)
+        vpc = ec2.create_vpc(CidrBlock="127.0.0.0/16")["Vpc"]["VpcId"]
+        subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="127.0.78.0/24")["Subnet"]["SubnetId"]
+        template = ec2.create_launch_template(
+            LaunchTemplateName="wp",
+            LaunchTemplateData={"ImageId": "ami-12c6146b", "InstanceType": "t3.medium"},
+        )["LaunchTemplate"]["LaunchTemplateId"]
+        asg.create_auto_scaling_group(
+            AutoScalingGroupName="petctl-demo-workers",
+            LaunchTemplate={"LaunchTemplateId": template},
+            MinSize=0,
+            MaxSize=2,
+            DesiredCapacity=0,
+            VPCZoneIdentifier=subnet,
+        )
+        asg.put_warm_pool(AutoScalingGroupName="petctl-demo-workers", MinSize=1, MaxGroupPreparedCapacity=1)
+        (warm,) = asg.describe_warm_pool(AutoScalingGroupName="petctl-demo-workers")["Instances"]
+        res = run_shim(
+            tmp_path,
+            "aws",
+            "autoscaling",
+            "delete-warm-pool",
+            "--region",
+            "us-east-1",
+            "--auto-scaling-group-name",
+            "petctl-demo-workers",
+            "--force-delete",
+            env={
+                "AWS_ENDPOINT_URL": url,
+                "AWS_ACCESS_KEY_ID": "petctl-local",
+                "AWS_SECRET_ACCESS_KEY": "petctl-local",
+                "AWS_EC2_METADATA_DISABLED": "true",
+            },
+        )
+        assert res.returncode == 0, (res.stdout, res.stderr)
+        pool = asg.describe_warm_pool(AutoScalingGroupName="petctl-demo-workers")
+        assert not pool.get("WarmPoolConfiguration") and not pool["Instances"]
+        (reservation,) = ec2.describe_instances(InstanceIds=[warm["InstanceId"]])["Reservations"]
+        assert reservation["Instances"][0]["State"]["Name"] == "terminated"
+    finally:
+        server.stop()
 
 
 def test_pip_checks_requirements_against_this_machine(tmp_path: Path) -> None:

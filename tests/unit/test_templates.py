@@ -418,8 +418,8 @@ def test_job_role_actions_and_condition_keys_exist_in_the_authorization_referenc
     """Every action is real, supports resource-level permissions where we scope it, and every
     aws:ResourceTag condition is a key of the resource types the action authorizes against."""
     spec = _action_names()
-    t = job()
-    for role in ("WorkerRole", "RdzvRole"):
+    warm = {"gpu": False, "spot": False, "ami_override": False, "warm_pool": True}
+    for t, role in itertools.product((job(), job(**warm)), ("WorkerRole", "RdzvRole")):
         for sid, statement in _policy_statements(t, role).items():
             actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
             for action in actions:
@@ -761,6 +761,31 @@ def test_boot_failure_publishes_the_log_marks_unhealthy_and_gives_up(flags):
     assert str(jobs_module().BOOT_FAILURES_TO_FAIL) == "3"  # the CLI's FAILED rule counts the same
 
 
+DELETE_WARM_POOL = 'aws autoscaling delete-warm-pool --region "$REGION" --auto-scaling-group-name "petctl-${JobName}-workers" \\'
+
+
+@pytest.mark.parametrize("flags", JOB_VARIANTS, ids=_id)
+def test_boot_failure_gives_up_on_the_warm_pool_first(flags):
+    """A group at zero keeps its warm pool (MinSize = MaxGroupPreparedCapacity): giving up deletes
+    it, or its failing boots would be replaced forever. Both roles may, with a warm pool only."""
+    warm = bool(flags.get("warm_pool"))
+    for lt in ("WorkerLaunchTemplate", "RdzvLaunchTemplate"):
+        script = _user_data(flags, lt)
+        lines = [line.strip() for line in script.splitlines()]
+        assert (DELETE_WARM_POOL in lines) is warm, lt
+        if warm:
+            assert lines[lines.index(DELETE_WARM_POOL) + 1] == "--force-delete || true"
+            give_up = script.index('if [ "$failures" -ge "$GIVE_UP_AFTER" ]')
+            assert give_up < script.index(DELETE_WARM_POOL) < script.index("for group in petctl-")
+    if flags.get("own_roles", True):
+        t = job(**flags)
+        for role in ("WorkerRole", "RdzvRole"):
+            stop = _policy_statements(t, role)["StopJob"]
+            actions = ["autoscaling:UpdateAutoScalingGroup"] + ["autoscaling:DeleteWarmPool"] * warm
+            assert (stop["Action"] if warm else [stop["Action"]]) == actions, role
+            assert stop["Condition"] == {"StringEquals": {"aws:ResourceTag/petctl:job": {"Ref": "JobName"}}}
+
+
 def jobs_module():
     from petctl import jobs
 
@@ -768,13 +793,14 @@ def jobs_module():
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="bash not installed")
+@pytest.mark.parametrize("warm_pool", [False, True], ids=["", "warm_pool"])
 @pytest.mark.parametrize("boots,reports", [(1, 0), (3, 0), (3, 1)])
-def test_boot_failure_trap_runs(tmp_path, boots, reports):
+def test_boot_failure_trap_runs(tmp_path, boots, reports, warm_pool):
     """Run the worker boot script with stand-in commands and a failing dnf: the trap publishes,
-    marks unhealthy, and scales the groups to zero only at 3 boot logs with no agent report."""
-    script = _substituted(
-        _user_data({"gpu": False, "spot": False, "ami_override": False}, "WorkerLaunchTemplate")
-    )
+    marks unhealthy, and scales the groups to zero only at 3 boot logs with no agent report (after
+    deleting the warm pool, when there is one)."""
+    flags = {"gpu": False, "spot": False, "ami_override": False, "warm_pool": warm_pool}
+    script = _substituted(_user_data(flags, "WorkerLaunchTemplate"))
     script = script.replace("/var/log/petctl-boot.log", str(tmp_path / "boot.log"))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -800,14 +826,14 @@ esac""",
     made = calls.read_text().splitlines()
     assert made[0].startswith("aws s3 cp") and made[0].endswith("/boot/i-0123456789abcdef0.log")
     assert made[-1].startswith("aws autoscaling set-instance-health")
-    scaled = [c for c in made if "update-auto-scaling-group" in c]
+    given_up = [c for c in made if "update-auto-scaling-group" in c or "delete-warm-pool" in c]
     if boots >= 3 and not reports:
-        assert [c.split("--auto-scaling-group-name ")[1].split()[0] for c in scaled] == [
-            "petctl-v-JobName-workers",
-            "petctl-v-JobName-rdzv",
-        ]
+        assert [c.split("--auto-scaling-group-name ")[1].split()[0] for c in given_up] == [
+            "petctl-v-JobName-workers"
+        ] * warm_pool + ["petctl-v-JobName-workers", "petctl-v-JobName-rdzv"]
+        assert ("delete-warm-pool" in given_up[0]) is warm_pool
     else:
-        assert scaled == []
+        assert given_up == []
     log = (tmp_path / "boot.log").read_text()
     assert "giving up after 8 attempts: dnf install" in log
     assert "petctl boot: FAILED (exit 1)" in log

@@ -18,6 +18,7 @@ CALLS = {
     ("s3", "ls"): s3.ls,
     ("autoscaling", "set-instance-health"): aws_calls.set_instance_health,
     ("autoscaling", "update-auto-scaling-group"): aws_calls.update_auto_scaling_group,
+    ("autoscaling", "delete-warm-pool"): aws_calls.delete_warm_pool,
     ("autoscaling", "complete-lifecycle-action"): aws_calls.complete_lifecycle_action,
     ("ec2", "describe-network-interfaces"): aws_calls.describe_network_interfaces,
     ("ec2", "attach-network-interface"): aws_calls.attach_network_interface,

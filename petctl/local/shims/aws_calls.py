@@ -77,6 +77,15 @@ def update_auto_scaling_group(rest: list[str], quiet: bool) -> None:
     )
 
 
+def delete_warm_pool(rest: list[str], quiet: bool) -> None:
+    o = options(rest, {"--auto-scaling-group-name": "value", "--force-delete": "flag"})
+    if "--auto-scaling-group-name" not in o:
+        raise Refused("delete-warm-pool needs --auto-scaling-group-name")
+    client("autoscaling").delete_warm_pool(
+        AutoScalingGroupName=o["--auto-scaling-group-name"], ForceDelete="--force-delete" in o
+    )
+
+
 def complete_lifecycle_action(rest: list[str], quiet: bool) -> None:
     o = options(rest, dict.fromkeys(_COMPLETE_LIFECYCLE_ACTION, "value"))
     needed = ("--auto-scaling-group-name", "--lifecycle-hook-name", "--lifecycle-action-result")
