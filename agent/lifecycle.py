@@ -193,7 +193,20 @@ class Lifecycle:
         }
 
     def scale_groups_to_zero(self) -> None:
-        """The job is over (or failed for good): no group may replace its instances."""
+        """The job is over (or failed for good): no group may replace its instances.
+
+        The worker group's warm pool goes first: a group at zero keeps it (its size is absolute,
+        MinSize = MaxGroupPreparedCapacity), and its stopped instances would bill their volumes
+        until ``kill-job``. Only a group with a warm pool has the launch hook, and only then may
+        the role delete a pool.
+        """
+        pooled = self.spec.worker_group if self.settings.launch_hook else ""
+        if pooled:
+            try:
+                self._autoscaling().delete_warm_pool(AutoScalingGroupName=pooled, ForceDelete=True)
+                log.info("deleted the warm pool of %s", pooled)
+            except Exception as e:  # noqa: BLE001 - best effort, as below: kill-job deletes it too
+                log.warning("could not delete the warm pool of %s (ignored): %s", pooled, e)
         for group in (self.spec.worker_group, self.spec.rdzv_group):
             if not group:
                 continue

@@ -119,6 +119,7 @@ def test_aws_delete_warm_pool_reaches_moto_and_ends_the_pools_instances(tmp_path
     """A boot that gives up deletes the worker group's warm pool (common.sh.j2): through the shim,
     against moto with the local cloud's warm pools, the pool and its instance are gone."""
     import boto3
+    import requests
     from moto.server import ThreadedMotoServer
 
     from petctl.local import moto_patches
@@ -128,6 +129,8 @@ def test_aws_delete_warm_pool_reaches_moto_and_ends_the_pools_instances(tmp_path
     server.start()
     try:
         url = "http://{}:{}".format(*server.get_host_and_port())
+        # moto's backends live in this process, shared by every server of it: start from none
+        requests.post(f"{url}/moto-api/reset", timeout=10)
         session = boto3.session.Session(
             aws_access_key_id="petctl-local", aws_secret_access_key="petctl-local", region_name="us-east-1"
         )
