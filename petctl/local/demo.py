@@ -155,6 +155,24 @@ class Demo:
                     stepping(s, 2, after=m) and v not in {h["instance_id"] for h in s["hosts"]}
                 ),
             )
+            server = next(h["instance_id"] for h in st["hosts"] if h["role"] == "rdzv")
+            self.say(
+                f"petctl local kill-instance {server}  (the rendezvous server is lost: a new one takes "
+                "its address, with a new etcd; the nodes re-rendezvous on it)"
+            )
+            subprocess.run(
+                [sys.executable, "-m", "petctl.cli", "local", "kill-instance", server],
+                capture_output=True,
+                timeout=120,
+                check=True,
+            )
+            st = self.wait_for(
+                "training again after the rendezvous server loss",
+                lambda s, m=st["last_step"] or 0, v=server: (
+                    stepping(s, 2, after=m)
+                    and any(h["role"] == "rdzv" and h["instance_id"] != v for h in s["hosts"])
+                ),
+            )
             st = self.wait_for(
                 "the job to finish", lambda s: s["state"] in ("SUCCEEDED", "FAILED"), timeout=self.timeout * 2
             )

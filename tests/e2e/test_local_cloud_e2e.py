@@ -74,11 +74,12 @@ def test_elastic_job_on_the_local_cloud(local_home, tmp_path):
     assert final["state"] == "SUCCEEDED", report
     assert final["last_step"] == TOTAL and final["last_checkpoint_step"] == TOTAL, report
     seen = [m["what"] for m in demo.milestones]
-    assert seen[:4] == [
+    assert seen[:5] == [
         "training at world size 2",
         "training at world size 3",
         "training at world size 2 after the drain",
         "training again after the node loss",
+        "training again after the rendezvous server loss",
     ], report
     assert final["rounds"] >= 3, report  # initial, join, drain, loss each re-formed the group
     done = [e for e in final["events"] if e["kind"] == "workers_started"]
@@ -133,5 +134,5 @@ def test_elastic_job_on_the_local_cloud(local_home, tmp_path):
     stopped = local.stop()
     assert stopped
     assert not alive(daemon)
-    assert len(pids) >= 5, pids  # rdzv + 2 workers + the joiner + the replacement
+    assert len(pids) >= 6, pids  # rdzv + 2 workers + the joiner + both replacements
     assert not [p for p in pids if alive(p)]
