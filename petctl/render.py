@@ -176,7 +176,11 @@ def scaled_text(r: dict[str, Any]) -> str:
 def killed_text(r: dict[str, Any]) -> str:
     job = r["job"]
     if r["deleted"] and not r["waited"]:
-        return f"job {job}: deletion started; `{cmd('jobs')}` shows it until it is gone"
+        return (
+            f"job {job}: deletion started; `{cmd('jobs')}` shows it until it is gone. Its TLS keys stay "
+            f"(should the deletion fail, its instances still need them): run "
+            f"`{cmd('kill-job ' + job)}` again once it is gone to delete them"
+        )
     if r["deleted"]:
         return f"job {job} deleted, every instance gone, in {r['seconds']}s; checkpoints kept at {r['checkpoints_kept']}"
     return f"job {job} does not exist (already deleted?); nothing to do"

@@ -69,7 +69,8 @@ def kill_job(
 
     Workers first: scaled to zero they drain (checkpoint, leave) while etcd still answers, so
     they neither log connection errors nor lose steps. ``wait=False`` only starts the deletion.
-    The job's TLS keys are deleted once no instance of it can start any more.
+    The job's TLS keys are deleted once no instance of it can start any more: after the wait, or,
+    with ``wait=False``, by a later kill-job that finds the stack gone.
     """
     gw = ctx.gateway()
     stack = find_job(gw, ctx.profile_name, job)
@@ -79,8 +80,9 @@ def kill_job(
         return result
     t0 = time.monotonic()
     if not wait:
+        # The TLS keys stay: should the deletion fail (DELETE_FAILED), the groups left would launch
+        # instances whose boot fails without them. The next kill-job, stack gone, deletes them.
         gw.stacks.start_delete(naming.job_stack(job))
-        gw.job_files.delete_tls(job)
         result.deleted = True
         return result
     workers = naming.worker_group(job)
@@ -88,11 +90,19 @@ def kill_job(
         ctx.ui.progress(f"stopping the workers of {job} (they checkpoint and leave)")
         try:
             gw.groups.stop(workers)
-            # a warm pool outlives a scale to zero: its stopped instances would hold the wait below
-            if gw.groups.delete_warm_pool(workers):
-                ctx.ui.progress(f"deleting the warm pool of {workers}")
         except Exception as e:  # noqa: BLE001 - the stack deletion below stops them anyway
             ctx.ui.warn(f"could not scale {workers} to zero ({describe_client_error(e)}); deleting the stack")
+        # A warm pool outlives a scale to zero: its stopped instances would hold the wait below.
+        # Only a stack made with one is asked (a policy without DescribeWarmPool still kills others).
+        if int(parameters_of(stack).get("WarmPoolSize") or 0) > 0:
+            try:
+                if gw.groups.delete_warm_pool(workers):
+                    ctx.ui.progress(f"deleting the warm pool of {workers}")
+            except Exception as e:  # noqa: BLE001 - the stack deletion below deletes it anyway
+                ctx.ui.warn(
+                    f"could not delete the warm pool of {workers} ({describe_client_error(e)}); "
+                    "deleting the stack"
+                )
         drain = int(parameters_of(stack).get("DrainTimeout") or DEFAULT_DRAIN_TIMEOUT)
         _wait_until(
             ctx,

@@ -489,10 +489,16 @@ def test_tls_keys_are_uploaded_encrypted_and_deleted_with_the_job(run, ready):
     assert "petctl/jobs/demo/job.json" in objects("petctl/jobs/demo/")  # the rest is kept
 
 
-def test_kill_job_no_wait_deletes_the_tls_keys_too(run, ready):
+def test_kill_job_no_wait_keeps_the_tls_keys_until_the_next_kill_job(run, ready):
+    """Should the deletion fail (DELETE_FAILED), the groups left would launch instances whose boot
+    needs the keys: --no-wait keeps them, and a kill-job that finds the stack gone deletes them."""
     run_job(run, ready)
     r = run("kill-job", "demo", "--yes", "--no-wait")
     assert r.exit_code == 0 and "deletion started" in r.stdout
+    assert "petctl kill-job demo` again once it is gone" in " ".join(r.stdout.split()), r.stdout
+    assert len(objects("petctl/jobs/demo/tls/")) == 4
+    r = run("kill-job", "demo", "--yes")
+    assert r.exit_code == 0 and "does not exist" in r.stdout
     assert objects("petctl/jobs/demo/tls/") == []
 
 
@@ -536,3 +542,35 @@ def test_kill_job_deletes_the_warm_pool_so_its_stopped_instances_do_not_hold_it(
         asg.describe_auto_scaling_groups(AutoScalingGroupNames=["petctl-demo-workers"])["AutoScalingGroups"]
         == []
     )
+
+
+def test_kill_job_deletes_the_warm_pool_even_when_the_scale_to_zero_raises(run, ready, monkeypatch):
+    from petctl.gateway import groups
+
+    def stop_then_raise(self, name):
+        stop(self, name)  # done, but its answer lost: the pool must be deleted all the same
+        raise RuntimeError("connection reset")
+
+    stop = groups.Groups.stop
+    monkeypatch.setattr(groups.Groups, "stop", stop_then_raise)
+    run_job(run, ready, "--warm-pool", "1")
+    r = run("kill-job", "demo", "--yes")
+    assert r.exit_code == 0, r.output
+    assert "could not scale petctl-demo-workers to zero" in r.output
+    assert "deleting the warm pool of petctl-demo-workers" in r.output
+    assert "still waiting" not in r.output, r.output
+
+
+def test_kill_job_asks_for_no_warm_pool_where_the_stack_has_none(run, ready, monkeypatch):
+    """A user policy without autoscaling:DescribeWarmPool kills a job made without --warm-pool
+    without a warning: only a stack with WarmPoolSize is asked for its pool."""
+    from petctl.gateway import groups
+
+    def denied(self, name):
+        raise AssertionError(f"DescribeWarmPool on {name}, a group without a warm pool")
+
+    monkeypatch.setattr(groups.Groups, "delete_warm_pool", denied)
+    run_job(run, ready)
+    r = run("kill-job", "demo", "--yes")
+    assert r.exit_code == 0 and "job demo deleted" in r.stdout, r.output
+    assert "could not" not in r.output, r.output
