@@ -775,8 +775,11 @@ def test_boot_failure_gives_up_on_the_warm_pool_first(flags):
         assert (DELETE_WARM_POOL in lines) is warm, lt
         if warm:
             assert lines[lines.index(DELETE_WARM_POOL) + 1] == "--force-delete || true"
-            give_up = script.index('if [ "$failures" -ge "$GIVE_UP_AFTER" ]')
-            assert give_up < script.index(DELETE_WARM_POOL) < script.index("for group in petctl-")
+            # after the scale to zero and the boot event: the deletion may terminate this instance
+            assert lines[lines.index(DELETE_WARM_POOL) - 1] == 'if [ "$gave_up" -eq 1 ]; then'
+            assert script.index("gave_up=1") < script.index("boot_event boot_failed")
+            assert script.index("boot_event boot_failed") < script.index(DELETE_WARM_POOL)
+            assert script.index(DELETE_WARM_POOL) < script.index("aws autoscaling set-instance-health")
     if flags.get("own_roles", True):
         t = job(**flags)
         for role in ("WorkerRole", "RdzvRole"):
@@ -829,9 +832,10 @@ esac""",
     given_up = [c for c in made if "update-auto-scaling-group" in c or "delete-warm-pool" in c]
     if boots >= 3 and not reports:
         assert [c.split("--auto-scaling-group-name ")[1].split()[0] for c in given_up] == [
-            "petctl-v-JobName-workers"
-        ] * warm_pool + ["petctl-v-JobName-workers", "petctl-v-JobName-rdzv"]
-        assert ("delete-warm-pool" in given_up[0]) is warm_pool
+            "petctl-v-JobName-workers",
+            "petctl-v-JobName-rdzv",
+        ] + ["petctl-v-JobName-workers"] * warm_pool
+        assert ("delete-warm-pool" in given_up[-1]) is warm_pool
     else:
         assert given_up == []
     log = (tmp_path / "boot.log").read_text()
