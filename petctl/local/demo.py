@@ -102,6 +102,15 @@ class Demo:
                 )
             time.sleep(self.poll)
 
+    def kill_instance(self, instance_id: str, why: str) -> None:
+        self.say(f"petctl local kill-instance {instance_id}  ({why})")
+        subprocess.run(
+            [sys.executable, "-m", "petctl.cli", "local", "kill-instance", instance_id],
+            capture_output=True,
+            timeout=120,
+            check=True,
+        )
+
     # -- the scenario -------------------------------------------------------------
     def run(self, keep: bool = False) -> dict[str, Any]:
         self.say("petctl --local setup  (base stack on the local cloud)")
@@ -142,13 +151,7 @@ class Demo:
                 lambda s, m=st["last_step"] or 0: stepping(s, 2, after=m),
             )
             victim = next(h["instance_id"] for h in st["hosts"] if h["role"] == "worker")
-            self.say(f"petctl local kill-instance {victim}  (hard node loss: the group replaces it)")
-            subprocess.run(
-                [sys.executable, "-m", "petctl.cli", "local", "kill-instance", victim],
-                capture_output=True,
-                timeout=120,
-                check=True,
-            )
+            self.kill_instance(victim, "hard node loss: the group replaces it")
             st = self.wait_for(
                 "training again after the node loss",
                 lambda s, m=st["last_step"] or 0, v=victim: (
@@ -156,15 +159,10 @@ class Demo:
                 ),
             )
             server = next(h["instance_id"] for h in st["hosts"] if h["role"] == "rdzv")
-            self.say(
-                f"petctl local kill-instance {server}  (the rendezvous server is lost: a new one takes "
-                "its address, with a new etcd; the nodes re-rendezvous on it)"
-            )
-            subprocess.run(
-                [sys.executable, "-m", "petctl.cli", "local", "kill-instance", server],
-                capture_output=True,
-                timeout=120,
-                check=True,
+            self.kill_instance(
+                server,
+                "the rendezvous server is lost: a new one takes its address, with a new etcd; "
+                "the nodes re-rendezvous on it",
             )
             st = self.wait_for(
                 "training again after the rendezvous server loss",
