@@ -542,3 +542,26 @@ def recovery(cluster: Cluster, t_event: float, survivors: list[Node], gap: float
         "reached_before": max(reached, default=start),
         "interrupted": True,
     }
+
+
+def run_together(cmd: list[str], n: int, cwd: Path, timeout: float = 90) -> list[str]:
+    """Start ``n`` copies of ``cmd`` at once (nodes of one job), wait for all; their outputs.
+
+    Fails on the first that exits non-zero (its output's tail in the message); kills the rest.
+    """
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
+        for _ in range(n)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outs.append(out)
+            if p.returncode != 0:
+                raise AssertionError(f"exit {p.returncode}: {out[-3000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs

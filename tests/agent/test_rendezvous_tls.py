@@ -8,33 +8,21 @@ one without a certificate gets nowhere.
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import etcd
 import pytest
-from harness import Etcd, EtcdCerts, make_etcd_certs
+from harness import Etcd, EtcdCerts, run_together
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from petctl_agent.rendezvous import BACKEND, Config, PetctlRendezvousHandler, create_handler
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
-
-
-@pytest.fixture(scope="module")
-def tls_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Etcd, EtcdCerts]]:
-    root = tmp_path_factory.mktemp("tls-etcd")
-    certs = make_etcd_certs(root / "tls")
-    e = Etcd(root, certs=certs)
-    e.start()
-    yield e, certs
-    e.stop()
 
 
 def _tls(certs: EtcdCerts, **kw: Any) -> Config:
@@ -147,19 +135,6 @@ def test_torchrun_over_tls(tls_etcd: tuple[Etcd, EtcdCerts], tmp_path: Path) -> 
         "--rdzv-endpoint", e.endpoint, "--rdzv-id", f"tr-{uuid.uuid4().hex[:8]}",
         "--local-addr", "127.0.0.1", "--rdzv-conf", conf, str(script),
     ]  # fmt: skip
-    procs = [
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
-        for _ in range(2)
-    ]
-    outs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=90)
-            outs.append(out)
-            assert p.returncode == 0, out[-3000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    outs = run_together(cmd, 2, tmp_path)
     lines = sorted(line for out in outs for line in out.splitlines() if line.startswith("RANK="))
     assert lines == ["RANK=0 SUM=2", "RANK=1 SUM=2"], outs
