@@ -210,26 +210,9 @@ def describe(st: dict[str, Any]) -> str:
 
 
 def timeline(st: dict[str, Any]) -> str:
-    """Seconds lost to elasticity per re-rendezvous, from the agents' events."""
-    events = st.get("events", [])
-    starts: dict[int, float] = {}
-    dones: dict[int, float] = {}
-    reasons: dict[int, str] = {}
-    worlds: dict[int, int] = {}
-    for e in events:
-        kind, rnd = e.get("kind"), e.get("round")
-        if kind == "rendezvous_start":
-            nxt = 0 if rnd is None else rnd + 1
-            if nxt not in starts or e["t"] < starts[nxt]:
-                starts[nxt] = e["t"]
-                reasons.setdefault(nxt, e.get("reason") or "")
-        elif kind == "workers_started" and rnd is not None:
-            dones[rnd] = max(dones.get(rnd, 0.0), e["t"])
-            worlds[rnd] = e.get("world_size") or worlds.get(rnd, 0)
-    lines = ["timeline (rendezvous round: first agent leaves training -> last agent's workers start)"]
-    for rnd in sorted(dones):
-        if rnd in starts:
-            lines.append(
-                f"  round {rnd}: world size {worlds.get(rnd)}, {dones[rnd] - starts[rnd]:5.1f}s  ({reasons.get(rnd) or 'initial'})"
-            )
-    return "\n".join(lines)
+    """What each membership change cost: the rounds table of ``petctl timeline``."""
+    from petctl import timeline as tl
+
+    return "timeline (stall: training stopped -> the new round's workers started)\n" + tl.rounds_table(
+        tl.build(st)
+    )
