@@ -38,6 +38,20 @@ class Facts:
     now: float
 
 
+def rounds_formed(agents: list[AgentStatus], events: list[dict[str, Any]]) -> int:
+    """Rendezvous rounds the job has formed. A replaced etcd numbers its rounds from the start
+    again (a new epoch, as the timeline reads the events): each earlier epoch adds its last round.
+    Within one epoch the agents' own round numbers count (exact even when old events are gone)."""
+    from petctl.timeline.parse import read_rounds
+
+    last_round: dict[int, int] = {}
+    for r in read_rounds(events):
+        last_round[r["epoch"]] = max(last_round.get(r["epoch"], 0), r["round"])
+    if len(last_round) <= 1:
+        return max((a.get("round") or 0 for a in agents), default=0)
+    return sum(last_round.values())
+
+
 def derive(f: Facts) -> JobStatus:
     """The job's status from its facts (docs/contracts.md, Agent status and Boot failures)."""
     agents = [AgentStatus(r) for r in f.reports]
@@ -85,7 +99,7 @@ def derive(f: Facts) -> JobStatus:
         last_step=max(steps) if steps else None,
         last_checkpoint_step=max(ckpts) if ckpts else None,
         restarts=max((a.get("restarts") or 0 for a in agents), default=0),
-        rounds=max((a.get("round") or 0 for a in agents), default=0),
+        rounds=rounds_formed(agents, events),
         reports_progress=bool(steps),
         uptime_s=uptime(f.stack, f.reports, f.now),
         hosts=hosts,

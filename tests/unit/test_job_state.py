@@ -121,3 +121,22 @@ def test_boot_phases_and_summary():
     logs = [{"Key": "p/boot/i-1.log"}, {"Key": "p/boot/i-9.log", "LastModified": None}]
     boot = state.boot_summary(logs, b"a\n\nb\n" + b"x\n" * 20, "p/boot/")
     assert boot.count == 2 and boot.instance_id == "i-9" and len(boot.last_lines) == state.BOOT_LOG_LINES
+
+
+def test_rounds_add_up_across_a_replaced_etcd():
+    # rounds 1-4 on the first etcd; a replaced etcd numbers from 1 again: 5 rounds formed, not 4
+    def done(t, rnd):
+        return [
+            {"t": NOW - 100 + t, "kind": k, "round": rnd, "world_size": 2}
+            for k in ("rendezvous_done", "workers_started")
+        ]
+
+    first = [e for i in range(1, 5) for e in done(i, i)]
+    st = state.derive(
+        facts([report("i-1", round=1, events=first + done(10, 1)), report("i-2", round=4, events=first)])
+    )
+    assert st.rounds == 5
+    st = state.derive(
+        facts([report("i-1", round=4, events=first), report("i-2", round=3, events=first[:-2])])
+    )
+    assert st.rounds == 4  # one epoch: the agents' round numbers, as before
