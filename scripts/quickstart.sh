@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install petctl into a virtualenv and run the example elastic job on the local cloud:
-# base setup, run_job --min 2 --max 4, scale up, scale down (drain), a hard node loss,
-# training to completion, and the job's status and timeline. No AWS account needed.
+# base setup, run-job --min 2 --max 4, scale up, scale down (drain), a hard node loss, the loss
+# of the rendezvous server, training to completion, and the job's status and timeline. No AWS account needed.
 #   usage: scripts/quickstart.sh [petctl local demo options]
 set -euo pipefail
 cd "$(dirname "$0")/.."
