@@ -191,9 +191,12 @@ class CloudWatchShipper:
             self._stop.wait(self.interval)
             self.flush()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30) -> None:
+        """Send what is queued, then return. The thread may be in the middle of a batch: wait
+        for it (bounded: a node leaving must not hang on a dead endpoint), since the agent
+        exits next and a daemon thread's batch in flight would be lost with it."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=timeout)
         self.flush()
 
     def _next_batch(self) -> list[tuple[int, str]]:
