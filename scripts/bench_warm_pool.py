@@ -144,12 +144,7 @@ class Bench:
                 "round_s": round(t_round - t0, 2),
             }
         finally:
-            if mode == "warm":
-                # A group scaled to zero keeps its warm pool (AWS sizes it max(MinSize, ...)), and
-                # kill-job waits for every worker instance, the pool's stopped one included, for
-                # the drain timeout + 120 s before it deletes the stack: end the pool first.
-                asg = self.client("autoscaling")
-                asg.delete_warm_pool(AutoScalingGroupName=f"petctl-{job}-workers", ForceDelete=True)
+            # kill-job deletes the warm pool itself (a group scaled to zero keeps its pool)
             self.petctl("kill-job", job, "--yes", json_out=False)
 
 
