@@ -16,6 +16,8 @@ instance for it, and its CloudFormation skips ``AWS::AutoScaling::WarmPool``. He
   group's capacity changes, and shrinks (terminating the surplus) the same way.
 * A scale-out takes pool instances first (``Warmed:Stopped`` ones before those still booting): each
   is started in EC2 and joins the group ``InService``; only the rest is launched cold.
+* Like AWS, a warm pool is refused on a group with a mixed instances policy or a launch template
+  that requests Spot Instances (moto accepts both).
 * A scale-in terminates group instances: nothing returns to the pool (``InstanceReusePolicy``
   ``ReuseOnScaleIn: true`` is refused, not emulated);
   deleting the group or the pool terminates the pool's instances.
@@ -104,6 +106,17 @@ def mark_warmed(instance_id: str, region: str, account_id: str = ACCOUNT_ID) -> 
     return None
 
 
+def _requests_spot(group: Any) -> bool:
+    template = getattr(group, "ec2_launch_template", None)
+    if template is None:
+        return False
+    try:
+        data = template.get_version(group.launch_template_version).data
+    except Exception:  # noqa: BLE001 - an unknown version: moto refuses it elsewhere
+        return False
+    return (data.get("InstanceMarketOptions") or {}).get("MarketType") == "spot"
+
+
 def _patch_group() -> None:
     from moto.autoscaling.models import FakeAutoScalingGroup
 
@@ -127,10 +140,21 @@ def _patch_group() -> None:
 
     @wrap(FakeAutoScalingGroup, "put_warm_pool")
     def put_warm_pool(original: Callable[..., None], self: Any, **kwargs: Any) -> None:
+        from moto.autoscaling.exceptions import ValidationError
+
+        # AWS (PutWarmPool): "cannot be called on an Auto Scaling group that has a mixed instances
+        # policy or a launch template or launch configuration that requests Spot Instances".
+        # moto accepts both; a template that made either would pass here and fail on AWS.
+        if self.mixed_instances_policy:
+            raise ValidationError(
+                f"You can't add a warm pool to {self.name}: it has a mixed instances policy"
+            )
+        if _requests_spot(self):
+            raise ValidationError(
+                f"You can't add a warm pool to {self.name}: its launch template requests Spot Instances"
+            )
         reuse = (kwargs.get("instance_reuse_policy") or {}).get("ReuseOnScaleIn")
         if str(reuse).lower() == "true":
-            from moto.autoscaling.exceptions import ValidationError
-
             # Refused rather than silently terminating what AWS would return to the pool.
             raise ValidationError(
                 "InstanceReusePolicy ReuseOnScaleIn=true is not emulated by the local cloud"

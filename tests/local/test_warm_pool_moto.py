@@ -171,3 +171,44 @@ def test_reuse_on_scale_in_is_refused_not_ignored(moto: str) -> None:
             AutoScalingGroupName=WORKERS, MinSize=1, InstanceReusePolicy={"ReuseOnScaleIn": True}
         )
     cfn.delete_stack(StackName="wp-reuse")
+
+
+@pytest.mark.parametrize(
+    ("group", "lt", "why"),
+    [
+        (
+            {
+                "MixedInstancesPolicy": {
+                    "LaunchTemplate": {
+                        "LaunchTemplateSpecification": {
+                            "LaunchTemplateId": {"Ref": "WorkerLaunchTemplate"},
+                            "Version": {"Fn::GetAtt": ["WorkerLaunchTemplate", "LatestVersionNumber"]},
+                        },
+                        "Overrides": [{"InstanceType": "t3.medium"}, {"InstanceType": "t3a.medium"}],
+                    }
+                }
+            },
+            {},
+            "mixed instances policy",
+        ),
+        ({}, {"InstanceMarketOptions": {"MarketType": "spot"}}, "requests Spot Instances"),
+    ],
+)
+def test_a_pool_on_a_mixed_or_spot_group_is_refused_as_aws_does(moto: str, group, lt, why) -> None:
+    """AWS PutWarmPool refuses both; moto alone accepted them, so a template that made one would
+    have passed every local test and failed on AWS."""
+    ec2, asg, cfn = (_client(moto, n) for n in ("ec2", "autoscaling", "cloudformation"))
+    body = json.loads(_template("subnet-x", {"MinSize": 1}))
+    res = body["Resources"]
+    res["WorkerLaunchTemplate"]["Properties"]["LaunchTemplateData"].update(lt)
+    if group:
+        del res["WorkerGroup"]["Properties"]["LaunchTemplate"]
+        res["WorkerGroup"]["Properties"].update(group)
+    vpc = ec2.create_vpc(CidrBlock="127.0.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="127.0.78.0/24", AvailabilityZone="us-east-1a")
+    res["WorkerGroup"]["Properties"]["VPCZoneIdentifier"] = [subnet["Subnet"]["SubnetId"]]
+    del res["WorkerWarmPool"]
+    cfn.create_stack(StackName="wp-refused", TemplateBody=json.dumps(body))
+    with pytest.raises(asg.exceptions.ClientError, match=why):
+        asg.put_warm_pool(AutoScalingGroupName=WORKERS, MinSize=1)
+    cfn.delete_stack(StackName="wp-refused")
