@@ -50,3 +50,30 @@ def tls_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Etcd, E
     e.start()
     yield e, certs
     e.stop()
+
+
+@pytest.fixture
+def moto_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A moto server with the local cloud's patches (AWS's rules moto lacks: PutLogEvents limits,
+    warm pools), empty, and the agent's AWS environment pointed at it."""
+    import requests
+    from moto.server import ThreadedMotoServer
+
+    from petctl.local import moto_patches
+
+    moto_patches.apply()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    url = "http://{}:{}".format(*server.get_host_and_port())
+    # moto's backends live in this process, shared by every server of it: start from none
+    requests.post(f"{url}/moto-api/reset", timeout=10)
+    for k, v in {
+        "AWS_ENDPOINT_URL": url,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    yield url
+    server.stop()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -13,29 +12,6 @@ from petctl_agent.aws import client as aws_client
 from petctl_agent.fetch import fetch_code, load_spec
 from petctl_agent.logship import CloudWatchShipper
 from petctl_agent.status import S3StatusWriter, StatusPublisher, make_writer
-
-moto_server = pytest.importorskip("moto.server")
-
-
-@pytest.fixture
-def moto_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    from petctl.local import moto_patches
-
-    moto_patches.apply()  # PutLogEvents' limits, enforced as AWS does
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    for k, v in {
-        "AWS_ENDPOINT_URL": url,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    yield url
-    server.stop()
 
 
 def test_spec_code_status_and_logs_through_moto(moto_endpoint: str, tmp_path) -> None:

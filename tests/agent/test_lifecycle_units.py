@@ -200,64 +200,40 @@ def test_wrong_torch_fails_in_one_line_before_the_rendezvous(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("launch_hook", ["petctl-launch", ""], ids=["warm_pool", "no_pool"])
-def test_job_end_deletes_the_warm_pool_with_the_groups(monkeypatch, launch_hook) -> None:
+def test_job_end_deletes_the_warm_pool_with_the_groups(moto_endpoint, launch_hook) -> None:
     """A group scaled to zero keeps its warm pool (its size is absolute): the job's end deletes it,
     so no stopped pool instance bills until kill-job. Only a worker with a launch hook (the
     stacks with a warm pool, whose role may delete one) tries."""
-    import requests
-    from moto.server import ThreadedMotoServer
-
-    from petctl.local import moto_patches
-
-    moto_patches.apply()  # warm pools with instances of their own, as AWS runs them
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    # moto's backends live in this process, shared by every server of it: start from none
-    requests.post(f"http://{host}:{port}/moto-api/reset", timeout=10)
-    for k, v in {
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    try:
-        ec2, asg = aws.client("ec2"), aws.client("autoscaling")
-        vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
-        subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.1.0/24")["Subnet"]["SubnetId"]
-        template = ec2.create_launch_template(
-            LaunchTemplateName="lt",
-            LaunchTemplateData={"ImageId": "ami-12c6146b", "InstanceType": "t3.medium"},
-        )["LaunchTemplate"]["LaunchTemplateId"]
-        for group, size in (("petctl-j-1-workers", 1), ("petctl-j-1-rdzv", 1)):
-            asg.create_auto_scaling_group(
-                AutoScalingGroupName=group,
-                LaunchTemplate={"LaunchTemplateId": template},
-                MinSize=size,
-                MaxSize=2,
-                DesiredCapacity=size,
-                VPCZoneIdentifier=subnet,
-            )
-        asg.put_warm_pool(AutoScalingGroupName="petctl-j-1-workers", MinSize=1, MaxGroupPreparedCapacity=1)
-        (warm,) = asg.describe_warm_pool(AutoScalingGroupName="petctl-j-1-workers")["Instances"]
-        spec = JobSpec.from_dict(
-            {**BASE, "worker_group": "petctl-j-1-workers", "rdzv_group": "petctl-j-1-rdzv"}
+    ec2, asg = aws.client("ec2"), aws.client("autoscaling")
+    vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.1.0/24")["Subnet"]["SubnetId"]
+    template = ec2.create_launch_template(
+        LaunchTemplateName="lt",
+        LaunchTemplateData={"ImageId": "ami-12c6146b", "InstanceType": "t3.medium"},
+    )["LaunchTemplate"]["LaunchTemplateId"]
+    for group, size in (("petctl-j-1-workers", 1), ("petctl-j-1-rdzv", 1)):
+        asg.create_auto_scaling_group(
+            AutoScalingGroupName=group,
+            LaunchTemplate={"LaunchTemplateId": template},
+            MinSize=size,
+            MaxSize=2,
+            DesiredCapacity=size,
+            VPCZoneIdentifier=subnet,
         )
-        Lifecycle(
-            spec, Imds("http://127.0.0.1:9"), Settings(launch_hook=launch_hook), "i-end"
-        ).scale_groups_to_zero()
+    asg.put_warm_pool(AutoScalingGroupName="petctl-j-1-workers", MinSize=1, MaxGroupPreparedCapacity=1)
+    (warm,) = asg.describe_warm_pool(AutoScalingGroupName="petctl-j-1-workers")["Instances"]
+    spec = JobSpec.from_dict({**BASE, "worker_group": "petctl-j-1-workers", "rdzv_group": "petctl-j-1-rdzv"})
+    Lifecycle(
+        spec, Imds("http://127.0.0.1:9"), Settings(launch_hook=launch_hook), "i-end"
+    ).scale_groups_to_zero()
 
-        groups = asg.describe_auto_scaling_groups()["AutoScalingGroups"]
-        assert {(g["MinSize"], g["DesiredCapacity"]) for g in groups} == {(0, 0)}
-        pool = asg.describe_warm_pool(AutoScalingGroupName="petctl-j-1-workers")
-        (reservation,) = ec2.describe_instances(InstanceIds=[warm["InstanceId"]])["Reservations"]
-        state = reservation["Instances"][0]["State"]["Name"]
-        if launch_hook:
-            assert not pool.get("WarmPoolConfiguration") and not pool["Instances"]
-            assert state == "terminated"
-        else:
-            assert [i["InstanceId"] for i in pool["Instances"]] == [warm["InstanceId"]]
-    finally:
-        server.stop()
+    groups = asg.describe_auto_scaling_groups()["AutoScalingGroups"]
+    assert {(g["MinSize"], g["DesiredCapacity"]) for g in groups} == {(0, 0)}
+    pool = asg.describe_warm_pool(AutoScalingGroupName="petctl-j-1-workers")
+    (reservation,) = ec2.describe_instances(InstanceIds=[warm["InstanceId"]])["Reservations"]
+    state = reservation["Instances"][0]["State"]["Name"]
+    if launch_hook:
+        assert not pool.get("WarmPoolConfiguration") and not pool["Instances"]
+        assert state == "terminated"
+    else:
+        assert [i["InstanceId"] for i in pool["Instances"]] == [warm["InstanceId"]]
