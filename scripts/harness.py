@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -32,6 +33,20 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, for a server started a moment later.
+
+    Taken below the kernel's ephemeral range (``ip_local_port_range``, 32768+ on Linux): a port
+    from that range can be handed to any outgoing connection (the workers', the agents') between
+    this check and the server's bind, and etcd then died with "address already in use" (CI).
+    """
+    for _ in range(100):
+        port = random.randint(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
