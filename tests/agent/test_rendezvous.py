@@ -374,7 +374,13 @@ def test_etcd_replaced_forms_a_new_round(group: Callable[..., Group], tmp_path: 
         shutil.rmtree(e.data_dir)
         e.start()
         all_waiting(hs, 8, "the lost round to be noticed")
-        assert hs[0].pending_change()["reason"] == "round record gone"
+        # the view flickers while it heals: "round record gone" from the old watches, then None
+        # while the handler re-reads the new etcd (its index went back), then the same reason
+        # from the new watches. Wait for the reason, not for one moment's snapshot of it.
+        reason = wait_for(
+            lambda: (hs[0].pending_change() or {}).get("reason"), 8, "a reason for the new round", 0.01
+        )
+        assert reason == "round record gone", reason
         res = g.rendezvous(*hs, timeout=15)
         assert [res[h].rank for h in order] == [0, 1, 2]
         assert {h.round for h in hs} == {1}
