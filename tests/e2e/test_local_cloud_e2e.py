@@ -113,11 +113,11 @@ def test_elastic_job_on_the_local_cloud(local_home, tmp_path):
         hit = re.search(r"step=(\d+) world_size=(\d+) loss=", m)  # lines carry an [attempt/rank] prefix
         if hit:
             steps_at.setdefault(int(hit.group(2)), []).append(int(hit.group(1)))
-    resumes = [
-        tuple(map(int, r))
-        for r in re.findall(r"resumed from step=(\d+) world_size=(\d+)", "\n".join(messages))
-    ]
-    assert 3 in steps_at and resumes, messages[-20:]
+    # where each round resumed: the step its workers load, from the agents' workers_started
+    # events (time order), not from the workers' "resumed from" lines: the lead line of a round
+    # is rank 0's alone, so one lost line (or one late batch) used to fail the whole check
+    resumes = [(int(e["step"]), int(e["world_size"])) for e in done if e.get("step") is not None]
+    assert 3 in steps_at and resumes, (messages[-20:], done)
     first3, last3 = min(steps_at[3]), max(steps_at[3])
     joined = [s for s, w in resumes if w == 3]
     after_drain = [s for s, w in resumes if w == 2 and s >= first3]
