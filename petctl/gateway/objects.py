@@ -30,6 +30,13 @@ class Objects:
         except Exception as e:  # boto3's S3 transfer raises several types
             raise AwsError(f"upload to s3://{bucket}/{upload.key} failed: {describe_client_error(e)}") from e
 
+    def https_url(self, bucket: str, key: str) -> str:
+        """The object's virtual-hosted https URL in this client's region: what CloudFormation
+        takes as a ``TemplateURL`` (an S3 bucket in the stack's region, https only)."""
+        region = self.s3.meta.region_name or "us-east-1"
+        domain = "amazonaws.com.cn" if region.startswith("cn-") else "amazonaws.com"
+        return f"https://{bucket}.s3.{region}.{domain}/{key}"
+
     def exists(self, bucket: str, key: str) -> bool:
         """Whether the object exists; a PetctlError when S3 does not say (no access, ...)."""
         try:

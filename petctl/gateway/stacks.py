@@ -10,6 +10,7 @@ from typing import Any
 from petctl import naming
 from petctl.errors import AwsError, StackError, StackWaitTimeout, describe_client_error
 from petctl.gateway.session import ClientError
+from petctl.templates.rendering import TEMPLATE_BODY_MAX_BYTES, TEMPLATE_URL_MAX_BYTES
 from petctl.ui import UI
 
 IN_PROGRESS = "_IN_PROGRESS"
@@ -119,11 +120,16 @@ class Stacks:
         tags: dict[str, str],
         timeout: float = 1800,
         on_failure_delete: bool = True,
+        template_url: str | None = None,
     ) -> DeployResult:
         """Create the stack, or update it in place if it exists; wait; raise StackError on failure.
 
+        ``template_url``: the https URL of ``template`` already uploaded to S3 (same region),
+        sent as ``TemplateURL`` (cap 1 MB) instead of the body inline (cap 51,200 bytes); a
+        template over the cap of the way it would be sent is refused here, before any change.
         A create that fails is deleted (``on_failure_delete``), so nothing half-made is left.
         """
+        _check_size(name, template, template_url)
         existing = self.describe(name)
         if existing and existing["StackStatus"] in DEAD_ON_ARRIVAL:
             self.ui.progress(
@@ -141,7 +147,7 @@ class Stacks:
                 raise StackError(f"stack {name} is busy ({status}); wait for it to finish, then retry")
         kwargs = {
             "StackName": name,
-            "TemplateBody": template,
+            **({"TemplateURL": template_url} if template_url else {"TemplateBody": template}),
             "Parameters": parameters,
             "Capabilities": ["CAPABILITY_IAM", "CAPABILITY_NAMED_IAM"],
             "Tags": [{"Key": k, "Value": v} for k, v in tags.items()],
@@ -268,6 +274,17 @@ class Stacks:
 
         # A little slack: CloudFormation event clocks and ours differ slightly.
         return _dt.datetime.now(_dt.timezone.utc) - _dt.timedelta(seconds=5)
+
+
+def _check_size(name: str, template: str, template_url: str | None) -> None:
+    size = len(template.encode("utf-8"))
+    cap = TEMPLATE_URL_MAX_BYTES if template_url else TEMPLATE_BODY_MAX_BYTES
+    if size > cap:
+        how = "from S3 (TemplateURL)" if template_url else "inline (TemplateBody)"
+        raise StackError(
+            f"the template of stack {name} is {size} bytes, over CloudFormation's cap of {cap} bytes "
+            f"for a template sent {how}; this is a petctl bug: report it with the command you ran"
+        )
 
 
 def outputs_of(stack: dict[str, Any]) -> dict[str, str]:

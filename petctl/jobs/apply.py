@@ -46,7 +46,14 @@ def apply(p: Plan, gw: Gateway, timeout: float = 1800) -> Started:
         for u in [*p.uploads, *_tls_uploads(p)]:
             gw.ui.progress(f"uploading s3://{p.bucket}/{u.key} ({u.size()} bytes)")
             gw.objects.put_object(p.bucket, u, kms_key=p.kms_key)
-        result = gw.stacks.deploy(p.stack_name, p.template, p.parameters, p.tags, timeout=timeout)
+        result = gw.stacks.deploy(
+            p.stack_name,
+            p.template,
+            p.parameters,
+            p.tags,
+            timeout=timeout,
+            template_url=gw.objects.https_url(p.bucket, p.template_key),
+        )
     except StackWaitTimeout as e:
         # The stack goes on being created: keep it *and* its uploads (its instances will read
         # them), and say how to follow or remove it. Deleting only the uploads would leave

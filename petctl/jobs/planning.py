@@ -67,6 +67,9 @@ class Plan:
     #: The bucket's customer KMS key, which the job's roles may use: uploads encrypt with it.
     kms_key: str | None = None
     warm_pool: int = 0
+    #: Where ``template`` is uploaded (one of ``uploads``): the stack is created from it by
+    #: TemplateURL, whose cap is 1 MB instead of the 51,200 bytes of an inline body.
+    template_key: str = ""
 
     @property
     def parameter_values(self) -> dict[str, str]:
@@ -156,8 +159,20 @@ def plan(req: JobRequest, profile: Profile, code: Code, *, user: str, region: st
     parameters = templates.job_parameters(template=template, **values)
     tags = {"petctl:job": job, "petctl:user": sanitize_tag_value(user), "petctl:profile": profile.name}
     kms_key = profile.bucket_kms_key_arn if own_roles else None
+    template_key = prefix + "template.yaml"
+    uploads.append(Upload(key=template_key, data=template.encode(), description="job stack template"))
     return Plan(
-        job, naming.job_stack(job), template, parameters, uploads, spec, tags, bucket, kms_key, req.warm_pool
+        job,
+        naming.job_stack(job),
+        template,
+        parameters,
+        uploads,
+        spec,
+        tags,
+        bucket,
+        kms_key,
+        req.warm_pool,
+        template_key,
     )
 
 

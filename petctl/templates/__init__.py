@@ -31,9 +31,12 @@ from petctl.templates.rendering import (
     JOB_TEMPLATE,
     MAX_AZ_COUNT,
     MIN_AZ_COUNT,
+    TEMPLATE_BODY_MAX_BYTES,
     TEMPLATE_PACKAGE,
+    TEMPLATE_URL_MAX_BYTES,
     render_infra,
     render_job,
+    strip_comments,
 )
 
 __all__ = [
@@ -47,13 +50,16 @@ __all__ = [
     "MAX_AZ_COUNT",
     "MIN_AZ_COUNT",
     "SUBNET_PREFIX",
+    "TEMPLATE_BODY_MAX_BYTES",
     "TEMPLATE_PACKAGE",
+    "TEMPLATE_URL_MAX_BYTES",
     "infra_parameters",
     "job_parameters",
     "load_template",
     "parameters_dict",
     "render_infra",
     "render_job",
+    "strip_comments",
     "subnet_cidrs",
     "template_parameters",
 ]

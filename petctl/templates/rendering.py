@@ -9,6 +9,7 @@ variable into an error instead of an empty string.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from importlib import resources
 from typing import Any
@@ -18,6 +19,12 @@ import jinja2
 TEMPLATE_PACKAGE = "petctl.cfn_templates"
 INFRA_TEMPLATE = "infra.yaml.j2"
 JOB_TEMPLATE = "job.yaml.j2"
+
+#: CloudFormation's caps on a template (CreateStack/UpdateStack, API reference): an inline
+#: ``TemplateBody`` of at most 51,200 bytes; a ``TemplateURL`` object of at most "1 MB", read here
+#: as 1,000,000 bytes, the smaller of its two readings. docs/contracts.md, "Caps and limits".
+TEMPLATE_BODY_MAX_BYTES = 51_200
+TEMPLATE_URL_MAX_BYTES = 1_000_000
 
 MIN_AZ_COUNT = 1  # the issue asks for >= 2 by default; one AZ is allowed for cheap trials
 MAX_AZ_COUNT = 6
@@ -65,7 +72,71 @@ def _environment() -> jinja2.Environment:
 
 
 def _render(name: str, **context: Any) -> str:
-    return _environment().get_template(name).render(**context)
+    return strip_comments(_environment().get_template(name).render(**context))
+
+
+#: A line that opens a YAML block scalar (``key: |``, ``- >-``, ``Fn::Base64: !Sub |``).
+_BLOCK_OPENER = re.compile(r"(^|[\s:])[|>][-+]?[0-9]?$")
+#: A here-document in a boot script (``cat > f <<UNIT``, ``<<-'EOF'``): its lines are data.
+_HEREDOC = re.compile(r"<<-?\s*['\"]?([A-Za-z_][A-Za-z0-9_]*)['\"]?")
+
+
+def strip_comments(text: str) -> str:
+    """The template as deployed: without its comments, which are a third of the sources' bytes
+    and count against CloudFormation's template size caps (docs/contracts.md).
+
+    Drops YAML comments (whole lines, and ``  # ...`` after a value outside quotes) and blank
+    lines outside block scalars. Inside a block scalar that is a bash script (first line
+    ``#!``), drops whole-line bash comments except the shebang and except inside
+    here-documents (whose lines are file contents); the script's commands are left byte for
+    byte. Other block scalars (folded descriptions) are kept as they are. The sources keep
+    their comments; tests check that the parsed template, and each boot script as bash parses
+    it (``bash --pretty-print``), are the same with and without them.
+    """
+    out: list[str] = []
+    block_indent: int | None = None  # indent of the line that opened the block scalar we are in
+    first_in_block = False
+    bash = False
+    heredoc: str | None = None
+    for line in text.splitlines():
+        stripped = line.lstrip(" ")
+        indent = len(line) - len(stripped)
+        if block_indent is not None and (not stripped or indent > block_indent):
+            if first_in_block and stripped:
+                first_in_block = False
+                bash = stripped.startswith("#!")
+            elif bash and heredoc is not None:
+                if stripped.strip() == heredoc:
+                    heredoc = None
+            elif bash and stripped.startswith("#"):
+                continue
+            elif bash:
+                m = _HEREDOC.search(stripped)
+                heredoc = m.group(1) if m else None
+            out.append(line)
+            continue
+        block_indent, heredoc = None, None
+        if not stripped or stripped.startswith("#"):
+            continue
+        code = _without_trailing_comment(line)
+        out.append(code)
+        if _BLOCK_OPENER.search(code):
+            block_indent, first_in_block, bash = indent, True, False
+    return "\n".join(out) + "\n"
+
+
+def _without_trailing_comment(line: str) -> str:
+    """``line`` up to a YAML comment (`` #`` outside quotes), right-stripped."""
+    quote = ""
+    for i, ch in enumerate(line):
+        if quote:
+            if ch == quote:
+                quote = ""
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and i > 0 and line[i - 1] in " \t":
+            return line[:i].rstrip()
+    return line.rstrip()
 
 
 def _check_bool(name: str, value: object) -> None:

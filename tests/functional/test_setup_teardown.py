@@ -166,3 +166,28 @@ def test_region_other_than_the_profiles_is_refused(run, monkeypatch):
     assert r.exit_code == 2
     assert "profile 'default' lives in us-east-1" in r.stderr and "--region us-east-1" in r.stderr
     assert run("--region", "us-east-1", "jobs").exit_code == 0
+
+
+def _file_systems() -> list[str]:
+    return [f["FileSystemId"] for f in boto3.client("efs").describe_file_systems()["FileSystems"]]
+
+
+def test_failed_first_setup_leaves_no_file_system(run, monkeypatch):
+    """The file system is RetainExceptOnCreate: the failed create that made it deletes it (the local
+    cloud's moto patch does what AWS documents), where Retain left an orphan on every failed setup."""
+    from moto.efs.models import EFSBackend
+
+    def no_mount_targets(self, *args, **kwargs):
+        raise RuntimeError("mount target creation failed")
+
+    monkeypatch.setattr(EFSBackend, "create_mount_target", no_mount_targets)
+    r = run("setup")
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert _file_systems() == []
+
+
+def test_teardown_keeps_the_file_system_a_successful_setup_made(run, profile_data):
+    assert run("setup").exit_code == 0
+    efs_id = profile_data()["efs_id"]
+    assert run("teardown", "--yes").exit_code == 0
+    assert _file_systems() == [efs_id]

@@ -49,8 +49,10 @@ def test_plan_of_a_script(tmp_path):
     assert [u["s3_url"] for u in d["uploads"]] == [
         "s3://team-bucket/petctl/jobs/demo/code/train.py",
         "s3://team-bucket/petctl/jobs/demo/job.json",
+        "s3://team-bucket/petctl/jobs/demo/template.yaml",  # the stack is created from it (TemplateURL)
     ]
-    spec = json.loads(p.uploads[-1].data)
+    assert p.uploads[-1].data == p.template.encode() and p.template_key == "petctl/jobs/demo/template.yaml"
+    spec = json.loads(p.uploads[-2].data)
     assert spec == d["spec"] and spec["args"] == ["--epochs", "3"] and spec["code_kind"] == "script"
     assert p.kms_key == PROFILE.bucket_kms_key_arn  # the job roles get this key: uploads use it
     assert make_plan(tmp_path, name="demo", args=["--epochs", "3"]).to_dict() == d

@@ -329,7 +329,8 @@ def test_job_roles_are_least_privilege_across_jobs():
                     or arn.endswith(("file-system/${EfsId}", "${LogGroupName}", "${LogGroupName}:*"))
                 ), arn
             if any(a.startswith("autoscaling:") for a in actions):
-                assert statement["Condition"] == JOB_TAG, statement  # name AND tag
+                # name AND tag (StopJob adds its scale-down-only keys: test_scale_limits.py)
+                assert statement["Condition"]["StringEquals"] == JOB_TAG["StringEquals"], statement
     worker = _policy_statements(t, "WorkerRole")
     assert worker["ReadJobInputs"]["Action"] == "s3:GetObject"
     assert _subs(worker["ReadJobInputs"]["Resource"]) == [
@@ -786,7 +787,7 @@ def test_boot_failure_gives_up_on_the_warm_pool_first(flags):
             stop = _policy_statements(t, role)["StopJob"]
             actions = ["autoscaling:UpdateAutoScalingGroup"] + ["autoscaling:DeleteWarmPool"] * warm
             assert (stop["Action"] if warm else [stop["Action"]]) == actions, role
-            assert stop["Condition"] == {"StringEquals": {"aws:ResourceTag/petctl:job": {"Ref": "JobName"}}}
+            assert stop["Condition"]["StringEquals"] == {"aws:ResourceTag/petctl:job": {"Ref": "JobName"}}
 
 
 def jobs_module():
