@@ -330,7 +330,7 @@ def test_job_stack_makes_its_own_roles_and_security_groups(aws):
             if str(s["Action"]).count("autoscaling:") and s["Resource"] != "*"
         ]
         assert scoped and all(
-            s["Condition"] == {"StringEquals": {"aws:ResourceTag/petctl:job": job}} for s in scoped
+            s["Condition"]["StringEquals"] == {"aws:ResourceTag/petctl:job": job} for s in scoped
         )
 
         # launch templates use this job's instance profiles and security groups
