@@ -66,13 +66,12 @@ def load(
     probed = work / f"probed-{page.name}"
     text = page.read_text(encoding="utf-8")
     probed.write_text(text.replace("</body>", f"<script>{probe}</script></body>") if probe else text)
-    dom = _run(binary, work, "dom", ["--dump-dom"], probed.as_uri())
+    window = f"--window-size={size[0]},{size[1]}"
+    dom = _run(binary, work, "dom", ["--dump-dom", window], probed.as_uri())
     if dom.returncode != 0:
         raise RuntimeError(f"chromium --dump-dom exited {dom.returncode}: {dom.stderr[-2000:]}")
     shot = work / f"{page.stem}.png"
-    res = _run(
-        binary, work, "shot", [f"--screenshot={shot}", f"--window-size={size[0]},{size[1]}"], page.as_uri()
-    )
+    res = _run(binary, work, "shot", [f"--screenshot={shot}", window], page.as_uri())
     if res.returncode != 0 or not shot.is_file():
         raise RuntimeError(f"chromium --screenshot exited {res.returncode}: {res.stderr[-2000:]}")
     console = [m.group(1) for m in map(_CONSOLE.search, (dom.stderr + res.stderr).splitlines()) if m]
