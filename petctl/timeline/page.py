@@ -109,7 +109,13 @@ def render_svg(data: dict[str, Any], width: int = 900) -> str:
         )
     # events
     parts.append(f'<text x="{left - 6}" y="{y_lane + 20}" text-anchor="end">events</text>')
+    # letters closer than 10 px to the one before take turns on two rows, so none hides another
+    row_of, last_x, row = [], None, 0
     for m in data["events"]:
+        row = (1 - row) if last_x is not None and x(m["t"]) - last_x < 10 else 0
+        row_of.append(row)
+        last_x = x(m["t"])
+    for m, row in zip(data["events"], row_of, strict=True):
         col = _COLORS.get(m["kind"], "#333")
         cost = "" if m["cost_s"] is None else f", cost {m['cost_s']:.1f} s"
         who = m["private_ip"] or m["instance_id"] or ""
@@ -118,7 +124,7 @@ def render_svg(data: dict[str, Any], width: int = 900) -> str:
             f"<title>+{m['t'] - t0:.1f} s {e(KIND_LABELS[m['kind']])} {e(str(who))}{cost}</title>"
             f'<line x1="{x(m["t"])}" y1="{y_world}" x2="{x(m["t"])}" y2="{y_lane + 8}" stroke="{col}" '
             f'stroke-dasharray="3,3"/>'
-            f'<text x="{x(m["t"])}" y="{y_lane + 22}" text-anchor="middle" fill="{col}" font-weight="bold">'
+            f'<text x="{x(m["t"])}" y="{y_lane + 19 + 12 * row}" text-anchor="middle" fill="{col}" font-weight="bold">'
             f"{KIND_LETTERS[m['kind']]}</text></g>"
         )
     # time axis
@@ -134,7 +140,7 @@ def render_svg(data: dict[str, Any], width: int = 900) -> str:
         k += 1
     parts.append(
         f'<text x="{left + plot_w}" y="{y_axis + 32}" text-anchor="end" fill="#666">'
-        f"seconds since {e(iso(t0) or '')}</text>"
+        f"seconds since {e(_when(t0))}</text>"
     )
     parts.append("</svg>")
     return "".join(parts)

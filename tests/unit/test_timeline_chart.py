@@ -309,3 +309,20 @@ def test_html_page_header_figures_and_legend(data):
         ("E", "rendezvous server (etcd) restart"),
         ("*", "job finished"),
     ]
+
+
+def test_event_letters_close_in_time_do_not_overlap(data):
+    import copy
+
+    d = copy.deepcopy(data)
+    d["events"][2]["t"] = d["events"][1]["t"] + 0.5  # the drain right after the join (as in a real demo)
+    _, svg = parse_page(timeline.render_html(d))
+    marks = [
+        (float(g.find(f"{SVG}text").get("x")), float(g.find(f"{SVG}text").get("y")))
+        for g in svg.iter(f"{SVG}g")
+        if g.get("class") == "event"
+    ]
+    (x1, y1), (x2, y2) = marks[1], marks[2]
+    assert abs(x2 - x1) < 10 and abs(y2 - y1) >= 11
+    # letters far apart stay on the first row
+    assert {y for i, (_, y) in enumerate(marks) if i != 2} == {marks[0][1]}
