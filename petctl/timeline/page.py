@@ -109,7 +109,13 @@ def render_svg(data: dict[str, Any], width: int = 900) -> str:
         )
     # events
     parts.append(f'<text x="{left - 6}" y="{y_lane + 20}" text-anchor="end">events</text>')
+    # letters closer than 10 px to the one before take turns on two rows, so none hides another
+    row_of, last_x, row = [], None, 0
     for m in data["events"]:
+        row = (1 - row) if last_x is not None and x(m["t"]) - last_x < 10 else 0
+        row_of.append(row)
+        last_x = x(m["t"])
+    for m, row in zip(data["events"], row_of, strict=True):
         col = _COLORS.get(m["kind"], "#333")
         cost = "" if m["cost_s"] is None else f", cost {m['cost_s']:.1f} s"
         who = m["private_ip"] or m["instance_id"] or ""
@@ -118,7 +124,7 @@ def render_svg(data: dict[str, Any], width: int = 900) -> str:
             f"<title>+{m['t'] - t0:.1f} s {e(KIND_LABELS[m['kind']])} {e(str(who))}{cost}</title>"
             f'<line x1="{x(m["t"])}" y1="{y_world}" x2="{x(m["t"])}" y2="{y_lane + 8}" stroke="{col}" '
             f'stroke-dasharray="3,3"/>'
-            f'<text x="{x(m["t"])}" y="{y_lane + 22}" text-anchor="middle" fill="{col}" font-weight="bold">'
+            f'<text x="{x(m["t"])}" y="{y_lane + 19 + 12 * row}" text-anchor="middle" fill="{col}" font-weight="bold">'
             f"{KIND_LETTERS[m['kind']]}</text></g>"
         )
     # time axis
@@ -134,22 +140,99 @@ def render_svg(data: dict[str, Any], width: int = 900) -> str:
         k += 1
     parts.append(
         f'<text x="{left + plot_w}" y="{y_axis + 32}" text-anchor="end" fill="#666">'
-        f"seconds since {e(iso(t0) or '')}</text>"
+        f"seconds since {e(_when(t0))}</text>"
     )
     parts.append("</svg>")
     return "".join(parts)
 
 
-def _row(*cells: Any) -> str:
-    return "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in cells) + "</tr>"
+_STATE_COLORS = {"SUCCEEDED": "#1a7f37", "FAILED": "#cf222e", "RUNNING": "#0969da"}
+
+_CSS = (
+    "body{font-family:system-ui,-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;margin:0;"
+    "color:#1f2328;background:#f6f8fa}"
+    "main{max-width:980px;margin:0 auto;padding:24px 28px 40px;background:#fff;min-height:100vh;"
+    "box-sizing:border-box}"
+    "header h1{font-size:24px;margin:0 0 4px}.state{display:inline-block;padding:2px 10px;border-radius:12px;"
+    "color:#fff;font-size:13px;font-weight:600;vertical-align:middle;margin-left:8px}"
+    "header p{margin:0;color:#57606a}"
+    ".figures{display:flex;flex-wrap:wrap;gap:12px;margin:18px 0;padding:0;list-style:none}"
+    ".figures li{flex:1 1 140px;border:1px solid #d0d7de;border-radius:8px;padding:10px 14px}"
+    ".figures b{display:block;font-size:22px}.figures span{color:#57606a;font-size:13px}"
+    "figure{margin:0;border:1px solid #d0d7de;border-radius:8px;padding:12px}"
+    "figure svg{max-width:100%;height:auto;display:block}"
+    "figcaption{color:#57606a;font-size:13px;margin-top:6px}"
+    ".legend{display:flex;flex-wrap:wrap;gap:6px 18px;margin:8px 0 0;padding:0;list-style:none;font-size:13px}"
+    ".legend i{display:inline-block;width:14px;height:10px;margin-right:5px;vertical-align:middle}"
+    ".legend b{display:inline-block;min-width:12px;margin-right:4px;text-align:center}"
+    "table{border-collapse:collapse;margin:1.4em 0 0;width:100%;font-size:14px}"
+    "td,th{border-bottom:1px solid #d0d7de;padding:5px 8px;text-align:left}"
+    "th{background:#f6f8fa;font-weight:600}td.n{text-align:right;font-variant-numeric:tabular-nums}"
+    "tbody tr:hover{background:#f6f8fa}caption{text-align:left;font-weight:600;font-size:16px;margin-bottom:6px}"
+    ".notes{color:#57606a;font-size:13px;margin-top:1.4em}"
+)
+
+
+def _when(t: float | None) -> str:
+    """A time as people read it, in UTC: ``2023-11-14 22:13:20 UTC``."""
+    return "-" if t is None else (iso(t) or "")[:19].replace("T", " ") + " UTC"
+
+
+def _legend(data: dict[str, Any]) -> str:
+    """What the chart's colours and event letters mean (only the kinds this run has)."""
+    e = html.escape
+    items = [
+        '<li><i style="background:#b6d4fe;border-top:2px solid #0550ae"></i>world size</li>',
+        '<li><i style="background:#8cd9a0;border:1px solid #1a7f37"></i>steps/s</li>',
+        '<li><i style="background:#f6c6c6"></i>not training (re-rendezvous)</li>',
+    ]
+    kinds = [k for k in KIND_LETTERS if any(m["kind"] == k for m in data["events"])]
+    items += [
+        f'<li><b style="color:{_COLORS.get(k, "#333")}">{e(KIND_LETTERS[k])}</b>{e(KIND_LABELS[k])}</li>'
+        for k in kinds
+    ]
+    return '<ul class="legend">' + "".join(items) + "</ul>"
+
+
+def _figures(data: dict[str, Any]) -> str:
+    """The run in a few numbers: its length, rounds, time not training, world sizes, events."""
+    sizes = [r["world_size"] for r in data["rounds"] if r["world_size"] is not None]
+    share = f" ({data['stall_s'] / data['duration_s']:.0%} of the run)" if data["duration_s"] else ""
+    figures = [
+        (fmt_dur(data["duration_s"]), "from the first agent to " + ("now" if data["running"] else "the end")),
+        (str(len(data["rounds"])), "rendezvous rounds"),
+        (f"{data['stall_s']:.1f} s", "not training after the first round" + share),
+        (f"{min(sizes)}–{max(sizes)}" if sizes and min(sizes) != max(sizes) else str(sizes[0] if sizes else "-"),
+         "world size"),
+        (str(len([m for m in data["events"] if m["kind"] not in ("start", "finish")])), "membership changes"),
+    ]  # fmt: skip
+    return (
+        '<ul class="figures">'
+        + "".join(f"<li><b>{html.escape(v)}</b><span>{html.escape(k)}</span></li>" for v, k in figures)
+        + "</ul>"
+    )
+
+
+def _table(ident: str, caption: str, heads: list[str], rows: list[list[Any]], numeric: set[int]) -> str:
+    def cell(tag: str, i: int, v: Any) -> str:
+        cls = ' class="n"' if i in numeric else ""
+        return f"<{tag}{cls}>{html.escape(str(v))}</{tag}>"
+
+    head = "".join(cell("th", i, h) for i, h in enumerate(heads))
+    body = "".join("<tr>" + "".join(cell("td", i, v) for i, v in enumerate(row)) + "</tr>" for row in rows)
+    return (
+        f'<table id="{ident}"><caption>{html.escape(caption)}</caption><thead><tr>{head}</tr></thead>'
+        f"<tbody>{body}</tbody></table>\n"
+    )
 
 
 def render_html(data: dict[str, Any]) -> str:
-    """A self-contained page: the chart (inline SVG), the rounds and the events."""
+    """A self-contained page: a header with the run's key figures, the chart (inline SVG) with its
+    legend, the rounds and the events. No scripts, no external resources."""
     e = html.escape
     t0 = data["start"] or 0.0
-    rows = [
-        _row(
+    rounds = [
+        [
             r["round"],
             f"{r['ready'] - t0:.1f}",
             r["world_size"] if r["world_size"] is not None else "-",
@@ -158,45 +241,59 @@ def render_html(data: dict[str, Any]) -> str:
             f"{r['stall_s']:.1f}",
             fmt_rate(r["steps_per_s"]),
             r["reason"] or "",
-        )
+        ]
         for r in data["rounds"]
     ]
-    ev_rows = [
-        _row(
+    events = [
+        [
             f"{m['t'] - t0:.1f}",
             KIND_LABELS[m["kind"]],
             m["private_ip"] or m["instance_id"] or "",
             "-" if m["round"] is None else m["round"],
             "-" if m["cost_s"] is None else f"{m['cost_s']:.1f}" + (" (shared)" if m["shared"] else ""),
             m["detail"] or "",
-        )
+        ]
         for m in data["events"]
     ]
     notes = "".join(f"<li>{e(m)}</li>" for m in data["missing"])
     title = f"petctl timeline: {data['job']}"
     summary = (
         f"{data['state']}; {len(data['rounds'])} round(s); {data['stall_s']:.1f} s not training after the "
-        f"first round; {fmt_dur(data['duration_s'])} from {iso(data['start']) or '-'} to "
-        f"{'now' if data['running'] else iso(data['end'])}"
+        f"first round; {fmt_dur(data['duration_s'])} from {_when(data['start'])} to "
+        f"{'now' if data['running'] else _when(data['end'])}"
     )
+    state_color = _STATE_COLORS.get(data["state"], "#57606a")
+    chart = ""
+    if data["rounds"]:
+        chart = _figures(data)
     return (
         "<!DOCTYPE html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
-        f"<title>{e(title)}</title>"
-        "<style>body{font-family:sans-serif;margin:2em;color:#1f2328}"
-        "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #d0d7de;padding:4px 8px;"
-        "text-align:left}th{background:#f6f8fa}caption{text-align:left;font-weight:bold;margin-bottom:4px}"
-        ".notes{color:#57606a}</style></head><body>\n"
-        f'<h1>{e(title)}</h1>\n<p id="summary">{e(summary)}</p>\n'
-        f"<figure>{render_svg(data)}<figcaption>World size (ranks training), steps/s between progress "
-        "samples, and membership events; shaded: not training (re-rendezvous).</figcaption></figure>\n"
-        '<table id="rounds"><caption>Rendezvous rounds</caption><thead><tr><th>round</th>'
-        "<th>ready at (s)</th><th>world size</th><th>nodes</th><th>cause</th><th>stall (s)</th>"
-        "<th>steps/s</th><th>reason</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>\n"
-        '<table id="events"><caption>Membership events</caption><thead><tr><th>at (s)</th><th>event</th>'
-        "<th>node</th><th>round</th><th>cost (s)</th><th>detail</th></tr></thead><tbody>"
-        + "".join(ev_rows)
-        + "</tbody></table>\n"
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{e(title)}</title><style>{_CSS}</style></head><body><main>\n"
+        f'<header><h1>Job {e(str(data["job"]))}<span class="state" style="background:{state_color}">'
+        f"{e(str(data['state']))}</span></h1>"
+        f'<p id="summary">{e(summary)}</p></header>\n'
+        + chart
+        + f"<figure>{render_svg(data)}{_legend(data)}<figcaption>World size: ranks training. steps/s: "
+        "between progress samples, over training time only. Letters: membership events (hover for "
+        "node and cost). Shaded: not training, from the rendezvous to the new round's workers.</figcaption>"
+        "</figure>\n"
+        + _table(
+            "rounds",
+            "Rendezvous rounds",
+            ["round", "ready at (s)", "world size", "nodes", "cause", "stall (s)", "steps/s", "reason"],
+            rounds,
+            {0, 1, 2, 3, 5, 6},
+        )
+        + _table(
+            "events",
+            "Membership events",
+            ["at (s)", "event", "node", "round", "cost (s)", "detail"],
+            events,
+            {0, 3},
+        )
         + (f'<ul class="notes">{notes}</ul>\n' if notes else "")
-        + "</body></html>\n"
+        + f'<p class="notes">Made by petctl timeline {e(str(data["job"]))} --html.</p>\n'
+        + "</main></body></html>\n"
     )

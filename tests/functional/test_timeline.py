@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import datetime as dt
+import html
 import json
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import boto3
+import browser
 import pytest
 from timeline_fixtures import Agent, check_page, event_kinds
 
@@ -152,3 +155,72 @@ def test_help_stays_light():
         "assert 'petctl.timeline' not in sys.modules and 'boto3' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+# Run in the page after load (a probed copy; the page itself has no scripts): what the browser laid out.
+PROBE = """
+const svg = document.getElementById('timeline-chart');
+const box = (el) => { const b = el.getBBox(); return [b.width, b.height]; };
+const all = (sel) => [...document.querySelectorAll('#timeline-chart ' + sel)];
+const world = all('polyline.world')[0];
+const out = {
+  svg: svg && [svg.getBoundingClientRect().width, svg.getBoundingClientRect().height],
+  world: world && box(world),
+  world_levels: world && [...new Set([...world.points].map((p) => p.y))].length,
+  events: all('g.event').map((g) => [g.dataset.kind, ...box(g)]),
+  stalls: all('rect.stall').map(box),
+  rate: all('g.rate rect').map(box),
+};
+const pre = document.createElement('pre');
+pre.id = 'probe';
+pre.textContent = JSON.stringify(out);
+document.body.appendChild(pre);
+"""
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    binary = browser.find()
+    if binary is None:
+        pytest.skip(browser.MISSING)
+    return binary
+
+
+def test_timeline_page_in_a_real_browser(run, job, tmp_path, chromium):
+    """`petctl timeline --html` as a browser shows it: the chart lays out (the world-size steps, the
+    stalls, the rate bars, every event mark), the console stays empty, and the screenshot has the
+    chart's colours in it. The screenshot is kept in the test's tmp_path to look at."""
+    put_reports(job, time.time() - 600, finished=True)
+    page = tmp_path / "timeline.html"
+    r = run("timeline", "demo", "--html", str(page))
+    assert r.exit_code == 0, r.output
+
+    shown = browser.load(chromium, page, tmp_path, probe=PROBE)
+    assert shown.console == []
+    probe = json.loads(html.unescape(re.search(r'<pre id="probe">(.*?)</pre>', shown.dom, re.S).group(1)))
+    width, height = probe["svg"]
+    assert width >= 800 and height >= 300
+    # the world-size step line spans the plot and takes the levels 0, 2 and 3
+    assert probe["world"][0] >= 0.9 * (width - 80) and probe["world_levels"] == 3
+    assert [k for k, w, h in probe["events"]] == ["start", "join", "drain", "finish"]
+    assert all(w > 0 and h > 0 for _, w, h in probe["events"])
+    assert len(probe["stalls"]) == 3 and all(w > 0 and h > 100 for w, h in probe["stalls"])
+    assert probe["rate"] and all(w > 0 and h > 0 for w, h in probe["rate"])
+
+    w, h, pixels = browser.png_pixels(shown.screenshot)
+    assert (w, h) == (1200, 1400)
+    white = pixels[(255, 255, 255)]
+    assert len(pixels) > 50 and white < 0.95 * w * h, "the screenshot is (nearly) blank"
+    # the chart drew: the world-size area, the rate bars, the stall shading (#f6c6c6 at 0.6 on white)
+    for colour, least in (("#b6d4fe", 20000), ("#8cd9a0", 2000), ("#fadddd", 5000)):
+        assert pixels[browser.rgb(colour)] >= least, f"{colour}: {pixels[browser.rgb(colour)]} px"
+
+
+def test_the_browser_check_sees_console_errors_and_blank_pages(tmp_path, chromium):
+    page = tmp_path / "broken.html"
+    page.write_text("<!DOCTYPE html><html><body><script>undefinedThing();</script></body></html>")
+    shown = browser.load(chromium, page, tmp_path)
+    # both loads (the probed copy and the page itself) log it
+    assert shown.console and all("undefinedThing is not defined" in m for m in shown.console)
+    w, h, pixels = browser.png_pixels(shown.screenshot)
+    assert pixels[(255, 255, 255)] == w * h

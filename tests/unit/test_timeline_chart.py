@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from timeline_fixtures import SVG, Agent, check_page, event_kinds, parse_page
@@ -285,3 +286,43 @@ def test_json_has_iso_times(data):
     assert j["events"][3]["kind"] == "loss" and j["events"][3]["at_s"] == 198.0
     assert j["world"][1] == {"t": "2023-11-14T22:13:28.000+00:00", "at_s": 8.0, "world_size": 2}
     assert j["throughput"][0]["t0"].endswith("+00:00") and j["throughput"][0]["t1_s"] == 198.0
+
+
+def test_html_page_header_figures_and_legend(data):
+    page = timeline.render_html(data)
+    figures = re.findall(r"<li><b>([^<]*)</b><span>([^<]*)</span></li>", page)
+    assert figures == [
+        ("5m30s", "from the first agent to the end"),
+        ("5", "rendezvous rounds"),
+        ("64.0 s", "not training after the first round (19% of the run)"),
+        ("2–3", "world size"),
+        ("5", "membership changes"),
+    ]
+    assert "2023-11-14 22:13:20 UTC to 2023-11-14 22:18:50 UTC" in page
+    legend = page[page.index('<ul class="legend">') : page.index("</ul>", page.index('<ul class="legend">'))]
+    # a letter for each kind of event this run had, and none for the others (no spot, no failure)
+    assert re.findall(r"<b style=[^>]*>([^<]*)</b>([^<]*)</li>", legend) == [
+        ("S", "job start"),
+        ("J", "node joined"),
+        ("D", "node drained (scale-in)"),
+        ("L", "node lost (hard)"),
+        ("E", "rendezvous server (etcd) restart"),
+        ("*", "job finished"),
+    ]
+
+
+def test_event_letters_close_in_time_do_not_overlap(data):
+    import copy
+
+    d = copy.deepcopy(data)
+    d["events"][2]["t"] = d["events"][1]["t"] + 0.5  # the drain right after the join (as in a real demo)
+    _, svg = parse_page(timeline.render_html(d))
+    marks = [
+        (float(g.find(f"{SVG}text").get("x")), float(g.find(f"{SVG}text").get("y")))
+        for g in svg.iter(f"{SVG}g")
+        if g.get("class") == "event"
+    ]
+    (x1, y1), (x2, y2) = marks[1], marks[2]
+    assert abs(x2 - x1) < 10 and abs(y2 - y1) >= 11
+    # letters far apart stay on the first row
+    assert {y for i, (_, y) in enumerate(marks) if i != 2} == {marks[0][1]}
