@@ -143,8 +143,12 @@ def _write_cache(path: Path, found: dict[str, InstanceTypeInfo]) -> None:
         entries.update({n: {"fetched_at": now, "facts": f.to_dict()} for n, f in found.items()})
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"version": 1, "types": entries}, f)
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"version": 1, "types": entries}, f)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     except OSError:
         pass
