@@ -69,9 +69,9 @@ def _warm_pool_text(size: int) -> str:
 def plan_text(p: dict[str, Any], show_template: bool = False) -> str:
     """The short plan a dry run prints: what would be made, its sizes, image and costs."""
     par, spec = p["parameters"], p["spec"]
-    from petctl.jobs.request import DEFAULT_RDZV_INSTANCE_TYPE, is_gpu  # not at import: --help stays light
+    from petctl.jobs.request import DEFAULT_RDZV_INSTANCE_TYPE  # not at import: --help stays light
 
-    gpu = is_gpu(par["InstanceType"])
+    gpu = bool(p.get("gpu"))
     types = par.get("InstanceTypes", par["InstanceType"])
     workers = f"{spec['min_nodes']}-{spec['max_nodes']} x {types} (start {par['DesiredCapacity']})"
     if "OnDemandBaseCapacity" in par:

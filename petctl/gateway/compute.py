@@ -7,6 +7,7 @@ from typing import Any
 
 from petctl.errors import ConfigError, describe_client_error
 from petctl.gateway.session import ClientError
+from petctl.instance_types import InstanceTypeInfo
 
 #: Instances that still exist (and may still cost).
 NOT_TERMINATED = ["pending", "running", "stopping", "stopped", "shutting-down"]
@@ -51,6 +52,35 @@ class Compute:
         if not images:
             raise ConfigError(f"--ami {ami} was not found in {self.region}")
         return images[0]
+
+    @property
+    def endpoint(self) -> str:
+        """The EC2 endpoint answering (AWS's for the region, or the local cloud's)."""
+        return str(self.ec2.meta.endpoint_url)
+
+    def instance_types(self, names: list[str]) -> tuple[dict[str, InstanceTypeInfo], list[str]]:
+        """What EC2 says about each of ``names`` in this region, and the names it does not know.
+
+        EC2 refuses the whole call with ``InvalidInstanceType`` when one name is unknown, naming
+        them in the message ("... do not exist: [a, b]"); they are set aside and the rest asked
+        again. Other errors (no permission, throttling after retries) raise ClientError.
+        """
+        found: dict[str, InstanceTypeInfo] = {}
+        unknown: list[str] = []
+        ask = list(dict.fromkeys(names))
+        while ask:
+            try:
+                for page in self.ec2.get_paginator("describe_instance_types").paginate(InstanceTypes=ask):
+                    for d in page["InstanceTypes"]:
+                        found[d["InstanceType"]] = InstanceTypeInfo.from_ec2(d)
+                break
+            except ClientError as e:
+                if e.response.get("Error", {}).get("Code") != "InvalidInstanceType":
+                    raise
+                named = [n for n in ask if n in _bracketed(e.response["Error"].get("Message", ""))]
+                unknown += named or ask  # unparsable message: none of them can be trusted
+                ask = [n for n in ask if n not in unknown]
+        return found, unknown
 
     def subnet_vpc(self, subnet: str) -> str | None:
         """The VPC of a subnet (None when it does not exist); ClientError when it cannot be read."""
@@ -110,3 +140,9 @@ class Compute:
                     attempt(sg["GroupId"], lambda g=sg["GroupId"]: ec2.delete_security_group(GroupId=g))
             attempt(vpc_id, lambda v=vpc_id: ec2.delete_vpc(VpcId=v))
         return left
+
+
+def _bracketed(message: str) -> set[str]:
+    """The names inside ``[...]`` of an InvalidInstanceType message."""
+    inside = message[message.find("[") + 1 : message.rfind("]")] if "[" in message else ""
+    return {n.strip() for n in inside.split(",") if n.strip()}

@@ -2,7 +2,7 @@
 applied through the gateway, and observed.
 
     request.py   JobRequest and its validation            (no AWS, no file read but the target's)
-    lookups.py   what the plan needs from AWS, looked up before it
+    lookups.py   what the plan needs from AWS, looked up before it (instance types: cached)
     planning.py  Code (tarred, checked) and plan() -> Plan (pure)
     prepare.py   prepare(ctx, request) -> Plan: validation, lookups, code, plan, in that order
     apply.py     apply(plan, gateway) -> Started
@@ -17,15 +17,15 @@ fact of the status into observe.gather and state.derive.
 
 from petctl.jobs.apply import Started, apply
 from petctl.jobs.control import kill_job, scale, upload
-from petctl.jobs.lookups import check_code_url, resolve_ami, resolve_vpc
+from petctl.jobs.lookups import check_code_url, instance_facts, resolve_ami, resolve_vpc
 from petctl.jobs.observe import find_job, hosts, list_jobs, observe, require_job, wait_for_end
 from petctl.jobs.planning import Code, Plan, plan, prepare_code
 from petctl.jobs.prepare import prepare
 from petctl.jobs.request import (
     DEFAULT_TORCH_VERSION,
     JobRequest,
+    check_instance_types,
     default_job_name,
-    is_gpu,
     sanitize_tag_value,
     validate_request,
 )
@@ -45,10 +45,11 @@ __all__ = [
     "Started",
     "apply",
     "check_code_url",
+    "check_instance_types",
     "default_job_name",
     "find_job",
     "hosts",
-    "is_gpu",
+    "instance_facts",
     "kill_job",
     "list_jobs",
     "observe",

@@ -2,7 +2,8 @@
 
 What the plan needs from AWS or the disk is gathered before and handed in: the code (read,
 tarred and checked by :func:`prepare_code`), the profile (its VPC looked up by
-``lookups.resolve_vpc``), the AMI's root device (``lookups.resolve_ami``). ``--dry-run``
+``lookups.resolve_vpc``), the AMI's root device (``lookups.resolve_ami``), and what EC2 says
+about the instance types (``lookups.instance_facts``: GPU or CPU, architecture). ``--dry-run``
 prints the plan; ``apply`` carries it out.
 """
 
@@ -15,7 +16,14 @@ from typing import Any
 from petctl import __version__, naming, storage, templates
 from petctl.config import Profile
 from petctl.errors import ConfigError
-from petctl.jobs.request import JobRequest, default_job_name, instance_types, is_gpu, sanitize_tag_value
+from petctl.instance_types import InstanceTypeInfo
+from petctl.jobs.request import (
+    JobRequest,
+    check_instance_types,
+    default_job_name,
+    instance_types,
+    sanitize_tag_value,
+)
 from petctl.storage import Upload, parse_s3_url
 from petctl.ui import cmd
 from petctl_agent.spec import JobSpec, SpecError
@@ -70,6 +78,8 @@ class Plan:
     #: Where ``template`` is uploaded (one of ``uploads``): the stack is created from it by
     #: TemplateURL, whose cap is 1 MB instead of the 51,200 bytes of an inline body.
     template_key: str = ""
+    #: The workers are GPU types (EC2's GpuInfo): the Deep Learning AMI and CUDA torch.
+    gpu: bool = False
 
     @property
     def parameter_values(self) -> dict[str, str]:
@@ -87,6 +97,7 @@ class Plan:
             "spec": self.spec.to_dict(),
             "tags": self.tags,
             "warm_pool": self.warm_pool,
+            "gpu": self.gpu,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -94,8 +105,18 @@ class Plan:
         return {**self.summary(), "template": self.template}
 
 
-def plan(req: JobRequest, profile: Profile, code: Code, *, user: str, region: str | None) -> Plan:
-    """The plan for a validated ``req`` (``validate_request``) in a ready ``profile``."""
+def plan(
+    req: JobRequest,
+    profile: Profile,
+    code: Code,
+    facts: dict[str, InstanceTypeInfo],
+    *,
+    user: str,
+    region: str | None,
+) -> Plan:
+    """The plan for a validated ``req`` (``validate_request``) in a ready ``profile``; ``facts``
+    is what EC2 says about each of its instance types (``lookups.instance_facts``)."""
+    gpu = check_instance_types(req, facts)
     job = req.name or default_job_name(req, profile.name)
     prefix = naming.job_prefix(job)
     bucket = profile.bucket
@@ -143,7 +164,7 @@ def plan(req: JobRequest, profile: Profile, code: Code, *, user: str, region: st
     own_roles = _own_roles(profile)
     types = instance_types(req)
     template = templates.render_job(
-        gpu=is_gpu(req.instance_type),
+        gpu=gpu,
         spot=req.spot,
         ami_override=req.ami is not None,
         instance_types=len(types),
@@ -173,6 +194,7 @@ def plan(req: JobRequest, profile: Profile, code: Code, *, user: str, region: st
         kms_key,
         req.warm_pool,
         template_key,
+        gpu,
     )
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from petctl import storage
 from petctl.context import Context
-from petctl.jobs.lookups import check_code_url, resolve_ami, resolve_vpc
+from petctl.jobs.lookups import check_code_url, instance_facts, resolve_ami, resolve_vpc
 from petctl.jobs.planning import Plan, plan, prepare_code
-from petctl.jobs.request import JobRequest, validate_request
+from petctl.jobs.request import JobRequest, check_instance_types, validate_request
 
 
 def prepare(ctx: Context, req: JobRequest) -> Plan:
@@ -14,7 +14,9 @@ def prepare(ctx: Context, req: JobRequest) -> Plan:
     validate_request(req)
     ctx.profile.require_ready()
     check_code_url(ctx, req)
+    facts = instance_facts(ctx, req)
+    check_instance_types(req, facts)
     resolve_ami(ctx, req)
     resolve_vpc(ctx)
     code = prepare_code(req, dist=storage.dist_wheel())
-    return plan(req, ctx.profile, code, user=ctx.user, region=ctx.region)
+    return plan(req, ctx.profile, code, facts, user=ctx.user, region=ctx.region)

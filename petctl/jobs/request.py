@@ -11,14 +11,13 @@ from pathlib import Path
 
 from petctl import naming
 from petctl.errors import ConfigError
+from petctl.instance_types import InstanceTypeInfo
 from petctl.storage import parse_s3_url
 
 # NVIDIA GPU families the default image supports: the Deep Learning Base OSS Nvidia Driver AMI
-# (Amazon Linux 2023) lists G4dn, G5, G6, Gr6, G6e, G6f, G7, G7e, P4d/P4de, P5/P5e/P5en, P6.
-DLAMI_GPU_FAMILY = re.compile(r"^(g4dn|g5|g6|gr6|g6e|g6f|g7|g7e|p4d|p4de|p5|p5e|p5en|p6-b\d+)$")
-# Older NVIDIA families that image does not support (its drivers dropped Kepler/Maxwell/Volta).
-OLD_GPU_FAMILY = re.compile(r"^(p2|p3|p3dn|g3|g3s)$")
-UNSUPPORTED_FAMILY = re.compile(r"^(a1|[a-z]+\d+g[a-z]*|g4ad|inf\d*|trn\d*|dl\d*|p6e-.*)$")
+# (Amazon Linux 2023) lists G4dn, G5, G6, Gr6, G6e, G6f, G7, G7e, P4d/P4de, P5/P5e/P5en, P6. This is
+# the image's list; whether a type has a GPU at all comes from EC2 (check_instance_types).
+DLAMI_GPU_FAMILY = re.compile(r"^(g4dn|g5|g6|gr6|gr6f|g6e|g6f|g7|g7e|p4d|p4de|p5|p5e|p5en|p6-b\d+)$")
 DEFAULT_INSTANCE_TYPE = "c6i.large"
 DEFAULT_RDZV_INSTANCE_TYPE = "t3.small"
 DEFAULT_DRAIN_TIMEOUT = 120
@@ -62,12 +61,6 @@ class JobRequest:
 
 def family(instance_type: str) -> str:
     return instance_type.split(".", 1)[0]
-
-
-def is_gpu(instance_type: str) -> bool:
-    """An NVIDIA GPU type (the first of a comma-separated list speaks for all of them)."""
-    first = family(instance_type.split(",", 1)[0])
-    return bool(DLAMI_GPU_FAMILY.match(first) or OLD_GPU_FAMILY.match(first))
 
 
 def instance_types(req: JobRequest) -> list[str]:
@@ -120,27 +113,9 @@ def validate_request(req: JobRequest) -> JobRequest:
             raise ConfigError(f"--instance-type {t!r} is not an EC2 instance type like c6i.large")
         if len(types) > 1 and types.count(t) > 1:
             raise ConfigError(f"--instance-type lists {t} twice")
-        if req.ami is None and UNSUPPORTED_FAMILY.match(family(t)):
-            raise ConfigError(
-                f"--instance-type {t}: Graviton, Inferentia, Trainium and AMD GPU types need an "
-                f"image petctl does not pick for you; pass --ami, or use an x86 CPU or NVIDIA GPU type"
-            )
-        if req.ami is None and OLD_GPU_FAMILY.match(family(t)):
-            raise ConfigError(
-                f"--instance-type {t}: the Deep Learning AMI does not support {family(t)}; use a G4dn, G5, "
-                f"G6, G6e, P4d, P5 or newer type, or pass --ami with an image that does"
-            )
-    if len({is_gpu(t) for t in types}) > 1:
+    if not INSTANCE_TYPE_RE.match(req.rdzv_instance_type):
         raise ConfigError(
-            f"--instance-type {req.instance_type}: mixes GPU and CPU types, which need different images; "
-            f"list only one kind"
-        )
-    if not INSTANCE_TYPE_RE.match(req.rdzv_instance_type) or UNSUPPORTED_FAMILY.match(
-        family(req.rdzv_instance_type)
-    ):
-        raise ConfigError(
-            f"--rdzv-instance-type {req.rdzv_instance_type!r}: the rendezvous server runs the x86_64 "
-            f"Amazon Linux 2023 image; use an x86 type like t3.small"
+            f"--rdzv-instance-type {req.rdzv_instance_type!r} is not an EC2 instance type like t3.small"
         )
     if req.nproc_per_node != "auto" and not (req.nproc_per_node.isdigit() and int(req.nproc_per_node) >= 1):
         raise ConfigError(
@@ -181,6 +156,44 @@ def validate_request(req: JobRequest) -> JobRequest:
         if p.is_dir() and not (p / req.args[0]).is_file():
             raise ConfigError(f"{req.args[0]} is not a file inside {req.target}")
     return req
+
+
+def check_instance_types(req: JobRequest, facts: dict[str, InstanceTypeInfo]) -> bool:
+    """Refuse types the job's image cannot run, from what EC2 says about them (``facts``, looked
+    up by ``lookups.instance_facts``: every worker type and the rendezvous type); True when the
+    workers are GPU types. Pure: no AWS call."""
+    types = instance_types(req)
+    for t in types:
+        info = facts[t]
+        if req.ami is None and (not info.x86 or info.neuron or (info.gpu and not info.nvidia)):
+            what = (
+                f"{'/'.join(info.architectures) or 'not x86_64'} (Graviton)"
+                if not info.x86
+                else "Inferentia/Trainium"
+                if info.neuron
+                else f"{info.gpu_manufacturer} GPU"
+            )
+            raise ConfigError(
+                f"--instance-type {t}: {what} types need an image petctl does not pick for you; pass --ami, "
+                f"or use an x86 CPU or NVIDIA GPU type"
+            )
+        if req.ami is None and info.gpu and not DLAMI_GPU_FAMILY.match(family(t)):
+            raise ConfigError(
+                f"--instance-type {t}: the Deep Learning AMI does not support {family(t)}; use a G4dn, G5, "
+                f"G6, G6e, P4d, P5 or newer type, or pass --ami with an image that does"
+            )
+    if len({facts[t].gpu for t in types}) > 1:
+        gpu = ",".join(t for t in types if facts[t].gpu)
+        raise ConfigError(
+            f"--instance-type {req.instance_type}: mixes GPU ({gpu}) and CPU types, which need different "
+            f"images; list only one kind"
+        )
+    if not facts[req.rdzv_instance_type].x86:
+        raise ConfigError(
+            f"--rdzv-instance-type {req.rdzv_instance_type}: the rendezvous server runs the x86_64 "
+            f"Amazon Linux 2023 image; use an x86 type like t3.small"
+        )
+    return facts[types[0]].gpu
 
 
 def _check_warm_pool(req: JobRequest, types: list[str]) -> None:

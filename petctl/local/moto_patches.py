@@ -32,6 +32,10 @@
 9. **DeletionPolicy RetainExceptOnCreate**: AWS keeps such a resource when its stack is deleted,
    except when the operation that created it fails (a failed first create leaves nothing). moto
    knows only ``Retain``, so it deleted these resources with every stack.
+10. **Instance types**: moto's ``DescribeInstanceTypes`` table lacks types AWS still describes
+   that petctl answers differently (``p3.2xlarge``: an NVIDIA V100 type the Deep Learning AMI no
+   longer supports; ``g4ad.xlarge``: an AMD GPU type), so the local cloud called them unknown.
+   They are added with AWS's figures (GpuInfo, architecture, vCPUs, memory).
 7. **Warm pools**: moto keeps a warm pool's settings only; :mod:`petctl.local.moto_warm_pool`
    gives it instances, AWS's sizing and lifecycle states, and CloudFormation support.
 
@@ -337,8 +341,58 @@ def _patch_retain_except_on_create() -> None:
         original(self)
 
 
+#: Instance types AWS describes and moto 5.2 does not: name -> (base entry, changes). Figures from
+#: the EC2 instance type specifications (accelerated computing): p3.2xlarge 8 vCPUs, 61 GiB, one
+#: V100 16 GiB; g4ad.xlarge 4 vCPUs, 16 GiB, one Radeon Pro V520 8 GiB.
+EXTRA_INSTANCE_TYPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "p3.2xlarge": (
+        "g4dn.2xlarge",
+        {
+            "VCpuInfo": {"DefaultVCpus": 8, "DefaultCores": 4, "DefaultThreadsPerCore": 2},
+            "MemoryInfo": {"SizeInMiB": 62464},
+            "GpuInfo": {
+                "Gpus": [
+                    {"Name": "V100", "Manufacturer": "NVIDIA", "Count": 1, "MemoryInfo": {"SizeInMiB": 16384}}
+                ],
+                "TotalGpuMemoryInMiB": 16384,
+            },
+            "CurrentGeneration": False,
+        },
+    ),
+    "g4ad.xlarge": (
+        "g4dn.xlarge",
+        {
+            "VCpuInfo": {"DefaultVCpus": 4, "DefaultCores": 2, "DefaultThreadsPerCore": 2},
+            "MemoryInfo": {"SizeInMiB": 16384},
+            "GpuInfo": {
+                "Gpus": [
+                    {
+                        "Name": "Radeon Pro V520",
+                        "Manufacturer": "AMD",
+                        "Count": 1,
+                        "MemoryInfo": {"SizeInMiB": 8192},
+                    }
+                ],
+                "TotalGpuMemoryInMiB": 8192,
+            },
+        },
+    ),
+}
+
+
+def _patch_instance_types() -> None:
+    from moto.ec2.models import instance_types as it
+
+    for name, (base, changes) in EXTRA_INSTANCE_TYPES.items():
+        if name in it.INSTANCE_TYPES:
+            continue
+        it.INSTANCE_TYPES[name] = {**it.INSTANCE_TYPES[base], **changes, "InstanceType": name}
+        it.InstanceTypeBackend.instance_types.append(it.InstanceType(name))
+
+
 def apply() -> None:
     """Install the patches (idempotent)."""
+    _patch_instance_types()
     _patch_retain_except_on_create()
     _patch_template_limits()
     _patch_private_ips()

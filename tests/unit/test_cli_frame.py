@@ -196,16 +196,6 @@ def test_bad_since_duration():
     assert r.exit_code == 2 and "--since 'yesterday' is not a duration" in r.stderr
 
 
-@pytest.mark.parametrize(
-    "itype", ["c7g.large", "m6gd.xlarge", "inf2.xlarge", "trn1.2xlarge", "g4ad.xlarge", "a1.large"]
-)
-def test_instance_types_without_a_default_image_need_ami(tmp_path, itype):
-    script = tmp_path / "train.py"
-    script.write_text("print('hi')\n")
-    r = invoke("run_job", "--min", "1", "--max", "1", "--instance-type", itype, str(script))
-    assert r.exit_code == 2 and f"--instance-type {itype}" in r.stderr and "--ami" in r.stderr
-
-
 def test_s3_prefix_target_is_refused():
     r = invoke("run_job", "--min", "1", "--max", "1", "s3://bucket/code/")
     assert r.exit_code == 2 and "is a prefix" in r.stderr
@@ -252,66 +242,6 @@ def test_run_job_rejects_bad_new_options_in_one_line(tmp_path, flags, message):
     r = invoke("run_job", "--min", "1", "--max", "1", *flags, str(script))
     assert r.exit_code == 2 and message in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output
-
-
-@pytest.mark.parametrize("itype", ["p3.2xlarge", "p2.xlarge", "g3s.xlarge", "p3dn.24xlarge"])
-def test_gpu_types_the_deep_learning_ami_does_not_support_need_ami(tmp_path, itype):
-    script = tmp_path / "train.py"
-    script.write_text("print('hi')\n")
-    r = invoke("run_job", "--min", "1", "--max", "1", "--instance-type", itype, str(script))
-    assert r.exit_code == 2 and "the Deep Learning AMI does not support" in r.stderr and "--ami" in r.stderr
-
-
-@pytest.mark.parametrize(
-    "types,message",
-    [
-        ("c5.xlarge,g5.xlarge", "mixes GPU and CPU types"),
-        ("c5.xlarge,c5.xlarge", "lists c5.xlarge twice"),
-        ("c5.xlarge,m7g.large", "--instance-type m7g.large: Graviton"),
-        ("c5.xlarge,,", None),  # trailing commas are tolerated by the parser, checked below
-    ],
-)
-def test_instance_type_lists_are_checked(tmp_path, types, message):
-    script = tmp_path / "train.py"
-    script.write_text("print('hi')\n")
-    r = invoke("run_job", "--min", "1", "--max", "1", "--instance-type", types, str(script))
-    if message is None:
-        assert "--instance-type" not in r.stderr
-    else:
-        assert r.exit_code == 2 and message in r.stderr
-
-
-def test_rdzv_instance_type_must_fit_the_x86_image(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text("print('hi')\n")
-    r = invoke("run_job", "--min", "1", "--max", "1", "--rdzv-instance-type", "t4g.small", str(script))
-    assert r.exit_code == 2 and "x86_64" in r.stderr
-
-
-def test_gpu_families_follow_the_deep_learning_ami_list():
-    from petctl import jobs
-
-    for t in (
-        "g4dn.xlarge",
-        "g5.xlarge",
-        "g6.xlarge",
-        "gr6.4xlarge",
-        "g6e.xlarge",
-        "g6f.large",
-        "g7e.2xlarge",
-    ):
-        assert jobs.is_gpu(t), t
-    for t in (
-        "p4d.24xlarge",
-        "p4de.24xlarge",
-        "p5.48xlarge",
-        "p5e.48xlarge",
-        "p5en.48xlarge",
-        "p6-b200.48xlarge",
-    ):
-        assert jobs.is_gpu(t), t
-    for t in ("c6i.large", "m5.xlarge", "t3.small", "inf2.xlarge"):
-        assert not jobs.is_gpu(t), t
 
 
 def test_user_tag_values_are_sanitized():

@@ -9,8 +9,10 @@ import tarfile
 
 import pytest
 
-from petctl import jobs
+from petctl import jobs, render
 from petctl.config import Profile
+from petctl.errors import ConfigError
+from petctl.instance_types import InstanceTypeInfo
 
 PROFILE = Profile(
     name="team",
@@ -30,12 +32,67 @@ def no_aws(monkeypatch):
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
 
 
-def make_plan(tmp_path, profile=PROFILE, **kw):
+X86 = ("x86_64",)
+# What DescribeInstanceTypes says (the fields petctl reads), as lookups.instance_facts hands it in.
+FACTS = {
+    f.name: f
+    for f in (
+        InstanceTypeInfo("c6i.large", X86, 2, 4096),
+        InstanceTypeInfo("t3.small", ("x86_64",), 2, 2048),
+        InstanceTypeInfo("m7g.large", ("arm64",), 2, 8192),
+        InstanceTypeInfo("inf2.xlarge", X86, 4, 16384, neuron=True),
+        InstanceTypeInfo("g5.xlarge", X86, 4, 16384, 1, 1, "NVIDIA", "A10G"),
+        # a fractional L4: Count 0, LogicalGpuCount 1 (what EC2 and moto answer)
+        InstanceTypeInfo("gr6f.4xlarge", X86, 16, 131072, 0, 1, "NVIDIA", "L4"),
+        InstanceTypeInfo("p3.2xlarge", X86, 8, 62464, 1, 1, "NVIDIA", "V100"),
+        InstanceTypeInfo("g4ad.xlarge", X86, 4, 16384, 1, 1, "AMD", "Radeon Pro V520"),
+    )
+}
+
+
+def make_plan(tmp_path, profile=PROFILE, facts=FACTS, **kw):
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
     req = jobs.validate_request(jobs.JobRequest(target=str(script), min_nodes=2, max_nodes=4, **kw))
     code = jobs.prepare_code(req)
-    return jobs.plan(req, profile, code, user="alice (admin)", region="us-east-1")
+    return jobs.plan(req, profile, code, facts, user="alice (admin)", region="us-east-1")
+
+
+def test_gpu_or_cpu_comes_from_the_facts_not_the_name(tmp_path):
+    gpu = make_plan(tmp_path, name="gpu", instance_type="gr6f.4xlarge")
+    assert gpu.gpu and gpu.to_dict()["gpu"] is True
+    assert "Deep Learning Base OSS Nvidia Driver AMI" in render.plan_text(gpu.to_dict())
+    assert "CUDA torch" in render.plan_text(gpu.to_dict())
+    cpu = make_plan(tmp_path, name="cpu")
+    assert not cpu.gpu and "CPU torch" in render.plan_text(cpu.to_dict())
+    assert gpu.template != cpu.template  # the GPU variant: the Deep Learning AMI's parameter
+    # The same name, described by EC2 as a CPU type, plans as CPU: nothing reads the name.
+    as_cpu = {**FACTS, "gr6f.4xlarge": InstanceTypeInfo("gr6f.4xlarge", X86, 16, 131072)}
+    assert not make_plan(tmp_path, facts=as_cpu, name="gpu", instance_type="gr6f.4xlarge").gpu
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"instance_type": "c6i.large,g5.xlarge"}, "mixes GPU (g5.xlarge) and CPU types"),
+        ({"instance_type": "p3.2xlarge"}, "the Deep Learning AMI does not support p3"),
+        ({"instance_type": "m7g.large"}, "--instance-type m7g.large: arm64 (Graviton) types need an image"),
+        ({"instance_type": "inf2.xlarge"}, "Inferentia/Trainium types need an image"),
+        ({"instance_type": "g4ad.xlarge"}, "AMD GPU types need an image"),
+        ({"rdzv_instance_type": "m7g.large"}, "--rdzv-instance-type m7g.large: the rendezvous server"),
+        ({"instance_type": "m7g.large,g5.xlarge", "ami": "ami-0123456789abcdef0"}, "mixes GPU"),
+    ],
+)
+def test_instance_types_the_image_cannot_run_are_refused(tmp_path, kw, message):
+    with pytest.raises(ConfigError, match=None) as e:
+        make_plan(tmp_path, name="bad", **kw)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_with_ami_any_architecture_and_gpu_is_planned(tmp_path):
+    ami = "ami-0123456789abcdef0"
+    assert not make_plan(tmp_path, name="arm", instance_type="m7g.large", ami=ami).gpu
+    assert make_plan(tmp_path, name="old", instance_type="p3.2xlarge", ami=ami).gpu
 
 
 def test_plan_of_a_script(tmp_path):
@@ -70,7 +127,7 @@ def test_a_directory_is_tarred_before_the_plan(tmp_path):
     code = jobs.prepare_code(req)
     assert (code.kind, code.script, code.args) == ("dir", "pkg/main.py", ["--lr", "0.1"])
     assert tarfile.open(fileobj=io.BytesIO(code.data)).getnames() == ["pkg/main.py"]
-    p = jobs.plan(req, PROFILE, code, user="bob", region="us-east-1")
+    p = jobs.plan(req, PROFILE, code, FACTS, user="bob", region="us-east-1")
     assert p.spec.code_url == "s3://team-bucket/petctl/jobs/dirjob/code/code.tar.gz"
     assert p.summary()["uploads"][0]["from"] == f"tar of {project}"
 
@@ -92,7 +149,5 @@ def test_a_warm_pool_is_planned_as_its_size(tmp_path):
     d = p.to_dict()
     assert d["parameters"]["WarmPoolSize"] == "3" and d["warm_pool"] == 3
     assert "AWS::AutoScaling::WarmPool" in d["template"]
-    from petctl import render
-
     assert "warm pool:    3 stopped instance(s)" in render.plan_text(d)
     assert "warm pool:    none" in render.plan_text(make_plan(tmp_path, name="cold").to_dict())
