@@ -247,13 +247,18 @@ def test_a_boot_failing_on_a_missing_module_says_so_everywhere(
     iid = st["boot_failures"]["instance_id"]
     assert st["boot_failures"]["error"] == "ModuleNotFoundError: No module named 'petctl_no_such_module'"
     assert f"{iid}: ModuleNotFoundError" in st["reason"] and f"logs {job} --boot {iid}`" in st["reason"]
-    # the boot script itself published the line (it read its whole log)
-    (doc,) = [d for d in st["boot_events"] if d["instance_id"] == iid]
-    assert doc["events"][-1] == {
-        **doc["events"][-1],
-        "kind": "boot_failed",
-        "error": st["boot_failures"]["error"],
-    }
+    # the boot script itself published the line (it read its whole log), with its boot_failed event
+    # (after the log and the scale-to-zero: status may come first and read the log's tail)
+    last = wait_for(
+        lambda: [
+            d["events"][-1]
+            for d in petctl("status", job)["boot_events"]
+            if d["instance_id"] == iid and d["events"][-1]["kind"] == "boot_failed"
+        ],
+        timeout=30,
+        what="the boot_failed event",
+    )
+    assert last[0]["error"] == "ModuleNotFoundError: No module named 'petctl_no_such_module'"
     # the command the reason names prints the whole log
     whole = petctl("logs", job, "--boot", iid)
     assert "Traceback (most recent call last):" in whole.output and "petctl boot: FAILED" in whole.output
