@@ -57,9 +57,8 @@ class Demo:
         env = {**os.environ, **self.extra_env}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
         if check and proc.returncode != 0:
-            raise PetctlError(
-                f"`petctl --local {' '.join(args)}` failed: {proc.stderr.strip().splitlines()[-1:]}"
-            )
+            last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode} with no message"])[-1]
+            raise PetctlError(f"`petctl --local {' '.join(args)}` failed: {last.removeprefix('Error: ')}")
         if not json_out:
             return proc.stdout
         return json.loads(proc.stdout) if proc.stdout.strip() else None
