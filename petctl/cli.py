@@ -132,12 +132,10 @@ def _as_petctl_error(e: Exception) -> PetctlError:
         return ConfigError(NO_CREDENTIALS)
     if name == "NoRegionError":
         return ConfigError("no AWS region: pass --region or set AWS_REGION")
-    if name in ("EndpointConnectionError", "ConnectTimeoutError"):
-        return PetctlError(f"cannot reach the AWS endpoint ({e}); check the network or AWS_ENDPOINT_URL")
-    if name == "ClientError":
-        from petctl.errors import describe_client_error
+    if type(e).__module__.split(".")[0] in ("botocore", "boto3", "s3transfer", "urllib3"):
+        from petctl.errors import describe_aws_error
 
-        return PetctlError(f"AWS request failed: {describe_client_error(e)} (rerun with --debug for details)")
+        return PetctlError(describe_aws_error(e) + " (rerun with --debug for details)")
     return PetctlError(f"unexpected {name}: {e} (rerun with --debug for the traceback)")
 
 

@@ -152,7 +152,14 @@ def status_text(r: dict[str, Any]) -> str:
                 f"  +{e.get('t', 0) - t0:7.1f}s  {e.get('instance_id', '?'):<20} {e.get('kind', '?'):<18} {extra}"
             )
     if r.get("reason"):
-        lines.insert(1, f"  reason: {r['reason']}")
+        boot = r.get("boot_failures") or {}
+        tail = (
+            [f"  the newest failed boot's log ({boot['instance_id']}) ends:"]
+            + ["    " + line for line in boot.get("last_lines") or []]
+            if r["state"] == "FAILED" and boot.get("count") and boot.get("last_lines")
+            else []
+        )
+        lines[1:1] = [f"  reason: {r['reason']}", *tail]
     return "\n".join(lines)
 
 

@@ -84,11 +84,25 @@ def list_hosts(obj: Context, job: str) -> None:
     "--since", default=None, help="Only lines newer than this (30s, 10m, 2h, 1d) [default: the last hour]."
 )
 @click.option("--instance", default=None, help="Only this instance's stream.")
+@click.option(
+    "--boot",
+    "boot_instance",
+    metavar="INSTANCE_ID",
+    default=None,
+    help="Print the whole boot log this instance published when its boot failed (from S3).",
+)
 @pass_ctx
-def logs(obj: Context, job: str, follow: bool, since: str | None, instance: str | None) -> None:
-    """Print the job's log lines from CloudWatch Logs."""
+def logs(
+    obj: Context, job: str, follow: bool, since: str | None, instance: str | None, boot_instance: str | None
+) -> None:
+    """Print the job's log lines from CloudWatch Logs (or, with --boot, a failed boot's log)."""
     from petctl import jobs
     from petctl import logs as logs_mod
+
+    if boot_instance is not None:
+        text = jobs.boot_log(obj.gateway(), job, boot_instance)
+        click.echo(text.decode("utf-8", "replace"), nl=False)
+        return
 
     since_s = logs_mod.parse_duration(since) if since else None
     group = obj.profile.log_group or naming.log_group(obj.profile_name)

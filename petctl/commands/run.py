@@ -203,5 +203,12 @@ def _wait_for_job(obj: Context, job: str, follow: bool) -> None:
         raise PetctlError(f"job {job} ended GONE")
     if final.state != "SUCCEEDED":
         reason = final.reason or "; ".join(sorted({a.get("reason") for a in final.agents if a.get("reason")}))
-        raise PetctlError(f"job {job} ended {final.state}" + (f": {reason}" if reason else ""))
+        raise PetctlError(
+            f"job {job} ended {final.state}: "
+            + (
+                reason
+                or ("its stack is being deleted (kill-job)" if final.state == "DELETING" else "")
+                or f"no reason recorded; `{cmd('status ' + job)}` shows the hosts"
+            )
+        )
     obj.ui.progress(f"job {job} SUCCEEDED at step {final.last_step}")

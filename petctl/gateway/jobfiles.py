@@ -49,6 +49,12 @@ class JobFiles:
             )
             return [], b""
 
+    def boot_log(self, job: str, instance_id: str) -> bytes | None:
+        """The whole boot log a failing instance published (``boot/<instance-id>.log``), or None."""
+        if not self.bucket:
+            return None
+        return self.objects.read(self.bucket, f"{naming.job_prefix(job)}boot/{instance_id}.log")
+
     def clear_reports(self, job: str) -> None:
         """A reused job name must not inherit the previous run's reports (kill-job keeps the prefix)."""
         if self.bucket:

@@ -56,6 +56,15 @@ class Objects:
             for o in page.get("Contents", [])
         ]
 
+    def read(self, bucket: str, key: str) -> bytes | None:
+        """The whole object, or None when it does not exist."""
+        try:
+            return self.s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+        except ClientError as e:
+            if describe_client_error(e).startswith(("404", "NoSuchKey", "NoSuchBucket")):
+                return None
+            raise AwsError(f"cannot read s3://{bucket}/{key} ({describe_client_error(e)})") from e
+
     def tail(self, bucket: str, key: str, size: int) -> bytes:
         """The last ``size`` bytes of an object."""
         return self.s3.get_object(Bucket=bucket, Key=key, Range=f"bytes=-{size}")["Body"].read()

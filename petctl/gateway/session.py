@@ -16,7 +16,7 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
-from petctl.errors import AwsError, ConfigError, describe_client_error
+from petctl.errors import AwsError, ConfigError, describe_aws_error, describe_client_error
 from petctl.ui import cmd
 
 _RETRIES = botocore.config.Config(
@@ -56,6 +56,8 @@ class Clients:
             raise ConfigError(
                 f"no AWS region: pass --region, set AWS_REGION, or record one with `{cmd('configure --region')}`"
             )
+        check_region(self.session, self.region)
+        check_endpoints(endpoint_url)
         self.endpoint_url = endpoint_url
         self.debug = debug
         self._cache: dict[str, Any] = {}
@@ -66,6 +68,7 @@ class Clients:
             if self.endpoint_url:
                 kwargs["endpoint_url"] = self.endpoint_url
             client = self.session.client(service, **kwargs)
+            client.meta.events.register("after-call.*.*", _name_the_service)
             if self.debug is not None:
                 _log_calls(client, self.debug)
             self._cache[service] = client
@@ -78,9 +81,73 @@ class Clients:
         except botocore.exceptions.NoCredentialsError as e:
             raise ConfigError(NO_CREDENTIALS) from e
         except botocore.exceptions.ClientError as e:
-            raise AwsError(f"AWS rejected the credentials ({describe_client_error(e)})") from e
-        except botocore.exceptions.EndpointConnectionError as e:
-            raise AwsError(f"cannot reach AWS ({e}); check the network or AWS_ENDPOINT_URL") from e
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (400, 401, 403):
+                raise AwsError(f"AWS rejected the credentials ({describe_client_error(e)})") from e
+            raise AwsError(describe_aws_error(e)) from e
+        except botocore.exceptions.BotoCoreError as e:
+            raise AwsError(describe_aws_error(e)) from e
+
+
+def _name_the_service(parsed: Any, model: Any, **_: Any) -> None:
+    """An AWS error names its service (``describe_aws_error``): botocore raises the ClientError
+    with this very ``parsed`` dict as its ``response``, after this event."""
+    if isinstance(parsed, dict) and isinstance(parsed.get("Error"), dict):
+        parsed["Error"].setdefault("PetctlService", model.service_model.service_name)
+
+
+#: Region names are lower-case words and a number (us-east-1, ap-southeast-7, us-gov-west-1).
+_REGION_NAME = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d+$")
+
+
+def known_regions(session: Any, partitions: tuple[str, ...] | None = None) -> list[str]:
+    """Every region botocore's own endpoint data lists, in all partitions (aws, aws-cn, ...)."""
+    regions: set[str] = set()
+    for partition in partitions or session.get_available_partitions():
+        for service in ("cloudformation", "ec2"):
+            regions.update(session.get_available_regions(service, partition_name=partition))
+    return sorted(regions)
+
+
+#: Shown when a wrong region resembles none that exists.
+_COMMON_REGIONS = ("us-east-1", "us-east-2", "us-west-2", "eu-west-1", "eu-central-1", "ap-northeast-1")
+
+
+def check_region(session: Any, region: str) -> None:
+    """Refuse a region that does not exist before any call (AWS would answer with a DNS failure of
+    ``cloudformation.<region>.amazonaws.com`` only after retries), listing some that do."""
+    known = known_regions(session)
+    if region in known:
+        return
+    commercial = known_regions(session, ("aws",))
+    some = [r for r in commercial if r.startswith(region.split("-")[0] + "-")] or [
+        r for r in _COMMON_REGIONS if r in commercial
+    ]
+    hint = "" if _REGION_NAME.match(region) else " (a region is a name like us-east-1)"
+    raise ConfigError(
+        f"region {region!r} does not exist{hint}; {len(known)} do, e.g. {', '.join(some[:8])} "
+        f"(pass --region; a region newer than this botocore needs `pip install -U botocore`)"
+    )
+
+
+def check_endpoints(endpoint_url: str | None) -> None:
+    """An endpoint (``--local``'s, or AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_<SERVICE>) must be an
+    http(s) URL with a host: botocore would fail on it with a ValueError at the first client."""
+    import os
+    from urllib.parse import urlsplit
+
+    named = [("endpoint", endpoint_url)] if endpoint_url else []
+    named += [(k, v) for k, v in sorted(os.environ.items()) if k.startswith("AWS_ENDPOINT_URL") and v]
+    for name, url in named:
+        try:
+            parts = urlsplit(url)
+            ok = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 1) > 0
+        except ValueError:  # a port that is not a number
+            ok = False
+        if not ok:
+            raise ConfigError(
+                f"{name}={url!r} is not an endpoint URL; use http(s)://HOST[:PORT] (e.g. http://127.0.0.1:5000), "
+                f"or unset it to reach AWS"
+            )
 
 
 _SECRET = re.compile(r"secret|password|token|credential|^body$|userdata|policydocument", re.I)

@@ -18,7 +18,7 @@ fact of the status into observe.gather and state.derive.
 from petctl.jobs.apply import Started, apply
 from petctl.jobs.control import kill_job, scale, upload
 from petctl.jobs.lookups import check_code_url, instance_facts, resolve_ami, resolve_vpc
-from petctl.jobs.observe import find_job, hosts, list_jobs, observe, require_job, wait_for_end
+from petctl.jobs.observe import boot_log, find_job, hosts, list_jobs, observe, require_job, wait_for_end
 from petctl.jobs.planning import Code, Plan, plan, prepare_code
 from petctl.jobs.prepare import prepare
 from petctl.jobs.request import (
@@ -33,6 +33,7 @@ from petctl.jobs.state import BOOT_FAILURES_TO_FAIL, BOOT_LOG_LINES
 from petctl.jobs.status import FINAL_STATES, Host, JobStatus
 
 __all__ = [
+    "boot_log",
     "BOOT_FAILURES_TO_FAIL",
     "BOOT_LOG_LINES",
     "DEFAULT_TORCH_VERSION",

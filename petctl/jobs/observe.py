@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -91,9 +92,26 @@ def gather(gw: Gateway, profile: str, job: str, now: float | None = None) -> Fac
     hosts_ = inventory(gw, job, stack)
     reports = gw.job_files.read_status(job)
     logs, tail = gw.job_files.boot_logs(job)
-    boot = st.boot_summary(logs, tail, naming.job_prefix(job) + "boot/")
     docs = gw.job_files.boot_events(job)
+    boot = st.boot_summary(logs, tail, naming.job_prefix(job) + "boot/", docs)
     return Facts(job, stack, group, hosts_, reports, boot, docs, time.time() if now is None else now)
+
+
+def boot_log(gw: Gateway, job: str, instance_id: str) -> bytes:
+    """The whole boot log ``instance_id`` published when its boot failed (``logs --boot``); kept
+    after kill-job, like the job's other files."""
+    check_job_name(job)
+    if not re.fullmatch(r"i-[0-9a-z]{1,32}", instance_id):
+        raise ConfigError(
+            f"--boot {instance_id!r} is not an instance id (i-...); `{cmd('status ' + job)}` names them"
+        )
+    text = gw.job_files.boot_log(job, instance_id)
+    if text is None:
+        raise NotFound(
+            f"no boot log of {instance_id} in job {job!r} (an instance publishes one only when its boot "
+            f"fails); `{cmd('status ' + job)}` names the failed boots"
+        )
+    return text
 
 
 def observe(job: str, gw: Gateway, profile: str) -> JobStatus:

@@ -9,6 +9,7 @@ json`` document (docs/contracts.md). A new agent state is handled in :func:`over
 from __future__ import annotations
 
 import datetime as dt
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,7 +88,7 @@ def derive(f: Facts) -> JobStatus:
     return JobStatus(
         job=f.job,
         state=state,
-        reason=boot_failure_reason(f.boot) if failed_boot and state == "FAILED" else None,
+        reason=failure_reason(f, state, failed_boot, current),
         boot_failures=f.boot,
         boot_events=boot_phases(f.boot_docs),
         stack_status=f.stack["StackStatus"],
@@ -175,26 +176,117 @@ def boot_failed(boot: BootFailures, trained: bool, desired: int | None) -> bool:
     return boot.count > 0 and not trained and (boot.count >= BOOT_FAILURES_TO_FAIL or desired == 0)
 
 
-def boot_failure_reason(boot: BootFailures) -> str:
-    tail = "\n".join("    " + line for line in boot.last_lines)
+#: A line that says what went wrong: a Python exception (a traceback's last line), ``error:``,
+#: ``ERROR``, ``FAILED``, bash's own complaints. The boot scripts' ERR trap finds the same line
+#: with the same pattern (``first_error`` in cfn_templates/user_data/common.sh.j2).
+ERROR_LINE = re.compile(
+    "^[A-Za-z_][A-Za-z0-9_.]*(Error|Exception|Exit|Interrupt)[A-Za-z0-9_.]*:|[Ee]rror:|ERROR|FAILED"
+    "|[Ff]atal:|command not found|unbound variable|syntax error|[Pp]ermission denied|No such file"
+    "|[Tt]imed out|Connection refused"
+)
+#: The boot scripts' own closing line (``petctl boot: FAILED (exit N) at line L: ...``): a line of
+#: last resort, the cause is above it.
+_BOOT_TRAILER = "petctl boot: FAILED (exit"
+#: How long a reason's quoted line may be.
+REASON_LINE_MAX = 300
+
+
+def first_error_line(lines: list[str]) -> str | None:
+    """The first line that says what went wrong, not the first line of the log (indented lines, a
+    traceback's frames and code, and the boot scripts' closing line do not count); else the last
+    line above the closing one."""
+    picked = next(
+        (
+            line
+            for line in lines
+            if line[:1] not in (" ", "\t") and not line.startswith(_BOOT_TRAILER) and ERROR_LINE.search(line)
+        ),
+        None,
+    ) or next(  # else the last line above the closing one
+        (line for line in reversed(lines) if line.strip() and not line.startswith(_BOOT_TRAILER)), None
+    )
+    if picked is None:
+        return None
+    picked = picked.strip()
+    return picked if len(picked) <= REASON_LINE_MAX else picked[: REASON_LINE_MAX - 3] + "..."
+
+
+def boot_failure_reason(boot: BootFailures, job: str) -> str:
+    """One line: how many boots failed, the newest one's instance and first error line, and the
+    command that prints its whole log."""
+    from petctl.ui import cmd
+
+    error = boot.error or first_error_line(boot.last_lines) or "its log is empty"
     return (
-        f"{boot.count} instance boot(s) failed and no node ever trained; the newest boot log "
-        f"(s3 .../boot/{boot.instance_id}.log) ends:\n{tail}"
+        f"{boot.count} instance boot(s) failed and no node ever trained; {boot.instance_id}: {error} "
+        f"(whole boot log: `{cmd(f'logs {job} --boot {boot.instance_id}')}`)"
     )
 
 
-def boot_summary(logs: list[dict[str, Any]], newest_tail: bytes, prefix: str) -> BootFailures:
-    """:class:`BootFailures` from the boot log listing (newest last) and the newest log's end."""
+def agent_failure_reason(agents: list[dict[str, Any]], job: str) -> str | None:
+    """The first FAILED agent's reason, with its instance and the command that prints its log."""
+    from petctl.ui import cmd
+
+    failed = sorted(
+        (a for a in agents if a.get("state") == "FAILED"), key=lambda a: float(a.get("updated_at") or 0)
+    )
+    if not failed:
+        return None
+    a = failed[0]
+    iid = a.get("instance_id") or "?"
+    why = (a.get("reason") or "").strip().splitlines()
+    text = (first_error_line(why) or why[-1]) if why else "its agent published no reason"
+    return f"the agent of {iid} FAILED: {text} (its log: `{cmd(f'logs {job} --instance {iid}')}`)"
+
+
+def failure_reason(f: Facts, state: str, failed_boot: bool, current: list[dict[str, Any]]) -> str | None:
+    """Why a FAILED job failed, in one line; never empty for a FAILED job."""
+    from petctl.ui import cmd
+
+    if state != "FAILED":
+        return None
+    stack_status = f.stack.get("StackStatus") or ""
+    if stack_status.endswith("_FAILED") or stack_status.startswith("ROLLBACK"):
+        why = (f.stack.get("StackStatusReason") or "").strip() or "CloudFormation gave no reason"
+        return f"stack {f.stack.get('StackName', '?')} is {stack_status}: {why}"
+    if failed_boot:
+        return boot_failure_reason(f.boot, f.job)
+    return agent_failure_reason(current, f.job) or (
+        f"no reason was recorded; `{cmd(f'status {f.job}')}` lists the hosts and "
+        f"`{cmd(f'logs {f.job}')}` prints the agents' logs"
+    )
+
+
+def boot_summary(
+    logs: list[dict[str, Any]], newest_tail: bytes, prefix: str, docs: list[dict[str, Any]] | None = None
+) -> BootFailures:
+    """:class:`BootFailures` from the boot log listing (newest last), the newest log's end and the
+    boot events documents (``docs``: the error line a failing boot published)."""
+    docs = docs or []
     if not logs:
         return BootFailures()
     newest = logs[-1]
     lines = [line for line in newest_tail.decode("utf-8", "replace").splitlines() if line.strip()]
+    instance_id = newest["Key"][len(prefix) : -len(".log")]
     return BootFailures(
         count=len(logs),
-        instance_id=newest["Key"][len(prefix) : -len(".log")],
+        instance_id=instance_id,
         at=iso(newest.get("LastModified")),
         last_lines=lines[-BOOT_LOG_LINES:],
+        error=published_error(docs, instance_id) or first_error_line(lines),
     )
+
+
+def published_error(docs: list[dict[str, Any]], instance_id: str) -> str | None:
+    """The first error line the boot script of ``instance_id`` published with its ``boot_failed``
+    event (it read its whole log; the tail petctl reads may have lost it)."""
+    for d in docs:
+        if d.get("instance_id") != instance_id:
+            continue
+        for e in d.get("events") or []:
+            if isinstance(e, dict) and e.get("kind") == "boot_failed" and str(e.get("error") or "").strip():
+                return str(e["error"]).strip()[:REASON_LINE_MAX]
+    return None
 
 
 def boot_phases(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:

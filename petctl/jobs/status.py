@@ -100,6 +100,9 @@ class BootFailures:
     instance_id: str | None = None
     at: str | None = None
     last_lines: list[str] = field(default_factory=list)
+    #: The newest failing boot's first error line (what its script published, else found in
+    #: ``last_lines``).
+    error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -107,6 +110,7 @@ class BootFailures:
             "instance_id": self.instance_id,
             "at": self.at,
             "last_lines": self.last_lines,
+            "error": self.error,
         }
 
 
@@ -141,7 +145,8 @@ class JobStatus:
         return {
             "job": self.job,
             "state": self.state,
-            # Why a job failed, when petctl knows it (for now: every boot keeps failing).
+            # Why a job failed, one line (never empty when FAILED): the stack's reason, the newest
+            # failing boot's first error line, or the first failed agent's reason.
             "reason": self.reason,
             "boot_failures": self.boot_failures.to_dict(),
             "boot_events": self.boot_events,

@@ -57,9 +57,8 @@ class Demo:
         env = {**os.environ, **self.extra_env}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
         if check and proc.returncode != 0:
-            raise PetctlError(
-                f"`petctl --local {' '.join(args)}` failed: {proc.stderr.strip().splitlines()[-1:]}"
-            )
+            last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode} with no message"])[-1]
+            raise PetctlError(f"`petctl --local {' '.join(args)}` failed: {last.removeprefix('Error: ')}")
         if not json_out:
             return proc.stdout
         return json.loads(proc.stdout) if proc.stdout.strip() else None
@@ -92,10 +91,7 @@ class Demo:
                     f"job {self.job} finished before {what}; give it more --total-steps or a longer --step-time"
                 )
             if st["state"] == "FAILED" and "FAILED" not in what:
-                reasons = {a.get("reason") for a in st.get("agents", []) if a.get("state") == "FAILED"}
-                raise PetctlError(
-                    f"job {self.job} FAILED while waiting for {what}: {'; '.join(map(str, reasons))}"
-                )
+                raise PetctlError(f"job {self.job} FAILED while waiting for {what}: {failure_reason(st)}")
             if time.monotonic() > deadline:
                 raise PetctlError(
                     f"timed out after {timeout or self.timeout:.0f}s waiting for {what}; last: {line}"
@@ -185,6 +181,19 @@ class Demo:
                 self.say(f"petctl --local kill-job {self.job} --yes")
                 self.petctl("kill_job", self.job, "--yes", check=False)
         return st
+
+
+def failure_reason(st: dict[str, Any]) -> str:
+    """Why a FAILED job failed: the status's reason (the failing boot's or agent's first error
+    line), else its failed agents' reasons; never empty."""
+    if st.get("reason"):
+        return str(st["reason"])
+    reasons = sorted(
+        {str(a["reason"]) for a in st.get("agents", []) if a.get("state") == "FAILED" and a.get("reason")}
+    )
+    return (
+        "; ".join(reasons) or f"no reason recorded; `petctl --local status {st.get('job')}` shows the hosts"
+    )
 
 
 def stepping(st: dict[str, Any], world: int, after: int = -1) -> bool:

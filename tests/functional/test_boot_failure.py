@@ -117,3 +117,23 @@ def test_run_job_again_forgets_the_old_boot_logs(run, job_stack, tmp_path):
     assert r.exit_code == 0, r.output
     st = status(run)
     assert st["state"] != "FAILED" and st["boot_failures"]["count"] == 0
+
+
+def test_reason_is_one_line_and_logs_boot_prints_the_whole_log(run, job_stack):
+    for n in range(2):
+        publish(job_stack, f"i-0000000000000000{n}")
+    publish(job_stack, "i-00000000000000009", "ModuleNotFoundError: No module named 'petctl_agent'")
+    st = status(run)
+    assert st["state"] == "FAILED" and "\n" not in st["reason"]
+    assert st["boot_failures"]["error"] == "ModuleNotFoundError: No module named 'petctl_agent'"
+    assert "i-00000000000000009: ModuleNotFoundError: No module named 'petctl_agent'" in st["reason"]
+    assert f"`petctl logs {JOB} --boot i-00000000000000009`" in st["reason"]
+    text = run("status", JOB).output
+    assert f"  reason: {st['reason']}" in text and "    petctl boot: FAILED (exit 1) at line 72" in text
+    whole = run("logs", JOB, "--boot", "i-00000000000000009")
+    assert whole.exit_code == 0 and whole.output.encode() == boot_log(
+        "i-00000000000000009", "ModuleNotFoundError: No module named 'petctl_agent'"
+    )
+    assert run("logs", JOB, "--boot", "i-00000000000000042").exit_code == 3
+    bad = run("logs", JOB, "--boot", "../status/x")
+    assert bad.exit_code == 2 and "is not an instance id" in bad.output

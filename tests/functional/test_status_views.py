@@ -132,7 +132,10 @@ def test_run_job_follow_streams_logs_and_exits_with_the_jobs_result(run, job, tm
     assert r.exit_code == code, r.output
     assert "step=7 from the worker" in r.stdout
     if code:
-        assert "job waited ended FAILED: workers failed: exit 1" in r.stderr
+        assert (
+            "job waited ended FAILED: the agent of i-0abc FAILED: workers failed: exit 1 "
+            "(its log: `petctl logs waited --instance i-0abc`)"
+        ) in r.stderr
 
 
 def test_status_watch_refreshes_until_the_job_ends(run, job):

@@ -20,6 +20,7 @@ from localcloud_helpers import Cloud, wait_for
 
 import petctl.local as local
 from petctl import templates
+from petctl.errors import PetctlError
 
 TRAIN = Path(__file__).resolve().parents[2] / "scripts" / "elastic_train.py"
 WORKER_EVENTS = ["launched", "efs_mounted", "deps_installed", "agent_started"]
@@ -210,3 +211,63 @@ def test_broken_boot_scripts_fail_loudly(petctl: Any, cloud: Cloud, monkeypatch:
     assert [e["kind"] for e in events["events"]] == WORKER_EVENTS
     for job in BREAKAGES:
         petctl("kill-job", job, "--yes", "--no-wait")
+
+
+def test_a_boot_failing_on_a_missing_module_says_so_everywhere(
+    petctl: Any, cloud: Cloud, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The issue's demo ended 'FAILED while waiting for training at world size 2:' with nothing after
+    it. A worker boot whose Python import fails: the module's name reaches `status`, `run-job
+    --wait` and the demo's error, with the instance and the command that prints the whole log."""
+    from petctl.local.demo import Demo, stepping
+
+    render = templates.render_job
+    pad = " " * 12  # the user data's indent inside the YAML block
+    line = "retry /opt/petctl/bin/pip install --quiet --upgrade pip\n"
+
+    def broken(**kwargs: Any) -> str:
+        text = render(**kwargs)
+        assert (pad + line) in text
+        return text.replace(pad + line, pad + "/opt/petctl/bin/python -c 'import petctl_no_such_module'\n", 1)
+
+    monkeypatch.setattr(templates, "render_job", broken)
+    job = "boot-module"
+    from petctl.cli import cli
+
+    res = CliRunner().invoke(
+        cli,
+        ["--local", "run-job", "--name", job, "--min", "1", "--max", "1", "--drain-timeout", "30", str(TRAIN), "--wait"],
+        catch_exceptions=False,
+    )  # fmt: skip
+    assert res.exit_code == 1, res.output
+    error = res.output.strip().splitlines()[-1]
+    assert error.startswith(f"Error: job {job} ended FAILED: ") and "Traceback" not in res.output
+    assert "ModuleNotFoundError: No module named 'petctl_no_such_module'" in error, error
+    st = petctl("status", job)
+    iid = st["boot_failures"]["instance_id"]
+    assert st["boot_failures"]["error"] == "ModuleNotFoundError: No module named 'petctl_no_such_module'"
+    assert f"{iid}: ModuleNotFoundError" in st["reason"] and f"logs {job} --boot {iid}`" in st["reason"]
+    # the boot script itself published the line (it read its whole log), with its boot_failed event
+    # (after the log and the scale-to-zero: status may come first and read the log's tail)
+    last = wait_for(
+        lambda: [
+            d["events"][-1]
+            for d in petctl("status", job)["boot_events"]
+            if d["instance_id"] == iid and d["events"][-1]["kind"] == "boot_failed"
+        ],
+        timeout=30,
+        what="the boot_failed event",
+    )
+    assert last[0]["error"] == "ModuleNotFoundError: No module named 'petctl_no_such_module'"
+    # the command the reason names prints the whole log
+    whole = petctl("logs", job, "--boot", iid)
+    assert "Traceback (most recent call last):" in whole.output and "petctl boot: FAILED" in whole.output
+    missing = petctl("logs", job, "--boot", "i-0000000000000dead", ok=False)
+    assert missing.exit_code == 3 and "no boot log of i-0000000000000dead" in missing.output
+    # the demo's error (it reads `petctl --local status` in a subprocess, as a user would)
+    with pytest.raises(PetctlError) as e:
+        Demo(job=job, timeout=30, poll=0.5, log=lambda _: None).wait_for(
+            "training at world size 2", lambda s: stepping(s, 2)
+        )
+    assert "No module named 'petctl_no_such_module'" in str(e.value), str(e.value)
+    petctl("kill-job", job, "--yes", "--no-wait")

