@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"petctl": ROOT / "petctl", "petctl_agent": ROOT / "agent"}
+PACKAGES = {"petctl": ROOT / "petctl", "petctl_agent": ROOT / "agent" / "petctl_agent"}
 AGENT_CONTRACTS = {"petctl_agent", "petctl_agent.spec", "petctl_agent.settings"}
 CLI_LAYER = ("petctl.cli", "petctl.commands", "petctl.render")
 UPPER_LAYERS = (*CLI_LAYER, "petctl.jobs", "petctl.infra", "petctl.timeline", "petctl.context")

@@ -25,11 +25,14 @@ def test_the_code_keeps_its_layers() -> None:
     ("graph", "rule"),
     [
         ({"petctl.a": {"petctl.b"}, "petctl.b": {"petctl.a"}}, "import cycle"),
-        ({"petctl_agent.node": {"petctl.naming"}, "petctl.naming": set()}, "never imports petctl"),
+        ({"petctl_agent.node.agent": {"petctl.naming"}, "petctl.naming": set()}, "never imports petctl"),
         ({"petctl.jobs.apply": {"boto3"}}, "only petctl.gateway talks to AWS"),
         ({"petctl.jobs.apply": {"petctl.render"}, "petctl.render": set()}, "never imports the CLI"),
         ({"petctl.gateway.groups": {"petctl.jobs.state"}, "petctl.jobs.state": set()}, "no layer above"),
-        ({"petctl.jobs.apply": {"petctl_agent.node"}, "petctl_agent.node": set()}, "stdlib contracts"),
+        (
+            {"petctl.jobs.apply": {"petctl_agent.node.agent"}, "petctl_agent.node.agent": set()},
+            "stdlib contracts",
+        ),
         ({"petctl.context": {"petctl.local.daemon"}, "petctl.local.daemon": set()}, "local.client only"),
     ],
 )

@@ -25,13 +25,13 @@ from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, 
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
-from petctl_agent.decisions import classify_exits
-from petctl_agent.handlers import LeftRendezvous, guard_join, join_timeout_s, leave_round, ours
-from petctl_agent.joining import join_round
-from petctl_agent.membership import MembershipWatch
+from petctl_agent.cloud.status import StatusPublisher
+from petctl_agent.elastic.decisions import classify_exits
+from petctl_agent.elastic.handlers import LeftRendezvous, guard_join, join_timeout_s, leave_round, ours
+from petctl_agent.elastic.joining import join_round
+from petctl_agent.elastic.membership import MembershipWatch
+from petctl_agent.elastic.stopping import WorkerStops
 from petctl_agent.settings import Settings
-from petctl_agent.status import StatusPublisher
-from petctl_agent.stopping import WorkerStops
 
 log = logging.getLogger("petctl_agent.elastic")
 

@@ -61,11 +61,22 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent import DRAIN_EXIT_CODE
-from petctl_agent.ckptfiles import checkpoint_dir, list_checkpoints, load_file, read_pointer, write_file
-from petctl_agent.ckptgroup import barrier
-from petctl_agent.ckptsharded import NeedsStateError, is_sharded, load_sharded, save_sharded
+from petctl_agent.checkpointing.drain import (
+    drain_requested,
+    exit_for_drain,
+    report_progress,
+    should_checkpoint,
+)
+from petctl_agent.checkpointing.files import (
+    checkpoint_dir,
+    list_checkpoints,
+    load_file,
+    read_pointer,
+    write_file,
+)
+from petctl_agent.checkpointing.group import barrier
+from petctl_agent.checkpointing.sharded import NeedsStateError, is_sharded, load_sharded, save_sharded
 from petctl_agent.distributed import dist_rank, dist_world
-from petctl_agent.drain import drain_requested, exit_for_drain, report_progress, should_checkpoint
 
 __all__ = [
     "DRAIN_EXIT_CODE",

@@ -6,7 +6,7 @@ one of them must fail at once, in one line naming the torch version and the
 missing member -- not in the middle of a rendezvous, holding the others up.
 
 Add an entry here whenever agent code starts using another private torch member
-(``grep -n '\\._[a-z]' agent/elastic.py agent/handlers.py agent/membership.py agent/distributed.py``).
+(``grep -n '\\._[a-z]' agent/petctl_agent/elastic/agent.py agent/petctl_agent/elastic/handlers.py agent/petctl_agent/elastic/membership.py agent/petctl_agent/distributed.py``).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def _m(module: str, obj: str, attrs: str = "", kind: str = "attr") -> list[Membe
     return [Member(module, obj, a, kind) for a in attrs.split()] or [Member(module, obj)]
 
 
-#: what agent/elastic.py, agent/handlers.py, agent/membership.py, agent/rendezvous/ and
-#: agent/distributed.py use beyond
+#: what agent/petctl_agent/elastic/agent.py, agent/petctl_agent/elastic/handlers.py, agent/petctl_agent/elastic/membership.py, agent/petctl_agent/rendezvous/ and
+#: agent/petctl_agent/distributed.py use beyond
 #: torch's public API, whatever the rendezvous backend
 REQUIRED_BASE: tuple[Member, ...] = tuple(
     _m(_AGENT_API, "SimpleElasticAgent",
