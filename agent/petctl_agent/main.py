@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(settings.torch_log)
     for noisy in ("botocore", "boto3", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from petctl_agent.elastic.agent import quiet_worker_exit_tracebacks
+    from petctl_agent.elastic.tracebacks import quiet_worker_exit_tracebacks
 
     quiet_worker_exit_tracebacks()
     agent = Agent(args, settings, Imds(settings.imds_url))

@@ -12,8 +12,8 @@ import pytest
 
 from petctl_agent.cloud.status import EVENT_KINDS
 from petctl_agent.elastic import torch_compat
-from petctl_agent.elastic.agent import _NoAgentTraceback
 from petctl_agent.elastic.handlers import torch_workaround
+from petctl_agent.elastic.tracebacks import _NoAgentTraceback
 from petctl_agent.node.lifecycle import CapacityHint
 from petctl_agent.settings import Settings
 from petctl_agent.spec import JobSpec, SpecError, rdzv_backend

@@ -54,7 +54,7 @@ def finish(
     last_step: Any,
 ) -> int:
     """What the torch agent's ``Outcome`` means for this node and for the job; the exit status."""
-    from petctl_agent.elastic.agent import Outcome
+    from petctl_agent.elastic.outcome import Outcome
 
     if outcome is Outcome.DRAINED:
         return finish_leave(lifecycle, pub, leave_reason)
