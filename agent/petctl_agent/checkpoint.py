@@ -47,8 +47,8 @@ default 1800 s) is independent of the collective timeout: a long write to EFS mu
 not trip the 60 s collective timeout or NCCL's watchdog, which aborts any NCCL
 collective (barriers included) still pending after the group's timeout.
 
-Made of: the directory's layout and the single-file format (``ckptfiles.py``), the sharded
-path (``ckptsharded.py``), the checkpoint group (``ckptgroup.py``), the drain agreement
+Made of (``checkpointing/``): the directory's layout and the single-file format (``files.py``),
+the sharded path (``sharded.py``), the checkpoint group (``group.py``), the drain agreement
 (``drain.py``). This module stays import-light: no torch until a checkpoint is written or read.
 """
 

@@ -4,7 +4,7 @@ We drive torch's own ``LocalElasticAgent`` + ``WorkerSpec`` (not a home-made
 launcher) and override a few hooks to (a) publish status/events, (b) run the
 drain protocol and leave the rendezvous without closing it for everyone, and
 (c) work around torch behaviours that stall elastic jobs. Every workaround names
-the torch behaviour it answers and can be switched off (see ``workarounds.py``).
+the torch behaviour it answers and can be switched off (see ``petctl_agent/workarounds.py``).
 Handlers: ``handlers.py``; how long to keep joining: ``joining.py``; membership while
 training: ``membership.py``; how the workers are stopped (drain file, SIGTERM) and waited for:
 ``stopping.py``; the pure decisions (exit codes, waiting below ``min_nodes``): ``decisions.py``;
@@ -76,7 +76,7 @@ class PetctlElasticAgent(LocalElasticAgent):
         self.pub = publisher
         self.settings = settings
         self.stops = WorkerStops(drain_file, progress_file, settings.drain_probe)
-        #: called right before each (re)start of the workers (main.py: flush the log tailer)
+        #: called right before each (re)start of the workers (node/agent.py: flush the log tailer)
         self.before_workers_start: Callable[[], None] | None = None
         self.drain_timeout = drain_timeout
         self.join_timeout = join_timeout_s(join_timeout, settings)
