@@ -32,11 +32,12 @@ setup(
     long_description=(HERE / "README.md").read_text() if (HERE / "README.md").exists() else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    # Subpackages are found, not listed: a new package under petctl/ or agent/ ships without an edit here.
+    # Subpackages are found, not listed: a new package under petctl/ or agent/petctl_agent/ ships
+    # without an edit here. The agent's import name is its path under agent/ (no renaming).
     packages=find_packages(include=["petctl", "petctl.*"])
-    + ["petctl.cfn_templates", "petctl_agent"]
-    + ["petctl_agent." + name for name in find_packages("agent")],
-    package_dir={"petctl.cfn_templates": "cfn_templates", "petctl_agent": "agent"},
+    + ["petctl.cfn_templates"]
+    + find_packages("agent", include=["petctl_agent", "petctl_agent.*"]),
+    package_dir={"petctl.cfn_templates": "cfn_templates", "petctl_agent": "agent/petctl_agent"},
     package_data={"petctl.cfn_templates": ["*.j2", "user_data/*.j2"]},
     include_package_data=True,
     # cryptography: run-job makes each job's etcd CA and client certificate (TLS in transit); the

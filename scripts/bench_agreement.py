@@ -52,7 +52,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from petctl_agent import drain
+    from petctl_agent.checkpointing import drain
     from petctl_agent.distributed import init_process_group, rank_device
 
     backend = init_process_group(None if args.device == "cuda" else "gloo")

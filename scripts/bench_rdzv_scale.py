@@ -37,13 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harness import Etcd  # noqa: E402 - scripts/harness.py, next to this script
 
-try:
-    from petctl_agent.rendezvous import Config, PetctlRendezvousHandler, RequestCounter
-except ImportError:  # running from a checkout without the package installed
-    import importlib
-
-    sys.modules["petctl_agent"] = importlib.import_module("agent")
-    from petctl_agent.rendezvous import Config, PetctlRendezvousHandler, RequestCounter
+# a checkout without the package installed: the agent's import name is its path under agent/
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "agent"))
+from petctl_agent.rendezvous import Config, PetctlRendezvousHandler, RequestCounter  # noqa: E402
 
 
 def _joined_at(h: PetctlRendezvousHandler, target: int) -> float:

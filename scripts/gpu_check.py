@@ -111,7 +111,7 @@ ROUNDTRIP = textwrap.dedent(
         out["dcp"] = bool(s3 == 8 and st3["n"] == 8 and torch.equal(w3.to_local(), state["w"]))
         out["dcp_device"] = str(w3.to_local().device)
         out["dcp_files"] = sorted(os.listdir(os.path.join(d, "ckpt-0000000008.dcp")))
-    from petctl_agent import drain
+    from petctl_agent.checkpointing import drain
     a = drain._get_agreement()
     out["agreement_device"] = str(a.device)
     out["agreement_async"] = [a.exchange(f, False) for f in (False, True, False, False)]

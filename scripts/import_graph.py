@@ -13,7 +13,12 @@ function count too: a lazy import is still a dependency. The rules:
 - the job and infra layers never import the CLI (``petctl.cli``, ``petctl.commands``,
   ``petctl.render``), and the gateway imports none of the layers above it;
 - ``petctl`` imports from the agent only its standard-library contracts (``spec``, ``settings``);
-- the CLI's job code never imports the local cloud's daemon side.
+- the CLI's job code never imports the local cloud's daemon side;
+- the agent's rooms (``AGENT_ROOMS``) import only the rooms below them (``ROOM_MAY_IMPORT``; a room's
+  ``__init__`` says the same in words), every agent module is in a room, and only ``cloud`` talks
+  to AWS;
+- every agent module imports or is imported by another one, but for a room's face (an ``__init__``
+  that only says what the room holds).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"petctl": ROOT / "petctl", "petctl_agent": ROOT / "agent"}
+PACKAGES = {"petctl": ROOT / "petctl", "petctl_agent": ROOT / "agent" / "petctl_agent"}
 AGENT_CONTRACTS = {"petctl_agent", "petctl_agent.spec", "petctl_agent.settings"}
 CLI_LAYER = ("petctl.cli", "petctl.commands", "petctl.render")
 UPPER_LAYERS = (*CLI_LAYER, "petctl.jobs", "petctl.infra", "petctl.timeline", "petctl.context")
@@ -36,6 +41,50 @@ DAEMON_SIDE = (
     "petctl.local.shims",
     "petctl.local.starting",
 )
+
+
+# The agent's rooms (docs/architecture.md): the longest prefix names a module's room.
+AGENT_ROOMS = {
+    "petctl_agent": "contracts",  # DRAIN_EXIT_CODE; spec, settings, workarounds: stdlib only
+    "petctl_agent.spec": "contracts",
+    "petctl_agent.settings": "contracts",
+    "petctl_agent.workarounds": "contracts",
+    "petctl_agent.distributed": "distributed",  # user scripts' face
+    "petctl_agent.checkpointing": "checkpointing",
+    "petctl_agent.checkpoint": "checkpoint",  # user scripts' face
+    "petctl_agent.cloud": "cloud",
+    "petctl_agent.rendezvous": "rendezvous",
+    "petctl_agent.elastic": "elastic",
+    "petctl_agent.worker": "worker",
+    "petctl_agent.node": "node",
+    "petctl_agent.main": "main",  # the petctl-agent command
+}
+# What each room may import besides itself: a strict order, so no two rooms import each other. The
+# worker side (distributed, checkpointing, checkpoint) never reaches the agent's machinery.
+ROOM_MAY_IMPORT = {
+    "contracts": set(),
+    "distributed": {"contracts"},
+    "checkpointing": {"contracts", "distributed"},
+    "checkpoint": {"contracts", "distributed", "checkpointing"},
+    "cloud": {"contracts"},
+    "rendezvous": {"contracts"},
+    "elastic": {"contracts", "cloud", "rendezvous"},
+    "worker": {"contracts", "elastic"},
+    "node": {"contracts", "cloud", "rendezvous", "elastic", "worker"},
+    "main": {"contracts", "cloud", "elastic", "node"},
+}
+
+
+def room(module: str) -> str | None:
+    """The agent room ``module`` lives in (None outside the agent, or in no room)."""
+    if module != "petctl_agent" and not module.startswith("petctl_agent."):
+        return None
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        name = AGENT_ROOMS.get(".".join(parts[:n]))
+        if name is not None and (n > 1 or module == "petctl_agent"):
+            return name
+    return None
 
 
 def modules() -> dict[str, Path]:
@@ -157,19 +206,49 @@ def broken_rules(graph: dict[str, set[str]]) -> list[str]:
                 problems.append(f"{edge}: petctl imports only the agent's stdlib contracts (spec, settings)")
             if not _under(module, "petctl.local") and _under(target, DAEMON_SIDE):
                 problems.append(f"{edge}: the CLI reaches the local cloud through petctl.local.client only")
+            here, there = room(module), room(target)
+            if here and target in ("boto3", "botocore") and here != "cloud":
+                problems.append(f"{edge}: in the agent only the cloud room talks to AWS")
+            if here and there and here != there and there not in ROOM_MAY_IMPORT[here]:
+                allowed = ", ".join(sorted(ROOM_MAY_IMPORT[here])) or "no other room"
+                problems.append(f"{edge}: the agent's {here} room may import {allowed}")
+        if _under(module, "petctl_agent") and room(module) is None:
+            problems.append(f"{module} is in no agent room: add it to AGENT_ROOMS (docs/architecture.md)")
     return problems
+
+
+def is_face(path: Path) -> bool:
+    """An ``__init__.py`` that only says what its package holds (a docstring, no code)."""
+    body = ast.parse(path.read_text()).body
+    return path.name == "__init__.py" and all(
+        isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in body
+    )
+
+
+def unconnected(graph: dict[str, set[str]], known: dict[str, Path]) -> list[str]:
+    """Agent modules that import no other module and that no module imports (faces excepted)."""
+    imported = {t for targets in graph.values() for t in targets}
+    return [
+        f"{module} is unconnected: no module imports it and it imports none"
+        for module, targets in sorted(graph.items())
+        if _under(module, "petctl_agent")
+        and not (targets - {"boto3", "botocore"})
+        and module not in imported
+        and not (module in known and is_face(known[module]))
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--edges", action="store_true", help="print every edge too")
     args = parser.parse_args(argv)
-    graph = imports(modules())
+    known = modules()
+    graph = imports(known)
     if args.edges:
         for module, targets in sorted(graph.items()):
             for target in sorted(targets):
                 print(f"{module} -> {target}")
-    problems = broken_rules(graph)
+    problems = broken_rules(graph) + unconnected(graph, known)
     for line in problems:
         print(line)
     edges = sum(len(t) for t in graph.values())

@@ -19,7 +19,7 @@ from petctl.timeline.parse import number, overlap, read_events, read_progress, r
 
 STOP_KINDS = ("drain_requested", "workers_failed")
 _ROUND_MOVED = re.compile(r"round moved on \((\d+|None) -> (\d+|None)\)")
-#: Event kinds an agent publishes around a rendezvous-server outage it rides out (agent/elastic.py).
+#: Event kinds an agent publishes around a rendezvous-server outage it rides out (agent/petctl_agent/elastic/agent.py).
 _RDZV_OUTAGE_KINDS = ("rdzv_unreachable", "rdzv_recovered", "etcd_unreachable", "etcd_restart")
 
 #: ``marker(kind, t, instance_id, detail, round)`` records a membership event.

@@ -18,12 +18,12 @@ import pytest
 from botocore.stub import Stubber
 from harness import FakeImds, wait_for
 
-from petctl_agent.imds import Imds
-from petctl_agent.lifecycle import Lifecycle
-from petctl_agent.node import Agent
+from petctl_agent.cloud.imds import Imds
+from petctl_agent.cloud.status import STATES
+from petctl_agent.node.agent import Agent
+from petctl_agent.node.lifecycle import Lifecycle
 from petctl_agent.settings import Settings
 from petctl_agent.spec import JobSpec
-from petctl_agent.status import STATES
 
 STATE = "autoscaling/target-lifecycle-state"
 

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from petctl_agent.aws import client as aws_client
-from petctl_agent.fetch import fetch_code, load_spec
-from petctl_agent.logship import CloudWatchShipper
-from petctl_agent.status import S3StatusWriter, StatusPublisher, make_writer
+from petctl_agent.cloud.aws import client as aws_client
+from petctl_agent.cloud.fetch import fetch_code, load_spec
+from petctl_agent.cloud.logship import CloudWatchShipper
+from petctl_agent.cloud.status import S3StatusWriter, StatusPublisher, make_writer
 
 
 def test_spec_code_status_and_logs_through_moto(moto_endpoint: str, tmp_path) -> None:
@@ -70,7 +70,7 @@ def test_shipper_tolerates_a_missing_log_group(moto_endpoint: str) -> None:
 
 def test_shipper_keeps_put_log_events_limits(moto_endpoint: str) -> None:
     """12,000 lines (~2.4 MB) and one 600 KB line: every batch fits AWS's limits, nothing is lost."""
-    from petctl_agent.logship import MAX_EVENT_BYTES
+    from petctl_agent.cloud.logship import MAX_EVENT_BYTES
 
     logs = aws_client("logs")
     logs.create_log_group(logGroupName="/petctl/big")

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from petctl_agent import torch_compat
-from petctl_agent.elastic import _NoAgentTraceback
-from petctl_agent.handlers import torch_workaround
-from petctl_agent.lifecycle import CapacityHint
+from petctl_agent.cloud.status import EVENT_KINDS
+from petctl_agent.elastic import torch_compat
+from petctl_agent.elastic.handlers import torch_workaround
+from petctl_agent.elastic.tracebacks import _NoAgentTraceback
+from petctl_agent.node.lifecycle import CapacityHint
 from petctl_agent.settings import Settings
 from petctl_agent.spec import JobSpec, SpecError, rdzv_backend
-from petctl_agent.status import EVENT_KINDS
-from petctl_agent.workerenv import PROGRESS_SAMPLES, StepInfo
+from petctl_agent.worker.env import PROGRESS_SAMPLES, StepInfo
 
 BASE = {"job_name": "job-a", "min_nodes": 1, "max_nodes": 2, "code_url": "file:///x.py", "script": "x.py"}
 

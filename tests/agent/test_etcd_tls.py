@@ -13,8 +13,8 @@ import etcd
 import pytest
 from harness import Etcd, EtcdCerts
 
-from petctl_agent.handlers import create_rdzv_handler, etcd_tls_config
-from petctl_agent.preflight import check_etcd_tls
+from petctl_agent.elastic.handlers import create_rdzv_handler, etcd_tls_config
+from petctl_agent.node.preflight import check_etcd_tls
 from petctl_agent.settings import Settings
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")

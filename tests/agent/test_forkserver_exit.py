@@ -1,12 +1,12 @@
 """Workers restarted from the torch-preloaded forkserver exit promptly (issue 9, "Restarts
 that never hang").
 
-One forkserver with ``petctl_agent.worker.PRELOAD`` serves every run, as in the agent; each
+One forkserver with ``petctl_agent.worker.forkserver.PRELOAD`` serves every run, as in the agent; each
 run starts 2 gloo ranks through torch's ``start_processes`` (start method ``forkserver``,
 entry point ``worker.run_script``, output redirected as the agent does) and must finish,
 with both ranks returning, within ``RUN_TIMEOUT``. Before the fix in ``run_script`` the
 ``tutorial`` script (``destroy_process_group()`` with DDP still alive) hung at exit in
-about 1 run of 4 (see the module docstring of ``petctl_agent.worker``).
+about 1 run of 4 (see the module docstring of ``petctl_agent.worker.forkserver``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from petctl_agent.worker import PRELOAD, run_script
+from petctl_agent.worker.forkserver import PRELOAD, run_script
 
 SCRIPT = Path(__file__).with_name("fs_exit_script.py")
 RUNS = 20  # per mode

@@ -2,7 +2,7 @@
 
 A process that initialised CUDA (even only ``cuInit``, e.g. via
 ``torch.cuda.is_available()``'s default ``cudaGetDeviceCount``) cannot hand a usable
-CUDA to its forked children. The forkserver pre-imports ``petctl_agent.worker.PRELOAD``;
+CUDA to its forked children. The forkserver pre-imports ``petctl_agent.worker.forkserver.PRELOAD``;
 this starts a real forkserver with exactly that list, forks a child from it, and in
 the child checks, without initialising CUDA itself:
 
@@ -69,7 +69,7 @@ PROBE = textwrap.dedent(
 DRIVER = textwrap.dedent(
     """
     import json, multiprocessing as mp, sys
-    from petctl_agent.worker import PRELOAD
+    from petctl_agent.worker.forkserver import PRELOAD
     import cudaprobe
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)   # exactly what the agent's forkserver pre-imports

@@ -15,14 +15,15 @@ from types import SimpleNamespace
 import pytest
 from harness import FakeImds
 
-from petctl_agent import DRAIN_EXIT_CODE, aws
-from petctl_agent.decisions import capacity_coming, classify_exits, keep_waiting
-from petctl_agent.elastic import PetctlElasticAgent
-from petctl_agent.imds import Imds
-from petctl_agent.lifecycle import Lifecycle
+from petctl_agent import DRAIN_EXIT_CODE
+from petctl_agent.cloud import aws
+from petctl_agent.cloud.imds import Imds
+from petctl_agent.elastic.agent import PetctlElasticAgent
+from petctl_agent.elastic.decisions import capacity_coming, classify_exits, keep_waiting
+from petctl_agent.elastic.torch_compat import REQUIRED, Member, check, missing_members, version_mismatch
+from petctl_agent.node.lifecycle import Lifecycle
 from petctl_agent.settings import Settings
 from petctl_agent.spec import JobSpec, SpecError
-from petctl_agent.torch_compat import REQUIRED, Member, check, missing_members, version_mismatch
 
 TERM, KILL = -int(signal.SIGTERM), -int(signal.SIGKILL)
 BASE = {"job_name": "j-1", "min_nodes": 2, "max_nodes": 4, "code_url": "file:///x.py", "script": "x.py"}
@@ -102,7 +103,7 @@ def test_torch_version_pin() -> None:
 
 
 def test_omp_num_threads_as_torchrun() -> None:
-    from petctl_agent.workerenv import omp_num_threads
+    from petctl_agent.worker.env import omp_num_threads
 
     assert omp_num_threads({}, 2) == "1"
     assert omp_num_threads({}, 1) is None

@@ -65,7 +65,7 @@ def test_env_helpers() -> None:
 
 
 def test_every_knob_is_documented() -> None:
-    src = (REPO / "agent" / "settings.py").read_text()
+    src = (REPO / "agent" / "petctl_agent" / "settings.py").read_text()
     names = set(re.findall(r'"(PETCTL_[A-Z_]+)"', src)) - {"PETCTL_AGENT_NO_"}
     doc = (REPO / "docs" / "agent.md").read_text()
     missing = sorted(

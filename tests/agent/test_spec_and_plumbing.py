@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from harness import FakeImds
 
-from petctl_agent import aws
-from petctl_agent.fetch import fetch_code, load_spec
-from petctl_agent.imds import Imds
-from petctl_agent.logship import LogTailer
+from petctl_agent.cloud import aws
+from petctl_agent.cloud.fetch import fetch_code, load_spec
+from petctl_agent.cloud.imds import Imds
+from petctl_agent.cloud.logship import LogTailer
+from petctl_agent.cloud.status import FileStatusWriter, StatusPublisher, make_writer
 from petctl_agent.settings import Settings
 from petctl_agent.spec import JOB_NAME_RE, JobSpec, SpecError, checkpoint_dir
-from petctl_agent.status import FileStatusWriter, StatusPublisher, make_writer
 
 GOOD = {
     "version": 1,
@@ -186,7 +186,7 @@ def test_lifecycle_completion_and_scale_to_zero_are_tolerant(monkeypatch: pytest
     import boto3
     from botocore.stub import Stubber
 
-    from petctl_agent.lifecycle import Lifecycle
+    from petctl_agent.node.lifecycle import Lifecycle
 
     client = boto3.client(
         "autoscaling", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="y"
@@ -233,7 +233,7 @@ def test_log_tailer_ends_lines_at_carriage_returns(tmp_path: Path) -> None:
 
 
 def test_split_event_never_cuts_a_character() -> None:
-    from petctl_agent.logship import split_event
+    from petctl_agent.cloud.logship import split_event
 
     assert split_event("short") == ["short"]
     pieces = split_event("aé" * 10, limit=5)

@@ -96,7 +96,15 @@ def test_real_boot_scripts_start_etcd_and_the_agent(petctl: Any, cloud: Cloud) -
     root = Path(worker["root"])
     venv = cloud.state_dir / "venvs" / job / "petctl"
     assert (root / "opt" / "petctl").resolve() == venv.resolve()
-    assert (venv / "lib").glob("python3*/site-packages/petctl_agent/main.py")
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    for module in (
+        "main.py",
+        "node/agent.py",
+        "elastic/agent.py",
+        "worker/forkserver.py",
+        "rendezvous/entry.py",
+    ):
+        assert (site / "petctl_agent" / module).is_file(), module
     assert (root / "mnt" / "efs").resolve() == (cloud.state_dir / "efs" / worker["efs_id"]).resolve()
     assert list(worker["units"]) == ["petctl-agent.service"] and worker["boot"]["state"] == "done"
     unit = (root / "etc" / "systemd" / "system" / "petctl-agent.service").read_text()

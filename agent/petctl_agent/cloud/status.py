@@ -79,7 +79,7 @@ def make_writer(status_url: str, client_factory: Callable[[], Any] | None = None
         return NullStatusWriter()
     u = urlparse(status_url)
     if u.scheme == "s3":
-        from petctl_agent import aws
+        from petctl_agent.cloud import aws
 
         prefix = u.path.lstrip("/")
         if prefix and not prefix.endswith("/"):

@@ -3,7 +3,7 @@
 What the agent reads (IMDS ``autoscaling/target-lifecycle-state``, ``spot/instance-action``)
 and does (complete the termination lifecycle action, scale the job's groups to zero, read the
 worker group's capacity) about the instance's place in its group. The Auto Scaling client comes
-from ``petctl_agent.aws``; tests point it at moto or a stub.
+from ``petctl_agent.cloud.aws``; tests point it at moto or a stub.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from petctl_agent import aws
-from petctl_agent.imds import Imds
+from petctl_agent.cloud import aws
+from petctl_agent.cloud.imds import Imds
 from petctl_agent.settings import Settings
 from petctl_agent.spec import JobSpec
 

@@ -42,6 +42,6 @@ def check_etcd_tls(settings: Settings) -> None:
 def check_torch(wanted_version: str, backend: str = "petctl-etcd") -> str | None:
     """One-line reason the installed torch cannot run this job (wrong version, missing internals
     that the agent uses with ``backend``)."""
-    from petctl_agent.torch_compat import check, required_for
+    from petctl_agent.elastic.torch_compat import check, required_for
 
     return check(wanted_version, required_for(backend))

@@ -6,7 +6,8 @@ one of them must fail at once, in one line naming the torch version and the
 missing member -- not in the middle of a rendezvous, holding the others up.
 
 Add an entry here whenever agent code starts using another private torch member
-(``grep -n '\\._[a-z]' agent/elastic.py agent/handlers.py agent/membership.py agent/distributed.py``).
+(``cd agent/petctl_agent; grep -n '\\._[a-z]' elastic/agent.py elastic/handlers.py elastic/membership.py
+distributed.py``).
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def _m(module: str, obj: str, attrs: str = "", kind: str = "attr") -> list[Membe
     return [Member(module, obj, a, kind) for a in attrs.split()] or [Member(module, obj)]
 
 
-#: what agent/elastic.py, agent/handlers.py, agent/membership.py, agent/rendezvous/ and
-#: agent/distributed.py use beyond
-#: torch's public API, whatever the rendezvous backend
+#: what elastic/agent.py, elastic/handlers.py, elastic/membership.py, rendezvous/ and
+#: distributed.py (under agent/petctl_agent/) use beyond torch's public API, whatever the
+#: rendezvous backend
 REQUIRED_BASE: tuple[Member, ...] = tuple(
     _m(_AGENT_API, "SimpleElasticAgent",
        "_invoke_run _rendezvous _initialize_workers _restart_workers _monitor_workers "

@@ -14,8 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from petctl_agent.imds import DEFAULT_IMDS_URL
 from petctl_agent.workarounds import WORKAROUNDS, switched_off
+
+#: IMDS base URL on EC2 (the local cloud's is ``PETCTL_IMDS_URL``); ``cloud.imds`` uses it too
+DEFAULT_IMDS_URL = "http://169.254.169.254"
 
 
 def env_float(name: str, default: float, env: Mapping[str, str] | None = None) -> float:

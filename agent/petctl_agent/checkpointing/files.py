@@ -2,7 +2,7 @@
 
 A plain checkpoint is one ``ckpt-<step:010d>.pt`` (``torch.save`` bytes written atomically, their
 sha256 in the pointer); a sharded one is a ``ckpt-<step:010d>.dcp`` directory
-(:mod:`petctl_agent.ckptsharded`). :mod:`petctl_agent.checkpoint` is the API on top; torch is
+(:mod:`petctl_agent.checkpointing.sharded`). :mod:`petctl_agent.checkpoint` is the API on top; torch is
 imported only to write or read a file.
 """
 
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from petctl_agent.atomic import atomic_write
+from petctl_agent.checkpointing.atomic import atomic_write
 
 LATEST = "latest"
 CKPT_RE = re.compile(r"^ckpt-(\d{10})\.(pt|dcp)$")

@@ -4,15 +4,20 @@ We drive torch's own ``LocalElasticAgent`` + ``WorkerSpec`` (not a home-made
 launcher) and override a few hooks to (a) publish status/events, (b) run the
 drain protocol and leave the rendezvous without closing it for everyone, and
 (c) work around torch behaviours that stall elastic jobs. Every workaround names
-the torch behaviour it answers and can be switched off (see ``workarounds.py``).
+the torch behaviour it answers and can be switched off (see ``petctl_agent/workarounds.py``).
 Handlers: ``handlers.py``; how long to keep joining: ``joining.py``; membership while
 training: ``membership.py``; how the workers are stopped (drain file, SIGTERM) and waited for:
-``stopping.py``; the pure decisions (exit codes, waiting below ``min_nodes``): ``decisions.py``.
+``stopping.py``; the pure decisions (exit codes, waiting below ``min_nodes``): ``decisions.py``;
+what :meth:`PetctlElasticAgent.run` returns: ``outcome.py``; torch's worker-exit log lines: ``tracebacks.py``.
+
+The class stays one module, in the order torch calls its hooks (``run`` -> ``_rendezvous`` ->
+``_start_workers`` -> ``_invoke_run``'s loop -> restart / coordinated stop -> drain and leave):
+they share one state (``phase``, ``leave_requested``, ``watch``, ``stops``), and the parts that
+need none of it (joining, stopping, membership, decisions, handlers) are their own modules.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import signal
 import threading
@@ -25,50 +30,16 @@ from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, 
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
-from petctl_agent.decisions import classify_exits
-from petctl_agent.handlers import LeftRendezvous, guard_join, join_timeout_s, leave_round, ours
-from petctl_agent.joining import join_round
-from petctl_agent.membership import MembershipWatch
+from petctl_agent.cloud.status import StatusPublisher
+from petctl_agent.elastic.decisions import classify_exits
+from petctl_agent.elastic.handlers import LeftRendezvous, guard_join, join_timeout_s, leave_round, ours
+from petctl_agent.elastic.joining import join_round
+from petctl_agent.elastic.membership import MembershipWatch
+from petctl_agent.elastic.outcome import Outcome, describe_failures
+from petctl_agent.elastic.stopping import WorkerStops
 from petctl_agent.settings import Settings
-from petctl_agent.status import StatusPublisher
-from petctl_agent.stopping import WorkerStops
 
 log = logging.getLogger("petctl_agent.elastic")
-
-
-class _NoAgentTraceback(logging.Filter):
-    """Log a worker's exit without the agent-side traceback (its text stays in the message).
-
-    torch logs every worker exit with ``logger.exception``; torch's log formatter imports
-    ``torch._dynamo`` the first time it formats an exception: 1-3 s in the agent on a busy
-    2-core box, spent between the workers' exit and the re-rendezvous (measured: the first
-    drain of every agent stalled ~2 s in ``MultiprocessContext._poll``).
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.exc_info[1] is not None:
-            record.msg = f"{record.getMessage()}: {type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
-            record.args = None
-            record.exc_info = None
-            record.exc_text = None
-        return True
-
-
-def quiet_worker_exit_tracebacks() -> None:
-    """Install :class:`_NoAgentTraceback` on torch's worker-process logger (idempotent)."""
-    lg = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    if not any(isinstance(f, _NoAgentTraceback) for f in lg.filters):
-        lg.addFilter(_NoAgentTraceback())
-
-
-class Outcome(enum.Enum):
-    """How :meth:`PetctlElasticAgent.run` ended for this node."""
-
-    SUCCEEDED = "succeeded"  # every worker exited 0 (the job is done)
-    DRAINED = "drained"  # this node left gracefully (a drain, or a leave while joining)
-    JOIN_TIMEOUT = "join_timeout"  # never reached min_nodes: fails this node, not the job
-    CLOSED = "closed"  # another node closed the rendezvous (the job ended or failed elsewhere)
-    FAILED = "failed"  # unrecoverable here (restart budget spent, an unexpected error)
 
 
 class PetctlElasticAgent(LocalElasticAgent):
@@ -105,7 +76,7 @@ class PetctlElasticAgent(LocalElasticAgent):
         self.pub = publisher
         self.settings = settings
         self.stops = WorkerStops(drain_file, progress_file, settings.drain_probe)
-        #: called right before each (re)start of the workers (main.py: flush the log tailer)
+        #: called right before each (re)start of the workers (node/agent.py: flush the log tailer)
         self.before_workers_start: Callable[[], None] | None = None
         self.drain_timeout = drain_timeout
         self.join_timeout = join_timeout_s(join_timeout, settings)
@@ -331,7 +302,7 @@ class PetctlElasticAgent(LocalElasticAgent):
             "workers_failed",
             round=self.watch.round,
             exit_codes=codes,
-            failures=_describe(result),
+            failures=describe_failures(result),
             step=self._last_step(),
         )
         why = self.watch.failure_explained(self.leave_requested)
@@ -357,7 +328,9 @@ class PetctlElasticAgent(LocalElasticAgent):
         self._stop_workers(wg)
         wg.state = WorkerState.FAILED
         self.outcome = Outcome.FAILED
-        self.fail_reason = f"workers failed after {wg.spec.max_restarts} restarts: {_describe(result)}"
+        self.fail_reason = (
+            f"workers failed after {wg.spec.max_restarts} restarts: {describe_failures(result)}"
+        )
         return result
 
     def _coordinated_stop(self, wg: WorkerGroup, timeout: float) -> RunResult | None:
@@ -409,17 +382,3 @@ class PetctlElasticAgent(LocalElasticAgent):
         (never ``handler.shutdown()``, which would close the rendezvous for everyone)."""
         if leave_round(self._worker_group.spec.rdzv_handler):
             log.info("left the rendezvous (round %s)", self.watch.round)
-
-
-def _describe(result: RunResult) -> str:
-    parts = []
-    for rank, f in sorted(result.failures.items()):
-        msg = ""
-        try:
-            msg = f.message if isinstance(f.message, str) else str(f.message)
-        except Exception:  # noqa: BLE001
-            pass
-        parts.append(
-            f"rank {rank} exit {f.exitcode}" + (f" ({msg[:200]})" if msg and "<N/A>" not in msg else "")
-        )
-    return "; ".join(parts) or "unknown"

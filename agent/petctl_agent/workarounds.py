@@ -21,7 +21,7 @@ WORKAROUNDS = {
     "FORKSERVER": "workers fork from a torch-preloaded forkserver (torch starts fresh interpreters each restart)",
     "PDEATHSIG": "workers die with their agent (torch starts them in a new session; they would be orphaned)",
     "PG_KEEPALIVE": "forkserver workers keep destroyed process groups referenced (DDP's Reducer freed "
-    "~ProcessGroupGloo under the GIL and hung at exit, agent/worker.py)",
+    "~ProcessGroupGloo under the GIL and hung at exit, agent/petctl_agent/worker/forkserver.py)",
 }
 
 

@@ -78,7 +78,7 @@ def export_worker_env(
     settings: Settings,
 ) -> None:
     """Worker env = agent env (``env``, updated in place) + torchrun's vars (set by torch) + these."""
-    from petctl_agent.handlers import torch_workaround  # torch: only once the internals check passed
+    from petctl_agent.elastic.handlers import torch_workaround  # torch: only once the internals check passed
 
     env.update(spec.env)
     omp = omp_num_threads(env, nproc)
@@ -121,11 +121,11 @@ def worker_entrypoint(
     """``(entrypoint, args, start_method)`` of torch's ``WorkerSpec`` for the user's script.
 
     With ``FORKSERVER`` every worker forks from a forkserver that imported torch once
-    (``petctl_agent.worker``; the caller warms it first); else a fresh interpreter, behind the
+    (``petctl_agent.worker.forkserver``; the caller warms it first); else a fresh interpreter, behind the
     ``PDEATHSIG`` shim unless that is off.
     """
     if settings.enabled("FORKSERVER"):
-        from petctl_agent.worker import run_script
+        from petctl_agent.worker.forkserver import run_script
 
         return run_script, (str(script), *args), "forkserver"
     if settings.enabled("PDEATHSIG"):

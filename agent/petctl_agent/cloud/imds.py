@@ -7,7 +7,7 @@ import time
 import urllib.error
 import urllib.request
 
-DEFAULT_IMDS_URL = "http://169.254.169.254"
+from petctl_agent.settings import DEFAULT_IMDS_URL
 
 
 class Imds:

@@ -1,5 +1,7 @@
 """petctl's own rendezvous handler on etcd (v2 API, python-etcd): ``--rdzv-backend petctl-etcd``.
 
+May import: the contracts (spec, settings, workarounds); torchrun loads it without the agent.
+
 Why not torch's ``etcd-v2`` (``DynamicRendezvousHandler`` + ``EtcdRendezvousBackend``): it
 keeps the whole rendezvous state in one JSON blob that every node rewrites with
 compare-and-swap and *polls* (1 s sleep + 1 s cache), waits a last call (30 s by default)

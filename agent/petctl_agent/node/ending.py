@@ -11,8 +11,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from petctl_agent.lifecycle import Lifecycle
-from petctl_agent.status import StatusPublisher
+from petctl_agent.cloud.status import StatusPublisher
+from petctl_agent.node.lifecycle import Lifecycle
 
 log = logging.getLogger("petctl_agent")
 
@@ -54,7 +54,7 @@ def finish(
     last_step: Any,
 ) -> int:
     """What the torch agent's ``Outcome`` means for this node and for the job; the exit status."""
-    from petctl_agent.elastic import Outcome
+    from petctl_agent.elastic.outcome import Outcome
 
     if outcome is Outcome.DRAINED:
         return finish_leave(lifecycle, pub, leave_reason)

@@ -4,7 +4,7 @@ Two ways: the drain file (a script that uses ``petctl_agent.checkpoint`` sees it
 every rank on a step, checkpoints it and exits 75) and SIGTERM (any script, as torchrun does).
 The agent tells which applies from the node's progress file: once any worker on the node has
 reported progress, the script uses the helper. :class:`WorkerStops` owns both files and the
-waits; :class:`petctl_agent.elastic.PetctlElasticAgent` decides when to stop and publishes it.
+waits; :class:`petctl_agent.elastic.agent.PetctlElasticAgent` decides when to stop and publishes it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 
-from petctl_agent.decisions import classify_exits
+from petctl_agent.elastic.decisions import classify_exits
 
 log = logging.getLogger("petctl_agent.elastic")  # the torch agent's lines, under its logger as before
 

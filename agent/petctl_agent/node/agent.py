@@ -17,15 +17,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from petctl_agent import aws, ending
-from petctl_agent.fetch import fetch_code, load_spec
-from petctl_agent.imds import Imds
-from petctl_agent.lifecycle import CapacityHint, Lifecycle
-from petctl_agent.preflight import check_etcd_tls, check_torch, wait_for_dir
+from petctl_agent.cloud import aws
+from petctl_agent.cloud.fetch import fetch_code, load_spec
+from petctl_agent.cloud.imds import Imds
+from petctl_agent.cloud.status import StatusPublisher, make_writer
+from petctl_agent.node import ending
+from petctl_agent.node.lifecycle import CapacityHint, Lifecycle
+from petctl_agent.node.preflight import check_etcd_tls, check_torch, wait_for_dir
 from petctl_agent.settings import Settings
 from petctl_agent.spec import JobSpec, SpecError, rdzv_backend
-from petctl_agent.status import StatusPublisher, make_writer
-from petctl_agent.workerenv import (
+from petctl_agent.worker.env import (
     Paths,
     StepInfo,
     export_worker_env,
@@ -222,7 +223,7 @@ class Agent:
             self.lifecycle.complete_launch()
 
     def _rendezvous_handler(self, spec: JobSpec, endpoint: str) -> Any:
-        from petctl_agent.handlers import create_rdzv_handler
+        from petctl_agent.elastic.handlers import create_rdzv_handler
 
         assert self.lifecycle is not None
         return create_rdzv_handler(
@@ -245,7 +246,7 @@ class Agent:
         nodes), and every worker forks from it, the first ones included."""
         entrypoint, args, start_method = worker_entrypoint(script, spec.args, self.settings)
         if start_method == "forkserver":
-            from petctl_agent.worker import warm_forkserver
+            from petctl_agent.worker.forkserver import warm_forkserver
 
             secs = warm_forkserver()
             log.info("forkserver warm (torch preloaded) in %.1fs; joining the rendezvous", secs)
@@ -265,7 +266,7 @@ class Agent:
         from torch.distributed.elastic.agent.server.api import WorkerSpec
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
-        from petctl_agent.elastic import PetctlElasticAgent
+        from petctl_agent.elastic.agent import PetctlElasticAgent
 
         assert self.pub is not None and self.lifecycle is not None
         wspec = WorkerSpec(
@@ -299,7 +300,7 @@ class Agent:
 
     def _train(self, spec: JobSpec, agent: Any, work_dir: Path) -> Any:
         """Run the torch agent with the worker logs shipped and IMDS watched; its Outcome."""
-        from petctl_agent.logship import CloudWatchShipper, LogTailer, stdout_sink
+        from petctl_agent.cloud.logship import CloudWatchShipper, LogTailer, stdout_sink
 
         assert self.lifecycle is not None
         sinks = [stdout_sink(self.instance_id)]

@@ -21,8 +21,8 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from petctl_agent.decisions import capacity_coming, describe_capacity, keep_waiting
-from petctl_agent.handlers import TRANSIENT_RDZV_ERRORS, LeftRendezvous, reset_lost_state
+from petctl_agent.elastic.decisions import capacity_coming, describe_capacity, keep_waiting
+from petctl_agent.elastic.handlers import TRANSIENT_RDZV_ERRORS, LeftRendezvous, reset_lost_state
 
 log = logging.getLogger("petctl_agent.elastic")  # the torch agent's lines, under its logger as before
 

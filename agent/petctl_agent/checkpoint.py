@@ -47,8 +47,8 @@ default 1800 s) is independent of the collective timeout: a long write to EFS mu
 not trip the 60 s collective timeout or NCCL's watchdog, which aborts any NCCL
 collective (barriers included) still pending after the group's timeout.
 
-Made of: the directory's layout and the single-file format (``ckptfiles.py``), the sharded
-path (``ckptsharded.py``), the checkpoint group (``ckptgroup.py``), the drain agreement
+Made of (``checkpointing/``): the directory's layout and the single-file format (``files.py``),
+the sharded path (``sharded.py``), the checkpoint group (``group.py``), the drain agreement
 (``drain.py``). This module stays import-light: no torch until a checkpoint is written or read.
 """
 
@@ -61,11 +61,22 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent import DRAIN_EXIT_CODE
-from petctl_agent.ckptfiles import checkpoint_dir, list_checkpoints, load_file, read_pointer, write_file
-from petctl_agent.ckptgroup import barrier
-from petctl_agent.ckptsharded import NeedsStateError, is_sharded, load_sharded, save_sharded
+from petctl_agent.checkpointing.drain import (
+    drain_requested,
+    exit_for_drain,
+    report_progress,
+    should_checkpoint,
+)
+from petctl_agent.checkpointing.files import (
+    checkpoint_dir,
+    list_checkpoints,
+    load_file,
+    read_pointer,
+    write_file,
+)
+from petctl_agent.checkpointing.group import barrier
+from petctl_agent.checkpointing.sharded import NeedsStateError, is_sharded, load_sharded, save_sharded
 from petctl_agent.distributed import dist_rank, dist_world
-from petctl_agent.drain import drain_requested, exit_for_drain, report_progress, should_checkpoint
 
 __all__ = [
     "DRAIN_EXIT_CODE",

@@ -71,7 +71,7 @@ PRELOAD = [
     "torch.optim",
     "torch.nn.parallel",
     "torch._dynamo",
-    "petctl_agent.worker",
+    "petctl_agent.worker.forkserver",
 ]
 
 # process groups passed to destroy_process_group(); never released (see above)

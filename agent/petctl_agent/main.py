@@ -1,4 +1,4 @@
-"""``petctl-agent run``: the command line. The agent itself is :class:`petctl_agent.node.Agent`.
+"""``petctl-agent run``: the command line. The agent itself is :class:`petctl_agent.node.agent.Agent`.
 
 Environment contract: docs/contracts.md ("Agent environment") and docs/agent.md, read once
 into :class:`petctl_agent.settings.Settings`.
@@ -12,8 +12,8 @@ import signal
 import sys
 from typing import Any
 
-from petctl_agent.imds import Imds
-from petctl_agent.node import Agent
+from petctl_agent.cloud.imds import Imds
+from petctl_agent.node.agent import Agent
 from petctl_agent.settings import Settings
 from petctl_agent.spec import SpecError
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(settings.torch_log)
     for noisy in ("botocore", "boto3", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from petctl_agent.elastic import quiet_worker_exit_tracebacks
+    from petctl_agent.elastic.tracebacks import quiet_worker_exit_tracebacks
 
     quiet_worker_exit_tracebacks()
     agent = Agent(args, settings, Imds(settings.imds_url))

@@ -17,9 +17,9 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 
-from petctl_agent.handlers import dynamic, ours, rendezvous_config, reset_lost_state
+from petctl_agent.cloud.status import StatusPublisher
+from petctl_agent.elastic.handlers import dynamic, ours, rendezvous_config, reset_lost_state
 from petctl_agent.settings import Settings
-from petctl_agent.status import StatusPublisher
 
 log = logging.getLogger("petctl_agent.membership")
 

@@ -3,7 +3,7 @@
 Every rank writes its own shard with ``torch.distributed.checkpoint`` into a hidden temp
 directory, which rank 0 renames to ``ckpt-<step:010d>.dcp`` once all are written. It loads at
 any world size (DCP reshards), into the state dict the caller passes. The DCP coordination
-(plans, metadata) runs on the checkpoint group (:mod:`petctl_agent.ckptgroup`): same timeout.
+(plans, metadata) runs on the checkpoint group (:mod:`petctl_agent.checkpointing.group`): same timeout.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from petctl_agent.atomic import fsync_dir
-from petctl_agent.ckptfiles import CKPT_RE, prune, write_pointer
-from petctl_agent.ckptgroup import barrier, ckpt_group
+from petctl_agent.checkpointing.atomic import fsync_dir
+from petctl_agent.checkpointing.files import CKPT_RE, prune, write_pointer
+from petctl_agent.checkpointing.group import barrier, ckpt_group
 from petctl_agent.distributed import dist_on, dist_rank, dist_world
 
 

@@ -18,7 +18,7 @@ def read_url(url: str, s3_client_factory: Any = None) -> bytes:
     u = urlparse(url)
     if u.scheme == "s3":
         if s3_client_factory is None:
-            from petctl_agent import aws
+            from petctl_agent.cloud import aws
 
             s3_client_factory = lambda: aws.client("s3")  # noqa: E731
         obj = s3_client_factory().get_object(Bucket=u.netloc, Key=u.path.lstrip("/"))

@@ -2,7 +2,7 @@
 
 Standard library only, so the CLI (``petctl``) imports it to build the spec it uploads and the
 agent parses the same dataclass: the job-name rule and the checkpoint path are defined here once.
-Loading a spec from S3 is :func:`petctl_agent.fetch.load_spec`.
+Loading a spec from S3 is :func:`petctl_agent.cloud.fetch.load_spec`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ JOB_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,38}[a-z0-9]$")
 CODE_KINDS = ("script", "dir", "s3")
 #: bounds of ``join_timeout`` (seconds): below MIN for this long -> FAILED
 MIN_JOIN_TIMEOUT, MAX_JOIN_TIMEOUT = 1.0, 7 * 24 * 3600.0
-#: ``rdzv_backend`` values (agent/handlers.py builds each; the first is the default)
+#: ``rdzv_backend`` values (agent/petctl_agent/elastic/handlers.py builds each; the first is the default)
 RDZV_BACKENDS = ("petctl-etcd", "etcd-v2", "etcd")
 TORCH_VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?([a-z0-9.]*)?(\+[A-Za-z0-9.]+)?$")
 

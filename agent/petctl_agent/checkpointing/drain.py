@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent import DRAIN_EXIT_CODE
-from petctl_agent.atomic import atomic_write
+from petctl_agent.checkpointing.atomic import atomic_write
 from petctl_agent.distributed import dist_world
 
 _agreed_drain = False  # the drain decision all ranks took at the last should_checkpoint()
