@@ -48,16 +48,34 @@ def split_event(message: str, limit: int = MAX_EVENT_BYTES - EVENT_OVERHEAD) -> 
     return pieces
 
 
+class _Tail:
+    """One followed file: kept open, so its inode can't be reused while we may still read it."""
+
+    __slots__ = ("f", "ino", "off", "partial", "head")
+
+    def __init__(self, f: Any, ino: int) -> None:
+        self.f, self.ino, self.off = f, ino, 0
+        self.partial = b""
+        self.head = b""  # first bytes read, to notice the file truncated and rewritten in place
+
+
 class LogTailer:
-    """Polls a log root for worker stdout/stderr files and emits complete lines."""
+    """Polls a log root for worker stdout/stderr files and emits complete lines.
+
+    Every file stays open while it is followed. torch rmtree()s and re-creates
+    ``attempt_<n>/`` when the restart count is unchanged (a membership change); through the
+    open descriptor the old file is read to its end, and its last line emitted even without a
+    newline (a worker killed between ``print``'s text and its ``\\n``), before the new file is
+    read from its start. An open file's inode can't be given to the new file, so a changed
+    inode number always means a new file (closed, a file re-created at once often got the old
+    number back, and its first lines were skipped).
+    """
 
     def __init__(self, root: str | os.PathLike, sinks: list[Sink], interval: float = 0.2) -> None:
         self.root = Path(root)
         self.sinks = sinks
         self.interval = interval
-        self._offsets: dict[Path, tuple[int, int]] = {}  # path -> (inode, offset)
-        self._partial: dict[Path, bytes] = {}
-        self._heads: dict[Path, bytes] = {}  # first bytes seen, to notice a file recreated in place
+        self._tails: dict[Path, _Tail] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()  # poll() runs in the tail thread and, before a restart, the agent's
         self._thread = threading.Thread(target=self._run, name="petctl-logtail", daemon=True)
@@ -66,9 +84,15 @@ class LogTailer:
         self._thread.start()
 
     def stop(self) -> None:
+        """Read every file to its end, emit unterminated last lines, close the files."""
         self._stop.set()
         self._thread.join(timeout=5)
-        self.poll()
+        with self._lock:
+            try:
+                self._poll()
+            finally:
+                for path in list(self._tails):
+                    self._finish(path, self._tails.pop(path))
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -78,58 +102,81 @@ class LogTailer:
                 log.debug("log tail error: %s", e)
             self._stop.wait(self.interval)
 
-    def _same_head(self, path: Path) -> bool:
-        head = self._heads.get(path)
-        if not head:
-            return True
-        try:
-            with open(path, "rb") as f:
-                return f.read(len(head)) == head
-        except OSError:
-            return True
-
     def poll(self) -> None:
         """Emit every complete line written since the last poll (thread-safe)."""
         with self._lock:
             self._poll()
 
     def _poll(self) -> None:
+        seen = set()
         for path in sorted(self.root.glob("**/std*.log")):
+            seen.add(path)
             try:
-                st = path.stat()
+                ino = path.stat().st_ino
             except OSError:
-                continue
-            inode, off = self._offsets.get(path, (st.st_ino, 0))
-            if inode != st.st_ino or st.st_size < off or (off and not self._same_head(path)):
-                # torch reuses attempt_<restart_count>/ (rmtree + recreate) when the
-                # restart count did not change, e.g. after a coordinated drain restart;
-                # the new file may even get the old inode number, so its first bytes decide
-                off = 0
-                self._partial.pop(path, None)
-                self._heads.pop(path, None)
-            if st.st_size <= off:
-                self._offsets[path] = (st.st_ino, off)
-                continue
-            with open(path, "rb") as f:
-                if path not in self._heads:
-                    self._heads[path] = f.read(64)
-                f.seek(off)
-                chunk = f.read(st.st_size - off)
-            data = self._partial.pop(path, b"") + chunk
-            self._offsets[path] = (st.st_ino, off + len(chunk))
-            # A trailing \r may be the first half of \r\n: decide when the next bytes come.
-            held = b"\r" if data.endswith(b"\r") else b""
-            *lines, rest = _LINE_END.split(data[: len(data) - len(held)])
-            if rest or held:
-                self._partial[path] = rest + held
-            label = f"{path.parent.parent.name}/rank{path.parent.name}/{path.stem.replace('std', '')}"
-            for raw in lines:
-                line = raw.decode(errors="replace")
-                for sink in self.sinks:
-                    try:
-                        sink(label, line)
-                    except Exception:  # noqa: BLE001
-                        pass
+                continue  # removed since the listing: finished below
+            tail = self._tails.get(path)
+            if tail is not None and tail.ino != ino:
+                self._finish(path, self._tails.pop(path))  # re-created: the old file to its end first
+                tail = None
+            if tail is None:
+                try:
+                    f = open(path, "rb")  # noqa: SIM115 - stays open while followed
+                except OSError:
+                    continue
+                tail = self._tails[path] = _Tail(f, os.fstat(f.fileno()).st_ino)
+            self._read(path, tail)
+        for path in [p for p in self._tails if p not in seen]:
+            self._finish(path, self._tails.pop(path))  # deleted: what it still holds, through our fd
+
+    def _read(self, path: Path, tail: _Tail) -> None:
+        size = os.fstat(tail.f.fileno()).st_size
+        if size < tail.off or (tail.off and tail.head and not self._same_head(tail)):
+            # truncated (and maybe rewritten) in place: what was pending was its last line
+            self._emit(path, [tail.partial] if tail.partial else [])
+            tail.off, tail.partial, tail.head = 0, b"", b""
+        if size <= tail.off:
+            return
+        if not tail.head:
+            tail.f.seek(0)
+            tail.head = tail.f.read(64)
+        tail.f.seek(tail.off)
+        chunk = tail.f.read(size - tail.off)
+        tail.off += len(chunk)
+        data = tail.partial + chunk
+        # A trailing \r may be the first half of \r\n: decide when the next bytes come.
+        held = b"\r" if data.endswith(b"\r") else b""
+        *lines, rest = _LINE_END.split(data[: len(data) - len(held)])
+        tail.partial = rest + held
+        self._emit(path, lines)
+
+    @staticmethod
+    def _same_head(tail: _Tail) -> bool:
+        tail.f.seek(0)
+        return tail.f.read(len(tail.head)) == tail.head
+
+    def _finish(self, path: Path, tail: _Tail) -> None:
+        """The file is complete (replaced, deleted, or the agent is done): read it to its end and
+        emit its last line even without a newline, then close it."""
+        try:
+            self._read(path, tail)
+            last = tail.partial.rstrip(b"\r")
+            if last:
+                self._emit(path, [last])
+        except OSError as e:
+            log.debug("log tail of %s: %s", path, e)
+        finally:
+            tail.f.close()
+
+    def _emit(self, path: Path, lines: list[bytes]) -> None:
+        label = f"{path.parent.parent.name}/rank{path.parent.name}/{path.stem.replace('std', '')}"
+        for raw in lines:
+            line = raw.decode(errors="replace")
+            for sink in self.sinks:
+                try:
+                    sink(label, line)
+                except Exception:  # noqa: BLE001
+                    pass
 
 
 def stdout_sink(prefix: str) -> Sink:
