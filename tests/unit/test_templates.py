@@ -299,13 +299,29 @@ def test_job_roles_exist_exactly_with_own_roles(flags):
         assert "LogGroupName" not in t["Parameters"]
 
 
+#: What the SSM agent needs for Session Manager, and nothing that reads parameters.
+SESSION_MANAGER_ACTIONS = [
+    "ssm:UpdateInstanceInformation",
+    "ssmmessages:CreateControlChannel",
+    "ssmmessages:CreateDataChannel",
+    "ssmmessages:OpenControlChannel",
+    "ssmmessages:OpenDataChannel",
+    "ec2messages:AcknowledgeMessage",
+    "ec2messages:DeleteMessage",
+    "ec2messages:FailMessage",
+    "ec2messages:GetEndpoint",
+    "ec2messages:GetMessages",
+    "ec2messages:SendReply",
+]
+
+
 def test_job_roles_are_least_privilege_across_jobs():
     t = job()
     for role in ("WorkerRole", "RdzvRole"):
         props = t["Resources"][role]["Properties"]
-        assert props["ManagedPolicyArns"] == [
-            {"Fn::Sub": "arn:${AWS::Partition}:iam::aws:policy/AmazonSSMManagedInstanceCore"}
-        ]
+        # No managed policy: AmazonSSMManagedInstanceCore reads every SSM parameter of the account.
+        assert "ManagedPolicyArns" not in props
+        assert _policy_statements(t, role)["SessionManager"]["Action"] == SESSION_MANAGER_ACTIONS
         assert "RoleName" not in props  # CAPABILITY_IAM is enough
         for statement in _policy_statements(t, role).values():
             assert statement["Effect"] == "Allow" and "NotAction" not in statement
@@ -315,6 +331,7 @@ def test_job_roles_are_least_privilege_across_jobs():
                 assert actions in (
                     ["autoscaling:DescribeAutoScalingGroups"],
                     ["ec2:DescribeNetworkInterfaces"],
+                    SESSION_MANAGER_ACTIONS,
                 )
                 continue
             for arn in _subs(statement["Resource"]):
@@ -1148,11 +1165,27 @@ BAD_SNIPPETS = {
                         - !Sub arn:${AWS::Partition}:s3:::bucket/petctl/jobs/${JobName}/tls/ca.key
                         - !Sub arn:${AWS::Partition}:s3:::bucket/petctl/jobs/${JobName}/tls/client.key
         """,
+    "E9111": _ROLE
+    + """\
+            ManagedPolicyArns:
+              - !Sub arn:${AWS::Partition}:iam::aws:policy/AmazonSSMManagedInstanceCore
+            Policies:
+              - PolicyName: p
+                PolicyDocument:
+                  Version: '2012-10-17'
+                  Statement:
+                    - Effect: Allow
+                      Action: [ssm:UpdateInstanceInformation, ssm:Get*]
+                      Resource: "*"
+                    - Effect: Allow
+                      Action: ssmmessages:OpenDataChannel
+                      Resource: "*"
+        """,
 }
 
 
 def test_rules_dir_loads_each_of_our_rules_once():
-    """cfn-lint loads every rule file of the directory by path: all ten rules, none twice, nothing else."""
+    """cfn-lint loads every rule file of the directory by path: all our rules, none twice, nothing else."""
     assert sorted(r.id for r in load_plugins(str(RULES_DIR))) == sorted(RULE_IDS)
 
 
@@ -1163,7 +1196,8 @@ def test_security_rule_fires_on_a_bad_snippet(rule_id, rules):
     # two ingress rules; two bucket defects; three write statements outside one job's reports
     # an http URL and a launch without client certificates; a wildcard over both keys, and one
     # policy reading both
-    expected = {"E9102": 2, "E9104": 2, "E9108": 3, "E9109": 2, "E9110": 3}.get(rule_id, 1)
+    # policy reading both; a managed policy and a wildcard reading SSM parameters
+    expected = {"E9102": 2, "E9104": 2, "E9108": 3, "E9109": 2, "E9110": 3, "E9111": 2}.get(rule_id, 1)
     assert ids.count(rule_id) == expected
 
 
