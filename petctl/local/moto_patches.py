@@ -27,6 +27,12 @@
    anything anywhere.
 7. **Warm pools**: moto keeps a warm pool's settings only; :mod:`petctl.local.moto_warm_pool`
    gives it instances, AWS's sizing and lifecycle states, and CloudFormation support.
+9. **Instance profiles from launch templates**: an instance launched from a launch template (by
+   a group, or RunInstances) gets the template's ``IamInstanceProfile`` on AWS; moto drops it, so
+   the instance would have no role (the ``mount`` shim's ``iam`` option reads it).
+8. **EFS access points and file system policies** in CloudFormation (:mod:`petctl.local.moto_efs`):
+   an access point's ``Ref``/``Fn::GetAtt`` and AWS's checks of its properties; a file system's
+   ``FileSystemPolicy``.
 
 Each patch wraps one moto method with :func:`petctl.local.patching.wrap`.
 """
@@ -43,7 +49,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from petctl.local import moto_warm_pool
+from petctl.local import moto_efs, moto_warm_pool
 from petctl.local.patching import wrap
 
 _claims: dict[str, int] = {}  # ip -> fd holding its flock
@@ -252,6 +258,27 @@ def _patch_lifecycle_actions() -> None:
     AutoScalingResponse.record_lifecycle_action_heartbeat = lambda self: _lifecycle(self, "heartbeat")  # type: ignore[attr-defined]
 
 
+def _patch_launch_template_instance_profile() -> None:
+    from moto.ec2.models.instances import InstanceBackend
+
+    @wrap(InstanceBackend, "run_instances")
+    def run_instances(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+        reservation = original(self, *args, **kwargs)
+        if kwargs.get("launch_template"):
+            profile = (
+                self._get_template_from_args(kwargs["launch_template"]).data.get("IamInstanceProfile") or {}
+            )
+            if profile.get("Arn") or profile.get("Name"):
+                for instance in reservation.instances:
+                    if instance.id not in self.iam_instance_profile_associations:
+                        self.associate_iam_instance_profile(
+                            instance.id,
+                            iam_instance_profile_name=profile.get("Name"),
+                            iam_instance_profile_arn=profile.get("Arn"),
+                        )
+        return reservation
+
+
 def apply() -> None:
     """Install the patches (idempotent)."""
     _patch_private_ips()
@@ -260,4 +287,6 @@ def apply() -> None:
     _patch_put_log_events_limits()
     _patch_log_stream_prefix()
     _patch_efs_mount_targets()
+    _patch_launch_template_instance_profile()
     moto_warm_pool.apply()
+    moto_efs.apply()

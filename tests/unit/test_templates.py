@@ -18,7 +18,7 @@ from cfnlint.core import get_rules
 from cfnlint.decode import cfn_yaml
 from cfnlint.helpers import load_plugins
 
-from petctl import templates, tls
+from petctl import naming, templates, tls
 from petctl.lint_rules import RULE_IDS, RULES_DIR
 from petctl.templates import rendering
 
@@ -658,7 +658,7 @@ def test_warm_pool_of_stopped_workers_held_until_booted():
         in lines
     )
     # user data never runs again when a pool instance starts: the mount and the agent come back at boot
-    assert "${EfsId}:/ /mnt/efs efs _netdev,tls,noresvport 0 0" in script
+    assert EFS_FSTAB in script
     assert "systemctl enable --now petctl-agent.service" in lines
     plain = _user_data({"gpu": False, "spot": False, "ami_override": False}, "WorkerLaunchTemplate")
     assert "LAUNCH_HOOK=" in plain and "--lifecycle-action-result CONTINUE" not in plain
@@ -708,11 +708,75 @@ def _substituted(script: str) -> str:
     )
 
 
+#: The job's directory only, through its access point, with the instance's role, over TLS.
+EFS_MOUNT = "retry mount -t efs -o tls,iam,accesspoint=${JobAccessPoint},noresvport ${EfsId}:/ $EFS_JOB_DIR"
+EFS_FSTAB = '"${EfsId}:/ $EFS_JOB_DIR efs _netdev,tls,iam,accesspoint=${JobAccessPoint},noresvport 0 0"'
+
+
+@pytest.mark.parametrize("flags", JOB_VARIANTS, ids=_id)
+def test_each_job_mounts_only_its_own_directory_of_efs(flags):
+    """An access point per job, rooted at its directory with its own uid/gid; the worker role may
+    mount only through it; the agent's paths (<mount>/petctl/jobs/<job>/...) still resolve."""
+    t = job(**flags)
+    ap = t["Resources"]["JobAccessPoint"]
+    assert ap["Type"] == "AWS::EFS::AccessPoint"
+    uid = {"Ref": "EfsPosixId"}
+    assert ap["Properties"]["FileSystemId"] == {"Ref": "EfsId"}
+    assert ap["Properties"]["PosixUser"] == {"Uid": uid, "Gid": uid}
+    assert ap["Properties"]["RootDirectory"] == {
+        "Path": {"Fn::Sub": "/petctl/jobs/${JobName}"},
+        "CreationInfo": {"OwnerUid": uid, "OwnerGid": uid, "Permissions": "0750"},
+    }
+    # the root directory is where the agent keeps the job's files (naming / petctl_agent.spec)
+    assert naming.checkpoint_dir("x").startswith("petctl/jobs/x/")
+    assert t["Parameters"]["EfsPosixId"]["MinValue"] == naming.EFS_POSIX_ID_MIN
+    assert t["Parameters"]["EfsPosixId"]["MaxValue"] == naming.EFS_POSIX_ID_MAX
+    if flags.get("own_roles", True):
+        fs = _policy_statements(t, "WorkerRole")["SharedFileSystem"]
+        assert fs["Condition"] == {
+            "StringEquals": {"elasticfilesystem:AccessPointArn": {"Fn::GetAtt": ["JobAccessPoint", "Arn"]}}
+        }
+        assert "elasticfilesystem" not in str(_policy_statements(t, "RdzvRole"))
+    script = _user_data(flags, "WorkerLaunchTemplate")
+    assert EFS_MOUNT in script and EFS_FSTAB in script
+    assert "/mnt/efs efs" not in script and "${EfsId}:/ /mnt/efs" not in script  # never the whole file system
+
+
+def test_efs_posix_id_is_stable_per_job_and_differs_between_jobs():
+    ids = {naming.efs_posix_id(f"job-{i}") for i in range(2000)}
+    assert len(ids) == 2000
+    assert all(naming.EFS_POSIX_ID_MIN <= i <= naming.EFS_POSIX_ID_MAX for i in ids)
+    assert naming.efs_posix_id("train") == naming.efs_posix_id("train")
+
+
+@pytest.mark.parametrize("az_count", (1, 2))
+def test_file_system_policy_denies_mounts_without_access_point_or_tls(az_count):
+    """No Allow (anonymous clients, which did not mount with iam, get nothing; IAM clients only
+    what their role grants: their job's access point) and two denies nothing can lift."""
+    fs = infra(az_count=az_count, create_efs=True, create_bucket=True)["Resources"]["FileSystem"]
+    policy = fs["Properties"]["FileSystemPolicy"]
+    assert [st["Effect"] for st in policy["Statement"]] == ["Deny", "Deny"]
+    client = [
+        "elasticfilesystem:ClientMount",
+        "elasticfilesystem:ClientWrite",
+        "elasticfilesystem:ClientRootAccess",
+    ]
+    by_sid = {st["Sid"]: st for st in policy["Statement"]}
+    assert by_sid["DenyWithoutAccessPoint"]["Action"] == client
+    assert by_sid["DenyWithoutAccessPoint"]["Condition"] == {
+        "Null": {"elasticfilesystem:AccessPointArn": "true"}
+    }
+    assert by_sid["DenyWithoutTls"]["Action"] == client
+    assert by_sid["DenyWithoutTls"]["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+    assert all(st["Principal"] == {"AWS": "*"} for st in policy["Statement"])
+
+
 @pytest.mark.parametrize("flags", JOB_VARIANTS, ids=_id)
 def test_worker_boot_script(flags):
     script = _user_data(flags, "WorkerLaunchTemplate")
     assert script.startswith("#!/bin/bash\n")
-    assert "mount -t efs -o tls,noresvport ${EfsId}:/ /mnt/efs" in script
+    assert "EFS_JOB_DIR=/mnt/efs/petctl/jobs/${JobName}" in script
+    assert EFS_MOUNT in script and EFS_FSTAB in script
     assert "amazon-efs-utils" in script
     assert 'aws s3 cp --region "$REGION" --only-show-errors "${DistUrl}" "$WHEEL"' in script
     assert 'pip install --quiet "$WHEEL[agent]" "torch==${TorchVersion}"' in script
@@ -731,7 +795,7 @@ def test_worker_boot_script(flags):
         "KillSignal=SIGTERM",
         "KillMode=mixed",
         "TimeoutStopSec=$((${DrainTimeout} + 30))",
-        "RequiresMountsFor=/mnt/efs",
+        "RequiresMountsFor=/mnt/efs/petctl/jobs/${JobName}",
         "Environment=PETCTL_EFS_MOUNT=/mnt/efs",
         "Environment=PETCTL_ETCD_CACERT=/etc/petctl/tls/ca.pem",
         "Environment=PETCTL_ETCD_CERT=/etc/petctl/tls/client.pem",
@@ -974,6 +1038,7 @@ JOB_VALUES = {
     "SecurityGroupId": "sg-12345678",
     "LogGroupName": "/petctl/default",
     "EfsId": "fs-12345678",
+    "EfsPosixId": "123456",
     "BucketName": "bucket",
     "SpecUrl": "s3://bucket/petctl/jobs/train-1/job.json",
     "DistUrl": "s3://bucket/petctl/jobs/train-1/dist/petctl-0.1.0-py3-none-any.whl",
