@@ -1246,6 +1246,36 @@ BAD_SNIPPETS = {
                       Action: ssmmessages:OpenDataChannel
                       Resource: "*"
         """,
+    "E9112": """
+        Fs:
+          Type: AWS::EFS::FileSystem
+          Properties:
+            Encrypted: true
+            FileSystemPolicy:
+              Version: '2012-10-17'
+              Statement:
+                - Effect: Deny
+                  Principal: {AWS: "*"}
+                  Action: elasticfilesystem:ClientMount
+                  Condition: {"Null": {elasticfilesystem:AccessPointArn: "true"}}
+                - Effect: Allow
+                  Principal: {AWS: "*"}
+                  Action: [elasticfilesystem:ClientMount, elasticfilesystem:ClientWrite]
+        """,
+    "E9113": """
+        Lt:
+          Type: AWS::EC2::LaunchTemplate
+          Properties:
+            LaunchTemplateData:
+              MetadataOptions: {HttpTokens: required}
+              UserData:
+                Fn::Base64: !Sub |
+                  #!/bin/bash
+                  echo "${Fs}:/ /mnt/efs efs _netdev,tls,noresvport 0 0" >> /etc/fstab
+                  mount -t efs -o tls,iam,noresvport ${Fs}:/ /mnt/efs
+                  mount -t efs ${Fs}:/ /mnt/other
+                  mount -t efs -o tls,iam,accesspoint=${Ap} ${Fs}:/ /mnt/fine
+        """,
 }
 
 
@@ -1262,7 +1292,19 @@ def test_security_rule_fires_on_a_bad_snippet(rule_id, rules):
     # an http URL and a launch without client certificates; a wildcard over both keys, and one
     # policy reading both
     # policy reading both; a managed policy and a wildcard reading SSM parameters
-    expected = {"E9102": 2, "E9104": 2, "E9108": 3, "E9109": 2, "E9110": 3, "E9111": 2}.get(rule_id, 1)
+    # EFS: a deny of one action only, no TLS deny, an Allow; an fstab line, a mount without the
+    # access point, a mount without options
+    expected = {
+        "E9102": 2,
+        "E9104": 2,
+        "E9108": 3,
+        "E9109": 2,
+        "E9110": 3,
+        "E9111": 2,
+        "E9112": 3,
+        "E9113": 3,
+    }
+    expected = expected.get(rule_id, 1)
     assert ids.count(rule_id) == expected
 
 
