@@ -642,7 +642,8 @@ def test_warm_pool_of_stopped_workers_held_until_booted():
         "LifecycleHookName": "petctl-launch",
         "AutoScalingGroupName": {"Ref": "WorkerGroup"},
         "LifecycleTransition": "autoscaling:EC2_INSTANCE_LAUNCHING",
-        "DefaultResult": "CONTINUE",
+        # unanswered (a boot that hung, an agent that never parked): terminate, never InService idle
+        "DefaultResult": "ABANDON",
         "HeartbeatTimeout": 900,
     }
     # the boot completes the launch action once the agent's unit is enabled, abandons it on failure
@@ -653,6 +654,13 @@ def test_warm_pool_of_stopped_workers_held_until_booted():
     assert "LAUNCH_HOOK=petctl-launch" in lines
     done = '--lifecycle-hook-name "$LAUNCH_HOOK" --instance-id "$INSTANCE_ID" --lifecycle-action-result CONTINUE ||'
     assert lines.index(done) > lines.index("boot_event agent_started")
+    # the heartbeats stop before the boot completes the action (and before it abandons it)
+    assert lines[lines.index(done) - 2] == "stop_heartbeats"
+    assert lines.index("heartbeats &") > lines.index("INSTANCE_ID=$(retry imds meta-data/instance-id)")
+    # pip unpacks a 3 GB CUDA torch: on the root volume, not AL2023's RAM-sized /tmp
+    assert lines.index("export TMPDIR=/var/tmp") < min(
+        i for i, line in enumerate(lines) if "pip install" in line
+    )
     assert (
         '--lifecycle-hook-name "$LAUNCH_HOOK" --instance-id "$INSTANCE_ID" --lifecycle-action-result ABANDON'
         in lines
@@ -907,7 +915,8 @@ esac""",
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 1
-    made = calls.read_text().splitlines()
+    # (the warm pool's launch hook heartbeats run beside the boot: test_launch_hook_heartbeats_...)
+    made = [c for c in calls.read_text().splitlines() if "record-lifecycle-action-heartbeat" not in c]
     assert made[0].startswith("aws s3 cp") and made[0].endswith("/boot/i-0123456789abcdef0.log")
     assert made[-1].startswith("aws autoscaling set-instance-health")
     given_up = [c for c in made if "update-auto-scaling-group" in c or "delete-warm-pool" in c]
@@ -922,6 +931,51 @@ esac""",
     log = (tmp_path / "boot.log").read_text()
     assert "giving up after 8 attempts: dnf install" in log
     assert "petctl boot: FAILED (exit 1)" in log
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash not installed")
+def test_launch_hook_heartbeats_while_the_boot_runs_and_stop_before_abandon(tmp_path):
+    """A warm-pool boot longer than the hook's timeout is not cut off: heartbeats go out while it
+    runs (every second here instead of 300 s), for the job's worker group and hook, and stop before
+    the boot abandons (or completes) the action: none after it."""
+    flags = {"gpu": False, "spot": False, "ami_override": False, "warm_pool": True}
+    script = _substituted(_user_data(flags, "WorkerLaunchTemplate"))
+    assert "HEARTBEAT_EVERY=300\n" in script and "HEARTBEAT_FOR=5400\n" in script
+    script = script.replace("HEARTBEAT_EVERY=300\n", "HEARTBEAT_EVERY=1\n")
+    script = script.replace("/var/log/petctl-boot.log", str(tmp_path / "boot.log"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls, slow = tmp_path / "calls", tmp_path / "slow-once"
+    real_sleep = shutil.which("sleep")
+    stubs = {
+        "aws": f'echo "aws $*" >> {calls}; case "$*" in "s3 ls"*) exit 1 ;; esac',
+        "curl": "echo i-0123456789abcdef0",
+        # the first install takes 3.5 s, then every attempt fails at once: the boot fails
+        "dnf": f"[ -e {slow} ] || {{ touch {slow}; {real_sleep} 3.5; }}; exit 1",
+        # retry's back-off is skipped; the heartbeat loop's 1 s sleeps are real
+        "sleep": f'[ "$1" = 1 ] && exec {real_sleep} 1; exit 0',
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
+        (bin_dir / name).chmod(0o755)
+    import os
+    import time
+
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 1
+    time.sleep(2.5)  # a loop left running would beat again by now
+    made = calls.read_text().splitlines()
+    beats = [i for i, c in enumerate(made) if "record-lifecycle-action-heartbeat" in c]
+    assert len(beats) >= 2, made
+    for i in beats:
+        assert made[i].split() == [
+            "aws", "autoscaling", "record-lifecycle-action-heartbeat", "--region", "v-AWSRegion",
+            "--auto-scaling-group-name", "petctl-v-JobName-workers", "--lifecycle-hook-name", "petctl-launch",
+            "--instance-id", "i-0123456789abcdef0",
+        ]  # fmt: skip
+    (abandon,) = [i for i, c in enumerate(made) if "--lifecycle-action-result ABANDON" in c]
+    assert max(beats) < abandon
 
 
 def test_rdzv_boot_script():

@@ -139,6 +139,9 @@ def test_base_stack_in_local_cidr(aws):
     (fs,) = efs.describe_file_systems(FileSystemId=base["EfsId"])["FileSystems"]
     assert fs["Encrypted"] is True
     assert len(efs.describe_mount_targets(FileSystemId=base["EfsId"])["MountTargets"]) == 2
+    # the policy that confines every job to its access point (kept by the local cloud's moto patch)
+    policy = json.loads(efs.describe_file_system_policy(FileSystemId=base["EfsId"])["Policy"])
+    assert [st["Sid"] for st in policy["Statement"]] == ["DenyWithoutAccessPoint", "DenyWithoutTls"]
     s3 = client("s3")
     rules = s3.get_bucket_encryption(Bucket=base["BucketName"])["ServerSideEncryptionConfiguration"]["Rules"]
     assert rules[0]["ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "AES256"
