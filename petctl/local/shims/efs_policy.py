@@ -90,8 +90,7 @@ def authorize(
     """None when ``action`` (``elasticfilesystem:ClientMount``…) is allowed, else why not.
 
     ``identity``: the role's policy documents when the client mounts with ``iam`` (None: anonymous);
-    ``principal_arns``: the ARNs the role answers to (role and account root) in a file system
-    policy's ``Principal``."""
+    ``principal_arns``: the role's ARN, which a file system policy's ``Principal`` may name."""
     if policy is None:
         return None  # the default file system policy
     names = {"*", *principal_arns} if identity is not None else {"*"}

@@ -62,7 +62,9 @@ def _role_policies(aws: Clients, instance_id: str) -> tuple[list[dict], list[str
     documents: list[dict] = []
     arns: list[str] = []
     for role in roles:
-        arns += [role["Arn"], role["Arn"].split(":role/")[0] + ":root"]
+        # The role itself only: a file system policy naming the account (…:root) delegates to the
+        # identity policies, it grants nothing by itself.
+        arns.append(role["Arn"])
         for policy in iam.list_role_policies(RoleName=role["RoleName"])["PolicyNames"]:
             document = iam.get_role_policy(RoleName=role["RoleName"], PolicyName=policy)["PolicyDocument"]
             documents.append(_document(document))
