@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 # The job-name rule and the checkpoint path are the agent's too: defined once, in the job spec.
@@ -44,6 +45,19 @@ def log_group(profile: str) -> str:
     return f"/petctl/{profile}"
 
 
+#: The range of the jobs' EFS uids/gids: above the ids of a distribution's users (below 65536) and
+#: within what EFS access points accept (0 to 2**32 - 1), signed 32-bit for any tool that reads them.
+EFS_POSIX_ID_MIN, EFS_POSIX_ID_MAX = 100_000, 2_147_483_647
+
+
+def efs_posix_id(job: str) -> int:
+    """The uid and gid of the job's files on EFS (its access point's PosixUser): the same for every
+    run of one job name (its checkpoints stay its own), different for different names (all but
+    certainly: 2**31 - 100000 values)."""
+    digest = int.from_bytes(hashlib.sha256(f"petctl-efs:{job}".encode()).digest()[:8], "big")
+    return EFS_POSIX_ID_MIN + digest % (EFS_POSIX_ID_MAX - EFS_POSIX_ID_MIN + 1)
+
+
 __all__ = [
     "JOB_NAME_RE",
     "LIFECYCLE_HOOK",
@@ -51,6 +65,7 @@ __all__ = [
     "RDZV_PORT",
     "base_stack",
     "checkpoint_dir",
+    "efs_posix_id",
     "job_from_stack",
     "job_prefix",
     "job_stack",

@@ -231,6 +231,7 @@ def _parameters(
         "VpcId": profile.vpc_id,
         "SecurityGroupId": profile.security_group_id,
         "EfsId": profile.efs_id,
+        "EfsPosixId": str(naming.efs_posix_id(job)),
         "SpecUrl": spec_url,
         "BucketName": profile.bucket,
         "DrainTimeout": str(req.drain_timeout),

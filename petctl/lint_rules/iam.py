@@ -1,5 +1,5 @@
-"""cfn-lint rules for IAM: no broad managed policies; S3 writes only to one job's own reports; a
-job's TLS keys read only by name, and never both by one role.
+"""cfn-lint rules for IAM: no broad managed policies; no SSM parameter reads; S3 writes only to one
+job's own reports; a job's TLS keys read only by name, and never both by one role.
 
 An action or resource hidden behind an intrinsic counts as a violation (see :mod:`petctl.lint_rules`).
 cfn-lint loads this file by path: keep it free of relative imports.
@@ -82,6 +82,49 @@ def _allow_statements(document: Any) -> Iterator[tuple[int, dict]]:
     for index, statement in enumerate(as_list(get_in(document, "Statement"))):
         if isinstance(statement, dict) and statement.get("Effect") == "Allow":
             yield index, statement
+
+
+#: AWS managed policies that grant ssm:GetParameter(s) on every parameter of the account.
+PARAMETER_READING_POLICIES = (
+    "AmazonSSMManagedInstanceCore",
+    "AmazonEC2RoleforSSM",
+    "AmazonSSMReadOnlyAccess",
+)
+#: Reads of SSM parameters (SecureStrings included) and of their history.
+PARAMETER_READS = (
+    "ssm:getparameter",
+    "ssm:getparameters",
+    "ssm:getparametersbypath",
+    "ssm:getparameterhistory",
+)
+
+
+@rule(
+    "E9111",
+    "https://docs.aws.amazon.com/systems-manager/latest/userguide/getting-started-create-iam-instance-profile.html",
+    "iam",
+    "ssm",
+)
+def NoParameterReads(cfn: Template) -> Iterator[Finding]:
+    """No role reads SSM parameters
+
+    IAM roles, users and groups attach no AWS managed policy that reads every SSM parameter of the
+    account (AmazonSSMManagedInstanceCore, AmazonEC2RoleforSSM, AmazonSSMReadOnlyAccess), and no
+    identity policy allows ssm:GetParameter* (wildcards such as ssm:* or ssm:Get* included):
+    Session Manager needs none of it, and a job's instance could read another job's secrets.
+    """
+    for name, arns in each_property(cfn, IDENTITIES, "ManagedPolicyArns"):
+        for index, arn in enumerate(as_list(arns or [])):
+            if any(p in text for text in strings(arn) for p in PARAMETER_READING_POLICIES):
+                yield (
+                    ["Resources", name, "Properties", "ManagedPolicyArns", index],
+                    f"{name} attaches a managed policy that reads every SSM parameter; grant Session "
+                    f"Manager's actions inline instead",
+                )
+    for path, document in _policy_documents(cfn):
+        for index, statement in _allow_statements(document):
+            if "NotAction" in statement or _grants(statement.get("Action", []), PARAMETER_READS):
+                yield [*path, "Statement", index], f"{path[1]} allows reading SSM parameters"
 
 
 @rule("E9106", LEAST_PRIVILEGE_URL, "iam")

@@ -191,7 +191,7 @@ class Unit:
 
 
 def start_unit(
-    root: Path, state_dir: Path, unit: str, env: dict[str, str], out: IO[bytes], efs: Any, az: str
+    root: Path, state_dir: Path, unit: str, env: dict[str, str], out: IO[bytes], aws: Any, az: str
 ) -> tuple[Unit, float | None]:
     """Start ``unit`` of the instance whose root is ``root``: its ``ExecStart`` in a new session,
     with ``env`` plus its ``Environment=``. Returns the unit and, for ``Type=notify``, the
@@ -205,7 +205,7 @@ def start_unit(
     spec = shims.parse_unit(path.read_text())
     svc, unit_sec = spec.get("Service", {}), spec.get("Unit", {})
     for mp in (p for v in unit_sec.get("RequiresMountsFor", []) for p in v.split()):
-        _require_mount(root, state_dir, mp, efs, az)
+        _require_mount(root, state_dir, mp, aws, az)
     argv = shlex.split(svc["ExecStart"][0])
     if not argv or argv[0][:1] in "-@+!:" or "$" in svc["ExecStart"][0]:
         raise shims.Refused(f"ExecStart={svc['ExecStart'][0]!r}: prefixes and $VARIABLES are not emulated")
@@ -276,9 +276,9 @@ def wait_ready(u: Unit, deadline: float | None) -> None:
         sock.close()
 
 
-def _require_mount(root: Path, state_dir: Path, mountpoint: str, efs: Any, az: str) -> None:
+def _require_mount(root: Path, state_dir: Path, mountpoint: str, aws: Any, az: str) -> None:
     """RequiresMountsFor: mounted already, or mounted now from the instance's /etc/fstab (as
-    systemd does); otherwise the unit fails."""
+    systemd does); otherwise the unit fails. ``aws``: service name -> the daemon's moto client."""
     r = Path(mountpoint)
     rel = "/" + str(r.relative_to(root)) if root in r.parents else mountpoint
     if rel in shims.mounted(root):
@@ -290,4 +290,13 @@ def _require_mount(root: Path, state_dir: Path, mountpoint: str, efs: Any, az: s
     if fstype != "efs":
         raise shims.Refused(f"fstab type {fstype} not emulated (efs)")
     r.mkdir(parents=True, exist_ok=True)
-    shims.efs_mount(root, state_dir, source, r, options - {"_netdev", "defaults"}, efs, az)
+    shims.efs_mount(
+        root,
+        state_dir,
+        source,
+        r,
+        options - {"_netdev", "defaults"},
+        az=az,
+        aws=aws,
+        instance_id=root.parent.name,
+    )

@@ -65,7 +65,7 @@ class LocalCloud:
         cfg = botocore.config.Config(retries={"max_attempts": 3}, connect_timeout=5, read_timeout=60)
         clients = {
             name: session.client(name, endpoint_url=self.endpoint_url, config=cfg)
-            for name in ("ec2", "autoscaling", "s3", "efs")
+            for name in ("ec2", "autoscaling", "s3", "efs", "iam")
         }
         self.control = ControlApi(self)
         self.imds = ImdsServer(

@@ -119,7 +119,15 @@ class Instance:
             "restarts": self.restarts,
             "started_at": self.started_at,
             "ended_at": self.ended_at,
-            "efs_id": (shims.mounted(self.root(state_dir)).get("/mnt/efs") or "").split(":")[0] or None,
+            # /mnt/efs, or (a job's access point) /mnt/efs/petctl/jobs/<job>
+            "efs_id": next(
+                (
+                    source.split(":")[0]
+                    for point, source in sorted(shims.mounted(self.root(state_dir)).items())
+                    if point == "/mnt/efs" or point.startswith("/mnt/efs/")
+                ),
+                None,
+            ),
             "boot": self._boot_summary(state_dir),
             "units": {n: {"pid": u.proc.pid, "exit_code": u.proc.poll()} for n, u in self.units.items()},
             "root": str(self.root(state_dir)),

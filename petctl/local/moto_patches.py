@@ -25,6 +25,8 @@
    at a device index the instance already uses. moto keeps the interface attached to the
    terminated instance (a replacement rendezvous instance could never take it over) and attaches
    anything anywhere.
+7. **Warm pools**: moto keeps a warm pool's settings only; :mod:`petctl.local.moto_warm_pool`
+   gives it instances, AWS's sizing and lifecycle states, and CloudFormation support.
 8. **Template caps**: CloudFormation refuses an inline ``TemplateBody`` over 51,200 bytes, a
    ``TemplateURL`` object over 1 MB, and a ``TemplateURL`` that is not an https URL of an S3 object
    in a bucket of the stack's region (CreateStack/UpdateStack API reference). moto takes any body,
@@ -36,8 +38,12 @@
    that petctl answers differently (``p3.2xlarge``: an NVIDIA V100 type the Deep Learning AMI no
    longer supports; ``g4ad.xlarge``: an AMD GPU type), so the local cloud called them unknown.
    They are added with AWS's figures (GpuInfo, architecture, vCPUs, memory).
-7. **Warm pools**: moto keeps a warm pool's settings only; :mod:`petctl.local.moto_warm_pool`
-   gives it instances, AWS's sizing and lifecycle states, and CloudFormation support.
+11. **Instance profiles from launch templates**: an instance launched from a launch template (by
+   a group, or RunInstances) gets the template's ``IamInstanceProfile`` on AWS; moto drops it, so
+   the instance would have no role (the ``mount`` shim's ``iam`` option reads it).
+12. **EFS access points and file system policies** in CloudFormation (:mod:`petctl.local.moto_efs`):
+   an access point's ``Ref``/``Fn::GetAtt`` and AWS's checks of its properties; a file system's
+   ``FileSystemPolicy``.
 
 Each patch wraps one moto method with :func:`petctl.local.patching.wrap`.
 """
@@ -55,7 +61,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from petctl.local import moto_warm_pool
+from petctl.local import moto_efs, moto_warm_pool
 from petctl.local.patching import wrap
 
 _claims: dict[str, int] = {}  # ip -> fd holding its flock
@@ -390,6 +396,27 @@ def _patch_instance_types() -> None:
         it.InstanceTypeBackend.instance_types.append(it.InstanceType(name))
 
 
+def _patch_launch_template_instance_profile() -> None:
+    from moto.ec2.models.instances import InstanceBackend
+
+    @wrap(InstanceBackend, "run_instances")
+    def run_instances(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+        reservation = original(self, *args, **kwargs)
+        if kwargs.get("launch_template"):
+            profile = (
+                self._get_template_from_args(kwargs["launch_template"]).data.get("IamInstanceProfile") or {}
+            )
+            if profile.get("Arn") or profile.get("Name"):
+                for instance in reservation.instances:
+                    if instance.id not in self.iam_instance_profile_associations:
+                        self.associate_iam_instance_profile(
+                            instance.id,
+                            iam_instance_profile_name=profile.get("Name"),
+                            iam_instance_profile_arn=profile.get("Arn"),
+                        )
+        return reservation
+
+
 def apply() -> None:
     """Install the patches (idempotent)."""
     _patch_instance_types()
@@ -401,4 +428,6 @@ def apply() -> None:
     _patch_put_log_events_limits()
     _patch_log_stream_prefix()
     _patch_efs_mount_targets()
+    _patch_launch_template_instance_profile()
     moto_warm_pool.apply()
+    moto_efs.apply()

@@ -220,7 +220,7 @@ class Starting:
                 unit,
                 self._unit_env(rec),
                 out,
-                self.clients["efs"],
+                self.clients.__getitem__,
                 rec.az,
             )
         rec.units[unit] = u

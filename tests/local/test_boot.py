@@ -105,14 +105,23 @@ def test_real_boot_scripts_start_etcd_and_the_agent(petctl: Any, cloud: Cloud) -
         "rendezvous/entry.py",
     ):
         assert (site / "petctl_agent" / module).is_file(), module
-    assert (root / "mnt" / "efs").resolve() == (cloud.state_dir / "efs" / worker["efs_id"]).resolve()
+    # Only the job's own directory, through its access point (never the file system's root).
+    job_dir = root / "mnt" / "efs" / "petctl" / "jobs" / job
+    assert (
+        job_dir.resolve() == (cloud.state_dir / "efs" / worker["efs_id"] / "petctl" / "jobs" / job).resolve()
+    )
+    assert not (root / "mnt" / "efs").is_symlink() and os.listdir(
+        root / "mnt" / "efs" / "petctl" / "jobs"
+    ) == [job]
+    assert (job_dir / "checkpoints").is_dir()  # the agent's paths resolve inside the mount
     assert list(worker["units"]) == ["petctl-agent.service"] and worker["boot"]["state"] == "done"
     unit = (root / "etc" / "systemd" / "system" / "petctl-agent.service").read_text()
     assert f"ExecStart={root}/opt/petctl/bin/petctl-agent run" in unit
     assert (
         root / "etc" / "systemd" / "system" / "multi-user.target.wants" / "petctl-agent.service"
     ).is_symlink()
-    assert f"{worker['efs_id']}:/ {root}/mnt/efs efs" in (root / "etc" / "fstab").read_text()
+    fstab = (root / "etc" / "fstab").read_text()
+    assert f"{worker['efs_id']}:/ {job_dir} efs _netdev,tls,iam,accesspoint=fsap-" in fstab
     # etcd serves TLS only, so the job's success is the agent's TLS: the worker fetched the job's CA
     # and client pair (root-only) and its unit hands them to the agent.
     tls_dir = root / "etc" / "petctl" / "tls"

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from localcloud_helpers import Cloud, wait_for
 
-from petctl import templates, tls
+from petctl import naming, templates, tls
 
 BUCKET = "petctl-local-test"
 RDZV_EVENTS = ["launched", "deps_installed", "eni_attached", "etcd_started"]
@@ -52,6 +52,7 @@ def _job_stack(cloud: Cloud, job: str) -> dict[str, Any]:
         SecurityGroupId=sg,
         LogGroupName="/petctl/test",
         EfsId=net["efs"],
+        EfsPosixId=naming.efs_posix_id(job),
         BucketName=BUCKET,
         SpecUrl=f"s3://{BUCKET}/petctl/jobs/{job}/job.json",
         DistUrl=f"s3://{BUCKET}/petctl/jobs/{job}/dist/petctl-0-py3-none-any.whl",

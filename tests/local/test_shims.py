@@ -76,6 +76,29 @@ def run_shim(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> s
             "--lifecycle-action-result",
             "CONTINUE",
         ],
+        # which group?
+        [
+            "aws",
+            "autoscaling",
+            "record-lifecycle-action-heartbeat",
+            "--lifecycle-hook-name",
+            "h",
+            "--instance-id",
+            "i-1",
+        ],
+        [
+            "aws",
+            "autoscaling",
+            "record-lifecycle-action-heartbeat",
+            "--auto-scaling-group-name",
+            "g",
+            "--lifecycle-hook-name",
+            "h",
+            "--instance-id",
+            "i-1",
+            "--lifecycle-action-result",
+            "CONTINUE",
+        ],
         ["aws", "autoscaling", "delete-warm-pool", "--force-delete"],  # which group?
         [
             "aws",
@@ -169,6 +192,21 @@ def test_aws_delete_warm_pool_reaches_moto_and_ends_the_pools_instances(tmp_path
             },
         )
         assert res.returncode == 0, (res.stdout, res.stderr)
+        # A launch hook heartbeat reaches moto as the local cloud patches it: without a lifecycle
+        # action to extend (the local cloud emulates no launch hook) the call fails as AWS's does.
+        beat = run_shim(
+            tmp_path,
+            *"aws autoscaling record-lifecycle-action-heartbeat --region us-east-1".split(),
+            *"--auto-scaling-group-name petctl-demo-workers --lifecycle-hook-name petctl-launch".split(),
+            *("--instance-id", warm["InstanceId"]),
+            env={
+                "AWS_ENDPOINT_URL": url,
+                "AWS_ACCESS_KEY_ID": "petctl-local",
+                "AWS_SECRET_ACCESS_KEY": "petctl-local",
+                "AWS_EC2_METADATA_DISABLED": "true",
+            },
+        )
+        assert beat.returncode == 254 and "RecordLifecycleActionHeartbeat" in beat.stderr, beat.stderr
         pool = asg.describe_warm_pool(AutoScalingGroupName="petctl-demo-workers")
         assert not pool.get("WarmPoolConfiguration") and not pool["Instances"]
         (reservation,) = ec2.describe_instances(InstanceIds=[warm["InstanceId"]])["Reservations"]

@@ -18,7 +18,7 @@ from cfnlint.core import get_rules
 from cfnlint.decode import cfn_yaml
 from cfnlint.helpers import load_plugins
 
-from petctl import templates, tls
+from petctl import naming, templates, tls
 from petctl.lint_rules import RULE_IDS, RULES_DIR
 from petctl.templates import rendering
 
@@ -299,13 +299,29 @@ def test_job_roles_exist_exactly_with_own_roles(flags):
         assert "LogGroupName" not in t["Parameters"]
 
 
+#: What the SSM agent needs for Session Manager, and nothing that reads parameters.
+SESSION_MANAGER_ACTIONS = [
+    "ssm:UpdateInstanceInformation",
+    "ssmmessages:CreateControlChannel",
+    "ssmmessages:CreateDataChannel",
+    "ssmmessages:OpenControlChannel",
+    "ssmmessages:OpenDataChannel",
+    "ec2messages:AcknowledgeMessage",
+    "ec2messages:DeleteMessage",
+    "ec2messages:FailMessage",
+    "ec2messages:GetEndpoint",
+    "ec2messages:GetMessages",
+    "ec2messages:SendReply",
+]
+
+
 def test_job_roles_are_least_privilege_across_jobs():
     t = job()
     for role in ("WorkerRole", "RdzvRole"):
         props = t["Resources"][role]["Properties"]
-        assert props["ManagedPolicyArns"] == [
-            {"Fn::Sub": "arn:${AWS::Partition}:iam::aws:policy/AmazonSSMManagedInstanceCore"}
-        ]
+        # No managed policy: AmazonSSMManagedInstanceCore reads every SSM parameter of the account.
+        assert "ManagedPolicyArns" not in props
+        assert _policy_statements(t, role)["SessionManager"]["Action"] == SESSION_MANAGER_ACTIONS
         assert "RoleName" not in props  # CAPABILITY_IAM is enough
         for statement in _policy_statements(t, role).values():
             assert statement["Effect"] == "Allow" and "NotAction" not in statement
@@ -315,6 +331,7 @@ def test_job_roles_are_least_privilege_across_jobs():
                 assert actions in (
                     ["autoscaling:DescribeAutoScalingGroups"],
                     ["ec2:DescribeNetworkInterfaces"],
+                    SESSION_MANAGER_ACTIONS,
                 )
                 continue
             for arn in _subs(statement["Resource"]):
@@ -626,7 +643,8 @@ def test_warm_pool_of_stopped_workers_held_until_booted():
         "LifecycleHookName": "petctl-launch",
         "AutoScalingGroupName": {"Ref": "WorkerGroup"},
         "LifecycleTransition": "autoscaling:EC2_INSTANCE_LAUNCHING",
-        "DefaultResult": "CONTINUE",
+        # unanswered (a boot that hung, an agent that never parked): terminate, never InService idle
+        "DefaultResult": "ABANDON",
         "HeartbeatTimeout": 900,
     }
     # the boot completes the launch action once the agent's unit is enabled, abandons it on failure
@@ -637,12 +655,19 @@ def test_warm_pool_of_stopped_workers_held_until_booted():
     assert "LAUNCH_HOOK=petctl-launch" in lines
     done = '--lifecycle-hook-name "$LAUNCH_HOOK" --instance-id "$INSTANCE_ID" --lifecycle-action-result CONTINUE ||'
     assert lines.index(done) > lines.index("boot_event agent_started")
+    # the heartbeats stop before the boot completes the action (and before it abandons it)
+    assert lines[lines.index(done) - 2] == "stop_heartbeats"
+    assert lines.index("heartbeats &") > lines.index("INSTANCE_ID=$(retry imds meta-data/instance-id)")
+    # pip unpacks a 3 GB CUDA torch: on the root volume, not AL2023's RAM-sized /tmp
+    assert lines.index("export TMPDIR=/var/tmp") < min(
+        i for i, line in enumerate(lines) if "pip install" in line
+    )
     assert (
         '--lifecycle-hook-name "$LAUNCH_HOOK" --instance-id "$INSTANCE_ID" --lifecycle-action-result ABANDON'
         in lines
     )
     # user data never runs again when a pool instance starts: the mount and the agent come back at boot
-    assert "${EfsId}:/ /mnt/efs efs _netdev,tls,noresvport 0 0" in script
+    assert EFS_FSTAB in script
     assert "systemctl enable --now petctl-agent.service" in lines
     plain = _user_data({"gpu": False, "spot": False, "ami_override": False}, "WorkerLaunchTemplate")
     assert "LAUNCH_HOOK=" in plain and "--lifecycle-action-result CONTINUE" not in plain
@@ -692,11 +717,75 @@ def _substituted(script: str) -> str:
     )
 
 
+#: The job's directory only, through its access point, with the instance's role, over TLS.
+EFS_MOUNT = "retry mount -t efs -o tls,iam,accesspoint=${JobAccessPoint},noresvport ${EfsId}:/ $EFS_JOB_DIR"
+EFS_FSTAB = '"${EfsId}:/ $EFS_JOB_DIR efs _netdev,tls,iam,accesspoint=${JobAccessPoint},noresvport 0 0"'
+
+
+@pytest.mark.parametrize("flags", JOB_VARIANTS, ids=_id)
+def test_each_job_mounts_only_its_own_directory_of_efs(flags):
+    """An access point per job, rooted at its directory with its own uid/gid; the worker role may
+    mount only through it; the agent's paths (<mount>/petctl/jobs/<job>/...) still resolve."""
+    t = job(**flags)
+    ap = t["Resources"]["JobAccessPoint"]
+    assert ap["Type"] == "AWS::EFS::AccessPoint"
+    uid = {"Ref": "EfsPosixId"}
+    assert ap["Properties"]["FileSystemId"] == {"Ref": "EfsId"}
+    assert ap["Properties"]["PosixUser"] == {"Uid": uid, "Gid": uid}
+    assert ap["Properties"]["RootDirectory"] == {
+        "Path": {"Fn::Sub": "/petctl/jobs/${JobName}"},
+        "CreationInfo": {"OwnerUid": uid, "OwnerGid": uid, "Permissions": "0750"},
+    }
+    # the root directory is where the agent keeps the job's files (naming / petctl_agent.spec)
+    assert naming.checkpoint_dir("x").startswith("petctl/jobs/x/")
+    assert t["Parameters"]["EfsPosixId"]["MinValue"] == naming.EFS_POSIX_ID_MIN
+    assert t["Parameters"]["EfsPosixId"]["MaxValue"] == naming.EFS_POSIX_ID_MAX
+    if flags.get("own_roles", True):
+        fs = _policy_statements(t, "WorkerRole")["SharedFileSystem"]
+        assert fs["Condition"] == {
+            "StringEquals": {"elasticfilesystem:AccessPointArn": {"Fn::GetAtt": ["JobAccessPoint", "Arn"]}}
+        }
+        assert "elasticfilesystem" not in str(_policy_statements(t, "RdzvRole"))
+    script = _user_data(flags, "WorkerLaunchTemplate")
+    assert EFS_MOUNT in script and EFS_FSTAB in script
+    assert "/mnt/efs efs" not in script and "${EfsId}:/ /mnt/efs" not in script  # never the whole file system
+
+
+def test_efs_posix_id_is_stable_per_job_and_differs_between_jobs():
+    ids = {naming.efs_posix_id(f"job-{i}") for i in range(2000)}
+    assert len(ids) == 2000
+    assert all(naming.EFS_POSIX_ID_MIN <= i <= naming.EFS_POSIX_ID_MAX for i in ids)
+    assert naming.efs_posix_id("train") == naming.efs_posix_id("train")
+
+
+@pytest.mark.parametrize("az_count", (1, 2))
+def test_file_system_policy_denies_mounts_without_access_point_or_tls(az_count):
+    """No Allow (anonymous clients, which did not mount with iam, get nothing; IAM clients only
+    what their role grants: their job's access point) and two denies nothing can lift."""
+    fs = infra(az_count=az_count, create_efs=True, create_bucket=True)["Resources"]["FileSystem"]
+    policy = fs["Properties"]["FileSystemPolicy"]
+    assert [st["Effect"] for st in policy["Statement"]] == ["Deny", "Deny"]
+    client = [
+        "elasticfilesystem:ClientMount",
+        "elasticfilesystem:ClientWrite",
+        "elasticfilesystem:ClientRootAccess",
+    ]
+    by_sid = {st["Sid"]: st for st in policy["Statement"]}
+    assert by_sid["DenyWithoutAccessPoint"]["Action"] == client
+    assert by_sid["DenyWithoutAccessPoint"]["Condition"] == {
+        "Null": {"elasticfilesystem:AccessPointArn": "true"}
+    }
+    assert by_sid["DenyWithoutTls"]["Action"] == client
+    assert by_sid["DenyWithoutTls"]["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+    assert all(st["Principal"] == {"AWS": "*"} for st in policy["Statement"])
+
+
 @pytest.mark.parametrize("flags", JOB_VARIANTS, ids=_id)
 def test_worker_boot_script(flags):
     script = _user_data(flags, "WorkerLaunchTemplate")
     assert script.startswith("#!/bin/bash\n")
-    assert "mount -t efs -o tls,noresvport ${EfsId}:/ /mnt/efs" in script
+    assert "EFS_JOB_DIR=/mnt/efs/petctl/jobs/${JobName}" in script
+    assert EFS_MOUNT in script and EFS_FSTAB in script
     assert "amazon-efs-utils" in script
     assert 'aws s3 cp --region "$REGION" --only-show-errors "${DistUrl}" "$WHEEL"' in script
     assert 'pip install --quiet "$WHEEL[agent]" "torch==${TorchVersion}"' in script
@@ -715,7 +804,7 @@ def test_worker_boot_script(flags):
         "KillSignal=SIGTERM",
         "KillMode=mixed",
         "TimeoutStopSec=$((${DrainTimeout} + 30))",
-        "RequiresMountsFor=/mnt/efs",
+        "RequiresMountsFor=/mnt/efs/petctl/jobs/${JobName}",
         "Environment=PETCTL_EFS_MOUNT=/mnt/efs",
         "Environment=PETCTL_ETCD_CACERT=/etc/petctl/tls/ca.pem",
         "Environment=PETCTL_ETCD_CERT=/etc/petctl/tls/client.pem",
@@ -827,7 +916,8 @@ esac""",
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 1
-    made = calls.read_text().splitlines()
+    # (the warm pool's launch hook heartbeats run beside the boot: test_launch_hook_heartbeats_...)
+    made = [c for c in calls.read_text().splitlines() if "record-lifecycle-action-heartbeat" not in c]
     assert made[0].startswith("aws s3 cp") and made[0].endswith("/boot/i-0123456789abcdef0.log")
     assert made[-1].startswith("aws autoscaling set-instance-health")
     given_up = [c for c in made if "update-auto-scaling-group" in c or "delete-warm-pool" in c]
@@ -842,6 +932,51 @@ esac""",
     log = (tmp_path / "boot.log").read_text()
     assert "giving up after 8 attempts: dnf install" in log
     assert "petctl boot: FAILED (exit 1)" in log
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash not installed")
+def test_launch_hook_heartbeats_while_the_boot_runs_and_stop_before_abandon(tmp_path):
+    """A warm-pool boot longer than the hook's timeout is not cut off: heartbeats go out while it
+    runs (every second here instead of 300 s), for the job's worker group and hook, and stop before
+    the boot abandons (or completes) the action: none after it."""
+    flags = {"gpu": False, "spot": False, "ami_override": False, "warm_pool": True}
+    script = _substituted(_user_data(flags, "WorkerLaunchTemplate"))
+    assert "HEARTBEAT_EVERY=300\n" in script and "HEARTBEAT_FOR=5400\n" in script
+    script = script.replace("HEARTBEAT_EVERY=300\n", "HEARTBEAT_EVERY=1\n")
+    script = script.replace("/var/log/petctl-boot.log", str(tmp_path / "boot.log"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls, slow = tmp_path / "calls", tmp_path / "slow-once"
+    real_sleep = shutil.which("sleep")
+    stubs = {
+        "aws": f'echo "aws $*" >> {calls}; case "$*" in "s3 ls"*) exit 1 ;; esac',
+        "curl": "echo i-0123456789abcdef0",
+        # the first install takes 3.5 s, then every attempt fails at once: the boot fails
+        "dnf": f"[ -e {slow} ] || {{ touch {slow}; {real_sleep} 3.5; }}; exit 1",
+        # retry's back-off is skipped; the heartbeat loop's 1 s sleeps are real
+        "sleep": f'[ "$1" = 1 ] && exec {real_sleep} 1; exit 0',
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
+        (bin_dir / name).chmod(0o755)
+    import os
+    import time
+
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 1
+    time.sleep(2.5)  # a loop left running would beat again by now
+    made = calls.read_text().splitlines()
+    beats = [i for i, c in enumerate(made) if "record-lifecycle-action-heartbeat" in c]
+    assert len(beats) >= 2, made
+    for i in beats:
+        assert made[i].split() == [
+            "aws", "autoscaling", "record-lifecycle-action-heartbeat", "--region", "v-AWSRegion",
+            "--auto-scaling-group-name", "petctl-v-JobName-workers", "--lifecycle-hook-name", "petctl-launch",
+            "--instance-id", "i-0123456789abcdef0",
+        ]  # fmt: skip
+    (abandon,) = [i for i, c in enumerate(made) if "--lifecycle-action-result ABANDON" in c]
+    assert max(beats) < abandon
 
 
 def test_rdzv_boot_script():
@@ -958,6 +1093,7 @@ JOB_VALUES = {
     "SecurityGroupId": "sg-12345678",
     "LogGroupName": "/petctl/default",
     "EfsId": "fs-12345678",
+    "EfsPosixId": "123456",
     "BucketName": "bucket",
     "SpecUrl": "s3://bucket/petctl/jobs/train-1/job.json",
     "DistUrl": "s3://bucket/petctl/jobs/train-1/dist/petctl-0.1.0-py3-none-any.whl",
@@ -1149,11 +1285,57 @@ BAD_SNIPPETS = {
                         - !Sub arn:${AWS::Partition}:s3:::bucket/petctl/jobs/${JobName}/tls/ca.key
                         - !Sub arn:${AWS::Partition}:s3:::bucket/petctl/jobs/${JobName}/tls/client.key
         """,
+    "E9111": _ROLE
+    + """\
+            ManagedPolicyArns:
+              - !Sub arn:${AWS::Partition}:iam::aws:policy/AmazonSSMManagedInstanceCore
+            Policies:
+              - PolicyName: p
+                PolicyDocument:
+                  Version: '2012-10-17'
+                  Statement:
+                    - Effect: Allow
+                      Action: [ssm:UpdateInstanceInformation, ssm:Get*]
+                      Resource: "*"
+                    - Effect: Allow
+                      Action: ssmmessages:OpenDataChannel
+                      Resource: "*"
+        """,
+    "E9112": """
+        Fs:
+          Type: AWS::EFS::FileSystem
+          Properties:
+            Encrypted: true
+            FileSystemPolicy:
+              Version: '2012-10-17'
+              Statement:
+                - Effect: Deny
+                  Principal: {AWS: "*"}
+                  Action: elasticfilesystem:ClientMount
+                  Condition: {"Null": {elasticfilesystem:AccessPointArn: "true"}}
+                - Effect: Allow
+                  Principal: {AWS: "*"}
+                  Action: [elasticfilesystem:ClientMount, elasticfilesystem:ClientWrite]
+        """,
+    "E9113": """
+        Lt:
+          Type: AWS::EC2::LaunchTemplate
+          Properties:
+            LaunchTemplateData:
+              MetadataOptions: {HttpTokens: required}
+              UserData:
+                Fn::Base64: !Sub |
+                  #!/bin/bash
+                  echo "${Fs}:/ /mnt/efs efs _netdev,tls,noresvport 0 0" >> /etc/fstab
+                  mount -t efs -o tls,iam,noresvport ${Fs}:/ /mnt/efs
+                  mount -t efs ${Fs}:/ /mnt/other
+                  mount -t efs -o tls,iam,accesspoint=${Ap} ${Fs}:/ /mnt/fine
+        """,
 }
 
 
 def test_rules_dir_loads_each_of_our_rules_once():
-    """cfn-lint loads every rule file of the directory by path: all ten rules, none twice, nothing else."""
+    """cfn-lint loads every rule file of the directory by path: all our rules, none twice, nothing else."""
     assert sorted(r.id for r in load_plugins(str(RULES_DIR))) == sorted(RULE_IDS)
 
 
@@ -1164,7 +1346,20 @@ def test_security_rule_fires_on_a_bad_snippet(rule_id, rules):
     # two ingress rules; two bucket defects; three write statements outside one job's reports
     # an http URL and a launch without client certificates; a wildcard over both keys, and one
     # policy reading both
-    expected = {"E9102": 2, "E9104": 2, "E9108": 3, "E9109": 2, "E9110": 3}.get(rule_id, 1)
+    # policy reading both; a managed policy and a wildcard reading SSM parameters
+    # EFS: a deny of one action only, no TLS deny, an Allow; an fstab line, a mount without the
+    # access point, a mount without options
+    expected = {
+        "E9102": 2,
+        "E9104": 2,
+        "E9108": 3,
+        "E9109": 2,
+        "E9110": 3,
+        "E9111": 2,
+        "E9112": 3,
+        "E9113": 3,
+    }
+    expected = expected.get(rule_id, 1)
     assert ids.count(rule_id) == expected
 
 

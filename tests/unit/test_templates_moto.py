@@ -13,7 +13,9 @@ What moto 5.2 does not do, and how we deal with it (test_templates.py checks the
   the same one: the local cloud pins it with the ``RdzvPrivateIp`` parameter;
 * an ``AWS::SSM::Parameter::Value<...>`` parameter's *Default* is resolved even when a value is
   passed, and moto has no DLAMI public parameter: the GPU job template only deploys in moto with
-  ``ami_override=True``.
+  ``ami_override=True``;
+* an ``AWS::EFS::AccessPoint`` has no ``Ref``/``Fn::GetAtt`` and a file system's
+  ``FileSystemPolicy`` is dropped: the local cloud's patch (petctl/local/moto_efs.py) is applied.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import pytest
 boto3 = pytest.importorskip("boto3")
 moto = pytest.importorskip("moto")
 
-from petctl import templates  # noqa: E402
+from petctl import naming, templates  # noqa: E402
+from petctl.local import moto_efs  # noqa: E402
 
 REGION = "us-east-1"
 LOCAL_CIDR = "127.0.0.0/16"  # what the local cloud uses
@@ -53,6 +56,7 @@ def aws(monkeypatch):
     with warnings.catch_warnings():
         # "Tried to parse AWS::AutoScaling::LifecycleHook but it's not supported": known, see above.
         warnings.filterwarnings("ignore", message=".*not supported by moto's CloudFormation.*")
+        moto_efs.apply()
         with moto.mock_aws():
             yield
 
@@ -94,6 +98,7 @@ def job_values(base: dict[str, str], job: str, **extra) -> dict:
         "SecurityGroupId": base["InstanceSecurityGroupId"],
         "LogGroupName": base["LogGroupName"],
         "EfsId": base["EfsId"],
+        "EfsPosixId": naming.efs_posix_id(job),
         "BucketName": bucket,
         "SpecUrl": f"s3://{bucket}/petctl/jobs/{job}/job.json",
         "DistUrl": f"s3://{bucket}/petctl/jobs/{job}/dist/petctl-0.1.0-py3-none-any.whl",
@@ -134,6 +139,9 @@ def test_base_stack_in_local_cidr(aws):
     (fs,) = efs.describe_file_systems(FileSystemId=base["EfsId"])["FileSystems"]
     assert fs["Encrypted"] is True
     assert len(efs.describe_mount_targets(FileSystemId=base["EfsId"])["MountTargets"]) == 2
+    # the policy that confines every job to its access point (kept by the local cloud's moto patch)
+    policy = json.loads(efs.describe_file_system_policy(FileSystemId=base["EfsId"])["Policy"])
+    assert [st["Sid"] for st in policy["Statement"]] == ["DenyWithoutAccessPoint", "DenyWithoutTls"]
     s3 = client("s3")
     rules = s3.get_bucket_encryption(Bucket=base["BucketName"])["ServerSideEncryptionConfiguration"]["Rules"]
     assert rules[0]["ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "AES256"
@@ -242,7 +250,14 @@ def test_user_data_is_substituted_with_stack_values(aws):
     ]
     data = version["LaunchTemplateData"]
     script = base64.b64decode(data["UserData"]).decode()
-    assert f"mount -t efs -o tls,noresvport {base['EfsId']}:/ /mnt/efs" in script
+    (ap,) = client("efs").describe_access_points(FileSystemId=base["EfsId"])["AccessPoints"]
+    assert ap["RootDirectory"]["Path"] == "/petctl/jobs/train-2"
+    uid = naming.efs_posix_id("train-2")
+    assert ap["PosixUser"] == {"Uid": uid, "Gid": uid}
+    mount = (
+        f"mount -t efs -o tls,iam,accesspoint={ap['AccessPointId']},noresvport {base['EfsId']}:/ $EFS_JOB_DIR"
+    )
+    assert mount in script and "EFS_JOB_DIR=/mnt/efs/petctl/jobs/train-2" in script
     assert f"s3://{base['BucketName']}/petctl/jobs/train-2/dist/petctl-0.1.0-py3-none-any.whl" in script
     assert "TimeoutStopSec=$((60 + 30))" in script  # DrainTimeout default
     assert "${" not in script  # every CloudFormation reference resolved

@@ -20,6 +20,7 @@ CALLS = {
     ("autoscaling", "update-auto-scaling-group"): aws_calls.update_auto_scaling_group,
     ("autoscaling", "delete-warm-pool"): aws_calls.delete_warm_pool,
     ("autoscaling", "complete-lifecycle-action"): aws_calls.complete_lifecycle_action,
+    ("autoscaling", "record-lifecycle-action-heartbeat"): aws_calls.record_lifecycle_action_heartbeat,
     ("ec2", "describe-network-interfaces"): aws_calls.describe_network_interfaces,
     ("ec2", "attach-network-interface"): aws_calls.attach_network_interface,
 }

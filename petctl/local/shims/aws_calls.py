@@ -101,6 +101,18 @@ def complete_lifecycle_action(rest: list[str], quiet: bool) -> None:
     )
 
 
+def record_lifecycle_action_heartbeat(rest: list[str], quiet: bool) -> None:
+    spec = {k: v for k, v in _COMPLETE_LIFECYCLE_ACTION.items() if k != "--lifecycle-action-result"}
+    o = options(rest, dict.fromkeys(spec, "value"))
+    needed = ("--auto-scaling-group-name", "--lifecycle-hook-name")
+    if any(k not in o for k in needed) or not ("--instance-id" in o or "--lifecycle-action-token" in o):
+        raise Refused(
+            "record-lifecycle-action-heartbeat needs --auto-scaling-group-name, --lifecycle-hook-name "
+            "and --instance-id or --lifecycle-action-token"
+        )
+    client("autoscaling").record_lifecycle_action_heartbeat(**{spec[k]: v for k, v in o.items()})
+
+
 def describe_network_interfaces(rest: list[str], quiet: bool) -> dict[str, Any]:
     o = options(rest, {"--network-interface-ids": "values"})
     if not o.get("--network-interface-ids"):

@@ -1,0 +1,124 @@
+"""EFS access points and file system policies in moto's CloudFormation, as AWS has them.
+
+moto 5.2 creates ``AWS::EFS::AccessPoint`` from a template but gives it no ``Ref`` (a ``!Ref`` or
+``${AccessPoint}`` in a ``!Sub`` became the Python object) and no ``Fn::GetAtt`` (``Arn``,
+``AccessPointId``), checks none of its properties, and ignores an ``AWS::EFS::FileSystem``'s
+``FileSystemPolicy``. Here:
+
+* ``Ref`` is the access point id (``fsap-…``), ``Fn::GetAtt`` ``Arn`` and ``AccessPointId`` are
+  AWS's;
+* what AWS refuses is refused (CreateAccessPoint; AWS::EFS::AccessPoint): a ``RootDirectory``
+  ``Path`` that is not absolute or is longer than 100 characters, a ``CreationInfo`` missing one of
+  ``OwnerUid``/``OwnerGid``/``Permissions`` or with permissions not 3-4 octal digits, POSIX ids
+  outside 0-4294967295, a file system that does not exist;
+* a template's ``FileSystemPolicy`` becomes the file system's policy (``DescribeFileSystemPolicy``),
+  which the local ``mount`` shim enforces (petctl/local/shims/mount.py).
+
+Sources: docs.aws.amazon.com/efs/latest/ug/API_CreateAccessPoint.html, API_RootDirectory.html,
+API_CreationInfo.html, API_PosixUser.html; AWS::EFS::FileSystem FileSystemPolicy in the
+CloudFormation resource reference.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+from petctl.local.patching import wrap
+
+MAX_POSIX_ID = 4_294_967_295
+
+
+def _posix_id(value: Any, what: str, bad: Callable[[str], Exception]) -> None:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise bad(f"{what} must be an integer, not {value!r}") from None
+    if not 0 <= n <= MAX_POSIX_ID:
+        raise bad(f"{what} {n} is outside 0-{MAX_POSIX_ID}")
+
+
+def check_access_point(
+    props: dict[str, Any], file_systems: dict[str, Any], bad: Callable[[str], Exception]
+) -> None:
+    """Raise ``bad(message)`` for an access point AWS would refuse."""
+    fs_id = props.get("FileSystemId")
+    if fs_id not in file_systems:
+        raise bad(f"File system '{fs_id}' does not exist.")
+    user = props.get("PosixUser") or {}
+    if user:
+        for key in ("Uid", "Gid"):
+            _posix_id(user.get(key), f"PosixUser.{key}", bad)
+    root = props.get("RootDirectory") or {}
+    path = root.get("Path", "/")
+    if not isinstance(path, str) or not path.startswith("/") or len(path) > 100:
+        raise bad(f"RootDirectory.Path must be an absolute path of at most 100 characters, not {path!r}")
+    info = root.get("CreationInfo")
+    if info is not None:
+        missing = [k for k in ("OwnerUid", "OwnerGid", "Permissions") if info.get(k) in (None, "")]
+        if missing:
+            raise bad(
+                f"CreationInfo needs all of OwnerUid, OwnerGid, Permissions (missing {', '.join(missing)})"
+            )
+        for key in ("OwnerUid", "OwnerGid"):
+            _posix_id(info[key], f"CreationInfo.{key}", bad)
+        if not re.fullmatch(r"[0-7]{3,4}", str(info["Permissions"])):
+            raise bad(f"CreationInfo.Permissions must be 3 or 4 octal digits, not {info['Permissions']!r}")
+
+
+def apply() -> None:
+    """Install the patches (idempotent)."""
+    from moto.cloudformation.exceptions import ValidationError
+    from moto.efs.models import AccessPoint, FileSystem, efs_backends
+
+    AccessPoint.physical_resource_id = property(lambda self: self.access_point_id)  # type: ignore[attr-defined]
+    AccessPoint.has_cfn_attr = classmethod(lambda cls, attr: attr in ("Arn", "AccessPointId"))  # type: ignore[method-assign,assignment]
+
+    def get_cfn_attribute(self: Any, attr: str) -> str:
+        if attr == "Arn":
+            return self.access_point_arn
+        if attr == "AccessPointId":
+            return self.access_point_id
+        from moto.cloudformation.exceptions import UnformattedGetAttTemplateException
+
+        raise UnformattedGetAttTemplateException()
+
+    AccessPoint.get_cfn_attribute = get_cfn_attribute  # type: ignore[attr-defined]
+
+    @wrap(AccessPoint, "create_from_cloudformation_json")
+    def access_point_from_cfn(
+        original: Callable[..., Any],
+        resource_name: str,
+        cloudformation_json: Any,
+        account_id: str,
+        region_name: str,
+        **kw: Any,
+    ) -> Any:
+        backend = efs_backends[account_id][region_name]
+        props = cloudformation_json.get("Properties") or {}
+        check_access_point(
+            props, backend.file_systems_by_id, lambda m: ValidationError(message=f"{resource_name}: {m}")
+        )
+        return original(resource_name, cloudformation_json, account_id, region_name, **kw)
+
+    @wrap(FileSystem, "create_from_cloudformation_json")
+    def file_system_from_cfn(
+        original: Callable[..., Any],
+        resource_name: str,
+        cloudformation_json: Any,
+        account_id: str,
+        region_name: str,
+        **kw: Any,
+    ) -> Any:
+        fs = original(resource_name, cloudformation_json, account_id, region_name, **kw)
+        policy = (cloudformation_json.get("Properties") or {}).get("FileSystemPolicy")
+        if policy:
+            efs_backends[account_id][region_name].put_file_system_policy(
+                fs.file_system_id, json.dumps(policy), bypass_policy_lockout_safety_check=False
+            )
+        return fs
+
+    # (wrap's original is the bound classmethod; the plain function it installs is called on the
+    # class, as moto's CloudFormation does, so no cls is passed twice.)
