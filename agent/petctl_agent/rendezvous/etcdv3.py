@@ -93,11 +93,14 @@ class Compacted(EtcdError):
 
 
 class ClusterChanged(EtcdError):
-    """Another etcd cluster answers this address now (a fresh data dir): revisions, leases and
-    views from the old one mean nothing. Raised once; the client then follows the new one."""
+    """Another etcd answers this address now: another cluster id, or the same cluster (etcd
+    derives the id from its member names and peer URLs, so a fresh data dir on the same
+    address keeps it) whose store revision went back below one this client saw before the
+    request. Revisions, leases and views from before mean nothing. Raised once per change;
+    the client then follows the new etcd."""
 
-    def __init__(self, old: int, new: int) -> None:
-        super().__init__(f"etcd cluster changed ({old:x} -> {new:x}): state read before is gone")
+    def __init__(self, message: str, old: int, new: int) -> None:
+        super().__init__(message)
         self.old, self.new = old, new
 
 
@@ -269,6 +272,11 @@ def _range_body(key: str, prefix: bool, **extra: Any) -> dict[str, Any]:
     return body
 
 
+#: how a keep-alive connection that etcd closed fails; calls that only read (safe to repeat)
+_STALE = (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected)
+_READS = frozenset({"range", "status", "keepalive", "timetolive", "version"})
+
+
 # ---- the client -------------------------------------------------------------------------------------
 class Stats:
     """Requests and bytes (request and response bodies and heads) by kind; thread-safe."""
@@ -334,6 +342,7 @@ class Client:
         self._local = threading.local()
         self._cluster_lock = threading.Lock()
         self.cluster_id: int | None = None  #: the cluster of the first answer (see ClusterChanged)
+        self.max_revision = 0  #: the highest store revision answered (see ClusterChanged)
 
     @property
     def url(self) -> str:
@@ -348,29 +357,44 @@ class Client:
     def _request(
         self, method: str, path: str, body: dict[str, Any] | None, kind: str, timeout: float | None
     ) -> dict[str, Any]:
-        """One request on this thread's connection; its JSON answer. Never retried: a write
-        whose answer was lost may have been applied (Unavailable says so)."""
+        """One request on this thread's keep-alive connection; its JSON answer.
+
+        A connection etcd closed while idle (etcd restarted, a proxy's idle timeout) fails
+        the next request at once: then, and only then, it is sent again on a new connection,
+        if the old one failed while sending (etcd cannot have applied it) or the call only
+        reads. A write whose answer was lost is never repeated: Unavailable says it may have
+        been applied.
+        """
         t = self.timeout if timeout is None else timeout
         data = json.dumps(body).encode() if body is not None else b""
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = self._new_conn(t)
-        try:
-            conn.timeout = t
-            if conn.sock is not None:
-                conn.sock.settimeout(t)
-            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            raw = resp.read()
-            status = resp.status
-        except TimeoutError as e:
-            self._drop()
-            raise Timeout(f"etcd {self.url}: no answer to {kind} within {t:g}s") from e
-        except (OSError, http.client.HTTPException) as e:
-            self._drop()
-            raise Unavailable(f"etcd {self.url}: {kind} failed: {e or type(e).__name__}") from e
-        self.stats.add(kind, len(data) + len(path) + 80, len(raw) + 120)  # + request/status heads
-        return self._answer(raw, status, kind)
+        floor = None if body and body.get("serializable") else self.max_revision
+        for attempt in (1, 2):
+            conn = getattr(self._local, "conn", None)
+            reused = conn is not None
+            if conn is None:
+                conn = self._local.conn = self._new_conn(t)
+            sent = False
+            try:
+                conn.timeout = t
+                if conn.sock is not None:
+                    conn.sock.settimeout(t)
+                conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+                sent = True
+                resp = conn.getresponse()
+                raw = resp.read()
+                status = resp.status
+            except TimeoutError as e:
+                self._drop()
+                raise Timeout(f"etcd {self.url}: no answer to {kind} within {t:g}s") from e
+            except (OSError, http.client.HTTPException) as e:
+                self._drop()
+                stale = isinstance(e, _STALE) and (not sent or kind in _READS)
+                if reused and stale and attempt == 1:
+                    continue
+                raise Unavailable(f"etcd {self.url}: {kind} failed: {e or type(e).__name__}") from e
+            self.stats.add(kind, len(data) + len(path) + 80, len(raw) + 120)  # + request/status heads
+            return self._answer(raw, status, kind, floor)
+        raise AssertionError("unreachable")
 
     def _drop(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -378,24 +402,37 @@ class Client:
         if conn is not None:
             conn.close()
 
-    def _answer(self, raw: bytes, status: int, kind: str) -> dict[str, Any]:
+    def _answer(self, raw: bytes, status: int, kind: str, floor: int | None = None) -> dict[str, Any]:
         try:
             d = json.loads(raw) if raw else {}
         except ValueError:
             raise RequestFailed(f"etcd {self.url}: {kind}: HTTP {status}, not JSON", status=status) from None
         if status != 200 or "error" in d and "header" not in d:
             raise _error(d, status, f"etcd {self.url}: {kind}")
-        self._check_cluster(d.get("header") or (d.get("result") or {}).get("header"))
+        self._check_cluster(d.get("header") or (d.get("result") or {}).get("header"), floor)
         return d
 
-    def _check_cluster(self, header: dict[str, Any] | None) -> None:
+    def _check_cluster(self, header: dict[str, Any] | None, floor: int | None = None) -> None:
+        """Raise ClusterChanged if ``header`` is another cluster's, or (``floor``: the highest
+        revision answered before this request was sent) from a store that went back."""
         if not header or "cluster_id" not in header:
             return
-        cid = int(header["cluster_id"])
+        cid, rev = int(header["cluster_id"]), int(header.get("revision", 0))
         with self._cluster_lock:
             old, self.cluster_id = self.cluster_id, cid
+            old_rev = self.max_revision
+            back = floor is not None and rev < floor
+            self.max_revision = rev if back or old != cid else max(old_rev, rev)
         if old is not None and old != cid:
-            raise ClusterChanged(old, cid)
+            raise ClusterChanged(
+                f"etcd {self.url}: another cluster ({old:x} -> {cid:x}): state read before is gone", old, cid
+            )
+        if back:
+            raise ClusterChanged(
+                f"etcd {self.url}: store revision went back ({floor} -> {rev}): a new etcd, state read before is gone",
+                cid,
+                cid,
+            )
 
     def call(
         self, path: str, body: dict[str, Any], kind: str, timeout: float | None = None
@@ -755,7 +792,7 @@ class Watch:
             raise Unavailable(f"etcd {self.client.url}: watch stream ended")
         except EtcdError as e:
             st.error = e
-        except (OSError, ValueError, http.client.HTTPException) as e:
+        except Exception as e:  # noqa: BLE001 (a closed or broken stream, whatever http.client says)
             st.error = Unavailable(f"etcd {self.client.url}: watch stream broke: {e or type(e).__name__}")
         finally:
             if self._closed.is_set():
@@ -798,6 +835,7 @@ class Watch:
             yield from evs
 
     def close(self) -> None:
+        """End the watch: the reader thread sees its socket shut and stops (joined, bounded)."""
         self._closed.set()
         sock = self._conn.sock
         if sock is not None:
@@ -805,6 +843,8 @@ class Watch:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        if self._thread is not threading.current_thread():
+            self._thread.join(2)
         self._conn.close()
 
     def __enter__(self) -> Watch:
