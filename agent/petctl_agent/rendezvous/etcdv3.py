@@ -279,7 +279,8 @@ _READS = frozenset({"range", "status", "keepalive", "timetolive", "version"})
 
 # ---- the client -------------------------------------------------------------------------------------
 class Stats:
-    """Requests and bytes (request and response bodies and heads) by kind; thread-safe."""
+    """Requests by kind and the bytes of their JSON bodies (sent, received; HTTP heads not
+    counted); thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -392,7 +393,7 @@ class Client:
                 if reused and stale and attempt == 1:
                     continue
                 raise Unavailable(f"etcd {self.url}: {kind} failed: {e or type(e).__name__}") from e
-            self.stats.add(kind, len(data) + len(path) + 80, len(raw) + 120)  # + request/status heads
+            self.stats.add(kind, len(data), len(raw))
             return self._answer(raw, status, kind, floor)
         raise AssertionError("unreachable")
 
@@ -740,7 +741,7 @@ class Watch:
         except (OSError, http.client.HTTPException) as e:
             self._conn.close()
             raise Unavailable(f"etcd {client.url}: watch failed: {e or type(e).__name__}") from e
-        client.stats.add("watch", len(data) + 100, 0)
+        client.stats.add("watch", len(data), 0)
         self._thread = threading.Thread(target=self._read, name="etcd-watch", daemon=True)
         self._thread.start()
         if not self._created.wait(timeout):
