@@ -96,7 +96,7 @@ def _gib(n: int) -> str:
 # ---------------------------------------------------------------- the state's structure (JSON)
 
 
-def _enc(x: Any, tensors: list[Any]) -> Any:
+def encode_structure(x: Any, tensors: list[Any]) -> Any:
     import torch
 
     if isinstance(x, torch.Tensor):
@@ -111,23 +111,25 @@ def _enc(x: Any, tensors: list[Any]) -> Any:
     if type(x) is float:
         return {"F": repr(x)}  # nan/inf survive, JSON stays strict
     if type(x) is list:
-        return {"L": [_enc(v, tensors) for v in x]}
+        return {"L": [encode_structure(v, tensors) for v in x]}
     if type(x) is tuple:
-        return {"U": [_enc(v, tensors) for v in x]}
+        return {"U": [encode_structure(v, tensors) for v in x]}
     if type(x) in (dict, OrderedDict):
         out: dict[str, Any] = {
-            "D" if type(x) is dict else "O": [[_enc(k, tensors), _enc(v, tensors)] for k, v in x.items()]
+            "D" if type(x) is dict else "O": [
+                [encode_structure(k, tensors), encode_structure(v, tensors)] for k, v in x.items()
+            ]
         }
         meta = getattr(x, "_metadata", None)  # nn.Module.state_dict()'s per-module versions
         if meta is not None:
-            out["M"] = _enc(meta, tensors)
+            out["M"] = encode_structure(meta, tensors)
         return out
     if isinstance(x, torch.dtype):
         return {"Y": str(x)}
     raise Unsupported(f"{type(x).__name__} value in the state")
 
 
-def _dec(x: Any, tensors: list[Any]) -> Any:
+def decode_structure(x: Any, tensors: list[Any]) -> Any:
     if not isinstance(x, dict):
         return x
     if "T" in x:
@@ -135,21 +137,23 @@ def _dec(x: Any, tensors: list[Any]) -> Any:
     if "F" in x:
         return float(x["F"])
     if "L" in x:
-        return [_dec(v, tensors) for v in x["L"]]
+        return [decode_structure(v, tensors) for v in x["L"]]
     if "U" in x:
-        return tuple(_dec(v, tensors) for v in x["U"])
+        return tuple(decode_structure(v, tensors) for v in x["U"])
     if "D" in x or "O" in x:
-        items = [(_dec(k, tensors), _dec(v, tensors)) for k, v in x.get("D", x.get("O"))]
+        items = [
+            (decode_structure(k, tensors), decode_structure(v, tensors)) for k, v in x.get("D", x.get("O"))
+        ]
         d: Any = dict(items) if "D" in x else OrderedDict(items)
         if "M" in x:
-            d._metadata = _dec(x["M"], tensors)
+            d._metadata = decode_structure(x["M"], tensors)
         return d
     if "Y" in x:
-        return _dtype(x["Y"])
+        return dtype_from_name(x["Y"])
     raise ValueError(f"bad structure node {sorted(x)}")
 
 
-def _dtype(name: str) -> Any:
+def dtype_from_name(name: str) -> Any:
     import torch
 
     dt = getattr(torch, name.removeprefix("torch."), None)
@@ -255,7 +259,7 @@ class SnapshotStore:
         self.flush()  # the previous write's header first: its slot is the one we keep
         tensors: list[Any] = []
         try:
-            structure = _enc(state, tensors)
+            structure = encode_structure(state, tensors)
         except Unsupported as e:
             return f"unsupported: {e}"
         metas = []
@@ -270,7 +274,10 @@ class SnapshotStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         data = self.data_path(slot)
         try:
-            held = os.stat(data).st_blocks * 512
+            st = os.stat(data)
+            # reused in place only at the same size: shrinking a file that a reader (the persister,
+            # another rank) has mapped would SIGBUS it; a new inode leaves the reader's pages alone
+            held = st.st_blocks * 512 if st.st_size == size else 0
         except FileNotFoundError:
             held = 0
         ok, why = fits(size - held, self.dir, self.meminfo)
@@ -281,6 +288,11 @@ class SnapshotStore:
             self.header_path(slot).unlink()
         except FileNotFoundError:
             pass
+        if not held:
+            try:
+                data.unlink()
+            except FileNotFoundError:
+                pass
         fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.ftruncate(fd, size)
@@ -293,13 +305,15 @@ class SnapshotStore:
             mm = mmap.mmap(fd, size) if size else None
         finally:
             os.close(fd)
+        dst = None
         try:
             for t, m in zip(tensors, metas):
                 if m["nbytes"]:
                     dst = torch.frombuffer(mm, dtype=torch.uint8, count=m["nbytes"], offset=m["offset"])
                     dst.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-                    del dst  # the mmap cannot close while a tensor exports it
+                    dst = None  # the mmap cannot close while a tensor exports it
         except BaseException:
+            dst = None
             if mm is not None:
                 mm.close()
             raise
@@ -392,13 +406,13 @@ class SnapshotStore:
             mm = mmap.mmap(fd, h["size"], access=mmap.ACCESS_COPY) if h["size"] else None
         finally:
             os.close(fd)
+        view = memoryview(mm) if mm is not None else memoryview(b"")
         try:
-            view = memoryview(mm) if mm is not None else memoryview(b"")
             out = []
             for m in h["tensors"]:
                 if zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]]) != m["crc32"]:
                     return None
-                dt = _dtype(m["dtype"])
+                dt = dtype_from_name(m["dtype"])
                 if m["nbytes"]:
                     raw = torch.frombuffer(mm, dtype=torch.uint8, count=m["nbytes"], offset=m["offset"])
                     # a copy: the slot is rewritten two snapshots from now
@@ -406,13 +420,13 @@ class SnapshotStore:
                     del raw  # the mmap cannot close while a tensor exports it
                 else:
                     out.append(torch.empty(m["shape"], dtype=dt, device=map_location))
-            view.release()
             # checked again after the copy: a writer that started on this slot meanwhile changed it
             again = self.read_header(c.slot)
             if again is None or again["gen"] != c.gen:
                 return None
-            return _dec(h["structure"], out)
+            return decode_structure(h["structure"], out)
         finally:
+            view.release()
             if mm is not None:
                 mm.close()
 
