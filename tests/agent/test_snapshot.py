@@ -314,3 +314,205 @@ def test_slot_reused_in_place_only_at_the_same_size(tmp_path: Path) -> None:
     finally:
         os.close(fd)
     assert torch.equal(store.load(5)["w"], torch.full((16,), 5.0))
+
+
+# ---------------------------------------------------------------- wired into ckpt.step / ckpt.resume
+
+
+@pytest.fixture
+def snap_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from petctl_agent.checkpointing import memory
+
+    shm, efs = tmp_path / "shm", tmp_path / "efs"
+    monkeypatch.setenv("PETCTL_SNAPSHOT_DIR", str(shm))
+    monkeypatch.setenv("PETCTL_CHECKPOINT_DIR", str(efs))
+    monkeypatch.delenv("PETCTL_DRAIN_FILE", raising=False)
+    monkeypatch.delenv("PETCTL_PROGRESS_FILE", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    yield shm, efs
+    memory.close_persisters()
+
+
+def test_settings_knob_exports_the_job_snapshot_dir(tmp_path: Path) -> None:
+    from petctl_agent.settings import Settings
+    from petctl_agent.spec import JobSpec
+    from petctl_agent.worker.env import Paths, export_worker_env
+
+    assert Settings.from_env({}).snapshot_dir == ""  # off by default
+    spec = JobSpec.from_dict(
+        {"job_name": "j1", "min_nodes": 1, "max_nodes": 2, "code_url": "file:///x", "script": "train.py"}
+    )
+    for sd, want in (("", None), (str(tmp_path / "shm"), str(tmp_path / "shm" / "j1"))):
+        env: dict[str, str] = {}
+        s = Settings.from_env({"PETCTL_AGENT_SNAPSHOT_DIR": sd})
+        export_worker_env(
+            env, spec, Paths(tmp_path), tmp_path / "ck", tmp_path / "w", "127.0.0.1", 1, "gloo", s
+        )
+        assert env.get("PETCTL_SNAPSHOT_DIR") == want
+
+
+def test_periodic_step_snapshots_and_persists_in_the_background(snap_env) -> None:
+    from petctl_agent.checkpointing import memory
+
+    shm, efs = snap_env
+    w = torch.zeros(1000)
+    for s in range(1, 7):
+        w += 1
+        ckpt.step(s, lambda w=w: {"w": w.clone()}, every=2)
+    memory._store(shm).flush()  # step() returned after the copy; the header follows
+    store = SnapshotStore(shm, memory.NAME)
+    assert store.newest().step == 6
+    per = next(iter(memory._persisters.values()))
+    assert per.wait(timeout=60)
+    state, step = ckpt.load_latest(efs, map_location="cpu")
+    assert step == 6 and torch.equal(state["w"], torch.full((1000,), 6.0))
+    # the job's last step: durable when step() returns
+    w += 1
+    ckpt.step(7, lambda: {"w": w.clone()}, every=2, last=True)
+    assert ckpt.latest_step(efs) == 7
+
+
+def test_resume_prefers_own_snapshot_else_efs(snap_env) -> None:
+    from petctl_agent.checkpointing import memory
+
+    shm, efs = snap_env
+    ckpt.step(4, lambda: {"w": torch.full((4,), 4.0)}, every=2, last=True)  # memory + EFS at 4
+    # the EFS file is gone (say, lost): only memory can give step 4
+    (efs / "ckpt-0000000004.pt").unlink()
+    state, step = ckpt.resume()
+    assert step == 4 and torch.equal(state["w"], torch.full((4,), 4.0))
+    # a torn snapshot is never loaded: EFS (here: nothing left) answers
+    SnapshotStore(shm, memory.NAME).header_path(SnapshotStore(shm, memory.NAME).newest().slot).unlink()
+    assert ckpt.resume() is None
+    # stale: EFS newer than the snapshot -> EFS
+    memory.close_persisters()
+    ckpt.step(6, lambda: {"w": torch.full((4,), 6.0)}, every=2, last=True)
+    ckpt.save({"w": torch.full((4,), 8.0)}, 8, efs)  # durable save, also snapshots 8
+    SnapshotStore(shm, memory.NAME).write({"w": torch.full((4,), 6.5)}, 6, wait=True)  # snapshot behind
+    st = SnapshotStore(shm, memory.NAME)
+    st.header_path([c for c in st.complete() if c.step == 8][0].slot).unlink()
+    state, step = ckpt.resume()
+    assert step == 8 and torch.equal(state["w"], torch.full((4,), 8.0))
+
+
+def test_state_a_snapshot_cannot_hold_takes_todays_path(snap_env, capsys) -> None:
+    shm, efs = snap_env
+    ckpt.step(2, lambda: {"w": torch.ones(3), "tags": {"a", "b"}}, every=2)  # a set: no snapshot
+    assert "memory snapshot of step 2 skipped (unsupported" in capsys.readouterr().err
+    assert ckpt.latest_step(efs) == 2  # written synchronously, as today
+    assert not shm.exists() or not list(shm.glob("*.json"))
+
+
+RANKS_SNAP = textwrap.dedent(
+    """
+    import json, os, sys, torch
+    import torch.distributed as dist
+    from petctl_agent import checkpoint as ckpt
+    from petctl_agent.distributed import init_process_group
+    init_process_group()
+    rank = dist.get_rank()
+    w = torch.zeros(3)
+    restored = ckpt.resume()
+    start = 1 if restored is None else restored[1] + 1
+    if restored is not None:
+        w.copy_(restored[0]["w"])
+    total = int(os.environ["TOTAL"])
+    for s in range(start, total + 1):
+        w += 1
+        if rank == 1 and s == int(os.environ.get("DRAIN_AT", "0")):
+            open(os.environ["PETCTL_DRAIN_FILE"], "w").close()
+        ckpt.step(s, lambda: {"w": w.clone()}, every=2, last=s == total)
+    print("RESULT " + json.dumps({"start": start, "w": w.tolist()}), flush=True)
+    """
+)
+
+
+def _ranks(tmp_path: Path, envs: list[dict]) -> list[subprocess.CompletedProcess]:
+    sys.path.insert(0, str(REPO / "scripts"))
+    from harness import free_port
+
+    script = tmp_path / "ranks_snap.py"
+    script.write_text(RANKS_SNAP)
+    port = free_port()
+    procs = []
+    for r, extra in enumerate(envs):
+        e = {
+            **os.environ,
+            "PYTHONPATH": str(REPO / "agent"),
+            "RANK": str(r),
+            "WORLD_SIZE": str(len(envs)),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "PETCTL_DRAIN_FILE": str(tmp_path / f"drain-{r}"),
+            "OMP_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            **extra,
+        }
+        e.pop("PETCTL_LOCAL_ADDR", None)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                env=e,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    out = []
+    for p in procs:
+        try:
+            o, err = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, o, err))
+    return out
+
+
+def _res(cp: subprocess.CompletedProcess) -> dict:
+    for line in cp.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise AssertionError(f"no result (rc {cp.returncode}):\n{cp.stderr[-3000:]}")
+
+
+def test_two_ranks_one_node_drain_then_resume_from_memory(tmp_path: Path) -> None:
+    from petctl_agent import DRAIN_EXIT_CODE
+
+    shm, efs = tmp_path / "shm", tmp_path / "efs"
+    base = {"PETCTL_SNAPSHOT_DIR": str(shm), "PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "10"}
+    first = _ranks(
+        tmp_path, [{**base, "LOCAL_RANK": "0", "DRAIN_AT": "5"}, {**base, "LOCAL_RANK": "1", "DRAIN_AT": "5"}]
+    )
+    for cp in first:
+        assert cp.returncode == DRAIN_EXIT_CODE, cp.stderr[-3000:]
+    assert ckpt.latest_step(efs) == 6  # the drain waited for EFS
+    assert SnapshotStore(shm, "replicated").newest().step == 6
+    (tmp_path / "drain-1").unlink()
+    (efs / "ckpt-0000000006.pt").unlink()  # only memory holds step 6 now (EFS would give step 4)
+    second = [_res(cp) for cp in _ranks(tmp_path, [{**base, "LOCAL_RANK": "0"}, {**base, "LOCAL_RANK": "1"}])]
+    assert [r["start"] for r in second] == [7, 7]
+    assert all(r["w"] == [10.0] * 3 for r in second)
+    assert ckpt.latest_step(efs) == 10
+
+
+def test_two_nodes_one_without_snapshot_both_load_efs(tmp_path: Path) -> None:
+    efs = tmp_path / "efs"
+    ckpt.save({"w": torch.full((3,), 4.0)}, 4, efs)
+    SnapshotStore(tmp_path / "shm0", "replicated").write({"w": torch.full((3,), 6.0)}, 6, wait=True)
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "8", "LOCAL_RANK": "0"}
+    # node 0 has step 6 in memory, node 1 (just joined) nothing: both must take EFS's step 4
+    res = [
+        _res(cp)
+        for cp in _ranks(
+            tmp_path,
+            [
+                {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "shm0")},
+                {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "shm1")},
+            ],
+        )
+    ]
+    assert [r["start"] for r in res] == [5, 5]
+    assert all(r["w"] == [8.0] * 3 for r in res)

@@ -271,7 +271,7 @@ class SnapshotStore:
         size = off
         newest = self.newest()
         slot = SLOTS[0] if newest is None or newest.slot == SLOTS[1] else SLOTS[1]
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         data = self.data_path(slot)
         try:
             st = os.stat(data)
