@@ -130,4 +130,4 @@ def close_persisters() -> None:
         _, p = _persisters.popitem()
         p.close()
     while _stores:
-        _stores.popitem()[1].flush()
+        _stores.popitem()[1].close()
