@@ -516,3 +516,12 @@ def test_two_nodes_one_without_snapshot_both_load_efs(tmp_path: Path) -> None:
     ]
     assert [r["start"] for r in res] == [5, 5]
     assert all(r["w"] == [8.0] * 3 for r in res)
+
+
+def test_durable_save_raises_when_the_checkpoint_dir_cannot_be_written(snap_env) -> None:
+    """A direct save() with snapshots on is durable like today's: an EFS error surfaces, no hang."""
+    shm, efs = snap_env
+    efs.parent.mkdir(parents=True, exist_ok=True)
+    efs.write_text("not a directory")
+    with pytest.raises(OSError):
+        ckpt.save({"w": torch.ones(3)}, 1)

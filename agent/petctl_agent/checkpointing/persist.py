@@ -139,6 +139,7 @@ class Persister:
         self.keep = keep
         self.poll = poll
         self.errors: list[str] = []
+        self._lock = threading.Lock()  # one persist at a time (the thread's, or wait()'s)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="petctl-persist", daemon=True)
@@ -155,24 +156,29 @@ class Persister:
 
     def once(self) -> int | None:
         try:
-            return persist_newest(self.store, self.directory, self.keep)
+            with self._lock:
+                return persist_newest(self.store, self.directory, self.keep)
         except Exception as e:  # noqa: BLE001 - EFS trouble: retried at the next kick, reported
             self.errors.append(f"{type(e).__name__}: {e}")
             return None
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until ``latest`` is at the newest complete snapshot's step (True), or timeout."""
+        """Persist the newest complete snapshot now, in this thread; True once ``latest`` names it.
+
+        False on timeout (the writer kept replacing the slot mid-persist). An error writing the
+        checkpoint directory is raised, as today's synchronous save would.
+        """
         self.store.flush()
         end = None if timeout is None else time.monotonic() + timeout
         while True:
-            c = self.store.newest()
-            p = read_pointer(self.directory)
-            if c is None or (p and int(p.get("step", -1)) >= c.step):
-                return True
+            with self._lock:
+                c = self.store.newest()
+                p = read_pointer(self.directory)
+                if c is None or (p and int(p.get("step", -1)) >= c.step):
+                    return True
+                persist_newest(self.store, self.directory, self.keep)
             if end is not None and time.monotonic() > end:
                 return False
-            self.kick()
-            time.sleep(0.02)
 
     def close(self) -> None:
         self._stop.set()
