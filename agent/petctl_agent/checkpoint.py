@@ -49,7 +49,8 @@ collective (barriers included) still pending after the group's timeout.
 
 Made of (``checkpointing/``): the directory's layout and the single-file format (``files.py``),
 the sharded path (``sharded.py``), the checkpoint group (``group.py``), the drain agreement
-(``drain.py``). This module stays import-light: no torch until a checkpoint is written or read.
+(``drain.py``), memory snapshots of replicated state when the agent turned them on (``memory.py``:
+``$PETCTL_SNAPSHOT_DIR``; docs/agent.md). This module stays import-light: no torch until a checkpoint is written or read.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent import DRAIN_EXIT_CODE
+from petctl_agent.checkpointing import memory
 from petctl_agent.checkpointing.drain import (
     drain_requested,
     exit_for_drain,
@@ -116,10 +118,25 @@ def save(
     Returns:
         The checkpoint path on rank 0, else None.
     """
+    return _save(state, step, directory, keep, durable=True)
+
+
+def _save(
+    state: dict[str, Any],
+    step: int,
+    directory: str | os.PathLike | None,
+    keep: int | None,
+    *,
+    durable: bool,
+) -> Path | None:
     d = checkpoint_dir(directory)
     keep = keep if keep is not None else int(os.environ.get("PETCTL_CHECKPOINT_KEEP", "3"))
     if is_sharded(state):
         return save_sharded(state, int(step), d, keep)
+    if memory.save(state, int(step), d, keep, wait=durable):
+        if durable:
+            barrier()
+        return d / f"ckpt-{int(step):010d}.pt" if durable and dist_rank() == 0 else None
     out: Path | None = None
     if dist_rank() == 0:
         out = write_file(state, step, d, keep)
@@ -192,6 +209,12 @@ def resume(
     needed for sharded checkpoints: the DTensors in it are filled in place.
     """
     into = state() if callable(state) else state
+    if memory.snapshot_dir() is not None:
+        from petctl_agent.distributed import rank_device
+
+        got = memory.resume(checkpoint_dir(directory), rank_device())
+        if got is not None:
+            return got
     return load_latest(directory, into=into)
 
 
@@ -224,7 +247,8 @@ def step(
     report_progress(step, world_size if world_size is not None else dist_world())
     saved = False
     if should_checkpoint(step, every) or last:
-        save(state_fn(), step, directory)
+        # periodic: with memory snapshots on, training goes on while EFS is written
+        _save(state_fn(), step, directory, None, durable=last or drain_requested())
         saved = True
     if drain_requested() and not last:
         exit_for_drain()

@@ -82,6 +82,8 @@ class Settings:
     etcd_cert: str = ""  # PETCTL_ETCD_CERT
     etcd_key: str = ""  # PETCTL_ETCD_KEY
     launch_hook: str = ""  # PETCTL_LAUNCH_HOOK (set by the worker boot only with a warm pool)
+    #: memory snapshots of replicated state (issue 20): "" = off; else the tmpfs dir, e.g. /dev/shm/petctl
+    snapshot_dir: str = ""  # PETCTL_AGENT_SNAPSHOT_DIR
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -115,6 +117,7 @@ class Settings:
             etcd_cert=e.get("PETCTL_ETCD_CERT", ""),
             etcd_key=e.get("PETCTL_ETCD_KEY", ""),
             launch_hook=e.get("PETCTL_LAUNCH_HOOK", ""),
+            snapshot_dir=e.get("PETCTL_AGENT_SNAPSHOT_DIR", ""),
         )
 
     def enabled(self, workaround: str) -> bool:

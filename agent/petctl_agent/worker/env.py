@@ -97,6 +97,8 @@ def export_worker_env(
     env["PETCTL_PROGRESS_FILE"] = str(paths.progress)
     env["PETCTL_LOCAL_ADDR"] = local_addr
     env["PETCTL_AGENT_PID"] = str(os.getpid())
+    if settings.snapshot_dir:  # memory snapshots (docs/agent.md); off by default
+        env["PETCTL_SNAPSHOT_DIR"] = str(Path(settings.snapshot_dir).absolute() / spec.job_name)
     env["PYTHONUNBUFFERED"] = "1"
     # our SIGTERM/SIGINT handlers start a drain; torch's would raise SignalException.
     # (torch 2.5-2.8 ignore this variable and install theirs anyway: the agent puts

@@ -1,0 +1,214 @@
+"""Background persistence: a memory snapshot written to the checkpoint directory in today's format.
+
+:func:`persist_newest` takes the newest complete snapshot of a name (``checkpointing/snapshot.py``),
+checks its crc32s, writes it as ``ckpt-<step:010d>.pt`` (``torch.save`` of ``{"step", "state",
+"saved_at"}``, what :func:`petctl_agent.checkpointing.files.load_file` reads) into a temp file,
+fsyncs it, and only then renames it and replaces ``latest`` (with its sha256 and size) -- today's
+atomic ``latest`` semantics. The tensors are read straight out of the snapshot's ``mmap`` (no
+copy); the slot is a seqlock: if the writer started on it while we read (its header gone or its
+generation changed), the temp file is dropped and the newer snapshot is persisted on the next call.
+Never a torn mix.
+
+Where it runs: a process of its own (``python -m petctl_agent.checkpointing.persist``) that the
+agent starts per job and stops at the job's end: it outlives worker restarts (a drain exits the
+workers with ``os._exit`` right after the snapshot), and a long EFS write does not hold the
+training process's GIL or memory. :class:`Persister` is the same loop as a thread, for a caller
+without an agent (tests, plain torchrun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import mmap
+import os
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+from petctl_agent.checkpointing.atomic import fsync_dir
+from petctl_agent.checkpointing.files import prune, read_pointer, write_pointer
+from petctl_agent.checkpointing.snapshot import Complete, SnapshotStore, decode_structure, dtype_from_name
+
+
+class _HashingFile:
+    """A write-only file object for ``torch.save`` that also sha256s what goes through it."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, b: Any) -> int:
+        self.sha.update(b)
+        n = self.f.write(b)
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def persist_newest(store: SnapshotStore, directory: Path, keep: int = 3) -> int | None:
+    """Persist the newest complete snapshot if ``latest`` is older; the step persisted, else None."""
+    c = store.newest()
+    if c is None:
+        return None
+    pointer = read_pointer(directory)
+    if pointer and "step" in pointer and int(pointer["step"]) >= c.step:
+        return None  # already there (or EFS is ahead: a restart of the whole job restored from it)
+    return c.step if _persist(store, c, directory, keep) else None
+
+
+def _persist(store: SnapshotStore, c: Complete, d: Path, keep: int) -> bool:
+    import torch
+
+    h = c.header
+    try:
+        fd = os.open(store.data_path(c.slot), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        if os.fstat(fd).st_size != h["size"]:
+            return False
+        mm = mmap.mmap(fd, h["size"], access=mmap.ACCESS_COPY) if h["size"] else None
+    finally:
+        os.close(fd)
+    d.mkdir(parents=True, exist_ok=True)
+    name = f"ckpt-{c.step:010d}.pt"
+    tmp = d / f".{name}.{os.getpid()}.tmp"
+    view = memoryview(mm) if mm is not None else memoryview(b"")
+    tensors: list[Any] = []
+    state: Any = None
+    try:
+        for m in h["tensors"]:
+            if zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]]) != m["crc32"]:
+                return False  # torn or overwritten: never persisted
+            dt = dtype_from_name(m["dtype"])
+            if m["nbytes"]:
+                raw = torch.frombuffer(mm, dtype=torch.uint8, count=m["nbytes"], offset=m["offset"])
+                tensors.append(raw.view(dt).reshape(m["shape"]))
+                del raw
+            else:
+                tensors.append(torch.empty(m["shape"], dtype=dt))
+        state = decode_structure(h["structure"], tensors)
+        with open(tmp, "wb") as f:
+            hf = _HashingFile(f)
+            torch.save({"step": c.step, "state": state, "saved_at": time.time()}, hf)
+            f.flush()
+            os.fsync(f.fileno())
+        state = None
+        tensors.clear()  # views of the mmap: gone before it closes
+        again = store.read_header(c.slot)
+        if again is None or again["gen"] != c.gen:
+            tmp.unlink()  # the writer reused the slot while we read it: the next call takes the newer one
+            return False
+        os.replace(tmp, d / name)
+        fsync_dir(d)
+        write_pointer(
+            d,
+            {"file": name, "step": c.step, "format": "torch", "sha256": hf.sha.hexdigest(), "size": hf.size},
+        )
+        prune(d, keep, name)
+        return True
+    finally:
+        state = None
+        tensors.clear()
+        view.release()
+        if mm is not None:
+            mm.close()
+        try:
+            tmp.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class Persister:
+    """Persist ``store``'s newest snapshot into ``directory`` in the background, newest first.
+
+    :meth:`kick` after each snapshot; :meth:`wait` returns once the newest snapshot at the time of
+    the call is on disk (the job's last step waits for it).
+    """
+
+    def __init__(self, store: SnapshotStore, directory: Path, keep: int = 3, poll: float = 1.0) -> None:
+        self.store = store
+        self.directory = Path(directory)
+        self.keep = keep
+        self.poll = poll
+        self.errors: list[str] = []
+        self._lock = threading.Lock()  # one persist at a time (the thread's, or wait()'s)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="petctl-persist", daemon=True)
+        self._thread.start()
+
+    def kick(self) -> None:
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.poll)
+            self._wake.clear()
+            self.once()
+
+    def once(self) -> int | None:
+        try:
+            with self._lock:
+                return persist_newest(self.store, self.directory, self.keep)
+        except Exception as e:  # noqa: BLE001 - EFS trouble: retried at the next kick, reported
+            self.errors.append(f"{type(e).__name__}: {e}")
+            return None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Persist the newest complete snapshot now, in this thread; True once ``latest`` names it.
+
+        False on timeout (the writer kept replacing the slot mid-persist). An error writing the
+        checkpoint directory is raised, as today's synchronous save would.
+        """
+        self.store.flush()
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                c = self.store.newest()
+                p = read_pointer(self.directory)
+                if c is None or (p and int(p.get("step", -1)) >= c.step):
+                    return True
+                persist_newest(self.store, self.directory, self.keep)
+            if end is not None and time.monotonic() > end:
+                return False
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m petctl_agent.checkpointing.persist SNAPSHOT_DIR NAME CHECKPOINT_DIR``: the agent's persister."""
+    ap = argparse.ArgumentParser(prog="petctl_agent.checkpointing.persist")
+    ap.add_argument("snapshot_dir")
+    ap.add_argument("name")
+    ap.add_argument("checkpoint_dir")
+    ap.add_argument("--keep", type=int, default=int(os.environ.get("PETCTL_CHECKPOINT_KEEP", "3")))
+    ap.add_argument("--poll", type=float, default=0.5)
+    ap.add_argument("--once", action="store_true", help="persist the newest snapshot (if newer) and exit")
+    a = ap.parse_args(argv)
+    store = SnapshotStore(a.snapshot_dir, a.name)
+    d = Path(a.checkpoint_dir)
+    while True:
+        try:
+            step = persist_newest(store, d, a.keep)
+            if step is not None:
+                print(f"petctl persist: step {step} -> {d}", file=sys.stderr, flush=True)
+        except Exception as e:  # noqa: BLE001 - keep going: the next snapshot may well persist
+            print(f"petctl persist: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        if a.once:
+            return 0
+        time.sleep(a.poll)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

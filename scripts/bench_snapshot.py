@@ -1,0 +1,129 @@
+"""Memory snapshot vs today's EFS path: what a checkpoint blocks, and what a restore costs.
+
+    python scripts/bench_snapshot.py --sizes 0.1,1 --reps 3 --out /tmp/bench_snapshot.json
+
+For each size (GiB of fp32 state, one tensor per 64 MiB) it times, medians of ``--reps``:
+
+- ``efs_save``: today's path, ``files.write_file`` (torch.save, fsync, rename, ``latest``) into
+  ``--efs`` (a directory standing in for EFS: a local disk here, so a lower bound);
+- ``snap_block``: :meth:`SnapshotStore.write`, the part training waits for (the copy into the
+  slot; the slot's pages already held, as from the second checkpoint of a job on);
+- ``snap_first``: the same on a fresh slot (the job's first checkpoint: tmpfs allocates pages);
+- ``snap_total``: the copy plus the crc32s and the header (``flush``);
+- ``snap_load`` vs ``efs_load``: restore from the snapshot vs ``files.load_file`` (sha256 + torch.load);
+- ``persist``: the background write of the snapshot to ``--efs`` (``persist_newest``).
+
+Memory: about 3x the largest size at once (the state, two slots); ``--shm`` defaults to /dev/shm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from petctl_agent.checkpointing.files import load_file, read_pointer, write_file
+from petctl_agent.checkpointing.persist import persist_newest
+from petctl_agent.checkpointing.snapshot import SnapshotStore
+
+TARGET = 0.25  # s/GiB a periodic checkpoint may block (issue 20)
+
+
+def _state(gib: float) -> dict[str, torch.Tensor]:
+    n = int(gib * 2**30) // 4
+    chunk = 16 << 20  # 64 MiB of fp32
+    out, i = {}, 0
+    while n > 0:
+        k = min(chunk, n)
+        out[f"p{i}"] = torch.randn(k)
+        n -= k
+        i += 1
+    return out
+
+
+def _t(f, *args) -> float:
+    t = time.perf_counter()
+    f(*args)
+    return time.perf_counter() - t
+
+
+def bench(gib: float, reps: int, shm_root: Path, efs_root: Path) -> dict[str, float]:
+    state = _state(gib)
+    shm = Path(tempfile.mkdtemp(prefix="bench-snap-", dir=shm_root))
+    efs = Path(tempfile.mkdtemp(prefix="bench-efs-", dir=efs_root))
+    r: dict[str, list[float]] = {
+        k: []
+        for k in ("efs_save", "efs_load", "snap_first", "snap_block", "snap_total", "snap_load", "persist")
+    }
+    try:
+        step = 0
+        for _ in range(reps):
+            step += 1
+            r["efs_save"].append(_t(write_file, state, step, efs, 1))
+            p = read_pointer(efs)
+            r["efs_load"].append(_t(load_file, efs / p["file"], p["sha256"], "cpu"))
+            # a fresh store: the first checkpoint allocates the slot's pages
+            first = SnapshotStore(shm, f"first{step}")
+            r["snap_first"].append(_t(first.write, state, step))
+            first.remove()
+        store = SnapshotStore(shm, "r")
+        for s in (1, 2):  # both slots hold their pages, as from the job's 2nd checkpoint on
+            store.write(state, s, wait=True)
+        step = 2
+        for _ in range(reps):
+            step += 1
+            t0 = time.perf_counter()
+            assert store.write(state, step) == "ok"
+            r["snap_block"].append(time.perf_counter() - t0)
+            store.flush()
+            r["snap_total"].append(time.perf_counter() - t0)
+            r["snap_load"].append(_t(store.load, step))
+            r["persist"].append(_t(persist_newest, store, efs, 1))
+        store.remove()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(efs, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in r.items()}
+    med["gib"] = gib
+    med["block_s_per_gib"] = med["snap_block"] / gib
+    return med
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="0.1,1", help="GiB of fp32 state, comma-separated")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--shm", default="/dev/shm")
+    ap.add_argument("--efs", default=tempfile.gettempdir(), help="directory standing in for EFS")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    rows = [bench(float(g), a.reps, Path(a.shm), Path(a.efs)) for g in a.sizes.split(",")]
+    cols = [
+        "gib",
+        "efs_save",
+        "snap_first",
+        "snap_block",
+        "snap_total",
+        "block_s_per_gib",
+        "efs_load",
+        "snap_load",
+        "persist",
+    ]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for row in rows:
+        print("| " + " | ".join(f"{row[c]:.3f}" for c in cols) + " |")
+    worst = max(row["block_s_per_gib"] for row in rows)
+    print(f"blocking: {worst:.3f} s/GiB worst (target {TARGET}): {'met' if worst <= TARGET else 'MISSED'}")
+    if a.out:
+        Path(a.out).write_text(json.dumps({"rows": rows, "target_s_per_gib": TARGET}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,527 @@
+"""Memory snapshots (checkpointing/snapshot.py) and their background persistence (persist.py).
+
+Real files in a tmp dir stand in for the agent's ``/dev/shm/petctl/<job>``; writers that are
+killed are real processes killed with SIGKILL; the persisted checkpoint is read by today's loader.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+
+from petctl_agent import checkpoint as ckpt
+from petctl_agent.checkpointing.files import load_file, read_pointer
+from petctl_agent.checkpointing.persist import Persister, _persist, persist_newest
+from petctl_agent.checkpointing.snapshot import SnapshotStore, fits, read_meminfo
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _model_and_opt() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    o = torch.optim.AdamW(m.parameters())
+    m(torch.randn(5, 4)).sum().backward()
+    o.step()
+    return m, o
+
+
+def _mixed_state() -> dict:
+    m, o = _model_and_opt()
+    return {
+        "model": m.state_dict(),
+        "optim": o.state_dict(),
+        "bf16": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+        "fp16": torch.tensor([1.5, -2.25], dtype=torch.float16),
+        "i64": torch.tensor([[2**40, -7]]),
+        "u8": torch.tensor([0, 255], dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]),
+        "c64": torch.tensor([1 + 2j], dtype=torch.complex64),
+        "scalar": torch.tensor(3.0),
+        "empty": torch.empty(0, 5),
+        "strided": torch.arange(12.0).reshape(3, 4).t(),  # not contiguous
+        "nums": [1, 2.5, float("inf"), None, "s", (1, "t")],
+        "dtype": torch.float16,
+        3: "int key",
+    }
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return type(a) is type(b) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and a != a:
+        return b != b
+    return a == b
+
+
+def test_round_trip_several_dtypes_and_optimizer_state(tmp_path: Path) -> None:
+    state = _mixed_state()
+    store = SnapshotStore(tmp_path, "rank-0")
+    assert store.write(state, 7, world_size=2, rank=0) == "ok"
+    store.flush()
+    got = store.load(7, world_size=2, rank=0)
+    assert got is not None and _same(state, got)
+    assert type(got["model"]) is OrderedDict and got["model"]._metadata == state["model"]._metadata
+    # loads into fresh objects as a torch.load'ed state would
+    m, o = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)), None
+    m.load_state_dict(got["model"])
+    o = torch.optim.AdamW(m.parameters())
+    o.load_state_dict(got["optim"])
+    # a copy, not a view of the slot: changing it leaves the snapshot as it was
+    got["bf16"].fill_(0)
+    assert _same(state["bf16"], store.load(7)["bf16"])
+    # wrong world size / rank: not this rank's snapshot
+    assert store.load(7, world_size=3) is None and store.load(7, rank=1) is None
+
+
+def test_two_slots_newest_and_previous_step(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path, "r")
+    for s in (1, 2, 3):
+        assert store.write({"w": torch.full((8,), float(s))}, s, wait=True) == "ok"
+    assert [c.step for c in store.complete()] == [3, 2]
+    assert store.load(1) is None  # overwritten by 3
+    assert torch.equal(store.load(2)["w"], torch.full((8,), 2.0))
+    assert store.newest().step == 3
+
+
+def test_stale_snapshot_is_never_loaded(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path, "r")
+    store.write({"w": torch.ones(4)}, 10, wait=True)
+    assert store.load(11) is None and store.load(9) is None
+    assert store.load(10) is not None
+
+
+@pytest.mark.parametrize("damage", ["truncate", "no-header", "flip-data", "flip-header", "header-step"])
+def test_torn_snapshot_is_never_loaded(tmp_path: Path, damage: str) -> None:
+    store = SnapshotStore(tmp_path, "r")
+    store.write({"a": torch.arange(1000.0), "b": torch.arange(10)}, 5, wait=True)
+    assert store.load(5) is not None
+    data, header = store.data_path("a"), store.header_path("a")
+    if damage == "truncate":
+        os.truncate(data, data.stat().st_size - 64)
+    elif damage == "no-header":
+        header.unlink()
+    elif damage == "flip-data":
+        b = bytearray(data.read_bytes())
+        b[2000] ^= 0x10
+        data.write_bytes(bytes(b))
+    elif damage == "flip-header":
+        b = bytearray(header.read_bytes())
+        i = b.index(b'"rank": 0') + len(b'"rank": ')
+        b[i] = ord("1")
+        header.write_bytes(bytes(b))
+    else:  # a header edited to claim another step (its crc no longer matches)
+        h = json.loads(header.read_text())
+        h["step"] = 6
+        header.write_text(json.dumps(h))
+    assert store.load(5) is None and store.load(6) is None
+    # and the persister never writes it to EFS either
+    assert persist_newest(store, tmp_path / "efs") is None
+    assert read_pointer(tmp_path / "efs") is None
+
+
+def test_no_fit_falls_back_and_touches_nothing(tmp_path: Path) -> None:
+    tiny = {"MemTotal": 8 << 30, "MemAvailable": 600 << 20}  # < reserve (512 MiB) + 100 MiB
+    store = SnapshotStore(tmp_path, "r")
+    store.write({"w": torch.ones(4)}, 1, wait=True)
+    before = sorted((p.name, p.stat().st_size) for p in tmp_path.iterdir())
+    small = SnapshotStore(tmp_path, "r", meminfo=lambda: tiny)
+    r = small.write({"w": torch.zeros(100 << 18)}, 2)  # 100 MiB of fp32
+    assert r.startswith("no-fit: ") and "available" in r
+    assert sorted((p.name, p.stat().st_size) for p in tmp_path.iterdir()) == before
+    assert small.load(1) is not None and small.newest().step == 1
+
+
+def test_fits_reads_the_real_filesystem_and_meminfo(tmp_path: Path) -> None:
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
+    ok, why = fits(free + (1 << 30), tmp_path)
+    assert not ok and "free in" in why
+    avail = read_meminfo()["MemAvailable"]
+    assert 0 < avail <= read_meminfo()["MemTotal"]
+    if avail < free:  # the memory check is the one that must refuse
+        ok, why = fits(avail, tmp_path)
+        assert not ok and "available" in why
+    assert fits(1 << 20, tmp_path)[0]
+
+
+def test_unsupported_state_is_refused(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path, "r")
+    assert store.write({"x": object()}, 1).startswith("unsupported: ")
+    assert store.write({"x": torch.ones(2).to_sparse()}, 1).startswith("unsupported: ")
+    assert store.newest() is None
+
+
+_WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    from pathlib import Path
+    from petctl_agent.checkpointing.snapshot import SnapshotStore
+    store = SnapshotStore(sys.argv[1], "r")
+    n = int(sys.argv[2])
+    for s in (1, 2):
+        store.write({"w": torch.full((n,), float(s)), "s": s}, s, wait=True)
+    Path(sys.argv[3]).write_text("ready")
+    s = 3
+    while True:
+        store.write({"w": torch.full((n,), float(s)), "s": s}, s, wait=True)
+        s += 1
+    """
+)
+
+
+def test_writer_killed_mid_write_keeps_the_previous_snapshot(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    ready = tmp_path / "ready"
+    n = 32 << 20  # 128 MiB of fp32: a copy takes long enough to land in
+    env = {**os.environ, "PYTHONPATH": str(REPO / "agent")}
+    p = subprocess.Popen([sys.executable, "-c", _WRITER, str(shm), str(n), str(ready)], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert p.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        store = SnapshotStore(shm, "r")
+        # kill while a slot has no header: the writer is inside a write
+        while len(store.complete()) == 2:
+            assert time.monotonic() < deadline
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    done = store.complete()
+    assert len(done) in (1, 2)  # 2: the kill landed after the header (rare); still both valid
+    newest = done[0]
+    got = store.load(newest.step)
+    assert got is not None and got["s"] == newest.step
+    assert bool((got["w"] == float(newest.step)).all())
+    torn = {"a", "b"} - {c.slot for c in done}
+    for slot in torn:
+        assert not store.header_path(slot).exists()
+
+
+def test_persist_writes_todays_format_with_atomic_latest(tmp_path: Path) -> None:
+    shm, efs = tmp_path / "shm", tmp_path / "efs"
+    state = _mixed_state()
+    store = SnapshotStore(shm, "replicated")
+    store.write(state, 40, wait=True)
+    assert persist_newest(store, efs) == 40
+    p = read_pointer(efs)
+    assert p["file"] == "ckpt-0000000040.pt" and p["step"] == 40 and p["format"] == "torch"
+    assert p["size"] == (efs / p["file"]).stat().st_size
+    got, step = load_file(efs / p["file"], p["sha256"], "cpu")  # today's loader, sha256 checked
+    assert step == 40 and _same(state, got)
+    got2, step2 = ckpt.load_latest(efs, map_location="cpu")
+    assert step2 == 40 and _same(state, got2)
+    assert persist_newest(store, efs) is None  # already there
+    assert not [n for n in os.listdir(efs) if n.endswith(".tmp")]
+
+
+def test_persist_of_a_replaced_slot_is_dropped_and_newest_goes_next(tmp_path: Path) -> None:
+    shm, efs = tmp_path / "shm", tmp_path / "efs"
+    store = SnapshotStore(shm, "r")
+    store.write({"w": torch.full((1000,), 1.0)}, 1, wait=True)
+    old = store.newest()
+    # the writer reuses that slot (two snapshots later) while a persist of it is under way
+    store.write({"w": torch.full((1000,), 2.0)}, 2, wait=True)
+    store.write({"w": torch.full((1000,), 3.0)}, 3, wait=True)
+    assert not _persist(store, old, efs, 3)
+    assert read_pointer(efs) is None and not list(efs.glob("ckpt-*"))
+    assert not [n for n in os.listdir(efs) if n.endswith(".tmp")]
+    assert persist_newest(store, efs) == 3
+    state, step = ckpt.load_latest(efs, map_location="cpu")
+    assert step == 3 and torch.equal(state["w"], torch.full((1000,), 3.0))
+
+
+def test_background_persister_keeps_up_and_prunes(tmp_path: Path) -> None:
+    shm, efs = tmp_path / "shm", tmp_path / "efs"
+    store = SnapshotStore(shm, "r")
+    per = Persister(store, efs, keep=2, poll=0.05)
+    try:
+        for s in range(1, 8):
+            assert store.write({"w": torch.full((1 << 16,), float(s))}, s) == "ok"
+            per.kick()
+        assert per.wait(timeout=60)
+    finally:
+        per.close()
+    assert per.errors == []
+    state, step = ckpt.load_latest(efs, map_location="cpu")
+    assert step == 7 and torch.equal(state["w"], torch.full((1 << 16,), 7.0))
+    assert len(list(efs.glob("ckpt-*.pt"))) <= 2
+
+
+def test_persist_process_once(tmp_path: Path) -> None:
+    shm, efs = tmp_path / "shm", tmp_path / "efs"
+    store = SnapshotStore(shm, "replicated")
+    store.write({"w": torch.arange(10.0)}, 12, wait=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "agent")}
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "petctl_agent.checkpointing.persist",
+            str(shm),
+            "replicated",
+            str(efs),
+            "--once",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "step 12" in r.stderr
+    state, step = ckpt.load_latest(efs, map_location="cpu")
+    assert step == 12 and torch.equal(state["w"], torch.arange(10.0))
+
+
+def test_slot_reused_in_place_only_at_the_same_size(tmp_path: Path) -> None:
+    """Same size: the held pages are reused (fast). Another size: a new inode, so a reader that
+    has the old one mapped (the persister) is never cut short by a shrink (SIGBUS)."""
+    store = SnapshotStore(tmp_path, "r")
+    store.write({"w": torch.ones(4096)}, 1, wait=True)
+    ino = store.data_path("a").stat().st_ino
+    fd = os.open(store.data_path("a"), os.O_RDONLY)
+    try:
+        import mmap
+
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)  # a reader of slot a
+        store.write({"w": torch.ones(4096)}, 2, wait=True)  # slot b
+        store.write({"w": torch.full((4096,), 3.0)}, 3, wait=True)  # slot a, same size
+        assert store.data_path("a").stat().st_ino == ino
+        store.write({"w": torch.ones(4096)}, 4, wait=True)  # slot b
+        store.write({"w": torch.full((16,), 5.0)}, 5, wait=True)  # slot a, smaller
+        assert store.data_path("a").stat().st_ino != ino
+        assert len(mm[:]) == 4096 * 4  # the old mapping is whole: reading it does not SIGBUS
+        mm.close()
+    finally:
+        os.close(fd)
+    assert torch.equal(store.load(5)["w"], torch.full((16,), 5.0))
+
+
+# ---------------------------------------------------------------- wired into ckpt.step / ckpt.resume
+
+
+@pytest.fixture
+def snap_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from petctl_agent.checkpointing import memory
+
+    shm, efs = tmp_path / "shm", tmp_path / "efs"
+    monkeypatch.setenv("PETCTL_SNAPSHOT_DIR", str(shm))
+    monkeypatch.setenv("PETCTL_CHECKPOINT_DIR", str(efs))
+    monkeypatch.delenv("PETCTL_DRAIN_FILE", raising=False)
+    monkeypatch.delenv("PETCTL_PROGRESS_FILE", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    yield shm, efs
+    memory.close_persisters()
+
+
+def test_settings_knob_exports_the_job_snapshot_dir(tmp_path: Path) -> None:
+    from petctl_agent.settings import Settings
+    from petctl_agent.spec import JobSpec
+    from petctl_agent.worker.env import Paths, export_worker_env
+
+    assert Settings.from_env({}).snapshot_dir == ""  # off by default
+    spec = JobSpec.from_dict(
+        {"job_name": "j1", "min_nodes": 1, "max_nodes": 2, "code_url": "file:///x", "script": "train.py"}
+    )
+    for sd, want in (("", None), (str(tmp_path / "shm"), str(tmp_path / "shm" / "j1"))):
+        env: dict[str, str] = {}
+        s = Settings.from_env({"PETCTL_AGENT_SNAPSHOT_DIR": sd})
+        export_worker_env(
+            env, spec, Paths(tmp_path), tmp_path / "ck", tmp_path / "w", "127.0.0.1", 1, "gloo", s
+        )
+        assert env.get("PETCTL_SNAPSHOT_DIR") == want
+
+
+def test_periodic_step_snapshots_and_persists_in_the_background(snap_env) -> None:
+    from petctl_agent.checkpointing import memory
+
+    shm, efs = snap_env
+    w = torch.zeros(1000)
+    for s in range(1, 7):
+        w += 1
+        ckpt.step(s, lambda w=w: {"w": w.clone()}, every=2)
+    memory._store(shm).flush()  # step() returned after the copy; the header follows
+    store = SnapshotStore(shm, memory.NAME)
+    assert store.newest().step == 6
+    per = next(iter(memory._persisters.values()))
+    assert per.wait(timeout=60)
+    state, step = ckpt.load_latest(efs, map_location="cpu")
+    assert step == 6 and torch.equal(state["w"], torch.full((1000,), 6.0))
+    # the job's last step: durable when step() returns
+    w += 1
+    ckpt.step(7, lambda: {"w": w.clone()}, every=2, last=True)
+    assert ckpt.latest_step(efs) == 7
+
+
+def test_resume_prefers_own_snapshot_else_efs(snap_env) -> None:
+    from petctl_agent.checkpointing import memory
+
+    shm, efs = snap_env
+    ckpt.step(4, lambda: {"w": torch.full((4,), 4.0)}, every=2, last=True)  # memory + EFS at 4
+    # the EFS file is gone (say, lost): only memory can give step 4
+    (efs / "ckpt-0000000004.pt").unlink()
+    state, step = ckpt.resume()
+    assert step == 4 and torch.equal(state["w"], torch.full((4,), 4.0))
+    # a torn snapshot is never loaded: EFS (here: nothing left) answers
+    SnapshotStore(shm, memory.NAME).header_path(SnapshotStore(shm, memory.NAME).newest().slot).unlink()
+    assert ckpt.resume() is None
+    # stale: EFS newer than the snapshot -> EFS
+    memory.close_persisters()
+    ckpt.step(6, lambda: {"w": torch.full((4,), 6.0)}, every=2, last=True)
+    ckpt.save({"w": torch.full((4,), 8.0)}, 8, efs)  # durable save, also snapshots 8
+    SnapshotStore(shm, memory.NAME).write({"w": torch.full((4,), 6.5)}, 6, wait=True)  # snapshot behind
+    st = SnapshotStore(shm, memory.NAME)
+    st.header_path([c for c in st.complete() if c.step == 8][0].slot).unlink()
+    state, step = ckpt.resume()
+    assert step == 8 and torch.equal(state["w"], torch.full((4,), 8.0))
+
+
+def test_state_a_snapshot_cannot_hold_takes_todays_path(snap_env, capsys) -> None:
+    shm, efs = snap_env
+    ckpt.step(2, lambda: {"w": torch.ones(3), "tags": {"a", "b"}}, every=2)  # a set: no snapshot
+    assert "memory snapshot of step 2 skipped (unsupported" in capsys.readouterr().err
+    assert ckpt.latest_step(efs) == 2  # written synchronously, as today
+    assert not shm.exists() or not list(shm.glob("*.json"))
+
+
+RANKS_SNAP = textwrap.dedent(
+    """
+    import json, os, sys, torch
+    import torch.distributed as dist
+    from petctl_agent import checkpoint as ckpt
+    from petctl_agent.distributed import init_process_group
+    init_process_group()
+    rank = dist.get_rank()
+    w = torch.zeros(3)
+    restored = ckpt.resume()
+    start = 1 if restored is None else restored[1] + 1
+    if restored is not None:
+        w.copy_(restored[0]["w"])
+    total = int(os.environ["TOTAL"])
+    for s in range(start, total + 1):
+        w += 1
+        if rank == 1 and s == int(os.environ.get("DRAIN_AT", "0")):
+            open(os.environ["PETCTL_DRAIN_FILE"], "w").close()
+        ckpt.step(s, lambda: {"w": w.clone()}, every=2, last=s == total)
+    print("RESULT " + json.dumps({"start": start, "w": w.tolist()}), flush=True)
+    """
+)
+
+
+def _ranks(tmp_path: Path, envs: list[dict]) -> list[subprocess.CompletedProcess]:
+    sys.path.insert(0, str(REPO / "scripts"))
+    from harness import free_port
+
+    script = tmp_path / "ranks_snap.py"
+    script.write_text(RANKS_SNAP)
+    port = free_port()
+    procs = []
+    for r, extra in enumerate(envs):
+        e = {
+            **os.environ,
+            "PYTHONPATH": str(REPO / "agent"),
+            "RANK": str(r),
+            "WORLD_SIZE": str(len(envs)),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "PETCTL_DRAIN_FILE": str(tmp_path / f"drain-{r}"),
+            "OMP_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            **extra,
+        }
+        e.pop("PETCTL_LOCAL_ADDR", None)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                env=e,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    out = []
+    for p in procs:
+        try:
+            o, err = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, o, err))
+    return out
+
+
+def _res(cp: subprocess.CompletedProcess) -> dict:
+    for line in cp.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise AssertionError(f"no result (rc {cp.returncode}):\n{cp.stderr[-3000:]}")
+
+
+def test_two_ranks_one_node_drain_then_resume_from_memory(tmp_path: Path) -> None:
+    from petctl_agent import DRAIN_EXIT_CODE
+
+    shm, efs = tmp_path / "shm", tmp_path / "efs"
+    base = {"PETCTL_SNAPSHOT_DIR": str(shm), "PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "10"}
+    first = _ranks(
+        tmp_path, [{**base, "LOCAL_RANK": "0", "DRAIN_AT": "5"}, {**base, "LOCAL_RANK": "1", "DRAIN_AT": "5"}]
+    )
+    for cp in first:
+        assert cp.returncode == DRAIN_EXIT_CODE, cp.stderr[-3000:]
+    assert ckpt.latest_step(efs) == 6  # the drain waited for EFS
+    assert SnapshotStore(shm, "replicated").newest().step == 6
+    (tmp_path / "drain-1").unlink()
+    (efs / "ckpt-0000000006.pt").unlink()  # only memory holds step 6 now (EFS would give step 4)
+    second = [_res(cp) for cp in _ranks(tmp_path, [{**base, "LOCAL_RANK": "0"}, {**base, "LOCAL_RANK": "1"}])]
+    assert [r["start"] for r in second] == [7, 7]
+    assert all(r["w"] == [10.0] * 3 for r in second)
+    assert ckpt.latest_step(efs) == 10
+
+
+def test_two_nodes_one_without_snapshot_both_load_efs(tmp_path: Path) -> None:
+    efs = tmp_path / "efs"
+    ckpt.save({"w": torch.full((3,), 4.0)}, 4, efs)
+    SnapshotStore(tmp_path / "shm0", "replicated").write({"w": torch.full((3,), 6.0)}, 6, wait=True)
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "8", "LOCAL_RANK": "0"}
+    # node 0 has step 6 in memory, node 1 (just joined) nothing: both must take EFS's step 4
+    res = [
+        _res(cp)
+        for cp in _ranks(
+            tmp_path,
+            [
+                {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "shm0")},
+                {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "shm1")},
+            ],
+        )
+    ]
+    assert [r["start"] for r in res] == [5, 5]
+    assert all(r["w"] == [8.0] * 3 for r in res)
+
+
+def test_durable_save_raises_when_the_checkpoint_dir_cannot_be_written(snap_env) -> None:
+    """A direct save() with snapshots on is durable like today's: an EFS error surfaces, no hang."""
+    shm, efs = snap_env
+    efs.parent.mkdir(parents=True, exist_ok=True)
+    efs.write_text("not a directory")
+    with pytest.raises(OSError):
+        ckpt.save({"w": torch.ones(3)}, 1)
