@@ -33,7 +33,7 @@ membership change therefore costs 8-20 s even tuned. Here:
   so they never hold a round open: a node registers when it first calls
   :meth:`next_rendezvous`.
 * **Store**: workers host their own TCPStore (``use_agent_store`` is False): rank 0's node
-  picks a free port when it joins and the record carries it as ``MASTER_PORT``; no store
+  picks a free port below the ephemeral range when it joins and the record carries it as ``MASTER_PORT``; no store
   round trip is needed to learn it, so a dead rank 0 can never leave others blocked in
   ``store.get("MASTER_ADDR")``. The agent-side store returned in ``RendezvousInfo`` is torch's
   ``EtcdStore`` under ``<base>/store/<r>`` (only used by torch's exit barrier and by the

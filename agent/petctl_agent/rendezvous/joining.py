@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import socket
 import time
 from datetime import timedelta
@@ -34,10 +35,36 @@ class RendezvousLeftError(RendezvousGracefulExitError):
     """This node left the rendezvous (:meth:`PetctlRendezvousHandler.leave`) while joining."""
 
 
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def _free_port(addr: str | None) -> int:
+    """A port for rank 0's store, free now and still free when its worker binds it seconds later.
+
+    Taken below the kernel's ephemeral range (``ip_local_port_range``): a port from that range (what
+    binding port 0 gives) can be handed to any outgoing connection on the node (the agents' etcd
+    calls, the workers' gloo/NCCL links) before rank 0's worker binds it, and that costs a restart.
+    No outgoing connection gets a port below the range. Port 0 only if the band is full.
+    """
+    high = _ephemeral_low() - 1
+    low = max(1024, high - 12000)
     for host in ([addr] if addr else []) + [""]:
+        family = socket.AF_INET6 if host and ":" in host else socket.AF_INET
+        for _ in range(64):
+            port = random.randint(low, high)
+            with socket.socket(family) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
         try:
-            with socket.socket(socket.AF_INET6 if host and ":" in host else socket.AF_INET) as s:
+            with socket.socket(family) as s:
                 s.bind((host, 0))
                 return s.getsockname()[1]
         except OSError:

@@ -1,0 +1,40 @@
+"""The master port a round publishes comes from below the kernel's ephemeral range.
+
+Rank 0's worker binds the published ``MASTER_PORT`` seconds after the rendezvous picked it. A port
+from the ephemeral range (what binding port 0 gives) can meanwhile be taken by any outgoing
+connection on the node, which costs a restart; none takes a port below the range.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from petctl_agent.rendezvous import joining
+
+
+def test_the_master_port_is_below_the_ephemeral_range_and_bindable():
+    low = joining._ephemeral_low()
+    ports = {joining._free_port("127.0.0.1") for _ in range(50)}
+    assert all(1024 <= p < low for p in ports), sorted(ports)
+    assert len(ports) > 1  # picked at random, not one fixed port every node would share
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))
+
+
+def test_the_ephemeral_range_is_read_from_the_kernel(tmp_path):
+    f = tmp_path / "range"
+    f.write_text("40000\t60999\n")
+    assert joining._ephemeral_low(str(f)) == 40000
+    assert joining._ephemeral_low(str(tmp_path / "missing")) == 32768
+
+
+def test_a_taken_port_is_never_returned(monkeypatch):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    busy = taken.getsockname()[1]
+    picks = iter([busy, busy, busy + 1 if busy + 1 < 65536 else busy - 1])
+    monkeypatch.setattr(joining.random, "randint", lambda a, b: next(picks))
+    try:
+        assert joining._free_port("127.0.0.1") != busy
+    finally:
+        taken.close()
