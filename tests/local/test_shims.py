@@ -255,7 +255,7 @@ def test_dnf_logs_what_stands_in(tmp_path: Path) -> None:
         ("[Service]\nType=forking\nExecStart=/bin/true\n", "Type=forking"),
         ("[Service]\nExecStart=/bin/true\n[Install]\nWantedBy=graphical.target\n", "WantedBy"),
         ("[Service]\nRestart=always\n", "exactly one ExecStart"),
-        ("[Service]\nExecStart=/bin/true\nRestart=always\n", "Restart=always not emulated"),
+        ("[Service]\nExecStart=/bin/true\nRestart=on-abort\n", "Restart=on-abort not emulated"),
         ("[Timer]\nOnBootSec=1\n", "[Timer]"),
     ],
 )
@@ -300,6 +300,9 @@ def test_restart_follows_systemds_rules(rc: int, starts: list[float], verdict: s
     assert restart_verdict(plain, 1, [], 0.0) == "Restart=no" and restart_delay(plain) == 0.1
     cleared = shims.parse_unit(AGENT_UNIT + "RestartPreventExitStatus=\n")  # an empty value resets the list
     assert restart_verdict(cleared, 78, [], 0.0) is None
+    always = shims.parse_unit(AGENT_UNIT.replace("Restart=on-failure", "Restart=always"))  # etcd's unit
+    assert restart_verdict(always, 0, [], 0.0) is None and restart_verdict(always, -15, [], 0.0) is None
+    assert restart_verdict(always, 78, [], 0.0) == "status 78 is in RestartPreventExitStatus="
 
 
 def test_rewrite_maps_instance_paths_and_loopback_only() -> None:

@@ -87,9 +87,9 @@ def parse_unit(text: str) -> dict[str, dict[str, list[str]]]:
     return out
 
 
-#: What Restart= restarts after (systemd.service(5), table 1). ``on-failure`` and ``no`` are
-#: emulated; a "clean" exit (0, or SIGHUP/SIGINT/SIGTERM/SIGPIPE) is never a failure.
-RESTARTS = ("no", "on-failure")
+#: What Restart= restarts after (systemd.service(5), table 1). ``no``, ``on-failure`` (not after a
+#: "clean" exit: 0, or SIGHUP/SIGINT/SIGTERM/SIGPIPE) and ``always`` are emulated.
+RESTARTS = ("no", "on-failure", "always")
 CLEAN_SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE)
 
 
@@ -102,7 +102,7 @@ def restart_verdict(
     (defaults 10 s and 5: more starts than that within the interval and the unit stays failed).
 
     As systemd.service(5) documents: ``Restart=on-failure`` restarts on a non-zero exit status or
-    an unclean signal; ``RestartPreventExitStatus=`` lists exit statuses (numbers or signal
+    an unclean signal, ``always`` on any exit; ``RestartPreventExitStatus=`` lists exit statuses (numbers or signal
     names) that are not restarted whatever ``Restart=`` says."""
     svc, unit = spec.get("Service", {}), spec.get("Unit", {})
     mode = svc.get("Restart", ["no"])[-1]
@@ -114,7 +114,7 @@ def restart_verdict(
     signame = signal.Signals(-rc).name if rc < 0 else None
     if mode == "no":
         return "Restart=no"
-    if rc == 0 or (signame and signal.Signals[signame] in CLEAN_SIGNALS):
+    if mode == "on-failure" and (rc == 0 or (signame and signal.Signals[signame] in CLEAN_SIGNALS)):
         return f"exited cleanly ({signame or 'status 0'})"
     if str(rc) in prevent or (signame and (signame in prevent or signame[3:] in prevent)):
         return f"status {signame or rc} is in RestartPreventExitStatus="
