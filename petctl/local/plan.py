@@ -109,7 +109,8 @@ class BootEnded(_Exited):
 
 
 class MainExited(_Exited):
-    """Its main unit's process exited with ``rc``: the instance is ``exited``, never restarted."""
+    """Its main unit's process exited with ``rc``: restarted as the unit's ``Restart=`` says, else
+    the instance is ``exited``."""
 
 
 class BootWithoutService(_Exited):

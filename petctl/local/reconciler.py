@@ -17,9 +17,11 @@ client uses) and makes the local processes match it:
   group's instance waits until CompleteLifecycleAction or the job's drain
   timeout, even after its agent exited), then its whole process group is
   SIGKILLed — in a thread per instance, so one slow drain never delays the others;
-* a tree that exits on its own is recorded, never restarted (an agent that
-  exited 0 after its job SUCCEEDED must stay down — as on AWS, where the
-  instance keeps running idle until the group scales to zero);
+* a unit whose main process exits on its own is restarted as its ``Restart=``,
+  ``RestartPreventExitStatus=``, ``RestartSec=`` and start limit say (systemd's rules);
+  otherwise the exit is recorded (an agent that exited 0 after its job SUCCEEDED, or with a
+  terminal status, must stay down — as on AWS, where the instance keeps running idle until
+  the group scales to zero or, Unhealthy, replaces it);
 * a warm pool instance (Auto Scaling says ``Warmed:*``) boots the same way, with IMDS
   ``target-lifecycle-state`` ``Warmed:Stopped``; once its agent reports ``WARMED`` the pool
   stops it (:func:`petctl.local.moto_warm_pool.mark_warmed`) and its whole tree is SIGSTOPped;
@@ -47,10 +49,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from petctl.local import moto_patches, moto_warm_pool, plan, procs
+from petctl.local import boot, moto_patches, moto_warm_pool, plan, procs
 from petctl.local.instance import Instance
 from petctl.local.leaving import Leaving
 from petctl.local.observe import observe
+from petctl.local.shims.base import Refused
+from petctl.local.shims.systemctl import parse_unit, restart_delay, restart_verdict
 from petctl.local.starting import Starting
 from petctl_agent.settings import env_float
 
@@ -90,6 +94,8 @@ class Reconciler(Starting, Leaving):
         self._procs_written: dict[str, Any] | None = None
         self._procs_lock = threading.Lock()
         self._ticks = 0
+        #: (instance, unit) -> monotonic times systemd restarted it (StartLimitBurst)
+        self._unit_starts: dict[tuple[str, str], list[float]] = {}
         # Marks every process of every instance of this daemon (see procs): random per daemon,
         # so a marker proves the process was started by this daemon.
         self.token = secrets.token_hex(8)
@@ -178,12 +184,49 @@ class Reconciler(Starting, Leaving):
             log.info("%s: boot script done in %.1fs", rec.instance_id, took)
 
     def _main_exited(self, a: plan.MainExited) -> None:
+        """The main unit's process ended: systemd's ``Restart=`` rule decides
+        (:func:`petctl.local.shims.systemctl.restart_verdict`); a restart comes ``RestartSec``
+        later, with the instance ``restarting`` meanwhile. Else the instance is ``exited``."""
         rec = self.get(a.instance_id)
         with rec.lock:
             if rec.state != "running":
                 return
-            rec.exit_code, rec.state, rec.ended_at = a.rc, "exited", time.time()
-        log.info("%s (%s) exited with code %s; not restarted", rec.instance_id, rec.role, a.rc)
+            unit = next((n for n, u in rec.units.items() if u.proc is rec.proc), None)
+            why, delay = "no unit", 0.0
+            if unit is not None:
+                try:
+                    spec = parse_unit(boot.unit_path(rec.root(self.state_dir), unit).read_text())
+                    starts = self._unit_starts.setdefault((rec.instance_id, unit), [])
+                    why = restart_verdict(spec, a.rc, starts, time.monotonic())
+                    delay = restart_delay(spec)
+                except (OSError, Refused) as e:
+                    why = f"unit unreadable: {e}"
+            if why is not None:
+                rec.exit_code, rec.state, rec.ended_at = a.rc, "exited", time.time()
+            else:
+                rec.exit_code, rec.state = a.rc, "restarting"
+        if why is not None:
+            log.info("%s (%s) exited with code %s; not restarted: %s", rec.instance_id, rec.role, a.rc, why)
+            return
+        log.info(
+            "%s (%s): %s exited with code %s; restarting in %gs", rec.instance_id, rec.role, unit, a.rc, delay
+        )
+        threading.Timer(delay, self._restart_unit, args=(rec, unit)).start()
+
+    def _restart_unit(self, rec: Instance, unit: str) -> None:
+        with rec.lock:
+            if rec.state != "restarting" or self.stopping.is_set():
+                return  # it left meanwhile
+            self._unit_starts.setdefault((rec.instance_id, unit), []).append(time.monotonic())
+            try:
+                u, _ = self._start_unit(rec, unit)
+            except Exception as e:  # noqa: BLE001 - a unit that cannot start stays down, as systemd's
+                rec.state, rec.ended_at, rec.note = "exited", time.time(), f"restart of {unit} failed: {e}"
+                log.warning("%s: %s", rec.instance_id, rec.note)
+                return
+            rec.exit_code, rec.state = None, "running"
+            rec.restarts += 1
+        log.info("%s: %s restarted, main pid %d", rec.instance_id, unit, u.proc.pid)
 
     def _boot_without_service(self, a: plan.BootWithoutService) -> None:
         rec = self.get(a.instance_id)

@@ -16,6 +16,7 @@ import json
 import pytest
 from harness import recovery, wait_for
 
+from petctl_agent import EXIT_JOIN_TIMEOUT
 from petctl_agent import checkpoint as ckpt
 
 pytestmark = pytest.mark.e2e
@@ -149,5 +150,5 @@ def test_leave_while_waiting_and_bounded_wait_below_min(make_cluster):
     b = c.add_node()
     wait_for(lambda: b.proc.poll() is not None, 120, "b to give up")
     st = c.status(b.instance_id)
-    assert b.proc.returncode == 1 and st["state"] == "FAILED"
+    assert b.proc.returncode == EXIT_JOIN_TIMEOUT and st["state"] == "FAILED"
     assert "fewer than min_nodes=2" in st["reason"], st["reason"]

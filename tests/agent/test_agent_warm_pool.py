@@ -31,10 +31,17 @@ STATE = "autoscaling/target-lifecycle-state"
 class Pub:
     def __init__(self) -> None:
         self.states: list[str] = []
+        self.flushed: list[str] = []  # the state at each flush (written out, not only queued)
 
     def update(self, **kw) -> None:
         if "state" in kw:
             self.states.append(kw["state"])
+
+    def flush(self) -> None:
+        self.flushed.append(self.states[-1] if self.states else "")
+
+    def snapshot(self) -> dict:
+        return {"state": self.states[-1] if self.states else None}
 
 
 @pytest.fixture
@@ -142,33 +149,108 @@ def _stubbed(a: Agent, monkeypatch) -> Stubber:
     return stub
 
 
-def test_leaving_the_pool_completes_the_launch_hook(imds, monkeypatch) -> None:
-    url = imds.add("i-pool", "127.0.0.1")
-    imds.set("i-pool", STATE, "Warmed:Stopped")
+def _continue(instance: str = "i-pool", result: str = "CONTINUE") -> dict:
+    return {
+        "LifecycleHookName": "petctl-launch",
+        "AutoScalingGroupName": "petctl-warm-workers",
+        "LifecycleActionResult": result,
+        "InstanceId": instance,
+    }
+
+
+def _hooked_agent(url: str, tmp_path, instance: str = "i-pool") -> Agent:
     spec = JobSpec.from_dict({**SPEC.to_dict(), "worker_group": "petctl-warm-workers"})
-    settings, client = Settings(imds_poll=0.05, launch_hook="petctl-launch"), Imds(url, timeout=1)
+    settings = Settings(imds_poll=0.05, launch_hook="petctl-launch", agent_dir=tmp_path)
+    client = Imds(url, timeout=1)
     a = Agent(SimpleNamespace(local_addr="127.0.0.1"), settings, client)
-    a.lifecycle = Lifecycle(spec, client, settings, "i-pool")
+    a.lifecycle = Lifecycle(spec, client, settings, instance)
     a.pub = Pub()
+    return a
+
+
+def test_parking_completes_the_launch_hook_only_after_warmed_and_the_boot(
+    imds, monkeypatch, tmp_path
+) -> None:
+    """A first launch into the pool: the action completes (AWS then stops the instance) only
+    once the agent has parked (WARMED written out) and the boot script has ended (else cloud-init
+    would run the user data again at the next start); leaving the pool completes it again."""
+    url = imds.add("i-pool", "127.0.0.1")
+    imds.set("i-pool", STATE, "Warmed:Pending")
+    a = _hooked_agent(url, tmp_path)
     stub = _stubbed(a, monkeypatch)
-    with stub:  # no call while warmed: the boot completes the first launch's action
+    with stub:  # no response queued yet: a call now would fail the Stubber
         t = threading.Thread(target=a._wait_while_warmed)
         t.start()
-        time.sleep(0.3)
-        stub.add_response(
-            "complete_lifecycle_action",
-            {},
-            {
-                "LifecycleHookName": "petctl-launch",
-                "AutoScalingGroupName": "petctl-warm-workers",
-                "LifecycleActionResult": "CONTINUE",
-                "InstanceId": "i-pool",
-            },
-        )
-        imds.set("i-pool", STATE, "InService")
+        wait_for(lambda: a.pub.states == ["WARMED"], 5, "WARMED")
+        time.sleep(0.5)  # the boot is still running: no call
+        assert a.pub.flushed == ["WARMED"] and not a.lifecycle.launch_done.is_set()
+        stub.add_response("complete_lifecycle_action", {}, _continue())
+        (tmp_path / "boot-done").touch()  # the boot's last step
+        wait_for(lambda: a.lifecycle.launch_done.is_set(), 5, "the launch completed")
+        stub.assert_no_pending_responses()
+        assert t.is_alive()  # parked: still waiting, joining nothing
+        stub.add_response("complete_lifecycle_action", {}, _continue())
+        imds.set("i-pool", STATE, "InService")  # a scale-out takes it from the pool
         t.join(5)
+        assert not t.is_alive() and a.pub.states == ["WARMED", "STARTING"]
+        stub.assert_no_pending_responses()
+
+
+def test_straight_into_service_completes_the_launch_hook(imds, monkeypatch, tmp_path) -> None:
+    url = imds.add("i-cold", "127.0.0.1")
+    imds.set("i-cold", STATE, "InService")  # no pool instance free: launched into the group
+    a = _hooked_agent(url, tmp_path, "i-cold")
+    stub = _stubbed(a, monkeypatch)
+    with stub:
+        stub.add_response("complete_lifecycle_action", {}, _continue("i-cold"))
+        a._wait_while_warmed()
+        stub.assert_no_pending_responses()
+    assert a.pub.states == [] and a.lifecycle.launch_done.is_set()
+
+
+def test_agent_heartbeats_the_launch_hook_until_it_completes(imds, monkeypatch, tmp_path) -> None:
+    url = imds.add("i-hb", "127.0.0.1")
+    a = _hooked_agent(url, tmp_path, "i-hb")
+    stub = _stubbed(a, monkeypatch)
+    beat = {
+        "LifecycleHookName": "petctl-launch",
+        "AutoScalingGroupName": "petctl-warm-workers",
+        "InstanceId": "i-hb",
+    }
+    with stub:
+        for _ in range(2):
+            stub.add_response("record_lifecycle_action_heartbeat", {}, beat)
+        t = threading.Thread(target=a.lifecycle.launch_heartbeats, args=(0.2, 60))
+        t.start()
+        wait_for(lambda: not stub._queue, 5, "two heartbeats")
+        a.lifecycle.launch_done.set()  # completed: no more heartbeats (a third would fail the Stubber)
+        t.join(2)
         assert not t.is_alive()
         stub.assert_no_pending_responses()
+    done = Lifecycle(a.lifecycle.spec, a.imds, a.settings, "i-hb")
+    t0 = time.monotonic()
+    done.launch_heartbeats(0.05, 0.3)  # bounded: a hung agent is abandoned by the hook, not held
+    assert time.monotonic() - t0 < 2
+
+
+def test_sigterm_while_warmed_but_still_preparing_stays_parked(imds, monkeypatch) -> None:
+    """AWS stops a pool instance; the agent had not reached its warm-pool wait yet (fetching code,
+    waiting for EFS): the target state says it is parked, so no LEFT and no drain."""
+    url = imds.add("i-early", "127.0.0.1")
+    imds.set("i-early", STATE, "Warmed:Stopped")
+    a = _agent(url)
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", lambda rc: exits.append(rc))
+    left: list[str] = []  # the leave thread's work: drain if any, LEFT, exit
+    monkeypatch.setattr(Agent, "_leave_outside_training", lambda self: left.append(self.instance_id))
+    a.request_leave("signal SIGTERM")
+    assert exits == [0] and a.pub.states == ["WARMED"] and a.pub.flushed == ["WARMED"]
+    assert a.parked
+    imds.set("i-early", STATE, "InService")
+    b = _agent(url)
+    b.request_leave("signal SIGTERM")  # in service: a real leave (the leave thread, then LEFT)
+    wait_for(lambda: left, 5, "the leave thread")
+    assert exits == [0] and b.pub.states == [] and not b.parked
 
 
 def test_no_launch_hook_no_call_and_no_action_pending_is_fine(imds, monkeypatch) -> None:

@@ -11,6 +11,8 @@ import json
 import pytest
 from harness import wait_for
 
+from petctl_agent import EXIT_TERMINAL
+
 moto_server = pytest.importorskip("moto.server")
 
 
@@ -63,7 +65,7 @@ def test_failed_job_scales_its_groups_to_zero(make_cluster, tmp_path) -> None:
 
         node = cluster.add_node()
         wait_for(lambda: node.proc.poll() is not None, 120, "the agent to give up")
-        assert node.proc.returncode == 1
+        assert node.proc.returncode == EXIT_TERMINAL
         assert (cluster.status(node.instance_id) or {}).get("state") == "FAILED"
         groups = asg.describe_auto_scaling_groups(
             AutoScalingGroupNames=["petctl-boom-workers", "petctl-boom-rdzv"]

@@ -11,6 +11,8 @@ import time
 import pytest
 from harness import wait_for
 
+from petctl_agent import EXIT_JOIN_TIMEOUT
+
 moto_server = pytest.importorskip("moto.server")
 pytestmark = pytest.mark.e2e
 
@@ -56,7 +58,7 @@ def test_below_min_waits_while_capacity_is_coming_and_never_scales_to_zero(make_
         wait_for(lambda: a.proc.poll() is not None, 60, "a to give up")
         assert time.monotonic() - t0 < 2 * join_timeout + 60
         st = c.status(a.instance_id)
-        assert a.proc.returncode == 1 and st["state"] == "FAILED", st
+        assert a.proc.returncode == EXIT_JOIN_TIMEOUT and st["state"] == "FAILED", st
         assert "fewer than min_nodes=2" in st["reason"] and "desired 1" in st["reason"], st["reason"]
         got = asg.describe_auto_scaling_groups(AutoScalingGroupNames=list(groups))["AutoScalingGroups"]
         assert sorted(g["DesiredCapacity"] for g in got) == [1, 2], "a rendezvous timeout scaled a group"

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 from harness import FakeImds
 
-from petctl_agent import DRAIN_EXIT_CODE
+from petctl_agent import DRAIN_EXIT_CODE, EXIT_TERMINAL
 from petctl_agent.cloud import aws
 from petctl_agent.cloud.imds import Imds
 from petctl_agent.elastic.agent import PetctlElasticAgent
@@ -191,9 +191,12 @@ def test_wrong_torch_fails_in_one_line_before_the_rendezvous(tmp_path) -> None:
          "--rdzv-endpoint", "127.0.0.1:9", "--local-addr", "127.0.0.1"],
         capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
-    assert p.returncode == 1, p.stderr
+    assert p.returncode == EXIT_TERMINAL, p.stderr  # terminal: systemd must not restart it
     doc = json.loads(next(status.glob("*.json")).read_text())
     assert doc["state"] == "FAILED"
+    # counted where failed boots are (boot/, next to status/), with its one-line reason
+    (record,) = (tmp_path / "boot").glob("*.log")
+    assert record.read_text().startswith("petctl agent: FAILED (exit 78): torch ")
     assert doc["reason"].startswith("torch ") and "pins torch_version 1.0.0" in doc["reason"]
     assert "\n" not in doc["reason"]
     assert not any(e["kind"].startswith("rendezvous") for e in doc["events"])

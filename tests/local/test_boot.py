@@ -288,3 +288,58 @@ def test_a_boot_failing_on_a_missing_module_says_so_everywhere(
         )
     assert "No module named 'petctl_no_such_module'" in str(e.value), str(e.value)
     petctl("kill-job", job, "--yes", "--no-wait")
+
+
+def test_a_terminal_agent_failure_is_not_restarted_and_counts_like_a_failed_boot(
+    petctl: Any, cloud: Cloud, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent fails for good (a bad setting: an unknown rendezvous backend in its unit): it
+    exits 78, which the unit's RestartPreventExitStatus= keeps systemd from restarting, records
+    the failure in boot/ and marks its instance Unhealthy, so the group replaces it; at the third
+    such failure the agent stops the job, and status says FAILED and why. Before, systemd
+    restarted it and the instance billed until kill-job."""
+    render = templates.render_job
+    pad = " " * 12
+    setting = "Environment=PETCTL_AGENT_DIR=/var/lib/petctl\n"
+
+    def broken(**kwargs: Any) -> str:
+        text = render(**kwargs)
+        assert (pad + setting) in text
+        return text.replace(
+            pad + setting, pad + setting + pad + "Environment=PETCTL_AGENT_RDZV_BACKEND=bogus\n", 1
+        )
+
+    monkeypatch.setattr(templates, "render_job", broken)
+    petctl("run-job", "--name", "agent-bad", "--min", "1", "--max", "1", "--drain-timeout", "30", str(TRAIN))
+    st = wait_for(
+        lambda: (s := petctl("status", "agent-bad"))["state"] == "FAILED" and s["desired"] == 0 and s,
+        timeout=240,
+        what="agent-bad FAILED and stopped",
+        poll=2,
+    )
+    assert "rendezvous backend 'bogus'" in st["reason"], st["reason"]
+    assert st["boot_failures"]["count"] >= 3, st["boot_failures"]
+    bucket = bucket_of(cloud, "agent-bad")
+    keys = [
+        o["Key"]
+        for o in cloud.s3.list_objects_v2(Bucket=bucket, Prefix="petctl/jobs/agent-bad/boot/i-").get(
+            "Contents", []
+        )
+    ]
+    assert len(keys) >= 3
+    assert s3_text(cloud, bucket, keys[0]).startswith("petctl agent: FAILED (exit 78): rendezvous backend")
+    # one record per failed instance; the instances the local cloud still lists ran their agent
+    # once: exited 78, not restarted by the local systemd (a later one may have been booting when
+    # the job stopped: terminated before its agent ran)
+    workers = cloud.instances("agent-bad", "worker")
+    assert workers and all(inst["restarts"] == 0 for inst in workers), workers
+    assert any(inst["exit_code"] == 78 for inst in workers), workers
+    # every failed instance was marked Unhealthy and replaced (terminated), none left billing
+    wait_for(
+        lambda: all(
+            cloud.ec2_state(i["instance_id"]) == "terminated" for i in cloud.instances("agent-bad", "worker")
+        ),
+        timeout=60,
+        what="the failed workers terminated",
+    )
+    petctl("kill-job", "agent-bad", "--yes", "--no-wait")

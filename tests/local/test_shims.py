@@ -255,12 +255,54 @@ def test_dnf_logs_what_stands_in(tmp_path: Path) -> None:
         ("[Service]\nType=forking\nExecStart=/bin/true\n", "Type=forking"),
         ("[Service]\nExecStart=/bin/true\n[Install]\nWantedBy=graphical.target\n", "WantedBy"),
         ("[Service]\nRestart=always\n", "exactly one ExecStart"),
+        ("[Service]\nExecStart=/bin/true\nRestart=on-abort\n", "Restart=on-abort not emulated"),
         ("[Timer]\nOnBootSec=1\n", "[Timer]"),
     ],
 )
 def test_unknown_unit_keys_are_refused(unit: str, error: str) -> None:
     with pytest.raises(shims.Refused, match=error.replace("[", r"\[").replace("]", r"\]")):
         shims.parse_unit(unit)
+
+
+AGENT_UNIT = """[Unit]
+StartLimitIntervalSec=600
+StartLimitBurst=5
+[Service]
+ExecStart=/opt/petctl/bin/petctl-agent run
+Restart=on-failure
+RestartSec=10
+RestartPreventExitStatus=78 79
+"""
+
+
+@pytest.mark.parametrize(
+    "rc, starts, verdict",
+    [
+        (1, [], None),  # a crash: restarted
+        (-9, [], None),  # SIGKILL is unclean: restarted
+        (78, [], "status 78 is in RestartPreventExitStatus="),  # the agent's terminal exits
+        (79, [], "status 79 is in RestartPreventExitStatus="),
+        (0, [], "exited cleanly (status 0)"),
+        (-15, [], "exited cleanly (SIGTERM)"),
+        (1, [0.0, 100.0, 200.0, 300.0, 400.0], "start limit hit (5 starts within 600s)"),
+        (1, [-300.0, 100.0, 200.0, 300.0, 400.0], None),  # one start left the window
+    ],
+)
+def test_restart_follows_systemds_rules(rc: int, starts: list[float], verdict: str | None) -> None:
+    """systemd.service(5): Restart=on-failure restarts on a non-zero status or an unclean signal,
+    never a status listed in RestartPreventExitStatus=, and not past the start limit."""
+    from petctl.local.shims.systemctl import restart_delay, restart_verdict
+
+    spec = shims.parse_unit(AGENT_UNIT)
+    assert restart_verdict(spec, rc, starts, 500.0) == verdict
+    assert restart_delay(spec) == 10.0
+    plain = shims.parse_unit("[Service]\nExecStart=/bin/true\n")  # Restart= defaults to no
+    assert restart_verdict(plain, 1, [], 0.0) == "Restart=no" and restart_delay(plain) == 0.1
+    cleared = shims.parse_unit(AGENT_UNIT + "RestartPreventExitStatus=\n")  # an empty value resets the list
+    assert restart_verdict(cleared, 78, [], 0.0) is None
+    always = shims.parse_unit(AGENT_UNIT.replace("Restart=on-failure", "Restart=always"))  # etcd's unit
+    assert restart_verdict(always, 0, [], 0.0) is None and restart_verdict(always, -15, [], 0.0) is None
+    assert restart_verdict(always, 78, [], 0.0) == "status 78 is in RestartPreventExitStatus="
 
 
 def test_rewrite_maps_instance_paths_and_loopback_only() -> None:

@@ -21,6 +21,9 @@ from cfnlint.helpers import load_plugins
 from petctl import naming, templates, tls
 from petctl.lint_rules import RULE_IDS, RULES_DIR
 from petctl.templates import rendering
+from petctl_agent import TERMINAL_EXITS
+from petctl_agent.node.agent import BOOT_DONE
+from petctl_agent.settings import Settings
 
 INFRA_VARIANTS = [
     {"az_count": az, "create_efs": efs, "create_bucket": bucket}
@@ -647,16 +650,19 @@ def test_warm_pool_of_stopped_workers_held_until_booted():
         "DefaultResult": "ABANDON",
         "HeartbeatTimeout": 900,
     }
-    # the boot completes the launch action once the agent's unit is enabled, abandons it on failure
+    # the boot never completes the launch action (the agent does, once parked or in service: AWS
+    # stops a pool instance at once), abandons it on failure, and hands the heartbeats over to the
+    # agent once its unit started; its last step tells the agent the boot is over
     script = _user_data(
         {"gpu": False, "spot": False, "ami_override": False, "warm_pool": True}, "WorkerLaunchTemplate"
     )
     lines = [line.strip() for line in script.splitlines()]
     assert "LAUNCH_HOOK=petctl-launch" in lines
-    done = '--lifecycle-hook-name "$LAUNCH_HOOK" --instance-id "$INSTANCE_ID" --lifecycle-action-result CONTINUE ||'
-    assert lines.index(done) > lines.index("boot_event agent_started")
-    # the heartbeats stop before the boot completes the action (and before it abandons it)
-    assert lines[lines.index(done) - 2] == "stop_heartbeats"
+    assert "--lifecycle-action-result CONTINUE" not in script
+    handover = len(lines) - 1 - lines[::-1].index("stop_heartbeats")
+    assert handover > lines.index("systemctl enable --now petctl-agent.service")
+    last = [line for line in lines if line and not line.startswith("#")][-1]
+    assert last == f"touch {Settings().agent_dir / BOOT_DONE}" and lines.index(last) > handover
     assert lines.index("heartbeats &") > lines.index("INSTANCE_ID=$(retry imds meta-data/instance-id)")
     # pip unpacks a 3 GB CUDA torch: on the root volume, not AL2023's RAM-sized /tmp
     assert lines.index("export TMPDIR=/var/tmp") < min(
@@ -801,6 +807,8 @@ def test_worker_boot_script(flags):
     for line in (
         "ExecStart=/opt/petctl/bin/petctl-agent run",
         "Restart=on-failure",
+        # the agent's terminal exits, and only those, are not restarted (built from the agent's list)
+        "RestartPreventExitStatus=" + " ".join(str(rc) for rc in TERMINAL_EXITS),
         "KillSignal=SIGTERM",
         "KillMode=mixed",
         "TimeoutStopSec=$((${DrainTimeout} + 30))",

@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from petctl_agent import EXIT_FAILED
 from petctl_agent.cloud import aws
 from petctl_agent.cloud.fetch import fetch_code, load_spec
 from petctl_agent.cloud.imds import Imds
 from petctl_agent.cloud.status import StatusPublisher, make_writer
-from petctl_agent.node import ending
+from petctl_agent.node import ending, failure
 from petctl_agent.node.lifecycle import CapacityHint, Lifecycle
 from petctl_agent.node.preflight import check_etcd_tls, check_torch, wait_for_dir
 from petctl_agent.settings import Settings
@@ -36,6 +37,22 @@ from petctl_agent.worker.env import (
 )
 
 log = logging.getLogger("petctl_agent")
+
+#: The worker boot's last step writes this file in the agent dir (user_data/worker.sh.j2): the
+#: agent completes a first launch into the warm pool only after it (at most BOOT_DONE_WAIT s).
+BOOT_DONE = "boot-done"
+BOOT_DONE_WAIT = 120.0
+
+
+def wait_for_file(path: Path, timeout: float) -> bool:
+    """Whether ``path`` exists within ``timeout`` s (polled every 0.5 s)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() >= deadline:
+            log.warning("%s not there after %.0fs; going on", path, timeout)
+            return False
+        time.sleep(0.5)
+    return True
 
 
 class Agent:
@@ -67,6 +84,13 @@ class Agent:
             return
         self.leave_reason = reason
         log.info("leave requested: %s", reason)
+        if not self.parked and self.elastic is None and self.lifecycle is not None:
+            # Stopped while still preparing, before it published WARMED: the target state, not
+            # the agent's phase, says whether this instance is in the pool.
+            self.parked = self.lifecycle.state().startswith("Warmed:")
+            if self.parked and self.pub:
+                self.pub.update(state="WARMED", reason="warm pool: stopped while preparing")
+                self.pub.flush()
         if self.parked:
             # AWS stops a warm pool instance once its boot is done (systemd's SIGTERM), and ends
             # pool instances the same way. It never joined: nothing to drain, and no LEFT, which
@@ -114,9 +138,21 @@ class Agent:
         """Complete a pending lifecycle action, publish LEFT; exit status 0."""
         return ending.finish_leave(self.lifecycle, self.pub, self.leave_reason)
 
-    def fail(self, reason: str) -> int:
-        """Publish FAILED; exit status 1."""
-        return ending.fail(self.pub, reason)
+    def fail(self, reason: str, rc: int = EXIT_FAILED) -> int:
+        """Publish FAILED; exit status ``rc``."""
+        return ending.fail(self.pub, reason, rc)
+
+    def _failed_for_good(self, rc: int) -> None:
+        """A terminal failure (not restarted by systemd) counts like a failed boot
+        (``node/failure.py``): recorded in ``boot/``, the instance Unhealthy, and three of them
+        with no workers ever started scale the job to zero."""
+        if self.spec is None or self.lifecycle is None:
+            return
+        reason = (self.pub.snapshot().get("reason") if self.pub else None) or f"exit {rc}"
+        try:
+            failure.failed_for_good(rc, reason, self.spec, self.lifecycle, self.step_info.ckpt_dir)
+        except Exception as e:  # noqa: BLE001 - it must not hide the failure itself
+            log.warning("could not report the terminal failure (ignored): %s", e)
 
     # ---- run ------------------------------------------------------------------------
     def run(self) -> int:
@@ -138,6 +174,21 @@ class Agent:
         )
         pub.start()
         pub.event("agent_started", local_addr=self.local_addr, pid=os.getpid())
+        threading.Thread(
+            target=self.lifecycle.launch_heartbeats, name="petctl-launch-hb", daemon=True
+        ).start()
+        rc = EXIT_FAILED
+        try:
+            rc = self._checked_run(spec)
+            return rc
+        finally:
+            if failure.is_terminal(rc):
+                self._failed_for_good(rc)
+            pub.close()
+
+    def _checked_run(self, spec: JobSpec) -> int:
+        assert self.pub is not None and self.lifecycle is not None
+        pub = self.pub
         try:
             try:
                 self.backend = rdzv_backend(spec.rdzv_backend, self.settings.rdzv_backend)
@@ -147,17 +198,15 @@ class Agent:
             pub.update(rdzv_backend=self.backend)
             problem = check_torch(spec.torch_version, self.backend)
             if problem:  # before anything joins the rendezvous
-                rc = self.fail(problem)
+                rc = self.fail(problem, failure.exit_status("torch"))
                 self.lifecycle.complete_action_at_end(0)
                 return rc
             return self._run(spec)
         except SpecError as e:
-            return self.fail(str(e))
+            return self.fail(str(e), failure.exit_status("spec"))
         except Exception as e:  # noqa: BLE001 - report any crash as FAILED with its reason
             log.exception("agent failed")
             return self.fail(f"{type(e).__name__}: {e}")
-        finally:
-            pub.close()
 
     def _run(self, spec: JobSpec) -> int:
         endpoint = self._rdzv_endpoint(spec)
@@ -214,12 +263,19 @@ class Agent:
             self.parked = True
             if self.pub:
                 self.pub.update(state="WARMED", reason=f"warm pool: target-lifecycle-state {state}")
+                self.pub.flush()
+            # Parked: only now may the launch action complete (AWS then stops the instance). The
+            # boot must have ended first, or cloud-init would run the user data again at the
+            # instance's next start.
+            if self.settings.launch_hook:
+                wait_for_file(self.paths.root / BOOT_DONE, BOOT_DONE_WAIT)
+            self.lifecycle.complete_launch()
 
         was_warmed = self.lifecycle.wait_while_warmed(lambda: self.leave_reason is not None, warmed)
         self.parked = False
         if was_warmed and self.pub and self.leave_reason is None:
             self.pub.update(state="STARTING", reason=None)
-        if self.leave_reason is None:
+        if self.leave_reason is None:  # in service: straight from the launch, or out of the pool
             self.lifecycle.complete_launch()
 
     def _rendezvous_handler(self, spec: JobSpec, endpoint: str) -> Any:
@@ -315,7 +371,14 @@ class Agent:
             sinks.append(shipper.sink)
         tailer = LogTailer(self.paths.logs, sinks)
         tailer.start()
-        agent.before_workers_start = tailer.poll
+        marker = job_checkpoint_dir(self.efs, spec) / failure.WORKERS_MARKER
+
+        def before_workers_start() -> None:
+            if not marker.exists():  # later failures are no longer "every node keeps failing"
+                marker.touch()
+            tailer.poll()
+
+        agent.before_workers_start = before_workers_start
         threading.Thread(
             target=self.lifecycle.watch,
             args=(self._stop, self.request_leave),

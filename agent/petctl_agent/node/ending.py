@@ -2,7 +2,8 @@
 
 ``LEFT`` (a graceful leave: complete the lifecycle action), ``FAILED`` (one line, published) and,
 after the torch agent returned its ``Outcome``, :func:`finish`: who closes the rendezvous, who
-scales the job's groups to zero, how long to wait for ``Terminating:Wait``. Exit status 0 or 1.
+scales the job's groups to zero, how long to wait for ``Terminating:Wait``. Exit status 0, 1 or,
+for a terminal failure, one of ``petctl_agent.TERMINAL_EXITS`` (``node/failure.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from petctl_agent import EXIT_FAILED, EXIT_JOIN_TIMEOUT, EXIT_TERMINAL
 from petctl_agent.cloud.status import StatusPublisher
 from petctl_agent.node.lifecycle import Lifecycle
 
@@ -31,14 +33,14 @@ def finish_leave(lifecycle: Lifecycle | None, pub: StatusPublisher | None, reaso
     return 0
 
 
-def fail(pub: StatusPublisher | None, reason: str) -> int:
-    """Publish FAILED with its reason; exit status 1."""
+def fail(pub: StatusPublisher | None, reason: str, rc: int = EXIT_FAILED) -> int:
+    """Publish FAILED with its reason; exit status ``rc``."""
     log.error("FAILED: %s", reason)
     if pub:
         pub.event("failed", reason=reason)
         pub.update(state="FAILED", reason=reason)
         pub.flush()
-    return 1
+    return rc
 
 
 def finish(
@@ -76,7 +78,7 @@ def finish(
         # This node's rendezvous timed out. That alone does not end the job: other
         # nodes may be training (this one waited beyond max_nodes) or about to
         # arrive. Do not close the rendezvous, do not scale the groups to zero.
-        rc = fail(pub, fail_reason or "rendezvous timed out")
+        rc = fail(pub, fail_reason or "rendezvous timed out", EXIT_JOIN_TIMEOUT)
         lifecycle.complete_action_at_end(0)
         pub.close()
         return rc
@@ -84,7 +86,7 @@ def finish(
         handler.shutdown()  # unrecoverable: close it so the other nodes stop too
     except Exception:  # noqa: BLE001
         pass
-    rc = fail(pub, fail_reason or "unknown failure")
+    rc = fail(pub, fail_reason or "unknown failure", EXIT_TERMINAL)
     # A failed job must not keep paying for idle instances (the ASG would replace them and
     # systemd would restart the agent): stop the groups; the status, logs and checkpoints stay.
     lifecycle.scale_groups_to_zero()

@@ -22,6 +22,10 @@ from petctl_agent.spec import JobSpec
 log = logging.getLogger("petctl_agent.lifecycle")
 
 STATE_PATH = "meta-data/autoscaling/target-lifecycle-state"
+#: The launch hook's heartbeats, as the boot's (user_data/common.sh.j2): every 300 s (the hook's
+#: HeartbeatTimeout is 900 s), for at most 5400 s.
+HEARTBEAT_EVERY = 300.0
+HEARTBEAT_FOR = 5400.0
 
 
 class CapacityHint:
@@ -66,6 +70,8 @@ class Lifecycle:
         self.instance_id = instance_id
         #: the instance is in Terminating:Wait: our lifecycle action must be completed
         self.pending = False
+        #: the launch action was completed (or abandoned): no more launch heartbeats
+        self.launch_done = threading.Event()
 
     def _autoscaling(self) -> Any:
         return aws.client("autoscaling", self.spec.region or None)
@@ -99,29 +105,65 @@ class Lifecycle:
         log.info("left the warm pool after %.1fs (%s)", time.monotonic() - t0, state)
         return True
 
-    def complete_launch(self) -> None:
-        """Complete the launch lifecycle action (CONTINUE) holding this instance in Pending:Wait.
+    def complete_launch(self, result: str = "CONTINUE") -> bool:
+        """Complete the launch lifecycle action holding this instance (``Warmed:Pending:Wait`` or
+        ``Pending:Wait``); whether a call succeeded. Ends the agent's launch heartbeats.
 
         Only a worker group with a warm pool has a launch hook (``PETCTL_LAUNCH_HOOK``): AWS would
-        otherwise stop a pool instance before its boot ran. The boot completes it at the first
-        launch; an instance started again from the pool runs no user data, so the agent completes
-        it once the instance is no longer ``Warmed:*``. Without this it would sit in Pending:Wait
+        otherwise stop a pool instance before its boot ran. The agent completes it, not the boot:
+        at a first launch into the pool once it has parked (``WARMED`` published: AWS stops the
+        instance as soon as the action completes), at a launch straight into service or out of
+        the pool once it is ``InService``; ``ABANDON`` after a terminal failure (the instance
+        terminates, its group replaces it). Without this an instance would sit in Pending:Wait
         (training, but counted as pending) until the hook's timeout. "No active Lifecycle Action"
-        (the boot completed it already) is expected.
+        (an instance launched before the hook existed, or started again by systemd) is expected.
         """
         hook, group = self.settings.launch_hook, self.spec.worker_group
-        if not hook or not group or self.state().startswith("Warmed:"):
-            return
+        self.launch_done.set()
+        if not hook or not group:
+            return False
         try:
             self._autoscaling().complete_lifecycle_action(
                 LifecycleHookName=hook,
                 AutoScalingGroupName=group,
-                LifecycleActionResult="CONTINUE",
+                LifecycleActionResult=result,
                 InstanceId=self.instance_id,
             )
-            log.info("completed launch lifecycle action %s on %s", hook, group)
-        except Exception as e:  # noqa: BLE001 - no action pending, or the hook's timeout continues it
+            log.info("completed launch lifecycle action %s on %s (%s)", hook, group, result)
+            return True
+        except Exception as e:  # noqa: BLE001 - no action pending, or the hook's timeout ends it
             log.info("launch lifecycle action %s not completed here: %s", hook, e)
+            return False
+
+    def launch_heartbeats(self, every: float = HEARTBEAT_EVERY, limit: float = HEARTBEAT_FOR) -> None:
+        """Keep the launch action alive while the agent prepares (the boot's loop stops once the
+        agent's unit started): ``RecordLifecycleActionHeartbeat`` every ``every`` s until the
+        action is completed, for at most ``limit`` s (an agent that hangs is abandoned by the
+        hook's ``DefaultResult``, not held). Best effort, like the boot's. Run in a thread."""
+        hook, group = self.settings.launch_hook, self.spec.worker_group
+        if not hook or not group:
+            return
+        deadline = time.monotonic() + limit
+        while not self.launch_done.wait(every) and time.monotonic() < deadline:
+            try:
+                self._autoscaling().record_lifecycle_action_heartbeat(
+                    LifecycleHookName=hook, AutoScalingGroupName=group, InstanceId=self.instance_id
+                )
+            except Exception as e:  # noqa: BLE001
+                log.info("launch hook heartbeat failed (ignored): %s", e)
+
+    def set_unhealthy(self) -> None:
+        """``SetInstanceHealth Unhealthy`` (not respecting the grace period): the group replaces
+        this instance, as it does one whose boot failed. Best effort."""
+        if not self.spec.worker_group:
+            return
+        try:
+            self._autoscaling().set_instance_health(
+                InstanceId=self.instance_id, HealthStatus="Unhealthy", ShouldRespectGracePeriod=False
+            )
+            log.info("marked %s Unhealthy", self.instance_id)
+        except Exception as e:  # noqa: BLE001
+            log.warning("could not mark %s Unhealthy (ignored): %s", self.instance_id, e)
 
     def watch(self, stop: threading.Event, request_leave: Callable[[str], None]) -> None:
         """Poll IMDS every ``PETCTL_AGENT_IMDS_POLL`` s for a scale-in (lifecycle) or a spot

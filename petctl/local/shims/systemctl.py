@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import signal
 import sys
 import urllib.error
 import urllib.request
@@ -22,8 +23,8 @@ UNIT_KEYS: dict[str, dict[str, bool | str]] = {
         "RequiresMountsFor": True,
         "Wants": "ordering only (units start when enabled --now)",
         "After": "ordering only",
-        "StartLimitIntervalSec": "restarts are not emulated",
-        "StartLimitBurst": "restarts are not emulated",
+        "StartLimitIntervalSec": True,
+        "StartLimitBurst": True,
     },
     "Service": {
         "Type": True,
@@ -32,8 +33,9 @@ UNIT_KEYS: dict[str, dict[str, bool | str]] = {
         "KillMode": True,
         "KillSignal": True,
         "TimeoutStartSec": True,
-        "Restart": "not emulated: a main process that exits stays down (instance state 'exited')",
-        "RestartSec": "restarts are not emulated",
+        "Restart": True,
+        "RestartSec": True,
+        "RestartPreventExitStatus": True,
         "TimeoutStopSec": "the local cloud SIGKILLs at the drain timeout + PETCTL_LOCAL_DRAIN_SLACK",
         "LimitNOFILE": "not applied (this machine's limit)",
     },
@@ -71,6 +73,8 @@ def parse_unit(text: str) -> dict[str, dict[str, list[str]]]:
     svc = out.get("Service", {})
     if len(svc.get("ExecStart", [])) != 1:
         raise Refused("a unit needs exactly one ExecStart=")
+    if svc.get("Restart", ["no"])[-1] not in RESTARTS:
+        raise Refused(f"Restart={svc['Restart'][-1]} not emulated ({', '.join(RESTARTS)})")
     if svc.get("Type", ["simple"])[-1] not in ("simple", "notify"):
         raise Refused(f"Type={svc['Type'][-1]} not emulated (simple, notify)")
     if svc.get("KillMode", ["control-group"])[-1] not in ("control-group", "mixed", "process"):
@@ -81,6 +85,60 @@ def parse_unit(text: str) -> dict[str, dict[str, list[str]]]:
     if any(w != "multi-user.target" for w in wanted):
         raise Refused(f"WantedBy={' '.join(wanted)} not emulated (multi-user.target)")
     return out
+
+
+#: What Restart= restarts after (systemd.service(5), table 1). ``no``, ``on-failure`` (not after a
+#: "clean" exit: 0, or SIGHUP/SIGINT/SIGTERM/SIGPIPE) and ``always`` are emulated.
+RESTARTS = ("no", "on-failure", "always")
+CLEAN_SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE)
+
+
+def restart_verdict(
+    spec: dict[str, dict[str, list[str]]], rc: int, starts: list[float], now: float
+) -> str | None:
+    """Whether systemd restarts a unit whose main process ended with ``rc`` (a Popen return code:
+    negative for a signal): None to restart (after ``RestartSec``), else why not. ``starts``: the
+    unit's earlier start times (monotonic), for ``StartLimitIntervalSec``/``StartLimitBurst``
+    (defaults 10 s and 5: more starts than that within the interval and the unit stays failed).
+
+    As systemd.service(5) documents: ``Restart=on-failure`` restarts on a non-zero exit status or
+    an unclean signal, ``always`` on any exit; ``RestartPreventExitStatus=`` lists exit statuses (numbers or signal
+    names) that are not restarted whatever ``Restart=`` says."""
+    svc, unit = spec.get("Service", {}), spec.get("Unit", {})
+    mode = svc.get("Restart", ["no"])[-1]
+    if mode not in RESTARTS:
+        raise Refused(f"Restart={mode} not emulated ({', '.join(RESTARTS)})")
+    prevent: set[str] = set()
+    for value in svc.get("RestartPreventExitStatus", []):
+        prevent = set() if not value else prevent | set(value.split())
+    signame = signal.Signals(-rc).name if rc < 0 else None
+    if mode == "no":
+        return "Restart=no"
+    if mode == "on-failure" and (rc == 0 or (signame and signal.Signals[signame] in CLEAN_SIGNALS)):
+        return f"exited cleanly ({signame or 'status 0'})"
+    if str(rc) in prevent or (signame and (signame in prevent or signame[3:] in prevent)):
+        return f"status {signame or rc} is in RestartPreventExitStatus="
+    interval = _seconds(unit.get("StartLimitIntervalSec", ["10"])[-1])
+    burst = int(unit.get("StartLimitBurst", ["5"])[-1])
+    if interval > 0 and sum(1 for t in starts if now - t < interval) >= burst:
+        return f"start limit hit ({burst} starts within {interval:g}s)"
+    return None
+
+
+def restart_delay(spec: dict[str, dict[str, list[str]]]) -> float:
+    """``RestartSec`` in seconds (default 100 ms)."""
+    return _seconds(spec.get("Service", {}).get("RestartSec", ["100ms"])[-1])
+
+
+def _seconds(value: str) -> float:
+    """A systemd time span: ``10``, ``10s``, ``100ms``, ``5min``, ``infinity`` (0: no limit)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|sec|min|m|h)?\s*", value)
+    if value.strip() == "infinity":
+        return 0.0
+    if not m:
+        raise Refused(f"time span {value!r} not understood")
+    unit = {"ms": 0.001, "min": 60, "m": 60, "h": 3600}.get(m.group(2) or "s", 1)
+    return float(m.group(1)) * unit
 
 
 def systemctl(args: list[str]) -> None:
