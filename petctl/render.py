@@ -141,6 +141,14 @@ def status_text(r: dict[str, Any]) -> str:
             2,
             f"  boot of {b['instance_id']} ({len(worker_boots)} worker boots): {phases}; {b['seconds']:.1f}s",
         )
+    lost = {k: v for k, v in (r.get("log_events_lost") or {}).items() if v}
+    if lost:  # the agents counted worker lines CloudWatch Logs did not store
+        causes = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in lost.items())
+        lines.insert(
+            3,
+            f"  logs: {sum(lost.values())} worker lines not in CloudWatch Logs ({causes}); "
+            "each node's stdout (journal) has them all",
+        )
     if r["events"]:
         lines += ["", "recent events:"]
         t0 = r["events"][0].get("t", 0)
