@@ -192,8 +192,8 @@ def killed_text(r: dict[str, Any]) -> str:
     job = r["job"]
     if r["deleted"] and not r["waited"]:
         return (
-            f"job {job}: deletion started; `{cmd('jobs')}` shows it until it is gone. Its TLS keys stay "
-            f"(should the deletion fail, its instances still need them): run "
+            f"job {job}: deletion started; `{cmd('jobs')}` shows it until it is gone. Its S3 files and "
+            f"TLS keys stay (should the deletion fail, its instances still need them): run "
             f"`{cmd('kill-job ' + job)}` again once it is gone to delete them"
         )
     if r["deleted"]:
