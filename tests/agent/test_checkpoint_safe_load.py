@@ -52,7 +52,7 @@ def test_malicious_single_file_is_refused_not_run(tmp_path: Path) -> None:
     assert step == 2 and marker.read_text() == "pwned"
 
 
-def test_env_opt_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_env_opt_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     d = tmp_path / "ck"
     ckpt.save({"a": np.arange(3)}, 4, d)
     with pytest.raises(ckpt.UnsafeCheckpointError, match=r"numpy\._core\.multiarray\._reconstruct"):
@@ -60,6 +60,10 @@ def test_env_opt_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PETCTL_CHECKPOINT_UNSAFE_LOAD", "1")
     state, step = ckpt.load_latest(d, map_location="cpu")
     assert step == 4 and state["a"].tolist() == [0, 1, 2]
+    assert (
+        "ckpt-0000000004.pt holds numpy._core.multiarray._reconstruct: full unpickle"
+        in capsys.readouterr().err
+    )
 
 
 def test_usual_training_state_loads_safely(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,10 @@ def load_file(
             raise
         if not unsafe_allowed(unsafe_load):
             raise UnsafeCheckpointError(unsafe_message(path, what)) from None
+        print(
+            f"petctl checkpoint: {path.name} holds {what}: full unpickle (unsafe load opted in)",
+            file=sys.stderr,
+        )
         obj = torch.load(io.BytesIO(data), map_location=map_location, weights_only=False)
     return obj["state"], int(obj["step"])
 
