@@ -20,6 +20,8 @@
    ``tooOldLogEventEndIndex`` exclusive (moto names the last too-old event instead) and
    ``expiredLogEventEndIndex`` for events older than the group's retention (moto has none;
    it still stores them).
+5b. **DeleteObjects**: at most 1,000 keys a request (AWS answers ``MalformedXML``); moto took any
+   number.
 4. **EFS mount targets**: a file system has mount targets in one VPC at a time; AWS answers
    ``MountTargetConflict`` for a second VPC, and refuses a mount target of a One Zone file
    system outside its zone. moto allows both.
@@ -214,6 +216,17 @@ def _patch_put_log_events_limits() -> None:
         if info:
             doc["rejectedLogEventsInfo"] = info
         return json.dumps(doc)
+
+
+def _patch_delete_objects_cap() -> None:
+    from moto.s3.exceptions import MalformedXML
+    from moto.s3.responses import S3Response
+
+    @wrap(S3Response, "_bucket_response_delete_keys")
+    def delete_keys(original: Callable[..., Any], self: Any, bucket_name: str, *args: Any, **kw: Any) -> Any:
+        if self.body and self.body.count(b"<Object>") > 1000:  # AWS: MalformedXML over 1,000 keys
+            raise MalformedXML()
+        return original(self, bucket_name, *args, **kw)
 
 
 def _patch_network_interfaces() -> None:
@@ -425,6 +438,7 @@ def apply() -> None:
     _patch_lifecycle_actions()
     _patch_network_interfaces()
     _patch_put_log_events_limits()
+    _patch_delete_objects_cap()
     _patch_log_stream_prefix()
     _patch_efs_mount_targets()
     moto_warm_pool.apply()
