@@ -141,6 +141,14 @@ def status_text(r: dict[str, Any]) -> str:
             2,
             f"  boot of {b['instance_id']} ({len(worker_boots)} worker boots): {phases}; {b['seconds']:.1f}s",
         )
+    lost = {k: v for k, v in (r.get("log_events_lost") or {}).items() if v}
+    if lost:  # the agents counted worker lines CloudWatch Logs did not store
+        causes = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in lost.items())
+        lines.insert(
+            3,
+            f"  logs: {sum(lost.values())} worker lines not in CloudWatch Logs ({causes}); "
+            "each node's stdout (journal) has them all",
+        )
     if r["events"]:
         lines += ["", "recent events:"]
         t0 = r["events"][0].get("t", 0)
@@ -184,8 +192,8 @@ def killed_text(r: dict[str, Any]) -> str:
     job = r["job"]
     if r["deleted"] and not r["waited"]:
         return (
-            f"job {job}: deletion started; `{cmd('jobs')}` shows it until it is gone. Its TLS keys stay "
-            f"(should the deletion fail, its instances still need them): run "
+            f"job {job}: deletion started; `{cmd('jobs')}` shows it until it is gone. Its S3 files and "
+            f"TLS keys stay (should the deletion fail, its instances still need them): run "
             f"`{cmd('kill-job ' + job)}` again once it is gone to delete them"
         )
     if r["deleted"]:

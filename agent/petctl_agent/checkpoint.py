@@ -41,6 +41,14 @@ the checkpoint itself is durable:
   directory, which rank 0 renames to ``ckpt-<step:010d>.dcp`` once all are written.
   It loads at any world size (DCP reshards), into the state dict you pass.
 
+Loading is safe by default: single files with ``torch.load(weights_only=True)``, sharded
+ones with DCP's ``.metadata`` unpickled against DCP's own record types and each non-tensor
+value ``weights_only``. A checkpoint holding any other type (a numpy array, your own class)
+is refused with :class:`UnsafeCheckpointError` naming the type; opt in with
+``PETCTL_CHECKPOINT_UNSAFE_LOAD=1`` or ``resume(..., unsafe_load=True)`` only when everyone
+who can write the directory is trusted (or allow the type with
+``torch.serialization.add_safe_globals``).
+
 A writer killed at any point leaves the previous ``latest`` intact. Saves end in a
 barrier on a dedicated gloo group whose timeout (``PETCTL_CHECKPOINT_TIMEOUT``,
 default 1800 s) is independent of the collective timeout: a long write to EFS must
@@ -70,6 +78,7 @@ from petctl_agent.checkpointing.drain import (
     should_checkpoint,
 )
 from petctl_agent.checkpointing.files import (
+    UnsafeCheckpointError,
     checkpoint_dir,
     list_checkpoints,
     load_file,
@@ -83,6 +92,7 @@ from petctl_agent.distributed import dist_rank, dist_world
 __all__ = [
     "DRAIN_EXIT_CODE",
     "NeedsStateError",
+    "UnsafeCheckpointError",
     "checkpoint_dir",
     "drain_requested",
     "exit_for_drain",
@@ -154,6 +164,7 @@ def load_latest(
     directory: str | os.PathLike | None = None,
     map_location: Any = None,
     into: dict[str, Any] | None = None,
+    unsafe_load: bool | None = None,
 ) -> tuple[dict[str, Any], int] | None:
     """Load the newest readable checkpoint: ``(state, step)``, or None when there is none.
 
@@ -167,9 +178,14 @@ def load_latest(
         into: for sharded checkpoints (collective then: every rank calls it): the state
             dict, with DTensors laid out as now, that ``torch.distributed.checkpoint``
             loads in place. Returned as the state.
+        unsafe_load: allow a full unpickle (``torch.load(weights_only=False)``) of a checkpoint
+            that a safe load refuses; default ``$PETCTL_CHECKPOINT_UNSAFE_LOAD=1``. Only for
+            checkpoints from people you trust: unpickling runs code the file names.
 
     Raises:
         NeedsStateError: (a ``TypeError``) the newest checkpoint is sharded and ``into`` is None.
+        UnsafeCheckpointError: (a ``ValueError``) a checkpoint holds a type outside torch's
+            ``weights_only`` allow-list and unsafe loading is off; older ones are not tried.
     """
     d = checkpoint_dir(directory)
     if map_location is None:
@@ -189,9 +205,9 @@ def load_latest(
     for i, (path, sha) in enumerate(candidates):
         try:
             if path.name.endswith(".dcp"):
-                return load_sharded(path, into)
-            return load_file(path, sha, map_location)
-        except NeedsStateError:
+                return load_sharded(path, into, unsafe_load)
+            return load_file(path, sha, map_location, unsafe_load)
+        except (NeedsStateError, UnsafeCheckpointError):
             raise
         except Exception as e:  # noqa: BLE001 - any unreadable newest falls back
             what = "newest " if i == 0 else ""
@@ -202,11 +218,13 @@ def load_latest(
 def resume(
     state: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
     directory: str | os.PathLike | None = None,
+    unsafe_load: bool | None = None,
 ) -> tuple[dict[str, Any], int] | None:
     """Load the newest checkpoint onto this rank's device: ``(state, step)``, or None.
 
     Call it on every rank. ``state`` (a dict or a function returning one) is only
-    needed for sharded checkpoints: the DTensors in it are filled in place.
+    needed for sharded checkpoints: the DTensors in it are filled in place. Loads are
+    ``weights_only`` (see :func:`load_latest` for ``unsafe_load``).
     """
     into = state() if callable(state) else state
     if memory.snapshot_dir() is not None:
@@ -215,7 +233,7 @@ def resume(
         got = memory.resume(checkpoint_dir(directory), rank_device())
         if got is not None:
             return got
-    return load_latest(directory, into=into)
+    return load_latest(directory, into=into, unsafe_load=unsafe_load)
 
 
 def step(

@@ -29,15 +29,17 @@ def scale(obj: Context, job: str, size: int) -> None:
 @click.option("--timeout", default=1800, show_default=True, help="Seconds to wait for the deletion.")
 @pass_ctx
 def kill_job(obj: Context, job: str, yes: bool, no_wait: bool, timeout: int) -> None:
-    """Stop JOB's workers, then delete its stack (rendezvous server, groups). Checkpoints are kept."""
+    """Stop JOB's workers, then delete its stack (rendezvous server, groups) and its S3 files.
+    Checkpoints (EFS) and worker logs (CloudWatch Logs) are kept."""
     from petctl import jobs
 
     if jobs.find_job(obj.gateway(), obj.profile_name, job) is not None:
         efs = obj.profile.efs_id or "the profile's EFS"
         common.confirm(
             yes,
-            f"delete job {job} (stack {naming.job_stack(job)}, its instances and rendezvous server); "
-            f"its checkpoints on {efs} at /{naming.checkpoint_dir(job)} are kept",
+            f"delete job {job} (stack {naming.job_stack(job)}, its instances and rendezvous server, "
+            f"s3://{obj.profile.bucket}/{naming.job_prefix(job)}: code, status, boot logs); "
+            f"its checkpoints on {efs} at /{naming.checkpoint_dir(job)} and its worker logs are kept",
             "kill-job",
         )
     obj.ui.result(jobs.kill_job(obj, job, timeout=timeout, wait=not no_wait).to_dict(), render.killed_text)

@@ -1,5 +1,5 @@
-"""What a job's instances publish under its S3 prefix: agent reports, boot logs, boot events,
-and the job's TLS keys (docs/contracts.md). Reading never fails a ``status``: a warning instead."""
+"""What a job's instances publish under its S3 prefix: agent reports, boot logs, boot events;
+and, at kill-job, the deletion of the whole prefix (docs/contracts.md). Reading never fails a ``status``: a warning instead."""
 
 from __future__ import annotations
 
@@ -61,11 +61,13 @@ class JobFiles:
             for stale in ("status/", "boot/"):
                 self.objects.delete_prefix(self.bucket, naming.job_prefix(job) + stale)
 
-    def delete_tls(self, job: str) -> None:
-        """The job's etcd keys are secrets nothing needs once its instances are gone."""
+    def delete_all(self, job: str) -> None:
+        """Everything under the job's prefix (``kill-job``, once no instance of it can start any
+        more): its uploads, the TLS keys (secrets), the reports. Checkpoints are on EFS, worker
+        lines in CloudWatch Logs: neither is here."""
         if not self.bucket:
             return
-        prefix = naming.job_prefix(job) + "tls/"
+        prefix = naming.job_prefix(job)
         try:
             self.objects.delete_prefix(self.bucket, prefix)
         except Exception as e:  # noqa: BLE001 - the job is gone either way; say what is left

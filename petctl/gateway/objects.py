@@ -87,9 +87,19 @@ class Objects:
         count = 0
         for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
             keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-            if keys:
-                self.s3.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
-                count += len(keys)
+            # a listing page holds at most 1,000 keys, DeleteObjects' limit per request
+            for i in range(0, len(keys), 1000):
+                chunk = keys[i : i + 1000]
+                resp = self.s3.delete_objects(Bucket=bucket, Delete={"Objects": chunk, "Quiet": True})
+                # DeleteObjects answers 200 even when keys fail (AccessDenied...): each one in Errors
+                errors = resp.get("Errors") or []
+                if errors:
+                    e = errors[0]
+                    raise AwsError(
+                        f"could not delete {len(errors)} of {len(chunk)} objects under s3://{bucket}/{prefix}, "
+                        f"e.g. {e.get('Key')}: {e.get('Code')} {e.get('Message', '')}".rstrip()
+                    )
+                count += len(chunk)
         return count
 
     def empty_bucket(self, bucket: str) -> int:

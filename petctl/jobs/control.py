@@ -69,19 +69,21 @@ def kill_job(
 
     Workers first: scaled to zero they drain (checkpoint, leave) while etcd still answers, so
     they neither log connection errors nor lose steps. ``wait=False`` only starts the deletion.
-    The job's TLS keys are deleted once no instance of it can start any more: after the wait, or,
-    with ``wait=False``, by a later kill-job that finds the stack gone.
+    The job's whole S3 prefix (uploads, TLS keys, reports) is deleted once no instance of it can
+    start any more: after the wait, or, with ``wait=False``, by a later kill-job that finds the
+    stack gone.
     """
     gw = ctx.gateway()
     stack = find_job(gw, ctx.profile_name, job)
     result = Killed(job, False, 0.0, wait, f"{ctx.profile.efs_id or '<efs>'}:/{naming.checkpoint_dir(job)}")
     if stack is None:
-        gw.job_files.delete_tls(job)  # left by a `kill-job --no-wait`
+        gw.job_files.delete_all(job)  # left by a `kill-job --no-wait`
         return result
     t0 = time.monotonic()
     if not wait:
-        # The TLS keys stay: should the deletion fail (DELETE_FAILED), the groups left would launch
-        # instances whose boot fails without them. The next kill-job, stack gone, deletes them.
+        # The prefix stays (TLS keys, code, spec): should the deletion fail (DELETE_FAILED), the
+        # groups left would launch instances whose boot needs them. The next kill-job, stack gone,
+        # deletes it.
         gw.stacks.start_delete(naming.job_stack(job))
         result.deleted = True
         return result
@@ -116,7 +118,7 @@ def kill_job(
         )
     gw.stacks.delete(naming.job_stack(job), timeout=timeout)
     _wait_until(ctx, lambda: not gw.compute.job_instances(job), 600, "instances terminated", sleep)
-    gw.job_files.delete_tls(job)
+    gw.job_files.delete_all(job)
     result.deleted = True
     result.seconds = round(time.monotonic() - t0, 1)
     return result

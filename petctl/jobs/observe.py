@@ -99,7 +99,7 @@ def gather(gw: Gateway, profile: str, job: str, now: float | None = None) -> Fac
 
 def boot_log(gw: Gateway, job: str, instance_id: str) -> bytes:
     """The whole boot log ``instance_id`` published when its boot failed (``logs --boot``); kept
-    after kill-job, like the job's other files."""
+    until kill-job, which deletes the job's S3 files."""
     check_job_name(job)
     if not re.fullmatch(r"i-[0-9a-z]{1,32}", instance_id):
         raise ConfigError(

@@ -100,6 +100,7 @@ def derive(f: Facts) -> JobStatus:
         last_step=max(steps) if steps else None,
         last_checkpoint_step=max(ckpts) if ckpts else None,
         restarts=max((a.get("restarts") or 0 for a in agents), default=0),
+        log_events_lost=lost_lines(agents),
         rounds=rounds_formed(agents, events),
         reports_progress=bool(steps),
         uptime_s=uptime(f.stack, f.reports, f.now),
@@ -328,3 +329,16 @@ def iso(value: Any) -> str | None:
     if hasattr(value, "isoformat"):
         return value.astimezone(dt.timezone.utc).isoformat(timespec="seconds")
     return str(value) if value else None
+
+
+LOST_CAUSES = ("rejected", "throttled", "failed", "queue_full")
+
+
+def lost_lines(agents: list[AgentStatus]) -> dict[str, int]:
+    """Worker lines not stored in CloudWatch Logs, by cause, summed over the agents' reports."""
+    total = dict.fromkeys(LOST_CAUSES, 0)
+    for a in agents:
+        for k, v in (a.get("log_events_lost") or {}).items():
+            if k in total and isinstance(v, int):
+                total[k] += v
+    return total

@@ -130,6 +130,7 @@ class JobStatus:
     last_step: int | None
     last_checkpoint_step: int | None
     restarts: int
+    log_events_lost: dict[str, int]
     rounds: int
     reports_progress: bool
     uptime_s: float | None
@@ -159,6 +160,8 @@ class JobStatus:
             "last_step": self.last_step,
             "last_checkpoint_step": self.last_checkpoint_step,
             "restarts": self.restarts,
+            # Worker lines the agents could not store in CloudWatch Logs, summed, by cause.
+            "log_events_lost": self.log_events_lost,
             "rounds": self.rounds,
             # A script that does not use the checkpoint helper reports no step: say so, not '-'.
             "reports_progress": self.reports_progress,

@@ -36,6 +36,12 @@ SCOPED = re.compile(
     r"^arn:\$\{AWS::Partition\}:s3:::(\$\{[A-Za-z0-9]+\}|[a-z0-9][a-z0-9.-]+)"
     r"/petctl/jobs/\$\{JobName\}/(status|boot)/\*$"
 )
+#: The one object a statement granting only s3:DeleteObject may also name: the job's CA key,
+#: which the agent deletes when the job ends (nothing can be written or read through it).
+CA_KEY_DELETE = re.compile(
+    r"^arn:\$\{AWS::Partition\}:s3:::(\$\{[A-Za-z0-9]+\}|[a-z0-9][a-z0-9.-]+)"
+    r"/petctl/jobs/\$\{JobName\}/tls/ca\.key$"
+)
 
 #: Object reads (identity policies) that would fetch a job's keys.
 READ_ACTIONS = ("s3:getobject", "s3:getobjectversion")
@@ -142,9 +148,17 @@ def NoFullAccessManagedPolicies(cfn: Template) -> Iterator[Finding]:
                 )
 
 
-def _scoped(resource: Any) -> bool:
+def _scoped(resource: Any, delete_only: bool = False) -> bool:
     resource = _sub_text(resource)
-    return isinstance(resource, str) and bool(SCOPED.match(resource))
+    if not isinstance(resource, str):
+        return False
+    return bool(SCOPED.match(resource)) or (delete_only and bool(CA_KEY_DELETE.match(resource)))
+
+
+def _delete_only(actions: Any) -> bool:
+    """Exactly ``s3:DeleteObject`` (no wildcard, nothing else)."""
+    listed = as_list(actions)
+    return bool(listed) and all(isinstance(a, str) and a.lower() == "s3:deleteobject" for a in listed)
 
 
 @rule("E9108", LEAST_PRIVILEGE_URL, "iam", "s3")
@@ -154,8 +168,10 @@ def S3WritesScopedToTheJob(cfn: Template) -> Iterator[Finding]:
     Every Allow statement of an identity policy that grants an S3 object write (PutObject,
     DeleteObject, s3:*, wildcards...) names only resources
     arn:${AWS::Partition}:s3:::<bucket>/petctl/jobs/${JobName}/{status,boot}/*, so an instance can
-    never overwrite another job's objects or its own job's code, spec or wheel. NotAction/NotResource
-    in such statements are violations.
+    never overwrite another job's objects or its own job's code, spec or wheel. One exception: a
+    statement whose only action is s3:DeleteObject may name the job's CA key
+    (petctl/jobs/${JobName}/tls/ca.key), which the agent deletes when the job ends.
+    NotAction/NotResource in such statements are violations.
     """
     for path, document in _policy_documents(cfn):
         for index, statement in _allow_statements(document):
@@ -166,8 +182,9 @@ def S3WritesScopedToTheJob(cfn: Template) -> Iterator[Finding]:
                 continue
             if not _grants(statement.get("Action"), WRITE_ACTIONS):
                 continue
+            delete_only = _delete_only(statement.get("Action"))
             for resource in as_list(statement.get("Resource")):
-                if not _scoped(resource):
+                if not _scoped(resource, delete_only):
                     yield (
                         [*where, "Resource"],
                         f"{path[1]} allows S3 writes outside one job's prefix "

@@ -16,7 +16,12 @@
    honoured as AWS does (and naming both ``logStreamNames`` and the prefix is refused).
 5. **PutLogEvents limits**: at most 10,000 events and 1,048,576 bytes a batch (messages'
    UTF-8 bytes plus 26 per event), 256 KB an event, non-empty messages. AWS refuses the
-   call; moto accepts anything.
+   call; moto accepts anything. ``rejectedLogEventsInfo`` as the API reference defines it:
+   ``tooOldLogEventEndIndex`` exclusive (moto names the last too-old event instead) and
+   ``expiredLogEventEndIndex`` for events older than the group's retention (moto has none;
+   it still stores them).
+5b. **DeleteObjects**: at most 1,000 keys a request (AWS answers ``MalformedXML``); moto took any
+   number.
 4. **EFS mount targets**: a file system has mount targets in one VPC at a time; AWS answers
    ``MountTargetConflict`` for a second VPC, and refuses a mount target of a One Zone file
    system outside its zone. moto allows both.
@@ -52,11 +57,13 @@ from __future__ import annotations
 
 import fcntl
 import ipaddress
+import json
 import os
 import random
 import re
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -193,7 +200,39 @@ def _patch_put_log_events_limits() -> None:
             raise InvalidParameterException("Log event message must not be empty")
         if sum(sizes) > 1_048_576:
             raise InvalidParameterException(f"Upload too large: {sum(sizes)} bytes exceeds 1048576 bytes")
-        return original(self)
+        body = original(self)
+        # moto's rejectedLogEventsInfo: tooOldLogEventEndIndex is the last too-old event's index
+        # (AWS: exclusive, one past it) and there is no expiredLogEventEndIndex (the retention).
+        now = time.time() * 1000
+        group = self.logs_backend.groups.get(self._get_param("logGroupName"))
+        retention = getattr(group, "retention_in_days", None)
+        stamps = [int(e.get("timestamp", 0)) for e in events]
+        info: dict[str, int] = {}
+        too_old = [i for i, t in enumerate(stamps) if t < now - 14 * 86_400_000]
+        if too_old:
+            info["tooOldLogEventEndIndex"] = too_old[-1] + 1
+        expired = [i for i, t in enumerate(stamps) if retention and t < now - retention * 86_400_000]
+        if expired:
+            info["expiredLogEventEndIndex"] = expired[-1] + 1
+        too_new = [i for i, t in enumerate(stamps) if t > now + 2 * 3_600_000]
+        if too_new:
+            info["tooNewLogEventStartIndex"] = too_new[0]
+        doc = json.loads(body or "{}")
+        doc.pop("rejectedLogEventsInfo", None)
+        if info:
+            doc["rejectedLogEventsInfo"] = info
+        return json.dumps(doc)
+
+
+def _patch_delete_objects_cap() -> None:
+    from moto.s3.exceptions import MalformedXML
+    from moto.s3.responses import S3Response
+
+    @wrap(S3Response, "_bucket_response_delete_keys")
+    def delete_keys(original: Callable[..., Any], self: Any, bucket_name: str, *args: Any, **kw: Any) -> Any:
+        if self.body and self.body.count(b"<Object>") > 1000:  # AWS: MalformedXML over 1,000 keys
+            raise MalformedXML()
+        return original(self, bucket_name, *args, **kw)
 
 
 def _patch_network_interfaces() -> None:
@@ -426,6 +465,7 @@ def apply() -> None:
     _patch_lifecycle_actions()
     _patch_network_interfaces()
     _patch_put_log_events_limits()
+    _patch_delete_objects_cap()
     _patch_log_stream_prefix()
     _patch_efs_mount_targets()
     _patch_launch_template_instance_profile()

@@ -478,6 +478,10 @@ def test_tls_keys_are_uploaded_encrypted_and_deleted_with_the_job(run, ready):
     run_job(run, ready)
     s3 = boto3.client("s3")
     bucket = [b["Name"] for b in s3.list_buckets()["Buckets"]][0]
+    # another job whose name starts the same: its files are not this job's
+    s3.put_object(Bucket=bucket, Key="petctl/jobs/demo2/status/i-0other.json", Body=b"{}")
+    s3.put_object(Bucket=bucket, Key="petctl/jobs/demo/status/i-0abc.json", Body=b"{}")
+    s3.put_object(Bucket=bucket, Key="petctl/jobs/demo/boot/i-0abc.log", Body=b"boot")
     keys = sorted(objects("petctl/jobs/demo/tls/"))
     assert keys == [f"petctl/jobs/demo/tls/{n}" for n in ("ca.key", "ca.pem", "client.key", "client.pem")]
     for key in keys:
@@ -485,8 +489,9 @@ def test_tls_keys_are_uploaded_encrypted_and_deleted_with_the_job(run, ready):
         assert head["ServerSideEncryption"] == "AES256", key
     assert b"BEGIN CERTIFICATE" in s3.get_object(Bucket=bucket, Key=keys[1])["Body"].read()
     assert run("kill-job", "demo", "--yes").exit_code == 0
-    assert objects("petctl/jobs/demo/tls/") == []  # secrets: nothing needs them after the job
-    assert "petctl/jobs/demo/job.json" in objects("petctl/jobs/demo/")  # the rest is kept
+    # the whole prefix: secrets, uploads (code, spec, wheel, template) and reports
+    assert objects("petctl/jobs/demo/") == []
+    assert objects("petctl/jobs/demo2/") == ["petctl/jobs/demo2/status/i-0other.json"]
 
 
 def test_kill_job_no_wait_keeps_the_tls_keys_until_the_next_kill_job(run, ready):
@@ -497,9 +502,10 @@ def test_kill_job_no_wait_keeps_the_tls_keys_until_the_next_kill_job(run, ready)
     assert r.exit_code == 0 and "deletion started" in r.stdout
     assert "petctl kill-job demo` again once it is gone" in " ".join(r.stdout.split()), r.stdout
     assert len(objects("petctl/jobs/demo/tls/")) == 4
+    assert "petctl/jobs/demo/job.json" in objects("petctl/jobs/demo/")
     r = run("kill-job", "demo", "--yes")
     assert r.exit_code == 0 and "does not exist" in r.stdout
-    assert objects("petctl/jobs/demo/tls/") == []
+    assert objects("petctl/jobs/demo/") == []
 
 
 def test_warm_pool_is_made_and_its_hosts_are_warmed_not_capacity(run, ready):

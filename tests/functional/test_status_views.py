@@ -53,6 +53,25 @@ def test_a_script_without_the_helper_is_said_to_report_no_progress(run, job):
     assert st["reports_progress"] is False and st["uptime_s"] >= 0
 
 
+def test_status_shows_worker_lines_cloudwatch_did_not_store(run, job):
+    a, b = _workers()
+    _report(a, last_step=5)
+    _report(b, last_step=5)
+    assert "not in CloudWatch Logs" not in run("status", "demo").stdout
+    assert json.loads(run("-o", "json", "status", "demo").stdout)["log_events_lost"] == {
+        "rejected": 0,
+        "throttled": 0,
+        "failed": 0,
+        "queue_full": 0,
+    }
+    _report(a, last_step=5, log_events_lost={"rejected": 3, "throttled": 0, "failed": 1, "queue_full": 0})
+    _report(b, last_step=5, log_events_lost={"rejected": 2, "throttled": 7, "failed": 0, "queue_full": 0})
+    out = run("status", "demo").stdout
+    assert "logs: 13 worker lines not in CloudWatch Logs (rejected 5, throttled 7, failed 1)" in out
+    st = json.loads(run("-o", "json", "status", "demo").stdout)
+    assert st["log_events_lost"] == {"rejected": 5, "throttled": 7, "failed": 1, "queue_full": 0}
+
+
 def test_a_draining_node_stays_listed_until_it_has_left(run, job):
     a, b = _workers()
     _report(a, last_step=50)

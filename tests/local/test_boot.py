@@ -80,6 +80,22 @@ def test_real_boot_scripts_start_etcd_and_the_agent(petctl: Any, cloud: Cloud) -
         poll=1,
     )
     assert st["state"] == "SUCCEEDED", st
+    # The job has ended: its agent deleted the etcd CA key (groups at zero, no rendezvous instance
+    # will sign again) and nothing else: status and timeline still read the reports.
+    bucket = bucket_of(cloud, job)
+
+    def keys() -> list[str]:
+        return [
+            o["Key"]
+            for o in cloud.s3.list_objects_v2(Bucket=bucket, Prefix=f"petctl/jobs/{job}/")["Contents"]
+        ]
+
+    wait_for(
+        lambda: f"petctl/jobs/{job}/tls/ca.key" not in keys(), timeout=60, what="the CA key deleted", poll=1
+    )
+    left = keys()
+    for kept in ("tls/ca.pem", "tls/client.key", "job.json", "status/", "boot/events/"):
+        assert any(k.startswith(f"petctl/jobs/{job}/{kept}") for k in left), (kept, left)
     # Every boot published its phases, in order, as AWS instances do.
     by_role = {b["role"]: b for b in st["boot_events"]}
     assert [e["kind"] for e in by_role["worker"]["events"]] == WORKER_EVENTS

@@ -39,7 +39,7 @@ def test_running_job_sums_up_its_agents():
     assert d["hosts"][0]["agent_state"] == "RUNNING" and d["hosts"][0]["last_step"] == 40
     assert set(d) == {
         "job", "state", "reason", "boot_failures", "boot_events", "stack_status", "min", "max", "desired",
-        "in_service", "world_size", "last_step", "last_checkpoint_step", "restarts", "rounds",
+        "in_service", "world_size", "last_step", "last_checkpoint_step", "restarts", "log_events_lost", "rounds",
         "reports_progress", "uptime_s", "hosts", "agents", "events",
     }  # fmt: skip
 

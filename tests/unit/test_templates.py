@@ -412,6 +412,12 @@ def test_job_roles_are_least_privilege_across_jobs():
     ]
     for role in (worker, rdzv):  # no role writes tls/ (E9108 holds writes to status/ and boot/)
         assert not [st for st in role.values() if "Put" in str(st["Action"]) and "/tls/" in str(st)]
+    # the agent that ends the job deletes the CA key: that object, that action, nothing more
+    assert worker["ForgetEtcdCaAtJobEnd"]["Action"] == "s3:DeleteObject"
+    assert _subs(worker["ForgetEtcdCaAtJobEnd"]["Resource"]) == [S3 + "/petctl/jobs/${JobName}/tls/ca.key"]
+    assert [sid for sid, st in {**worker, **rdzv}.items() if "s3:Delete" in str(st["Action"])] == [
+        "ForgetEtcdCaAtJobEnd"
+    ]
     assert _subs(rdzv["ReplaceSelf"]["Resource"]) == [ASG + "petctl-${JobName}-rdzv"]
     assert rdzv["ReplaceSelf"]["Action"] == "autoscaling:SetInstanceHealth"
     assert _subs(rdzv["StopJob"]["Resource"]) == both_groups
@@ -1269,6 +1275,15 @@ BAD_SNIPPETS = {
                     - Effect: Allow
                       Action: s3:GetObject
                       Resource: "*"
+                    - Effect: Allow
+                      Action: [s3:DeleteObject, s3:PutObject]
+                      Resource: !Sub arn:${AWS::Partition}:s3:::bucket/petctl/jobs/${JobName}/tls/ca.key
+                    - Effect: Allow
+                      Action: s3:Delete*
+                      Resource: !Sub arn:${AWS::Partition}:s3:::bucket/petctl/jobs/${JobName}/tls/ca.key
+                    - Effect: Allow
+                      Action: s3:DeleteObject
+                      Resource: !Sub arn:${AWS::Partition}:s3:::bucket/petctl/jobs/${JobName}/tls/ca.key
         """,
     "E9109": """
         Lt:
@@ -1351,7 +1366,8 @@ def test_rules_dir_loads_each_of_our_rules_once():
 def test_security_rule_fires_on_a_bad_snippet(rule_id, rules):
     ids = [m.rule.id for m in run_lint(_template(BAD_SNIPPETS[rule_id]), rules)]
     assert rule_id in ids
-    # two ingress rules; two bucket defects; three write statements outside one job's reports
+    # two ingress rules; two bucket defects; five write statements outside one job's reports (the
+    # CA key only with s3:DeleteObject alone: the last statement passes)
     # an http URL and a launch without client certificates; a wildcard over both keys, and one
     # policy reading both
     # policy reading both; a managed policy and a wildcard reading SSM parameters
@@ -1360,7 +1376,7 @@ def test_security_rule_fires_on_a_bad_snippet(rule_id, rules):
     expected = {
         "E9102": 2,
         "E9104": 2,
-        "E9108": 3,
+        "E9108": 5,
         "E9109": 2,
         "E9110": 3,
         "E9111": 2,

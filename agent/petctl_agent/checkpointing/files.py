@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -73,13 +74,69 @@ def write_file(state: dict[str, Any], step: int, d: Path, keep: int) -> Path:
     return path
 
 
-def load_file(path: Path, expect_sha: str | None, map_location: Any) -> tuple[dict[str, Any], int]:
+UNSAFE_ENV = "PETCTL_CHECKPOINT_UNSAFE_LOAD"
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint holds a type that ``torch.load(weights_only=True)`` refuses to rebuild.
+
+    Unpickling it would run whatever code its pickle names, as this job: the checkpoint
+    directory may be writable by others. The message names the type and the opt-in.
+    """
+
+
+def unsafe_allowed(unsafe: bool | None) -> bool:
+    """The argument if given, else ``$PETCTL_CHECKPOINT_UNSAFE_LOAD`` (``1``/``true``/``yes``)."""
+    if unsafe is not None:
+        return bool(unsafe)
+    return os.environ.get(UNSAFE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def refused_global(e: BaseException) -> str | None:
+    """The global named by a weights_only refusal (``module.Name``), or None for other errors."""
+    import pickle
+
+    if not isinstance(e, pickle.UnpicklingError) or "weights only load failed" not in str(e).lower():
+        return None
+    m = re.search(r"GLOBAL ([\w.]+)", str(e))
+    return m.group(1) if m else "a type outside torch's weights_only allow-list"
+
+
+def unsafe_message(path: Path, what: str) -> str:
+    return (
+        f"{path.name} holds {what}, which a safe (weights_only) load refuses: unpickling it could run "
+        f"code from whoever can write {path.parent}. If you trust them, load it with "
+        f"{UNSAFE_ENV}=1 or resume(..., unsafe_load=True); or save only tensors, numbers, strings, "
+        "lists and dicts (e.g. .tolist()), or torch.serialization.add_safe_globals([YourType])"
+    )
+
+
+def load_file(
+    path: Path, expect_sha: str | None, map_location: Any, unsafe_load: bool | None = None
+) -> tuple[dict[str, Any], int]:
+    """Read a single-file checkpoint with ``weights_only=True``.
+
+    Raises:
+        UnsafeCheckpointError: it needs a full unpickle and the caller did not opt in.
+    """
     import torch
 
     data = path.read_bytes()
     if expect_sha is not None and hashlib.sha256(data).hexdigest() != expect_sha:
         raise ValueError(f"checksum mismatch for {path}")
-    obj = torch.load(io.BytesIO(data), map_location=map_location, weights_only=False)
+    try:
+        obj = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - only a weights_only refusal is ours to judge
+        what = refused_global(e)
+        if what is None:
+            raise
+        if not unsafe_allowed(unsafe_load):
+            raise UnsafeCheckpointError(unsafe_message(path, what)) from None
+        print(
+            f"petctl checkpoint: {path.name} holds {what}: full unpickle (unsafe load opted in)",
+            file=sys.stderr,
+        )
+        obj = torch.load(io.BytesIO(data), map_location=map_location, weights_only=False)
     return obj["state"], int(obj["step"])
 
 

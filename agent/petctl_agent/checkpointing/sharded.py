@@ -9,13 +9,22 @@ any world size (DCP reshards), into the state dict the caller passes. The DCP co
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 from petctl_agent.checkpointing.atomic import fsync_dir
-from petctl_agent.checkpointing.files import CKPT_RE, prune, write_pointer
+from petctl_agent.checkpointing.files import (
+    CKPT_RE,
+    UnsafeCheckpointError,
+    prune,
+    refused_global,
+    unsafe_allowed,
+    unsafe_message,
+    write_pointer,
+)
 from petctl_agent.checkpointing.group import barrier, ckpt_group
 from petctl_agent.distributed import dist_on, dist_rank, dist_world
 
@@ -87,8 +96,100 @@ def save_sharded(state: dict[str, Any], step: int, d: Path, keep: int) -> Path |
     return out
 
 
-def load_sharded(path: Path, into: dict[str, Any] | None) -> tuple[dict[str, Any], int]:
-    """Load the DCP checkpoint ``path`` in place into ``into`` (collective): ``(into, step)``."""
+# What a DCP ``.metadata`` pickle may name: DCP's own metadata records and the torch values in them.
+_META_MODULES = ("torch.distributed.checkpoint.metadata",)
+_META_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+def _safe_metadata_load(f: Any, path: Path) -> Any:
+    """``pickle.load`` of DCP's ``.metadata`` with only DCP's record types (and dtypes) allowed.
+
+    torch's reader calls plain ``pickle.load`` there: a crafted ``.metadata`` would run code.
+    """
+    import pickle
+
+    import torch
+
+    class _Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            obj = None
+            if module in _META_MODULES or (module, name) in _META_GLOBALS:
+                obj = super().find_class(module, name)
+                if module in _META_MODULES and not isinstance(obj, type):
+                    obj = None  # classes (dataclasses, enums) only
+            elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                obj = getattr(torch, name)
+            if obj is None:
+                raise UnsafeCheckpointError(unsafe_message(path, f"{module}.{name} in .metadata"))
+            return obj
+
+    return _Unpickler(f).load()
+
+
+def _safe_dcp(path: Path, refused: list[str]) -> tuple[Any, Any]:
+    """A DCP reader and load planner that unpickle nothing outside the allow-lists.
+
+    DCP wraps what they raise in a ``CheckpointException``: each refusal's message is also
+    appended to ``refused`` so that the caller can raise it as itself.
+    """
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                try:
+                    metadata = _safe_metadata_load(f, path)
+                except UnsafeCheckpointError as e:
+                    refused.append(str(e))
+                    raise
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class SafePlanner(DefaultLoadPlanner):
+        # DefaultLoadPlanner.load_bytes is torch.load(weights_only=False) of each non-tensor value
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            try:
+                obj = torch.load(value, weights_only=True)
+            except Exception as e:  # noqa: BLE001 - only a weights_only refusal is ours to judge
+                what = refused_global(e)
+                if what is None:
+                    raise
+                refused.append(unsafe_message(path, what))
+                raise UnsafeCheckpointError(refused[-1]) from None
+            fqn = read_item.dest_index.fqn
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._traverse import set_element
+
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return SafeReader(str(path)), SafePlanner()
+
+
+def load_sharded(
+    path: Path, into: dict[str, Any] | None, unsafe_load: bool | None = None
+) -> tuple[dict[str, Any], int]:
+    """Load the DCP checkpoint ``path`` in place into ``into`` (collective): ``(into, step)``.
+
+    Safe by default: ``.metadata`` is unpickled with DCP's record types only and each
+    non-tensor value with ``weights_only=True``; ``unsafe_load`` (or
+    ``$PETCTL_CHECKPOINT_UNSAFE_LOAD``) restores torch's full unpickling.
+
+    Raises:
+        UnsafeCheckpointError: something in it needs a full unpickle and the caller did not opt in.
+    """
     import torch.distributed.checkpoint as dcp
 
     if into is None:
@@ -97,5 +198,18 @@ def load_sharded(path: Path, into: dict[str, Any] | None) -> tuple[dict[str, Any
             "dict to load into, e.g. resume({'model': model.state_dict(), ...})"
         )
     group = ckpt_group() if dist_on() else None
-    dcp.load(into, storage_reader=dcp.FileSystemReader(str(path)), process_group=group)
+    refused: list[str] = []
+    if unsafe_allowed(unsafe_load):
+        reader, planner = dcp.FileSystemReader(str(path)), None
+    else:
+        reader, planner = _safe_dcp(path, refused)
+    try:
+        dcp.load(into, storage_reader=reader, planner=planner, process_group=group)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if refused:
+            raise UnsafeCheckpointError(refused[0]) from None
+        m = re.search(r"[^:;\n]* which a safe \(weights_only\) load refuses[^;\n]*", str(e))
+        if m:  # refused on another rank: every rank fails with the same line
+            raise UnsafeCheckpointError(m.group(0).strip()) from None
+        raise
     return into, int(CKPT_RE.match(path.name).group(1))

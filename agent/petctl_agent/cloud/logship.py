@@ -194,8 +194,13 @@ class CloudWatchShipper:
     """Batches lines to CloudWatch Logs (``put_log_events``) from a daemon thread.
 
     Every batch keeps PutLogEvents' limits (bytes, events, event size; lines longer than an
-    event are split). Tolerant: any error is logged (rate-limited) and the batch dropped; the
-    queue is bounded so a dead endpoint never grows memory without limit on a days-long run.
+    event are split). Tolerant, but honest: nothing lost goes uncounted. :attr:`lost` counts
+    lines by cause -- ``rejected`` (accepted call, events refused in ``rejectedLogEventsInfo``:
+    too old, too new, expired), ``throttled`` (``ThrottlingException`` after botocore's
+    retries), ``failed`` (any other error; the batch is dropped) and ``queue_full`` (the
+    bounded queue, so a dead endpoint never grows memory on a days-long run). A change is
+    handed to ``on_lost`` (the agent publishes it in its status document) and logged in one
+    line at most every ``log_every`` seconds.
     (watchtower was considered: its queue is unbounded, it truncates long lines instead of
     splitting them, and it keeps no count of what it dropped.)
     """
@@ -207,6 +212,8 @@ class CloudWatchShipper:
         client_factory: Callable[[], Any],
         interval: float = 2.0,
         max_queue: int = 100_000,
+        on_lost: Callable[[dict[str, int]], None] | None = None,
+        log_every: float = 60.0,
     ) -> None:
         self.group, self.stream = group, stream
         self._factory = client_factory
@@ -216,12 +223,42 @@ class CloudWatchShipper:
         self._stop = threading.Event()
         self._stream_ready = False
         self._pending: tuple[int, str] | None = None  # did not fit the last batch
-        self._last_err = 0.0
-        self.dropped = 0
+        self._last_err = -float("inf")
+        self._lost_lock = threading.Lock()
+        self.lost: dict[str, int] = dict.fromkeys(LOST_CAUSES, 0)
+        self._on_lost = on_lost
+        self._log_every = log_every
         self._thread = threading.Thread(target=self._run, name="petctl-cwlogs", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def dropped(self) -> int:
+        """Lines not stored in CloudWatch Logs, all causes."""
+        return sum(self.lost.values())
+
+    def _count(self, cause: str, n: int, why: str) -> None:
+        if n <= 0:
+            return
+        with self._lost_lock:
+            self.lost[cause] += n
+            snapshot = dict(self.lost)
+            say = time.monotonic() - self._last_err >= self._log_every
+            if say:
+                self._last_err = time.monotonic()
+        if say:
+            log.warning(
+                "CloudWatch Logs: %d lines not shipped so far (%s); latest: %s",
+                sum(snapshot.values()),
+                ", ".join(f"{k} {v}" for k, v in snapshot.items() if v),
+                why,
+            )
+        if self._on_lost is not None:
+            try:
+                self._on_lost(snapshot)
+            except Exception:  # noqa: BLE001 - reporting must not stop shipping
+                pass
 
     def sink(self, label: str, line: str) -> None:
         if not line:
@@ -231,7 +268,7 @@ class CloudWatchShipper:
             try:
                 self._q.put_nowait((now, piece))
             except queue.Full:
-                self.dropped += 1
+                self._count("queue_full", 1, "the queue is full (CloudWatch Logs too slow or unreachable)")
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -281,15 +318,46 @@ class CloudWatchShipper:
                 except self._client.exceptions.ResourceAlreadyExistsException:
                     pass
                 self._stream_ready = True
-            self._client.put_log_events(
+            resp = self._client.put_log_events(
                 logGroupName=self.group,
                 logStreamName=self.stream,
                 logEvents=[{"timestamp": t, "message": m} for t, m in batch],
             )
-            return True
-        except Exception as e:  # noqa: BLE001 - log shipping is best effort
-            self.dropped += len(batch)
-            if time.monotonic() - self._last_err > 30:
-                log.warning("CloudWatch Logs shipping failed (%d lines dropped so far): %s", self.dropped, e)
-                self._last_err = time.monotonic()
+        except Exception as e:  # noqa: BLE001 - log shipping is best effort, but counted
+            code = getattr(e, "response", {}).get("Error", {}).get("Code", "")
+            if code in THROTTLE_CODES:
+                self._count("throttled", len(batch), f"throttled ({code}) after retries, batch dropped")
+            else:
+                self._count("failed", len(batch), f"{e}")
             return False
+        n, why = rejected_count(resp.get("rejectedLogEventsInfo") or {}, len(batch))
+        self._count("rejected", n, f"{n} events refused ({why})")
+        return True
+
+
+LOST_CAUSES = ("rejected", "throttled", "failed", "queue_full")
+# botocore's standard retry mode retries these; what still fails after the retries is counted
+THROTTLE_CODES = frozenset(
+    {
+        "ThrottlingException",
+        "Throttling",
+        "ThrottledException",
+        "RequestLimitExceeded",
+        "TooManyRequestsException",
+    }
+)
+
+
+def rejected_count(info: dict[str, Any], n: int) -> tuple[int, str]:
+    """Events of an ``n``-event batch that PutLogEvents refused, and why (``rejectedLogEventsInfo``).
+
+    Per the API reference: events ``[0, tooOldLogEventEndIndex)`` are too old (over 14 days),
+    ``[tooNewLogEventStartIndex, n)`` too new (over 2 hours ahead), ``[0, expiredLogEventEndIndex)``
+    older than the group's retention. The ranges may overlap; each event counts once.
+    """
+    old = min(int(info.get("tooOldLogEventEndIndex") or 0), n)
+    expired = min(int(info.get("expiredLogEventEndIndex") or 0), n)
+    new_start = info.get("tooNewLogEventStartIndex")
+    new = n - max(int(new_start), max(old, expired)) if new_start is not None else 0
+    why = [w for w, k in (("too old", old), ("expired", expired), ("too new", new)) if k > 0]
+    return max(old, expired) + max(new, 0), ", ".join(why)

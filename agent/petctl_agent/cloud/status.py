@@ -121,6 +121,7 @@ class StatusPublisher:
             "last_step": None,
             "last_checkpoint_step": None,
             "reason": None,
+            "log_events_lost": None,  # CloudWatchShipper.lost: lines not stored, by cause
             "updated_at": time.time(),
             "events": [],
         }

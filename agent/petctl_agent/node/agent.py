@@ -366,6 +366,7 @@ class Agent:
                 spec.log_group,
                 f"{spec.job_name}/{self.instance_id}",
                 lambda: aws.client("logs", spec.region or None),
+                on_lost=lambda lost: self.pub.update(log_events_lost=lost),
             )
             shipper.start()
             sinks.append(shipper.sink)

@@ -71,6 +71,7 @@ def finish(
         pub.event("succeeded", last_step=last_step())
         pub.update(state="SUCCEEDED", reason=None)
         lifecycle.scale_groups_to_zero()
+        _forget_ca_key(lifecycle)
         lifecycle.complete_action_at_end(lifecycle_wait)
         pub.close()
         return 0
@@ -90,6 +91,16 @@ def finish(
     # A failed job must not keep paying for idle instances (the ASG would replace them and
     # systemd would restart the agent): stop the groups; the status, logs and checkpoints stay.
     lifecycle.scale_groups_to_zero()
+    _forget_ca_key(lifecycle)
     lifecycle.complete_action_at_end(lifecycle_wait)
     pub.close()
     return rc
+
+
+def _forget_ca_key(lifecycle: Lifecycle) -> None:
+    """The job has ended and its groups are going to zero: its etcd CA key goes (cloud/jobend.py)."""
+    from petctl_agent.cloud import aws
+    from petctl_agent.cloud.jobend import forget_ca_key
+
+    spec = lifecycle.spec
+    forget_ca_key(spec, lambda service: aws.client(service, spec.region or None))
