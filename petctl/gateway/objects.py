@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from petctl.errors import AwsError, PetctlError, describe_client_error
+from petctl.errors import AwsError, ConfigError, PetctlError, describe_client_error
 from petctl.gateway.session import ClientError
 from petctl.storage import Upload
 
@@ -121,13 +121,36 @@ class Objects:
             raise AwsError(f"cannot empty bucket {bucket} ({describe_client_error(e)})") from e
         return count
 
-    def require_bucket(self, bucket: str) -> None:
+    def require_bucket(self, bucket: str, region: str | None = None) -> None:
+        """The bucket exists, is ours to read, and (given ``region``) lives in that region.
+
+        Job stacks are created from a template in this bucket (``TemplateURL``), and CloudFormation
+        takes a TemplateURL only from a bucket in the stack's own region: a bucket elsewhere would
+        pass ``setup`` and fail every ``run-job``.
+        """
         try:
             self.s3.head_bucket(Bucket=bucket)
         except ClientError as e:
             raise PetctlError(
                 f"S3 bucket {bucket} was not found or is not accessible ({describe_client_error(e)})"
             ) from e
+        if region is None:
+            return
+        try:
+            where = self.s3.get_bucket_location(Bucket=bucket).get("LocationConstraint")
+        except ClientError as e:
+            raise PetctlError(
+                f"cannot read where S3 bucket {bucket} lives ({describe_client_error(e)}); "
+                "petctl needs s3:GetBucketLocation on it"
+            ) from e
+        # GetBucketLocation: no constraint is us-east-1; "EU" is the old name of eu-west-1.
+        where = {None: "us-east-1", "": "us-east-1", "EU": "eu-west-1"}.get(where, where)
+        if where != region:
+            raise ConfigError(
+                f"S3 bucket {bucket} is in {where}, not in this profile's region {region}: job stacks "
+                f"are created from templates in it, and CloudFormation takes those only from a bucket in "
+                f"the stack's region; use a bucket in {region}, or --region {where}"
+            )
 
     def default_kms_key(self, bucket: str) -> str | None:
         """The KMS key id (or alias, or ARN) the bucket encrypts new objects with, else None."""

@@ -115,7 +115,7 @@ def setup(
         _check_file_system(gw, efs_id, az_count, profile.vpc_id)
     _check_az_count(gw, az_count)
     if bucket:
-        gw.objects.require_bucket(bucket)
+        gw.objects.require_bucket(bucket, gw.region)
     kms_key = bucket_kms_key(gw, bucket) if bucket else None
     kept = [f for f in profile.retained_efs_ids if f != efs_id]
     if kept and not efs_id:

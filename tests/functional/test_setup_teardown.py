@@ -191,3 +191,19 @@ def test_teardown_keeps_the_file_system_a_successful_setup_made(run, profile_dat
     efs_id = profile_data()["efs_id"]
     assert run("teardown", "--yes").exit_code == 0
     assert _file_systems() == [efs_id]
+
+
+def test_setup_refuses_a_bucket_in_another_region_and_creates_nothing(run):
+    """Job stacks are created from a template in the bucket (TemplateURL), which CloudFormation
+    takes only from the stack's region: such a bucket would pass setup and fail every run-job."""
+    boto3.client("s3", region_name="eu-west-1").create_bucket(
+        Bucket="far-bucket", CreateBucketConfiguration={"LocationConstraint": "eu-west-1"}
+    )
+    r = run("setup", "--s3-bucket", "far-bucket")
+    assert r.exit_code == 2, r.output
+    assert "S3 bucket far-bucket is in eu-west-1, not in this profile's region us-east-1" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output
+    assert cf().describe_stacks()["Stacks"] == []
+    # a bucket of the profile's region is taken (us-east-1: no LocationConstraint at all)
+    boto3.client("s3").create_bucket(Bucket="near-bucket")
+    assert run("setup", "--s3-bucket", "near-bucket").exit_code == 0
