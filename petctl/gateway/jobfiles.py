@@ -3,6 +3,7 @@ and, at kill-job, the deletion of the whole prefix (docs/contracts.md). Reading 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from petctl import naming
@@ -60,6 +61,17 @@ class JobFiles:
         if self.bucket:
             for stale in ("status/", "boot/"):
                 self.objects.delete_prefix(self.bucket, naming.job_prefix(job) + stale)
+
+    def spec_region(self, job: str) -> str | None:
+        """The region the job's uploaded spec (``job.json``) names, or None (no spec, unreadable)."""
+        if not self.bucket:
+            return None
+        try:
+            data = self.objects.read(self.bucket, naming.job_prefix(job) + "job.json")
+            region = json.loads(data).get("region") if data else None
+            return str(region) if region else None
+        except Exception:  # noqa: BLE001 - no answer: the caller decides without it
+            return None
 
     def delete_all(self, job: str) -> None:
         """Everything under the job's prefix (``kill-job``, once no instance of it can start any

@@ -77,7 +77,17 @@ def kill_job(
     stack = find_job(gw, ctx.profile_name, job)
     result = Killed(job, False, 0.0, wait, f"{ctx.profile.efs_id or '<efs>'}:/{naming.checkpoint_dir(job)}")
     if stack is None:
-        gw.job_files.delete_all(job)  # left by a `kill-job --no-wait`
+        # Files left by a `kill-job --no-wait`. A bucket may be shared with a profile of another
+        # region, where a running job of this name has no stack here to find: its spec says where
+        # it runs, and another region's job is never touched from this one.
+        elsewhere = gw.job_files.spec_region(job)
+        if elsewhere and elsewhere != gw.region:
+            ctx.ui.warn(
+                f"s3://{ctx.profile.bucket}/{naming.job_prefix(job)} belongs to a job {job} in {elsewhere} "
+                f"(its job.json says so), not this profile's {gw.region}: left alone; run kill-job there"
+            )
+            return result
+        gw.job_files.delete_all(job)
         return result
     t0 = time.monotonic()
     if not wait:

@@ -580,3 +580,28 @@ def test_kill_job_asks_for_no_warm_pool_where_the_stack_has_none(run, ready, mon
     r = run("kill-job", "demo", "--yes")
     assert r.exit_code == 0 and "job demo deleted" in r.stdout, r.output
     assert "could not" not in r.output, r.output
+
+
+def test_kill_job_with_no_stack_leaves_another_regions_job_files_alone(run, ready):
+    """With no stack here, kill-job deletes what a `--no-wait` left; but a bucket shared with a
+    profile of another region may hold a running job of that name, whose stack is not here to find:
+    its job.json names its region, and that job's files are never deleted from this one."""
+    run_job(run, ready)
+    r = run("kill-job", "demo", "--yes", "--no-wait")
+    assert r.exit_code == 0
+    bucket = next(b["Name"] for b in boto3.client("s3").list_buckets()["Buckets"])
+    s3 = boto3.client("s3")
+    spec = json.loads(s3.get_object(Bucket=bucket, Key="petctl/jobs/demo/job.json")["Body"].read())
+    assert spec["region"] == "us-east-1"
+    spec["region"] = "eu-west-1"  # now the files of a job `demo` running in eu-west-1
+    s3.put_object(Bucket=bucket, Key="petctl/jobs/demo/job.json", Body=json.dumps(spec).encode())
+    before = objects("petctl/jobs/demo/")
+    r = run("kill-job", "demo", "--yes")
+    assert r.exit_code == 0, r.output
+    assert "belongs to a job demo in eu-west-1" in " ".join(r.stderr.split()), r.stderr
+    assert objects("petctl/jobs/demo/") == before and "petctl/jobs/demo/tls/ca.key" in before
+    # this region's own leftovers still go
+    spec["region"] = "us-east-1"
+    s3.put_object(Bucket=bucket, Key="petctl/jobs/demo/job.json", Body=json.dumps(spec).encode())
+    assert run("kill-job", "demo", "--yes").exit_code == 0
+    assert objects("petctl/jobs/demo/") == []
