@@ -186,3 +186,17 @@ def test_a_failure_before_parking_abandons_the_launch_action(tmp_path: Path, mon
         )
         failure.failed_for_good(EXIT_JOIN_TIMEOUT, "rendezvous timed out", spec, lifecycle, None)
         stub.assert_no_pending_responses()
+
+
+def test_a_success_marker_of_an_earlier_run_is_no_success_of_this_one(tmp_path: Path) -> None:
+    """A closed rendezvous reads as "the job succeeded" only when this run's marker says so
+    (node/ending.py); a spec without a run id keeps the old rule (the marker exists)."""
+    from petctl_agent.node.ending import _succeeded_before
+
+    marker = tmp_path / SUCCESS_MARKER
+    assert not _succeeded_before(marker, "run-2") and not _succeeded_before(marker, "")
+    markers.mark(marker, "run-1")
+    assert not _succeeded_before(marker, "run-2") and _succeeded_before(marker, "run-1")
+    assert _succeeded_before(marker, "")
+    markers.mark(marker, "run-2")
+    assert _succeeded_before(marker, "run-2") and not _succeeded_before(marker, "run-1")
