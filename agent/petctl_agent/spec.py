@@ -19,6 +19,8 @@ CODE_KINDS = ("script", "dir", "s3")
 MIN_JOIN_TIMEOUT, MAX_JOIN_TIMEOUT = 1.0, 7 * 24 * 3600.0
 #: ``rdzv_backend`` values (agent/petctl_agent/elastic/handlers.py builds each; the first is the default)
 RDZV_BACKENDS = ("petctl-etcd", "etcd-v2", "etcd")
+#: ``run_id``: empty (an older spec) or a token; it is written into marker files, so no paths
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9_-]{0,64}$")
 TORCH_VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?([a-z0-9.]*)?(\+[A-Za-z0-9.]+)?$")
 
 
@@ -61,6 +63,9 @@ class JobSpec:
     rdzv_backend: str = "petctl-etcd"
     #: the petctl that wrote the spec (informational; the agent does not act on it)
     petctl_version: str = ""
+    #: a random token per ``run-job``: the job's name is reused across runs (and with it its
+    #: checkpoint dir), this is not. Empty in older specs: "unknown run".
+    run_id: str = ""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobSpec:
@@ -103,6 +108,9 @@ class JobSpec:
             raise SpecError(f"rdzv_backend must be one of {', '.join(RDZV_BACKENDS)}, got {rb!r}")
         kw["rdzv_backend"] = rb
         kw["petctl_version"] = str(kw.get("petctl_version", ""))
+        run_id = kw.get("run_id", "")
+        if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id):
+            raise SpecError(f"run_id must be 1-64 letters, digits, '-' or '_' (or empty), got {run_id!r}")
         if not 1 <= kw["min_nodes"] <= kw["max_nodes"]:
             raise SpecError(
                 f"need 1 <= min_nodes <= max_nodes, got min={kw['min_nodes']} max={kw['max_nodes']}"

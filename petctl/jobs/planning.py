@@ -113,9 +113,11 @@ def plan(
     *,
     user: str,
     region: str | None,
+    run_id: str = "",
 ) -> Plan:
     """The plan for a validated ``req`` (``validate_request``) in a ready ``profile``; ``facts``
-    is what EC2 says about each of its instance types (``lookups.instance_facts``)."""
+    is what EC2 says about each of its instance types (``lookups.instance_facts``); ``run_id``
+    tells this run from other runs of the same job name (``prepare`` draws one per run-job)."""
     gpu = check_instance_types(req, facts)
     job = req.name or default_job_name(req, profile.name)
     prefix = naming.job_prefix(job)
@@ -155,6 +157,7 @@ def plan(
         max_restarts=req.max_restarts,
         join_timeout=req.join_timeout,
         rdzv_backend=req.rdzv_backend,
+        run_id=run_id,
     )
     try:
         JobSpec.from_dict(spec.to_dict())  # what every agent will parse: refuse it here, not there

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+
 from petctl import storage
 from petctl.context import Context
 from petctl.jobs.lookups import check_code_url, instance_facts, resolve_ami, resolve_vpc
@@ -19,4 +21,6 @@ def prepare(ctx: Context, req: JobRequest) -> Plan:
     resolve_ami(ctx, req)
     resolve_vpc(ctx)
     code = prepare_code(req, dist=storage.dist_wheel())
-    return plan(req, ctx.profile, code, facts, user=ctx.user, region=ctx.region)
+    # a fresh id per run-job: the job's name, and its checkpoint dir, are kept across runs
+    run_id = secrets.token_hex(8)
+    return plan(req, ctx.profile, code, facts, user=ctx.user, region=ctx.region, run_id=run_id)

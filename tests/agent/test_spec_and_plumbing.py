@@ -52,9 +52,10 @@ def test_contract_example_parses() -> None:
 
 
 def test_spec_json_round_trip_and_shared_names() -> None:
-    s = JobSpec.from_dict({**GOOD, "petctl_version": "0.1.0", "torch_version": "2.13.0"})
+    s = JobSpec.from_dict({**GOOD, "petctl_version": "0.1.0", "torch_version": "2.13.0", "run_id": "3f9a01"})
     d = json.loads(s.to_json())
-    assert d["args"] == ["--epochs", "10"] and d["petctl_version"] == "0.1.0"
+    assert d["args"] == ["--epochs", "10"] and d["petctl_version"] == "0.1.0" and d["run_id"] == "3f9a01"
+    assert JobSpec.from_dict(GOOD).run_id == ""  # an older spec: an unknown run
     assert JobSpec.from_json(s.to_json()) == s == JobSpec.from_dict(s.to_dict())
     assert checkpoint_dir("train-3f2a") == GOOD["checkpoint_dir"]
     assert JOB_NAME_RE.match("train-3f2a") and not JOB_NAME_RE.match("Train")
@@ -80,6 +81,8 @@ def test_spec_module_is_stdlib_only() -> None:
         ({"args": "--epochs 10"}, "args must be a list"),
         ({"script": ""}, "missing required field(s): script"),
         ({"drain_timeout": "soon"}, "non-numeric"),
+        ({"run_id": "../x"}, "run_id must be 1-64 letters"),
+        ({"run_id": 7}, "run_id must be 1-64 letters"),
     ],
 )
 def test_invalid_specs_name_the_field(patch: dict, message: str) -> None:

@@ -16,7 +16,7 @@ from botocore.stub import Stubber
 
 from petctl_agent import DRAIN_EXIT_CODE, EXIT_FAILED, EXIT_JOIN_TIMEOUT, EXIT_TERMINAL, TERMINAL_EXITS
 from petctl_agent.cloud.imds import Imds
-from petctl_agent.node import failure
+from petctl_agent.node import failure, markers
 from petctl_agent.node.ending import SUCCESS_MARKER
 from petctl_agent.node.lifecycle import Lifecycle
 from petctl_agent.settings import Settings
@@ -34,9 +34,10 @@ def test_exit_statuses_are_classified() -> None:
     assert failure.boot_url("file:///x/status") == "file:///x/boot/" and failure.boot_url("") == ""
 
 
-def _spec(bucket: str) -> JobSpec:
+def _spec(bucket: str, run_id: str = "run-2") -> JobSpec:
     return JobSpec.from_dict(
         {
+            "run_id": run_id,
             "job_name": "bad",
             "min_nodes": 1,
             "max_nodes": 3,
@@ -114,7 +115,9 @@ def test_three_terminal_failures_stop_a_job_that_never_trained(job, tmp_path: Pa
 def test_failures_after_the_job_trained_do_not_stop_it(job, tmp_path: Path, marker: str) -> None:
     """A late node's join timeout while the others train is no "every node keeps failing"."""
     spec, ids = job
-    (tmp_path / marker).touch()
+    markers.mark(tmp_path / marker, "run-1")  # an earlier run's, replaced by this run's below
+    markers.mark(tmp_path / marker, spec.run_id)
+    assert (tmp_path / marker).read_text() == "run-2\n" and [p.name for p in tmp_path.iterdir()] == [marker]
     for iid in ids:
         failure.failed_for_good(
             EXIT_JOIN_TIMEOUT, "rendezvous timed out", spec, _lifecycle(spec, iid), tmp_path
@@ -122,6 +125,29 @@ def test_failures_after_the_job_trained_do_not_stop_it(job, tmp_path: Path, mark
         assert _health(iid).upper() == "UNHEALTHY"
     assert _groups() == {"petctl-bad-workers": 3, "petctl-bad-rdzv": 1}
     assert failure.count_failures(failure.boot_url(spec.status_url)) == 3  # boot/events/ not counted
+
+
+@pytest.mark.parametrize(("run_id", "stale"), [("run-2", "run-1"), ("run-2", ""), ("", ""), ("", "run-1")])
+def test_markers_of_an_earlier_run_do_not_keep_a_failing_rerun_alive(
+    job, tmp_path: Path, run_id: str, stale: str
+) -> None:
+    """The checkpoint dir, and the markers in it, outlive a run of the job's name; boot/ does not.
+    A rerun whose every node fails for good still stops at the third failure: a marker written by
+    an earlier run (or by an older agent, empty) is not this run's, and a spec without a run id
+    (an older petctl) is an unknown run, which no marker keeps alive."""
+    _, ids = job
+    spec = _spec("petctl-bad", run_id)
+    for m in (failure.WORKERS_MARKER, SUCCESS_MARKER):
+        (tmp_path / m).write_text(stale + "\n" if stale else "")
+    assert not failure.workers_ever_started(tmp_path, spec.run_id)
+    for n, iid in enumerate(ids, 1):
+        failure.failed_for_good(EXIT_TERMINAL, "torch 2.0.0 is not the pinned 2.13.0", spec,
+                                _lifecycle(spec, iid), tmp_path)  # fmt: skip
+        assert _groups() == (
+            {"petctl-bad-workers": 3, "petctl-bad-rdzv": 1}
+            if n < 3
+            else {"petctl-bad-workers": 0, "petctl-bad-rdzv": 0}
+        ), n
 
 
 def test_a_failure_before_parking_abandons_the_launch_action(tmp_path: Path, monkeypatch) -> None:
@@ -160,3 +186,17 @@ def test_a_failure_before_parking_abandons_the_launch_action(tmp_path: Path, mon
         )
         failure.failed_for_good(EXIT_JOIN_TIMEOUT, "rendezvous timed out", spec, lifecycle, None)
         stub.assert_no_pending_responses()
+
+
+def test_a_success_marker_of_an_earlier_run_is_no_success_of_this_one(tmp_path: Path) -> None:
+    """A closed rendezvous reads as "the job succeeded" only when this run's marker says so
+    (node/ending.py); a spec without a run id keeps the old rule (the marker exists)."""
+    from petctl_agent.node.ending import _succeeded_before
+
+    marker = tmp_path / SUCCESS_MARKER
+    assert not _succeeded_before(marker, "run-2") and not _succeeded_before(marker, "")
+    markers.mark(marker, "run-1")
+    assert not _succeeded_before(marker, "run-2") and _succeeded_before(marker, "run-1")
+    assert _succeeded_before(marker, "")
+    markers.mark(marker, "run-2")
+    assert _succeeded_before(marker, "run-2") and not _succeeded_before(marker, "run-1")

@@ -416,6 +416,7 @@ def test_s3_target_outside_the_petctl_prefix_warns(run, ready):
 
 def test_reused_job_name_starts_without_old_reports(run, ready):
     run_job(run, ready)
+    first_run = spec_of("demo")["run_id"]
     s3 = boto3.client("s3")
     bucket = [b["Name"] for b in s3.list_buckets()["Buckets"]][0]
     old = {"version": 1, "instance_id": "i-0old", "state": "FAILED", "reason": "old run", "last_step": 99}
@@ -425,6 +426,8 @@ def test_reused_job_name_starts_without_old_reports(run, ready):
     run_job(run, ready)
     st = json.loads(run("--output", "json", "status", "demo").stdout)
     assert st["state"] == "STARTING" and st["last_step"] is None
+    # the checkpoint dir's markers outlive the first run: the agents tell the runs apart by this
+    assert len(first_run) == 16 and spec_of("demo")["run_id"] not in ("", first_run)
 
 
 def test_jobs_ignores_reports_of_instances_that_are_gone(run, ready):

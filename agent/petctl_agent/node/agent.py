@@ -22,7 +22,7 @@ from petctl_agent.cloud import aws
 from petctl_agent.cloud.fetch import fetch_code, load_spec
 from petctl_agent.cloud.imds import Imds
 from petctl_agent.cloud.status import StatusPublisher, make_writer
-from petctl_agent.node import ending, failure
+from petctl_agent.node import ending, failure, markers
 from petctl_agent.node.lifecycle import CapacityHint, Lifecycle
 from petctl_agent.node.preflight import check_etcd_tls, check_torch, wait_for_dir
 from petctl_agent.settings import Settings
@@ -375,8 +375,8 @@ class Agent:
         marker = job_checkpoint_dir(self.efs, spec) / failure.WORKERS_MARKER
 
         def before_workers_start() -> None:
-            if not marker.exists():  # later failures are no longer "every node keeps failing"
-                marker.touch()
+            # later failures of this run are no longer "every node keeps failing"
+            markers.mark(marker, spec.run_id)
             tailer.poll()
 
         agent.before_workers_start = before_workers_start

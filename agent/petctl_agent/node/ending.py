@@ -14,13 +14,15 @@ from typing import Any
 
 from petctl_agent import EXIT_FAILED, EXIT_JOIN_TIMEOUT, EXIT_TERMINAL
 from petctl_agent.cloud.status import StatusPublisher
+from petctl_agent.node import markers
 from petctl_agent.node.lifecycle import Lifecycle
 
 log = logging.getLogger("petctl_agent")
 
-# In the job's checkpoint dir once any node saw the workers succeed: a node that arrives after
-# the job ended finds the rendezvous closed and this file, and succeeds too.
-SUCCESS_MARKER = ".petctl-job-succeeded"
+# In the job's checkpoint dir once any node saw the workers succeed, holding the run's id: a node
+# of that run that arrives after the job ended finds the rendezvous closed and this file, and
+# succeeds too (node/markers.py).
+SUCCESS_MARKER = markers.SUCCESS_MARKER
 
 
 def finish_leave(lifecycle: Lifecycle | None, pub: StatusPublisher | None, reason: str | None) -> int:
@@ -60,10 +62,11 @@ def finish(
 
     if outcome is Outcome.DRAINED:
         return finish_leave(lifecycle, pub, leave_reason)
-    if outcome is Outcome.CLOSED and (ckpt_dir / SUCCESS_MARKER).exists():
+    run_id = lifecycle.spec.run_id
+    if outcome is Outcome.CLOSED and _succeeded_before(ckpt_dir / SUCCESS_MARKER, run_id):
         outcome = Outcome.SUCCEEDED  # we arrived after the job finished
     if outcome is Outcome.SUCCEEDED:
-        (ckpt_dir / SUCCESS_MARKER).touch()
+        markers.mark(ckpt_dir / SUCCESS_MARKER, run_id)
         try:
             handler.shutdown()  # close the rendezvous: late joiners stop instead of waiting
         except Exception as e:  # noqa: BLE001
@@ -95,6 +98,12 @@ def finish(
     lifecycle.complete_action_at_end(lifecycle_wait)
     pub.close()
     return rc
+
+
+def _succeeded_before(marker: Path, run_id: str) -> bool:
+    """A node of this run saw the workers succeed. A marker of an earlier run of the job's name
+    is no success of this one; a spec without a run id (an older petctl) keeps the old rule."""
+    return markers.of_run(marker, run_id) if run_id else marker.exists()
 
 
 def _forget_ca_key(lifecycle: Lifecycle) -> None:

@@ -8,9 +8,10 @@ so before exiting it does what a failed boot script does (``boot_failed`` in
 1. records the failure where failed boots are counted: ``boot/<instance-id>.log`` next to the
    job's ``status/`` (one line: ``petctl agent: FAILED (exit N): <reason>``, which ``petctl
    status`` reads as the error line and ``petctl logs JOB --boot ID`` prints);
-2. when ``boot/`` then holds ``GIVE_UP_AFTER`` records and no node of the job ever started its
-   workers (no ``WORKERS_MARKER``/``SUCCESS_MARKER`` in the job's checkpoint dir), scales the
-   job's groups to zero and deletes the warm pool: every node keeps failing;
+2. when ``boot/`` then holds ``GIVE_UP_AFTER`` records and no node of this run ever started its
+   workers (no ``WORKERS_MARKER``/``SUCCESS_MARKER`` of the spec's ``run_id`` in the job's
+   checkpoint dir, ``node/markers.py``: the dir and its markers outlive a run, ``boot/`` does
+   not), scales the job's groups to zero and deletes the warm pool: every node keeps failing;
 3. abandons a pending launch action (the group replaces the instance);
 4. marks the instance ``Unhealthy``, so its group replaces it.
 """
@@ -24,6 +25,7 @@ from urllib.parse import urlparse
 from petctl_agent import EXIT_JOIN_TIMEOUT, EXIT_TERMINAL, TERMINAL_EXITS
 from petctl_agent.cloud import aws
 from petctl_agent.cloud.status import make_writer
+from petctl_agent.node import markers
 from petctl_agent.node.lifecycle import Lifecycle
 from petctl_agent.spec import JobSpec
 
@@ -32,9 +34,10 @@ log = logging.getLogger("petctl_agent")
 #: As the boot scripts' GIVE_UP_AFTER: this many failed boots (or terminal agent failures) of a
 #: job whose workers never started, and the job's groups scale to zero.
 GIVE_UP_AFTER = 3
-#: In the job's checkpoint dir once any node started its workers: failures after that are not
-#: "every node keeps failing" (a late node's join timeout while the others train).
-WORKERS_MARKER = ".petctl-workers-started"
+#: In the job's checkpoint dir once any node of a run started its workers, holding the run's id:
+#: failures of that run after that are not "every node keeps failing" (a late node's join
+#: timeout while the others train).
+WORKERS_MARKER = markers.WORKERS_MARKER
 
 
 def exit_status(kind: str) -> int:
@@ -76,15 +79,13 @@ def count_failures(url: str, region: str | None = None) -> int:
     return sum(1 for p in d.iterdir() if p.is_file() and not p.name.startswith(".")) if d.is_dir() else 0
 
 
-def workers_ever_started(ckpt_dir: Path | None) -> bool:
-    from petctl_agent.node.ending import SUCCESS_MARKER
-
+def workers_ever_started(ckpt_dir: Path | None, run_id: str) -> bool:
+    """Whether a node of the run ``run_id`` started its workers (or saw them succeed). A marker
+    of another run of the same job name does not count, nor any for an unknown (empty) run id:
+    then the failure counts, as the boot scripts count failed boots of this run."""
     if ckpt_dir is None:
         return False
-    try:
-        return (ckpt_dir / WORKERS_MARKER).exists() or (ckpt_dir / SUCCESS_MARKER).exists()
-    except OSError:
-        return False
+    return any(markers.of_run(ckpt_dir / m, run_id) for m in (WORKERS_MARKER, markers.SUCCESS_MARKER))
 
 
 def failed_for_good(rc: int, reason: str, spec: JobSpec, lifecycle: Lifecycle, ckpt_dir: Path | None) -> None:
@@ -96,7 +97,7 @@ def failed_for_good(rc: int, reason: str, spec: JobSpec, lifecycle: Lifecycle, c
             make_writer(url).write(f"{lifecycle.instance_id}.log", line.encode())
             failures = count_failures(url, spec.region or None)
             log.info("%d failed boots or agents in %s", failures, url)
-            if failures >= GIVE_UP_AFTER and not workers_ever_started(ckpt_dir):
+            if failures >= GIVE_UP_AFTER and not workers_ever_started(ckpt_dir, spec.run_id):
                 log.error(
                     "%d nodes of job %s failed and none ever started its workers: stopping the job",
                     failures,
