@@ -423,9 +423,11 @@ def test_an_agent_that_cannot_start_counts_like_a_failed_boot_after_its_start_li
         "petctl agent: FAILED: petctl-agent.service failed for good (result start-limit-hit, exited 2)"
         in text
     )
-    # the local systemd restarted each agent until the start limit (2 starts), not more
+    # the local systemd restarted the agents until the start limit, not more (it counts restarts
+    # against StartLimitBurst=, not the first start: 2 restarts)
     workers = cloud.instances(job, "worker")
-    assert workers and all(inst["restarts"] <= 1 for inst in workers), workers
+    assert workers and all(inst["restarts"] <= 2 for inst in workers), workers
+    assert any(inst["restarts"] >= 1 for inst in workers), workers
     wait_for(
         lambda: all(
             cloud.ec2_state(i["instance_id"]) == "terminated" for i in cloud.instances(job, "worker")
