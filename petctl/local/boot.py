@@ -55,7 +55,7 @@ HOST_TOOLS = (
     "readlink", "realpath", "mktemp", "id", "uname", "hostname", "nproc", "xargs",
     "openssl",
 )  # fmt: skip
-SHIMS = ("dnf", "mount", "systemctl", "aws", "curl", "ip", "python3.11")
+SHIMS = ("dnf", "mount", "systemctl", "journalctl", "aws", "curl", "ip", "python3.11")
 _PATH_RE = re.compile(r"(?<![^\s\"'=(:><,`;|&\[])/(" + "|".join(MAPPED_DIRS) + r")(?=/|$|[\s\"');|&`])")
 _SAFE_PATH = re.compile(r"^/[A-Za-z0-9_./+-]+$")
 _LOOPBACK_RE = re.compile(r"(?<![\d.])127\.0\.0\.1(?![\d])")

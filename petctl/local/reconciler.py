@@ -18,8 +18,8 @@ client uses) and makes the local processes match it:
   timeout, even after its agent exited), then its whole process group is
   SIGKILLed — in a thread per instance, so one slow drain never delays the others;
 * a unit whose main process exits on its own is restarted as its ``Restart=``,
-  ``RestartPreventExitStatus=``, ``RestartSec=`` and start limit say (systemd's rules);
-  otherwise the exit is recorded (an agent that exited 0 after its job SUCCEEDED, or with a
+  ``RestartPreventExitStatus=``, ``RestartSec=`` and start limit say (systemd's rules); a unit
+  that ends failed and is not restarted starts its ``OnFailure=`` units; otherwise the exit is recorded (an agent that exited 0 after its job SUCCEEDED, or with a
   terminal status, must stay down — as on AWS, where the instance keeps running idle until
   the group scales to zero or, Unhealthy, replaces it);
 * a warm pool instance (Auto Scaling says ``Warmed:*``) boots the same way, with IMDS
@@ -54,7 +54,7 @@ from petctl.local.instance import Instance
 from petctl.local.leaving import Leaving
 from petctl.local.observe import observe
 from petctl.local.shims.base import Refused
-from petctl.local.shims.systemctl import parse_unit, restart_delay, restart_verdict
+from petctl.local.shims.systemctl import on_failure, parse_unit, restart_delay, restart_verdict
 from petctl.local.starting import Starting
 from petctl_agent.settings import env_float
 
@@ -192,7 +192,7 @@ class Reconciler(Starting, Leaving):
             if rec.state != "running":
                 return
             unit = next((n for n, u in rec.units.items() if u.proc is rec.proc), None)
-            why, delay = "no unit", 0.0
+            why, delay, spec = "no unit", 0.0, None
             if unit is not None:
                 try:
                     spec = parse_unit(boot.unit_path(rec.root(self.state_dir), unit).read_text())
@@ -207,11 +207,48 @@ class Reconciler(Starting, Leaving):
                 rec.exit_code, rec.state = a.rc, "restarting"
         if why is not None:
             log.info("%s (%s) exited with code %s; not restarted: %s", rec.instance_id, rec.role, a.rc, why)
+            if spec is not None and unit is not None:
+                self._on_failure(rec, spec, unit, a.rc, why)
             return
         log.info(
             "%s (%s): %s exited with code %s; restarting in %gs", rec.instance_id, rec.role, unit, a.rc, delay
         )
         threading.Timer(delay, self._restart_unit, args=(rec, unit)).start()
+
+    def _on_failure(self, rec: Instance, spec: dict[str, Any], unit: str, rc: int, why: str) -> None:
+        """The unit ended failed: start its ``OnFailure=`` units, as systemd does, with the
+        ``MONITOR_*`` variables (:func:`petctl.local.shims.systemctl.on_failure`). They run as
+        processes of the instance but not as its main unit (their exit restarts nothing)."""
+        names, monitor = on_failure(spec, unit, rc, why)
+        for name in names:
+            with rec.lock:
+                if rec.state != "exited" or self.stopping.is_set():
+                    return  # it left meanwhile
+                try:
+                    with open(self.state_dir / "logs" / f"{rec.instance_id}.log", "ab") as out:
+                        u, _ = boot.start_unit(
+                            rec.root(self.state_dir),
+                            self.state_dir,
+                            name,
+                            {**self._unit_env(rec), **monitor},
+                            out,
+                            self.clients.__getitem__,
+                            rec.az,
+                        )
+                except Exception as e:  # noqa: BLE001 - as systemd: the OnFailure= job fails, logged
+                    rec.note = f"OnFailure={name} of {unit} did not start: {e}"
+                    log.warning("%s: %s", rec.instance_id, rec.note)
+                    continue
+                rec.units[name] = u
+                self._write_procs()
+            log.info(
+                "%s: %s failed (%s): started OnFailure=%s, pid %d",
+                rec.instance_id,
+                unit,
+                why,
+                name,
+                u.proc.pid,
+            )
 
     def _restart_unit(self, rec: Instance, unit: str) -> None:
         with rec.lock:

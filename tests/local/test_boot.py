@@ -371,3 +371,68 @@ def test_a_terminal_agent_failure_is_not_restarted_and_counts_like_a_failed_boot
         what="the failed workers terminated",
     )
     petctl("kill-job", "agent-bad", "--yes", "--no-wait")
+
+
+def test_an_agent_that_cannot_start_counts_like_a_failed_boot_after_its_start_limit(
+    petctl: Any, cloud: Cloud, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent fails before it can count itself (here: a bad command line, argparse exits 2 at once):
+    systemd restarts it until the unit's start limit, the unit ends failed, and its OnFailure= unit
+    runs the boot's give-up script with the agent's journal: the failure is recorded in boot/ with
+    the agent's error line, the instance is marked Unhealthy and replaced; at the third the job
+    stops and status says FAILED and why. Before, the instance idled InService, billing. (The
+    test's unit restarts after 1 s and gives up after 2 starts, to keep it short.)"""
+    render = templates.render_job
+
+    def broken(**kwargs: Any) -> str:
+        text = render(**kwargs)
+        for old, new in (
+            (
+                "ExecStart=/opt/petctl/bin/petctl-agent run",
+                "ExecStart=/opt/petctl/bin/petctl-agent no-such-command",
+            ),
+            ("RestartSec=10\n", "RestartSec=1\n"),
+            ("StartLimitBurst=5\n", "StartLimitBurst=2\n"),
+        ):
+            assert old in text
+            text = text.replace(old, new, 1)
+        return text
+
+    monkeypatch.setattr(templates, "render_job", broken)
+    job = "agent-nostart"
+    petctl("run-job", "--name", job, "--min", "1", "--max", "1", "--drain-timeout", "30", str(TRAIN))
+    st = wait_for(
+        lambda: (s := petctl("status", job))["state"] == "FAILED" and s["desired"] == 0 and s,
+        timeout=240,
+        what=f"{job} FAILED and stopped",
+        poll=2,
+    )
+    assert "invalid choice: 'no-such-command'" in st["reason"], st["reason"]
+    assert st["boot_failures"]["count"] >= 3, st["boot_failures"]
+    bucket = bucket_of(cloud, job)
+    keys = [
+        o["Key"]
+        for o in cloud.s3.list_objects_v2(Bucket=bucket, Prefix=f"petctl/jobs/{job}/boot/i-").get(
+            "Contents", []
+        )
+    ]
+    assert len(keys) >= 3
+    text = s3_text(cloud, bucket, keys[0])
+    assert "invalid choice: 'no-such-command'" in text, text
+    assert (
+        "petctl agent: FAILED: petctl-agent.service failed for good (result start-limit-hit, exited 2)"
+        in text
+    )
+    # the local systemd restarted the agents until the start limit, not more (it counts restarts
+    # against StartLimitBurst=, not the first start: 2 restarts)
+    workers = cloud.instances(job, "worker")
+    assert workers and all(inst["restarts"] <= 2 for inst in workers), workers
+    assert any(inst["restarts"] >= 1 for inst in workers), workers
+    wait_for(
+        lambda: all(
+            cloud.ec2_state(i["instance_id"]) == "terminated" for i in cloud.instances(job, "worker")
+        ),
+        timeout=60,
+        what="the failed workers terminated",
+    )
+    petctl("kill-job", job, "--yes", "--no-wait")

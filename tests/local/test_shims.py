@@ -305,6 +305,65 @@ def test_restart_follows_systemds_rules(rc: int, starts: list[float], verdict: s
     assert restart_verdict(always, 78, [], 0.0) == "status 78 is in RestartPreventExitStatus="
 
 
+def test_on_failure_starts_when_the_unit_ends_failed() -> None:
+    """systemd.unit(5): OnFailure= units start when the unit enters "failed" (a non-zero status,
+    an unclean signal, the start limit hit), with systemd.exec(5)'s MONITOR_* variables; a clean
+    end starts nothing."""
+    from petctl.local.shims.systemctl import on_failure
+
+    unit = AGENT_UNIT.replace("[Service]", "OnFailure=petctl-agent-failed.service\n[Service]")
+    spec = shims.parse_unit(unit)
+    limit = "start limit hit (5 starts within 600s)"
+    assert on_failure(spec, "a.service", 1, limit) == (
+        ["petctl-agent-failed.service"],
+        {
+            "MONITOR_UNIT": "a.service",
+            "MONITOR_SERVICE_RESULT": "start-limit-hit",
+            "MONITOR_EXIT_CODE": "exited",
+            "MONITOR_EXIT_STATUS": "1",
+        },
+    )
+    names, env = on_failure(spec, "a.service", -9, limit)
+    assert names and env["MONITOR_EXIT_CODE"] == "killed" and env["MONITOR_EXIT_STATUS"] == "KILL"
+    names, env = on_failure(spec, "a.service", 78, "status 78 is in RestartPreventExitStatus=")
+    assert names and env["MONITOR_SERVICE_RESULT"] == "exit-code" and env["MONITOR_EXIT_STATUS"] == "78"
+    assert on_failure(spec, "a.service", 0, "exited cleanly (status 0)") == ([], {})
+    assert on_failure(spec, "a.service", -15, "exited cleanly (SIGTERM)") == ([], {})
+    assert on_failure(shims.parse_unit(AGENT_UNIT), "a.service", 1, limit) == ([], {})  # none listed
+    with pytest.raises(shims.Refused, match="only NAME.service"):
+        shims.parse_unit("[Unit]\nOnFailure=rescue.target\n[Service]\nExecStart=/bin/true\n")
+    assert shims.parse_unit("[Service]\nType=oneshot\nExecStart=/bin/true\n")
+
+
+def test_journalctl_prints_a_units_last_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The local journal of a unit: the instance log's stretches after each of its starts."""
+    from petctl.local.shims.journal import journalctl
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "i-1.log").write_text(
+        "boot line\n"
+        "==> petctl local systemd: starting a.service: /x run\n"
+        "first\n"
+        "==> petctl local systemd: starting b.service: /y\n"
+        "other\n"
+        "==> petctl local systemd: starting a.service: /x run\n"
+        "second\n"
+        "ModuleNotFoundError: No module named 'z'\n"
+    )
+    monkeypatch.setenv("PETCTL_LOCAL_STATE", str(tmp_path))
+    monkeypatch.setenv("PETCTL_LOCAL_INSTANCE_ID", "i-1")
+    journalctl(["-u", "a.service", "-n", "2", "-o", "cat", "--no-pager"])
+    assert capsys.readouterr().out == "second\nModuleNotFoundError: No module named 'z'\n"
+    journalctl(["-u", "a.service"])
+    assert capsys.readouterr().out == "first\nsecond\nModuleNotFoundError: No module named 'z'\n"
+    journalctl(["-u", "c.service"])
+    assert capsys.readouterr().out == "-- No entries --\n"
+    with pytest.raises(shims.Refused):
+        journalctl(["-f"])
+
+
 def test_rewrite_maps_instance_paths_and_loopback_only() -> None:
     root = Path("/s/instances/i-1/root")
     script = (

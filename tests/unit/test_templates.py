@@ -840,7 +840,8 @@ BOOT_FAILURE_LINES = (
     'trap \'boot_failed "$LINENO" "$BASH_COMMAND"\' ERR',
     "GIVE_UP_AFTER=3",
     "JOB_URL=s3://${BucketName}/petctl/jobs/${JobName}",
-    'aws s3 cp --region "$REGION" --only-show-errors /var/log/petctl-boot.log "$JOB_URL/boot/$INSTANCE_ID.log"',
+    "$GIVE_UP /var/log/petctl-boot.log",
+    'aws s3 cp --region "$REGION" --only-show-errors "$LOG" "$JOB_URL/boot/$INSTANCE_ID.log"',
     'failures=$(aws s3 ls --region "$REGION" "$JOB_URL/boot/" 2>/dev/null | wc -l)',
     'reports=$(aws s3 ls --region "$REGION" "$JOB_URL/status/" 2>/dev/null | wc -l)',
     'if [ "$failures" -ge "$GIVE_UP_AFTER" ] && [ "$reports" -eq 0 ]; then',
@@ -865,6 +866,27 @@ def test_boot_failure_publishes_the_log_marks_unhealthy_and_gives_up(flags):
     assert str(jobs_module().BOOT_FAILURES_TO_FAIL) == "3"  # the CLI's FAILED rule counts the same
 
 
+@pytest.mark.parametrize("flags", JOB_VARIANTS[:4], ids=_id)
+def test_an_agent_unit_that_fails_for_good_gives_up_like_a_failed_boot(flags):
+    """The agent's unit starts petctl-agent-failed.service when it ends failed (its start limit hit:
+    an agent that cannot even start), which runs the boot's own give-up script with the agent's
+    journal as the log, and skips a failure the agent already recorded (78, 79)."""
+    script = _user_data(flags, "WorkerLaunchTemplate")
+    lines = [line.strip() for line in script.splitlines()]
+    agent_unit = script[script.index("petctl-agent.service <<UNIT") :]
+    assert "OnFailure=petctl-agent-failed.service" in agent_unit[: agent_unit.index("[Service]")]
+    failed_unit = script[script.index("petctl-agent-failed.service <<UNIT") :]
+    failed_unit = failed_unit[: failed_unit.index("\nUNIT\n")]
+    assert "Type=oneshot" in failed_unit and "ExecStart=$GIVE_UP agent" in failed_unit
+    assert "journalctl -u petctl-agent.service -n 40 -o cat --no-pager" in lines
+    skip = 'if aws s3 ls --region "$REGION" "$JOB_URL/boot/$INSTANCE_ID.log" >/dev/null 2>&1; then'
+    assert skip in lines and script.index(skip) < script.index(
+        'aws s3 cp --region "$REGION" --only-show-errors "$LOG"'
+    )
+    # the environment it runs with is written once the instance id is known
+    assert script.index("INSTANCE_ID=$(retry imds") < script.index("> /var/lib/petctl/give-up.env")
+
+
 DELETE_WARM_POOL = 'aws autoscaling delete-warm-pool --region "$REGION" --auto-scaling-group-name "petctl-${JobName}-workers" \\'
 
 
@@ -881,8 +903,8 @@ def test_boot_failure_gives_up_on_the_warm_pool_first(flags):
             assert lines[lines.index(DELETE_WARM_POOL) + 1] == "--force-delete || true"
             # after the scale to zero and the boot event: the deletion may terminate this instance
             assert lines[lines.index(DELETE_WARM_POOL) - 1] == 'if [ "$gave_up" -eq 1 ]; then'
-            assert script.index("gave_up=1") < script.index("boot_event boot_failed")
-            assert script.index("boot_event boot_failed") < script.index(DELETE_WARM_POOL)
+            assert script.index("gave_up=1") < script.index('"kind\\": \\"boot_failed')
+            assert script.index('"kind\\": \\"boot_failed') < script.index(DELETE_WARM_POOL)
             assert script.index(DELETE_WARM_POOL) < script.index("aws autoscaling set-instance-health")
     if flags.get("own_roles", True):
         t = job(**flags)

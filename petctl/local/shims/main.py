@@ -13,6 +13,7 @@ from typing import NoReturn
 from .aws import aws
 from .base import Failed, Refused, log
 from .dnf import dnf
+from .journal import journalctl
 from .mount import mount
 from .net import curl, ip
 from .pip import pip
@@ -28,6 +29,7 @@ COMMANDS = {
     "python3.11": python,
     "pip": pip,
     "systemctl": systemctl,
+    "journalctl": journalctl,
 }
 
 

@@ -25,6 +25,7 @@ UNIT_KEYS: dict[str, dict[str, bool | str]] = {
         "After": "ordering only",
         "StartLimitIntervalSec": True,
         "StartLimitBurst": True,
+        "OnFailure": True,
     },
     "Service": {
         "Type": True,
@@ -75,8 +76,11 @@ def parse_unit(text: str) -> dict[str, dict[str, list[str]]]:
         raise Refused("a unit needs exactly one ExecStart=")
     if svc.get("Restart", ["no"])[-1] not in RESTARTS:
         raise Refused(f"Restart={svc['Restart'][-1]} not emulated ({', '.join(RESTARTS)})")
-    if svc.get("Type", ["simple"])[-1] not in ("simple", "notify"):
-        raise Refused(f"Type={svc['Type'][-1]} not emulated (simple, notify)")
+    if svc.get("Type", ["simple"])[-1] not in ("simple", "notify", "oneshot"):
+        raise Refused(f"Type={svc['Type'][-1]} not emulated (simple, notify, oneshot)")
+    for name in (n for v in out.get("Unit", {}).get("OnFailure", []) for n in v.split()):
+        if not re.fullmatch(r"[A-Za-z0-9@_.-]+\.service", name):
+            raise Refused(f"OnFailure={name}: only NAME.service units are emulated")
     if svc.get("KillMode", ["control-group"])[-1] not in ("control-group", "mixed", "process"):
         raise Refused(f"KillMode={svc['KillMode'][-1]} not emulated")
     if svc.get("KillSignal", ["SIGTERM"])[-1] not in ("SIGTERM", "SIGINT"):
@@ -123,6 +127,30 @@ def restart_verdict(
     if interval > 0 and sum(1 for t in starts if now - t < interval) >= burst:
         return f"start limit hit ({burst} starts within {interval:g}s)"
     return None
+
+
+def on_failure(
+    spec: dict[str, dict[str, list[str]]], unit: str, rc: int, why: str
+) -> tuple[list[str], dict[str, str]]:
+    """What systemd starts when ``unit``'s main process ended with ``rc`` (a Popen return code)
+    and is not restarted (``why``, from :func:`restart_verdict`): its ``OnFailure=`` units if
+    the unit ends "failed" -- a non-zero status, an unclean signal, or its start limit hit
+    (systemd.unit(5)) -- with the ``MONITOR_*`` variables systemd.exec(5) gives them. A clean
+    end (status 0, SIGHUP/SIGINT/SIGTERM/SIGPIPE) starts nothing."""
+    names: list[str] = []
+    for value in spec.get("Unit", {}).get("OnFailure", []):
+        names = [] if not value else names + value.split()
+    limit = why.startswith("start limit hit")
+    sig = signal.Signals(-rc) if rc < 0 else None
+    if not names or not (limit or (rc != 0 and sig not in CLEAN_SIGNALS)):
+        return [], {}
+    env = {
+        "MONITOR_UNIT": unit,
+        "MONITOR_SERVICE_RESULT": "start-limit-hit" if limit else "signal" if sig else "exit-code",
+        "MONITOR_EXIT_CODE": "killed" if sig else "exited",
+        "MONITOR_EXIT_STATUS": sig.name[3:] if sig else str(rc),
+    }
+    return names, env
 
 
 def restart_delay(spec: dict[str, dict[str, list[str]]]) -> float:
