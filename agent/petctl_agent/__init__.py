@@ -20,8 +20,9 @@ DRAIN_EXIT_CODE = 75
 
 #: A crash or a failure a restart may cure (S3 or IMDS unreachable at start): systemd restarts.
 EXIT_FAILED = 1
-#: A terminal failure no restart can cure: a bad spec, the wrong torch, the job's workers failed
-#: for good (78 = EX_CONFIG). The agent marks its instance Unhealthy and counts it as a failed boot.
+#: A terminal failure no restart can cure: a bad spec, the wrong torch, an unwritable checkpoint or
+#: work directory, the job's workers failed for good (78 = EX_CONFIG). The agent marks its
+#: instance Unhealthy and counts it as a failed boot.
 EXIT_TERMINAL = 78
 #: This node's rendezvous timed out (``join_timeout``): terminal like EXIT_TERMINAL.
 EXIT_JOIN_TIMEOUT = 79

@@ -82,6 +82,16 @@ class Stacks:
             s for s in self.list_stacks(naming.job_stack("")) if tags_of(s).get("petctl:profile") == profile
         ]
 
+    def resource_ids(self, name: str) -> set[str]:
+        """Logical ids of the resources of stack ``name`` (of its top-level template)."""
+        ids: set[str] = set()
+        try:
+            for page in self.cf.get_paginator("list_stack_resources").paginate(StackName=name):
+                ids.update(r["LogicalResourceId"] for r in page["StackResourceSummaries"])
+        except ClientError as e:
+            raise AwsError(f"cannot list the resources of stack {name} ({describe_client_error(e)})") from e
+        return ids
+
     def failure_reasons(self, name: str, since: Any = None) -> list[str]:
         """``LogicalId (Type): reason`` for every failed resource event, oldest first."""
         reasons = []

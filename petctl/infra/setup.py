@@ -24,6 +24,9 @@ OUTPUT_FIELDS = {
 }
 #: Outputs of base stacks made before the roles moved into the job stacks.
 OLD_ROLE_OUTPUTS = ("WorkerInstanceProfileArn", "RdzvInstanceProfileArn")
+#: The job stack resource (cfn_templates/job.yaml.j2) through which a job's workers mount the file
+#: system; job stacks made before it mount the root.
+JOB_ACCESS_POINT = "JobAccessPoint"
 
 
 @dataclass
@@ -124,6 +127,8 @@ def setup(
             f"checkpoints; to train on from them, run `{cmd('setup --efs-id ' + kept[-1])}`"
         )
     _refuse_to_pull_roles_from_jobs(ctx, gw, plan.stack)
+    if not efs_id:
+        _refuse_to_lock_out_root_mounts(ctx, gw)
     return apply_setup(ctx, plan, kms_key, timeout)
 
 
@@ -167,6 +172,25 @@ def _refuse_to_pull_roles_from_jobs(ctx: Context, gw: Gateway, name: str) -> Non
         raise PetctlError(
             f"base stack {name} still gives its instance roles and network to job(s) {', '.join(live)}; "
             f"updating it would cut them off. Let them finish or `{cmd('kill-job')}` them, then run "
+            f"`{cmd('setup')}` again"
+        )
+
+
+def _refuse_to_lock_out_root_mounts(ctx: Context, gw: Gateway) -> None:
+    """Jobs started by a petctl before the per-job access points mount the file system's root
+    (``fs:/``, no access point, no ``iam``). The file system policy the base stack now sets denies
+    such mounts, so every replacement, reboot and warm-pool start of those jobs would fail to
+    mount (three failed boots stop a job): refuse while any of them exists (before any change)."""
+    old = [
+        naming.job_from_stack(s["StackName"]) or s["StackName"]
+        for s in gw.stacks.job_stacks(ctx.profile_name)
+        if JOB_ACCESS_POINT not in gw.stacks.resource_ids(s["StackName"])
+    ]
+    if old:
+        raise PetctlError(
+            f"job(s) {', '.join(old)} mount the file system without an access point (started by an "
+            f"earlier petctl), and the file system policy this setup adds would refuse their remounts "
+            f"and replacements. Let them finish or `{cmd('kill-job')}` them, then run "
             f"`{cmd('setup')}` again"
         )
 

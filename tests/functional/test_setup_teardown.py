@@ -76,6 +76,45 @@ def test_setup_refuses_to_take_roles_from_running_jobs_of_an_older_base_stack(ru
     }
 
 
+OLD_JOB = """
+Resources:
+  WorkerGroup:
+    Type: AWS::CloudFormation::WaitConditionHandle
+"""
+# Only the logical id matters to setup's check; the real one is an AWS::EFS::AccessPoint (a type
+# moto's CloudFormation lists as a resource of the stack is enough here).
+NEW_JOB = """
+Resources:
+  JobAccessPoint:
+    Type: AWS::SQS::Queue
+"""
+
+
+def _job_stack(name: str, body: str, profile: str = "default") -> None:
+    cf().create_stack(StackName=name, TemplateBody=body, Tags=[{"Key": "petctl:profile", "Value": profile}])
+
+
+def test_setup_refuses_to_lock_out_jobs_that_mount_the_root(run):
+    """Jobs of an earlier petctl mount the file system's root; the file system policy setup sets
+    denies that, so their replacements would never mount: setup refuses while one exists, before
+    any change, and goes on once it is gone (jobs with an access point do not stop it)."""
+    assert run("setup").exit_code == 0
+    _job_stack("petctl-job-new-1", NEW_JOB)
+    _job_stack("petctl-job-old-1", OLD_JOB)
+    _job_stack("petctl-job-other", OLD_JOB, profile="x")  # another profile's: not this setup's business
+    before = cf().describe_stacks(StackName="petctl-default")["Stacks"][0]
+    r = run("setup", "--az-count", "3")
+    assert r.exit_code != 0
+    assert "job(s) old-1 mount the file system without an access point" in r.stderr
+    assert "Traceback" not in r.output
+    after = cf().describe_stacks(StackName="petctl-default")["Stacks"][0]
+    assert after.get("LastUpdatedTime") == before.get("LastUpdatedTime")
+    assert after["Parameters"] == before["Parameters"]
+    cf().delete_stack(StackName="petctl-job-old-1")
+    r = run("setup", "--az-count", "3")
+    assert r.exit_code == 0, r.output
+
+
 def test_setup_again_updates_in_place(run):
     assert run("setup").exit_code == 0
     r = run("--output", "json", "setup")

@@ -24,7 +24,7 @@ from petctl_agent.cloud.imds import Imds
 from petctl_agent.cloud.status import StatusPublisher, make_writer
 from petctl_agent.node import ending, failure, markers
 from petctl_agent.node.lifecycle import CapacityHint, Lifecycle
-from petctl_agent.node.preflight import check_etcd_tls, check_torch, wait_for_dir
+from petctl_agent.node.preflight import check_etcd_tls, check_torch, require_writable_dir, wait_for_dir
 from petctl_agent.settings import Settings
 from petctl_agent.spec import JobSpec, SpecError, rdzv_backend
 from petctl_agent.worker.env import (
@@ -244,15 +244,15 @@ class Agent:
         return ep if ":" in ep else f"{ep}:{spec.rdzv_port}"
 
     def _prepare_node(self, spec: JobSpec) -> tuple[Path, Path, Path]:
-        """Fetch the code, wait for the shared filesystem, make the checkpoint and work dirs:
-        ``(script, checkpoint dir, work dir)``."""
+        """Fetch the code, wait for the shared filesystem, make the checkpoint and work dirs and
+        check this node can write them: ``(script, checkpoint dir, work dir)``."""
         self.paths.root.mkdir(parents=True, exist_ok=True)
         script = fetch_code(spec, self.paths.code)
         wait_for_dir(self.efs, self.settings.efs_wait, "shared filesystem")
         ckpt_dir = job_checkpoint_dir(self.efs, spec)
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        require_writable_dir(ckpt_dir, "checkpoint directory")
         work_dir = job_work_dir(self.efs, spec)
-        work_dir.mkdir(parents=True, exist_ok=True)
+        require_writable_dir(work_dir, "work directory")
         return script, ckpt_dir, work_dir
 
     def _wait_while_warmed(self) -> None:

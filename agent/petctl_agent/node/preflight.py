@@ -7,6 +7,7 @@ for ever inside the rendezvous.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -23,6 +24,24 @@ def wait_for_dir(path: Path, timeout: float, what: str) -> None:
                 f"{what} {path} did not appear within {timeout:.0f}s (is the filesystem mounted?)"
             )
         time.sleep(1)
+
+
+def require_writable_dir(path: Path, what: str) -> None:
+    """Make ``path`` (parents included) and create and remove a file in it, now: a directory this
+    node cannot write would otherwise surface only at the job's first save (``EACCES``), after
+    that much training. The usual cause is a job directory an earlier petctl made as root, which
+    the job's access point (its own uid) cannot write: terminal, no restart cures it."""
+    probe = path / f".petctl-write-check-{socket.gethostname()}-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        os.unlink(probe)
+    except OSError as e:
+        raise SpecError(
+            f"cannot write the {what} {path} ({e.strerror or e}); most likely a job directory an earlier "
+            f"petctl made as root: give it to the job's uid (docs/contracts.md, 'Upgrading') "
+            f"or run the job under a new name"
+        ) from None
 
 
 def check_etcd_tls(settings: Settings) -> None:
