@@ -211,8 +211,11 @@ def test_broken_boot_scripts_fail_loudly(petctl: Any, cloud: Cloud, monkeypatch:
     assert st["boot_failures"]["count"] >= 3 and "syntax error" in st["reason"], st["reason"]
     assert any("petctl boot: FAILED (exit 2)" in line for line in st["boot_failures"]["last_lines"])
     wait_for(lambda: petctl("status", "boot-syntax")["desired"] == 0, timeout=30, what="the job stopped")
-    failed = [b for b in petctl("status", "boot-syntax")["boot_events"] if b["role"] == "worker"]
-    assert len(failed) >= 3 and all(b["events"][-1]["kind"] == "boot_failed" for b in failed)
+    boots = [b for b in petctl("status", "boot-syntax")["boot_events"] if b["role"] == "worker"]
+    # At least three boots failed, and none got as far as the agent; a replacement launched before
+    # the job stopped may still be booting (its events end at "launched"), so not every boot ended.
+    assert len([b for b in boots if b["events"][-1]["kind"] == "boot_failed"]) >= 3, boots
+    assert not [b for b in boots if "agent_started" in [e["kind"] for e in b["events"]]], boots
     workers = cloud.instances("boot-syntax", "worker")
     # No boot ever succeeds (one the scale to zero cut short may still read "running" a moment).
     assert len(workers) >= 3 and not [i for i in workers if i["boot"]["state"] == "done"]
