@@ -211,10 +211,24 @@ def test_broken_boot_scripts_fail_loudly(petctl: Any, cloud: Cloud, monkeypatch:
     assert st["boot_failures"]["count"] >= 3 and "syntax error" in st["reason"], st["reason"]
     assert any("petctl boot: FAILED (exit 2)" in line for line in st["boot_failures"]["last_lines"])
     wait_for(lambda: petctl("status", "boot-syntax")["desired"] == 0, timeout=30, what="the job stopped")
-    boots = [b for b in petctl("status", "boot-syntax")["boot_events"] if b["role"] == "worker"]
-    # At least three boots failed, and none got as far as the agent; a replacement launched before
-    # the job stopped may still be booting (its events end at "launched"), so not every boot ended.
-    assert len([b for b in boots if b["events"][-1]["kind"] == "boot_failed"]) >= 3, boots
+
+    # At least three boots publish boot_failed (the give-up script publishes that event last, after
+    # the boot log that status counts and the scale to zero: waited for, not read at one instant),
+    # and no boot got as far as the agent; a replacement launched before the job stopped may still
+    # be booting, so not every boot has ended.
+    def worker_boots() -> list[dict[str, Any]]:
+        return [b for b in petctl("status", "boot-syntax")["boot_events"] if b["role"] == "worker"]
+
+    boots = wait_for(
+        lambda: (
+            (bs := worker_boots())
+            and len([b for b in bs if b["events"][-1]["kind"] == "boot_failed"]) >= 3
+            and bs
+        ),
+        timeout=60,
+        what="three worker boots' boot_failed events",
+        poll=1,
+    )
     assert not [b for b in boots if "agent_started" in [e["kind"] for e in b["events"]]], boots
     workers = cloud.instances("boot-syntax", "worker")
     # No boot ever succeeds (one the scale to zero cut short may still read "running" a moment).
