@@ -931,6 +931,9 @@ def test_boot_failure_trap_runs(tmp_path, boots, reports, warm_pool):
     flags = {"gpu": False, "spot": False, "ami_override": False, "warm_pool": warm_pool}
     script = _substituted(_user_data(flags, "WorkerLaunchTemplate"))
     script = script.replace("/var/log/petctl-boot.log", str(tmp_path / "boot.log"))
+    # its state dir too: the real /var/lib/petctl is shared by every run of this test (xdist's
+    # workers, other checkouts), and one run's give-up.env used to change another's verdict
+    script = script.replace("/var/lib/petctl", str(tmp_path / "var-lib-petctl"))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "calls"
@@ -980,6 +983,9 @@ def test_launch_hook_heartbeats_while_the_boot_runs_and_stop_before_abandon(tmp_
     assert "HEARTBEAT_EVERY=300\n" in script and "HEARTBEAT_FOR=5400\n" in script
     script = script.replace("HEARTBEAT_EVERY=300\n", "HEARTBEAT_EVERY=1\n")
     script = script.replace("/var/log/petctl-boot.log", str(tmp_path / "boot.log"))
+    # its state dir too: the real /var/lib/petctl is shared by every run of this test (xdist's
+    # workers, other checkouts), and one run's give-up.env used to change another's verdict
+    script = script.replace("/var/lib/petctl", str(tmp_path / "var-lib-petctl"))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls, slow = tmp_path / "calls", tmp_path / "slow-once"
