@@ -23,7 +23,15 @@ LOCAL = [
     "packaging>=23",
 ]
 # Linters pinned: a new ruff style or cfn-lint rule must not turn CI red without a change here.
-DEV = ["pytest>=8", "pytest-timeout>=2.3", "ruff==0.17.6", "cfn-lint==1.51.0", "setuptools>=70.1"]
+# pytest-xdist: scripts/test.sh runs the suite on 2 workers (tests/conftest.py groups the heavy ones)
+DEV = [
+    "pytest>=8",
+    "pytest-timeout>=2.3",
+    "pytest-xdist>=3.6",
+    "ruff==0.17.6",
+    "cfn-lint==1.51.0",
+    "setuptools>=70.1",
+]
 
 setup(
     name="petctl",
