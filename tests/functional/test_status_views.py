@@ -157,17 +157,31 @@ def test_run_job_follow_streams_logs_and_exits_with_the_jobs_result(run, job, tm
         ) in r.stderr
 
 
-def test_status_watch_refreshes_until_the_job_ends(run, job):
+def test_status_watch_refreshes_until_the_job_ends(run, job, monkeypatch):
     import threading
+
+    from petctl import jobs
 
     a, b = _workers()
     for iid in (a, b):
         _report(iid, last_step=10)
 
+    # The job ends once the watch has read it running (not after a fixed 2.5 s: on a loaded
+    # machine the first read came later, saw the end, and the watch rightly drew one snapshot).
+    observed, real_observe = threading.Event(), jobs.observe
+
+    def observe(*args, **kwargs):
+        try:
+            return real_observe(*args, **kwargs)
+        finally:
+            observed.set()
+
+    monkeypatch.setattr(jobs, "observe", observe)
+
     def finish():
-        time.sleep(2.5)
-        for iid in (a, b):
-            _report(iid, state="SUCCEEDED", last_step=40)
+        if observed.wait(120):
+            for iid in (a, b):
+                _report(iid, state="SUCCEEDED", last_step=40)
 
     threading.Thread(target=finish, daemon=True).start()
     r = run("status", "demo", "--watch", "--interval", "1")
