@@ -35,11 +35,13 @@ os.environ.setdefault("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
 #  1. "torch-jobs": tests/faults and tests/e2e, each a whole training job through faults (4-7
 #     torch processes, minutes, bounded by "the job must not finish before the fault"). One
 #     unit, so two of them never share the 2 cores; first, so the longest chain starts at once.
-#  2. "local-cloud": tests/local, one unit: its session-wide daemon starts once, on one worker.
-#  3. each tests/agent file: its module fixtures (an etcd, a TLS etcd) start once.
+#  2. "local-cloud": the tests/local tests on its session-wide daemon (the ``cloud`` fixture), one
+#     unit: the daemon starts once, on one worker.
+#  3. each other tests/local and tests/agent file: its module fixtures (a moto server, an etcd, a
+#     TLS etcd) start once.
 #  4. tests/functional and tests/unit, test by test: short units that fill both workers' tails.
 # Without xdist the order is the same and the marks do nothing.
-_GROUPS = {"faults": "torch-jobs", "e2e": "torch-jobs", "local": "local-cloud"}
+_GROUPS = {"faults": "torch-jobs", "e2e": "torch-jobs"}
 _ORDER = {"faults": 0, "e2e": 0, "local": 1, "agent": 2, "functional": 3, "unit": 4}
 
 
@@ -53,7 +55,10 @@ def pytest_collection_modifyitems(session, config, items) -> None:
 
     for item in items:
         top, rel = where(item)
-        group = _GROUPS.get(top) or (rel if top == "agent" else None)
+        if top == "local" and "cloud" in getattr(item, "fixturenames", ()):
+            group = "local-cloud"
+        else:
+            group = _GROUPS.get(top) or (rel if top in ("local", "agent") else None)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: _ORDER.get(where(item)[0], 5))  # stable: files stay in order
