@@ -57,6 +57,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Etcd  # noqa: E402 - scripts/harness.py, next to this script
 from rdzv_sim import Sim, Spec  # noqa: E402
 
+#: the etcd API each scenario's participants spoke (by their requests), in order
+SEEN_API: list[str] = []
+
 METRICS = {
     "proposals": "etcd_server_proposals_committed_total",
     "puts": "etcd_mvcc_put_total",
@@ -213,6 +216,7 @@ def scenario_cold_steady_drain(etcd: Etcd, a: argparse.Namespace) -> list[dict[s
         return rows
     finally:
         sim.stop()
+        SEEN_API.append(sim.api())
 
 
 def scenario_scaleup(etcd: Etcd, a: argparse.Namespace) -> dict[str, Any]:
@@ -270,6 +274,7 @@ def scenario_scaleup(etcd: Etcd, a: argparse.Namespace) -> dict[str, Any]:
         }  # fmt: skip
     finally:
         sim.stop()
+        SEEN_API.append(sim.api())
 
 
 def _observe(
@@ -295,81 +300,81 @@ def _observe(
 
 def scenario_faults(etcd: Etcd, a: argparse.Namespace) -> list[dict[str, Any]]:
     n = a.fault_n
+    which = set(a.faults.split(","))
     straggler, victim = n, n - 1
-    specs = [Spec(i) for i in range(n)] + [Spec(straggler, straggler=True)]
+    specs = [Spec(i) for i in range(n)]
+    if "straggler" in which:
+        specs.append(Spec(straggler, straggler=True))
+    everyone = [s.idx for s in specs]
     sim = Sim(
-        etcd.endpoint, specs, min_nodes=max(1, int(n * a.min_frac)), max_nodes=n + 1, expected=n + 1,
+        etcd.endpoint, specs, min_nodes=max(1, int(n * a.min_frac)), max_nodes=len(specs), expected=len(specs),
         conf=a.conf, per_proc=a.per_proc, step_s=a.step, solo=(victim,), run_id=f"faults{n}-{uuid.uuid4().hex[:6]}",
     )  # fmt: skip
     rows: list[dict[str, Any]] = []
     t0 = sim.start()
     try:
         ids = list(range(n))
-        everyone = [*ids, straggler]
-        row = {
-            "scenario": "straggler",
-            "n": n,
-            "target": "closes at the straggler deadline; straggler joins later",
-        }
-        got = sim.wait_together(ids, a.straggler_wait)
-        regs = [e[2] for e in sim.snapshot() if e[0] == "registered"]
-        calls = [e[2] for e in sim.snapshot() if e[0] == "call"]
-        last = max(calls) if calls else t0
-        sim.release_stragglers()
-        t_rel = time.monotonic()
-        joined = sim.wait_together(everyone, a.timeout, after=t_rel)
-        closed_s = None if got is None else round(got[1] - last, 3)
-        rows.append({
-            **row, "rounds": len(_rounds_after(sim, t0)), "close_s": closed_s,
-            "close_what": f"last join -> the {n} in a round without the straggler (waited <= {a.straggler_wait:g} s)",
-            "straggler_registered": bool(regs),
-            "straggler_joined_s": None if joined is None else round(joined[1] - t_rel, 3),
-            "writes_per_s": None, "ok": got is not None and joined is not None,
-            **({} if got is not None else {"error": f"no round without the straggler within {a.straggler_wait:g} s"}),
-        })  # fmt: skip
-        if joined is None:
-            rows[-1]["error"] = _fail(sim, "the straggler never got into a round with the others")
+        if "straggler" in which:
+            got = sim.wait_together(ids, a.straggler_wait)
+            regs = [e[2] for e in sim.snapshot() if e[0] == "registered"]
+            calls = [e[2] for e in sim.snapshot() if e[0] == "call"]
+            last = max(calls) if calls else t0
+            sim.release_stragglers()
+            t_rel = time.monotonic()
+            joined = sim.wait_together(everyone, a.timeout, after=t_rel)
+            row = {
+                "scenario": "straggler", "n": n, "rounds": len(_rounds_after(sim, t0)),
+                "close_s": None if got is None else round(got[1] - last, 3),
+                "close_what": f"last join -> the {n} in a round without the straggler (waited <= {a.straggler_wait:g} s)",
+                "straggler_registered": bool(regs),
+                "straggler_joined_s": None if joined is None else round(joined[1] - t_rel, 3),
+                "writes_per_s": None, "target": "closes at the straggler deadline; straggler joins later",
+                "ok": got is not None and joined is not None,
+            }  # fmt: skip
+            if got is None:
+                row["error"] = f"no round without the straggler within {a.straggler_wait:g} s"
+            rows.append(row)
+            if joined is None:
+                row["error"] = _fail(sim, "the straggler never got into a round with the others")
+                return rows
+        elif sim.wait_together(everyone, a.timeout) is None:
+            rows.append({"scenario": "start", "n": n, "ok": False, "error": _fail(sim, "no first round")})
             return rows
         time.sleep(a.settle)
         s0 = Meter(sim, etcd.endpoint)
         time.sleep(min(a.window, 5.0))
         base = Meter(sim, etcd.endpoint).since(s0)
 
-        rows.append(_observe(sim, etcd, "agent_pause", sim.pid_of(victim), a, n + 1))
-        if sim.wait_together(everyone, a.timeout) is None:
-            rows[-1]["error"] = _fail(sim, "no common round after the agent pause")
-            return rows
-        time.sleep(a.settle)
-        rows.append(_observe(sim, etcd, "etcd_pause", etcd.proc.pid, a, n + 1))
-        if sim.wait_together(everyone, a.timeout) is None:
-            rows[-1]["error"] = _fail(sim, "no common round after the etcd pause")
-            return rows
-        time.sleep(a.settle)
+        for name, pid in (("agent_pause", lambda: sim.pid_of(victim)), ("etcd_pause", lambda: etcd.proc.pid)):
+            if name not in which:
+                continue
+            rows.append(_observe(sim, etcd, name, pid(), a, len(everyone)))
+            if sim.wait_together(everyone, a.timeout) is None:
+                rows[-1]["error"] = _fail(sim, f"no common round after the {name}")
+                return rows
+            time.sleep(a.settle)
 
-        row = {"scenario": "etcd_replaced", "n": n + 1, "target": "<= 4 s after it answers"}
-        t_kill = time.monotonic()
-        etcd.stop()
-        shutil.rmtree(etcd.data_dir, ignore_errors=True)
-        time.sleep(a.replace_gap)
-        etcd.start()
-        t_ans = time.monotonic()
-        got = sim.wait_together(everyone, a.timeout, after=t_kill)
-        if got is None:
-            rows.append(
-                {
-                    **row,
-                    "ok": False,
-                    "error": _fail(sim, f"no round on the new etcd within {a.timeout:.0f} s"),
-                }
-            )
-            return rows
-        lost, _ = _lost_after(sim, t_kill)
-        rows.append({
-            **row, "rounds": len(_rounds_after(sim, t_kill)), "close_s": round(got[1] - t_ans, 3),
-            "close_what": "new etcd answers -> everyone in one round on it", "lost_steps": lost,
-            "writes_per_s": None, "ok": got[1] - t_ans <= 4.0,
-        })  # fmt: skip
-        time.sleep(a.settle)
+        if "etcd_replaced" in which:
+            row = {"scenario": "etcd_replaced", "n": len(everyone), "target": "<= 4 s after it answers"}
+            t_kill = time.monotonic()
+            etcd.stop()
+            shutil.rmtree(etcd.data_dir, ignore_errors=True)
+            time.sleep(a.replace_gap)
+            etcd.start()
+            t_ans = time.monotonic()
+            got = sim.wait_together(everyone, a.timeout, after=t_kill)
+            if got is None:
+                row.update(ok=False, error=_fail(sim, f"no round on the new etcd within {a.timeout:.0f} s"))
+                rows.append(row)
+                return rows
+            lost, _ = _lost_after(sim, t_kill)
+            row.update({
+                "rounds": len(_rounds_after(sim, t_kill)), "close_s": round(got[1] - t_ans, 3),
+                "close_what": "new etcd answers -> everyone in one round on it", "lost_steps": lost,
+                "writes_per_s": None, "ok": got[1] - t_ans <= 4.0,
+            })  # fmt: skip
+            rows.append(row)
+            time.sleep(a.settle)
         d = _drain(sim, etcd.endpoint, everyone, base, a.timeout)
         rows.append({"scenario": "drain", **d, "rounds": 1 if d.get("ok") else None,
                      "close_what": "leave -> the others in one round", "writes_per_s": None,
@@ -377,6 +382,7 @@ def scenario_faults(etcd: Etcd, a: argparse.Namespace) -> list[dict[str, Any]]:
         return rows
     finally:
         sim.stop()
+        SEEN_API.append(sim.api())
 
 
 # ---- report ---------------------------------------------------------------------------------------
@@ -494,6 +500,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--straggler-wait", type=float, default=30.0, help="how long to wait for the round without it"
     )
+    ap.add_argument(
+        "--faults",
+        default="straggler,agent_pause,etcd_pause,etcd_replaced",
+        help="which fault scenarios (a drain round always ends them)",
+    )
     ap.add_argument("--pause", type=float, default=3.0, help="SIGSTOP length (s)")
     ap.add_argument("--observe", type=float, default=6.0, help="watched after a pause (s)")
     ap.add_argument("--replace-gap", type=float, default=0.5, help="etcd down this long when replaced (s)")
@@ -529,6 +540,7 @@ def main(argv: list[str] | None = None) -> int:
                     "faults": lambda: scenario_faults(etcd, a),
                 }[sc]()
                 for r in got:
+                    r["api"] = SEEN_API[-1] if SEEN_API else "none"
                     print(json.dumps(r, default=str), file=sys.stderr, flush=True)
                 rows += got
                 print(f"[{sc}: {time.monotonic() - t:.0f} s]", file=sys.stderr, flush=True)

@@ -47,7 +47,19 @@ from typing import Any
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "agent"))
 
 #: per-process I/O counters, in this order, in shared memory (one row per process)
-IO_KINDS = ("requests", "bytes_out", "bytes_in", "read", "watch", "write", "keepalive", "delete", "other")
+IO_KINDS = (
+    "requests",
+    "bytes_out",
+    "bytes_in",
+    "read",
+    "watch",
+    "write",
+    "keepalive",
+    "delete",
+    "other",
+    "v2",
+    "v3",
+)
 
 
 @dataclass
@@ -128,6 +140,8 @@ def install_io_counters(io: _Io) -> None:
     def putrequest(self: Any, method: str, url: str, *a: Any, **kw: Any) -> None:
         io.add("requests")
         io.add(_kind(method, url))
+        if url.startswith(("/v2/", "/v3/")):
+            io.add(url[1:3])
         return o_put(self, method, url, *a, **kw)
 
     http.client.HTTPConnection.putrequest = putrequest  # type: ignore[method-assign]
@@ -393,6 +407,11 @@ class Sim:
             name: sum(self.plan.io[r * k + i] for r in range(len(self.groups)))
             for i, name in enumerate(IO_KINDS)
         }
+
+    def api(self) -> str:
+        """The etcd API the handler spoke (by its requests): "v2", "v3", "v2+v3" or "none"."""
+        io = self.io()
+        return "+".join(k for k in ("v2", "v3") if io[k]) or "none"
 
     def errors(self) -> list[tuple[Any, ...]]:
         return [e for e in self.snapshot() if e[0] == "error"]
