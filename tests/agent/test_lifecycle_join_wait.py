@@ -65,13 +65,11 @@ def test_below_min_waits_while_capacity_is_coming_and_never_scales_to_zero(make_
         # and the rendezvous was not closed: a node arriving later can still form the job
         # (petctl-etcd: no rounds/closed key; the node's join of round 1 is there, so this
         # looked in the right place)
-        import etcd
-
         from petctl_agent.rendezvous import DEFAULT_PREFIX
+        from petctl_agent.rendezvous import etcdv3 as v3
 
-        client = etcd.Client(host="127.0.0.1", port=c.etcd.port)
-        assert client.read(f"{DEFAULT_PREFIX}/wait/joins", recursive=True).leaves
-        with pytest.raises(etcd.EtcdKeyNotFound):
-            client.read(f"{DEFAULT_PREFIX}/wait/rounds/closed")
+        client = v3.Client(c.etcd.endpoint)
+        assert client.range(f"{DEFAULT_PREFIX}/wait/joins/", prefix=True).kvs
+        assert client.get(f"{DEFAULT_PREFIX}/wait/rounds/closed") is None
     finally:
         server.stop()

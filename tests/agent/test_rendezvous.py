@@ -280,7 +280,8 @@ def test_leave_deletes_at_once(group: Callable[..., Group]) -> None:
 
 
 def test_dead_nodes_expire_and_survivors_keep_rank_order(group: Callable[..., Group]) -> None:
-    g = group(2, 8)
+    # a short lease (the default, 6 s, rides through a 3 s pause: test_rdzv_v3.py)
+    g = group(2, 8, ttl=2, refresh=0.5)
     hs = [g.new() for _ in range(4)]
     res = g.rendezvous(*hs)
     order = sorted(hs, key=lambda h: res[h].rank)

@@ -14,13 +14,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import etcd
 import pytest
 from harness import Etcd, EtcdCerts, run_together
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from petctl_agent.rendezvous import BACKEND, Config, PetctlRendezvousHandler, create_handler
+from petctl_agent.rendezvous import etcdv3 as v3
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
 
@@ -32,19 +32,9 @@ def _tls(certs: EtcdCerts, **kw: Any) -> Config:
 
 
 def _keys(e: Etcd, certs: EtcdCerts, prefix: str) -> list[str]:
-    """Every key under ``prefix``, read with the client certificate."""
-    host, port = e.endpoint.split(":")
-    c = etcd.Client(
-        host=host,
-        port=int(port),
-        protocol="https",
-        ca_cert=str(certs.ca),
-        cert=(str(certs.client_cert), str(certs.client_key)),
-    )
-    try:
-        return [leaf.key for leaf in c.read(prefix, recursive=True).leaves if not leaf.dir]
-    except etcd.EtcdKeyNotFound:
-        return []
+    """Every key under ``prefix``, read with the client certificate (etcd v3)."""
+    c = v3.Client(e.endpoint, "https", str(certs.ca), str(certs.client_cert), str(certs.client_key))
+    return [kv.key for kv in c.range(prefix, prefix=True, keys_only=True).kvs]
 
 
 def test_a_round_over_tls(tls_etcd: tuple[Etcd, EtcdCerts]) -> None:
@@ -70,7 +60,7 @@ def test_a_round_over_tls(tls_etcd: tuple[Etcd, EtcdCerts]) -> None:
     try:
         assert sorted((i.rank, i.world_size) for i in res.values()) == [(0, 2), (1, 2)], res
         info = res[hs[0]]
-        info.store.set("k", b"v")  # torch's EtcdStore rides on our https client
+        info.store.set("k", b"v")  # the agent-side store rides on our https client
         assert res[hs[1]].store.get("k") == b"v"
         assert len(_keys(e, certs, f"/petctl/rdzv/{run_id}/nodes")) == 2
     finally:
@@ -94,7 +84,7 @@ def test_a_client_without_a_certificate_is_refused(tls_etcd: tuple[Etcd, EtcdCer
     assert _keys(e, certs, f"/petctl/rdzv/{run_id}") == []
 
 
-def test_tls_settings_are_checked(tmp_path: Path) -> None:
+def test_tls_settings_are_checked(tmp_path: Path, tls_etcd: tuple[Etcd, EtcdCerts]) -> None:
     pem = tmp_path / "x.pem"
     pem.write_text("not read here")
     with pytest.raises(ValueError, match="use http or https"):
@@ -105,12 +95,18 @@ def test_tls_settings_are_checked(tmp_path: Path) -> None:
         Config(cacert=str(pem))
     with pytest.raises(ValueError, match=r"cert=.*missing.pem is not a file"):
         Config(protocol="https", cacert=str(pem), cert=str(tmp_path / "missing.pem"))
+    # files that are not PEM certificates: one line at once, not a failure at the first request
+    with pytest.raises(ValueError, match="etcd TLS files .* do not load"):
+        PetctlRendezvousHandler("r", "127.0.0.1:2379", 1, 1, config=Config(protocol="https", cacert=str(pem)))
     # torchrun's --rdzv-conf reaches Config through the registry's creator
+    _, certs = tls_etcd
+    ca, cert, key = str(certs.ca), str(certs.client_cert), str(certs.client_key)
     params = RendezvousParameters(
-        BACKEND, "127.0.0.1:2379", "r", 1, 1, "127.0.0.1", protocol="https", cacert=str(pem), cert=str(pem)
+        BACKEND, "127.0.0.1:2379", "r", 1, 1, "127.0.0.1", protocol="https", cacert=ca, cert=cert, key=key
     )
     h = create_handler(params)
-    assert h.cfg.client_tls() == {"protocol": "https", "ca_cert": str(pem), "cert": str(pem)}
+    assert h.cfg.client_tls() == {"protocol": "https", "cacert": ca, "cert": cert, "key": key}
+    assert h._etcd.scheme == "https"
 
 
 ALL_REDUCE = """

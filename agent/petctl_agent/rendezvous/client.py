@@ -1,92 +1,33 @@
-"""etcd access: a python-etcd client per thread that counts requests and notices a new etcd."""
+"""etcd access: the v3 client (:mod:`.etcdv3`) with a shared request counter, and what counts
+as "etcd unreachable right now"."""
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
-import etcd
-import urllib3.exceptions
+from petctl_agent.rendezvous import etcdv3 as v3
 
-#: errors that mean "etcd is unreachable right now" (retry; re-read state afterwards)
-TRANSIENT = (
-    etcd.EtcdConnectionFailed,
-    etcd.EtcdClusterIdChanged,
-    etcd.EtcdException,
-    urllib3.exceptions.HTTPError,
-    ConnectionError,
-    OSError,
-)
+#: errors that mean "etcd is unreachable or answered oddly right now" (retry; re-read afterwards).
+#: ``ClusterChanged`` is one: the handler also drops every view (see Membership._client_error).
+TRANSIENT = (v3.Unavailable, v3.ClusterChanged, v3.RequestFailed, v3.Compacted, OSError)
 
 
-class RequestCounter:
-    """Counts etcd requests by kind (thread-safe); one can be shared by many handlers."""
+class RequestCounter(v3.Stats):
+    """Counts etcd requests by kind, and their JSON bytes (thread-safe); one can be shared by
+    many handlers. Kinds are the v3 calls: ``range``, ``put``, ``txn``, ``grant``,
+    ``keepalive``, ``revoke``, ``watch`` (a watch created), ``watch-answer`` (a message a
+    watch received: not a request, but its bytes count in ``bytes_in``)."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.counts: Counter[str] = Counter()
-
-    def add(self, kind: str) -> None:
+    def snapshot(self) -> dict[str, int]:  # type: ignore[override]
         with self._lock:
-            self.counts[kind] += 1
+            return dict(self.requests)
 
-    def snapshot(self) -> dict[str, int]:
+    def bytes(self) -> tuple[int, int]:
+        """(sent, received) JSON bytes so far."""
         with self._lock:
-            return dict(self.counts)
+            return self.bytes_out, self.bytes_in
 
 
-class Client:
-    """A python-etcd client (one per thread: watches hold their connection) that counts requests.
-
-    python-etcd remembers the cluster id of its first answer and refuses, once, the first answer
-    of another cluster (``EtcdClusterIdChanged``): a new etcd (fresh data dir) now serves this
-    address. Then this client starts afresh, tells ``on_new_cluster`` (the handler drops every
-    view it read from the old etcd) and re-raises, so the caller retries as after any outage.
-    """
-
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        counter: RequestCounter,
-        timeout: float,
-        on_new_cluster: Callable[[str], None],
-        tls: dict[str, Any] | None = None,
-    ) -> None:
-        self.host, self.port, self.timeout = host, port, timeout
-        self.tls = tls or {}
-        self.counter = counter
-        self.on_new_cluster = on_new_cluster
-        self.c = self._connect()
-
-    def _connect(self) -> etcd.Client:
-        return etcd.Client(
-            host=self.host, port=self.port, read_timeout=self.timeout, allow_reconnect=False, **self.tls
-        )
-
-    def _call(self, kind: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        self.counter.add(kind)
-        try:
-            return fn(*args, **kw)
-        except etcd.EtcdClusterIdChanged:
-            cluster = str(self.c.expected_cluster_id)
-            self.c = self._connect()
-            self.on_new_cluster(cluster)
-            raise
-
-    def get(self, key: str, kind: str, recursive: bool = False) -> etcd.EtcdResult:
-        return self._call(kind, lambda: self.c.read(key, recursive=recursive))
-
-    def write(self, key: str, value: str | None, kind: str, **kw: Any) -> etcd.EtcdResult:
-        return self._call(kind, lambda: self.c.write(key, value, **kw))
-
-    def delete(self, key: str, kind: str, **kw: Any) -> None:
-        self._call(kind, lambda: self.c.delete(key, **kw))
-
-    def watch(self, key: str, index: int, timeout: float, recursive: bool) -> etcd.EtcdResult:
-        return self._call(
-            "watch",
-            lambda: self.c.read(key, wait=True, waitIndex=index, timeout=timeout, recursive=recursive),
-        )
+def make_client(endpoint: str, counter: RequestCounter, timeout: float, tls: dict[str, Any]) -> v3.Client:
+    """One v3 client for a handler (thread-safe: each thread keeps its own connection)."""
+    return v3.Client(endpoint, timeout=timeout, stats=counter, **tls)

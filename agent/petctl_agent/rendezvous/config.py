@@ -8,11 +8,25 @@ from typing import Any
 BACKEND = "petctl-etcd"
 DEFAULT_PREFIX = "/petctl/rdzv"
 DEFAULT_PORT = 2379
+#: written create-if-absent by each boot of the rendezvous server (and by a handler that finds
+#: none): a token that changes or disappears means another etcd answers at the same address
+BOOT_TOKEN_KEY = "/petctl/etcd-boot-token"
 
 
 class Config:
-    """Timing knobs (seconds), and how to reach etcd. Defaults follow issue 10; all can be set
-    via ``--rdzv-conf``.
+    """Timing knobs (seconds), and how to reach etcd. All can be set via ``--rdzv-conf``.
+
+    * ``ttl``: the membership lease's TTL (etcd v3 lease, whole seconds, >= 2); ``refresh``: the
+      keepalive interval (a keepalive is no raft write). 6 s / 1 s ride through a 3 s pause of
+      the agent or of etcd; a real loss is seen sooner from the data plane (workers' collectives
+      fail, a worker exits, the agent re-joins and opens the round).
+    * ``settle``: a round closes no sooner than this after it opened (one-shot, never re-armed;
+      skipped when the size hint is met). ``join_window``: nodes that register later than this
+      after the round opened are not waited for (they join the next round). ``straggler``: once
+      MIN nodes joined, a registered node that has not joined within this is left out.
+    * ``hint_wait``: while running, newcomers that joined are batched for up to this long (from
+      the first of them, one-shot) while the size hint says more are coming.
+    * ``record_ttl``: the lease a round record gets when the next round replaces it.
 
     TLS takes torch's ``etcd`` handler's keys: ``protocol`` (``http``/``https``), ``cacert`` (the
     CA bundle that signed etcd's certificate), ``cert`` and ``key`` (our client certificate and
@@ -21,8 +35,8 @@ class Config:
 
     def __init__(
         self,
-        ttl: float = 2.0,
-        refresh: float = 0.5,
+        ttl: float = 6.0,
+        refresh: float = 1.0,
         settle: float = 0.5,
         hint_wait: float = 5.0,
         join_timeout: float = 600.0,
@@ -30,16 +44,22 @@ class Config:
         watch_timeout: float = 30.0,
         request_timeout: float = 5.0,
         reconnect_grace: float | None = None,
-        record_ttl: float = 60.0,
+        record_ttl: float = 10.0,
+        straggler: float = 10.0,
+        join_window: float = 5.0,
         protocol: str = "http",
         cacert: str | None = None,
         cert: str | None = None,
         key: str | None = None,
     ) -> None:
-        if int(ttl) != ttl or ttl < 1 or not 0 < refresh < ttl:
+        if int(ttl) != ttl or ttl < 2 or not 0 < refresh <= ttl / 2:
             raise ValueError(
-                f"ttl ({ttl}) must be a whole number of seconds (etcd v2) above refresh ({refresh})"
+                f"ttl ({ttl}) must be a whole number of seconds >= 2 (an etcd lease), "
+                f"and refresh ({refresh}) at most half of it"
             )
+        for name, v in (("settle", settle), ("straggler", straggler), ("join_window", join_window)):
+            if v < 0:
+                raise ValueError(f"{name} ({v}) must not be negative")
         if protocol not in ("http", "https"):
             raise ValueError(f"protocol {protocol!r}: use http or https")
         if key and not cert:
@@ -57,19 +77,17 @@ class Config:
         self.store_timeout = store_timeout
         self.watch_timeout = watch_timeout
         self.request_timeout = request_timeout
-        self.reconnect_grace = ttl + 1.0 if reconnect_grace is None else reconnect_grace
-        self.record_ttl = int(record_ttl)
+        self.reconnect_grace = 1.0 if reconnect_grace is None else reconnect_grace
+        self.record_ttl = max(2, int(record_ttl))
+        self.straggler = straggler
+        self.join_window = join_window
         self.protocol = protocol
         self.cacert = cacert or None
         self.cert = cert or None
         self.key = key or None
 
     def client_tls(self) -> dict[str, Any]:
-        """python-etcd ``Client`` arguments for our protocol and certificates."""
+        """:class:`~petctl_agent.rendezvous.etcdv3.Client` arguments for our protocol and certificates."""
         if self.protocol == "http":
             return {}
-        return {
-            "protocol": "https",
-            "ca_cert": self.cacert,
-            "cert": (self.cert, self.key) if self.key else self.cert,
-        }
+        return {"protocol": "https", "cacert": self.cacert, "cert": self.cert, "key": self.key}

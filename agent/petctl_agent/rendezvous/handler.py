@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -14,10 +15,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import etcd
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 
-from petctl_agent.rendezvous.client import TRANSIENT, Client, RequestCounter
+from petctl_agent.rendezvous import etcdv3 as v3
+from petctl_agent.rendezvous.client import TRANSIENT, RequestCounter, make_client
 from petctl_agent.rendezvous.config import BACKEND, DEFAULT_PORT, DEFAULT_PREFIX, Config
 from petctl_agent.rendezvous.joining import Joining
 from petctl_agent.rendezvous.layout import Keys, Rounds, rounds_view
@@ -73,28 +74,36 @@ class PetctlRendezvousHandler(Membership, Leadership, Joining, RendezvousHandler
         self._version = 0
         self._stopping = False
         self._left = False
-        self._main = self._client(self.cfg.request_timeout)  # the caller's thread
-        self._reg_index: int | None = None  # createdIndex of our node key; None = not registered
+        ep = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        #: one v3 client for every thread of this handler (each thread keeps its own connection)
+        try:
+            self._etcd = make_client(ep, self.counter, self.cfg.request_timeout, self.cfg.client_tls())
+        except (ssl.SSLError, OSError) as e:
+            raise ValueError(f"etcd TLS files (cacert/cert/key) do not load: {e}") from None
+        self._lease: v3.Lease | None = None  # our membership lease (kept alive by its thread)
+        self._rereg = threading.Event()  # the keeper re-registers when set
+        self._token: str | None = None  # the etcd boot token our views were read under
+        self._opened_at: dict[int, float] = {}  # leader: round -> when it first saw it open
+        self._reg_index: int | None = None  # create_revision of our node key; None = not registered
         self._reg_epoch = 0
-        self._generation = 0  # etcd replacements (or losses of our key) seen: each drops every view
-        self._cluster_id: str | None = None  # the etcd cluster id a client last switched to
+        self._generation = 0  # etcd replacements seen: each drops every view
         self._replaced_at = float("-inf")
         self._started = False
         self._rounds: Watcher | None = None
         self._members: Watcher | None = None  # only while we are the leader
         self._leader_w: Watcher | None = None  # the leader's key, while someone else leads
         self._joins: Watcher | None = None  # leader in a rendezvous: joins of the target round
-        self._snap: dict[str, int] = {}  # node id -> registration index, from the last read of nodes/
+        self._snap: dict[str, int] = {}  # node id -> registration revision, from the last read of nodes/
         self._snap_index = 0
         self._round: int | None = None  # the round we run in (None while joining / before)
         self._record: dict[str, Any] | None = None
         self._last_record: dict[str, Any] | None = None  # survives etcd replacement: rank order
         self._target: int | None = None  # the round we are joining
         self._expected_cache: tuple[float, int | None] = (float("-inf"), None)
-        self._cleanup: list[Callable[[Client], None]] = []
         self._snapped_for: tuple[str, int] | None = None
         self._threads: list[threading.Thread] = []
-        #: (time.time(), what): the last few hundred steps, for tests, benchmarks and logs
+        #: (time.time(), what): the last few hundred steps, for tests, benchmarks and logs (the
+        #: wall clock only labels events; no deadline reads it)
         self.events: deque[tuple[float, str]] = deque(maxlen=500)
 
     # ---- plumbing --------------------------------------------------------------------
@@ -191,17 +200,13 @@ class PetctlRendezvousHandler(Membership, Leadership, Joining, RendezvousHandler
         with self._cond:
             if self._rounds is not None and self._rounds.synced:
                 return self._rounds_view()[1]
-        try:
-            self._main.get(self.keys.closed, "get")
-            return True
-        except etcd.EtcdKeyNotFound:
-            return False
+        return self._etcd.get(self.keys.closed) is not None
 
     def set_closed(self) -> None:
-        self._main.write(self.keys.closed, "1", "close")
+        self._etcd.put(self.keys.closed, "1")
 
     def leave(self) -> None:
-        """Leave now: delete our membership key (peers see it at once), stop all threads.
+        """Leave now: revoke our lease (our member key and joins go at once), stop all threads.
 
         A :meth:`next_rendezvous` running in another thread raises :class:`RendezvousLeftError`.
         Does not close the rendezvous for the others.
@@ -212,12 +217,14 @@ class PetctlRendezvousHandler(Membership, Leadership, Joining, RendezvousHandler
             self._left = True
             self._round = self._target = None
             self._bump()
+        lease = self._lease
         try:
-            self._client(self.cfg.request_timeout).delete(self.node_key, "leave")
-        except etcd.EtcdKeyNotFound:
-            pass
+            if lease is not None:
+                lease.revoke()
+            else:
+                self._etcd.delete(self.node_key)
         except TRANSIENT as e:
-            log.warning("could not delete our membership key (%s); peers will see it expire", e)
+            log.warning("could not revoke our membership lease (%s); peers will see it expire", e)
         self._stop_watchers()
         self._event("left")
 
@@ -244,10 +251,18 @@ class PetctlRendezvousHandler(Membership, Leadership, Joining, RendezvousHandler
             self._left = True
             self._stopping = True
             self._bump()
+        if self._lease is not None:
+            self._lease.stop()
         self._stop_watchers()
 
     def stats(self) -> dict[str, int]:
         return self.counter.snapshot()
+
+    @property
+    def rereads(self) -> int:
+        """Re-reads of the rounds view after its first read (errors, compaction)."""
+        with self._cond:
+            return self._rounds.rereads if self._rounds is not None else 0
 
     @property
     def connected(self) -> bool:

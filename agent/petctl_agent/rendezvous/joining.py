@@ -1,7 +1,8 @@
 """Joining: :meth:`next_rendezvous`, the caller's side of a round.
 
-A node joins round ``latest closed + 1`` (``joins/<r>/<id>``) and waits until the leader's
-record of that round names it (then it has its rank) or leaves it out (then it joins the next).
+A node joins round ``latest closed + 1`` (``joins/<r>/<id>``, on its lease) and waits until the
+leader's record of that round names it (then it has its rank) or leaves it out (then it joins the
+next).
 It picks its round only from a rounds view read since the last etcd error, and picks again
 when it re-registered or etcd lost its state.
 """
@@ -16,7 +17,6 @@ import time
 from datetime import timedelta
 from typing import Any
 
-import etcd
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousGracefulExitError,
@@ -25,6 +25,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
+from petctl_agent.rendezvous import etcdv3 as v3
 from petctl_agent.rendezvous.client import TRANSIENT
 from petctl_agent.rendezvous.layout import Rounds, latest_closed
 
@@ -126,6 +127,7 @@ class Joining:
                     self._join(target, prev_round, prev_record, latest, rounds)
                     join_epoch = epoch
                 except TRANSIENT as e:
+                    self._client_error(e)
                     log.warning("join write failed (%s); retrying", e)
                     target = None
                     time.sleep(0.2)
@@ -142,13 +144,9 @@ class Joining:
         latest: int,
         rounds: Rounds,
     ) -> None:
-        value = {
-            "addr": self.addr,
-            "port": _free_port(self.addr),
-            "reg": self._reg_index or 0,
-            "t": time.time(),
-        }
-        self._main.write(self.keys.join(target, self.node_id), json.dumps(value), "join")
+        value = {"addr": self.addr, "port": _free_port(self.addr), "reg": self._reg_index or 0}
+        lease = self._lease.id if self._lease is not None else 0
+        self._etcd.put(self.keys.join(target, self.node_id), json.dumps(value), lease=lease)
         if (
             prev_round is not None
             and prev_round == latest
@@ -158,10 +156,8 @@ class Joining:
         ):
             # a participant of the running round wants a new one (its workers stopped): tell everyone
             marker = {"state": "open", "by": self.node_id, "waiting": [], "gone": [], "rejoin": True}
-            try:
-                self._main.write(self.keys.round(target), json.dumps(marker), "open", prevExist=False)
-            except (etcd.EtcdAlreadyExist, etcd.EtcdCompareFailed):
-                pass
+            key = self.keys.round(target)
+            self._etcd.txn([v3.compare(key, "create", "==", 0)], [v3.put_op(key, json.dumps(marker))])
         with self._cond:
             self._target = target
             self._bump()
@@ -169,7 +165,7 @@ class Joining:
 
     def _accept(self, target: int, rec: dict[str, Any], t0: float) -> RendezvousInfo:
         """Caller holds _cond."""
-        from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+        from petctl_agent.rendezvous.store import V3Store
 
         self._round, self._record, self._last_record, self._target = target, rec, rec, None
         if self._joins is not None:
@@ -178,11 +174,7 @@ class Joining:
         self._bump()
         parts = rec["participants"]
         rank = parts.index(self.node_id)
-        store = EtcdStore(
-            self._client(self.cfg.store_timeout + 5).c,
-            self.keys.store(target),
-            timeout=timedelta(seconds=self.cfg.store_timeout),
-        )
+        store = V3Store(self._etcd, self.keys.store(target), timedelta(seconds=self.cfg.store_timeout))
         self._event(f"round {target} rank {rank}/{len(parts)}")
         log.info(
             "rendezvous %s round %d: rank %d of %d (master %s:%s) after %.3fs",

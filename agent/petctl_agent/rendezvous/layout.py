@@ -1,8 +1,9 @@
 """Where one rendezvous lives in etcd, and how its values read (docs/rendezvous.md, "Protocol").
 
-All keys of a run sit under ``<prefix>/<run_id>``: ``nodes/<id>`` (membership, TTL),
-``rounds/<r>`` (open marker, then the record; ``rounds/closed``), ``joins/<r>/<id>`` and
-``store/<r>/...`` (torch's ``EtcdStore``). Round numbers have 10 digits, so keys sort by round.
+All keys of a run sit under ``<prefix>/<run_id>/``: ``nodes/<id>`` (membership, on the node's
+lease), ``rounds/<r>`` (open marker, then the record; ``rounds/closed``), ``joins/<r>/<id>`` (on
+the node's lease) and ``store/<r>/...`` (the agent-side store). Round numbers have 10 digits, so
+keys sort by round.
 """
 
 from __future__ import annotations
@@ -10,41 +11,43 @@ from __future__ import annotations
 import json
 from typing import Any
 
-#: round -> (its open marker or record, the key's createdIndex)
+#: a watcher's copy of a key: (value, create_revision, mod_revision)
+Item = tuple[str, int, int]
+#: round -> (its open marker or record, the key's create_revision)
 Rounds = dict[int, tuple[dict[str, Any], int]]
 
 
 class Keys:
-    """The etcd keys of one run."""
+    """The etcd keys of one run (directories end in ``/`` so that a prefix covers only them)."""
 
     def __init__(self, prefix: str, run_id: str) -> None:
         self.base = f"{prefix.rstrip('/')}/{run_id}"
-        self.nodes = f"{self.base}/nodes"
-        self.rounds = f"{self.base}/rounds"
-        self.closed = f"{self.rounds}/closed"
+        self.nodes = f"{self.base}/nodes/"
+        self.rounds = f"{self.base}/rounds/"
+        self.closed = f"{self.rounds}closed"
 
     def node(self, node_id: str) -> str:
-        return f"{self.nodes}/{node_id}"
+        return f"{self.nodes}{node_id}"
 
     def round(self, r: int) -> str:
-        return f"{self.rounds}/{r:010d}"
+        return f"{self.rounds}{r:010d}"
 
     def joins(self, r: int) -> str:
-        return f"{self.base}/joins/{r:010d}"
+        return f"{self.base}/joins/{r:010d}/"
 
     def join(self, r: int, node_id: str) -> str:
-        return f"{self.joins(r)}/{node_id}"
+        return f"{self.joins(r)}{node_id}"
 
     def store(self, r: int) -> str:
-        return f"{self.base}/store/{r:010d}"
+        return f"{self.base}/store/{r:010d}/"
 
 
 def key_name(key: str) -> str:
     """The last part of a key: a node id, a round number."""
-    return key.rsplit("/", 1)[-1]
+    return key.rstrip("/").rsplit("/", 1)[-1]
 
 
-def loads(v: str | None) -> dict[str, Any]:
+def loads(v: str | bytes | None) -> dict[str, Any]:
     """A JSON object value; anything else reads as empty."""
     try:
         d = json.loads(v or "{}")
@@ -53,16 +56,16 @@ def loads(v: str | None) -> dict[str, Any]:
         return {}
 
 
-def rounds_view(items: dict[str, tuple[str | None, int]]) -> tuple[Rounds, bool]:
-    """The rounds and the closed flag, from a watcher's copy of the rounds directory."""
+def rounds_view(items: dict[str, Item]) -> tuple[Rounds, bool]:
+    """The rounds and the closed flag, from a watcher's copy of the rounds prefix."""
     out: Rounds = {}
     closed = False
-    for k, (v, idx) in items.items():
+    for k, (v, created, _) in items.items():
         name = key_name(k)
         if name == "closed":
             closed = True
         elif name.isdigit():
-            out[int(name)] = (loads(v), idx)
+            out[int(name)] = (loads(v), created)
     return out, closed
 
 

@@ -18,18 +18,15 @@ if TYPE_CHECKING:
 
 def create_handler(params: RendezvousParameters) -> PetctlRendezvousHandler:
     """Creator for torch's registry; ``--rdzv-conf`` keys: ttl, refresh, settle, hint_wait,
-    join_timeout, store_timeout, watch_timeout, key_prefix, and TLS: protocol, cacert, cert, key."""
+    join_timeout, store_timeout, watch_timeout, record_ttl, straggler, join_window,
+    reconnect_grace, key_prefix, and TLS: protocol, cacert, cert, key (see :class:`.Config`)."""
     # here, not at the top: torch may load our entry point while handler.py is being imported
     from petctl_agent.rendezvous.handler import PetctlRendezvousHandler
 
+    knobs = ("ttl", "refresh", "settle", "hint_wait", "join_timeout", "store_timeout", "watch_timeout",
+             "record_ttl", "straggler", "join_window", "reconnect_grace")  # fmt: skip
     cfg = Config(
-        ttl=float(params.get("ttl", 2.0)),
-        refresh=float(params.get("refresh", 0.5)),
-        settle=float(params.get("settle", 0.5)),
-        hint_wait=float(params.get("hint_wait", 5.0)),
-        join_timeout=float(params.get("join_timeout", 600)),
-        store_timeout=float(params.get("store_timeout", 20)),
-        watch_timeout=float(params.get("watch_timeout", 30)),
+        **{k: float(params.get(k)) for k in knobs if params.get(k) is not None},
         protocol=str(params.get("protocol", "http")),
         cacert=params.get("cacert"),
         cert=params.get("cert"),

@@ -1,4 +1,4 @@
-"""A local copy of one etcd key or directory tree, kept current by a v2 watch in a thread."""
+"""A local copy of one etcd key or prefix, kept current by a v3 watch (by revision) in a thread."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import threading
 import time
 from typing import Protocol
 
-import etcd
-
-from petctl_agent.rendezvous.client import TRANSIENT, Client
+from petctl_agent.rendezvous import etcdv3 as v3
+from petctl_agent.rendezvous.client import TRANSIENT
+from petctl_agent.rendezvous.config import BOOT_TOKEN_KEY
+from petctl_agent.rendezvous.layout import Item
 
 log = logging.getLogger("petctl_agent.rendezvous")
 
@@ -20,36 +21,42 @@ class Owner(Protocol):
 
     _cond: threading.Condition
     _stopping: bool
+    _etcd: v3.Client
 
     def _bump(self) -> None: ...
 
-    def _client(self, timeout: float) -> Client: ...
+    def _client_error(self, e: BaseException) -> None: ...
 
-    def _etcd_replaced(self, why: str) -> None: ...
+    def _check_token(self, token: str | None) -> bool: ...
 
 
 class Watcher:
-    """A local copy of one etcd key or directory tree, kept current by a v2 watch in a thread.
+    """A local copy of one etcd key (or every key under a prefix), kept current by a v3 watch.
 
-    ``items``: leaf key -> (value, createdIndex). After any error it re-reads the tree and
-    resumes from the read's ``X-Etcd-Index`` (so etcd restarts heal). When the handler learns
-    that etcd was replaced it stops every watcher and starts new ones: a view of the old etcd
-    is never used again. Every change bumps the handler's version and notifies its condition.
+    ``items``: key -> (value, create_revision, mod_revision). It reads the keys once (in the
+    same txn it reads the boot token: a changed or missing token means a new etcd) and watches
+    from the read's revision + 1: etcd delivers every event after it, in order, with no event
+    window. After an error it reads again and resumes from that read; a revision etcd
+    compacted away (``Compacted``) costs exactly one re-read (``rereads``). When the handler
+    learns that etcd was replaced it stops every watcher and starts new ones: a view of the
+    old etcd is never used again. Every change bumps the handler's version.
     """
 
-    def __init__(self, h: Owner, key: str, recursive: bool, timeout: float) -> None:
+    def __init__(self, h: Owner, key: str, prefix: bool, timeout: float) -> None:
         self.h = h
         self.key = key
-        self.recursive = recursive
+        self.prefix = prefix
         self.timeout = timeout
-        self.items: dict[str, tuple[str | None, int]] = {}
-        self.index = 0
+        self.items: dict[str, Item] = {}
+        self.revision = 0
         self.synced = False
         self.connected = False
+        self.rereads = 0  #: reads after the first (errors, compaction)
         self.reconnected_at = float("-inf")
         self.last_added = float("-inf")
         self.added_at: dict[str, float] = {}
         self._stop = False
+        self._watch: v3.Watch | None = None
         self.thread = threading.Thread(target=self._run, name=f"petctl-rdzv-watch{key}", daemon=True)
 
     def start(self) -> Watcher:
@@ -58,6 +65,9 @@ class Watcher:
 
     def stop(self) -> None:
         self._stop = True
+        w = self._watch
+        if w is not None and threading.current_thread() is not self.thread:
+            threading.Thread(target=w.close, daemon=True).start()  # never block the caller
 
     @property
     def stopped(self) -> bool:
@@ -69,50 +79,62 @@ class Watcher:
         return self.synced and self.connected
 
     def _run(self) -> None:
-        client = self.h._client(self.timeout + 5)
+        client = self.h._etcd
         need_sync, backoff = True, 0.05
-        while not self._stop and not self.h._stopping:
-            try:
-                if need_sync:
-                    self._sync(client)
-                    need_sync, backoff = False, 0.05
-                    continue
-                ev = client.watch(self.key, self.index + 1, self.timeout, self.recursive)
-            except etcd.EtcdWatchTimedOut:
-                continue
-            except etcd.EtcdEventIndexCleared:
-                need_sync = True
-                continue
-            except TRANSIENT as e:
-                if self.connected:
-                    log.info("etcd watch on %s failed (%s); re-reading after reconnect", self.key, e)
-                with self.h._cond:
-                    self.connected = False
-                    self.h._bump()
-                need_sync = True
-                time.sleep(backoff * (1 + random.random()))
-                backoff = min(backoff * 2, 1.0)
-                continue
-            if not self._stop:
-                self._apply(ev)
-
-    def _sync(self, client: Client) -> None:
-        items: dict[str, tuple[str | None, int]] = {}
         try:
-            r = client.get(self.key, "sync", recursive=self.recursive)
-            index = int(r.etcd_index)
-            for leaf in r.leaves:
-                if not leaf.dir:
-                    items[leaf.key] = (leaf.value, int(leaf.createdIndex))
-        except etcd.EtcdKeyNotFound as e:
-            index = int(e.payload.get("index", 0)) if getattr(e, "payload", None) else 0
+            while not self._stop and not self.h._stopping:
+                try:
+                    if need_sync:
+                        if self._watch is not None:
+                            self._watch.close()
+                            self._watch = None
+                        rev = self._sync(client)
+                        if rev is None:
+                            return
+                        self._watch = client.watch(
+                            self.key, prefix=self.prefix, start_revision=rev + 1, timeout=self.timeout
+                        )
+                        if self._stop:
+                            return
+                        need_sync, backoff = False, 0.05
+                        continue
+                    evs = self._watch.get(1.0)
+                    if evs is not None and not self._stop:
+                        self._apply(evs)
+                except v3.Compacted as e:
+                    log.info("etcd watch on %s: %s; re-reading once", self.key, e)
+                    need_sync = True
+                except TRANSIENT as e:
+                    if self._stop:
+                        return
+                    self.h._client_error(e)
+                    if self.connected:
+                        log.info("etcd watch on %s failed (%s); re-reading after reconnect", self.key, e)
+                    with self.h._cond:
+                        self.connected = False
+                        self.h._bump()
+                    need_sync = True
+                    time.sleep(backoff * (1 + random.random()))
+                    backoff = min(backoff * 2, 1.0)
+        finally:
+            if self._watch is not None:
+                self._watch.close()
+
+    def _sync(self, client: v3.Client) -> int | None:
+        """Read the keys and the boot token at one revision; None if this watcher must end."""
+        r = client.txn([], [v3.range_op(self.key, self.prefix), v3.range_op(BOOT_TOKEN_KEY)])
+        kvs, tok = r.responses[0], r.responses[1]
+        assert isinstance(kvs, v3.RangeResult) and isinstance(tok, v3.RangeResult)
+        token = tok.kvs[0].text if tok.kvs else None
+        if not self.h._check_token(token) or self._stop:
+            return None  # etcd was replaced: the handler started new watchers
+        items = {kv.key: (kv.text, kv.create_revision, kv.mod_revision) for kv in kvs.kvs}
         now = time.monotonic()
         with self.h._cond:
             if self._stop:
-                return
-            if index < self.index:  # an etcd index never goes backwards: a new etcd at this address
-                self.h._etcd_replaced(f"the index of {self.key} went back from {self.index} to {index}")
-                return
+                return None
+            if self.synced:
+                self.rereads += 1
             if self.synced and not self.connected:
                 self.reconnected_at = now
             added = set(items) - set(self.items)
@@ -122,25 +144,27 @@ class Watcher:
                 self.added_at.pop(k, None)
             if added and self.synced:  # what was there before we looked is not a fresh arrival
                 self.last_added = now
-            self.items, self.index = items, index
+            self.items, self.revision = items, r.revision
             self.synced = self.connected = True
             self.h._bump()
+        return r.revision
 
-    def _apply(self, ev: etcd.EtcdResult) -> None:
+    def _apply(self, evs: list[v3.Event]) -> None:
         now = time.monotonic()
         with self.h._cond:
-            if ev.action in ("delete", "expire", "compareAndDelete"):
-                for k in [k for k in self.items if k == ev.key or k.startswith(ev.key + "/")]:
-                    del self.items[k]
+            for ev in evs:
+                k = ev.kv.key
+                if ev.type == "DELETE":
+                    self.items.pop(k, None)
                     self.added_at.pop(k, None)
-            elif not ev.dir:
-                if ev.key not in self.items:
-                    self.added_at[ev.key] = now
-                    self.last_added = now
-                self.items[ev.key] = (ev.value, int(ev.createdIndex))
-            self.index = max(self.index, int(ev.modifiedIndex))
+                else:
+                    if k not in self.items:
+                        self.added_at[k] = now
+                        self.last_added = now
+                    self.items[k] = (ev.kv.text, ev.kv.create_revision, ev.kv.mod_revision)
+                self.revision = max(self.revision, ev.kv.mod_revision)
             self.h._bump()
 
-    def modified_index(self, key: str) -> int | None:
+    def mod_revision(self, key: str) -> int | None:
         v = self.items.get(key)
-        return None if v is None else v[1]
+        return None if v is None else v[2]

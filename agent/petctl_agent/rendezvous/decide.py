@@ -1,0 +1,122 @@
+"""The leader's two decisions, as pure functions of what it sees (no etcd, no clock: ``now`` and
+every time passed in are ``time.monotonic`` readings of the leader). Unit-tested in
+tests/agent/test_rdzv_v3_decide.py; docs/rendezvous.md, "Closing a round", says why each rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+
+def rank_order(base: Sequence[str], nodes: set[str], reg: Callable[[str], int]) -> list[str]:
+    """The last round's participants that are in ``nodes`` (in rank order), then the rest by
+    registration revision (then id)."""
+    survivors = [n for n in base if n in nodes]
+    rest = sorted(nodes - set(survivors), key=lambda n: (reg(n), n))
+    return survivors + rest
+
+
+def effective_hint(expected: int | None, parts: int, survivors: int) -> int | None:
+    """The size hint, unless it predates the newcomers now joining (a desired capacity read
+    before a scale-out: it expects no growth while there is some). A stale hint is no hint."""
+    if expected is not None and parts > survivors and expected <= survivors:
+        return None
+    return expected
+
+
+@dataclass(frozen=True)
+class CloseView:
+    """What the leader sees of round ``T`` that it may close."""
+
+    now: float
+    opened_at: float  #: when the leader first saw round T open (its marker, or a first join)
+    live: Mapping[str, int]  #: registered node -> registration (create) revision
+    seen_at: Mapping[str, float]  #: registered node -> when the leader first saw it registered
+    joined: set[str]  #: nodes with a join for T
+    base: Sequence[str] = ()  #: the previous round's participants, in rank order
+    min_nodes: int = 1
+    max_nodes: int = 1
+    expected: int | None = None
+    settle: float = 0.5
+    join_window: float = 5.0
+    straggler: float = 10.0
+
+
+def close(v: CloseView) -> tuple[list[str] | None, float | None]:
+    """``(participants, None)``: close now with them, in rank order. ``(None, s)``: look again
+    in ``s`` seconds (or at the next change). ``(None, None)``: wait for a change.
+
+    * Fewer than MIN live nodes joined: wait (no deadline applies below MIN).
+    * MAX joined: close now (more would wait for the next round anyway).
+    * ``settle`` after the opening, once (never re-armed by an arrival); skipped when the hint
+      is met.
+    * Every live registered node that has not joined holds the round until its straggler
+      deadline, ``straggler`` after it registered or after the round opened, whichever is
+      later; then it is left out (it joins the next round when it is ready). A node that
+      registered more than ``join_window`` after the round opened is not waited for at all.
+    """
+    joined = {n for n in v.joined if n in v.live}
+    if len(joined) < v.min_nodes:
+        return None, None
+    order = rank_order(v.base, joined, lambda n: v.live[n])
+    parts = order[: v.max_nodes]
+    if len(joined) >= v.max_nodes:
+        return parts, None
+    survivors = sum(1 for n in v.base if n in joined)
+    exp = effective_hint(v.expected, len(parts), survivors)
+    hinted = exp is not None and len(parts) >= min(exp, v.max_nodes)
+    due: list[float] = []
+    if not hinted and v.now < v.opened_at + v.settle:
+        due.append(v.opened_at + v.settle)
+    for n in v.live:
+        if n in joined:
+            continue
+        at = v.seen_at.get(n, v.opened_at)
+        if at > v.opened_at + v.join_window:
+            continue  # registered after the round's one-shot window: the next round's
+        deadline = max(at, v.opened_at) + v.straggler
+        if v.now < deadline:
+            due.append(deadline)
+    if due:
+        return None, max(0.0, min(due) - v.now) + 0.01
+    return parts, None
+
+
+@dataclass(frozen=True)
+class OpenView:
+    """What the leader of a running round sees."""
+
+    now: float
+    participants: Sequence[str]  #: the running round's, in rank order
+    live: Mapping[str, int]  #: registered node -> registration revision
+    ready: Mapping[str, float]  #: nodes with a join for the next round -> when the leader saw it
+    max_nodes: int
+    expected: int | None = None
+    hint_wait: float = 5.0
+
+
+def open_round(v: OpenView) -> tuple[tuple[list[str], list[str]] | None, float | None]:
+    """``((waiting, gone), None)``: open the next round now. ``(None, s)``: look again in ``s``
+    seconds. ``(None, None)``: nothing to do.
+
+    A participant gone opens it at once. Newcomers count only once they are *ready* (joined the
+    next round: booted, registered, called next_rendezvous); a node that registered but never
+    joins never opens a round. While the hint says more are coming, ready newcomers are
+    batched for up to ``hint_wait`` from the first of them (one-shot: a later arrival does not
+    re-arm it); the running round keeps training meanwhile.
+    """
+    parts = list(v.participants)
+    gone = [p for p in parts if p not in v.live]
+    waiting = sorted((n for n in v.ready if n in v.live and n not in parts), key=lambda n: (v.live[n], n))
+    if len(parts) - len(gone) >= v.max_nodes:
+        waiting = []
+    if gone:
+        return (waiting, gone), None
+    if not waiting:
+        return None, None
+    if v.expected is not None and len(parts) + len(waiting) < min(v.expected, v.max_nodes):
+        first = min(v.ready[n] for n in waiting)
+        if v.now - first < v.hint_wait:
+            return None, v.hint_wait - (v.now - first) + 0.01
+    return (waiting, gone), None
