@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import urllib.request
 
 import pytest
 from benchlib import poll
@@ -99,21 +98,19 @@ def test_node_lost_during_rerendezvous(make_run):
 
 
 def newer_open_round(run) -> int | None:
-    """The number of an open round newer than the newest closed one in etcd, or None."""
+    """The number of an open round newer than the newest closed one in etcd (v3), or None."""
+    from petctl_agent.rendezvous import etcdv3 as v3
+
     try:
-        with urllib.request.urlopen(f"http://{run.etcd.endpoint}/v2/keys/?recursive=true", timeout=2) as r:
-            tree = json.load(r)
-    except (OSError, ValueError):
+        kvs = v3.Client(run.etcd.endpoint, timeout=2).range("/", prefix=True).kvs
+    except v3.EtcdError:
         return None
     state: dict[int, str] = {}
-    stack = [tree.get("node", {})]
-    while stack:
-        node = stack.pop()
-        stack.extend(node.get("nodes", []))
-        hit = re.search(r"/rounds/(\d{10})$", node.get("key", ""))
-        if hit and not node.get("dir"):
+    for kv in kvs:
+        hit = re.search(r"/rounds/(\d{10})$", kv.key)
+        if hit:
             try:
-                state[int(hit.group(1))] = json.loads(node.get("value") or "{}").get("state", "")
+                state[int(hit.group(1))] = json.loads(kv.value or b"{}").get("state", "")
             except (ValueError, AttributeError):
                 continue
     closed = max((r for r, s in state.items() if s == "closed"), default=0)

@@ -1,0 +1,110 @@
+"""The leader's close and open decisions (``petctl_agent.rendezvous.decide``): pure functions of
+what it sees, so every deadline is checked here without etcd or sleeps."""
+
+from __future__ import annotations
+
+from petctl_agent.rendezvous.decide import CloseView, OpenView, close, open_round, rank_order
+
+LIVE = {"a": 10, "b": 11, "c": 12, "d": 13}
+
+
+def view(**kw) -> CloseView:
+    base = dict(now=100.0, opened_at=100.0, live=LIVE, seen_at={n: 90.0 for n in LIVE}, joined=set(),
+                min_nodes=2, max_nodes=8, settle=0.5, join_window=5.0, straggler=10.0)  # fmt: skip
+    base.update(kw)
+    return CloseView(**base)
+
+
+def test_rank_order_keeps_survivors_then_registration() -> None:
+    assert rank_order(["c", "x", "a"], {"a", "b", "c", "d"}, LIVE.__getitem__) == ["c", "a", "b", "d"]
+
+
+def test_below_min_waits_without_a_deadline() -> None:
+    assert close(view(now=1000.0, joined={"a"})) == (None, None)
+
+
+def test_settle_is_one_shot_from_the_opening() -> None:
+    v = dict(live={"a": 1, "b": 2}, seen_at={"a": 90.0, "b": 90.0}, joined={"a", "b"})
+    parts, again = close(view(now=100.2, **v))
+    assert parts is None and 0.3 <= again <= 0.32
+    # a node that registered (and joined) at 100.4 does not push the close past 100.5
+    v = dict(
+        live={"a": 1, "b": 2, "c": 3}, seen_at={"a": 90.0, "b": 90.0, "c": 100.4}, joined={"a", "b", "c"}
+    )
+    assert close(view(now=100.5, **v)) == (["a", "b", "c"], None)
+
+
+def test_the_hint_met_skips_the_settle_window() -> None:
+    v = dict(live={"a": 1, "b": 2}, joined={"a", "b"}, expected=2)
+    assert close(view(now=100.01, **v)) == (["a", "b"], None)
+
+
+def test_a_stale_hint_does_not_skip_the_settle_window() -> None:
+    # the hint says 2 (read before the scale-out) while 2 survivors and a newcomer join
+    v = dict(base=["a", "b"], live={"a": 1, "b": 2, "c": 3}, joined={"a", "b", "c"}, expected=2)
+    parts, again = close(view(now=100.01, **v))
+    assert parts is None and again is not None
+
+
+def test_a_straggler_is_left_out_at_its_deadline() -> None:
+    # d registered long ago and never joins: it holds the round until opened_at + straggler
+    v = dict(joined={"a", "b", "c"})
+    parts, again = close(view(now=105.0, **v))
+    assert parts is None and 4.9 < again < 5.1
+    assert close(view(now=110.0, **v)) == (["a", "b", "c"], None)
+
+
+def test_a_late_registration_gets_its_own_straggler_deadline() -> None:
+    seen = {"a": 90.0, "b": 90.0, "c": 90.0, "d": 104.0}  # d registered 4 s after the opening
+    parts, again = close(view(now=110.0, seen_at=seen, joined={"a", "b", "c"}))
+    assert parts is None and 3.9 < again < 4.1
+    assert close(view(now=114.0, seen_at=seen, joined={"a", "b", "c"}))[0] == ["a", "b", "c"]
+
+
+def test_newcomers_after_the_join_window_are_not_waited_for() -> None:
+    seen = {"a": 90.0, "b": 90.0, "c": 90.0, "d": 105.5}  # registered after opened_at + join_window
+    assert close(view(now=105.6, seen_at=seen, joined={"a", "b", "c"})) == (["a", "b", "c"], None)
+    # ...but one that already joined is in
+    assert close(view(now=105.6, seen_at=seen, joined={"a", "b", "c", "d"}))[0] == ["a", "b", "c", "d"]
+
+
+def test_max_closes_at_once_and_extras_wait() -> None:
+    parts, again = close(view(max_nodes=2, joined={"c", "a", "d"}, now=100.0))
+    assert parts == ["a", "c"] and again is None
+
+
+def test_a_gone_participant_opens_at_once() -> None:
+    v = OpenView(now=0.0, participants=["a", "b", "x"], live=LIVE, ready={}, max_nodes=8, expected=10)
+    assert open_round(v) == (([], ["x"]), None)
+
+
+def test_registered_but_not_ready_never_opens_a_round() -> None:
+    # c and d are registered (booting, stuck) but have not joined the next round
+    assert open_round(OpenView(now=0.0, participants=["a", "b"], live=LIVE, ready={}, max_nodes=8)) == (
+        None,
+        None,
+    )
+
+
+def test_ready_newcomers_are_batched_one_shot_by_the_hint() -> None:
+    parts = ["a", "b"]
+    v = OpenView(
+        now=3.0, participants=parts, live=LIVE, ready={"c": 1.0}, max_nodes=8, expected=4, hint_wait=5.0
+    )
+    got, again = open_round(v)
+    assert got is None and 2.9 < again < 3.1
+    # a second newcomer at 5.5 does not re-arm: the batch opens at 1.0 + 5.0
+    v = OpenView(now=6.0, participants=parts, live={**LIVE, "e": 14}, ready={"c": 1.0, "e": 5.5},
+                 max_nodes=8, expected=5, hint_wait=5.0)  # fmt: skip
+    assert open_round(v) == ((["c", "e"], []), None)
+    # the hint met: at once
+    v = OpenView(now=1.1, participants=parts, live=LIVE, ready={"c": 1.0, "d": 1.1}, max_nodes=8, expected=4)
+    assert open_round(v) == ((["c", "d"], []), None)
+    # no hint: at once
+    v = OpenView(now=1.0, participants=parts, live=LIVE, ready={"c": 1.0}, max_nodes=8)
+    assert open_round(v) == ((["c"], []), None)
+
+
+def test_at_max_newcomers_do_not_open_a_round() -> None:
+    v = OpenView(now=0.0, participants=["a", "b"], live=LIVE, ready={"c": 0.0}, max_nodes=2)
+    assert open_round(v) == (None, None)
