@@ -120,7 +120,13 @@ def test_warmed_agent_joins_only_once_in_service(make_cluster) -> None:
     doc = c.status(a.instance_id) or {}
     assert doc.get("state") == "WARMED" and a.alive() and not a.steps
     assert not [e for e in doc.get("events", []) if e["kind"] in ("workers_ready", "rendezvous_start")]
-    assert not c.etcd.keys(), "a warmed agent registered with the rendezvous"
+    from petctl_agent.rendezvous import DEFAULT_PREFIX
+    from petctl_agent.rendezvous import etcdv3 as v3
+
+    # petctl-etcd writes etcd v3 keys (the v2 store would always look empty)
+    assert not v3.Client(c.etcd.endpoint).range(DEFAULT_PREFIX, prefix=True).kvs, (
+        "a warmed agent registered with the rendezvous"
+    )
 
     # AWS stops a pool instance once its boot is done (systemd: SIGTERM). It never trained: it
     # exits without a drain and without LEFT, which would tell `status` it once trained.

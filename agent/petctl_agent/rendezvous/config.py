@@ -27,6 +27,9 @@ class Config:
     * ``hint_wait``: while running, newcomers that joined are batched for up to this long (from
       the first of them, one-shot) while the size hint says more are coming.
     * ``record_ttl``: the lease a round record gets when the next round replaces it.
+    * ``reconnect_grace``: after its watch reconnects (or etcd was replaced) the leader acts on
+      the membership only this much later, so that nodes still reconnecting (each watcher
+      retries within 1 s) re-register first and a replaced etcd's first round has them all.
 
     TLS takes torch's ``etcd`` handler's keys: ``protocol`` (``http``/``https``), ``cacert`` (the
     CA bundle that signed etcd's certificate), ``cert`` and ``key`` (our client certificate and
@@ -77,7 +80,7 @@ class Config:
         self.store_timeout = store_timeout
         self.watch_timeout = watch_timeout
         self.request_timeout = request_timeout
-        self.reconnect_grace = 1.0 if reconnect_grace is None else reconnect_grace
+        self.reconnect_grace = 1.5 if reconnect_grace is None else reconnect_grace
         self.record_ttl = max(2, int(record_ttl))
         self.straggler = straggler
         self.join_window = join_window

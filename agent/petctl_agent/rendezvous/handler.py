@@ -216,6 +216,7 @@ class PetctlRendezvousHandler(Membership, Leadership, Joining, RendezvousHandler
                 return
             self._left = True
             self._round = self._target = None
+            self._rereg.set()  # the keeper wakes and ends
             self._bump()
         lease = self._lease
         try:
@@ -250,6 +251,7 @@ class PetctlRendezvousHandler(Membership, Leadership, Joining, RendezvousHandler
         with self._cond:
             self._left = True
             self._stopping = True
+            self._rereg.set()
             self._bump()
         if self._lease is not None:
             self._lease.stop()

@@ -142,7 +142,8 @@ class Membership:
         """Re-register when the lease is lost (expired while we were paused too long, or etcd
         replaced) or the handler asks (:meth:`_etcd_replaced`)."""
         while not self._stopping and not self._left:
-            self._rereg.wait(0.5)
+            # woken by _lease_lost, _etcd_replaced, leave; the timeout is only a safety net
+            self._rereg.wait(5.0)
             if self._stopping or self._left:
                 break
             lease = self._lease

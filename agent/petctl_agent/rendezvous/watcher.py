@@ -52,6 +52,7 @@ class Watcher:
         self.synced = False
         self.connected = False
         self.rereads = 0  #: reads after the first (errors, compaction)
+        self.compactions = 0  #: watches ended by Compacted
         self.reconnected_at = float("-inf")
         self.last_added = float("-inf")
         self.added_at: dict[str, float] = {}
@@ -102,6 +103,7 @@ class Watcher:
                     if evs is not None and not self._stop:
                         self._apply(evs)
                 except v3.Compacted as e:
+                    self.compactions += 1
                     log.info("etcd watch on %s: %s; re-reading once", self.key, e)
                     need_sync = True
                 except TRANSIENT as e:
@@ -115,7 +117,7 @@ class Watcher:
                         self.h._bump()
                     need_sync = True
                     time.sleep(backoff * (1 + random.random()))
-                    backoff = min(backoff * 2, 1.0)
+                    backoff = min(backoff * 2, 0.5)  # at most 1 s with the jitter: see docs, a replaced etcd
         finally:
             if self._watch is not None:
                 self._watch.close()

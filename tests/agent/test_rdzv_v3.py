@@ -1,0 +1,326 @@
+"""petctl-etcd on the etcd v3 API, against a real etcd (issue 21): the bounded waits, leases that
+ride through pauses, a compacted watch, an etcd replaced at the same address, the master port.
+
+Handlers run in threads of this process (no torch workers) except where a process must be
+paused. Short deadlines keep it quick; the defaults are in docs/rendezvous.md.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import Etcd, wait_for
+from test_rendezvous import Group, all_waiting
+
+from petctl_agent.rendezvous import BACKEND, PetctlRendezvousHandler, joining
+from petctl_agent.rendezvous import etcdv3 as v3
+from petctl_agent.rendezvous.config import BOOT_TOKEN_KEY
+
+pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
+
+
+@pytest.fixture(scope="module")
+def etcd3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
+    e = Etcd(tmp_path_factory.mktemp("etcd3"))
+    e.start()
+    yield e
+    e.stop()
+
+
+@pytest.fixture
+def group(etcd3: Etcd) -> Iterator[Callable[..., Group]]:
+    made: list[Group] = []
+
+    def make(min_nodes: int, max_nodes: int, endpoint: str | None = None, **cfg: Any) -> Group:
+        g = Group(endpoint or etcd3.endpoint, min_nodes, max_nodes, **cfg)
+        made.append(g)
+        return g
+
+    yield make
+    for g in made:
+        g.close()
+
+
+def _drive(g: Group, hs: list[PetctlRendezvousHandler], n: int, timeout: float) -> float:
+    """Act as the agents: a running node re-joins when its handler reports a change. Returns when
+    every one of ``hs`` runs in one round of ``n`` (time.monotonic())."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for h in hs:
+            r = g.results.get(h)
+            assert not isinstance(r, Exception), r
+            if r is not None and h.num_nodes_waiting() > 0:
+                g.join(h)
+        res = [g.results.get(h) for h in hs]
+        if all(r is not None and r.world_size == n for r in res) and len({h.round for h in hs}) == 1:
+            return time.monotonic()
+        time.sleep(0.02)
+    raise AssertionError(f"no round of {n}: {[(h.round, g.results.get(h)) for h in hs]}")
+
+
+def test_a_straggler_is_left_out_and_joins_later(group: Callable[..., Group]) -> None:
+    """Registered, never joins (its main thread stuck; its lease kept alive): the round closes at
+    the straggler deadline without it, it opens no round while not ready, and joins later. It
+    registered first, so it leads: a leader closes rounds it is not in."""
+    g = group(2, 8, straggler=1.0)
+    s, a, b = g.new(), g.new(), g.new()
+    s._start()
+    t0 = time.monotonic()
+    res = g.rendezvous(a, b, timeout=10)
+    took = time.monotonic() - t0
+    assert {i.world_size for i in res.values()} == {2}
+    assert 0.9 < took < 3.0, f"closed {took:.2f}s after the joins (straggler deadline 1 s)"
+    time.sleep(0.5)
+    assert a.pending_change() is None and b.pending_change() is None, (
+        "a node that is not ready opened a round"
+    )
+    g.join(s)
+    all_waiting([a, b], 3, "the straggler, ready now")
+    res = g.rendezvous(a, b)
+    res.update(g.wait(s))
+    assert {i.world_size for i in res.values()} == {3} and s.round == a.round == 2
+
+
+def test_trickling_arrivals_are_batched_not_re_armed(group: Callable[..., Group]) -> None:
+    """8 nodes arrive 0.35 s apart (2.45 s spread) with a 0.5 s settle window: the first round
+    closes at the one-shot settle deadline (a window re-armed by each arrival would hold it for
+    the whole spread), the hint batches the rest into one more round, which closes at once
+    when the last one is ready."""
+    n, gap = 8, 0.35
+    g = group(1, 16, settle=0.5, join_window=1.0, hint_wait=10.0)
+    hs = [g.new(expected=lambda: n) for _ in range(n)]
+    arrived: list[float] = []
+
+    def arrive() -> None:
+        for h in hs:
+            arrived.append(time.monotonic())
+            g.join(h)
+            time.sleep(gap)
+
+    threading.Thread(target=arrive, daemon=True).start()
+    wait_for(lambda: hs[0] in g.results, 5, "the first round")
+    first = time.monotonic() - arrived[0]
+    assert first < 1.5, f"the first round closed {first:.2f}s after the first arrival"
+    assert g.results[hs[0]].world_size < n
+    done = _drive(g, hs, n, 20)
+    after_last = done - arrived[-1]
+    assert hs[0].round <= 3, f"{hs[0].round} rounds"
+    assert after_last < 1.5, f"the last round closed {after_last:.2f}s after the last arrival"
+
+
+PAUSED = """
+import sys, time
+from petctl_agent.rendezvous import Config, PetctlRendezvousHandler
+h = PetctlRendezvousHandler(sys.argv[1], sys.argv[2], 2, 2, "127.0.0.1", config=Config(settle=0.1),
+                            node_id="paused")
+info = h.next_rendezvous()
+print("RANK", info.rank, flush=True)
+time.sleep(120)
+"""
+
+
+def _no_change_for(hs: list[PetctlRendezvousHandler], seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for h in hs:
+            assert h.pending_change() is None, h.pending_change()
+        time.sleep(0.05)
+
+
+def test_an_agent_paused_3s_is_no_loss(group: Callable[..., Group], etcd3: Etcd, tmp_path: Path) -> None:
+    """SIGSTOP for 3 s (a GC pause, a stalled VM): with the default lease (6 s, a keepalive every
+    1 s) the paused node's key stays, nobody opens a round, and it keeps its lease."""
+    g = group(2, 2, settle=0.1)
+    a = g.new()
+    script = tmp_path / "paused.py"
+    script.write_text(PAUSED)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), g.run_id, etcd3.endpoint], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        g.rendezvous(a, timeout=20)
+        assert proc.stdout is not None and proc.stdout.readline().startswith("RANK")
+        c = v3.Client(etcd3.endpoint)
+        key = a.keys.node("paused")
+        before = c.get(key)
+        assert before is not None and before.lease
+        os.kill(proc.pid, signal.SIGSTOP)
+        _no_change_for([a], 3.0)
+        os.kill(proc.pid, signal.SIGCONT)
+        _no_change_for([a], 2.0)  # and no late expiry once it runs again
+        after = c.get(key)
+        assert after is not None and after.lease == before.lease and after.mod_revision == before.mod_revision
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_etcd_paused_3s_is_no_loss(group: Callable[..., Group], tmp_path: Path) -> None:
+    e = Etcd(tmp_path / "paused-etcd")
+    e.start()
+    try:
+        g = group(2, 8, endpoint=e.endpoint)
+        hs = [g.new() for _ in range(3)]
+        g.rendezvous(*hs)
+        assert e.proc is not None
+        os.kill(e.proc.pid, signal.SIGSTOP)
+        time.sleep(3.0)
+        os.kill(e.proc.pid, signal.SIGCONT)
+        _no_change_for(hs, 3.0)
+        assert {h.round for h in hs} == {1}
+    finally:
+        if e.proc is not None:
+            os.kill(e.proc.pid, signal.SIGCONT)
+        e.stop()
+
+
+def test_keepalives_are_not_writes_and_re_registering_is_no_loss(
+    group: Callable[..., Group], tmp_path: Path
+) -> None:
+    e = Etcd(tmp_path / "quiet")  # its own etcd: nothing else may write during the window
+    e.start()
+    try:
+        g = group(2, 8, endpoint=e.endpoint, ttl=2, refresh=0.2)
+        hs = [g.new() for _ in range(4)]
+        g.rendezvous(*hs)
+        time.sleep(0.5)  # the close's own writes land
+        c = v3.Client(e.endpoint)
+        r0 = c.status().revision
+        ka = g.counter.snapshot().get("keepalive", 0)
+        time.sleep(2.0)
+        assert c.status().revision == r0, "idle members wrote to etcd"
+        assert g.counter.snapshot().get("keepalive", 0) - ka >= 4 * 5, "the leases were not kept alive"
+        # a node re-registers (same node id) while its key lives: a new lease, not a loss or a newcomer
+        key = hs[2].node_key
+        created = c.get(key).create_revision
+        hs[2]._register()
+        got = c.get(key)
+        assert got.create_revision == created and got.lease == hs[2]._lease.id
+        _no_change_for(hs, 1.5)
+        g.close()
+    finally:
+        e.stop()
+
+
+def test_a_compacted_watch_reads_once_and_resumes(group: Callable[..., Group], etcd3: Etcd) -> None:
+    """etcd compacts the revision a watch resumes from (here: right between the re-read and the
+    watch, after the stream broke). The watcher reads again once, and misses nothing after."""
+    g = group(2, 8)
+    a, b = g.new(), g.new()
+    g.rendezvous(a, b)
+    c = v3.Client(etcd3.endpoint)
+    done: list[int] = []
+    orig = a._etcd.watch
+
+    def watch(key: str, prefix: bool = False, start_revision: int = 0, **kw) -> v3.Watch:
+        if key == a.keys.rounds and not done:
+            for i in range(3):
+                c.put(f"/t-compact/{g.run_id}/{i}", "x")
+            done.append(c.status().revision)
+            c.compact(done[0])  # start_revision (the read's + 1) is now below the compacted one
+        return orig(key, prefix=prefix, start_revision=start_revision, **kw)
+
+    a._etcd.watch = watch  # type: ignore[method-assign]
+    w = a._rounds
+    before = w.rereads
+    w._watch.close()  # the stream breaks (a proxy, a network blip)
+    wait_for(lambda: w.rereads >= before + 2, 5, "the re-read after the break and after the compaction")
+    time.sleep(0.3)
+    assert w.compactions == 1 and w.current
+    assert w.rereads == before + 2, "more than one re-read for one compaction"
+    # the resumed watch misses nothing: a newcomer is seen and a round forms
+    n = g.new()
+    g.join(n)
+    all_waiting([a, b], 5, "the newcomer after the compaction")
+    res = g.rendezvous(a, b)
+    res.update(g.wait(n))
+    assert {i.world_size for i in res.values()} == {3}
+
+
+def test_etcd_replaced_seen_by_its_boot_token(group: Callable[..., Group], tmp_path: Path) -> None:
+    """A new etcd at the same address whose store revision is *ahead* of the old one (so the
+    revision check cannot see it) and whose cluster id is the same: only the boot token tells.
+    A round forms on it within 4 s of it answering, in the previous rank order."""
+    e = Etcd(tmp_path / "old")
+    e.start()
+    try:
+        g = group(2, 8, endpoint=e.endpoint)
+        hs = [g.new() for _ in range(3)]
+        res = g.rendezvous(*hs)
+        order = sorted(hs, key=lambda h: res[h].rank)
+        old_token = v3.Client(e.endpoint).get(BOOT_TOKEN_KEY)
+        assert old_token is not None  # the handlers created it on a bare etcd
+        e.stop()
+        # the new data dir: same member (name, peer URL: same cluster id), a later revision, its token
+        seed = Etcd(tmp_path / "seed")
+        seed.peer_port = e.peer_port
+        seed.start()
+        sc = v3.Client(seed.endpoint)
+        sc.txn([v3.compare(BOOT_TOKEN_KEY, "create", "==", 0)], [v3.put_op(BOOT_TOKEN_KEY, "boot-2")])
+        for i in range(150):
+            sc.put("/seed", str(i))
+        seed.stop()
+        shutil.rmtree(e.data_dir)
+        shutil.move(str(seed.data_dir), str(e.data_dir))
+        e.start()
+        t0 = time.monotonic()
+        res = g.rendezvous(*hs, timeout=15)
+        took = time.monotonic() - t0
+        assert {h.round for h in hs} == {1}
+        assert [res[h].rank for h in order] == [0, 1, 2]
+        assert took < 4.0, f"the round on the new etcd took {took:.1f}s after it answered"
+        assert any("boot token changed" in what for h in hs for _, what in h.events)
+        assert v3.Client(e.endpoint).get(BOOT_TOKEN_KEY).text == "boot-2"
+    finally:
+        e.stop()
+
+
+def test_the_master_port_hand_over(group: Callable[..., Group]) -> None:
+    """The record's master port is below the kernel's ephemeral range (no outgoing connection
+    takes it before rank 0's store binds it), rank 0's TCPStore binds it and rank 1 reaches it;
+    the agent-side store (etcd v3) carries torch's exit barrier."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.utils.store import barrier
+
+    g = group(2, 2, settle=0.1)
+    a, b = g.new(), g.new()
+    res = g.rendezvous(a, b)
+    infos = sorted(res.values(), key=lambda i: i.rank)
+    port = infos[0].bootstrap_store_info.master_port
+    assert {i.bootstrap_store_info.master_port for i in infos} == {port}
+    assert 1024 <= port < joining._ephemeral_low()
+    t = timedelta(seconds=10)
+    master = TCPStore("127.0.0.1", port, 2, True, timeout=t, wait_for_workers=False)
+    TCPStore(infos[1].bootstrap_store_info.master_addr, port, 2, False, timeout=t).set("x", "1")
+    assert master.get("x") == b"1"
+    errors: list[BaseException] = []
+
+    def exit_barrier(i) -> None:
+        try:
+            barrier(i.store, 2, key_prefix="torchelastic/exit", barrier_timeout=10)
+        except BaseException as ex:  # noqa: BLE001
+            errors.append(ex)
+
+    ts = [threading.Thread(target=exit_barrier, args=(i,)) for i in infos]
+    for th in ts:
+        th.start()
+    for th in ts:
+        th.join(15)
+    assert not errors and not any(th.is_alive() for th in ts), errors
+    assert infos[0].store.add("n", 2) == 2 and infos[1].store.add("n", 3) == 5
+    assert infos[0].store.compare_set("cs", "", "a") == b"a"
+    assert infos[1].store.compare_set("cs", "x", "b") == b"a"
+    assert infos[0].store.check(["n", "cs"]) and not infos[0].store.check(["nope"])
+    assert infos[1].store.multi_get(["n", "cs"]) == [b"5", b"a"]
+    assert a.get_backend() == BACKEND
