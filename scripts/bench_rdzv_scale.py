@@ -552,8 +552,17 @@ def main(argv: list[str] | None = None) -> int:
                     "scaleup": lambda: [scenario_scaleup(etcd, a)],
                     "faults": lambda: scenario_faults(etcd, a),
                 }[sc]()
+                died = etcd.proc is None or etcd.proc.poll() is not None
                 for r in got:
                     r["api"] = SEEN_API[-1] if SEEN_API else "none"
+                    if died:  # etcd 3.5.1 can panic under load ("unexpected error during txn")
+                        r["ok"] = False
+                        r["error"] = (r.get("error", "") + "; etcd exited: see its log").lstrip("; ")
+                if died:  # the next scenario gets a fresh etcd
+                    shutil.copy(etcd.root / "etcd.log", etcd.root.parent / f"etcd-died-{sc}.log")
+                    etcd.stop()
+                    shutil.rmtree(etcd.data_dir, ignore_errors=True)
+                    etcd.start()
                     print(json.dumps(r, default=str), file=sys.stderr, flush=True)
                 rows += got
                 print(f"[{sc}: {time.monotonic() - t:.0f} s]", file=sys.stderr, flush=True)
