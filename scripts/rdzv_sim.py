@@ -1,0 +1,451 @@
+"""Simulated rendezvous participants for ``bench_rdzv_scale.py``: the real handler, no torch.
+
+A *participant* is one ``PetctlRendezvousHandler`` (whatever ``petctl_agent.rendezvous``
+exports: the bench measures the handler of the checkout it runs in) driven from a thread the
+way torch's elastic agent drives it: ``next_rendezvous``, then a *worker* that is a sleep loop
+counting steps and, at each step, asks ``num_nodes_waiting`` (torch's monitor loop); when that
+is > 0 the worker stops and the participant calls ``next_rendezvous`` again. ``shutdown`` (or
+``leave``) at the end. A *hard loss* is a participant whose handler stops without leaving
+(``_crash``: no keepalive, key left to expire) and whose worker fails.
+
+Steps and losses, the model: a round that ends on a pending change whose ``gone`` list is empty
+is a coordinated stop (the workers checkpoint first: 0 steps lost); one that ends with a
+participant gone (or the round record gone) is not, and loses the steps since the last
+periodic checkpoint (every ``ckpt_steps`` steps).
+
+Participants live as threads in forked *pool* processes (``per_proc`` each) so that N=1,000
+fits in a few processes of one machine; a participant that the bench pauses (SIGSTOP) gets a
+process of its own. Every process counts, for all its sockets, the application bytes sent and
+received (``socket.socket.send/sendall/recv/recv_into`` wrapped: HTTP headers and bodies; no
+TCP/IP or TLS framing) and every HTTP request (``http.client.HTTPConnection.putrequest``, which
+urllib3 and ``http.client`` users both go through), by kind from its path: etcd v2
+``/v2/keys`` (a GET with ``wait=true`` is a watch, else a read; PUT/POST a write; DELETE a
+delete) and etcd v3 ``/v3/...`` (``kv/range`` read, ``watch``, ``lease/keepalive``, the other
+calls writes). The counts go to shared memory every 0.1 s; the bench reads them at any moment.
+
+Every participant reports to the bench (a queue): ``call`` (next_rendezvous called), ``ret``
+(returned: round, rank, world size), ``end`` (its worker stopped: steps of the round, steps
+lost, why), ``registered`` (a straggler registered without joining), ``error``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import inspect
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "agent"))
+
+#: per-process I/O counters, in this order, in shared memory (one row per process)
+IO_KINDS = (
+    "requests",
+    "bytes_out",
+    "bytes_in",
+    "read",
+    "watch",
+    "write",
+    "keepalive",
+    "delete",
+    "other",
+    "v2",
+    "v3",
+)
+
+
+@dataclass
+class Spec:
+    """One participant: its index, when it arrives (s after the scenario's start), its role."""
+
+    idx: int
+    arrive: float = 0.0
+    straggler: bool = False  # registers at arrival, joins only when the bench releases stragglers
+    phase: int = 0  # 0: ``arrive`` counts from the scenario's start; 1: from the bench's ``go`` (t1)
+
+
+# ---- I/O counting (in each participant process) ------------------------------------------------
+class _Io:
+    def __init__(self, row: Any, base: int) -> None:
+        self.lock = threading.Lock()
+        self.c = dict.fromkeys(IO_KINDS, 0)
+        self.row, self.base = row, base
+
+    def add(self, kind: str, n: int = 1) -> None:
+        with self.lock:
+            self.c[kind] += n
+
+    def flush(self) -> None:
+        with self.lock:
+            vals = [self.c[k] for k in IO_KINDS]
+        for i, v in enumerate(vals):
+            self.row[self.base + i] = float(v)
+
+
+def _kind(method: str, url: str) -> str:
+    path = url.split("?", 1)[0]
+    if path.startswith("/v2/keys"):
+        if method == "GET":
+            return "watch" if "wait=true" in url else "read"
+        return "delete" if method == "DELETE" else "write"
+    if path.startswith("/v3"):
+        tail = path.split("/v3", 1)[1].strip("/")
+        if tail == "kv/range":
+            return "read"
+        if tail == "watch":
+            return "watch"
+        if tail == "lease/keepalive":
+            return "keepalive"
+        if tail == "kv/deleterange":
+            return "delete"
+        return "write"
+    return "other"
+
+
+def install_io_counters(io: _Io) -> None:
+    """Wrap the socket and http.client calls of this process so that they count into ``io``."""
+    S = socket.socket
+    o_send, o_sendall, o_recv, o_recv_into = S.send, S.sendall, S.recv, S.recv_into
+
+    def send(self: Any, data: Any, *a: Any) -> int:
+        n = o_send(self, data, *a)
+        io.add("bytes_out", n)
+        return n
+
+    def sendall(self: Any, data: Any, *a: Any) -> None:
+        o_sendall(self, data, *a)
+        io.add("bytes_out", memoryview(data).nbytes)
+
+    def recv(self: Any, *a: Any) -> bytes:
+        d = o_recv(self, *a)
+        io.add("bytes_in", len(d))
+        return d
+
+    def recv_into(self: Any, buf: Any, *a: Any) -> int:
+        n = o_recv_into(self, buf, *a)
+        io.add("bytes_in", n)
+        return n
+
+    S.send, S.sendall, S.recv, S.recv_into = send, sendall, recv, recv_into  # type: ignore[method-assign]
+    o_put = http.client.HTTPConnection.putrequest
+
+    def putrequest(self: Any, method: str, url: str, *a: Any, **kw: Any) -> None:
+        io.add("requests")
+        io.add(_kind(method, url))
+        if url.startswith(("/v2/", "/v3/")):
+            io.add(url[1:3])
+        return o_put(self, method, url, *a, **kw)
+
+    http.client.HTTPConnection.putrequest = putrequest  # type: ignore[method-assign]
+
+
+# ---- the handler ---------------------------------------------------------------------------------
+def make_config(conf: dict[str, Any]) -> Any:
+    """The handler's ``Config`` from ``conf``, keeping only the keys this handler knows."""
+    from petctl_agent.rendezvous import Config
+
+    known = set(inspect.signature(Config).parameters)
+    return Config(**{k: v for k, v in conf.items() if k in known})
+
+
+def register_only(h: Any) -> None:
+    """Register ``h`` (membership key and its keepalive running) without joining a round: a node
+    whose agent is stuck (an EFS read in D-state, a slow start) while its keepalive runs on.
+    A public ``register`` if the handler has one, else the internal start next_rendezvous uses."""
+    for name in ("register", "_start"):
+        fn = getattr(h, name, None)
+        if callable(fn):
+            fn()
+            return
+    raise RuntimeError("the handler has neither register() nor _start(): cannot make a straggler")
+
+
+@dataclass
+class Plan:
+    """What every participant process shares (fork: inherited, not pickled)."""
+
+    endpoint: str
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    conf: dict[str, Any]
+    expected: Any  # mp.Value('i'): the desired capacity hint (0 = none)
+    t0: Any  # mp.Value('d'): time.monotonic() of the scenario's start (CLOCK_MONOTONIC: system-wide)
+    t1: Any  # mp.Value('d'): when phase-1 participants start arriving (0: not yet)
+    step_s: float
+    ckpt_steps: int
+    stop: Any  # mp.Event: leave
+    release: Any  # mp.Event: stragglers may join
+    crash: Any  # mp.Array('b'): crash[idx] = 1 -> hard loss of participant idx; 2 -> it leaves (drain)
+    q: Any  # mp.Queue: reports
+    io: Any  # mp.RawArray('d', procs * len(IO_KINDS))
+
+
+def _participant(plan: Plan, spec: Spec, h: Any) -> None:
+    q = plan.q
+    while spec.phase == 1 and not plan.t1.value:
+        if plan.stop.wait(0.1):
+            return
+    wait = (plan.t1.value if spec.phase == 1 else plan.t0.value) + spec.arrive - time.monotonic()
+    if wait > 0 and plan.stop.wait(wait):
+        return
+    try:
+        if spec.straggler:
+            register_only(h)
+            q.put(("registered", spec.idx, time.monotonic()))
+            while not plan.release.wait(0.2):
+                if plan.stop.is_set():
+                    return
+        steps_since_ckpt = 0
+        while not plan.stop.is_set():
+            q.put(("call", spec.idx, time.monotonic()))
+            info = h.next_rendezvous()
+            rnd = getattr(h, "round", None)
+            q.put(("ret", spec.idx, time.monotonic(), rnd, info.rank, info.world_size))
+            steps, why = 0, "stop"
+            while True:
+                if plan.stop.wait(plan.step_s):
+                    break
+                if plan.crash[spec.idx] == 2:
+                    h.leave()
+                    q.put(("end", spec.idx, time.monotonic(), rnd, steps, 0, "left"))
+                    return
+                if plan.crash[spec.idx]:
+                    h._crash()  # noqa: SLF001 - a SIGKILLed node: no keepalive, key left to expire
+                    q.put(("end", spec.idx, time.monotonic(), rnd, steps, steps_since_ckpt, "crashed"))
+                    return
+                steps += 1
+                steps_since_ckpt += 1
+                if steps_since_ckpt >= plan.ckpt_steps:
+                    steps_since_ckpt = 0
+                if h.num_nodes_waiting() > 0:
+                    pc = getattr(h, "pending_change", None)
+                    ch = pc() if callable(pc) else None
+                    gone = bool(ch and (ch.get("gone") or ch.get("reason") == "round record gone"))
+                    why = (ch or {}).get("reason", "nodes waiting")
+                    lost = steps_since_ckpt if gone else 0
+                    steps_since_ckpt = 0
+                    q.put(("end", spec.idx, time.monotonic(), rnd, steps, lost, why))
+                    break
+            if why == "stop":
+                return
+    except Exception as e:  # noqa: BLE001 - reported, the bench decides
+        if not plan.stop.is_set():
+            q.put(("error", spec.idx, time.monotonic(), f"{type(e).__name__}: {e}"))
+
+
+def _process(plan: Plan, specs: list[Spec], row: int) -> None:
+    """One participant process: its participants as threads; leaves when ``plan.stop`` is set."""
+    logging.basicConfig(level=logging.WARNING)
+    for name in ("etcd.client", "petctl_agent.rendezvous", "urllib3"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    io = _Io(plan.io, row * len(IO_KINDS))
+    install_io_counters(io)
+    from petctl_agent.rendezvous import PetctlRendezvousHandler
+
+    cfg = make_config(plan.conf)
+
+    def expected() -> int | None:
+        return plan.expected.value or None
+
+    hs = [
+        PetctlRendezvousHandler(
+            plan.run_id,
+            plan.endpoint,
+            plan.min_nodes,
+            plan.max_nodes,
+            "127.0.0.1",
+            config=cfg,
+            expected_nodes=expected,
+            node_id=f"sim{s.idx:05d}",
+        )  # fmt: skip
+        for s in specs
+    ]
+    ts = [threading.Thread(target=_participant, args=(plan, s, h), daemon=True) for s, h in zip(specs, hs)]
+    for t in ts:
+        t.start()
+    while not plan.stop.wait(0.1):
+        io.flush()
+    io.flush()
+    for h in hs:  # the job is over: shutdown (the first closes the rendezvous; all leave)
+        try:
+            h.shutdown()
+        except Exception:  # noqa: BLE001, S110 - a crashed or never-started handler
+            pass
+    for t in ts:
+        t.join(5)
+    io.flush()
+    os._exit(0)  # handler threads (watches) may still sit in a socket read
+
+
+class Sim:
+    """N participants in forked processes, and what they reported (``events``)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        specs: list[Spec],
+        *,
+        min_nodes: int,
+        max_nodes: int,
+        expected: int = 0,
+        conf: dict[str, Any] | None = None,
+        per_proc: int = 64,
+        solo: tuple[int, ...] = (),
+        step_s: float = 0.2,
+        ckpt_steps: int = 100,
+        run_id: str = "sim",
+    ) -> None:
+        ctx = mp.get_context("fork")
+        self.ctx = ctx
+        self.specs = {s.idx: s for s in specs}
+        groups: list[list[Spec]] = [[s] for s in specs if s.idx in solo]
+        rest = [s for s in specs if s.idx not in solo]
+        groups += [rest[i : i + per_proc] for i in range(0, len(rest), per_proc)]
+        self.groups = groups
+        n_idx = max(self.specs) + 1
+        self.plan = Plan(
+            endpoint=endpoint,
+            run_id=run_id,
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            conf=dict(conf or {}),
+            expected=ctx.Value("i", expected, lock=False),
+            t0=ctx.Value("d", 0.0, lock=False),
+            t1=ctx.Value("d", 0.0, lock=False),
+            step_s=step_s,
+            ckpt_steps=ckpt_steps,
+            stop=ctx.Event(),
+            release=ctx.Event(),
+            crash=ctx.Array("b", n_idx, lock=False),
+            q=ctx.Queue(),
+            io=ctx.RawArray("d", len(groups) * len(IO_KINDS)),
+        )
+        self.procs: list[Any] = []
+        self.proc_of: dict[int, Any] = {}
+        self.events: list[tuple[Any, ...]] = []
+        self._lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+
+    # -- lifecycle --
+    def start(self, at: float | None = None) -> float:
+        """Fork the processes; participants arrive at ``at`` (monotonic; default now) + their offset."""
+        self.plan.t0.value = time.monotonic() if at is None else at
+        for row, g in enumerate(self.groups):
+            p = self.ctx.Process(target=_process, args=(self.plan, g, row), daemon=True)
+            p.start()
+            self.procs.append(p)
+            for s in g:
+                self.proc_of[s.idx] = p
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        return self.plan.t0.value
+
+    def _read(self) -> None:
+        while True:
+            try:
+                ev = self.plan.q.get(timeout=0.5)
+            except Exception:  # noqa: BLE001 - queue.Empty, or the queue closed at the end
+                if self.plan.stop.is_set() and not any(p.is_alive() for p in self.procs):
+                    return
+                continue
+            with self._lock:
+                self.events.append(ev)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        self.plan.stop.set()
+        for p in self.procs:
+            try:
+                os.kill(p.pid, signal.SIGCONT)
+            except (ProcessLookupError, TypeError):
+                pass
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+    # -- what the bench does to participants --
+    def set_expected(self, n: int) -> None:
+        self.plan.expected.value = n
+
+    def go(self) -> float:
+        """Phase-1 participants start arriving now (their ``arrive`` counts from here)."""
+        self.plan.t1.value = time.monotonic()
+        return self.plan.t1.value
+
+    def leave(self, idx: int) -> None:
+        self.plan.crash[idx] = 2
+
+    def release_stragglers(self) -> None:
+        self.plan.release.set()
+
+    def crash(self, idx: int) -> None:
+        self.plan.crash[idx] = 1
+
+    def pid_of(self, idx: int) -> int:
+        return self.proc_of[idx].pid
+
+    # -- what they reported --
+    def snapshot(self) -> list[tuple[Any, ...]]:
+        with self._lock:
+            return list(self.events)
+
+    def io(self) -> dict[str, float]:
+        k = len(IO_KINDS)
+        return {
+            name: sum(self.plan.io[r * k + i] for r in range(len(self.groups)))
+            for i, name in enumerate(IO_KINDS)
+        }
+
+    def api(self) -> str:
+        """The etcd API the handler spoke (by its requests): "v2", "v3", "v2+v3" or "none"."""
+        io = self.io()
+        return "+".join(k for k in ("v2", "v3") if io[k]) or "none"
+
+    def errors(self) -> list[tuple[Any, ...]]:
+        return [e for e in self.snapshot() if e[0] == "error"]
+
+    def state(self) -> dict[int, tuple[Any, ...]]:
+        """Each participant's latest call/ret/end/registered event."""
+        out: dict[int, tuple[Any, ...]] = {}
+        for e in self.snapshot():
+            if e[0] in ("call", "ret", "end", "registered"):
+                out[e[1]] = e
+        return out
+
+    def together(self, ids: list[int] | set[int], after: float = float("-inf")) -> tuple[Any, float] | None:
+        """(round, the last return time) if every one of ``ids`` now runs in the same round, one they
+        returned into after ``after``; else None."""
+        st = self.state()
+        rets = [st.get(i) for i in ids]
+        if not rets or any(e is None or e[0] != "ret" for e in rets):
+            return None
+        rounds = {e[3] for e in rets}
+        worlds = {e[5] for e in rets}
+        if len(rounds) != 1 or len(worlds) != 1 or any(e[2] <= after for e in rets):
+            return None
+        return rounds.pop(), max(e[2] for e in rets)
+
+    def wait_together(
+        self, ids: list[int] | set[int], timeout: float, after: float = float("-inf")
+    ) -> tuple[Any, float] | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = self.together(ids, after)
+            if got is not None:
+                return got
+            if self.errors():
+                return None
+            time.sleep(0.05)
+        return None
