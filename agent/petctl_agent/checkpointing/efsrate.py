@@ -14,8 +14,9 @@ A read or write of ``n`` bytes of a file under ``<efs_root>/<fs-id>/`` then take
 file system's (every instance of the local cloud). Each bucket is one small file under
 ``state_dir`` holding its theoretical arrival time (GCRA on ``CLOCK_MONOTONIC``, which every process
 of the machine shares), updated under ``flock``; transfers are paced in chunks of ``CHUNK`` bytes so
-that concurrent clients share a bucket fairly. Opening a file costs the per-operation latency
-once. Idle time earns no credit: a transfer never goes faster than its rate.
+that concurrent clients share a bucket fairly. A transfer is booked from when its I/O began, so it
+takes max(the local I/O, n / rate), as on EFS where the network is the bottleneck. Opening a file
+costs the per-operation latency once. Idle time earns no credit: nothing goes faster than its rate.
 
 Only what goes through here is paced: the checkpoint layer's files (:mod:`.files`, :mod:`.atomic`,
 :mod:`.persist`, DCP's streams in :mod:`.sharded`). A user script's own ``open()`` is not.
@@ -80,8 +81,8 @@ class _Bucket:
     def __init__(self, state: Path, rate: float) -> None:
         self.state, self.rate = state, rate
 
-    def reserve(self, n: int) -> float:
-        """Book ``n`` bytes; the monotonic time by which they have gone through."""
+    def reserve(self, n: int, since: float) -> float:
+        """Book ``n`` bytes moved from ``since`` on; the monotonic time by which they have gone through."""
         if self.rate <= 0:
             return 0.0
         self.state.parent.mkdir(parents=True, exist_ok=True)
@@ -91,8 +92,9 @@ class _Bucket:
             raw = os.pread(fd, _TAT.size, 0)
             now = time.monotonic()
             tat = _TAT.unpack(raw)[0] if len(raw) == _TAT.size else now
-            if tat < now or tat > now + _STALE_S:
+            if tat > now + _STALE_S:
                 tat = now
+            tat = max(tat, min(since, now))
             tat += n / self.rate
             os.pwrite(fd, _TAT.pack(tat), 0)
             return tat
@@ -115,10 +117,13 @@ class _Pacer:
         if self.latency > 0:
             time.sleep(self.latency)
 
-    def pay(self, n: int) -> None:
+    def pay(self, n: int, since: float | None = None) -> None:
+        """Take at least ``n / rate`` from ``since`` (when the I/O began; default now) in each bucket."""
+        since = time.monotonic() if since is None else since
         while n > 0:
             k = min(n, CHUNK)
-            done = max(b.reserve(k) for b in self.buckets)
+            done = max(b.reserve(k, since) for b in self.buckets)
+            since = done
             wait = done - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
@@ -160,43 +165,51 @@ class _Paced:
         return self._paid_lines()
 
     def _paid_lines(self) -> Any:
+        t0 = time.monotonic()
         for line in self._f:
-            self._paid(self._r, len(line))
+            self._paid(self._r, len(line), t0)
             yield line
+            t0 = time.monotonic()
 
     @staticmethod
-    def _paid(p: _Pacer | None, n: int | None) -> None:
+    def _paid(p: _Pacer | None, n: int | None, since: float) -> None:
         if p is not None and n:
-            p.pay(n)
+            p.pay(n, since)
 
     def write(self, b: Any) -> int:
+        t0 = time.monotonic()
         n = self._f.write(b)
-        self._paid(self._w, n)
+        self._paid(self._w, n, t0)
         return n
 
     def read(self, size: int = -1) -> Any:
+        t0 = time.monotonic()
         out = self._f.read(size)
-        self._paid(self._r, len(out))
+        self._paid(self._r, len(out), t0)
         return out
 
     def read1(self, size: int = -1) -> Any:
+        t0 = time.monotonic()
         out = self._f.read1(size)
-        self._paid(self._r, len(out))
+        self._paid(self._r, len(out), t0)
         return out
 
     def readinto(self, b: Any) -> int | None:
+        t0 = time.monotonic()
         n = self._f.readinto(b)
-        self._paid(self._r, n)
+        self._paid(self._r, n, t0)
         return n
 
     def readinto1(self, b: Any) -> int | None:
+        t0 = time.monotonic()
         n = self._f.readinto1(b)
-        self._paid(self._r, n)
+        self._paid(self._r, n, t0)
         return n
 
     def readline(self, size: int = -1) -> Any:
+        t0 = time.monotonic()
         out = self._f.readline(size)
-        self._paid(self._r, len(out))
+        self._paid(self._r, len(out), t0)
         return out
 
 
@@ -219,8 +232,13 @@ def open(path: str | os.PathLike, mode: str = "r", *args: Any, **kwargs: Any) ->
 
 def read_bytes(path: str | os.PathLike) -> bytes:
     """``Path(path).read_bytes()``, paced when ``path`` is on the emulated EFS."""
+    p = _pacer(path, "read")
+    if p is not None:
+        p.op()
+    t0 = time.monotonic()
     data = Path(path).read_bytes()
-    charge(path, len(data), "read")
+    if p is not None:
+        p.pay(len(data), t0)
     return data
 
 
