@@ -32,6 +32,7 @@ from typing import Any
 
 from harness import Etcd, FakeImds, free_port
 
+from petctl.local import efs_rate
 from petctl.local.procs import descendants
 
 REPO = Path(__file__).resolve().parent.parent
@@ -260,6 +261,8 @@ class Run:
         self.ckpt_rel = f"petctl/jobs/{self.run_id}/checkpoints"
         self.ckpt_dir = self.efs / self.ckpt_rel
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        # AWS's EFS limits, as in the local cloud (docs/local.md): each node is a client of "efs/"
+        self.efs_rates = efs_rate.rates_from_env()
         self.status_dir = self.root / "status"
         self.etcd = Etcd(self.root)
         self.imds: FakeImds | None = None
@@ -365,6 +368,7 @@ class Run:
                 "--max-restarts", "100", "--local-addr", addr,
                 str(SCRIPT), "--checkpoint-dir", str(self.ckpt_dir), *self.script_args(),
             ]  # fmt: skip
+        env.update(efs_rate.instance_env(self.root, f"i-{name}", self.efs_rates))
         env.update(self.cfg.env)
         with open(ndir / "stderr.log", "ab") as err:
             proc = subprocess.Popen(
