@@ -6,7 +6,9 @@ address, to this job's client certificate only.
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 import ssl
 import urllib.error
 import urllib.request
@@ -77,6 +79,21 @@ def _get(url: str, context: ssl.SSLContext | None = None) -> str:
         return resp.read().decode()
 
 
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def _v3(base: str, op: str, body: dict[str, Any], context: ssl.SSLContext) -> dict[str, Any]:
+    req = urllib.request.Request(f"{base}/v3/kv/{op}", data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(req, context=context, timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def _v3_get(base: str, key: str, context: ssl.SSLContext) -> str | None:
+    kvs = _v3(base, "range", {"key": _b64(key)}, context).get("kvs") or []
+    return base64.b64decode(kvs[0]["value"]).decode() if kvs else None
+
+
 def test_rdzv_boot_serves_etcd_over_tls_to_the_jobs_clients_only(cloud: Cloud, tmp_path: Path) -> None:
     job = "boot-tls"
     objects = _job_stack(cloud, job)
@@ -89,7 +106,8 @@ def test_rdzv_boot_serves_etcd_over_tls_to_the_jobs_clients_only(cloud: Cloud, t
     rdzv = wait_for(booted, timeout=120, what="the rendezvous boot", poll=1)
     log = Path(rdzv["log"]).read_text()
     assert rdzv["boot"]["state"] == "done", log[-3000:]
-    assert '{"health":"true"' in log  # the boot's own check, over TLS with its client certificate
+    # the boot's own check, over TLS with its client certificate, on the address workers dial
+    assert f"https://{rdzv['bind_ip']}:2379 is healthy" in log
     assert "rejected connection" not in log  # etcd's own gateway accepts its certificate
     assert "check file permission" not in log  # its data dir is 0700
     events = json.loads(
@@ -110,28 +128,41 @@ def test_rdzv_boot_serves_etcd_over_tls_to_the_jobs_clients_only(cloud: Cloud, t
     ]
     assert d.stat().st_mode & 0o777 == 0o700 and all(p.stat().st_mode & 0o777 == 0o600 for p in d.iterdir())
 
-    # A worker of this job (its CA, its client certificate) reads and writes v2 keys on the ENI.
+    # A worker of this job (its CA, its client certificate) reads and writes v3 keys on the ENI
+    # (etcd's JSON gateway); the v2 API is off (only torch's v2 fallbacks turn it on).
     for name, data in objects.items():
         (tmp_path / name).write_bytes(data)
     ip = rdzv["bind_ip"]
     worker = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
     worker.load_cert_chain(tmp_path / "client.pem", tmp_path / "client.key")
     base = f"https://{ip}:2379"
-    req = urllib.request.Request(f"{base}/v2/keys/petctl-tls", data=b"value=ok", method="PUT")
-    with urllib.request.urlopen(req, context=worker, timeout=5) as resp:
-        assert resp.status in (200, 201)
-    assert json.loads(_get(f"{base}/v2/keys/petctl-tls", worker))["node"]["value"] == "ok"
+    _v3(base, "put", {"key": _b64("petctl-tls"), "value": _b64("ok")}, worker)
+    assert _v3_get(base, "petctl-tls", worker) == "ok"
+    with pytest.raises(urllib.error.HTTPError):
+        _get(f"{base}/v2/keys/petctl-tls", worker)
+
+    # The boot wrote its token once etcd answered: <instance id>-<random> (docs/contracts.md).
+    token = _v3_get(base, "/petctl/etcd-boot-token", worker)
+    assert re.fullmatch(re.escape(rdzv["instance_id"]) + r"-[0-9a-f]{32}", token or ""), token
+    assert f"petctl boot: etcd boot token {token}" in log
+    # The etcd is the package binary standing in for the pinned release, unpacked by the boot's
+    # own checksum-and-unpack step into its /opt/etcd/bin (docs/local.md).
+    assert sorted(p.name for p in (Path(rdzv["root"]) / "opt" / "etcd" / "bin").iterdir()) == [
+        "etcd",
+        "etcdctl",
+    ]
+    assert "etcd Version: 3.5" in log
 
     # Plain http, TLS without a client certificate, and another job's certificate are all refused.
     with pytest.raises((urllib.error.URLError, ConnectionError)):
-        _get(f"http://{ip}:2379/v2/keys/petctl-tls")
+        _get(f"http://{ip}:2379/health")
     anonymous = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
     with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
-        _get(f"{base}/v2/keys/petctl-tls", anonymous)
+        _get(f"{base}/health", anonymous)
     other = tls.make_job_tls("someone-else")
     for name, data in other.items():
         (tmp_path / f"other-{name}").write_bytes(data)
     stranger = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
     stranger.load_cert_chain(tmp_path / "other-client.pem", tmp_path / "other-client.key")
     with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
-        _get(f"{base}/v2/keys/petctl-tls", stranger)
+        _get(f"{base}/health", stranger)
