@@ -123,3 +123,25 @@ def test_a_cache_that_cannot_be_written_does_not_fail_the_run(run, ready, descri
     assert dry_run(run, ready, "--instance-type", "g5.xlarge").exit_code == 0
     assert dry_run(run, ready, "--instance-type", "g5.xlarge").exit_code == 0
     assert len(describe_calls) == 2
+
+
+def test_a_jobs_own_etcd_copy_through_the_cli(run, ready):
+    """--rdzv-etcd-url/--rdzv-etcd-sha256: into the stack's EtcdUrl/EtcdSha256; a bad pair is
+    refused in one line (exit 2) before anything is created."""
+    stacks = boto3.client("cloudformation").list_stacks()["StackSummaries"]
+    sha = "0123456789abcdef" * 4
+    url = "https://mirror.corp.example/etcd-v3.5.33-linux-amd64.tar.gz"
+    r = dry_run(run, ready, "--rdzv-etcd-url", url, "--rdzv-etcd-sha256", sha)
+    assert r.exit_code == 0, r.output
+    params = json.loads(r.output)["parameters"]
+    assert (params["EtcdUrl"], params["EtcdSha256"]) == (url, sha)
+    for flags, message in [
+        (["--rdzv-etcd-url", url], "--rdzv-etcd-url and --rdzv-etcd-sha256 go together"),
+        (["--rdzv-etcd-url", "ftp://x/e.tgz", "--rdzv-etcd-sha256", sha], "is not an s3://BUCKET/KEY"),
+        (["--rdzv-etcd-url", url, "--rdzv-etcd-sha256", "xyz"], "is not a SHA-256"),
+        (["--rdzv-etcd-url", "s3://elsewhere/etcd.tgz", "--rdzv-etcd-sha256", sha], "petctl/uploads/"),
+    ]:
+        r = run("run_job", "--min", "1", "--max", "1", *flags, str(ready))
+        assert r.exit_code == 2 and message in r.stderr, (flags, r.output)
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output
+    assert boto3.client("cloudformation").list_stacks()["StackSummaries"] == stacks

@@ -7,6 +7,7 @@ address, to this job's client certificate only.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import re
 import ssl
@@ -19,13 +20,15 @@ import pytest
 from localcloud_helpers import Cloud, wait_for
 
 from petctl import naming, templates, tls
+from petctl.local import etcd_release
 
 BUCKET = "petctl-local-test"
 RDZV_EVENTS = ["launched", "deps_installed", "eni_attached", "etcd_started"]
 
 
-def _job_stack(cloud: Cloud, job: str) -> dict[str, Any]:
-    """The job stack as run_job creates it, with no workers, after uploading the job's TLS objects."""
+def _job_stack(cloud: Cloud, job: str, **extra: str) -> dict[str, Any]:
+    """The job stack as run_job creates it, with no workers, after uploading the job's TLS objects;
+    ``extra``: more stack parameters."""
     net = cloud.network()
     objects = tls.make_job_tls(job)
     for name, data in objects.items():
@@ -59,6 +62,7 @@ def _job_stack(cloud: Cloud, job: str) -> dict[str, Any]:
         SpecUrl=f"s3://{BUCKET}/petctl/jobs/{job}/job.json",
         DistUrl=f"s3://{BUCKET}/petctl/jobs/{job}/dist/petctl-0-py3-none-any.whl",
         TorchVersion="2.13.0",
+        **extra,
     )
     import boto3
 
@@ -166,3 +170,43 @@ def test_rdzv_boot_serves_etcd_over_tls_to_the_jobs_clients_only(cloud: Cloud, t
     stranger.load_cert_chain(tmp_path / "other-client.pem", tmp_path / "other-client.key")
     with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
         _get(f"{base}/health", stranger)
+
+
+def test_a_jobs_own_etcd_copy_is_checked_before_it_is_unpacked(cloud: Cloud, tmp_path: Path) -> None:
+    """run-job --rdzv-etcd-url s3://...: the boot fetches the copy from S3 (the aws shim, moto) and
+    checks the SHA-256 the job gave; no local substitution. A wrong one fails the boot loudly
+    (boot_failed, the mismatch as its error) and leaves no etcd to run; the right one boots."""
+    tarball, sha256 = etcd_release.local_release(tmp_path)
+    url = f"s3://{BUCKET}/petctl/uploads/etcd-copy.tar.gz"
+    cloud.s3.put_object(Bucket=BUCKET, Key="petctl/uploads/etcd-copy.tar.gz", Body=tarball.read_bytes())
+    wrong = hashlib.sha256(b"not the copy").hexdigest()
+    _job_stack(cloud, "copy-bad", EtcdUrl=url, EtcdSha256=wrong)
+    _job_stack(cloud, "copy-good", EtcdUrl=url, EtcdSha256=sha256)
+
+    def first_boot(job: str) -> Any:
+        rdzv = cloud.instances(job, "rdzv")
+        return rdzv and rdzv[0]["boot"]["state"] in ("done", "failed") and rdzv[0]
+
+    good = wait_for(lambda: first_boot("copy-good"), timeout=120, what="the good copy's boot", poll=1)
+    log = Path(good["log"]).read_text()
+    assert good["boot"]["state"] == "done", log[-3000:]
+    assert f"https://{good['bind_ip']}:2379 is healthy" in log
+
+    bad = wait_for(lambda: first_boot("copy-bad"), timeout=120, what="the bad copy's boot", poll=1)
+    assert bad["boot"]["state"] == "failed"
+    message = f"etcd tarball {url} has SHA-256 {sha256}, not the expected {wrong}: not installed"
+
+    def failed_event() -> Any:
+        try:
+            body = cloud.s3.get_object(
+                Bucket=BUCKET, Key=f"petctl/jobs/copy-bad/boot/events/{bad['instance_id']}.json"
+            )["Body"].read()
+        except cloud.s3.exceptions.NoSuchKey:
+            return None
+        events = json.loads(body)["events"]
+        return events[-1]["kind"] == "boot_failed" and events
+
+    events = wait_for(failed_event, timeout=60, what="the bad copy's boot_failed event", poll=1)
+    assert [e["kind"] for e in events] == ["launched", "boot_failed"]
+    assert events[-1]["error"] == f"petctl boot: error: {message}" or message in events[-1]["error"], events
+    assert not (Path(bad["root"]) / "opt" / "etcd" / "bin" / "etcd").exists()
