@@ -11,6 +11,7 @@ import hashlib
 import json
 import re
 import ssl
+import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -149,6 +150,21 @@ def test_rdzv_boot_serves_etcd_over_tls_to_the_jobs_clients_only(cloud: Cloud, t
     token = _v3_get(base, "/petctl/etcd-boot-token", worker)
     assert re.fullmatch(re.escape(rdzv["instance_id"]) + r"-[0-9a-f]{32}", token or ""), token
     assert f"petctl boot: etcd boot token {token}" in log
+    # Create-if-absent: the boot's own write, run again with another token (as a second boot on
+    # the same data would), leaves the first one.
+    script = (Path(rdzv["root"]).parent / "user-data.sh").read_text()
+    functions = [
+        re.search(rf"^{name}\(\) {{\n.*?^}}$", script, re.M | re.S)
+        for name in ("etcdctl", "write_boot_token")
+    ]
+    tls_dir = re.search(r"^TLS=(\S+)$", script, re.M)
+    assert all(functions) and tls_dir
+    again = subprocess.run(
+        ["bash", "-c", "\n".join([f"TLS={tls_dir.group(1)}", "BOOT_TOKEN=second-boot", *(m.group(0) for m in functions), "write_boot_token"])],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert again.returncode == 0 and again.stdout.strip() == "FAILURE", again.stdout + again.stderr
+    assert _v3_get(base, "/petctl/etcd-boot-token", worker) == token
     # The etcd is the package binary standing in for the pinned release, unpacked by the boot's
     # own checksum-and-unpack step into its /opt/etcd/bin (docs/local.md).
     assert sorted(p.name for p in (Path(rdzv["root"]) / "opt" / "etcd" / "bin").iterdir()) == [

@@ -133,8 +133,10 @@ def test_a_jobs_own_etcd_copy_goes_into_the_stack(tmp_path):
         p = make_plan(tmp_path, name="mirror", rdzv_etcd_url=url, rdzv_etcd_sha256=ETCD_SHA.upper())
         params = {x["ParameterKey"]: x["ParameterValue"] for x in p.parameters}
         assert (params["EtcdUrl"], params["EtcdSha256"]) == (url, ETCD_SHA)
+        assert f"t3.small: your copy {url} (SHA-256 abababababab...)" in render.plan_text(p.to_dict())
     plain = make_plan(tmp_path, name="plain")
     assert not {"EtcdUrl", "EtcdSha256"} & {x["ParameterKey"] for x in plain.parameters}
+    assert "t3.small: the official 3.5.33 release, SHA-256 pinned" in render.plan_text(plain.to_dict())
 
 
 @pytest.mark.parametrize(
