@@ -39,9 +39,11 @@ RELEASE_BASE = "https://github.com/etcd-io/etcd/releases/download"
 RELEASE_URL_PATTERN = re.compile(
     r"^https://github\.com/etcd-io/etcd/releases/download/v(\d+\.\d+\.\d+)/etcd-v\1-linux-(amd64|arm64)\.tar\.gz$"
 )
-#: Torch's fallback backends: both talk to etcd through python-etcd, the v2 API, which etcd 3.5
-#: serves only with ``--enable-v2``. petctl's own handler speaks v3 (issue 21).
-ETCD_V2_BACKENDS = ("etcd-v2", "etcd")
+#: The backends that speak etcd's v2 API, which etcd 3.5 serves only with ``--enable-v2``:
+#: torch's fallbacks (python-etcd), and petctl-etcd until its v3 handler (issue 21, R1) replaces
+#: the v2 one in agent/petctl_agent/rendezvous/ -- without the flag today's handler gets 404 on
+#: /v2/keys and no job rendezvouses. Remove "petctl-etcd" here in the same merge as that handler.
+ETCD_V2_BACKENDS = ("etcd-v2", "etcd", "petctl-etcd")
 
 #: A user's own copy: ``s3://bucket/key`` or ``https://host/path`` (no spaces or shell quoting).
 USER_URL_RE = re.compile(

@@ -117,9 +117,13 @@ def test_enable_v2_follows_the_backend(tmp_path):
     def exec_start(plan) -> str:
         return next(x for x in plan.template.splitlines() if "ExecStart=$ETCD_BIN" in x)
 
-    assert "--enable-v2" not in exec_start(make_plan(tmp_path, name="v3"))
-    for backend in ("etcd-v2", "etcd"):
-        assert " --enable-v2 " in exec_start(make_plan(tmp_path, name="v2", rdzv_backend=backend))
+    from petctl.templates.etcd import ETCD_V2_BACKENDS
+    from petctl_agent.spec import RDZV_BACKENDS
+
+    assert {"etcd-v2", "etcd"} <= set(ETCD_V2_BACKENDS)  # torch's fallbacks speak v2 (python-etcd)
+    for backend in RDZV_BACKENDS:
+        start = exec_start(make_plan(tmp_path, name="v2", rdzv_backend=backend))
+        assert (" --enable-v2 " in start) == (backend in ETCD_V2_BACKENDS), backend
 
 
 ETCD_SHA = "ab" * 32
