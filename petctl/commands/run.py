@@ -63,7 +63,20 @@ class RunJobCommand(click.Command):
     "--rdzv-instance-type",
     default="t3.small",
     show_default=True,
-    help="Instance type of the etcd rendezvous server (x86_64).",
+    help="Instance type of the etcd rendezvous server (x86_64, or arm64/Graviton like t4g.small).",
+)
+@click.option(
+    "--rdzv-etcd-url",
+    default=None,
+    metavar="URL",
+    help="Your copy (s3:// under the bucket's petctl/uploads/, or https://) of the official etcd release "
+    "tarball for the rendezvous server, for a subnet without internet access [default: the pinned release].",
+)
+@click.option(
+    "--rdzv-etcd-sha256",
+    default=None,
+    metavar="HEX",
+    help="SHA-256 of --rdzv-etcd-url's file; the server refuses to boot a tarball that does not match.",
 )
 @click.option(
     "--nproc-per-node", default="auto", show_default=True, help="'auto' (GPUs, or 1 on CPU) or a number."

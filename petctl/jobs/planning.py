@@ -22,9 +22,11 @@ from petctl.jobs.request import (
     check_instance_types,
     default_job_name,
     instance_types,
+    rdzv_architecture,
     sanitize_tag_value,
 )
 from petctl.storage import Upload, parse_s3_url
+from petctl.templates import etcd
 from petctl.ui import cmd
 from petctl_agent.spec import JobSpec, SpecError
 
@@ -174,8 +176,10 @@ def plan(
         own_roles=own_roles,
         bucket_kms=own_roles and bool(profile.bucket_kms_key_arn),
         warm_pool=req.warm_pool > 0,
+        etcd_v2=req.rdzv_backend in etcd.ETCD_V2_BACKENDS,
     )
     values = _parameters(req, profile, job, types, own_roles, spec_url=f"s3://{bucket}/{prefix}job.json")
+    values.update(_rdzv_parameters(req, profile, facts, own_roles))
     values["DistUrl"] = f"s3://{bucket}/{prefix}dist/{dist_name}"
     values["User"] = sanitize_tag_value(user)
     if own_roles:
@@ -199,6 +203,27 @@ def plan(
         template_key,
         gpu,
     )
+
+
+def _rdzv_parameters(
+    req: JobRequest, profile: Profile, facts: dict[str, InstanceTypeInfo], own_roles: bool
+) -> dict[str, str]:
+    """The rendezvous server's image (Amazon Linux 2023 of its type's architecture) and the job's
+    own etcd copy, if any. An s3:// copy must lie where the job's rendezvous role may read it."""
+    values: dict[str, str] = {}
+    arch = rdzv_architecture(req, facts)
+    if arch != "x86_64":  # the template's default is the x86_64 image
+        values["RdzvImageId"] = etcd.AL2023_AMI_PARAMETERS[arch]
+    if req.rdzv_etcd_url is not None and req.rdzv_etcd_sha256 is not None:
+        uploads = f"s3://{profile.bucket}/petctl/uploads/"
+        if own_roles and req.rdzv_etcd_url.startswith("s3://") and not req.rdzv_etcd_url.startswith(uploads):
+            raise ConfigError(
+                f"--rdzv-etcd-url {req.rdzv_etcd_url} is outside {uploads}, the only place the job's "
+                f"rendezvous role may read; copy it there (`{cmd('upload FILE')}`) and give that URL"
+            )
+        values["EtcdUrl"] = req.rdzv_etcd_url
+        values["EtcdSha256"] = req.rdzv_etcd_sha256
+    return values
 
 
 def _own_roles(profile: Profile) -> bool:

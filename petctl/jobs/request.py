@@ -13,6 +13,7 @@ from petctl import naming
 from petctl.errors import ConfigError
 from petctl.instance_types import InstanceTypeInfo
 from petctl.storage import parse_s3_url
+from petctl.templates import etcd
 
 # NVIDIA GPU families the default image supports: the Deep Learning Base OSS Nvidia Driver AMI
 # (Amazon Linux 2023) lists G4dn, G5, G6, Gr6, G6e, G6f, G7, G7e, P4d/P4de, P5/P5e/P5en, P6. This is
@@ -57,6 +58,10 @@ class JobRequest:
     root_device_name: str | None = None  # of --ami, looked up by resolve_ami()
     #: Stopped instances, pre-booted with the job's environment, that a scale-up takes first.
     warm_pool: int = 0
+    #: The job's own copy of the official etcd release tarball (s3:// or https://) and its
+    #: SHA-256, for a rendezvous subnet without internet access; None: the pinned official one.
+    rdzv_etcd_url: str | None = None
+    rdzv_etcd_sha256: str | None = None
 
 
 def family(instance_type: str) -> str:
@@ -84,6 +89,9 @@ def default_job_name(req: JobRequest, profile: str = "") -> str:
     fields = {k: v for k, v in asdict(req).items() if k not in ("name", "target", "root_device_name")}
     if not req.warm_pool:
         del fields["warm_pool"]  # jobs named before warm pools existed keep their names
+    for name in ("rdzv_etcd_url", "rdzv_etcd_sha256"):
+        if fields[name] is None:
+            del fields[name]  # and those named before an etcd copy could be given
     digest = hashlib.sha1(json.dumps([profile, target, fields], sort_keys=True).encode()).hexdigest()[:4]
     return f"{stem[:30].rstrip('-')}-{digest}"
 
@@ -117,6 +125,7 @@ def validate_request(req: JobRequest) -> JobRequest:
         raise ConfigError(
             f"--rdzv-instance-type {req.rdzv_instance_type!r} is not an EC2 instance type like t3.small"
         )
+    _check_etcd_copy(req)
     if req.nproc_per_node != "auto" and not (req.nproc_per_node.isdigit() and int(req.nproc_per_node) >= 1):
         raise ConfigError(
             f"--nproc-per-node {req.nproc_per_node!r} is invalid: use 'auto' or a positive integer"
@@ -188,12 +197,47 @@ def check_instance_types(req: JobRequest, facts: dict[str, InstanceTypeInfo]) ->
             f"--instance-type {req.instance_type}: mixes GPU ({gpu}) and CPU types, which need different "
             f"images; list only one kind"
         )
-    if not facts[req.rdzv_instance_type].x86:
-        raise ConfigError(
-            f"--rdzv-instance-type {req.rdzv_instance_type}: the rendezvous server runs the x86_64 "
-            f"Amazon Linux 2023 image; use an x86 type like t3.small"
-        )
+    rdzv_architecture(req, facts)
     return facts[types[0]].gpu
+
+
+def rdzv_architecture(req: JobRequest, facts: dict[str, InstanceTypeInfo]) -> str:
+    """EC2's architecture of the rendezvous instance type, ``x86_64`` or ``arm64`` (Graviton):
+    it picks the Amazon Linux 2023 image and the etcd tarball. Refuses any other (Mac, 32-bit)."""
+    archs = facts[req.rdzv_instance_type].architectures
+    for arch in etcd.EC2_TO_ETCD_ARCH:
+        if arch in archs:
+            return arch
+    raise ConfigError(
+        f"--rdzv-instance-type {req.rdzv_instance_type} is {'/'.join(archs) or 'of no known architecture'}: "
+        f"the rendezvous server runs Amazon Linux 2023 on x86_64 or arm64; use a type like t3.small or t4g.small"
+    )
+
+
+def _check_etcd_copy(req: JobRequest) -> None:
+    """``--rdzv-etcd-url`` and ``--rdzv-etcd-sha256`` go together, and are well formed."""
+    url, sha256 = req.rdzv_etcd_url, req.rdzv_etcd_sha256
+    if url is None and sha256 is None:
+        return
+    if url is None or sha256 is None:
+        raise ConfigError(
+            "--rdzv-etcd-url and --rdzv-etcd-sha256 go together: give the copy's URL and the SHA-256 of "
+            "its file (`sha256sum etcd-v*.tar.gz`), or neither for the official release"
+        )
+    if not etcd.USER_URL_RE.match(url):
+        raise ConfigError(
+            f"--rdzv-etcd-url {url!r} is not an s3://BUCKET/KEY or https://HOST/PATH URL of an etcd "
+            f"release tarball (no spaces or quotes)"
+        )
+    if url.startswith("s3://"):
+        parse_s3_url(url)
+        if url.endswith("/"):
+            raise ConfigError(f"--rdzv-etcd-url {url} is a prefix: give the URL of the tarball itself")
+    req.rdzv_etcd_sha256 = sha256.strip().lower()
+    if not etcd.SHA256_RE.match(req.rdzv_etcd_sha256):
+        raise ConfigError(
+            f"--rdzv-etcd-sha256 {sha256!r} is not a SHA-256: give the 64 hex digits `sha256sum` prints"
+        )
 
 
 def _check_warm_pool(req: JobRequest, types: list[str]) -> None:

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from petctl.local import shims
+from petctl.local import etcd_release, shims
 
 #: Top-level directories of the instance's file system that live in its root directory.
 MAPPED_DIRS = ("etc", "mnt", "opt", "var", "run", "srv")
@@ -47,13 +47,14 @@ SKELETON = ("etc/systemd/system", "mnt", "opt", "var/lib", "var/log", "run", "sr
 #: Host programs a boot script may run besides the shims (text and file tools, nothing that
 #: changes the host outside the instance's paths on its own). ``openssl`` runs for real: the
 #: rendezvous boot makes etcd's server key and certificate with it (in the instance's mapped
-#: ``/etc/petctl/tls``), exactly as on Amazon Linux 2023.
+#: ``/etc/petctl/tls``), exactly as on Amazon Linux 2023; ``sha256sum``, ``tar`` and ``gzip``
+#: check and unpack its etcd tarball into the mapped ``/opt/etcd/bin``.
 HOST_TOOLS = (
     "bash", "sh", "env", "cat", "tee", "date", "sleep", "mkdir", "rmdir", "basename", "dirname",
     "wc", "grep", "cut", "paste", "sed", "tr", "head", "tail", "sort", "uniq", "seq", "printf",
     "echo", "true", "false", "test", "ls", "cp", "mv", "ln", "rm", "touch", "chmod", "stat",
     "readlink", "realpath", "mktemp", "id", "uname", "hostname", "nproc", "xargs",
-    "openssl",
+    "openssl", "tar", "gzip", "sha256sum",
 )  # fmt: skip
 SHIMS = ("dnf", "mount", "systemctl", "journalctl", "aws", "curl", "ip", "python3.11")
 _PATH_RE = re.compile(r"(?<![^\s\"'=(:><,`;|&\[])/(" + "|".join(MAPPED_DIRS) + r")(?=/|$|[\s\"');|&`])")
@@ -113,9 +114,12 @@ def check_script(script: str) -> None:
         raise BootError("the user data is only a #! line")
 
 
-def prepare(inst_dir: Path, script: str, loopback: str | None = None) -> tuple[Path, Path, Path]:
-    """Make the instance's root and bin dirs and write its (rewritten) boot script.
-    Returns (root, bin dir, script path)."""
+def prepare(
+    inst_dir: Path, script: str, loopback: str | None = None, etcd_sha256: str | None = None
+) -> tuple[Path, Path, Path]:
+    """Make the instance's root and bin dirs and write its (rewritten) boot script; with
+    ``etcd_sha256``, the pinned etcd release hashes in it become that of the local cloud's
+    stand-in tarball (:mod:`petctl.local.etcd_release`). Returns (root, bin dir, script path)."""
     root = inst_dir / "root"
     for d in SKELETON:
         (root / d).mkdir(parents=True, exist_ok=True)
@@ -134,6 +138,8 @@ def prepare(inst_dir: Path, script: str, loopback: str | None = None) -> tuple[P
         if found and not link.exists():
             link.symlink_to(found)
     path = inst_dir / "user-data.sh"
+    if etcd_sha256 is not None:
+        script = etcd_release.substitute(script, etcd_sha256)
     path.write_text(rewrite(script, root, loopback))
     return root, bin_dir, path
 

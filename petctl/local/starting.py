@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from petctl.local import boot, efs_rate, procs, shims
+from petctl.local import boot, efs_rate, etcd_release, procs, shims
 from petctl.local.environment import LOCAL_ENV, LOCAL_ENV_UNSET
 from petctl.local.instance import Instance, iso
 from petctl.local.plan import ASG_TAG, JOB_TAG, RDZV_TAG, ROLE_TAG, SPEC_TAG, Seen
@@ -131,7 +131,13 @@ class Starting:
                 script = boot.user_data(self.clients, rec.instance_id, rec.tags, self._user_data_cache)
                 boot.check_script(script)
                 loopback = rec.private_ip if rec.private_ip.startswith("127.") else None
-                root, bin_dir, path = boot.prepare(inst_dir, script, loopback)
+                # A rendezvous boot's etcd tarball: the local stand-in for the pinned release.
+                etcd_sha256 = (
+                    etcd_release.local_release(self.state_dir)[1]
+                    if etcd_release.pins_release(script)
+                    else None
+                )
+                root, bin_dir, path = boot.prepare(inst_dir, script, loopback, etcd_sha256)
             except Exception as e:  # noqa: BLE001 - the instance cannot boot; the cloud goes on
                 rec.state, rec.note = "error", f"cannot boot: {e}"
                 log.error("%s: %s", rec.instance_id, rec.note)

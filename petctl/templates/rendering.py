@@ -16,6 +16,8 @@ from typing import Any
 
 import jinja2
 
+from petctl.templates import etcd
+
 TEMPLATE_PACKAGE = "petctl.cfn_templates"
 INFRA_TEMPLATE = "infra.yaml.j2"
 JOB_TEMPLATE = "job.yaml.j2"
@@ -181,6 +183,7 @@ def render_job(
     own_roles: bool = True,
     bucket_kms: bool = False,
     warm_pool: bool = False,
+    etcd_v2: bool = False,
 ) -> str:
     """Render the job stack template (``petctl run_job``).
 
@@ -202,6 +205,8 @@ def render_job(
             that parameter), with the launch hook ``petctl-launch`` that holds each instance until
             its boot is done. AWS refuses a warm pool on a group with a mixed instances policy, so
             neither ``spot`` nor ``instance_types`` > 1 go with it.
+        etcd_v2: the rendezvous etcd also serves the v2 API (``--enable-v2``): only for torch's
+            fallback backends (``etcd.ETCD_V2_BACKENDS``), which speak v2 through python-etcd.
 
     Returns:
         The CloudFormation template as YAML text; see :func:`job_parameters` for its parameters.
@@ -212,6 +217,7 @@ def render_job(
     _check_bool("own_roles", own_roles)
     _check_bool("bucket_kms", bucket_kms)
     _check_bool("warm_pool", warm_pool)
+    _check_bool("etcd_v2", etcd_v2)
     if bucket_kms and not own_roles:
         raise ValueError("bucket_kms needs own_roles: existing instance profiles are the user's to grant")
     if (
@@ -236,6 +242,10 @@ def render_job(
         own_roles=own_roles,
         bucket_kms=bucket_kms,
         warm_pool=warm_pool,
+        etcd_v2=etcd_v2,
+        etcd_version=etcd.ETCD_VERSION,
+        etcd_sha256=etcd.ETCD_SHA256,
+        etcd_release_base=etcd.RELEASE_BASE,
         cpu_ami_parameter=CPU_AMI_PARAMETER,
         gpu_ami_parameter=GPU_AMI_PARAMETER,
     )

@@ -81,8 +81,13 @@ def test_types_the_image_cannot_run_are_refused_from_ec2s_facts(run, ready):
         r = run("run_job", "--min", "1", "--max", "1", "--instance-type", itype, str(ready))
         assert r.exit_code == 2 and message in r.stderr and "--instance-type" in r.stderr, (itype, r.output)
         assert len(r.stderr.strip().splitlines()) == 1
-    r = run("run_job", "--min", "1", "--max", "1", "--rdzv-instance-type", "t4g.small", str(ready))
-    assert r.exit_code == 2 and "x86_64" in r.stderr and "t4g.small" in r.stderr
+    # A Graviton rendezvous server is fine (issue 21): EC2 says t4g.small is arm64, so the plan
+    # gives it the arm64 Amazon Linux 2023 image (the boot picks the arm64 etcd tarball).
+    r = dry_run(run, ready, "--rdzv-instance-type", "t4g.small")
+    assert r.exit_code == 0, r.output
+    params = json.loads(r.output)["parameters"]
+    assert params["RdzvInstanceType"] == "t4g.small"
+    assert params["RdzvImageId"] == "/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-arm64"
     r = dry_run(run, ready, "--instance-type", "c7g.large", "--ami", "ami-0123456789abcdef0")
     assert "Graviton" not in r.output  # --ami: the user picked the image (the AMI lookup decides)
 
@@ -118,3 +123,25 @@ def test_a_cache_that_cannot_be_written_does_not_fail_the_run(run, ready, descri
     assert dry_run(run, ready, "--instance-type", "g5.xlarge").exit_code == 0
     assert dry_run(run, ready, "--instance-type", "g5.xlarge").exit_code == 0
     assert len(describe_calls) == 2
+
+
+def test_a_jobs_own_etcd_copy_through_the_cli(run, ready):
+    """--rdzv-etcd-url/--rdzv-etcd-sha256: into the stack's EtcdUrl/EtcdSha256; a bad pair is
+    refused in one line (exit 2) before anything is created."""
+    stacks = boto3.client("cloudformation").list_stacks()["StackSummaries"]
+    sha = "0123456789abcdef" * 4
+    url = "https://mirror.corp.example/etcd-v3.5.33-linux-amd64.tar.gz"
+    r = dry_run(run, ready, "--rdzv-etcd-url", url, "--rdzv-etcd-sha256", sha)
+    assert r.exit_code == 0, r.output
+    params = json.loads(r.output)["parameters"]
+    assert (params["EtcdUrl"], params["EtcdSha256"]) == (url, sha)
+    for flags, message in [
+        (["--rdzv-etcd-url", url], "--rdzv-etcd-url and --rdzv-etcd-sha256 go together"),
+        (["--rdzv-etcd-url", "ftp://x/e.tgz", "--rdzv-etcd-sha256", sha], "is not an s3://BUCKET/KEY"),
+        (["--rdzv-etcd-url", url, "--rdzv-etcd-sha256", "xyz"], "is not a SHA-256"),
+        (["--rdzv-etcd-url", "s3://elsewhere/etcd.tgz", "--rdzv-etcd-sha256", sha], "petctl/uploads/"),
+    ]:
+        r = run("run_job", "--min", "1", "--max", "1", *flags, str(ready))
+        assert r.exit_code == 2 and message in r.stderr, (flags, r.output)
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.output
+    assert boto3.client("cloudformation").list_stacks()["StackSummaries"] == stacks

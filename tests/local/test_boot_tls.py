@@ -6,8 +6,12 @@ address, to this job's client certificate only.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
+import re
 import ssl
+import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -17,13 +21,15 @@ import pytest
 from localcloud_helpers import Cloud, wait_for
 
 from petctl import naming, templates, tls
+from petctl.local import etcd_release
 
 BUCKET = "petctl-local-test"
 RDZV_EVENTS = ["launched", "deps_installed", "eni_attached", "etcd_started"]
 
 
-def _job_stack(cloud: Cloud, job: str) -> dict[str, Any]:
-    """The job stack as run_job creates it, with no workers, after uploading the job's TLS objects."""
+def _job_stack(cloud: Cloud, job: str, **extra: str) -> dict[str, Any]:
+    """The job stack as run_job creates it, with no workers, after uploading the job's TLS objects;
+    ``extra``: more stack parameters."""
     net = cloud.network()
     objects = tls.make_job_tls(job)
     for name, data in objects.items():
@@ -57,6 +63,7 @@ def _job_stack(cloud: Cloud, job: str) -> dict[str, Any]:
         SpecUrl=f"s3://{BUCKET}/petctl/jobs/{job}/job.json",
         DistUrl=f"s3://{BUCKET}/petctl/jobs/{job}/dist/petctl-0-py3-none-any.whl",
         TorchVersion="2.13.0",
+        **extra,
     )
     import boto3
 
@@ -77,6 +84,21 @@ def _get(url: str, context: ssl.SSLContext | None = None) -> str:
         return resp.read().decode()
 
 
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def _v3(base: str, op: str, body: dict[str, Any], context: ssl.SSLContext) -> dict[str, Any]:
+    req = urllib.request.Request(f"{base}/v3/kv/{op}", data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(req, context=context, timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def _v3_get(base: str, key: str, context: ssl.SSLContext) -> str | None:
+    kvs = _v3(base, "range", {"key": _b64(key)}, context).get("kvs") or []
+    return base64.b64decode(kvs[0]["value"]).decode() if kvs else None
+
+
 def test_rdzv_boot_serves_etcd_over_tls_to_the_jobs_clients_only(cloud: Cloud, tmp_path: Path) -> None:
     job = "boot-tls"
     objects = _job_stack(cloud, job)
@@ -89,7 +111,8 @@ def test_rdzv_boot_serves_etcd_over_tls_to_the_jobs_clients_only(cloud: Cloud, t
     rdzv = wait_for(booted, timeout=120, what="the rendezvous boot", poll=1)
     log = Path(rdzv["log"]).read_text()
     assert rdzv["boot"]["state"] == "done", log[-3000:]
-    assert '{"health":"true"' in log  # the boot's own check, over TLS with its client certificate
+    # the boot's own check, over TLS with its client certificate, on the address workers dial
+    assert f"https://{rdzv['bind_ip']}:2379 is healthy" in log
     assert "rejected connection" not in log  # etcd's own gateway accepts its certificate
     assert "check file permission" not in log  # its data dir is 0700
     events = json.loads(
@@ -110,28 +133,96 @@ def test_rdzv_boot_serves_etcd_over_tls_to_the_jobs_clients_only(cloud: Cloud, t
     ]
     assert d.stat().st_mode & 0o777 == 0o700 and all(p.stat().st_mode & 0o777 == 0o600 for p in d.iterdir())
 
-    # A worker of this job (its CA, its client certificate) reads and writes v2 keys on the ENI.
+    # A worker of this job (its CA, its client certificate) reads and writes v3 keys on the ENI
+    # (etcd's JSON gateway); the v2 API is off (only torch's v2 fallbacks turn it on).
     for name, data in objects.items():
         (tmp_path / name).write_bytes(data)
     ip = rdzv["bind_ip"]
     worker = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
     worker.load_cert_chain(tmp_path / "client.pem", tmp_path / "client.key")
     base = f"https://{ip}:2379"
-    req = urllib.request.Request(f"{base}/v2/keys/petctl-tls", data=b"value=ok", method="PUT")
-    with urllib.request.urlopen(req, context=worker, timeout=5) as resp:
-        assert resp.status in (200, 201)
-    assert json.loads(_get(f"{base}/v2/keys/petctl-tls", worker))["node"]["value"] == "ok"
+    _v3(base, "put", {"key": _b64("petctl-tls"), "value": _b64("ok")}, worker)
+    assert _v3_get(base, "petctl-tls", worker) == "ok"
+    with pytest.raises(urllib.error.HTTPError):
+        _get(f"{base}/v2/keys/petctl-tls", worker)
+
+    # The boot wrote its token once etcd answered: <instance id>-<random> (docs/contracts.md).
+    token = _v3_get(base, "/petctl/etcd-boot-token", worker)
+    assert re.fullmatch(re.escape(rdzv["instance_id"]) + r"-[0-9a-f]{32}", token or ""), token
+    assert f"petctl boot: etcd boot token {token}" in log
+    # Create-if-absent: the boot's own write, run again with another token (as a second boot on
+    # the same data would), leaves the first one.
+    script = (Path(rdzv["root"]).parent / "user-data.sh").read_text()
+    functions = [
+        re.search(rf"^{name}\(\) {{\n.*?^}}$", script, re.M | re.S)
+        for name in ("etcdctl", "write_boot_token")
+    ]
+    tls_dir = re.search(r"^TLS=(\S+)$", script, re.M)
+    assert all(functions) and tls_dir
+    again = subprocess.run(
+        ["bash", "-c", "\n".join([f"TLS={tls_dir.group(1)}", "BOOT_TOKEN=second-boot", *(m.group(0) for m in functions), "write_boot_token"])],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert again.returncode == 0 and again.stdout.strip() == "FAILURE", again.stdout + again.stderr
+    assert _v3_get(base, "/petctl/etcd-boot-token", worker) == token
+    # The etcd is the package binary standing in for the pinned release, unpacked by the boot's
+    # own checksum-and-unpack step into its /opt/etcd/bin (docs/local.md).
+    assert sorted(p.name for p in (Path(rdzv["root"]) / "opt" / "etcd" / "bin").iterdir()) == [
+        "etcd",
+        "etcdctl",
+    ]
+    assert "etcd Version: 3.5" in log
 
     # Plain http, TLS without a client certificate, and another job's certificate are all refused.
     with pytest.raises((urllib.error.URLError, ConnectionError)):
-        _get(f"http://{ip}:2379/v2/keys/petctl-tls")
+        _get(f"http://{ip}:2379/health")
     anonymous = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
     with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
-        _get(f"{base}/v2/keys/petctl-tls", anonymous)
+        _get(f"{base}/health", anonymous)
     other = tls.make_job_tls("someone-else")
     for name, data in other.items():
         (tmp_path / f"other-{name}").write_bytes(data)
     stranger = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
     stranger.load_cert_chain(tmp_path / "other-client.pem", tmp_path / "other-client.key")
     with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
-        _get(f"{base}/v2/keys/petctl-tls", stranger)
+        _get(f"{base}/health", stranger)
+
+
+def test_a_jobs_own_etcd_copy_is_checked_before_it_is_unpacked(cloud: Cloud, tmp_path: Path) -> None:
+    """run-job --rdzv-etcd-url s3://...: the boot fetches the copy from S3 (the aws shim, moto) and
+    checks the SHA-256 the job gave; no local substitution. A wrong one fails the boot loudly
+    (boot_failed, the mismatch as its error) and leaves no etcd to run; the right one boots."""
+    tarball, sha256 = etcd_release.local_release(tmp_path)
+    url = f"s3://{BUCKET}/petctl/uploads/etcd-copy.tar.gz"
+    cloud.s3.put_object(Bucket=BUCKET, Key="petctl/uploads/etcd-copy.tar.gz", Body=tarball.read_bytes())
+    wrong = hashlib.sha256(b"not the copy").hexdigest()
+    _job_stack(cloud, "copy-bad", EtcdUrl=url, EtcdSha256=wrong)
+    _job_stack(cloud, "copy-good", EtcdUrl=url, EtcdSha256=sha256)
+
+    def first_boot(job: str) -> Any:
+        rdzv = cloud.instances(job, "rdzv")
+        return rdzv and rdzv[0]["boot"]["state"] in ("done", "failed") and rdzv[0]
+
+    good = wait_for(lambda: first_boot("copy-good"), timeout=120, what="the good copy's boot", poll=1)
+    log = Path(good["log"]).read_text()
+    assert good["boot"]["state"] == "done", log[-3000:]
+    assert f"https://{good['bind_ip']}:2379 is healthy" in log
+
+    bad = wait_for(lambda: first_boot("copy-bad"), timeout=120, what="the bad copy's boot", poll=1)
+    assert bad["boot"]["state"] == "failed"
+    message = f"etcd tarball {url} has SHA-256 {sha256}, not the expected {wrong}: not installed"
+
+    def failed_event() -> Any:
+        try:
+            body = cloud.s3.get_object(
+                Bucket=BUCKET, Key=f"petctl/jobs/copy-bad/boot/events/{bad['instance_id']}.json"
+            )["Body"].read()
+        except cloud.s3.exceptions.NoSuchKey:
+            return None
+        events = json.loads(body)["events"]
+        return events[-1]["kind"] == "boot_failed" and events
+
+    events = wait_for(failed_event, timeout=60, what="the bad copy's boot_failed event", poll=1)
+    assert [e["kind"] for e in events] == ["launched", "boot_failed"]
+    assert events[-1]["error"] == f"petctl boot: error: {message}" or message in events[-1]["error"], events
+    assert not (Path(bad["root"]) / "opt" / "etcd" / "bin" / "etcd").exists()

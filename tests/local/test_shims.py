@@ -110,7 +110,8 @@ def run_shim(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> s
             "{}",
         ],
         ["curl", "-sSf", "https://pypi.org/simple/"],  # nothing but IMDS
-        ["curl", "-L", "http://169.254.169.254/latest/meta-data/"],
+        ["curl", "-k", "http://169.254.169.254/latest/meta-data/"],
+        ["curl", "-fsSL", "-o", "ROOT/x", "https://github.com/etcd-io/etcd/archive/v3.5.33.tar.gz"],
         ["ip", "addr"],
         ["ip", "-6", "-o", "addr", "show"],
         ["python3.11", "-c", "print(1)"],

@@ -46,6 +46,8 @@ FACTS = {
         InstanceTypeInfo("gr6f.4xlarge", X86, 16, 131072, 0, 1, "NVIDIA", "L4"),
         InstanceTypeInfo("p3.2xlarge", X86, 8, 62464, 1, 1, "NVIDIA", "V100"),
         InstanceTypeInfo("g4ad.xlarge", X86, 4, 16384, 1, 1, "AMD", "Radeon Pro V520"),
+        InstanceTypeInfo("t4g.small", ("arm64",), 2, 2048),
+        InstanceTypeInfo("mac2.metal", ("arm64_mac",), 12, 16384),
     )
 }
 
@@ -79,12 +81,91 @@ def test_gpu_or_cpu_comes_from_the_facts_not_the_name(tmp_path):
         ({"instance_type": "m7g.large"}, "--instance-type m7g.large: arm64 (Graviton) types need an image"),
         ({"instance_type": "inf2.xlarge"}, "Inferentia/Trainium types need an image"),
         ({"instance_type": "g4ad.xlarge"}, "AMD GPU types need an image"),
-        ({"rdzv_instance_type": "m7g.large"}, "--rdzv-instance-type m7g.large: the rendezvous server"),
+        (
+            {"rdzv_instance_type": "mac2.metal"},
+            "--rdzv-instance-type mac2.metal is arm64_mac: the rendezvous",
+        ),
         ({"instance_type": "m7g.large,g5.xlarge", "ami": "ami-0123456789abcdef0"}, "mixes GPU"),
     ],
 )
 def test_instance_types_the_image_cannot_run_are_refused(tmp_path, kw, message):
     with pytest.raises(ConfigError, match=None) as e:
+        make_plan(tmp_path, name="bad", **kw)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_arm64_rendezvous_type_gets_the_arm64_image(tmp_path):
+    """Graviton rendezvous types are allowed (issue 21): the AL2023 arm64 image's SSM parameter;
+    the boot picks the arm64 etcd tarball from the instance's own architecture."""
+    arm = make_plan(tmp_path, name="arm", rdzv_instance_type="t4g.small")
+    params = {p["ParameterKey"]: p["ParameterValue"] for p in arm.parameters}
+    assert params["RdzvInstanceType"] == "t4g.small"
+    assert params["RdzvImageId"] == "/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-arm64"
+    x86 = make_plan(tmp_path, name="x86")
+    assert "RdzvImageId" not in {p["ParameterKey"] for p in x86.parameters}  # the template's default:
+    default = jobs_template_default(x86.template, "RdzvImageId")
+    assert default == "/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-x86_64"
+
+
+def jobs_template_default(template: str, name: str) -> str:
+    from petctl.templates import load_template
+
+    return load_template(template)["Parameters"][name]["Default"]
+
+
+def test_enable_v2_follows_the_backend(tmp_path):
+    def exec_start(plan) -> str:
+        return next(x for x in plan.template.splitlines() if "ExecStart=$ETCD_BIN" in x)
+
+    from petctl.templates.etcd import ETCD_V2_BACKENDS
+    from petctl_agent.spec import RDZV_BACKENDS
+
+    assert {"etcd-v2", "etcd"} <= set(ETCD_V2_BACKENDS)  # torch's fallbacks speak v2 (python-etcd)
+    for backend in RDZV_BACKENDS:
+        start = exec_start(make_plan(tmp_path, name="v2", rdzv_backend=backend))
+        assert (" --enable-v2 " in start) == (backend in ETCD_V2_BACKENDS), backend
+
+
+ETCD_SHA = "ab" * 32
+
+
+def test_a_jobs_own_etcd_copy_goes_into_the_stack(tmp_path):
+    for url in (
+        "s3://team-bucket/petctl/uploads/etcd-v3.5.33-linux-amd64.tar.gz",
+        "https://mirror.corp/etcd.tgz",
+    ):
+        p = make_plan(tmp_path, name="mirror", rdzv_etcd_url=url, rdzv_etcd_sha256=ETCD_SHA.upper())
+        params = {x["ParameterKey"]: x["ParameterValue"] for x in p.parameters}
+        assert (params["EtcdUrl"], params["EtcdSha256"]) == (url, ETCD_SHA)
+        assert f"t3.small: your copy {url} (SHA-256 abababababab...)" in render.plan_text(p.to_dict())
+    plain = make_plan(tmp_path, name="plain")
+    assert not {"EtcdUrl", "EtcdSha256"} & {x["ParameterKey"] for x in plain.parameters}
+    assert "t3.small: the official 3.5.33 release, SHA-256 pinned" in render.plan_text(plain.to_dict())
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"rdzv_etcd_url": "https://m/e.tgz"}, "--rdzv-etcd-url and --rdzv-etcd-sha256 go together"),
+        ({"rdzv_etcd_sha256": ETCD_SHA}, "--rdzv-etcd-url and --rdzv-etcd-sha256 go together"),
+        (
+            {"rdzv_etcd_url": "http://m/e.tgz", "rdzv_etcd_sha256": ETCD_SHA},
+            "is not an s3://BUCKET/KEY or https://",
+        ),
+        ({"rdzv_etcd_url": "https://m/a b.tgz", "rdzv_etcd_sha256": ETCD_SHA}, "is not an s3://BUCKET/KEY"),
+        (
+            {"rdzv_etcd_url": "https://m/e.tgz", "rdzv_etcd_sha256": "abc"},
+            "--rdzv-etcd-sha256 'abc' is not a SHA-256",
+        ),
+        ({"rdzv_etcd_url": "s3://team-bucket/petctl/uploads/", "rdzv_etcd_sha256": ETCD_SHA}, "is a prefix"),
+        (
+            {"rdzv_etcd_url": "s3://other-bucket/etcd.tgz", "rdzv_etcd_sha256": ETCD_SHA},
+            "is outside s3://team-bucket/petctl/uploads/, the only place the job's rendezvous role may read",
+        ),
+    ],
+)
+def test_a_bad_etcd_copy_is_refused_in_one_line(tmp_path, kw, message):
+    with pytest.raises(ConfigError) as e:
         make_plan(tmp_path, name="bad", **kw)
     assert message in str(e.value) and "\n" not in str(e.value)
 

