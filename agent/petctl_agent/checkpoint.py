@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -227,13 +228,19 @@ def resume(
     ``weights_only`` (see :func:`load_latest` for ``unsafe_load``).
     """
     into = state() if callable(state) else state
-    if memory.snapshot_dir() is not None:
-        from petctl_agent.distributed import rank_device
+    if memory.snapshot_dir() is None or is_sharded(into or {}):
+        return load_latest(directory, into=into, unsafe_load=unsafe_load)
+    from petctl_agent.distributed import rank_device
 
-        got = memory.resume(checkpoint_dir(directory), rank_device())
-        if got is not None:
-            return got
-    return load_latest(directory, into=into, unsafe_load=unsafe_load)
+    got = memory.resume(checkpoint_dir(directory), rank_device())
+    if got is not None:
+        return got
+    t0 = time.monotonic()
+    out = load_latest(directory, into=into, unsafe_load=unsafe_load)
+    pointer = read_pointer(checkpoint_dir(directory)) or {}
+    nbytes = int(pointer.get("size", 0)) if out is not None else 0
+    memory.report_restore("efs", out[1] if out else None, nbytes, time.monotonic() - t0)
+    return out
 
 
 def step(
