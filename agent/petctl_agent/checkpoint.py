@@ -237,9 +237,9 @@ def resume(
         return got
     t0 = time.monotonic()
     out = load_latest(directory, into=into, unsafe_load=unsafe_load)
-    pointer = read_pointer(checkpoint_dir(directory)) or {}
-    nbytes = int(pointer.get("size", 0)) if out is not None else 0
-    memory.report_restore("efs", out[1] if out else None, nbytes, time.monotonic() - t0)
+    if out is not None:  # (a first start restores nothing: no report)
+        pointer = read_pointer(checkpoint_dir(directory)) or {}
+        memory.report_restore("efs", out[1], int(pointer.get("size", 0)), time.monotonic() - t0)
     return out
 
 

@@ -320,3 +320,52 @@ def test_no_fit_falls_back_to_efs_and_warns_in_status(shm_base: Path, tmp_path: 
     finally:
         memory.close_persisters()
         area.close()
+
+
+@pytest.mark.e2e
+def test_agents_own_the_store_newcomer_restores_from_a_peer_store_freed_on_leave(
+    make_cluster, shm_base: Path
+) -> None:
+    """Real agents (petctl-etcd), real workers: a join is restored from the survivors' memory
+    (events self/peer in status), a drained node's store is gone once it left, and so are the others'."""
+    from harness import wait_for
+
+    c = make_cluster(
+        job="memrestore",
+        min_nodes=2,
+        max_nodes=3,
+        script_args=["--total-steps", "100000", "--step-time", "0.05", "--checkpoint-every", "20"],
+        extra_env={"PETCTL_COLLECTIVE_TIMEOUT": "30", "PETCTL_AGENT_SNAPSHOT_DIR": str(shm_base)},
+    )
+    a, b = c.add_node(), c.add_node()
+    c.wait(lambda: c.all_at_world([a, b], 2, 0, min_steps=3), 120, "2 nodes stepping", alive=[a, b])
+    store = {n.instance_id: shm_base / "memrestore" / n.instance_id for n in (a, b)}
+    assert all(d.is_dir() for d in store.values())
+    t = c.now()
+    n3 = c.add_node()
+    c.wait(
+        lambda: c.all_at_world([a, b, n3], 3, t, min_steps=3), 120, "world 3 after a join", alive=[a, b, n3]
+    )
+
+    def restored(n):
+        ev = [
+            e for e in (c.status(n.instance_id) or {}).get("events", []) if e["kind"] == "snapshot_restored"
+        ]
+        return ev[-1] if ev and ev[-1]["t"] >= t else None
+
+    got = {
+        n.instance_id: c.wait(lambda n=n: restored(n), 30, "restore events", alive=[a, b, n3])
+        for n in (a, b, n3)
+    }
+    assert got[n3.instance_id]["source"] == "peer" and got[n3.instance_id]["bytes"] > 0, got
+    assert got[a.instance_id]["source"] == "self" and got[b.instance_id]["source"] == "self", got
+    assert len({e["step"] for e in got.values()}) == 1
+    c.terminate(b)
+    assert wait_for(lambda: b.proc.poll() is not None, 60, "drained agent to exit") is not None
+    assert b.proc.returncode == 0 and not store[b.instance_id].exists()
+    assert store[a.instance_id].is_dir()  # the survivors keep theirs
+    for n in (a, n3):
+        c.terminate(n)
+    for n in (a, n3):
+        assert wait_for(lambda n=n: n.proc.poll() is not None, 60, "agents to exit") is not None
+    assert not (shm_base / "memrestore").exists()
