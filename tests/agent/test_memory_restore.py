@@ -264,8 +264,10 @@ def test_persistence_by_the_agent_survives_a_worker_killed_after_its_snapshot(
         """
         import os, signal, torch
         from petctl_agent import checkpoint as ckpt
-        ckpt.step(2, lambda: {"w": torch.full((1 << 20,), 2.0)}, every=2)
-        os.kill(os.getpid(), signal.SIGKILL)  # before any EFS write of its own could finish
+        from petctl_agent.checkpointing import memory
+        ckpt.step(2, lambda: {"w": torch.full((1 << 20,), 2.0)}, every=2)  # returns after the copy
+        memory._store(memory.snapshot_dir()).flush()  # the snapshot is complete (header in place)
+        os.kill(os.getpid(), signal.SIGKILL)  # a worker restart: the persist is not the worker's
         """
     )
     deadline = time.monotonic() + 10
@@ -288,6 +290,7 @@ def test_persistence_by_the_agent_survives_a_worker_killed_after_its_snapshot(
         time.sleep(0.1)
     state, step = ckpt.load_latest(efs, map_location="cpu")
     assert step == 2 and torch.equal(state["w"], torch.full((1 << 20,), 2.0))
+    assert persist.state(area.dir)["pid"] == area.persister.pid  # written by the agent's persister
     p = area.persister
     area.close()
     assert p.poll() is not None and not area.dir.exists() and not (shm_base / "j").exists()
