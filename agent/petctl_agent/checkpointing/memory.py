@@ -159,10 +159,14 @@ def _wait_persisted(store: SnapshotStore, step: int, directory: Path, keep: int)
         per.wait()
 
 
-def save(state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: bool) -> bool:
+def save(
+    state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: bool, complete: bool = False
+) -> bool:
     """Snapshot ``state`` on every node; True when it did (persisting), False: use today's path.
 
-    Collective. ``wait``: rank 0 returns only once ``latest`` names ``step`` (last step, drain).
+    Collective. ``wait``: rank 0 returns only once ``latest`` names ``step`` (last step, a node
+    leaving). ``complete``: every node's snapshot is complete (header written) on return (the
+    workers stop for a join: their memory stays, but a worker that exits kills the crc thread).
     """
     sdir = snapshot_dir()
     if sdir is None:
@@ -191,7 +195,9 @@ def save(state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: 
             per.kick()
             if wait:
                 per.wait()
-    elif wait and _local_rank() == 0:
+    elif (wait or complete) and _local_rank() == 0:
+        store.flush()
+    if complete and dist_rank() == 0:
         store.flush()
     return True
 
