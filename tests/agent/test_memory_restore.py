@@ -372,3 +372,58 @@ def test_agents_own_the_store_newcomer_restores_from_a_peer_store_freed_on_leave
     for n in (a, n3):
         assert wait_for(lambda n=n: n.proc.poll() is not None, 60, "agents to exit") is not None
     assert not (shm_base / "memrestore").exists()
+
+
+DRAINING_WORKER = textwrap.dedent(
+    """
+    import torch
+    from petctl_agent import checkpoint as ckpt
+    ckpt.step(5, lambda: {"w": torch.full((1 << 18,), 5.0)}, every=0)  # the drain file is there
+    raise SystemExit("not reached: an agreed drain exits with 75")
+    """
+)
+
+
+def test_a_joins_stop_waits_for_memory_only_a_leave_waits_for_efs(shm_base: Path, tmp_path: Path) -> None:
+    import fcntl
+
+    from petctl_agent import DRAIN_EXIT_CODE
+
+    def run(sdir: Path, efs: Path, drain_body: str) -> subprocess.CompletedProcess:
+        drain = tmp_path / f"drain-{drain_body.strip() or 'stop'}"
+        drain.write_text(drain_body)
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO / "agent"),
+            "PETCTL_SNAPSHOT_DIR": str(sdir),
+            "PETCTL_CHECKPOINT_DIR": str(efs),
+            "PETCTL_DRAIN_FILE": str(drain),
+        }
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PETCTL_PROGRESS_FILE"):
+            env.pop(k, None)
+        return subprocess.run(
+            [sys.executable, "-c", DRAINING_WORKER], env=env, capture_output=True, text=True, timeout=120
+        )
+
+    # a join's stop: a persister "serves" the store (we hold its lock) but never writes: the
+    # worker exits at once, its snapshot complete, nothing on EFS yet
+    sdir = shm_base / "stop"
+    sdir.mkdir(parents=True)
+    fd = os.open(sdir / persist.LOCK, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        cp = run(sdir, tmp_path / "efs-stop", "")
+    finally:
+        os.close(fd)
+    assert cp.returncode == DRAIN_EXIT_CODE, cp.stderr[-2000:]
+    assert SnapshotStore(sdir, memory.NAME).newest().step == 5
+    assert json.loads((sdir / persist.REQUEST).read_text())["step"] == 5
+    assert ckpt.latest_step(tmp_path / "efs-stop") is None
+    # a node leaves: the worker exits only once the agent's persister put step 5 on EFS
+    area = SnapshotArea.open(shm_base, "j", "i-3", Pub())
+    try:
+        cp = run(area.dir, tmp_path / "efs-leave", "leave\n")
+        assert cp.returncode == DRAIN_EXIT_CODE, cp.stderr[-2000:]
+        assert ckpt.latest_step(tmp_path / "efs-leave") == 5
+    finally:
+        area.close()
