@@ -143,7 +143,8 @@ def _persister(store: SnapshotStore, directory: Path, keep: int) -> Persister:
 def _wait_persisted(store: SnapshotStore, step: int, directory: Path, keep: int) -> None:
     """Return once ``latest`` names ``step`` (or newer): the agent's persister's, else our own write."""
     sdir = store.dir
-    while True:
+    deadline = time.monotonic() + float(os.environ.get("PETCTL_CHECKPOINT_TIMEOUT") or 1800)
+    while time.monotonic() < deadline:
         p = read_pointer(directory)
         if p and int(p.get("step", -1)) >= step:
             return
