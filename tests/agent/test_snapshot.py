@@ -426,7 +426,7 @@ RANKS_SNAP = textwrap.dedent(
     for s in range(start, total + 1):
         w += 1
         if rank == 1 and s == int(os.environ.get("DRAIN_AT", "0")):
-            open(os.environ["PETCTL_DRAIN_FILE"], "w").write("leave\n")  # as a leaving agent writes it
+            open(os.environ["PETCTL_DRAIN_FILE"], "w").write("leave")  # as a leaving agent writes it
         ckpt.step(s, lambda: {"w": w.clone()}, every=2, last=s == total)
     print("RESULT " + json.dumps({"start": start, "w": w.tolist()}), flush=True)
     """
