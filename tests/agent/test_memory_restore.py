@@ -449,4 +449,4 @@ def test_store_freed_at_job_end(make_cluster, shm_base: Path) -> None:
     assert wait_for(lambda: a.proc.poll() is not None, 120, "the job to end") is not None
     assert a.proc.returncode == 0 and (c.status(a.instance_id) or {}).get("state") == "SUCCEEDED"
     assert not store.exists() and not (shm_base / "memend").exists()
-    assert ckpt.latest_step(c.efs / "petctl" / "jobs" / "memend" / "checkpoints") == 60
+    assert ckpt.latest_step(c.ckpt_dir) == 60
