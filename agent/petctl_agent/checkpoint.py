@@ -70,7 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent import DRAIN_EXIT_CODE
-from petctl_agent.checkpointing import memory
+from petctl_agent.checkpointing import memory, sharded_memory
 from petctl_agent.checkpointing.drain import (
     drain_requested,
     exit_for_drain,
@@ -142,6 +142,8 @@ def _save(
     d = checkpoint_dir(directory)
     keep = keep if keep is not None else int(os.environ.get("PETCTL_CHECKPOINT_KEEP", "3"))
     if is_sharded(state):
+        if sharded_memory.save(state, int(step), d, keep, wait=durable):
+            return d / f"ckpt-{int(step):010d}.dcp" if durable and dist_rank() == 0 else None
         return save_sharded(state, int(step), d, keep)
     if memory.save(state, int(step), d, keep, wait=durable):
         if durable:
@@ -227,6 +229,10 @@ def resume(
     ``weights_only`` (see :func:`load_latest` for ``unsafe_load``).
     """
     into = state() if callable(state) else state
+    if into is not None and is_sharded(into):
+        got = sharded_memory.resume(into, checkpoint_dir(directory), unsafe_load)
+        if got is not None:
+            return got
     if memory.snapshot_dir() is not None:
         from petctl_agent.distributed import rank_device
 
