@@ -58,7 +58,7 @@ collective (barriers included) still pending after the group's timeout.
 Made of (``checkpointing/``): the directory's layout and the single-file format (``files.py``),
 the sharded path (``sharded.py``), the checkpoint group (``group.py``), the drain agreement
 (``drain.py``), memory snapshots of replicated state when the agent turned them on (``memory.py``:
-``$PETCTL_SNAPSHOT_DIR``; docs/agent.md). This module stays import-light: no torch until a checkpoint is written or read.
+``$PETCTL_SNAPSHOT_DIR``; docs/agent.md), and of sharded state with a replica on a peer node (``sharded_memory.py``). This module stays import-light: no torch until a checkpoint is written or read.
 """
 
 from __future__ import annotations
