@@ -200,6 +200,16 @@ def test_hard_loss_restores_from_own_shard_and_replica_without_efs(trained: Path
     assert "restored step 4 from node memory at world size 1 (saved at 2" in cp.stderr
 
 
+def test_loss_of_rank_0s_node_restores_from_the_other_node_alone(trained: Path, tmp_path: Path) -> None:
+    t = _scenario(trained, tmp_path)
+    shutil.rmtree(t / "node0")  # rank 0's node (the one that wrote .metadata) is gone
+    shutil.rmtree(t / "efs")
+    (cp,) = _run(t, RESTORE, [1])  # node 1's worker restarts as rank 0 of world size 1
+    r = _result(cp)
+    assert r["step"] == 4 and r["same"] is True, cp.stderr[-2000:]
+    assert r["restore"]["source"] == "memory" and r["restore"]["fetched_bytes"] == 0
+
+
 def test_both_copies_of_a_shard_gone_goes_back_to_efs_and_names_the_step(
     trained: Path, tmp_path: Path
 ) -> None:
