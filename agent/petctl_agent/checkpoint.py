@@ -58,7 +58,7 @@ collective (barriers included) still pending after the group's timeout.
 Made of (``checkpointing/``): the directory's layout and the single-file format (``files.py``),
 the sharded path (``sharded.py``), the checkpoint group (``group.py``), the drain agreement
 (``drain.py``), memory snapshots of replicated state when the agent turned them on (``memory.py``:
-``$PETCTL_SNAPSHOT_DIR``; docs/agent.md). This module stays import-light: no torch until a checkpoint is written or read.
+``$PETCTL_SNAPSHOT_DIR``; docs/agent.md), and of sharded state with a replica on a peer node (``sharded_memory.py``). This module stays import-light: no torch until a checkpoint is written or read.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent import DRAIN_EXIT_CODE
-from petctl_agent.checkpointing import memory
+from petctl_agent.checkpointing import memory, sharded_memory
 from petctl_agent.checkpointing.drain import (
     drain_leaving,
     drain_requested,
@@ -145,6 +145,8 @@ def _save(
     d = checkpoint_dir(directory)
     keep = keep if keep is not None else int(os.environ.get("PETCTL_CHECKPOINT_KEEP", "3"))
     if is_sharded(state):
+        if sharded_memory.save(state, int(step), d, keep, wait=durable):
+            return d / f"ckpt-{int(step):010d}.dcp" if durable and dist_rank() == 0 else None
         return save_sharded(state, int(step), d, keep)
     if memory.save(state, int(step), d, keep, wait=durable, complete=complete):
         if durable:
@@ -230,7 +232,12 @@ def resume(
     ``weights_only`` (see :func:`load_latest` for ``unsafe_load``).
     """
     into = state() if callable(state) else state
-    if memory.snapshot_dir() is None or is_sharded(into or {}):
+    if into is not None and is_sharded(into):
+        got = sharded_memory.resume(into, checkpoint_dir(directory), unsafe_load)
+        if got is not None:
+            return got
+        return load_latest(directory, into=into, unsafe_load=unsafe_load)
+    if memory.snapshot_dir() is None:
         return load_latest(directory, into=into, unsafe_load=unsafe_load)
     from petctl_agent.distributed import rank_device
 

@@ -1,0 +1,638 @@
+"""Sharded state (DCP / FSDP2) through node-local memory, with a replica of every shard on a peer node.
+
+On when the workers have ``$PETCTL_SNAPSHOT_DIR`` (the agent's node-local tmpfs, one per node). The
+node's memory holds DCP step directories ``<snapshot dir>/sharded/ckpt-<step:010d>.dcp`` -- the same
+format as on EFS, so a restore is DCP's own load, resharding included. Save (collective, agreed step):
+
+1. every rank checks that twice its local shard bytes fit in the node's memory (``snapshot.fits``);
+   any "no" and every rank takes the EFS path (``sharded.save_sharded``) with a warning;
+2. ``dcp.save`` into the node's step directory (no fsync: tmpfs) -- each rank writes its own
+   ``__<rank>_*.distcp``, rank 0 the ``.metadata``;
+3. with two nodes or more: rank 0 broadcasts ``.metadata`` to every node, and rank ``r`` sends its
+   files to the next rank after ``r`` (cyclically) on another node, over the checkpoint's gloo group
+   -- the ring replica: every shard lives in two nodes' memory;
+4. training goes on; a thread per rank then computes the crc32 of every file the rank holds and
+   writes ``petctl-rank-<r>.json`` last (step, save id, world size, each file's owner, size, crc32):
+   the completion marker. It then copies the rank's own files to ``<checkpoint dir>/.ckpt-<step>.dcp.
+   <save id>.tmp/`` with fsync and drops a ``.done-<r>`` file there; rank 0's thread waits until all
+   ranks' ``.done`` files are there, renames the directory to ``ckpt-<step>.dcp`` and replaces
+   ``latest`` -- today's atomic semantics, ``latest`` only once every shard of the step is on EFS.
+   The job's last step and a drain wait for that (as the replicated path does).
+
+Resume (collective, :func:`resume`): every rank reports what its node's memory holds (steps, save
+ids, files whose crc32 matches its marker: a torn or stale file is never offered); every rank then
+computes the same plan: the newest step, not older than EFS's ``latest``, whose files the survivors
+together hold. Files a node lacks are fetched from a holder over the gloo group (bounded by
+``PETCTL_SHARD_FETCH_TIMEOUT``, default 300 s; a closed connection fails at once), checked against
+the crc32 and renamed into place; then DCP loads at the new world size from the node's directory.
+When memory does not cover the newest step, the job goes back to EFS's ``latest`` and rank 0
+says which step (stderr: ``petctl checkpoint: ... going back to step N``); :data:`last_restore`
+holds the same for the caller. Any rank's failure makes every rank use EFS; a peer lost mid-transfer
+fails the worker within the timeout (the agent restarts the group, which then finds that node's
+memory gone and plans without it).
+
+Memory: up to two steps per node (the newest complete one is kept while the next is written), each
+holding the node's own shards plus one replica: about 4x the node's shard bytes at the peak.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import threading
+import time
+import uuid
+import zlib
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from petctl_agent.checkpointing.atomic import fsync_dir
+from petctl_agent.checkpointing.files import CKPT_RE, prune, read_pointer, write_pointer
+from petctl_agent.checkpointing.snapshot import fits
+from petctl_agent.distributed import dist_on, dist_rank, dist_world
+
+SUBDIR = "sharded"
+MARKER_FMT = "petctl-sharded-1"
+_MARKER_RE = re.compile(r"^petctl-rank-(\d+)\.json$")
+_CHUNK = 8 << 20
+
+#: what the last :func:`resume` did: ``{"source": "memory"|"efs", "step", "newest", ...}`` (or None)
+last_restore: dict[str, Any] | None = None
+_pending: threading.Thread | None = None
+_pending_error: list[str] = []
+
+
+def memory_root() -> Path | None:
+    """``$PETCTL_SNAPSHOT_DIR/sharded``, or None when the agent gave no snapshot directory."""
+    d = os.environ.get("PETCTL_SNAPSHOT_DIR")
+    return Path(d) / SUBDIR if d else None
+
+
+def _fetch_timeout() -> timedelta:
+    return timedelta(seconds=float(os.environ.get("PETCTL_SHARD_FETCH_TIMEOUT", "300")))
+
+
+def _persist_timeout() -> float:
+    return float(os.environ.get("PETCTL_CHECKPOINT_TIMEOUT", "1800"))
+
+
+def _node_key() -> str:
+    return f"{socket.gethostname()}|{os.path.realpath(os.environ.get('PETCTL_SNAPSHOT_DIR', ''))}"
+
+
+def _say(msg: str) -> None:
+    print(f"petctl checkpoint: {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- small collectives (gloo, JSON)
+
+
+def _group() -> Any:
+    from petctl_agent.checkpointing.group import ckpt_group
+
+    return ckpt_group()
+
+
+def _gather_json(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (JSON-able), in rank order, over the checkpoint group. No pickle."""
+    if not dist_on():
+        return [obj]
+    import torch
+    import torch.distributed as dist
+
+    g = _group()
+    raw = json.dumps(obj).encode()
+    n = torch.tensor([len(raw)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist_world())]
+    dist.all_gather(sizes, n, group=g)
+    top = max(int(s) for s in sizes)
+    buf = torch.zeros(top, dtype=torch.uint8)
+    buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    outs = [torch.zeros(top, dtype=torch.uint8) for _ in range(dist_world())]
+    dist.all_gather(outs, buf, group=g)
+    return [json.loads(bytes(o[: int(s)].numpy())) for o, s in zip(outs, sizes)]
+
+
+def _all_ok(ok: bool) -> bool:
+    if not dist_on():
+        return ok
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([int(ok)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_group())
+    return bool(int(t[0]))
+
+
+# ---------------------------------------------------------------- files
+
+
+def _crc_file(path: Path) -> int:
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _read_tensor(path: Path, size: int) -> Any:
+    """The file's bytes as a uint8 tensor to send: its tmpfs pages mapped, not copied."""
+    import torch
+
+    if os.stat(path).st_size != size:
+        raise OSError(f"{path.name}: not {size} bytes")
+    if size == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+
+
+def _write_atomic(path: Path, t: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb", buffering=0) as f:
+        f.write(memoryview(t.numpy()))
+    os.replace(tmp, path)
+
+
+def _local_bytes(obj: Any, depth: int = 0) -> int:
+    """Upper bound of the bytes this rank's DCP files hold: every tensor's local part."""
+    import torch
+
+    if depth > 32:
+        return 0
+    if hasattr(obj, "to_local") and hasattr(obj, "device_mesh"):  # DTensor
+        t = obj.to_local()
+        return t.numel() * t.element_size()
+    if hasattr(obj, "local_shards"):  # ShardedTensor
+        return sum(s.tensor.numel() * s.tensor.element_size() for s in obj.local_shards())
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_local_bytes(v, depth + 1) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_local_bytes(v, depth + 1) for v in obj)
+    return 0
+
+
+def _ring_target(rank: int, nodes: list[str]) -> int | None:
+    """The first rank after ``rank`` (cyclically) on another node; None on a single node."""
+    w = len(nodes)
+    for k in range(1, w):
+        s = (rank + k) % w
+        if nodes[s] != nodes[rank]:
+            return s
+    return None
+
+
+def _leader(rank: int, nodes: list[str]) -> int:
+    return min(r for r, n in enumerate(nodes) if n == nodes[rank])
+
+
+def _read_markers(stepdir: Path, step: int) -> list[dict[str, Any]]:
+    out = []
+    try:
+        names = os.listdir(stepdir)
+    except OSError:
+        return out
+    for n in names:
+        if not _MARKER_RE.match(n):
+            continue
+        try:
+            m = json.loads((stepdir / n).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(m, dict) and m.get("format") == MARKER_FMT and m.get("step") == step:
+            out.append(m)
+    return out
+
+
+def _steps(root: Path) -> list[tuple[int, Path]]:
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    found = [(int(m.group(1)), root / n) for n in names if (m := CKPT_RE.match(n)) and n.endswith(".dcp")]
+    return sorted(found, reverse=True)
+
+
+# ---------------------------------------------------------------- save
+
+
+def flush() -> None:
+    """Wait for this rank's previous background work (crc32s, marker, EFS copy); report its errors."""
+    global _pending
+    t, _pending = _pending, None
+    if t is not None:
+        t.join()
+    while _pending_error:
+        _say(f"persisting a sharded checkpoint failed: {_pending_error.pop(0)}")
+
+
+def save(state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: bool) -> bool:
+    """Checkpoint sharded ``state`` into node memory (+ a peer replica, + EFS in the background).
+
+    Collective. True when it did; False: memory is off or some node's memory cannot hold it (the
+    caller writes to EFS as before). ``wait``: return only once ``latest`` names ``step``.
+    """
+    global _pending
+    root = memory_root()
+    if root is None:
+        return False
+    import torch.distributed.checkpoint as dcp
+
+    flush()
+    rank, world = dist_rank(), dist_world()
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    need = 2 * _local_bytes(state)
+    ok, why = fits(need, root)
+    stepdir = root / f"ckpt-{step:010d}.dcp"
+    node = _node_key()
+    info = _gather_json({"node": node, "ok": ok, "why": why, "id": uuid.uuid4().hex if rank == 0 else ""})
+    nodes = [i["node"] for i in info]
+    if not all(i["ok"] for i in info):
+        if rank == 0:
+            bad = "; ".join(f"rank {r}: {i['why']}" for r, i in enumerate(info) if not i["ok"])
+            _say(f"sharded snapshot of step {step} does not fit in memory ({bad}); writing to EFS")
+        return False
+    save_id = info[0]["id"]
+    leader = _leader(rank, nodes) == rank
+    if leader and stepdir.exists():
+        shutil.rmtree(stepdir, ignore_errors=True)  # an earlier save of this step (a retry)
+    _barrier()
+    stepdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    group = _group() if dist_on() else None
+    writer = dcp.FileSystemWriter(str(stepdir), sync_files=False, overwrite=True)
+    dcp.save(state, storage_writer=writer, process_group=group)
+    if leader:  # keep the newest complete step besides this one; everyone's old threads are joined
+        _drop_old(root, step)
+    own = sorted(n for n in os.listdir(stepdir) if n.startswith(f"__{rank}_") and n.endswith(".distcp"))
+    if rank == 0:
+        own.append(".metadata")
+    sizes = {n: (stepdir / n).stat().st_size for n in own}
+    held = {n: rank for n in own}
+    counts = {rank: sum(n != ".metadata" for n in own)}
+    if world > 1 and len(set(nodes)) > 1:
+        everyone = _gather_json(sizes)
+        held.update(_exchange(stepdir, rank, nodes, everyone, leader))
+        for src in set(held.values()) - {rank}:
+            counts[src] = sum(n != ".metadata" for n in everyone[src])
+    ckpt_dir = Path(directory)
+
+    def work() -> None:
+        try:
+            _finish(stepdir, step, save_id, rank, world, held, counts, ckpt_dir, keep)
+        except Exception as e:  # noqa: BLE001 - reported at the next save (or raised by a wait)
+            _pending_error.append(f"{type(e).__name__}: {e}")
+
+    _pending = threading.Thread(target=work, name="petctl-sharded-persist", daemon=True)
+    _pending.start()
+    if wait:
+        t, _pending = _pending, None
+        t.join()
+        if _pending_error:
+            raise RuntimeError(f"persisting step {step} to {ckpt_dir}: {_pending_error.pop(0)}")
+        _barrier()
+    return True
+
+
+def _barrier() -> None:
+    from petctl_agent.checkpointing.group import barrier
+
+    barrier()
+
+
+def _drop_old(root: Path, step: int) -> None:
+    kept = False
+    for s, p in _steps(root):
+        if s == step:
+            continue
+        if s < step and not kept and _read_markers(p, s):
+            kept = True
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _exchange(
+    stepdir: Path, rank: int, nodes: list[str], sizes: list[dict[str, int]], leader: bool
+) -> dict[str, int]:
+    """``.metadata`` to every node, each rank's files to its ring target. Returns what we received."""
+    import torch
+    import torch.distributed as dist
+
+    g = _group()
+    got: dict[str, int] = {}
+    msize = sizes[0][".metadata"]
+    meta = _read_tensor(stepdir / ".metadata", msize) if rank == 0 else torch.empty(msize, dtype=torch.uint8)
+    dist.broadcast(meta, src=0, group=g)
+    if rank != 0 and leader and nodes[rank] != nodes[0]:
+        _write_atomic(stepdir / ".metadata", meta)
+        got[".metadata"] = 0
+    works = []
+    recvs: list[tuple[str, int, Any]] = []
+    target = _ring_target(rank, nodes)
+    if target is not None:
+        for i, n in enumerate(sorted(k for k in sizes[rank] if k != ".metadata")):
+            works.append(dist.isend(_read_tensor(stepdir / n, sizes[rank][n]), dst=target, group=g, tag=i))
+    for src in range(len(nodes)):
+        if src != rank and _ring_target(src, nodes) == rank:
+            for i, n in enumerate(sorted(k for k in sizes[src] if k != ".metadata")):
+                buf = torch.empty(sizes[src][n], dtype=torch.uint8)
+                works.append(dist.irecv(buf, src=src, group=g, tag=i))
+                recvs.append((n, src, buf))
+    for w in works:
+        w.wait(_fetch_timeout())
+    for n, src, buf in recvs:
+        _write_atomic(stepdir / n, buf)
+        got[n] = src
+    return got
+
+
+def _finish(
+    stepdir: Path,
+    step: int,
+    save_id: str,
+    rank: int,
+    world: int,
+    held: dict[str, int],
+    counts: dict[int, int],
+    ckpt_dir: Path,
+    keep: int,
+) -> None:
+    """The background part: crc32s and the marker (memory complete), then this rank's files to EFS."""
+    files = {}
+    for n, owner in sorted(held.items()):
+        p = stepdir / n
+        files[n] = {"owner": owner, "size": p.stat().st_size, "crc32": _crc_file(p)}
+    marker = {
+        "format": MARKER_FMT,
+        "step": step,
+        "id": save_id,
+        "world_size": world,
+        "rank": rank,
+        "counts": {str(o): c for o, c in counts.items()},  # each owner's number of data files
+        "files": files,
+    }
+    path = stepdir / f"petctl-rank-{rank}.json"
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(marker))
+    os.replace(tmp, path)  # the marker last: the files it names are complete
+    name = f"ckpt-{step:010d}.dcp"
+    p = read_pointer(ckpt_dir)
+    if p and int(p.get("step", -1)) >= step:
+        return  # EFS is already there (or ahead)
+    out = ckpt_dir / f".{name}.{save_id}.tmp"
+    out.mkdir(parents=True, exist_ok=True)
+    for n, owner in held.items():
+        if owner != rank:
+            continue
+        dst = out / n
+        with open(stepdir / n, "rb", buffering=0) as src, open(dst, "wb") as f:
+            shutil.copyfileobj(src, f, _CHUNK)
+            f.flush()
+            os.fsync(f.fileno())
+    done = out / f".done-{rank}"
+    with open(done, "wb") as f:
+        os.fsync(f.fileno())
+    fsync_dir(out)
+    if rank != 0:
+        return
+    end = time.monotonic() + _persist_timeout()
+    while not all((out / f".done-{r}").exists() for r in range(world)):
+        if time.monotonic() > end:
+            raise TimeoutError(f"not every rank's shard of step {step} reached {ckpt_dir}")
+        time.sleep(0.05)
+    for r in range(world):
+        (out / f".done-{r}").unlink()
+    fsync_dir(out)
+    final = ckpt_dir / name
+    if final.exists():
+        trash = ckpt_dir / f".{name}.old.tmp"
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(final, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    os.rename(out, final)
+    fsync_dir(ckpt_dir)
+    write_pointer(ckpt_dir, {"file": name, "step": step, "format": "dcp", "world_size": world})
+    prune(ckpt_dir, keep, name)
+
+
+# ---------------------------------------------------------------- resume
+
+
+def _inventory(root: Path) -> dict[str, Any]:
+    """What this node's memory holds, checked: ``{step: {"id", "world", "files": {name: [owner, size, crc]}}}``.
+
+    A file is offered only when a marker names it and its size and crc32 match (torn or rewritten:
+    left out); markers of one step with different save ids: the step is left out (stale mix).
+    """
+    out: dict[str, Any] = {}
+    for s, p in _steps(root):
+        markers = _read_markers(p, s)
+        ids = {m.get("id") for m in markers}
+        if len(ids) != 1:
+            continue
+        files: dict[str, list[int]] = {}
+        counts: dict[str, int] = {}
+        for m in markers:
+            counts.update(m.get("counts", {}))
+            for n, f in m.get("files", {}).items():
+                fp = p / n
+                try:
+                    if fp.stat().st_size != f["size"] or _crc_file(fp) != f["crc32"]:
+                        continue
+                except OSError:
+                    continue
+                files[n] = [int(f["owner"]), int(f["size"]), int(f["crc32"])]
+        if files:
+            out[str(s)] = {
+                "id": ids.pop(),
+                "world": int(markers[0]["world_size"]),
+                "counts": counts,
+                "files": files,
+            }
+    return out
+
+
+def _covered(step: str, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Every file of ``step`` (one save id) and who holds it, if the nodes' memories cover it."""
+    by_id: dict[str, list[dict[str, Any]]] = {}
+    for e in entries:
+        if step in e:
+            by_id.setdefault(e[step]["id"], []).append(e[step])
+    for sid, parts in sorted(by_id.items()):
+        world = parts[0]["world"]
+        files: dict[str, list[int]] = {}
+        counts: dict[str, int] = {}
+        for part in parts:
+            counts.update(part["counts"])
+            for n, f in part["files"].items():
+                files.setdefault(n, f)
+        if ".metadata" in files and not _lost(world, counts, files):
+            return {"id": sid, "world": world, "files": files}
+    return None
+
+
+def _lost(world: int, counts: dict[str, int], files: dict[str, list[int]]) -> list[int]:
+    """The ranks (of the saving world) whose files are not all among ``files``."""
+    have: dict[int, int] = {}
+    for n, f in files.items():
+        if n != ".metadata":
+            have[f[0]] = have.get(f[0], 0) + 1
+    return [r for r in range(world) if str(r) not in counts or have.get(r, 0) < counts[str(r)]]
+
+
+def resume(
+    into: dict[str, Any], directory: Path, unsafe_load: bool | None = None
+) -> tuple[dict[str, Any], int] | None:
+    """Restore the newest step the survivors' memories cover (not older than EFS); else None (collective)."""
+    global last_restore
+    root = memory_root()
+    if root is None:
+        return None
+    from petctl_agent.checkpointing.files import UnsafeCheckpointError
+    from petctl_agent.checkpointing.sharded import load_sharded
+
+    flush()
+    rank = dist_rank()
+    t0 = time.monotonic()
+    inv = _inventory(root) if root.is_dir() else {}
+    entries = _gather_json({"node": _node_key(), "inv": inv})
+    nodes = [e["node"] for e in entries]
+    invs = [e["inv"] for e in entries]
+    pointer = read_pointer(Path(directory))
+    efs = int(pointer["step"]) if pointer and "step" in pointer else -1
+    seen = sorted({int(s) for i in invs for s in i}, reverse=True)
+    newest = max(seen[0] if seen else -1, efs)
+    plan = None
+    step = -1
+    for s in seen:
+        if s < efs:
+            break
+        plan = _covered(str(s), invs)
+        if plan is not None:
+            step = s
+            break
+    if plan is None:
+        last_restore = {"source": "efs", "step": efs, "newest": newest}
+        if rank == 0 and seen and seen[0] > efs:
+            missing = _missing(str(seen[0]), invs)
+            _say(
+                f"step {seen[0]} is not in the survivors' memory (no intact copy of {missing}); "
+                f"going back to step {efs} from {directory}"
+                if efs >= 0
+                else f"step {seen[0]} is not in the survivors' memory (no intact copy of {missing}) "
+                "and nothing is persisted: starting over"
+            )
+        return None
+    stepdir = root / f"ckpt-{step:010d}.dcp"
+    fetched = 0
+    ok = True
+    try:
+        fetched = _fetch(stepdir, rank, nodes, invs, str(step), plan)
+    except Exception as e:  # noqa: BLE001 - any fetch trouble: every rank goes to EFS together
+        _say(f"fetching step {step}'s shards from peers' memory failed ({type(e).__name__}: {e})")
+        ok = False
+    if not _all_ok(ok):
+        last_restore = {"source": "efs", "step": efs, "newest": newest}
+        if rank == 0:
+            _say(
+                f"restoring step {step} from memory failed on some rank; going back to step {efs} from {directory}"
+            )
+        return None
+    try:
+        got = load_sharded(stepdir, into, unsafe_load)
+    except UnsafeCheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - DCP fails on every rank together: EFS then
+        last_restore = {"source": "efs", "step": efs, "newest": newest}
+        if rank == 0:
+            _say(f"loading step {step} from memory failed ({e}); going back to step {efs} from {directory}")
+        return None
+    secs = time.monotonic() - t0
+    last_restore = {
+        "source": "memory",
+        "step": step,
+        "newest": newest,
+        "world_size": plan["world"],
+        "fetched_bytes": fetched,
+        "seconds": round(secs, 3),
+    }
+    if rank == 0 and step < newest:
+        _say(
+            f"step {newest} is not in the survivors' memory (no intact copy of {_missing(str(newest), invs)}); "
+            f"going back to step {step}, the newest they hold"
+        )
+    if rank == 0:
+        _say(
+            f"restored step {step} from node memory at world size {dist_world()} (saved at "
+            f"{plan['world']}; {fetched / 2**20:.1f} MiB fetched from peers by this node, {secs:.2f} s)"
+        )
+    return got
+
+
+def _missing(step: str, invs: list[dict[str, Any]]) -> str:
+    parts = [i[step] for i in invs if step in i]
+    world = max((p["world"] for p in parts), default=0)
+    files: dict[str, list[int]] = {}
+    counts: dict[str, int] = {}
+    for p in parts:
+        counts.update(p["counts"])
+        for n, f in p["files"].items():
+            files.setdefault(n, f)
+    lost = [f"rank {r}'s shard" for r in _lost(world, counts, files)]
+    lost += [] if ".metadata" in files else [".metadata"]
+    return ", ".join(lost) or "a consistent set"
+
+
+def _fetch(
+    stepdir: Path, rank: int, nodes: list[str], invs: list[dict[str, Any]], step: str, plan: dict[str, Any]
+) -> int:
+    """Bring every file of the plan into each node's step directory; bytes this rank received.
+
+    Every rank computes the same transfers: each node's leader (lowest rank) receives what its node
+    lacks, from the leader of the lowest-ranked node that holds it intact.
+    """
+    world = len(nodes)
+    leaders = sorted({_leader(r, nodes) for r in range(world)})
+    transfers: list[tuple[str, int, int, int, int]] = []  # (name, src, dst, size, crc)
+    for dst in leaders:
+        mine = invs[dst].get(step)
+        has = set(mine["files"]) if mine and mine["id"] == plan["id"] else set()
+        for n, (_, size, crc) in sorted(plan["files"].items()):
+            if n in has:
+                continue
+            src = next(
+                r
+                for r in leaders
+                if step in invs[r] and invs[r][step]["id"] == plan["id"] and n in invs[r][step]["files"]
+            )
+            transfers.append((n, src, dst, size, crc))
+    if not transfers:
+        return 0
+    import torch
+    import torch.distributed as dist
+
+    g = _group()
+    stepdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    works = []
+    recvs = []
+    for tag, (n, src, dst, size, crc) in enumerate(transfers):
+        if src == rank:
+            works.append(dist.isend(_read_tensor(stepdir / n, size), dst=dst, group=g, tag=tag))
+        elif dst == rank:
+            buf = torch.empty(size, dtype=torch.uint8)
+            works.append(dist.irecv(buf, src=src, group=g, tag=tag))
+            recvs.append((n, src, size, crc, buf))
+    for w in works:
+        w.wait(_fetch_timeout())
+    got = 0
+    for n, src, size, crc, buf in recvs:
+        if zlib.crc32(memoryview(buf.numpy())) != crc:
+            raise OSError(f"{n} from rank {src}: crc32 mismatch")
+        _write_atomic(stepdir / n, buf)
+        got += size
+    return got

@@ -1,0 +1,304 @@
+"""Sharded (FSDP2 / DCP) checkpoints through node memory with ring replicas (checkpointing/sharded_memory.py).
+
+Real torch processes on gloo, FSDP2 ``fully_shard`` on CPU. Two "nodes" are two ranks with their
+own ``PETCTL_SNAPSHOT_DIR``; a lost node is its directory removed. The EFS checkpoint directory is
+removed (or replaced by the copy it was at an earlier step) to prove where a restore came from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("numpy", reason="torch.distributed.checkpoint's object collectives need numpy")
+
+RANK = textwrap.dedent(
+    """
+    import json, os, shutil, sys, torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from petctl_agent import checkpoint as ckpt
+    from petctl_agent.checkpointing import sharded_memory
+    from petctl_agent.distributed import init_process_group
+    init_process_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 16))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    D = os.environ["PETCTL_CHECKPOINT_DIR"]
+    REF = os.environ["REF_DIR"]
+
+    def train(s):
+        torch.manual_seed(1000 + s)
+        model(torch.randn(8, 64)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def state():
+        m, o = get_state_dict(model, opt)
+        return {"model": m, "optim": o}
+
+    def full():
+        m, o = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {"model": m, "optim": o}
+
+    def reference(s):  # the full state after step s, for the restore to be compared with
+        f = full()
+        if rank == 0:
+            torch.save(f, os.path.join(REF, f"ref-{s}.pt"))
+
+    def same(a, b):
+        if isinstance(a, torch.Tensor):
+            return isinstance(b, torch.Tensor) and torch.equal(a, b)
+        if isinstance(a, dict):
+            return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a == b
+
+    out = {}
+    exec(open(sys.argv[1]).read())
+    print("RESULT " + json.dumps(out), flush=True)
+    """
+)
+
+# 2 ranks: checkpoints at steps 2 and 4 (periodic: memory + replica, EFS in the background);
+# EFS as it was after step 2 is copied aside; then the workers die (after the memory copy completed)
+TRAIN = """
+for s in range(1, 6):
+    train(s)
+    reference(s)
+    ckpt.step(s, state, every=2)
+    if s == 3:
+        sharded_memory.flush()  # step 2 is on EFS now (rank 0 published it)
+        dist.barrier()
+        if rank == 0:
+            shutil.copytree(D, D + ".at2")
+sharded_memory.flush()
+out["latest"] = ckpt.latest_step()
+print("RESULT " + json.dumps(out), flush=True)
+os._exit(0)  # killed: no clean shutdown
+"""
+
+# 2 ranks: rank 1's node is told to drain at step 3; both agree at step 4, save, exit 75
+DRAIN = """
+for s in range(1, 9):
+    train(s)
+    reference(s)
+    if rank == 1 and s == 3:
+        open(os.environ["PETCTL_DRAIN_FILE"], "w").close()
+    ckpt.step(s, state, every=0, last=s == 8)
+"""
+
+RESTORE = """
+st = state()
+got = ckpt.resume(st)
+out["step"] = None if got is None else got[1]
+if got is not None:
+    set_state_dict(model, opt, model_state_dict=st["model"], optim_state_dict=st["optim"])
+    ref = torch.load(os.path.join(REF, f"ref-{got[1]}.pt"), weights_only=True)
+    out["same"] = same(full(), ref)
+out["restore"] = sharded_memory.last_restore
+out["node_files"] = sorted(os.listdir(os.path.join(os.environ["PETCTL_SNAPSHOT_DIR"], "sharded")))
+"""
+
+
+def _run(tmp: Path, body: str, nodes: list[int], env: dict | None = None, timeout: float = 120) -> list:
+    """Run ``body`` on one rank per entry of ``nodes`` (the node directory each rank uses)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from harness import free_port
+
+    (tmp / "rank.py").write_text(RANK)
+    (tmp / "body.py").write_text(textwrap.dedent(body))
+    (tmp / "ref").mkdir(exist_ok=True)
+    port = free_port()
+    procs = []
+    for r, node in enumerate(nodes):
+        e = {
+            **os.environ,
+            "RANK": str(r),
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": str(len(nodes)),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "PETCTL_CHECKPOINT_DIR": str(tmp / "efs"),
+            "PETCTL_SNAPSHOT_DIR": str(tmp / f"node{node}"),
+            "PETCTL_DRAIN_FILE": str(tmp / f"drain-{node}"),
+            "REF_DIR": str(tmp / "ref"),
+            "OMP_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            **(env or {}),
+        }
+        e.pop("PETCTL_LOCAL_ADDR", None)
+        cmd = [sys.executable, str(tmp / "rank.py"), str(tmp / "body.py")]
+        procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    done = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
+def _result(cp: subprocess.CompletedProcess) -> dict:
+    for line in cp.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise AssertionError(f"no result (rc {cp.returncode}):\n{cp.stderr[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The two nodes' memories and EFS after a 2-rank job checkpointed steps 2 and 4, then died."""
+    tmp = tmp_path_factory.mktemp("trained")
+    r0, r1 = (_result(cp) for cp in _run(tmp, TRAIN, [0, 1]))
+    assert r0["latest"] == 4  # step 4 reached EFS in the background, with latest last
+    efs = tmp / "efs" / "ckpt-0000000004.dcp"
+    assert sorted(os.listdir(efs)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert json.loads((tmp / "efs.at2" / "latest").read_text())["step"] == 2
+    for node in (0, 1):  # own shard + the other's replica + .metadata, each with a marker
+        sd = tmp / f"node{node}" / "sharded"
+        assert sorted(os.listdir(sd)) == ["ckpt-0000000002.dcp", "ckpt-0000000004.dcp"]
+        files = sorted(os.listdir(sd / "ckpt-0000000004.dcp"))
+        assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", f"petctl-rank-{node}.json"], files
+    return tmp
+
+
+def _scenario(trained: Path, tmp: Path) -> Path:
+    shutil.copytree(trained, tmp, dirs_exist_ok=True)
+    return tmp
+
+
+def test_hard_loss_restores_from_own_shard_and_replica_without_efs(trained: Path, tmp_path: Path) -> None:
+    t = _scenario(trained, tmp_path)
+    shutil.rmtree(t / "node1")  # node 1 is gone with its memory
+    shutil.rmtree(t / "efs")  # and EFS is not read: a load from it would find nothing
+    (cp,) = _run(t, RESTORE, [0])
+    r = _result(cp)
+    assert r["step"] == 4 and r["same"] is True, cp.stderr[-2000:]
+    assert r["restore"]["source"] == "memory" and r["restore"]["world_size"] == 2
+    assert r["restore"]["fetched_bytes"] == 0
+    assert "restored step 4 from node memory at world size 1 (saved at 2" in cp.stderr
+
+
+def test_loss_of_rank_0s_node_restores_from_the_other_node_alone(trained: Path, tmp_path: Path) -> None:
+    t = _scenario(trained, tmp_path)
+    shutil.rmtree(t / "node0")  # rank 0's node (the one that wrote .metadata) is gone
+    shutil.rmtree(t / "efs")
+    (cp,) = _run(t, RESTORE, [1])  # node 1's worker restarts as rank 0 of world size 1
+    r = _result(cp)
+    assert r["step"] == 4 and r["same"] is True, cp.stderr[-2000:]
+    assert r["restore"]["source"] == "memory" and r["restore"]["fetched_bytes"] == 0
+
+
+def test_both_copies_of_a_shard_gone_goes_back_to_efs_and_names_the_step(
+    trained: Path, tmp_path: Path
+) -> None:
+    t = _scenario(trained, tmp_path)
+    shutil.rmtree(t / "node1")
+    (t / "node0" / "sharded" / "ckpt-0000000004.dcp" / "__1_0.distcp").unlink()  # rank 1's replica
+    shutil.rmtree(t / "node0" / "sharded" / "ckpt-0000000002.dcp")  # and no older step in memory
+    shutil.rmtree(t / "efs")
+    (t / "efs.at2").rename(t / "efs")  # step 4's background write had not reached EFS
+    (cp,) = _run(t, RESTORE, [0])
+    r = _result(cp)
+    assert r["step"] == 2 and r["same"] is True, cp.stderr[-2000:]
+    assert r["restore"] == {"source": "efs", "step": 2, "newest": 4}
+    assert "step 4 is not in the survivors' memory (no intact copy of rank 1's shard)" in cp.stderr
+    assert "going back to step 2" in cp.stderr
+
+
+def test_torn_memory_shard_is_never_loaded(trained: Path, tmp_path: Path) -> None:
+    t = _scenario(trained, tmp_path)
+    shutil.rmtree(t / "node1")
+    own = t / "node0" / "sharded" / "ckpt-0000000004.dcp" / "__0_0.distcp"
+    raw = bytearray(own.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size, one byte off: only the crc32 tells
+    own.write_bytes(bytes(raw))
+    shutil.rmtree(t / "efs")
+    (t / "efs.at2").rename(t / "efs")
+    (cp,) = _run(t, RESTORE, [0])
+    r = _result(cp)
+    assert r["step"] == 2 and r["same"] is True, cp.stderr[-2000:]  # step 2, not the torn 4
+    assert r["restore"]["source"] == "memory"  # the older step node 0's memory still holds intact
+    assert "step 4 is not in the survivors' memory (no intact copy of rank 0's shard)" in cp.stderr
+    assert "going back to step 2" in cp.stderr
+
+
+def test_torn_own_shard_is_fetched_from_the_peer_replica(trained: Path, tmp_path: Path) -> None:
+    t = _scenario(trained, tmp_path)
+    own = t / "node0" / "sharded" / "ckpt-0000000004.dcp" / "__0_0.distcp"
+    own.write_bytes(own.read_bytes()[:100])  # torn
+    shutil.rmtree(t / "efs")
+    r0, r1 = (_result(cp) for cp in _run(t, RESTORE, [0, 1]))
+    assert r0["step"] == r1["step"] == 4 and r0["same"] is True
+    assert r0["restore"]["source"] == "memory" and r0["restore"]["fetched_bytes"] > 100
+    assert r1["restore"]["fetched_bytes"] == 0
+    fetched = t / "node0" / "sharded" / "ckpt-0000000004.dcp" / "__0_0.distcp"
+    assert (
+        fetched.read_bytes()
+        == (t / "node1" / "sharded" / "ckpt-0000000004.dcp" / "__0_0.distcp").read_bytes()
+    )
+
+
+def test_peer_dying_mid_transfer_fails_fast_then_efs(trained: Path, tmp_path: Path) -> None:
+    t = _scenario(trained, tmp_path)
+    (t / "node0" / "sharded" / "ckpt-0000000004.dcp" / "__0_0.distcp").unlink()
+    shutil.rmtree(t / "efs")
+    (t / "efs.at2").rename(t / "efs")
+    # node 1's worker dies as it starts sending node 0 the replica (the fault, injected in its script)
+    dying = "if rank == 1:\n    sharded_memory._read_tensor = lambda *a: os._exit(9)\n" + RESTORE
+    t0 = time.monotonic()
+    c0, c1 = _run(t, dying, [0, 1], env={"PETCTL_SHARD_FETCH_TIMEOUT": "20"}, timeout=90)
+    assert c1.returncode == 9
+    assert c0.returncode != 0 and time.monotonic() - t0 < 60, c0.stderr[-2000:]  # failed, did not hang
+    assert not [n for n in os.listdir(t / "node0" / "sharded" / "ckpt-0000000004.dcp") if n.endswith(".tmp")]
+    shutil.rmtree(t / "node1")  # the agent restarts the survivor alone: node 1's memory is gone
+    (cp,) = _run(t, RESTORE, [0])
+    r = _result(cp)
+    assert r["step"] == 2 and r["same"] is True, cp.stderr[-2000:]  # step 4 lost rank 0's shard
+    assert "going back to step 2" in cp.stderr
+
+
+def test_drain_then_survivor_restores_from_memory_at_world_1(tmp_path: Path) -> None:
+    c0, c1 = _run(tmp_path, DRAIN, [0, 1])
+    from petctl_agent import DRAIN_EXIT_CODE
+
+    assert c0.returncode == c1.returncode == DRAIN_EXIT_CODE, c0.stderr[-2000:] + c1.stderr[-2000:]
+    pointer = json.loads((tmp_path / "efs" / "latest").read_text())
+    assert pointer["step"] == 4 and pointer["format"] == "dcp"  # a drain waits for EFS
+    for f in (tmp_path / "efs" / "ckpt-0000000004.dcp").glob("*.distcp"):
+        f.unlink()  # a restore that read EFS would fail
+    shutil.rmtree(tmp_path / "node1")  # node 1 left, its memory freed
+    (cp,) = _run(tmp_path, RESTORE, [0])
+    r = _result(cp)
+    assert r["step"] == 4 and r["same"] is True, cp.stderr[-2000:]
+    assert r["restore"]["source"] == "memory"
+
+
+def test_memory_off_without_snapshot_dir_keeps_the_efs_path(tmp_path: Path) -> None:
+    from petctl_agent.checkpointing import sharded_memory
+
+    os.environ.pop("PETCTL_SNAPSHOT_DIR", None)
+    assert sharded_memory.memory_root() is None
+    assert sharded_memory.save({"w": torch.zeros(2)}, 1, tmp_path, 3, wait=True) is False
+    assert sharded_memory.resume({"w": torch.zeros(2)}, tmp_path) is None
