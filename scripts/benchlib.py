@@ -36,7 +36,11 @@ from petctl.local.procs import descendants
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "elastic_train.py"
+#: training scripts the runs may use (a node's workers are found by these names)
+SCRIPTS = (SCRIPT.name, "state_train.py")
 STEP_RE = re.compile(r"step=(\d+) world_size=(\d+) loss=")
+#: the training script's own lines for the benchmark (``bench: <what> k=v ...``)
+MARK_RE = re.compile(r"bench: (\w+) (.*)$")
 TOOLS = ("petctl", "petctl-etcd-v2", "torchrun-etcd", "torchrun-etcd-v2")
 #: petctl tools -> the job spec's rdzv_backend (petctl-etcd is the agent's default)
 PETCTL_BACKENDS = {"petctl": "petctl-etcd", "petctl-etcd-v2": "etcd-v2"}
@@ -196,6 +200,8 @@ class Node:
     started: float
     steps: list[tuple[float, int, int]] = field(default_factory=list)  # (t, step, world)
     nlines: int = 0
+    #: (t, what, {k: v}) from the script's ``bench: <what> k=v ...`` lines
+    marks: list[tuple[float, str, dict[str, str]]] = field(default_factory=list)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -223,7 +229,7 @@ class Node:
             if not pid_alive(p):
                 continue
             c = cmdline(p)
-            if SCRIPT.name in c:
+            if any(name in c for name in SCRIPTS):
                 out.append(p)
             elif "forkserver" in cmdline(ppid(p) or 0) and "resource_tracker" not in c:
                 out.append(p)
@@ -244,6 +250,12 @@ class RunConfig:
     #: petctl tools: give the agents a worker group whose desired capacity the run sets
     #: (``Run.asg.desired``), served by :class:`FakeAutoScaling`
     worker_group: bool = False
+    #: the training script (``scripts/state_train.py`` for the state-size benchmark) and its extra args
+    script: Path = SCRIPT
+    extra_args: list[str] = field(default_factory=list)
+    #: petctl tools: each node's agent gets ``PETCTL_AGENT_SNAPSHOT_DIR=<this>/<node>`` (memory
+    #: snapshots on, in a directory the run removes); "" leaves the agent's default
+    snapshot_root: str = ""
 
 
 class Run:
@@ -292,14 +304,15 @@ class Run:
         c = self.cfg
         return [
             "--total-steps", str(c.total_steps), "--step-time", str(c.step_time),
-            "--checkpoint-every", str(c.checkpoint_every),
+            "--checkpoint-every", str(c.checkpoint_every), *c.extra_args,
         ]  # fmt: skip
 
     def _write_spec(self) -> None:
         c = self.cfg
         code = self.root / "code"
         code.mkdir(exist_ok=True)
-        shutil.copy(SCRIPT, code / SCRIPT.name)
+        script = Path(c.script)
+        shutil.copy(script, code / script.name)
         spec = {
             "version": 1,
             "job_name": self.run_id
@@ -310,9 +323,9 @@ class Run:
             "min_nodes": c.min_nodes,
             "max_nodes": c.max_nodes,
             "nproc_per_node": "auto",
-            "code_url": f"file://{code / SCRIPT.name}",
+            "code_url": f"file://{code / script.name}",
             "code_kind": "script",
-            "script": SCRIPT.name,
+            "script": script.name,
             "args": self.script_args(),
             "env": {},
             "checkpoint_dir": self.ckpt_rel,
@@ -352,6 +365,8 @@ class Run:
                 PETCTL_EFS_MOUNT=str(self.efs),
                 PETCTL_AGENT_DIR=str(ndir / "agent"),
             )
+            if self.cfg.snapshot_root:
+                env["PETCTL_AGENT_SNAPSHOT_DIR"] = str(Path(self.cfg.snapshot_root) / name)
             cmd = [
                 _bin("petctl-agent"), "run", "--spec", f"file://{self.spec_path}",
                 "--rdzv-endpoint", self.etcd.endpoint, "--local-addr", addr,
@@ -363,7 +378,7 @@ class Run:
                 "--nproc-per-node", "1", "--rdzv-backend", backend,
                 "--rdzv-endpoint", self.etcd.endpoint, "--rdzv-id", self.run_id,
                 "--max-restarts", "100", "--local-addr", addr,
-                str(SCRIPT), "--checkpoint-dir", str(self.ckpt_dir), *self.script_args(),
+                str(self.cfg.script), "--checkpoint-dir", str(self.ckpt_dir), *self.script_args(),
             ]  # fmt: skip
         env.update(self.cfg.env)
         with open(ndir / "stderr.log", "ab") as err:
@@ -388,6 +403,11 @@ class Run:
                 m = STEP_RE.search(line)
                 if m:
                     node.steps.append((t, int(m.group(1)), int(m.group(2))))
+                    continue
+                m = MARK_RE.search(line)
+                if m:
+                    kv = dict(x.split("=", 1) for x in m.group(2).split() if "=" in x)
+                    node.marks.append((t, m.group(1), kv))
 
     def _sample_pids(self) -> None:
         while not self._stop.wait(0.25):
@@ -547,4 +567,11 @@ class Run:
         if self.asg is not None:
             self.asg.close()
         poll(lambda: not self.leftovers(), 10, 0.1)
+        if self.cfg.snapshot_root:  # the nodes' memory snapshots: tmpfs, i.e. this machine's RAM
+            shutil.rmtree(self.cfg.snapshot_root, ignore_errors=True)
         return still
+
+    def drop_memory(self, node: Node) -> None:
+        """Free a gone node's memory snapshots (its instance, and so its RAM, is gone on AWS)."""
+        if self.cfg.snapshot_root:
+            shutil.rmtree(Path(self.cfg.snapshot_root) / node.name, ignore_errors=True)
