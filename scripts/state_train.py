@@ -107,21 +107,26 @@ def plain_load(d: str) -> tuple[dict, int] | None:
     return doc["state"], int(doc["step"])
 
 
-def restore_source(args: argparse.Namespace, step: int) -> str:
-    """Where ``ckpt.resume`` got ``step`` from: this node's memory snapshot of it, or EFS."""
-    snap = os.environ.get("PETCTL_SNAPSHOT_DIR")
-    if args.io != "helper" or not snap:
-        return "efs"
+def spy_memory_restore() -> list[bool]:
+    """Note whether ``ckpt.resume`` restored from the agent's memory snapshots: ``[True]`` once it
+    did. Wraps ``petctl_agent.checkpointing.memory.resume`` (what ``ckpt.resume`` calls first when
+    snapshots are on); an empty list when that function is not there (its layout changed)."""
+    hit: list[bool] = []
     try:
-        from pathlib import Path
+        from petctl_agent.checkpointing import memory
+    except ImportError:
+        return hit
+    orig = getattr(memory, "resume", None)
+    if orig is None:
+        return hit
 
-        from petctl_agent.checkpointing.memory import NAME
-        from petctl_agent.checkpointing.snapshot import SnapshotStore
+    def resume(*a, **kw):
+        got = orig(*a, **kw)
+        hit.append(got is not None)
+        return got
 
-        newest = SnapshotStore(Path(snap), NAME).newest()
-    except Exception:  # noqa: BLE001 - the snapshot layout changed: say so, don't guess
-        return "unknown"
-    return "memory" if newest is not None and newest.step == step else "efs"
+    memory.resume = resume
+    return hit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
+    hit = spy_memory_restore() if args.io == "helper" and os.environ.get("PETCTL_SNAPSHOT_DIR") else [False]
     t = time.monotonic()
     restored = plain_load(directory) if args.io == "plain" else ckpt.resume(directory=directory)
     t_restore = time.monotonic() - t
@@ -158,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"state mismatch after restoring step {step}: {bad}", file=sys.stderr, flush=True)
             return 3
         # every rank: a newcomer's restore may differ from a survivor's
+        source = ("memory" if hit[-1] else "efs") if hit else "unknown"
         print(
-            f"bench: restored step={step} seconds={t_restore:.3f} source={restore_source(args, step)} "
-            f"gib={args.state_gib:g}",
+            f"bench: restored step={step} seconds={t_restore:.3f} source={source} gib={args.state_gib:g}",
             flush=True,
         )
     else:
