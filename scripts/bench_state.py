@@ -300,6 +300,13 @@ def add_marks(r: dict[str, Any], old: list[Node], nodes: list[Node], world: int,
     return r
 
 
+def latest_step(run: Run) -> int:
+    try:
+        return int(json.loads((run.ckpt_dir / "latest").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
 def run_chain(run: Run, n: int, a: argparse.Namespace, rec: Any) -> None:
     t0 = time.monotonic()
     nodes = [run.add_node() for _ in range(n)]
@@ -323,6 +330,11 @@ def run_chain(run: Run, n: int, a: argparse.Namespace, rec: Any) -> None:
     t_last = max((s[0] for x in live for s in list(x.steps) if s[2] == n - 1 and s[0] < t_first), default=0.0)
     rec("join", **add_marks(r, live, live + [new], n, new.started, since=max(t_last, new.started)))
     live = live + [new]
+    # a hard loss from the state a job is in most of the time: a periodic checkpoint taken by
+    # every node now in the job (not the join's, which the newcomer did not hold)
+    first = min(s[1] for x in live for s in x.steps_after(new.started, n))
+    if not poll(lambda: latest_step(run) >= first, a.timeout, 0.05):
+        raise Miss(f"timeout {a.timeout:.0f}s: no checkpoint after the join's step {first}")
     steady(run, live, n, a.timeout)
 
     victim = live[0]
