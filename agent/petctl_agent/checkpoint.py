@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,7 @@ from typing import Any
 from petctl_agent import DRAIN_EXIT_CODE
 from petctl_agent.checkpointing import memory
 from petctl_agent.checkpointing.drain import (
+    drain_leaving,
     drain_requested,
     exit_for_drain,
     report_progress,
@@ -138,12 +140,13 @@ def _save(
     keep: int | None,
     *,
     durable: bool,
+    complete: bool = False,
 ) -> Path | None:
     d = checkpoint_dir(directory)
     keep = keep if keep is not None else int(os.environ.get("PETCTL_CHECKPOINT_KEEP", "3"))
     if is_sharded(state):
         return save_sharded(state, int(step), d, keep)
-    if memory.save(state, int(step), d, keep, wait=durable):
+    if memory.save(state, int(step), d, keep, wait=durable, complete=complete):
         if durable:
             barrier()
         return d / f"ckpt-{int(step):010d}.pt" if durable and dist_rank() == 0 else None
@@ -227,13 +230,19 @@ def resume(
     ``weights_only`` (see :func:`load_latest` for ``unsafe_load``).
     """
     into = state() if callable(state) else state
-    if memory.snapshot_dir() is not None:
-        from petctl_agent.distributed import rank_device
+    if memory.snapshot_dir() is None or is_sharded(into or {}):
+        return load_latest(directory, into=into, unsafe_load=unsafe_load)
+    from petctl_agent.distributed import rank_device
 
-        got = memory.resume(checkpoint_dir(directory), rank_device())
-        if got is not None:
-            return got
-    return load_latest(directory, into=into, unsafe_load=unsafe_load)
+    got = memory.resume(checkpoint_dir(directory), rank_device())
+    if got is not None:
+        return got
+    t0 = time.monotonic()
+    out = load_latest(directory, into=into, unsafe_load=unsafe_load)
+    if out is not None:  # (a first start restores nothing: no report)
+        pointer = read_pointer(checkpoint_dir(directory)) or {}
+        memory.report_restore("efs", out[1], int(pointer.get("size", 0)), time.monotonic() - t0)
+    return out
 
 
 def step(
@@ -265,8 +274,10 @@ def step(
     report_progress(step, world_size if world_size is not None else dist_world())
     saved = False
     if should_checkpoint(step, every) or last:
-        # periodic: with memory snapshots on, training goes on while EFS is written
-        _save(state_fn(), step, directory, None, durable=last or drain_requested())
+        # with memory snapshots on, training goes on while EFS is written, except at the last step
+        # and when a node leaves; a join's stop only waits for the snapshot to be complete
+        stopping = drain_requested()
+        _save(state_fn(), step, directory, None, durable=last or drain_leaving(), complete=stopping)
         saved = True
     if drain_requested() and not last:
         exit_for_drain()

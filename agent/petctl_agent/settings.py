@@ -82,8 +82,10 @@ class Settings:
     etcd_cert: str = ""  # PETCTL_ETCD_CERT
     etcd_key: str = ""  # PETCTL_ETCD_KEY
     launch_hook: str = ""  # PETCTL_LAUNCH_HOOK (set by the worker boot only with a warm pool)
-    #: memory snapshots of replicated state (issue 20): "" = off; else the tmpfs dir, e.g. /dev/shm/petctl
-    snapshot_dir: str = ""  # PETCTL_AGENT_SNAPSHOT_DIR
+    #: memory snapshots of replicated state (issue 20): the tmpfs under which the agent keeps
+    #: <job>/<instance-id>; on by default, PETCTL_AGENT_NO_SNAPSHOTS=1 (or an empty dir) turns them off
+    snapshot_dir: str = "/dev/shm/petctl"  # PETCTL_AGENT_SNAPSHOT_DIR
+    snapshots: bool = True  # PETCTL_AGENT_NO_SNAPSHOTS=1 turns them off
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -117,7 +119,9 @@ class Settings:
             etcd_cert=e.get("PETCTL_ETCD_CERT", ""),
             etcd_key=e.get("PETCTL_ETCD_KEY", ""),
             launch_hook=e.get("PETCTL_LAUNCH_HOOK", ""),
-            snapshot_dir=e.get("PETCTL_AGENT_SNAPSHOT_DIR", ""),
+            snapshot_dir=e.get("PETCTL_AGENT_SNAPSHOT_DIR", "/dev/shm/petctl"),
+            snapshots=e.get("PETCTL_AGENT_NO_SNAPSHOTS", "") != "1"
+            and e.get("PETCTL_AGENT_SNAPSHOT_DIR", "/dev/shm/petctl") != "",
         )
 
     def enabled(self, workaround: str) -> bool:

@@ -334,22 +334,24 @@ def snap_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     memory.close_persisters()
 
 
-def test_settings_knob_exports_the_job_snapshot_dir(tmp_path: Path) -> None:
+def test_settings_knob_and_the_exported_snapshot_dir(tmp_path: Path) -> None:
     from petctl_agent.settings import Settings
     from petctl_agent.spec import JobSpec
     from petctl_agent.worker.env import Paths, export_worker_env
 
-    assert Settings.from_env({}).snapshot_dir == ""  # off by default
+    on = Settings.from_env({})
+    assert on.snapshots and on.snapshot_dir == "/dev/shm/petctl"  # on by default
+    assert not Settings.from_env({"PETCTL_AGENT_NO_SNAPSHOTS": "1"}).snapshots
+    assert not Settings.from_env({"PETCTL_AGENT_SNAPSHOT_DIR": ""}).snapshots
     spec = JobSpec.from_dict(
         {"job_name": "j1", "min_nodes": 1, "max_nodes": 2, "code_url": "file:///x", "script": "train.py"}
     )
-    for sd, want in (("", None), (str(tmp_path / "shm"), str(tmp_path / "shm" / "j1"))):
-        env: dict[str, str] = {}
-        s = Settings.from_env({"PETCTL_AGENT_SNAPSHOT_DIR": sd})
+    for sd in (None, tmp_path / "shm" / "j1" / "i-1"):
+        env: dict[str, str] = {"PETCTL_SNAPSHOT_DIR": "left over"}
         export_worker_env(
-            env, spec, Paths(tmp_path), tmp_path / "ck", tmp_path / "w", "127.0.0.1", 1, "gloo", s
+            env, spec, Paths(tmp_path), tmp_path / "ck", tmp_path / "w", "127.0.0.1", 1, "gloo", on, sd
         )
-        assert env.get("PETCTL_SNAPSHOT_DIR") == want
+        assert env.get("PETCTL_SNAPSHOT_DIR") == (str(sd) if sd else None)
 
 
 def test_periodic_step_snapshots_and_persists_in_the_background(snap_env) -> None:
@@ -498,12 +500,12 @@ def test_two_ranks_one_node_drain_then_resume_from_memory(tmp_path: Path) -> Non
     assert ckpt.latest_step(efs) == 10
 
 
-def test_two_nodes_one_without_snapshot_both_load_efs(tmp_path: Path) -> None:
+def test_two_nodes_one_without_snapshot_both_take_the_peers_step(tmp_path: Path) -> None:
     efs = tmp_path / "efs"
     ckpt.save({"w": torch.full((3,), 4.0)}, 4, efs)
     SnapshotStore(tmp_path / "shm0", "replicated").write({"w": torch.full((3,), 6.0)}, 6, wait=True)
     base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "8", "LOCAL_RANK": "0"}
-    # node 0 has step 6 in memory, node 1 (just joined) nothing: both must take EFS's step 4
+    # node 0 has step 6 in memory, node 1 (just joined) nothing: node 1 gets step 6 from node 0
     res = [
         _res(cp)
         for cp in _ranks(
@@ -514,7 +516,7 @@ def test_two_nodes_one_without_snapshot_both_load_efs(tmp_path: Path) -> None:
             ],
         )
     ]
-    assert [r["start"] for r in res] == [5, 5]
+    assert [r["start"] for r in res] == [7, 7]
     assert all(r["w"] == [8.0] * 3 for r in res)
 
 

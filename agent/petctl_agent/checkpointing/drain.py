@@ -18,12 +18,24 @@ from petctl_agent import DRAIN_EXIT_CODE
 from petctl_agent.checkpointing.atomic import atomic_write
 from petctl_agent.distributed import dist_world
 
-_agreed_drain = False  # the drain decision all ranks took at the last should_checkpoint()
+_agreed_drain = 0  # the drain decision all ranks took at the last should_checkpoint(): 0, STOP, LEAVE
+#: the drain file's flag: the workers stop for a membership change (a join: every node stays)...
+STOP = 1
+#: ...or a node leaves (the agent wrote ``leave`` into the file): its memory leaves with it
+LEAVE = 2
 
 
-def _local_drain_flag() -> bool:
+def _local_drain_flag() -> int:
     f = os.environ.get("PETCTL_DRAIN_FILE")
-    return bool(f) and os.path.exists(f)
+    if not f:
+        return 0
+    try:
+        with open(f, "rb") as fh:
+            return LEAVE if fh.read(16).startswith(b"leave") else STOP
+    except FileNotFoundError:
+        return 0
+    except OSError:
+        return LEAVE  # unreadable but there: the safe reading
 
 
 class _Agreement:
@@ -47,20 +59,20 @@ class _Agreement:
         # torch.full: a fill kernel, no host-to-device copy (a pageable copy would sync)
         return torch.full((1,), int(flag), dtype=torch.int32, device=self.device)
 
-    def collect(self) -> bool:
-        """Result of the all-reduce started by the previous call (False if none)."""
+    def collect(self) -> int:
+        """Result of the all-reduce started by the previous call (0 if none)."""
         if not self.pending:
-            return False
+            return 0
         self.pending = False
         if self.cuda:
             self.event.synchronize()  # only waits for the GPU work queued before the previous call
-            return bool(self.host[0])
+            return int(self.host[0])
         self.work.wait()
-        v = bool(self.tensor[0])
+        v = int(self.tensor[0])
         self.work = self.tensor = None
         return v
 
-    def launch(self, flag: bool) -> None:
+    def launch(self, flag: int) -> None:
         import torch.distributed as dist
 
         t = self._tensor(flag)
@@ -73,14 +85,14 @@ class _Agreement:
             self.work, self.tensor = work, t
         self.pending = True
 
-    def exchange(self, flag: bool, sync: bool) -> bool:
+    def exchange(self, flag: int, sync: bool) -> int:
         if sync:
             import torch.distributed as dist
 
             self.collect()  # (a mode switch mid-run: finish the pending one first)
             t = self._tensor(flag)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-            return bool(t.item())
+            return int(t.item())
         decided = self.collect()
         self.launch(flag)
         return decided
@@ -111,7 +123,13 @@ def drain_requested() -> bool:
     The local drain file alone never counts: a rank that stopped on its own would
     leave its peers blocked in their next collective.
     """
-    return _agreed_drain
+    return _agreed_drain > 0
+
+
+def drain_leaving() -> bool:
+    """True when the agreed drain is because some node leaves (not only a join's stop): the
+    checkpoint must then be on EFS before the workers exit (the leaving node's memory goes)."""
+    return _agreed_drain >= LEAVE
 
 
 def should_checkpoint(step: int, every: int) -> bool:
@@ -126,8 +144,8 @@ def should_checkpoint(step: int, every: int) -> bool:
     flag = _local_drain_flag()
     if dist_world() > 1 and os.environ.get("PETCTL_DRAIN_FILE"):
         flag = _get_agreement().exchange(flag, _sync_mode())
-    _agreed_drain = flag
-    return flag or (every > 0 and step % every == 0)
+    _agreed_drain = int(flag)
+    return bool(flag) or (every > 0 and step % every == 0)
 
 
 def exit_for_drain() -> None:

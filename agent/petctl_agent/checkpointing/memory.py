@@ -1,36 +1,80 @@
 """Checkpoints of replicated state through node-local memory snapshots (``$PETCTL_SNAPSHOT_DIR``).
 
-Off unless the agent exports ``PETCTL_SNAPSHOT_DIR`` (``PETCTL_AGENT_SNAPSHOT_DIR`` on the agent;
-docs/agent.md, "Memory snapshots"). Then, for plain (not sharded) state:
+On when the agent exports ``PETCTL_SNAPSHOT_DIR`` (its node's store, ``/dev/shm/petctl/<job>/<instance>``,
+by default; docs/agent.md, "Memory snapshots"). Then, for plain (not sharded) state:
 
 - save: local rank 0 of every node copies the state into the node's ``replicated`` snapshot
   (``checkpointing/snapshot.py``); the ranks agree (MIN over the checkpoint's gloo group) that
-  every node's copy fit; global rank 0 then has the snapshot persisted to the checkpoint directory
-  in the background (``checkpointing/persist.py``) and training goes on. At the job's last step
-  and on a drain, rank 0 waits for that write first (a node that leaves takes its memory with it;
-  a joining node has none). Any node's "no-fit"/"unsupported" makes every rank take today's path
-  (:func:`petctl_agent.checkpoint.save`), with a warning.
-- resume: every rank offers the step of its node's newest complete snapshot; when all offer the
-  same step and ``latest`` on the checkpoint directory is not newer, each rank loads it from
-  memory (checked by step and crc32s); otherwise (or if any rank's load fails) every rank loads
-  from the checkpoint directory as today.
+  every node's copy fit; global rank 0 then asks its agent's persister (``persist.request``,
+  ``checkpointing/persist.py``) to write that step to the checkpoint directory, and training goes
+  on. At the job's last step and on a drain, rank 0 waits until ``latest`` names the step (a node
+  that leaves takes its memory with it). Without a persister serving the store (no agent), rank 0
+  persists in a thread of its own, as before. Any node's "no-fit"/"unsupported" makes every rank
+  take today's path (:func:`petctl_agent.checkpoint.save`) and that node's agent publishes a
+  ``snapshot_fallback`` event.
+- resume: the restore comes from the nearest copy of the *agreed step* -- the newest step that
+  some rank's node holds complete and that is not older than ``latest``:
+
+  1. the node's own snapshot of that step (checked by step and crc32s);
+  2. else a peer's: the lowest rank that loaded it broadcasts the snapshot's header and bytes,
+     read straight out of its ``mmap``, over a gloo group of itself and the ranks that need it
+     (timeout ``PETCTL_SNAPSHOT_PEER_TIMEOUT``, default 60 s); the receivers check every crc32;
+  3. else (no rank holds a step as new as ``latest``, or a receiver's check failed) every rank
+     loads the checkpoint directory as today.
+
+  The ranks end the restore with one MIN over a gloo group with the same timeout. If that or the
+  broadcast fails (the source died mid-transfer: the process group is broken for every rank),
+  every rank raises :class:`PeerRestoreError` and the worker exits: falling back to EFS on only
+  the ranks that saw the failure would leave the ranks at different steps, and the ranks can no
+  longer agree over a broken group. The agent then restarts the round without the dead node,
+  whose survivors still hold the agreed step (the next source), or EFS answers.
+
+Each node's local rank 0 writes what its restore used to ``restore.json`` in the store (source
+``self``/``peer``/``efs``, bytes, seconds); the agent publishes it as a ``snapshot_restored`` event.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
+import zlib
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from petctl_agent.checkpointing import persist
+from petctl_agent.checkpointing.atomic import atomic_write
 from petctl_agent.checkpointing.files import read_pointer
 from petctl_agent.checkpointing.persist import Persister
-from petctl_agent.checkpointing.snapshot import OK, SnapshotStore
+from petctl_agent.checkpointing.snapshot import (
+    OK,
+    SnapshotStore,
+    _header_crc,
+    decode_structure,
+    dtype_from_name,
+)
 from petctl_agent.distributed import dist_on, dist_rank
 
 NAME = "replicated"
+#: reports to the agent, in the store's directory (node/snapshots.py reads the same names)
+RESTORE_REPORT = "restore.json"
+FALLBACK_REPORT = "fallback.json"
+#: bytes per broadcast of a peer transfer (each one bounded by the group's timeout)
+CHUNK = 64 << 20
+
+
+def _chunk() -> int:
+    return int(os.environ.get("PETCTL_SNAPSHOT_CHUNK") or CHUNK)
+
+
 _persisters: dict[tuple[str, str], Persister] = {}
 _stores: dict[str, SnapshotStore] = {}
+
+
+class PeerRestoreError(RuntimeError):
+    """A restore from a peer's memory failed mid-transfer: the worker exits, the next round retries."""
 
 
 def _store(sdir: Path) -> SnapshotStore:
@@ -50,6 +94,10 @@ def _local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def _peer_timeout() -> float:
+    return float(os.environ.get("PETCTL_SNAPSHOT_PEER_TIMEOUT") or 60)
+
+
 def _all_min(values: list[int]) -> list[int]:
     """Element-wise MIN over every rank (the checkpoint's gloo group), or ``values`` alone."""
     if not dist_on():
@@ -64,6 +112,25 @@ def _all_min(values: list[int]) -> list[int]:
     return [int(v) for v in t]
 
 
+def _report(sdir: Path, name: str, body: dict[str, Any]) -> None:
+    """A report for the agent (local rank 0 only); never fatal."""
+    if _local_rank() != 0:
+        return
+    try:
+        sdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        atomic_write(sdir / name, json.dumps({**body, "t": time.time()}).encode())
+    except OSError:
+        pass
+
+
+def report_restore(source: str, step: int | None, nbytes: int, seconds: float) -> None:
+    """Record which source this node's restore used (``self``/``peer``/``efs``) for the agent."""
+    sdir = snapshot_dir()
+    if sdir is not None:
+        body = {"source": source, "step": step, "bytes": int(nbytes), "seconds": round(seconds, 3)}
+        _report(sdir, RESTORE_REPORT, body)
+
+
 def _persister(store: SnapshotStore, directory: Path, keep: int) -> Persister:
     key = (str(store.dir), str(directory))
     p = _persisters.get(key)
@@ -73,10 +140,34 @@ def _persister(store: SnapshotStore, directory: Path, keep: int) -> Persister:
     return p
 
 
-def save(state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: bool) -> bool:
+def _wait_persisted(store: SnapshotStore, step: int, directory: Path, keep: int) -> None:
+    """Return once ``latest`` names ``step`` (or newer): the agent's persister's, else our own write."""
+    sdir = store.dir
+    deadline = time.monotonic() + float(os.environ.get("PETCTL_CHECKPOINT_TIMEOUT") or 1800)
+    while time.monotonic() < deadline:
+        p = read_pointer(directory)
+        if p and int(p.get("step", -1)) >= step:
+            return
+        st = persist.state(sdir)
+        if not persist.served(sdir) or (st.get("error_step") == step and st.get("dir") == str(directory)):
+            break  # nobody serves the store, or its write failed: ours raises what it fails with
+        time.sleep(0.02)
+    per = _persister(store, directory, keep)
+    with per._lock:
+        persist.persist_newest(store, directory, keep)
+    p = read_pointer(directory)
+    if not p or int(p.get("step", -1)) < step:
+        per.wait()
+
+
+def save(
+    state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: bool, complete: bool = False
+) -> bool:
     """Snapshot ``state`` on every node; True when it did (persisting), False: use today's path.
 
-    Collective. ``wait``: rank 0 returns only once ``latest`` names ``step`` (last step, drain).
+    Collective. ``wait``: rank 0 returns only once ``latest`` names ``step`` (last step, a node
+    leaving). ``complete``: every node's snapshot is complete (header written) on return (the
+    workers stop for a join: their memory stays, but a worker that exits kills the crc thread).
     """
     sdir = snapshot_dir()
     if sdir is None:
@@ -92,36 +183,185 @@ def save(state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: 
                 f"petctl checkpoint: memory snapshot of step {step} skipped ({why}); writing to EFS",
                 file=sys.stderr,
             )
+            _report(sdir, FALLBACK_REPORT, {"step": int(step), "reason": why})
         return False
     if dist_rank() == 0:
-        per = _persister(store, directory, keep)
-        per.kick()
-        if wait:
-            per.wait()
-    elif wait and _local_rank() == 0:
+        if persist.served(sdir):
+            persist.request(sdir, step, directory, keep)  # the header follows: the persister waits for it
+            if wait:
+                store.flush()
+                _wait_persisted(store, step, directory, keep)
+        else:
+            per = _persister(store, directory, keep)
+            per.kick()
+            if wait:
+                per.wait()
+    elif (wait or complete) and _local_rank() == 0:
+        store.flush()
+    if complete and dist_rank() == 0:
         store.flush()
     return True
 
 
+def _all_gather(value: int, group: Any) -> list[int]:
+    import torch
+    import torch.distributed as dist
+
+    out = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, torch.tensor([value], dtype=torch.int64), group=group)
+    return [int(t[0]) for t in out]
+
+
 def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | None:
-    """This node's snapshot of the step every rank holds, if that is the newest; else None (collective)."""
+    """The agreed step's state from this node's memory or a peer's; None: load EFS (collective)."""
     sdir = snapshot_dir()
     if sdir is None:
         return None
+    t0 = time.monotonic()
     store = _store(sdir)
     newest = store.newest()
     mine = newest.step if newest is not None else -1
-    lo, neg_hi = _all_min([mine, -mine])
     pointer = read_pointer(directory)
     efs = int(pointer["step"]) if pointer and "step" in pointer else -1
-    if lo < 0 or lo != -neg_hi or lo < efs:
-        return None
-    state = store.load(lo, map_location=map_location)
-    if not _all_min([int(state is not None)])[0]:
-        return None
-    if dist_rank() == 0 and lo > efs:
-        _persister(store, directory, int(os.environ.get("PETCTL_CHECKPOINT_KEEP", "3"))).kick()
-    return state, lo
+    if not dist_on():
+        if mine < 0 or mine < efs:
+            return None
+        state = store.load(mine, map_location=map_location)
+        if state is None:
+            return None
+        report_restore("self", mine, newest.header["size"] if newest else 0, time.monotonic() - t0)
+        _kick(store, directory, mine, efs)
+        return state, mine
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=_peer_timeout())
+    group = dist.new_group(backend="gloo", timeout=timeout)  # every rank: the restore's own group
+    sub = None
+    try:
+        agreed = max(_all_gather(mine, group))
+        # every rank read the same `latest` (EFS is shared); a newer one makes EFS the source
+        agreed = agreed if agreed >= max(efs, 0) else -1
+        agreed = min(_all_gather(agreed, group))
+        if agreed < 0:
+            return None
+        state = store.load(agreed, map_location=map_location)
+        holds = _all_gather(int(state is not None), group)
+        holders = [r for r, v in enumerate(holds) if v]
+        if not holders:
+            return None
+        needers = [r for r, v in enumerate(holds) if not v]
+        source, nbytes = "self", 0
+        if needers:
+            src = holders[0]
+            members = [src, *needers]
+            sub = dist.new_group(ranks=members, backend="gloo", timeout=timeout)
+            me = dist.get_rank()
+            if me == src:
+                nbytes = _send(store, agreed, src, sub)
+            elif me in needers:
+                state, nbytes = _receive(agreed, src, sub, map_location)
+                source = "peer"
+        ok = min(_all_gather(int(state is not None), group))
+    except Exception as e:  # noqa: BLE001 - a dead peer breaks the group for every rank
+        raise PeerRestoreError(
+            f"restore from a peer's memory failed ({type(e).__name__}: {e}); "
+            "exiting so the next round restores from a surviving copy or EFS"
+        ) from e
+    finally:
+        for g in (sub, group):
+            try:
+                if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
+                    dist.destroy_process_group(g)
+            except Exception:  # noqa: BLE001 - a broken group may not tear down cleanly
+                pass
+    if not ok:
+        return None  # a receiver's checks failed: every rank loads EFS (the group still agreed)
+    if source == "self":
+        nbytes = newest.header["size"] if newest is not None and newest.step == agreed else 0
+    report_restore(source, agreed, nbytes, time.monotonic() - t0)
+    if dist_rank() == 0:
+        _kick(store, directory, agreed, efs)
+    return state, agreed
+
+
+def _kick(store: SnapshotStore, directory: Path, step: int, efs: int) -> None:
+    """Restored a step newer than ``latest``: have it persisted (the agent's persister, else ours)."""
+    if step <= efs or store.newest() is None or store.newest().step != step:
+        return
+    keep = int(os.environ.get("PETCTL_CHECKPOINT_KEEP", "3"))
+    if persist.served(store.dir):
+        persist.request(store.dir, step, directory, keep)
+    else:
+        _persister(store, directory, keep).kick()
+
+
+def _send(store: SnapshotStore, step: int, src: int, group: Any) -> int:
+    """Broadcast snapshot ``step``'s header and bytes, read straight out of the snapshot's mmap."""
+    import mmap
+
+    import torch
+    import torch.distributed as dist
+
+    c = next((c for c in store.complete() if c.step == step), None)
+    if c is None:
+        raise RuntimeError(f"snapshot of step {step} gone before the transfer")
+    header = json.dumps(c.header).encode()
+    fd = os.open(store.data_path(c.slot), os.O_RDONLY)
+    try:
+        size = int(c.header["size"])
+        mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None
+    finally:
+        os.close(fd)
+    try:
+        dist.broadcast(torch.tensor([len(header), size], dtype=torch.int64), src=src, group=group)
+        dist.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8), src=src, group=group)
+        step_ = _chunk()
+        for off in range(0, size, step_):
+            n = min(step_, size - off)
+            chunk = torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=off)
+            dist.broadcast(chunk, src=src, group=group)
+            del chunk  # the mmap cannot close while a tensor exports it
+        return size
+    finally:
+        if mm is not None:
+            mm.close()
+
+
+def _receive(step: int, src: int, group: Any, map_location: Any) -> tuple[dict[str, Any] | None, int]:
+    """Receive a peer's snapshot; the state if its step and every crc32 check, else None."""
+    import torch
+    import torch.distributed as dist
+
+    sizes = torch.zeros(2, dtype=torch.int64)
+    dist.broadcast(sizes, src=src, group=group)
+    hlen, size = int(sizes[0]), int(sizes[1])
+    hbuf = torch.empty(hlen, dtype=torch.uint8)
+    dist.broadcast(hbuf, src=src, group=group)
+    blob = torch.empty(size, dtype=torch.uint8)
+    chunk = _chunk()
+    for off in range(0, size, chunk):
+        dist.broadcast(blob[off : off + min(chunk, size - off)], src=src, group=group)
+    try:
+        h = json.loads(bytes(hbuf.numpy()))
+    except ValueError:
+        return None, size
+    if h.get("header_crc") != _header_crc(h) or int(h.get("step", -1)) != step or int(h["size"]) != size:
+        return None, size
+    view = memoryview(blob.numpy())
+    out = []
+    for m in h["tensors"]:
+        if zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]]) != m["crc32"]:
+            return None, size
+        dt = dtype_from_name(m["dtype"])
+        if not m["nbytes"]:
+            out.append(torch.empty(m["shape"], dtype=dt, device=map_location))
+            continue
+        # on the CPU a view of the received buffer (no second copy); else a copy to the device
+        out.append(
+            blob[m["offset"] : m["offset"] + m["nbytes"]].view(dt).reshape(m["shape"]).to(map_location)
+        )
+    view.release()
+    return decode_structure(h["structure"], out), size
 
 
 def close_persisters() -> None:

@@ -9,19 +9,27 @@ copy); the slot is a seqlock: if the writer started on it while we read (its hea
 generation changed), the temp file is dropped and the newer snapshot is persisted on the next call.
 Never a torn mix.
 
-Where it runs: a process of its own (``python -m petctl_agent.checkpointing.persist``) that the
-agent starts per job and stops at the job's end: it outlives worker restarts (a drain exits the
-workers with ``os._exit`` right after the snapshot), and a long EFS write does not hold the
-training process's GIL or memory. :class:`Persister` is the same loop as a thread, for a caller
-without an agent (tests, plain torchrun).
+Where it runs: a child process of the agent (``python -m petctl_agent.checkpointing.persist --serve
+SNAPSHOT_DIR NAME``), started when the node's store is made and stopped when the node leaves the
+job: it outlives worker restarts (a drain exits the workers with ``os._exit`` right after the
+snapshot) and keeps a long EFS write off the training process's GIL. It serves requests: the
+worker that persists (global rank 0) writes ``persist.request`` (``{"step", "dir", "keep"}``) into
+the store's directory right after its copy; the server persists the newest complete snapshot once
+one of that step (or newer) is complete, and writes what happened to ``persist.json`` (``step``
+persisted, or ``error`` with ``error_step``). It holds an exclusive ``flock`` on ``persist.lock``
+while alive, which is how a worker tells that nobody serves its requests (no agent: plain torchrun,
+tests), and then persists itself (:class:`Persister`, the same loop as a thread).
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
+import json
 import mmap
 import os
+import signal
 import sys
 import threading
 import time
@@ -29,7 +37,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from petctl_agent.checkpointing.atomic import fsync_dir
+from petctl_agent.checkpointing.atomic import atomic_write, fsync_dir
 from petctl_agent.checkpointing.files import prune, read_pointer, write_pointer
 from petctl_agent.checkpointing.snapshot import Complete, SnapshotStore, decode_structure, dtype_from_name
 
@@ -186,16 +194,120 @@ class Persister:
         self._thread.join()
 
 
+#: files in the store's directory (node/snapshots.py, the agent's side, names the same ones)
+REQUEST = "persist.request"
+STATE = "persist.json"
+LOCK = "persist.lock"
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        d = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def request(snapshot_dir: Path, step: int, directory: Path, keep: int) -> None:
+    """Ask the agent's persister to persist ``step`` (once complete) into ``directory``."""
+    body = {"step": int(step), "dir": str(directory), "keep": int(keep), "t": time.time()}
+    atomic_write(Path(snapshot_dir) / REQUEST, json.dumps(body).encode())
+
+
+def served(snapshot_dir: Path) -> bool:
+    """Is a persister process serving ``snapshot_dir`` (it holds ``persist.lock``)?"""
+    try:
+        fd = os.open(Path(snapshot_dir) / LOCK, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops a lock we just took
+    return False
+
+
+def state(snapshot_dir: Path) -> dict[str, Any]:
+    """What the persister last reported (``persist.json``), or ``{}``."""
+    return _read_json(Path(snapshot_dir) / STATE) or {}
+
+
+def serve(snapshot_dir: Path, name: str, poll: float = 0.05, stop: threading.Event | None = None) -> int:
+    """The agent's persister: serve ``persist.request`` until SIGTERM (the persist in flight ends first)."""
+    sdir = Path(snapshot_dir)
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+    lock = os.open(sdir / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # one persister per store; held until we exit
+    store = SnapshotStore(sdir, name)
+    done: tuple[str, int] | None = None  # the last request served: (dir, step)
+    try:
+        while not stop.is_set():
+            req = _read_json(sdir / REQUEST)
+            if req and "step" in req and "dir" in req and done != (req["dir"], int(req["step"])):
+                c = store.newest()
+                if c is not None and c.step >= int(req["step"]):
+                    d = Path(req["dir"])
+                    try:
+                        persist_newest(store, d, int(req.get("keep", 3)))
+                        p = read_pointer(d) or {}
+                        if int(p.get("step", -1)) >= int(req["step"]):
+                            done = (req["dir"], int(req["step"]))
+                            _report(sdir, {"step": int(p["step"]), "dir": str(d)})
+                            print(f"petctl persist: step {p['step']} -> {d}", file=sys.stderr, flush=True)
+                    except Exception as e:  # noqa: BLE001 - reported; the waiting worker writes itself
+                        done = (req["dir"], int(req["step"]))
+                        why = f"{type(e).__name__}: {e}"
+                        _report(sdir, {"error": why, "error_step": int(req["step"]), "dir": str(d)})
+                        print(f"petctl persist: step {req['step']}: {why}", file=sys.stderr, flush=True)
+                    continue
+            stop.wait(poll)
+    finally:
+        store.close()
+        os.close(lock)
+    return 0
+
+
+def _report(sdir: Path, body: dict[str, Any]) -> None:
+    try:
+        atomic_write(sdir / STATE, json.dumps({**body, "t": time.time(), "pid": os.getpid()}).encode())
+    except OSError:
+        pass  # the store is being removed (the node leaves)
+
+
+def _die_with_parent() -> None:
+    """SIGTERM when the agent dies (Linux ``PR_SET_PDEATHSIG``): a store is never served orphaned."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m petctl_agent.checkpointing.persist SNAPSHOT_DIR NAME CHECKPOINT_DIR``: the agent's persister."""
+    """``python -m petctl_agent.checkpointing.persist --serve SNAPSHOT_DIR NAME``: the agent's persister.
+
+    ``SNAPSHOT_DIR NAME CHECKPOINT_DIR`` (without ``--serve``): poll and persist the newest snapshot.
+    """
     ap = argparse.ArgumentParser(prog="petctl_agent.checkpointing.persist")
     ap.add_argument("snapshot_dir")
     ap.add_argument("name")
-    ap.add_argument("checkpoint_dir")
+    ap.add_argument("checkpoint_dir", nargs="?")
+    ap.add_argument("--serve", action="store_true", help="serve the workers' persist.request (the agent's)")
     ap.add_argument("--keep", type=int, default=int(os.environ.get("PETCTL_CHECKPOINT_KEEP", "3")))
     ap.add_argument("--poll", type=float, default=0.5)
     ap.add_argument("--once", action="store_true", help="persist the newest snapshot (if newer) and exit")
     a = ap.parse_args(argv)
+    if a.serve:
+        _die_with_parent()
+        return serve(Path(a.snapshot_dir), a.name)
+    if not a.checkpoint_dir:
+        ap.error("CHECKPOINT_DIR is needed without --serve")
     store = SnapshotStore(a.snapshot_dir, a.name)
     d = Path(a.checkpoint_dir)
     while True:

@@ -33,6 +33,10 @@ EVENT_KINDS = (
     "rdzv_recovered",
     "succeeded",
     "failed",
+    "snapshot_off",
+    "snapshot_restored",
+    "snapshot_fallback",
+    "snapshot_persist_failed",
 )
 MAX_EVENTS = 200
 

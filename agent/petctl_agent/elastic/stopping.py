@@ -96,7 +96,9 @@ class WorkerStops:
         is up -- gets SIGTERM, as torchrun does, and is waited for (the rest of ``timeout``, at
         least 5 s).
         """
-        self.drain_file.touch()
+        # "leave": this node's memory snapshot goes with it, so the workers wait for EFS (a join's
+        # coordinated_stop leaves the file empty: every node keeps its snapshot)
+        self.drain_file.write_text("leave\n")
         t0 = time.monotonic()
         deadline = t0 + timeout
         result = monitor()

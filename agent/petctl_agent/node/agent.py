@@ -25,6 +25,7 @@ from petctl_agent.cloud.status import StatusPublisher, make_writer
 from petctl_agent.node import ending, failure, markers
 from petctl_agent.node.lifecycle import CapacityHint, Lifecycle
 from petctl_agent.node.preflight import check_etcd_tls, check_torch, require_writable_dir, wait_for_dir
+from petctl_agent.node.snapshots import SnapshotArea
 from petctl_agent.settings import Settings
 from petctl_agent.spec import JobSpec, SpecError, rdzv_backend
 from petctl_agent.worker.env import (
@@ -76,6 +77,8 @@ class Agent:
         self.parked = False
         self.step_info = StepInfo(self.paths.progress)
         self._stop = threading.Event()
+        #: the node's memory-snapshot store (made before the workers start, freed at the end)
+        self.snapshots: SnapshotArea | None = None
 
     # ---- leaving --------------------------------------------------------------------
     def request_leave(self, reason: str) -> None:
@@ -131,12 +134,22 @@ class Agent:
             log.info("leaving during boot: no workers to drain")
         if self.pub:
             self.pub.event("drained", clean=True, phase=phase)
+        self.free_snapshots()
         self.finish_leave()
         os._exit(0)
 
     def finish_leave(self) -> int:
         """Complete a pending lifecycle action, publish LEFT; exit status 0."""
         return ending.finish_leave(self.lifecycle, self.pub, self.leave_reason)
+
+    def free_snapshots(self) -> None:
+        """Stop the persister and remove the node's snapshot store (job end, node leave). Idempotent."""
+        area, self.snapshots = self.snapshots, None
+        if area is not None:
+            try:
+                area.close()
+            except Exception as e:  # noqa: BLE001 - the node's end must go on
+                log.warning("freeing the snapshot store failed (ignored): %s", e)
 
     def fail(self, reason: str, rc: int = EXIT_FAILED) -> int:
         """Publish FAILED; exit status ``rc``."""
@@ -182,6 +195,7 @@ class Agent:
             rc = self._checked_run(spec)
             return rc
         finally:
+            self.free_snapshots()  # job end, node left, gave up or crashed: the memory goes
             if failure.is_terminal(rc):
                 self._failed_for_good(rc)
             pub.close()
@@ -215,6 +229,10 @@ class Agent:
         if self.leave_reason:
             return self.finish_leave()
         nproc = spec.resolved_nproc()
+        if self.settings.snapshots and self.snapshots is None:
+            self.snapshots = SnapshotArea.open(
+                self.settings.snapshot_dir, spec.job_name, self.instance_id, self.pub
+            )
         export_worker_env(
             os.environ,
             spec,
@@ -225,6 +243,7 @@ class Agent:
             nproc,
             self.backend,
             self.settings,
+            snapshot_dir=self.snapshots.dir if self.snapshots else None,
         )
         handler = self._rendezvous_handler(spec, endpoint)
         entrypoint, entry_args, start_method = self._worker_entrypoint(spec, script)
@@ -232,6 +251,8 @@ class Agent:
             return self.finish_leave()
         agent = self._elastic_agent(spec, handler, nproc, entrypoint, entry_args, start_method)
         outcome = self._train(spec, agent, work_dir)
+        # before LEFT/SUCCEEDED: a leaving node's persister ends its write before the instance goes
+        self.free_snapshots()
         return self._finish(agent, handler, outcome, ckpt_dir)
 
     # ---- the steps of _run ----------------------------------------------------------

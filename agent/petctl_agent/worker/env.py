@@ -76,6 +76,7 @@ def export_worker_env(
     nproc: int,
     backend: str,
     settings: Settings,
+    snapshot_dir: Path | None = None,
 ) -> None:
     """Worker env = agent env (``env``, updated in place) + torchrun's vars (set by torch) + these."""
     from petctl_agent.elastic.handlers import torch_workaround  # torch: only once the internals check passed
@@ -97,8 +98,10 @@ def export_worker_env(
     env["PETCTL_PROGRESS_FILE"] = str(paths.progress)
     env["PETCTL_LOCAL_ADDR"] = local_addr
     env["PETCTL_AGENT_PID"] = str(os.getpid())
-    if settings.snapshot_dir:  # memory snapshots (docs/agent.md); off by default
-        env["PETCTL_SNAPSHOT_DIR"] = str(Path(settings.snapshot_dir).absolute() / spec.job_name)
+    if snapshot_dir is not None:  # the node's memory-snapshot store (node/snapshots.py)
+        env["PETCTL_SNAPSHOT_DIR"] = str(snapshot_dir)
+    else:
+        env.pop("PETCTL_SNAPSHOT_DIR", None)
     env["PYTHONUNBUFFERED"] = "1"
     # our SIGTERM/SIGINT handlers start a drain; torch's would raise SignalException.
     # (torch 2.5-2.8 ignore this variable and install theirs anyway: the agent puts

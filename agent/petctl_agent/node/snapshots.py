@@ -1,0 +1,212 @@
+"""The node's memory-snapshot store, owned by the agent: made before the workers start, kept across
+their restarts, freed when the node leaves the job or the job ends (docs/agent.md, "Memory snapshots").
+
+``<PETCTL_AGENT_SNAPSHOT_DIR>/<job>/<instance-id>`` (default ``/dev/shm/petctl/...``, mode 0700): one
+directory per node, so several local-cloud "instances" on one machine never share one. The agent:
+
+- checks the base is on a tmpfs (else: off, with a ``snapshot_off`` event);
+- removes what a previous agent of this instance left (a node that joins starts empty), and any
+  sibling store no live agent holds (its ``owner.lock`` is free: an agent that was SIGKILLed);
+- starts the persister (``python -m petctl_agent.checkpointing.persist --serve DIR replicated``), a
+  child process that outlives worker restarts and writes the snapshot a worker asks for to EFS;
+- publishes the workers' reports as events: ``snapshot_restored`` (``restore.json``: source
+  ``self``/``peer``/``efs``, step, bytes, seconds), ``snapshot_fallback`` (``fallback.json``: the
+  node's memory could not hold a snapshot, the step went to EFS the slow way) and
+  ``snapshot_persist_failed`` (``persist.json`` with an error);
+- at the end stops the persister (SIGTERM: the write in flight ends first, at most
+  :data:`STOP_WAIT` s) and removes the directory.
+
+This room never imports ``checkpointing`` (the worker's side): the file names below are the ones
+``checkpointing/persist.py`` and ``checkpointing/memory.py`` use (a test holds them equal).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("petctl_agent")
+
+NAME = "replicated"
+OWNER_LOCK = "owner.lock"
+RESTORE_REPORT = "restore.json"
+FALLBACK_REPORT = "fallback.json"
+PERSIST_STATE = "persist.json"
+#: seconds the persister gets to finish a write in flight when the node leaves
+STOP_WAIT = 60.0
+TMPFS_TYPES = ("tmpfs",)
+
+
+def fs_type(path: Path, mounts: str = "/proc/mounts") -> str | None:
+    """The filesystem type of the mount that holds ``path`` (its nearest existing ancestor)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    p = p.resolve()
+    best, kind = "", None
+    try:
+        with open(mounts) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                inside = str(p) == mnt or str(p).startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        return None
+    return kind
+
+
+def _locked_by_someone(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        d = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
+class SnapshotArea:
+    """One node's store: the directory, its owner lock, the persister and the report watcher."""
+
+    def __init__(self, directory: Path, pub: Any = None, poll: float = 0.5) -> None:
+        self.dir = Path(directory)
+        self.pub = pub
+        self.poll = poll
+        self._lock_fd: int | None = None
+        self.persister: subprocess.Popen[bytes] | None = None
+        self._seen: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def open(cls, base: str | os.PathLike, job: str, node: str, pub: Any = None) -> SnapshotArea | None:
+        """Make the node's store and start its persister; None (and a ``snapshot_off`` event) when
+        ``base`` is not on a tmpfs or cannot be made."""
+        base = Path(base)
+        kind = fs_type(base)
+        why = None
+        if kind not in TMPFS_TYPES:
+            why = f"{base} is on {kind or 'an unknown filesystem'}, not a tmpfs: memory snapshots off, checkpoints go to EFS"
+        else:
+            try:
+                area = cls(base / job / node, pub)
+                area._make()
+                area.start()
+                return area
+            except OSError as e:
+                why = f"cannot make the snapshot store under {base} ({e.strerror or e}): memory snapshots off"
+        log.warning("%s", why)
+        if pub is not None:
+            pub.event("snapshot_off", reason=why)
+        return None
+
+    def _make(self) -> None:
+        job_dir = self.dir.parent
+        job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for sib in job_dir.iterdir():  # stores no live agent holds (a SIGKILLed one's)
+            if sib.is_dir() and sib != self.dir and (sib / OWNER_LOCK).exists():
+                if not _locked_by_someone(sib / OWNER_LOCK):
+                    log.info("removing the stale snapshot store %s", sib)
+                    shutil.rmtree(sib, ignore_errors=True)
+        shutil.rmtree(self.dir, ignore_errors=True)  # this node starts empty
+        self.dir.mkdir(mode=0o700)
+        # locked before it has its name: a sweeper never sees an unlocked owner.lock of a live agent
+        tmp = self.dir / f".{OWNER_LOCK}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.replace(tmp, self.dir / OWNER_LOCK)
+        self._lock_fd = fd
+
+    def start(self) -> None:
+        import petctl_agent
+
+        root = str(Path(petctl_agent.__file__).resolve().parents[1])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        self.persister = subprocess.Popen(
+            [sys.executable, "-m", "petctl_agent.checkpointing.persist", "--serve", str(self.dir), NAME],
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        self._thread = threading.Thread(target=self._watch, name="petctl-snapshots", daemon=True)
+        self._thread.start()
+
+    # ---- reports -> events
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll):
+            self.publish_reports()
+
+    def publish_reports(self) -> None:
+        """Publish each report the workers (or the persister) wrote since the last call, once."""
+        for name, kind in (
+            (RESTORE_REPORT, "snapshot_restored"),
+            (FALLBACK_REPORT, "snapshot_fallback"),
+            (PERSIST_STATE, "snapshot_persist_failed"),
+        ):
+            body = _read_json(self.dir / name)
+            if not body or self._seen.get(name) == body.get("t"):
+                continue
+            self._seen[name] = body.get("t")
+            if kind == "snapshot_persist_failed":
+                if not body.get("error"):
+                    continue
+                data = {"step": body.get("error_step"), "reason": body["error"]}
+            elif kind == "snapshot_fallback":
+                data = {
+                    "step": body.get("step"),
+                    "reason": f"memory snapshot skipped ({body.get('reason')}); step written to EFS",
+                }
+                log.warning("%s", data["reason"])
+            else:
+                data = {k: body.get(k) for k in ("source", "step", "bytes", "seconds")}
+            if self.pub is not None:
+                self.pub.event(kind, **data)
+
+    # ---- the end
+    def close(self) -> None:
+        """Stop the persister (its write in flight ends first, bounded), publish, remove the store."""
+        self._stop.set()
+        p, self.persister = self.persister, None
+        if p is not None and p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(STOP_WAIT)
+            except subprocess.TimeoutExpired:
+                log.warning("persister still writing after %.0fs: killed", STOP_WAIT)
+                p.kill()
+                p.wait()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.publish_reports()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        try:
+            self.dir.parent.rmdir()  # the job's directory, once no node of it is left here
+        except OSError:
+            pass

@@ -1,0 +1,429 @@
+"""Restore from the nearest copy (checkpointing/memory.py) and the agent's store (node/snapshots.py).
+
+Real torch processes over gloo on 127.0.0.1 stand in for the ranks of several nodes: each "node"
+is its own store directory. The agent's side is the real ``SnapshotArea`` with its real persister
+process; snapshots are written by ``SnapshotStore`` or by the workers through ``ckpt.step``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from petctl_agent import checkpoint as ckpt
+from petctl_agent.checkpointing import memory, persist
+from petctl_agent.checkpointing.snapshot import SnapshotStore
+from petctl_agent.node import snapshots
+from petctl_agent.node.snapshots import SnapshotArea
+
+REPO = Path(__file__).resolve().parents[2]
+
+RESTORE = textwrap.dedent(
+    """
+    import json, os, signal, sys, time, torch
+    import torch.distributed as dist
+    from petctl_agent import checkpoint as ckpt
+    from petctl_agent.checkpointing import memory
+    from petctl_agent.distributed import init_process_group
+    init_process_group()
+    rank = dist.get_rank()
+    kill_after = int(os.environ.get("KILL_SOURCE_AFTER", "0"))
+    if kill_after:  # the source dies (SIGKILL) after sending that many broadcasts of the transfer
+        real, sent = dist.broadcast, [0]
+        def broadcast(t, src, group=None, **kw):
+            if dist.get_rank() == src and sent[0] >= kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+            sent[0] += 1
+            return real(t, src, group=group, **kw)
+        dist.broadcast = broadcast
+    t0 = time.monotonic()
+    try:
+        restored = ckpt.resume()
+    except memory.PeerRestoreError as e:
+        print("PEER_FAILED %.2f %s" % (time.monotonic() - t0, e), flush=True)
+        sys.exit(3)
+    w = restored[0]["w"].clone() if restored else torch.zeros(4)
+    start = 1 if restored is None else restored[1] + 1
+    total = int(os.environ["TOTAL"])
+    for s in range(start, total + 1):
+        w += 1
+        ckpt.step(s, lambda: {"w": w.clone()}, every=0, last=s == total)
+    rep = os.path.join(os.environ["PETCTL_SNAPSHOT_DIR"], "restore.json")
+    report = json.load(open(rep)) if os.path.exists(rep) else None
+    print("RESULT " + json.dumps({"start": start, "w": w[:4].tolist(), "report": report}), flush=True)
+    """
+)
+
+
+def _ranks(tmp_path: Path, envs: list[dict], timeout: float = 120) -> list[subprocess.CompletedProcess]:
+    sys.path.insert(0, str(REPO / "scripts"))
+    from harness import free_port
+
+    script = tmp_path / "restore.py"
+    script.write_text(RESTORE)
+    port = free_port()
+    procs = []
+    for r, extra in enumerate(envs):
+        e = {
+            **os.environ,
+            "PYTHONPATH": str(REPO / "agent"),
+            "RANK": str(r),
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": str(len(envs)),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            "PETCTL_SNAPSHOT_PEER_TIMEOUT": "10",
+            **extra,
+        }
+        for k in ("PETCTL_LOCAL_ADDR", "PETCTL_DRAIN_FILE"):
+            e.pop(k, None)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                env=e,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    out = []
+    for p in procs:
+        try:
+            o, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, o, err))
+    return out
+
+
+def _res(cp: subprocess.CompletedProcess) -> dict:
+    for line in cp.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise AssertionError(f"no result (rc {cp.returncode}):\n{cp.stdout[-2000:]}\n{cp.stderr[-3000:]}")
+
+
+def _snap(d: Path, step: int, n: int = 4) -> SnapshotStore:
+    s = SnapshotStore(d, memory.NAME)
+    assert s.write({"w": torch.full((n,), float(step))}, step, wait=True) == "ok"
+    s.close()
+    return s
+
+
+def _efs_with_a_broken_step_4(efs: Path) -> None:
+    """``latest`` names step 4, but its file fails its sha256: reading EFS would give nothing."""
+    ckpt.save({"w": torch.full((4,), 4.0)}, 4, efs)
+    f = efs / "ckpt-0000000004.pt"
+    f.write_bytes(b"\0" * f.stat().st_size)
+
+
+def test_newcomer_restores_from_a_survivor_without_reading_efs(tmp_path: Path) -> None:
+    """Restore order, self then peer: node 0 holds step 6, node 1 (a newcomer) nothing, and EFS
+    holds an older step whose file is unreadable: both ranks resume at 7 with node 0's state."""
+    efs = tmp_path / "efs"
+    _efs_with_a_broken_step_4(efs)
+    _snap(tmp_path / "n0", 6)
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "8"}
+    res = [
+        _res(cp)
+        for cp in _ranks(tmp_path, [{**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}")} for r in (0, 1)])
+    ]
+    assert [r["start"] for r in res] == [7, 7]
+    assert all(r["w"] == [8.0] * 4 for r in res)
+    assert [r["report"]["source"] for r in res] == ["self", "peer"]
+    assert res[1]["report"]["step"] == 6 and res[1]["report"]["bytes"] >= 16
+    assert ckpt.latest_step(efs) == 8  # the last step is durable
+
+
+def test_torn_snapshot_is_never_loaded_and_efs_answers(tmp_path: Path) -> None:
+    """Restore order, EFS last: node 0's step-6 snapshot has a flipped byte (its crc32 fails),
+    node 1 holds only step 5 (stale: not the agreed step): nobody loads memory, all load EFS."""
+    efs = tmp_path / "efs"
+    ckpt.save({"w": torch.full((4,), 4.0)}, 4, efs)
+    s0 = _snap(tmp_path / "n0", 6)
+    data = s0.data_path(s0.newest().slot)
+    raw = bytearray(data.read_bytes())
+    raw[0] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    _snap(tmp_path / "n1", 5)
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "6"}
+    res = [
+        _res(cp)
+        for cp in _ranks(tmp_path, [{**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}")} for r in (0, 1)])
+    ]
+    assert [r["start"] for r in res] == [5, 5]
+    assert all(r["w"] == [6.0] * 4 for r in res)
+    assert [r["report"]["source"] for r in res] == ["efs", "efs"]
+
+
+def test_source_killed_mid_transfer_every_rank_exits_then_next_source_serves(tmp_path: Path) -> None:
+    """The source (rank 0) is SIGKILLed in the middle of a multi-chunk broadcast: the others stop
+    within the peer timeout (no hang) with PeerRestoreError; the next round, without the dead
+    node, restores the newcomer from the surviving holder, still without EFS."""
+    efs = tmp_path / "efs"
+    _efs_with_a_broken_step_4(efs)
+    n = 3 << 20  # 12 MiB of float32 in 1 MiB broadcasts
+    for r in (0, 1):
+        _snap(tmp_path / f"n{r}", 6, n)
+    base = {
+        "PETCTL_CHECKPOINT_DIR": str(efs),
+        "TOTAL": "7",
+        "PETCTL_SNAPSHOT_PEER_TIMEOUT": "5",
+        "PETCTL_SNAPSHOT_CHUNK": str(1 << 20),
+    }
+    t0 = time.monotonic()
+    first = _ranks(
+        tmp_path,
+        [
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}"), "KILL_SOURCE_AFTER": "6"}
+            for r in (0, 1, 2)
+        ],
+    )
+    took = time.monotonic() - t0
+    assert first[0].returncode == -signal.SIGKILL, first[0].stderr[-2000:]
+    for cp in first[1:]:
+        assert cp.returncode == 3, cp.stdout[-2000:] + cp.stderr[-3000:]
+        assert "PEER_FAILED" in cp.stdout and "restore from a peer's memory failed" in cp.stdout
+    assert took < 60, took
+    # the next round: node 1 (now rank 0) and the newcomer node 2 (rank 1)
+    second = _ranks(tmp_path, [{**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}")} for r in (1, 2)])
+    res = [_res(cp) for cp in second]
+    assert [r["start"] for r in res] == [7, 7] and all(r["w"] == [7.0] * 4 for r in res)
+    assert [r["report"]["source"] for r in res] == ["self", "peer"]
+    assert res[1]["report"]["bytes"] >= n * 4
+
+
+# ------------------------------------------------------------------ the agent's store
+
+
+class Pub:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict]] = []
+
+    def event(self, kind: str, **data) -> None:
+        self.events.append((kind, data))
+
+
+@pytest.fixture
+def shm_base() -> Path:
+    base = Path("/dev/shm") / f"petctl-test-{os.getpid()}-{time.monotonic_ns()}"
+    if snapshots.fs_type(Path("/dev/shm")) != "tmpfs":
+        pytest.skip("/dev/shm is not a tmpfs here")
+    yield base
+    import shutil
+
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def test_file_names_match_the_workers_side() -> None:
+    assert snapshots.NAME == memory.NAME
+    assert snapshots.RESTORE_REPORT == memory.RESTORE_REPORT
+    assert snapshots.FALLBACK_REPORT == memory.FALLBACK_REPORT
+    assert snapshots.PERSIST_STATE == persist.STATE
+
+
+def test_store_off_with_a_warning_when_not_on_tmpfs(tmp_path: Path) -> None:
+    if snapshots.fs_type(tmp_path) == "tmpfs":
+        pytest.skip("tmp_path is a tmpfs here")
+    pub = Pub()
+    assert SnapshotArea.open(tmp_path / "shm", "j", "i-1", pub) is None
+    assert pub.events[0][0] == "snapshot_off" and "not a tmpfs" in pub.events[0][1]["reason"]
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/vda / ext4 rw 0 0\ntmpfs /dev/shm tmpfs rw 0 0\n")
+    assert snapshots.fs_type(Path("/dev/shm/petctl/x"), str(mounts)) == "tmpfs"
+    assert snapshots.fs_type(Path("/dev/shmx"), str(mounts)) == "ext4"
+
+
+def test_persistence_by_the_agent_survives_a_worker_killed_after_its_snapshot(
+    shm_base: Path, tmp_path: Path
+) -> None:
+    """The worker asks for step 2 and is SIGKILLed right after its copy; the agent's persister
+    writes it to EFS anyway. Then the node leaves: persister stopped, store gone, a stale
+    sibling (an agent that was SIGKILLed) swept by the next agent."""
+    pub = Pub()
+    stale = shm_base / "j" / "i-dead"
+    stale.mkdir(parents=True)
+    (stale / snapshots.OWNER_LOCK).write_text("")
+    area = SnapshotArea.open(shm_base, "j", "i-1", pub)
+    assert area is not None and area.dir == shm_base / "j" / "i-1" and not stale.exists()
+    efs = tmp_path / "efs"
+    worker = textwrap.dedent(
+        """
+        import os, signal, torch
+        from petctl_agent import checkpoint as ckpt
+        from petctl_agent.checkpointing import memory
+        ckpt.step(2, lambda: {"w": torch.full((1 << 20,), 2.0)}, every=2)  # returns after the copy
+        memory._store(memory.snapshot_dir()).flush()  # the snapshot is complete (header in place)
+        os.kill(os.getpid(), signal.SIGKILL)  # a worker restart: the persist is not the worker's
+        """
+    )
+    deadline = time.monotonic() + 10
+    while not persist.served(area.dir):
+        assert time.monotonic() < deadline, "the persister never took its lock"
+        time.sleep(0.05)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO / "agent"),
+        "PETCTL_SNAPSHOT_DIR": str(area.dir),
+        "PETCTL_CHECKPOINT_DIR": str(efs),
+    }
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PETCTL_DRAIN_FILE", "PETCTL_PROGRESS_FILE"):
+        env.pop(k, None)
+    cp = subprocess.run([sys.executable, "-c", worker], env=env, capture_output=True, text=True, timeout=120)
+    assert cp.returncode == -signal.SIGKILL, cp.stderr[-2000:]
+    deadline = time.monotonic() + 30
+    while ckpt.latest_step(efs) != 2:
+        assert time.monotonic() < deadline, "the agent's persister did not persist step 2"
+        time.sleep(0.1)
+    state, step = ckpt.load_latest(efs, map_location="cpu")
+    assert step == 2 and torch.equal(state["w"], torch.full((1 << 20,), 2.0))
+    assert persist.state(area.dir)["pid"] == area.persister.pid  # written by the agent's persister
+    p = area.persister
+    area.close()
+    assert p.poll() is not None and not area.dir.exists() and not (shm_base / "j").exists()
+
+
+def test_no_fit_falls_back_to_efs_and_warns_in_status(shm_base: Path, tmp_path: Path, monkeypatch) -> None:
+    pub = Pub()
+    area = SnapshotArea.open(shm_base, "j", "i-2", pub)
+    assert area is not None
+    efs = tmp_path / "efs"
+    monkeypatch.setenv("PETCTL_SNAPSHOT_DIR", str(area.dir))
+    monkeypatch.setenv("PETCTL_CHECKPOINT_DIR", str(efs))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PETCTL_DRAIN_FILE", "PETCTL_PROGRESS_FILE"):
+        monkeypatch.delenv(k, raising=False)
+    # this node's memory is full: MemAvailable 0
+    memory._stores[str(area.dir)] = SnapshotStore(
+        area.dir, memory.NAME, meminfo=lambda: {"MemAvailable": 0, "MemTotal": 1 << 30}
+    )
+    try:
+        ckpt.step(2, lambda: {"w": torch.ones(8)}, every=2)
+        assert ckpt.latest_step(efs) == 2  # written synchronously, as today
+        assert SnapshotStore(area.dir, memory.NAME).newest() is None
+        area.publish_reports()
+        kinds = [k for k, _ in pub.events]
+        assert "snapshot_fallback" in kinds
+        data = dict(pub.events)["snapshot_fallback"]
+        assert data["step"] == 2 and "no-fit" in data["reason"]
+        area.publish_reports()  # once per report
+        assert [k for k, _ in pub.events].count("snapshot_fallback") == 1
+    finally:
+        memory.close_persisters()
+        area.close()
+
+
+@pytest.mark.e2e
+def test_agents_own_the_store_newcomer_restores_from_a_peer_store_freed_on_leave(
+    make_cluster, shm_base: Path
+) -> None:
+    """Real agents (petctl-etcd), real workers: a join is restored from the survivors' memory
+    (events self/peer in status), a drained node's store is gone once it left, and so are the others'."""
+    from harness import wait_for
+
+    c = make_cluster(
+        job="memrestore",
+        min_nodes=2,
+        max_nodes=3,
+        script_args=["--total-steps", "100000", "--step-time", "0.05", "--checkpoint-every", "20"],
+        extra_env={"PETCTL_COLLECTIVE_TIMEOUT": "30", "PETCTL_AGENT_SNAPSHOT_DIR": str(shm_base)},
+    )
+    a, b = c.add_node(), c.add_node()
+    c.wait(lambda: c.all_at_world([a, b], 2, 0, min_steps=3), 120, "2 nodes stepping", alive=[a, b])
+    store = {n.instance_id: shm_base / "memrestore" / n.instance_id for n in (a, b)}
+    assert all(d.is_dir() for d in store.values())
+    t = c.now()
+    n3 = c.add_node()
+    c.wait(
+        lambda: c.all_at_world([a, b, n3], 3, t, min_steps=3), 120, "world 3 after a join", alive=[a, b, n3]
+    )
+
+    def restored(n):
+        ev = [
+            e for e in (c.status(n.instance_id) or {}).get("events", []) if e["kind"] == "snapshot_restored"
+        ]
+        return ev[-1] if ev and ev[-1]["t"] >= t else None
+
+    got = {
+        n.instance_id: c.wait(lambda n=n: restored(n), 30, "restore events", alive=[a, b, n3])
+        for n in (a, b, n3)
+    }
+    assert got[n3.instance_id]["source"] == "peer" and got[n3.instance_id]["bytes"] > 0, got
+    assert got[a.instance_id]["source"] == "self" and got[b.instance_id]["source"] == "self", got
+    assert len({e["step"] for e in got.values()}) == 1
+    c.terminate(b)
+    assert wait_for(lambda: b.proc.poll() is not None, 60, "drained agent to exit") is not None
+    assert b.proc.returncode == 0 and not store[b.instance_id].exists()
+    assert store[a.instance_id].is_dir()  # the survivors keep theirs
+    for n in (a, n3):
+        c.terminate(n)
+    for n in (a, n3):
+        assert wait_for(lambda n=n: n.proc.poll() is not None, 60, "agents to exit") is not None
+    assert not (shm_base / "memrestore").exists()
+
+
+DRAINING_WORKER = textwrap.dedent(
+    """
+    import torch
+    from petctl_agent import checkpoint as ckpt
+    ckpt.step(5, lambda: {"w": torch.full((1 << 18,), 5.0)}, every=0)  # the drain file is there
+    raise SystemExit("not reached: an agreed drain exits with 75")
+    """
+)
+
+
+def test_a_joins_stop_waits_for_memory_only_a_leave_waits_for_efs(shm_base: Path, tmp_path: Path) -> None:
+    import fcntl
+
+    from petctl_agent import DRAIN_EXIT_CODE
+
+    def run(sdir: Path, efs: Path, drain_body: str) -> subprocess.CompletedProcess:
+        drain = tmp_path / f"drain-{drain_body.strip() or 'stop'}"
+        drain.write_text(drain_body)
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO / "agent"),
+            "PETCTL_SNAPSHOT_DIR": str(sdir),
+            "PETCTL_CHECKPOINT_DIR": str(efs),
+            "PETCTL_DRAIN_FILE": str(drain),
+        }
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PETCTL_PROGRESS_FILE"):
+            env.pop(k, None)
+        return subprocess.run(
+            [sys.executable, "-c", DRAINING_WORKER], env=env, capture_output=True, text=True, timeout=120
+        )
+
+    # a join's stop: a persister "serves" the store (we hold its lock) but never writes: the
+    # worker exits at once, its snapshot complete, nothing on EFS yet
+    sdir = shm_base / "stop"
+    sdir.mkdir(parents=True)
+    fd = os.open(sdir / persist.LOCK, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        cp = run(sdir, tmp_path / "efs-stop", "")
+    finally:
+        os.close(fd)
+    assert cp.returncode == DRAIN_EXIT_CODE, cp.stderr[-2000:]
+    assert SnapshotStore(sdir, memory.NAME).newest().step == 5
+    assert json.loads((sdir / persist.REQUEST).read_text())["step"] == 5
+    assert ckpt.latest_step(tmp_path / "efs-stop") is None
+    # a node leaves: the worker exits only once the agent's persister put step 5 on EFS
+    area = SnapshotArea.open(shm_base, "j", "i-3", Pub())
+    try:
+        cp = run(area.dir, tmp_path / "efs-leave", "leave\n")
+        assert cp.returncode == DRAIN_EXIT_CODE, cp.stderr[-2000:]
+        assert ckpt.latest_step(tmp_path / "efs-leave") == 5
+    finally:
+        area.close()
