@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl.errors import PetctlError
-from petctl.local import statedir
+from petctl.local import efs_rate, statedir
 from petctl.local.environment import CONTROL_TOKEN_HEADER, LOCAL_ENV, LOCAL_ENV_UNSET
 from petctl.local.statedir import DAEMON_MODULE, cloud_log, instance_log, state_dir
 
@@ -96,6 +96,10 @@ def ensure_started(timeout: float = 30) -> dict[str, Any]:
             return _wait_ready(d, None, timeout)
         with contextlib.suppress(FileNotFoundError):
             (d / "cloud.json").unlink()
+        try:
+            efs_rate.rates_from_env()  # a bad knob fails here, in one line, not in the daemon
+        except efs_rate.EfsRateError as e:
+            raise LocalCloudError(str(e)) from None
         statedir.cleanup_leftovers(d)
         with open(cloud_log(d), "ab") as log:
             proc = subprocess.Popen(

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl.local import boot, moto_patches, moto_warm_pool, plan, procs
+from petctl.local.efs_rate import EfsRates, rates_from_env
 from petctl.local.instance import Instance
 from petctl.local.leaving import Leaving
 from petctl.local.observe import observe
@@ -72,6 +73,8 @@ class Settings:
     drain_slack: float = field(default_factory=lambda: env_float("PETCTL_LOCAL_DRAIN_SLACK", 10))
     # OS shutdown: SIGTERM, then SIGKILL after this long (spot interruption deadline).
     shutdown_grace: float = field(default_factory=lambda: env_float("PETCTL_LOCAL_SHUTDOWN_GRACE", 5))
+    # AWS's EFS throughput limits for the agent's checkpoint I/O (None: off); petctl.local.efs_rate.
+    efs_rates: EfsRates | None = field(default_factory=rates_from_env)
 
 
 class Reconciler(Starting, Leaving):

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from petctl.local import boot, procs, shims
+from petctl.local import boot, efs_rate, procs, shims
 from petctl.local.environment import LOCAL_ENV, LOCAL_ENV_UNSET
 from petctl.local.instance import Instance, iso
 from petctl.local.plan import ASG_TAG, JOB_TAG, RDZV_TAG, ROLE_TAG, SPEC_TAG, Seen
@@ -33,6 +33,7 @@ _NOT_INHERITED = frozenset(
         "PETCTL_PROGRESS_FILE",
         "PETCTL_LOCAL_ADDR",
         "PETCTL_AGENT_PID",
+        efs_rate.ENV,
     )
 )
 
@@ -101,11 +102,13 @@ class Starting:
 
     def _unit_env(self, rec: Instance) -> dict[str, str]:
         """What a unit's process starts with before its Environment= lines: the instance's base
-        environment (not the boot script's variables, as under systemd), its marker, and the
-        IMDS URL (the local cloud's IMDS is not at 169.254.169.254)."""
+        environment (not the boot script's variables, as under systemd), its marker, the IMDS URL
+        (the local cloud's IMDS is not at 169.254.169.254) and the EFS limits' config
+        (:mod:`petctl.local.efs_rate`)."""
         env = self._base_env()
         env[procs.MARKER] = rec.marker or ""
         env["PETCTL_IMDS_URL"] = f"{self.imds_url}/{rec.instance_id}"
+        env.update(efs_rate.instance_env(self.state_dir, rec.instance_id, self.settings.efs_rates))
         return env
 
     def _start(self, rec: Instance) -> None:

@@ -6,6 +6,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from petctl_agent.checkpointing import efsrate
+
 
 def fsync_dir(path: Path) -> None:
     try:
@@ -24,7 +26,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically: temp file in the same dir, fsync, replace, fsync dir."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with efsrate.wrap(os.fdopen(fd, "wb"), path, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from petctl_agent.checkpointing import efsrate
 from petctl_agent.checkpointing.atomic import atomic_write
 
 LATEST = "latest"
@@ -121,7 +122,7 @@ def load_file(
     """
     import torch
 
-    data = path.read_bytes()
+    data = efsrate.read_bytes(path)
     if expect_sha is not None and hashlib.sha256(data).hexdigest() != expect_sha:
         raise ValueError(f"checksum mismatch for {path}")
     try:

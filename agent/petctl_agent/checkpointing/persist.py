@@ -37,6 +37,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from petctl_agent.checkpointing import efsrate
 from petctl_agent.checkpointing.atomic import atomic_write, fsync_dir
 from petctl_agent.checkpointing.files import prune, read_pointer, write_pointer
 from petctl_agent.checkpointing.snapshot import Complete, SnapshotStore, decode_structure, dtype_from_name
@@ -103,7 +104,7 @@ def _persist(store: SnapshotStore, c: Complete, d: Path, keep: int) -> bool:
             else:
                 tensors.append(torch.empty(m["shape"], dtype=dt))
         state = decode_structure(h["structure"], tensors)
-        with open(tmp, "wb") as f:
+        with efsrate.open(tmp, "wb") as f:
             hf = _HashingFile(f)
             torch.save({"step": c.step, "state": state, "saved_at": time.time()}, hf)
             f.flush()

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from petctl_agent.checkpointing import efsrate
 from petctl_agent.checkpointing.atomic import fsync_dir
 from petctl_agent.checkpointing.files import (
     CKPT_RE,
@@ -77,7 +78,11 @@ def save_sharded(state: dict[str, Any], step: int, d: Path, keep: int) -> Path |
         shutil.rmtree(tmp, ignore_errors=True)  # a writer killed earlier at this step
         tmp.mkdir()
     barrier()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), process_group=group)
+    dcp.save(
+        state,
+        storage_writer=efsrate.pace_dcp(dcp.FileSystemWriter(str(tmp), sync_files=True)),
+        process_group=group,
+    )
     out: Path | None = None
     if rank0:
         fsync_dir(tmp)
@@ -204,7 +209,7 @@ def load_sharded(
     else:
         reader, planner = _safe_dcp(path, refused)
     try:
-        dcp.load(into, storage_reader=reader, planner=planner, process_group=group)
+        dcp.load(into, storage_reader=efsrate.pace_dcp(reader), planner=planner, process_group=group)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if refused:
             raise UnsafeCheckpointError(refused[0]) from None
