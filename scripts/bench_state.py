@@ -9,12 +9,17 @@ one process group per node on its own 127.0.0.x, a shared directory as EFS):
 
 each from a steady state (a checkpoint on disk, a step mid-way between checkpoints). Tools:
 
-- ``petctl-efs``: ``petctl-agent run``, memory snapshots off: checkpoints and restores round-trip
-  the state through EFS (``torch.save`` + fsync by rank 0, every rank reads it back);
-- ``petctl-mem``: the same agent with memory snapshots on (``PETCTL_AGENT_SNAPSHOT_DIR`` per
-  node, in ``--shm`` / a directory the run removes);
+- ``petctl-efs``: ``petctl-agent run`` with memory snapshots off (``PETCTL_AGENT_NO_SNAPSHOTS=1``):
+  checkpoints and restores round-trip the state through EFS (``torch.save`` + fsync by rank 0,
+  every rank reads it back);
+- ``petctl-mem``: the same agent with memory snapshots on, its default (``PETCTL_AGENT_SNAPSHOT_DIR``
+  per node, under ``--shm``, in a directory the run removes);
 - ``torchrun-efs``: ``torchrun --rdzv-backend etcd`` (torch's defaults) with the script's
   ``--io plain``: ``torch.save`` to a temp file + fsync + ``os.replace``, ``torch.load`` on every rank.
+
+EFS: the run's directory with the local cloud's EFS limits (AWS's Elastic-mode throughput,
+``petctl/local/efs_rate.py``, docs/local.md) on every node, petctl's and torchrun's alike;
+``--no-efs-limits`` turns them off.
 
 Numbers (from the outside: the step lines, timestamped as read): join and drain **stall** = last
 step any rank printed at the old size -> every rank stepping at the new one; hard loss = SIGKILL ->
@@ -356,7 +361,9 @@ def run_one(
         tool=base_tool, min_nodes=n - 1, max_nodes=n, step_time=a.step_time,
         checkpoint_every=a.checkpoint_every, job="state", script=STATE_SCRIPT,
         extra_args=["--state-gib", f"{gib:g}", "--io", io], drain_timeout=a.timeout,
-        snapshot_root=str(shm) if shm else "",
+        snapshot_root=str(shm) if shm else "", efs_limits=not a.no_efs_limits,
+        # memory snapshots are on by default in the agent: the EFS path turns them off
+        env={} if snapshots or base_tool != "petctl" else {"PETCTL_AGENT_NO_SNAPSHOTS": "1"},
     )  # fmt: skip
     base = {"gib": gib, "tool": tool, "rep": rep, "nodes": n}
     out: list[dict[str, Any]] = []
@@ -422,6 +429,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--start-timeout", type=float, default=180, help="bound of a cold start, seconds")
     p.add_argument("--step-time", type=float, default=0.05, help="extra sleep per training step")
     p.add_argument("--checkpoint-every", type=int, default=20, help="checkpoint interval in steps")
+    p.add_argument("--no-efs-limits", action="store_true",
+                   help="EFS without AWS's throughput limits (default: the local cloud's emulation)")  # fmt: skip
     p.add_argument("--shm", default="/dev/shm", help="tmpfs for petctl-mem's snapshots")
     p.add_argument("--mem-margin", type=float, default=3.0, help="GiB of MemAvailable a run leaves free")
     p.add_argument("--render", type=Path, help="only print the tables of an existing --json file")

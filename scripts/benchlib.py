@@ -256,6 +256,10 @@ class RunConfig:
     #: petctl tools: each node's agent gets ``PETCTL_AGENT_SNAPSHOT_DIR=<this>/<node>`` (memory
     #: snapshots on, in a directory the run removes); "" leaves the agent's default
     snapshot_root: str = ""
+    #: every node (petctl and torchrun) gets ``PETCTL_EFS_EMULATION``: the local cloud's EFS limits
+    #: (``petctl/local/efs_rate.py``, AWS's Elastic-mode figures; ``PETCTL_LOCAL_EFS_*`` knobs apply)
+    #: on the run's EFS directory, paid by the checkpoint layer's reads and writes
+    efs_limits: bool = False
 
 
 class Run:
@@ -380,6 +384,11 @@ class Run:
                 "--max-restarts", "100", "--local-addr", addr,
                 str(self.cfg.script), "--checkpoint-dir", str(self.ckpt_dir), *self.script_args(),
             ]  # fmt: skip
+        if self.cfg.efs_limits:
+            from petctl.local.efs_rate import instance_env, rates_from_env
+
+            # efs_root = <root>/efs (this run's EFS), buckets under <root>/efs-rate
+            env.update(instance_env(self.root, f"i-{name}", rates_from_env()))
         env.update(self.cfg.env)
         with open(ndir / "stderr.log", "ab") as err:
             proc = subprocess.Popen(

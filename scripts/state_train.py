@@ -12,7 +12,8 @@ torn, stale or partial state is caught (``state mismatch``, exit 3), never train
 
 - ``helper`` (default): ``ckpt.resume`` / ``ckpt.step`` (``petctl_agent.checkpoint``): EFS, or the
   agent's memory snapshots when they are on;
-- ``plain``: what a script under plain ``torchrun`` does: rank 0 ``torch.save`` s the state into a
+- ``plain``: what a script under plain ``torchrun`` does (under the local cloud's EFS limits,
+  ``PETCTL_EFS_EMULATION``, its reads and writes are paced like the checkpoint layer's): rank 0 ``torch.save`` s the state into a
   temp file in the checkpoint directory, fsync, ``os.replace`` to ``state.pt``, fsync the directory,
   then a ``latest`` JSON pointer the same way; every rank ``torch.load`` s it back at start.
   Periodic checkpoints only (torchrun has no drain protocol).
@@ -82,9 +83,19 @@ def _fsync_dir(d: str) -> None:
         os.close(fd)
 
 
+def _open(path: str, mode: str):
+    """``open()``; under the local cloud's EFS limits (``PETCTL_EFS_EMULATION``) paced as the
+    checkpoint layer's own I/O is, so that this script pays what EFS would charge it too."""
+    if os.environ.get("PETCTL_EFS_EMULATION"):
+        from petctl_agent.checkpointing import efsrate
+
+        return efsrate.open(path, mode)
+    return open(path, mode)
+
+
 def _atomic(d: str, name: str, write) -> None:
     tmp = os.path.join(d, f".{name}.tmp")
-    with open(tmp, "wb") as f:
+    with _open(tmp, "wb") as f:
         write(f)
         f.flush()
         os.fsync(f.fileno())
@@ -103,7 +114,8 @@ def plain_load(d: str) -> tuple[dict, int] | None:
     path = os.path.join(d, "state.pt")
     if not os.path.exists(path):
         return None
-    doc = torch.load(path, map_location="cpu", weights_only=True)
+    with _open(path, "rb") as f:
+        doc = torch.load(f, map_location="cpu", weights_only=True)
     return doc["state"], int(doc["step"])
 
 
