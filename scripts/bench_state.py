@@ -281,7 +281,16 @@ def marks_after(nodes: list[Node], t0: float, what: str) -> list[tuple[float, di
     return [(t, kv) for n in nodes for t, w, kv in list(n.marks) if w == what and t > t0]
 
 
-def add_marks(r: dict[str, Any], old: list[Node], nodes: list[Node], world: int, origin: float,
+def restore_events(run: Run, nodes: list[Node], since: float) -> list[dict[str, Any]]:
+    """The nodes' ``snapshot_restored`` status events after ``since`` (monotonic)."""
+    if run.imds is None:
+        return []
+    offset = time.time() - time.monotonic()  # status events carry time.time()
+    return [e for n in nodes for e in (run.status(n) or {}).get("events", [])
+            if e.get("kind") == "snapshot_restored" and e.get("t", 0) - offset > since - 0.05]  # fmt: skip
+
+
+def add_marks(run: Run, r: dict[str, Any], old: list[Node], nodes: list[Node], world: int, origin: float,
               since: float | None = None) -> dict[str, Any]:  # fmt: skip
     """Into ``r["phases"]`` (seconds from ``origin``): restore time/source and process start ->
     ready of the ranks (re)started after ``since``; last old step and first new step when the
@@ -292,6 +301,11 @@ def add_marks(r: dict[str, Any], old: list[Node], nodes: list[Node], world: int,
     if rest:
         ph["restore"] = max(float(kv.get("seconds", 0)) for _, kv in rest)
         ph["sources"] = sorted({kv.get("source", "?") for _, kv in rest})
+    # petctl: the agents' own account (``snapshot_restored``: self / peer / efs, seconds, bytes)
+    evs = poll(lambda: restore_events(run, nodes, since), 3.0 if run.imds is not None and rest else 0, 0.2)
+    if evs:
+        ph["sources"] = sorted({str(e.get("source")) for e in evs})
+        ph["restore_agent"] = max(float(e.get("seconds") or 0) for e in evs)
     ready = marks_after(nodes, since, "started")
     if ready:
         ph["ready"] = round(max(t for t, _ in ready) - origin, 3)
@@ -326,14 +340,14 @@ def run_chain(run: Run, n: int, a: argparse.Namespace, rec: Any) -> None:
     r = measure(run, nodes, live, n - 1, t0, a, extra=[leaving])
     poll(lambda: not leaving.alive(), 30)
     run.drop_memory(leaving)
-    rec("drain", **add_marks(r, nodes, live, n - 1, t0))
+    rec("drain", **add_marks(run, r, nodes, live, n - 1, t0))
     steady(run, live, n - 1, a.timeout)
 
     new = run.add_node()
     r = measure(run, live, live + [new], n, new.started, a)
     t_first = min(x.steps_after(new.started, n)[0][0] for x in live + [new])
     t_last = max((s[0] for x in live for s in list(x.steps) if s[2] == n - 1 and s[0] < t_first), default=0.0)
-    rec("join", **add_marks(r, live, live + [new], n, new.started, since=max(t_last, new.started)))
+    rec("join", **add_marks(run, r, live, live + [new], n, new.started, since=max(t_last, new.started)))
     live = live + [new]
     # a hard loss from the state a job is in most of the time: a periodic checkpoint taken by
     # every node now in the job (not the join's, which the newcomer did not hold)
@@ -347,7 +361,7 @@ def run_chain(run: Run, n: int, a: argparse.Namespace, rec: Any) -> None:
     run.drop_memory(victim)
     r = measure(run, live, live[1:], n - 1, t0, a, stall=False)
     r["stall"] = run.stall(live, live[1:], n - 1, t0)
-    rec("hard_loss", **add_marks(r, live, live[1:], n - 1, t0))
+    rec("hard_loss", **add_marks(run, r, live, live[1:], n - 1, t0))
 
 
 def run_one(
