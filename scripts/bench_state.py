@@ -403,8 +403,8 @@ def run_one(
         ckpts = [(tt, kv) for nd in run.nodes for tt, w, kv in list(nd.marks) if w == "ckpt"]
         left = run.close()
         watcher.close()
-        if not a.keep:
-            shutil.rmtree(run.root, ignore_errors=True)
+        # --keep keeps the logs and status files, never the checkpoints (GiBs per run)
+        shutil.rmtree(run.root / "efs" if a.keep else run.root, ignore_errors=True)
     blocked = [float(kv["blocked"]) for _, kv in ckpts]
     persisted = []
     for tt, kv in ckpts:
@@ -448,7 +448,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shm", default="/dev/shm", help="tmpfs for petctl-mem's snapshots")
     p.add_argument("--mem-margin", type=float, default=3.0, help="GiB of MemAvailable a run leaves free")
     p.add_argument("--render", type=Path, help="only print the tables of an existing --json file")
-    p.add_argument("--keep", action="store_true", help="keep run directories (logs) under --workdir")
+    p.add_argument(
+        "--keep", action="store_true", help="keep run directories (logs, not the checkpoints) under --workdir"
+    )
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--netns", choices=("auto", "on", "off"), default="auto",
                    help="run inside a private loopback-only network namespace (unshare --net)")  # fmt: skip
