@@ -427,3 +427,26 @@ def test_a_joins_stop_waits_for_memory_only_a_leave_waits_for_efs(shm_base: Path
         assert ckpt.latest_step(tmp_path / "efs-leave") == 5
     finally:
         area.close()
+
+
+@pytest.mark.e2e
+def test_store_freed_at_job_end(make_cluster, shm_base: Path) -> None:
+    """A one-node job that runs to its end: the store existed while it trained and is gone once
+    the agent says SUCCEEDED; the last step is on EFS (the last step waits for the persister)."""
+    from harness import wait_for
+
+    c = make_cluster(
+        job="memend",
+        min_nodes=1,
+        max_nodes=1,
+        script_args=["--total-steps", "60", "--step-time", "0.05", "--checkpoint-every", "10"],
+        extra_env={"PETCTL_AGENT_SNAPSHOT_DIR": str(shm_base)},
+    )
+    a = c.add_node()
+    store = shm_base / "memend" / a.instance_id
+    # steps 10..60 take >= 2.5 s: the store holds a snapshot meanwhile
+    assert wait_for(lambda: (store / "replicated.a.json").exists(), 120, "a snapshot in the store")
+    assert wait_for(lambda: a.proc.poll() is not None, 120, "the job to end") is not None
+    assert a.proc.returncode == 0 and (c.status(a.instance_id) or {}).get("state") == "SUCCEEDED"
+    assert not store.exists() and not (shm_base / "memend").exists()
+    assert ckpt.latest_step(c.ckpt_dir) == 60

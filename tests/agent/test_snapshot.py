@@ -399,11 +399,14 @@ def test_resume_prefers_own_snapshot_else_efs(snap_env) -> None:
 
 
 def test_state_a_snapshot_cannot_hold_takes_todays_path(snap_env, capsys) -> None:
+    from petctl_agent.checkpointing import memory
+
     shm, efs = snap_env
     ckpt.step(2, lambda: {"w": torch.ones(3), "tags": {"a", "b"}}, every=2)  # a set: no snapshot
     assert "memory snapshot of step 2 skipped (unsupported" in capsys.readouterr().err
     assert ckpt.latest_step(efs) == 2  # written synchronously, as today
-    assert not shm.exists() or not list(shm.glob("*.json"))
+    assert not shm.exists() or not list(shm.glob(f"{memory.NAME}.*.json"))  # no snapshot header
+    assert "unsupported" in json.loads((shm / memory.FALLBACK_REPORT).read_text())["reason"]  # for the agent
 
 
 RANKS_SNAP = textwrap.dedent(
@@ -423,7 +426,7 @@ RANKS_SNAP = textwrap.dedent(
     for s in range(start, total + 1):
         w += 1
         if rank == 1 and s == int(os.environ.get("DRAIN_AT", "0")):
-            open(os.environ["PETCTL_DRAIN_FILE"], "w").close()
+            open(os.environ["PETCTL_DRAIN_FILE"], "w").write("leave")  # as a leaving agent writes it
         ckpt.step(s, lambda: {"w": w.clone()}, every=2, last=s == total)
     print("RESULT " + json.dumps({"start": start, "w": w.tolist()}), flush=True)
     """
