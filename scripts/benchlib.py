@@ -32,6 +32,7 @@ from typing import Any
 
 from harness import Etcd, FakeImds, free_port
 
+from petctl.local import efs_rate
 from petctl.local.procs import descendants
 
 REPO = Path(__file__).resolve().parent.parent
@@ -257,9 +258,9 @@ class RunConfig:
     #: snapshots on, in a directory the run removes); "" leaves the agent's default
     snapshot_root: str = ""
     #: every node (petctl and torchrun) gets ``PETCTL_EFS_EMULATION``: the local cloud's EFS limits
-    #: (``petctl/local/efs_rate.py``, AWS's Elastic-mode figures; ``PETCTL_LOCAL_EFS_*`` knobs apply)
-    #: on the run's EFS directory, paid by the checkpoint layer's reads and writes
-    efs_limits: bool = False
+    #: (``petctl/local/efs_rate.py``, AWS's Elastic-mode figures; ``PETCTL_LOCAL_EFS_*`` knobs and
+    #: ``PETCTL_LOCAL_EFS_THROTTLE=0`` apply) on the run's EFS directory; False: none
+    efs_limits: bool = True
 
 
 class Run:
@@ -276,6 +277,8 @@ class Run:
         self.ckpt_rel = f"petctl/jobs/{self.run_id}/checkpoints"
         self.ckpt_dir = self.efs / self.ckpt_rel
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        # AWS's EFS limits, as in the local cloud (docs/local.md): each node is a client of "efs/"
+        self.efs_rates = efs_rate.rates_from_env() if cfg.efs_limits else None
         self.status_dir = self.root / "status"
         self.etcd = Etcd(self.root)
         self.imds: FakeImds | None = None
@@ -384,11 +387,7 @@ class Run:
                 "--max-restarts", "100", "--local-addr", addr,
                 str(self.cfg.script), "--checkpoint-dir", str(self.ckpt_dir), *self.script_args(),
             ]  # fmt: skip
-        if self.cfg.efs_limits:
-            from petctl.local.efs_rate import instance_env, rates_from_env
-
-            # efs_root = <root>/efs (this run's EFS), buckets under <root>/efs-rate
-            env.update(instance_env(self.root, f"i-{name}", rates_from_env()))
+        env.update(efs_rate.instance_env(self.root, f"i-{name}", self.efs_rates))
         env.update(self.cfg.env)
         with open(ndir / "stderr.log", "ab") as err:
             proc = subprocess.Popen(

@@ -130,6 +130,11 @@ def test_real_boot_scripts_start_etcd_and_the_agent(petctl: Any, cloud: Cloud) -
         root / "mnt" / "efs" / "petctl" / "jobs"
     ) == [job]
     assert (job_dir / "checkpoints").is_dir()  # the agent's paths resolve inside the mount
+    # Its checkpoints paid AWS's EFS limits (docs/local.md): its processes booked the instance's and
+    # the file system's write buckets.
+    paced = cloud.state_dir / "efs-rate"
+    assert (paced / f"client-{worker['instance_id']}.write").is_file(), list(paced.glob("*"))
+    assert (paced / f"fs-{worker['efs_id']}.write").is_file()
     assert list(worker["units"]) == ["petctl-agent.service"] and worker["boot"]["state"] == "done"
     unit = (root / "etc" / "systemd" / "system" / "petctl-agent.service").read_text()
     assert f"ExecStart={root}/opt/petctl/bin/petctl-agent run" in unit
