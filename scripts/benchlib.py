@@ -37,7 +37,11 @@ from petctl.local.procs import descendants
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "elastic_train.py"
+#: training scripts the runs may use (a node's workers are found by these names)
+SCRIPTS = (SCRIPT.name, "state_train.py")
 STEP_RE = re.compile(r"step=(\d+) world_size=(\d+) loss=")
+#: the training script's own lines for the benchmark (``bench: <what> k=v ...``)
+MARK_RE = re.compile(r"bench: (\w+) (.*)$")
 TOOLS = ("petctl", "petctl-etcd-v2", "torchrun-etcd", "torchrun-etcd-v2")
 #: petctl tools -> the job spec's rdzv_backend (petctl-etcd is the agent's default)
 PETCTL_BACKENDS = {"petctl": "petctl-etcd", "petctl-etcd-v2": "etcd-v2"}
@@ -197,6 +201,8 @@ class Node:
     started: float
     steps: list[tuple[float, int, int]] = field(default_factory=list)  # (t, step, world)
     nlines: int = 0
+    #: (t, what, {k: v}) from the script's ``bench: <what> k=v ...`` lines
+    marks: list[tuple[float, str, dict[str, str]]] = field(default_factory=list)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -224,7 +230,7 @@ class Node:
             if not pid_alive(p):
                 continue
             c = cmdline(p)
-            if SCRIPT.name in c:
+            if any(name in c for name in SCRIPTS):
                 out.append(p)
             elif "forkserver" in cmdline(ppid(p) or 0) and "resource_tracker" not in c:
                 out.append(p)
@@ -245,6 +251,16 @@ class RunConfig:
     #: petctl tools: give the agents a worker group whose desired capacity the run sets
     #: (``Run.asg.desired``), served by :class:`FakeAutoScaling`
     worker_group: bool = False
+    #: the training script (``scripts/state_train.py`` for the state-size benchmark) and its extra args
+    script: Path = SCRIPT
+    extra_args: list[str] = field(default_factory=list)
+    #: petctl tools: each node's agent gets ``PETCTL_AGENT_SNAPSHOT_DIR=<this>/<node>`` (memory
+    #: snapshots on, in a directory the run removes); "" leaves the agent's default
+    snapshot_root: str = ""
+    #: every node (petctl and torchrun) gets ``PETCTL_EFS_EMULATION``: the local cloud's EFS limits
+    #: (``petctl/local/efs_rate.py``, AWS's Elastic-mode figures; ``PETCTL_LOCAL_EFS_*`` knobs and
+    #: ``PETCTL_LOCAL_EFS_THROTTLE=0`` apply) on the run's EFS directory; False: none
+    efs_limits: bool = True
 
 
 class Run:
@@ -262,7 +278,7 @@ class Run:
         self.ckpt_dir = self.efs / self.ckpt_rel
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         # AWS's EFS limits, as in the local cloud (docs/local.md): each node is a client of "efs/"
-        self.efs_rates = efs_rate.rates_from_env()
+        self.efs_rates = efs_rate.rates_from_env() if cfg.efs_limits else None
         self.status_dir = self.root / "status"
         self.etcd = Etcd(self.root)
         self.imds: FakeImds | None = None
@@ -295,14 +311,15 @@ class Run:
         c = self.cfg
         return [
             "--total-steps", str(c.total_steps), "--step-time", str(c.step_time),
-            "--checkpoint-every", str(c.checkpoint_every),
+            "--checkpoint-every", str(c.checkpoint_every), *c.extra_args,
         ]  # fmt: skip
 
     def _write_spec(self) -> None:
         c = self.cfg
         code = self.root / "code"
         code.mkdir(exist_ok=True)
-        shutil.copy(SCRIPT, code / SCRIPT.name)
+        script = Path(c.script)
+        shutil.copy(script, code / script.name)
         spec = {
             "version": 1,
             "job_name": self.run_id
@@ -313,9 +330,9 @@ class Run:
             "min_nodes": c.min_nodes,
             "max_nodes": c.max_nodes,
             "nproc_per_node": "auto",
-            "code_url": f"file://{code / SCRIPT.name}",
+            "code_url": f"file://{code / script.name}",
             "code_kind": "script",
-            "script": SCRIPT.name,
+            "script": script.name,
             "args": self.script_args(),
             "env": {},
             "checkpoint_dir": self.ckpt_rel,
@@ -355,6 +372,8 @@ class Run:
                 PETCTL_EFS_MOUNT=str(self.efs),
                 PETCTL_AGENT_DIR=str(ndir / "agent"),
             )
+            if self.cfg.snapshot_root:
+                env["PETCTL_AGENT_SNAPSHOT_DIR"] = str(Path(self.cfg.snapshot_root) / name)
             cmd = [
                 _bin("petctl-agent"), "run", "--spec", f"file://{self.spec_path}",
                 "--rdzv-endpoint", self.etcd.endpoint, "--local-addr", addr,
@@ -366,7 +385,7 @@ class Run:
                 "--nproc-per-node", "1", "--rdzv-backend", backend,
                 "--rdzv-endpoint", self.etcd.endpoint, "--rdzv-id", self.run_id,
                 "--max-restarts", "100", "--local-addr", addr,
-                str(SCRIPT), "--checkpoint-dir", str(self.ckpt_dir), *self.script_args(),
+                str(self.cfg.script), "--checkpoint-dir", str(self.ckpt_dir), *self.script_args(),
             ]  # fmt: skip
         env.update(efs_rate.instance_env(self.root, f"i-{name}", self.efs_rates))
         env.update(self.cfg.env)
@@ -392,6 +411,11 @@ class Run:
                 m = STEP_RE.search(line)
                 if m:
                     node.steps.append((t, int(m.group(1)), int(m.group(2))))
+                    continue
+                m = MARK_RE.search(line)
+                if m:
+                    kv = dict(x.split("=", 1) for x in m.group(2).split() if "=" in x)
+                    node.marks.append((t, m.group(1), kv))
 
     def _sample_pids(self) -> None:
         while not self._stop.wait(0.25):
@@ -551,4 +575,11 @@ class Run:
         if self.asg is not None:
             self.asg.close()
         poll(lambda: not self.leftovers(), 10, 0.1)
+        if self.cfg.snapshot_root:  # the nodes' memory snapshots: tmpfs, i.e. this machine's RAM
+            shutil.rmtree(self.cfg.snapshot_root, ignore_errors=True)
         return still
+
+    def drop_memory(self, node: Node) -> None:
+        """Free a gone node's memory snapshots (its instance, and so its RAM, is gone on AWS)."""
+        if self.cfg.snapshot_root:
+            shutil.rmtree(Path(self.cfg.snapshot_root) / node.name, ignore_errors=True)

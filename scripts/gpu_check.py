@@ -14,7 +14,10 @@ Steps (each PASS/FAIL, summary at the end, exit 1 on any FAIL):
                restarted from the forkserver resume it on the GPU; (2) SIGTERM (leave):
                checkpoint at the drain step, node LEFT; (3) a new node resumes from it on
                the GPU and finishes: SUCCEEDED;
-- agreement:   per-step cost of the agreement on the GPU, async vs sync (bench_agreement.py).
+- agreement:   per-step cost of the agreement on the GPU, async vs sync (bench_agreement.py);
+- pinned:      1 GiB of device state snapshotted to pinned host memory on its own CUDA stream
+               while the next step computes (overlap measured; the snapshot must be the
+               pre-update state), restored to the device; timed (issue 20).
 
 ``PETCTL_GPU_CHECK_ALLOW_CPU=1`` runs the same steps on CPU with gloo (dry run).
 """
@@ -301,6 +304,179 @@ def step_agreement(cuda: bool, tmp: Path) -> None:
     )
 
 
+#: issue 20: what a periodic checkpoint may block training for
+PINNED_BLOCK_TARGET = 0.25  # s/GiB
+
+
+def pinned_buffer(numel: int, cuda: bool):
+    """A host buffer for device -> host snapshots: page-locked on CUDA (the DMA engines copy it
+    asynchronously; pageable memory makes ``copy_(non_blocking=True)`` synchronous), plain on CPU.
+
+    Only here for now: the agent's snapshot store (``checkpointing/snapshot.py``) keeps its slots
+    in ``/dev/shm``; registering them with ``cudaHostRegister`` is what this check's ``shm`` line
+    measures, so the store could take device tensors without a staging copy."""
+    import torch
+
+    return torch.empty(numel, dtype=torch.float32, pin_memory=cuda)
+
+
+def _shm_registered_copy(src, cuda: bool, tmp: Path) -> str:
+    """Device -> a /dev/shm mapping registered as pinned (cudaHostRegister): GiB/s, or why not."""
+    if not cuda:
+        return "n/a on CPU"
+    import mmap
+
+    import torch
+
+    nbytes = src.numel() * 4
+    d = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp
+    path = d / f"petctl-gpu-check-{os.getpid()}.bin"
+    try:
+        with open(path, "w+b") as f:
+            f.truncate(nbytes)
+            mm = mmap.mmap(f.fileno(), nbytes)
+        host = torch.frombuffer(mm, dtype=torch.float32)
+        rt = torch.cuda.cudart()
+        err = rt.cudaHostRegister(host.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            return f"cudaHostRegister failed: {err}"
+        try:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            host.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t
+            ok = bool(torch.equal(host[:1024], src[:1024].cpu()))
+        finally:
+            rt.cudaHostUnregister(host.data_ptr())
+        del host
+        mm.close()
+        return f"{nbytes / 2**30 / dt:.1f} GiB/s into a registered /dev/shm mapping, equal={ok}"
+    except Exception as e:  # noqa: BLE001 - a measurement, reported
+        return f"{type(e).__name__}: {e}"
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def step_pinned(cuda: bool, tmp: Path) -> None:
+    """Snapshot ``PETCTL_GPU_CHECK_PINNED_GIB`` (1) GiB of device state to pinned host memory on
+    its own stream while the next step runs, then restore it on the device: timed and checked.
+
+    The snapshot must be of the state *before* the next step's update: the side stream waits for
+    an event recorded after the step that produced the state; the next step's compute (which does
+    not touch the state) runs on the default stream at the same time; only its update waits for the
+    copy's event. Reported: copy alone, step alone, both together, the overlap (1 = the copy was
+    hidden entirely behind the step), what the training thread blocked for (enqueueing the copy),
+    and the restore (pinned -> device)."""
+    t0 = time.monotonic()
+    import torch
+
+    gib = float(os.environ.get("PETCTL_GPU_CHECK_PINNED_GIB", "1"))
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    numel = int(gib * 2**30) // 4
+    chunk = 16 << 20
+    state = [
+        torch.full((min(chunk, numel - i),), float(k), device=dev)
+        for k, i in enumerate(range(0, numel, chunk))
+    ]
+    host = pinned_buffer(numel, cuda)
+    views = []
+    off = 0
+    for t in state:
+        views.append(host[off : off + t.numel()])
+        off += t.numel()
+    a = torch.randn(2048, 2048, device=dev)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def compute(n: int) -> None:  # the next step's forward/backward: does not touch the state
+        x = a
+        for _ in range(n):
+            x = torch.tanh(x @ a)
+
+    def copy(non_blocking: bool) -> None:
+        for v, t in zip(views, state):
+            v.copy_(t, non_blocking=non_blocking)
+
+    def timed(f) -> float:
+        sync()
+        t = time.perf_counter()
+        f()
+        sync()
+        return time.perf_counter() - t
+
+    copy(False)  # warm-up: the copy path and the pinned pages
+    t_copy = min(timed(lambda: copy(cuda)) for _ in range(3))
+    n = 1
+    compute(1)
+    while timed(lambda n=n: compute(n)) < 1.5 * t_copy and n < 4096:  # a step about 1.5x the copy
+        n *= 2
+    t_step = min(timed(lambda: compute(n)) for _ in range(3))
+
+    side = torch.cuda.Stream() if cuda else None
+    for t in state:
+        t.add_(1.0)  # "the step that produced the state": every element now k + 1
+    sync()
+    t_start = time.perf_counter()
+    if cuda:
+        ready = torch.cuda.Event()
+        ready.record()
+        with torch.cuda.stream(side):
+            side.wait_event(ready)
+            copy(True)
+            done = torch.cuda.Event()
+            done.record(side)
+        t_blocked = time.perf_counter() - t_start  # what the training thread waited for
+        compute(n)  # the next step, on the default stream, while the copy runs
+        torch.cuda.current_stream().wait_event(done)
+    else:
+        copy(False)
+        t_blocked = time.perf_counter() - t_start
+        compute(n)
+    for t in state:
+        t.add_(1.0)  # the next step's update: must not leak into the snapshot
+    sync()
+    t_both = time.perf_counter() - t_start
+    overlap = (t_step + t_copy - t_both) / min(t_step, t_copy) if cuda else 0.0
+
+    torn = [k for k, v in enumerate(views) if not torch.all(v == float(k) + 1.0)]
+    restored = [torch.empty_like(t) for t in state]
+    sync()
+    t = time.perf_counter()
+    for r, v in zip(restored, views):
+        r.copy_(v, non_blocking=cuda)
+    sync()
+    t_restore = time.perf_counter() - t
+    wrong = [k for k, r in enumerate(restored) if not torch.all(r == float(k) + 1.0)]
+    shm = _shm_registered_copy(state[0], cuda, tmp)
+    pinned = bool(host.is_pinned()) if cuda else False
+    for lst in (state, views, restored):  # free the GiBs before the next step
+        lst.clear()
+    host = None
+    if cuda:
+        torch.cuda.empty_cache()
+    bw = gib / t_copy
+    detail = (
+        f"{gib:g} GiB on {dev}: copy to {'pinned' if cuda else 'host'} memory {t_copy:.3f}s ({bw:.1f} GiB/s), "
+        f"step alone {t_step:.3f}s, copy on its own stream + step {t_both:.3f}s: overlap "
+        f"{f'{overlap:.2f}' if cuda else 'n/a (CPU)'}; training blocked {t_blocked * 1000:.1f} ms "
+        f"({t_blocked / gib:.4f} s/GiB, target {PINNED_BLOCK_TARGET}); restore to {dev} {t_restore:.3f}s "
+        f"({gib / t_restore:.1f} GiB/s); pinned={pinned}; shm: {shm}"
+    )
+    problems = []
+    if torn:
+        problems.append(f"snapshot not the pre-update state in chunks {torn[:5]}")
+    if wrong:
+        problems.append(f"restore differs in chunks {wrong[:5]}")
+    if cuda and not pinned:
+        problems.append("host buffer not pinned")
+    if cuda and t_blocked / gib > PINNED_BLOCK_TARGET:
+        problems.append(f"training blocked {t_blocked / gib:.3f} s/GiB > {PINNED_BLOCK_TARGET}")
+    record("pinned", not problems, "; ".join(problems + [detail]), t0)
+
+
 def main() -> int:
     t_start = time.monotonic()
     import torch
@@ -319,6 +495,7 @@ def main() -> int:
         ("roundtrip", lambda: step_roundtrip(cuda, tmp)),
         ("agent", lambda: step_agent(cuda, tmp, total)),
         ("agreement", lambda: step_agreement(cuda, tmp)),
+        ("pinned", lambda: step_pinned(cuda, tmp)),
     ]
     only = set(filter(None, os.environ.get("PETCTL_GPU_CHECK_ONLY", "").split(",")))
     for name, fn in steps:

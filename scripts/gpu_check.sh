@@ -15,6 +15,10 @@
 #               drain step, exit 75, workers restarted from the forkserver resume on the GPU;
 #               SIGTERM -> checkpoint, node LEFT; a new node resumes on the GPU -> SUCCEEDED
 #   agreement   per-step cost of the drain agreement on the GPU, async vs sync
+#   pinned      1 GiB of device state -> pinned host memory on its own CUDA stream while the next
+#               step computes (the overlap, what training blocked for, the snapshot is the
+#               pre-update state), restored to the GPU; also the copy into a /dev/shm mapping
+#               registered with cudaHostRegister (PETCTL_GPU_CHECK_PINNED_GIB: size, default 1)
 #
 # What one GPU cannot show: NCCL forbids two ranks on one GPU, so there is no multi-rank
 # NCCL here -- no cross-rank all-reduce of the drain flag under NCCL (the same code runs

@@ -1,0 +1,545 @@
+#!/usr/bin/env python
+"""Membership cost at real state sizes: petctl's EFS path vs its memory snapshots vs torchrun (issue 20).
+
+Every rank of ``scripts/state_train.py`` holds ``--sizes`` GiB of replicated fp32 state and
+checkpoints it. Per size, rep and tool, one chain on real processes (``benchlib``: a real etcd,
+one process group per node on its own 127.0.0.x, a shared directory as EFS):
+
+    cold start of N -> drain one (SIGTERM, N -> N-1) -> a join (N-1 -> N) -> SIGKILL one (N -> N-1)
+
+each from a steady state (a checkpoint on disk, a step mid-way between checkpoints). Tools:
+
+- ``petctl-efs``: ``petctl-agent run`` with memory snapshots off (``PETCTL_AGENT_NO_SNAPSHOTS=1``):
+  checkpoints and restores round-trip the state through EFS (``torch.save`` + fsync by rank 0,
+  every rank reads it back);
+- ``petctl-mem``: the same agent with memory snapshots on, its default (``PETCTL_AGENT_SNAPSHOT_DIR``
+  per node, under ``--shm``, in a directory the run removes);
+- ``torchrun-efs``: ``torchrun --rdzv-backend etcd`` (torch's defaults) with the script's
+  ``--io plain``: ``torch.save`` to a temp file + fsync + ``os.replace``, ``torch.load`` on every rank.
+
+EFS: the run's directory with the local cloud's EFS limits (AWS's Elastic-mode throughput,
+``petctl/local/efs_rate.py``, docs/local.md) on every node, petctl's and torchrun's alike;
+``--no-efs-limits`` turns them off.
+
+Numbers (from the outside: the step lines, timestamped as read): join and drain **stall** = last
+step any rank printed at the old size -> every rank stepping at the new one; hard loss = SIGKILL ->
+every survivor stepping (and its stall); steps lost as in ``bench_elastic.py``. Where the time goes:
+the agents' status events (rendezvous, worker restart), the script's own lines (restore time and
+source, process start -> ready), and a watcher of the checkpoint directory's ``latest`` (when a
+checkpoint was persisted). The periodic checkpoint's blocking time is what ``ckpt.step`` (or the
+plain save) took on rank 0 at a periodic checkpoint.
+
+Memory: before each run the chain's need (N workers x state, + 2 x state per node for the
+snapshots' two slots, + one more state for a save's buffers, + 1 GiB) is checked against
+``MemAvailable``; a run that does not fit is skipped and reported, never started.
+
+    python scripts/bench_state.py --sizes 0.1,1 --reps 3 --json state.json
+    python scripts/bench_state.py --sizes 2 --nodes 2 --reps 1 --tools petctl-efs,petctl-mem
+    python scripts/bench_state.py --render state.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_elastic import Miss, measure, steady  # noqa: E402
+from benchlib import REPO, Node, Run, RunConfig, poll  # noqa: E402
+
+STATE_SCRIPT = REPO / "scripts" / "state_train.py"
+#: tool -> (benchlib tool, memory snapshots on, the script's --io)
+TOOLS = {
+    "petctl-efs": ("petctl", False, "helper"),
+    "petctl-mem": ("petctl", True, "helper"),
+    "torchrun-efs": ("torchrun-etcd", False, "plain"),
+}
+BASELINE = "torchrun-efs"
+SCENARIOS = ("cold_start", "drain", "join", "hard_loss")
+WHAT = {
+    "cold_start": "first start -> all N stepping",
+    "drain": "stall: last step at N -> all stepping at N-1",
+    "join": "stall: last step at N-1 -> all N stepping",
+    "hard_loss": "SIGKILL -> survivors stepping",
+}
+#: issue 20's targets (seconds) by state size: join, drain, hard loss
+TARGETS = {0.1: (1.5, 1.5, 4.0), 1.0: (2.0, 2.0, 4.0), 4.0: (4.0, 4.0, 6.0)}
+BLOCK_TARGET = 0.25  # s/GiB a periodic checkpoint may block
+GIB = 2**30
+
+
+# ---- pure helpers (tests/unit/test_bench_state.py) ------------------------------------------
+def parse_sizes(value: str) -> list[float]:
+    try:
+        sizes = [float(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--sizes {value!r}: comma-separated GiB, e.g. 0.1,1,4") from None
+    if not sizes or any(s <= 0 or s > 64 for s in sizes):
+        raise argparse.ArgumentTypeError(f"--sizes {value!r}: each size must be > 0 and <= 64 GiB")
+    return sizes
+
+
+def parse_nodes(value: str, sizes: list[float]) -> dict[float, int]:
+    """``--nodes``: one N for every size (``3``), or per size (``0.1:3,1:3,4:2``); default N=3 up
+    to 1 GiB, 2 above (the chain runs N, N-1, N)."""
+    if not value:
+        return {s: 3 if s <= 1 else 2 for s in sizes}
+    if ":" not in value:
+        n = int(value)
+        out = {s: n for s in sizes}
+    else:
+        out = {}
+        for item in value.split(","):
+            k, _, v = item.partition(":")
+            out[float(k)] = int(v)
+        missing = [s for s in sizes if s not in out]
+        if missing:
+            raise argparse.ArgumentTypeError(f"--nodes {value!r} names no N for size(s) {missing}")
+    if any(not 2 <= n <= 8 for n in out.values()):
+        raise argparse.ArgumentTypeError(f"--nodes {value!r}: N must be within 2..8")
+    return out
+
+
+def memory_need(gib: float, nodes: int, snapshots: bool) -> float:
+    """GiB a chain of ``nodes`` at ``gib`` per rank may hold at once (see the module doc)."""
+    return nodes * gib * (3 if snapshots else 1) + gib + 1.0
+
+
+def mem_available_gib() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+def _med(vals: list[Any]) -> float | None:
+    v = [float(x) for x in vals if x is not None]
+    return statistics.median(v) if v else None
+
+
+def _f(v: Any, nd: int = 2) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (size, scenario, tool): medians over reps (a rep that missed is left out)."""
+    rows = []
+    keys = sorted({(r["gib"], r["scenario"], r["tool"]) for r in records},
+                  key=lambda k: (k[0], SCENARIOS.index(k[1]), list(TOOLS).index(k[2])))  # fmt: skip
+    for gib, sc, tool in keys:
+        recs = [r for r in records if (r["gib"], r["scenario"], r["tool"]) == (gib, sc, tool)]
+        ok = [r for r in recs if r.get("seconds") is not None]
+        rows.append({
+            "gib": gib, "scenario": sc, "tool": tool, "nodes": recs[0].get("nodes"),
+            "seconds": _med([r["seconds"] for r in ok]),
+            "stall": _med([r.get("stall") for r in ok]),
+            "steps_lost": _med([r.get("steps_lost") for r in ok]),
+            "per_rep": [r.get("seconds") for r in recs],
+            "reps": len(ok), "attempts": len(recs),
+            "note": "; ".join(sorted({r["note"] for r in recs if r.get("note")})),
+        })  # fmt: skip
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The side-by-side table: a row per size and scenario, a column per tool, and the target."""
+    tools = [t for t in TOOLS if any(r["tool"] == t for r in rows)]
+    lines = [
+        "| GiB/rank (nodes) | scenario | "
+        + " | ".join(tools)
+        + " | target | steps lost ("
+        + ", ".join(tools)
+        + ") |",
+        "|---|---|" + "---:|" * len(tools) + "---:|---|",
+    ]
+    cells: dict[tuple[float, str], dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        cells.setdefault((r["gib"], r["scenario"]), {})[r["tool"]] = r
+    for (gib, sc), by in cells.items():
+        vals, lost = [], []
+        for t in tools:
+            r = by.get(t)
+            if r is None:
+                vals.append("—")
+                lost.append("—")
+                continue
+            v = _f(r["seconds"])
+            if r["reps"] < r["attempts"]:
+                v += f" ({r['reps']}/{r['attempts']})"
+            vals.append(v)
+            lost.append(_f(r["steps_lost"], 0))
+        tgt = target(gib, sc)
+        nodes = next(iter(by.values())).get("nodes")
+        lines.append(
+            f"| {gib:g} ({nodes}) | {sc} | "
+            + " | ".join(vals)
+            + f" | {'≤ ' + _f(tgt, 1) if tgt else '—'} | "
+            + " / ".join(lost)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def target(gib: float, scenario: str) -> float | None:
+    """Issue 20's target for this size (the next listed size up), or None."""
+    idx = {"join": 0, "drain": 1, "hard_loss": 2}.get(scenario)
+    if idx is None:
+        return None
+    for size in sorted(TARGETS):
+        if gib <= size:
+            return TARGETS[size][idx]
+    return None
+
+
+BREAKDOWN = ("drain_requested", "last_old_step", "workers_failed", "rendezvous_start", "rendezvous_done",
+             "workers_started", "ready", "first_step")  # fmt: skip
+
+
+def breakdown(records: list[dict[str, Any]]) -> str:
+    """Where the time went: median seconds from the event to each phase (the latest node's)."""
+    lines = [
+        "| GiB | scenario | tool | " + " | ".join(BREAKDOWN) + " | restore s (source) | reps |",
+        "|---|---|---|" + "---:|" * len(BREAKDOWN) + "---|---:|",
+    ]
+    keys = sorted({(r["gib"], r["scenario"], r["tool"]) for r in records if r.get("phases")},
+                  key=lambda k: (k[0], SCENARIOS.index(k[1]), list(TOOLS).index(k[2])))  # fmt: skip
+    for gib, sc, tool in keys:
+        phs = [r["phases"] for r in records if (r["gib"], r["scenario"], r["tool"]) == (gib, sc, tool)
+               and r.get("phases")]  # fmt: skip
+        cells = [_f(_med([p.get(c) for p in phs])) for c in BREAKDOWN]
+        rest = _med([p.get("restore") for p in phs])
+        srcs = sorted({s for p in phs for s in p.get("sources", [])})
+        lines.append(
+            f"| {gib:g} | {sc} | {tool} | "
+            + " | ".join(cells)
+            + f" | {_f(rest)} ({'+'.join(srcs) or '—'}) | "
+            f"{len(phs)} |"
+        )
+    return "\n".join(lines)
+
+
+def ckpt_table(records: list[dict[str, Any]]) -> str:
+    """The periodic checkpoint: what it blocked training for, and when it was on EFS."""
+    lines = [
+        "| GiB | tool | blocks (median s) | s/GiB | max s | on EFS after (median s) | checkpoints |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    keys = sorted({(r["gib"], r["tool"]) for r in records if r.get("ckpt_blocked")},
+                  key=lambda k: (k[0], list(TOOLS).index(k[1])))  # fmt: skip
+    for gib, tool in keys:
+        rs = [r for r in records if (r["gib"], r["tool"]) == (gib, tool)]
+        b = [x for r in rs for x in r.get("ckpt_blocked") or []]
+        per = [x for r in rs for x in r.get("ckpt_persisted") or []]
+        med = statistics.median(b)
+        lines.append(
+            f"| {gib:g} | {tool} | {med:.3f} | {med / gib:.3f} | {max(b):.3f} | {_f(_med(per))} | {len(b)} |"
+        )
+    return "\n".join(lines)
+
+
+# ---- one chain ------------------------------------------------------------------------------------
+class LatestWatcher:
+    """Polls the checkpoint directory's ``latest``: when each step first became the persisted one."""
+
+    def __init__(self, ckpt_dir: Path) -> None:
+        self.path = ckpt_dir / "latest"
+        self.seen: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+        self._t.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.05):
+            try:
+                step = int(json.loads(self.path.read_text())["step"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            self.seen.setdefault(step, time.monotonic())
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join(2)
+
+
+def marks_after(nodes: list[Node], t0: float, what: str) -> list[tuple[float, dict[str, str]]]:
+    return [(t, kv) for n in nodes for t, w, kv in list(n.marks) if w == what and t > t0]
+
+
+def restore_events(run: Run, nodes: list[Node], since: float) -> list[dict[str, Any]]:
+    """The nodes' ``snapshot_restored`` status events after ``since`` (monotonic)."""
+    if run.imds is None:
+        return []
+    offset = time.time() - time.monotonic()  # status events carry time.time()
+    return [e for n in nodes for e in (run.status(n) or {}).get("events", [])
+            if e.get("kind") == "snapshot_restored" and e.get("t", 0) - offset > since - 0.05]  # fmt: skip
+
+
+def add_marks(run: Run, r: dict[str, Any], old: list[Node], nodes: list[Node], world: int, origin: float,
+              since: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """Into ``r["phases"]`` (seconds from ``origin``): restore time/source and process start ->
+    ready of the ranks (re)started after ``since``; last old step and first new step when the
+    agents' events gave none (torchrun)."""
+    since = origin if since is None else since
+    ph = r.setdefault("phases", {})
+    rest = marks_after(nodes, since, "restored")
+    if rest:
+        ph["restore"] = max(float(kv.get("seconds", 0)) for _, kv in rest)
+        ph["sources"] = sorted({kv.get("source", "?") for _, kv in rest})
+    # petctl: the agents' own account (``snapshot_restored``: self / peer / efs, seconds, bytes)
+    evs = poll(lambda: restore_events(run, nodes, since), 3.0 if run.imds is not None and rest else 0, 0.2)
+    if evs:
+        ph["sources"] = sorted({str(e.get("source")) for e in evs})
+        ph["restore_agent"] = max(float(e.get("seconds") or 0) for e in evs)
+    ready = marks_after(nodes, since, "started")
+    if ready:
+        ph["ready"] = round(max(t for t, _ in ready) - origin, 3)
+    firsts = [n.steps_after(origin, world) for n in nodes]
+    if "first_step" not in ph and all(firsts):
+        t_first = min(f[0][0] for f in firsts)
+        lasts = [s[0] for n in old for s in list(n.steps) if s[0] < t_first and s[2] != world]
+        if lasts:
+            ph["last_old_step"] = round(max(lasts) - origin, 3)
+        ph["first_step"] = round(max(f[0][0] for f in firsts) - origin, 3)
+    return r
+
+
+def latest_step(run: Run) -> int:
+    try:
+        return int(json.loads((run.ckpt_dir / "latest").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
+def run_chain(run: Run, n: int, a: argparse.Namespace, rec: Any) -> None:
+    t0 = time.monotonic()
+    nodes = [run.add_node() for _ in range(n)]
+    t, note = run.wait_stepping(nodes, n, t0, a.start_timeout)
+    if t is None:
+        raise Miss(f"cold start of {n}: {note}")
+    rec("cold_start", seconds=t - t0, from_event=t - t0, steps_lost=None)
+    steady(run, nodes, n, a.timeout)
+
+    leaving, live = nodes[-1], nodes[:-1]
+    t0 = run.terminate_node(leaving)
+    r = measure(run, nodes, live, n - 1, t0, a, extra=[leaving])
+    poll(lambda: not leaving.alive(), 30)
+    run.drop_memory(leaving)
+    rec("drain", **add_marks(run, r, nodes, live, n - 1, t0))
+    steady(run, live, n - 1, a.timeout)
+
+    new = run.add_node()
+    r = measure(run, live, live + [new], n, new.started, a)
+    t_first = min(x.steps_after(new.started, n)[0][0] for x in live + [new])
+    t_last = max((s[0] for x in live for s in list(x.steps) if s[2] == n - 1 and s[0] < t_first), default=0.0)
+    rec("join", **add_marks(run, r, live, live + [new], n, new.started, since=max(t_last, new.started)))
+    live = live + [new]
+    # a hard loss from the state a job is in most of the time: a periodic checkpoint taken by
+    # every node now in the job (not the join's, which the newcomer did not hold)
+    first = min(s[1] for x in live for s in x.steps_after(new.started, n))
+    if not poll(lambda: latest_step(run) >= first, a.timeout, 0.05):
+        raise Miss(f"timeout {a.timeout:.0f}s: no checkpoint after the join's step {first}")
+    steady(run, live, n, a.timeout)
+
+    victim = live[0]
+    t0 = run.kill_node(victim)
+    run.drop_memory(victim)
+    r = measure(run, live, live[1:], n - 1, t0, a, stall=False)
+    r["stall"] = run.stall(live, live[1:], n - 1, t0)
+    rec("hard_loss", **add_marks(run, r, live, live[1:], n - 1, t0))
+
+
+def run_one(
+    gib: float, n: int, tool: str, rep: int, a: argparse.Namespace, root: Path
+) -> list[dict[str, Any]]:
+    """One chain; one record per scenario; never raises (a miss is a result)."""
+    base_tool, snapshots, io = TOOLS[tool]
+    tag = f"{gib:g}".replace(".", "p")
+    shm = Path(a.shm) / f"bench-state-{os.getpid()}-{tag}-{tool}-{rep}" if snapshots else None
+    cfg = RunConfig(
+        tool=base_tool, min_nodes=n - 1, max_nodes=n, step_time=a.step_time,
+        checkpoint_every=a.checkpoint_every, job="state", script=STATE_SCRIPT,
+        extra_args=["--state-gib", f"{gib:g}", "--io", io], drain_timeout=a.timeout,
+        snapshot_root=str(shm) if shm else "", efs_limits=not a.no_efs_limits,
+        # memory snapshots are on by default in the agent: the EFS path turns them off
+        env={} if snapshots or base_tool != "petctl" else {"PETCTL_AGENT_NO_SNAPSHOTS": "1"},
+    )  # fmt: skip
+    base = {"gib": gib, "tool": tool, "rep": rep, "nodes": n}
+    out: list[dict[str, Any]] = []
+
+    def rec(scenario: str, **kw: Any) -> None:
+        out.append({"scenario": scenario, **base, "load": round(os.getloadavg()[0], 2), **kw})
+
+    need, avail = memory_need(gib, n, snapshots), mem_available_gib()
+    if need > avail - a.mem_margin:
+        note = f"skipped: needs ~{need:.1f} GiB, MemAvailable {avail:.1f} GiB (margin {a.mem_margin:g})"
+        return [{"scenario": sc, **base, "seconds": None, "note": note} for sc in SCENARIOS]
+    run = Run(root / f"{tag}-{tool}-{rep}", cfg)
+    watcher = LatestWatcher(run.ckpt_dir)
+    note, t = "", time.monotonic()
+    try:
+        run.start()
+        run_chain(run, n, a, rec)
+    except Miss as e:
+        note = str(e)
+    except Exception as e:  # noqa: BLE001 - a broken tool is a result too
+        note = f"error: {type(e).__name__}: {e}"
+    finally:
+        ckpts = [(tt, kv) for nd in run.nodes for tt, w, kv in list(nd.marks) if w == "ckpt"]
+        left = run.close()
+        watcher.close()
+        # --keep keeps the logs and status files, never the checkpoints (GiBs per run)
+        shutil.rmtree(run.root / "efs" if a.keep else run.root, ignore_errors=True)
+    blocked = [float(kv["blocked"]) for _, kv in ckpts]
+    persisted = []
+    for tt, kv in ckpts:
+        s, b = int(kv["step"]), float(kv["blocked"])
+        if s in watcher.seen:  # from the start of the checkpoint to ``latest`` naming it
+            persisted.append(round(max(watcher.seen[s] - (tt - b), b), 3))
+    done = {r["scenario"] for r in out}
+    missed = [sc for sc in SCENARIOS if sc not in done]
+    for i, sc in enumerate(missed):
+        rec(
+            sc,
+            seconds=None,
+            steps_lost=None,
+            note=note if i == 0 else f"not reached ({missed[0]}: {note[:80]})",
+        )
+    for r in out:
+        r.update(wall=round(time.monotonic() - t, 1), left_running_at_end=len(left))
+        for k, v in list(r.items()):
+            if isinstance(v, float):
+                r[k] = round(v, 3)
+    if out:
+        out[0]["ckpt_blocked"] = blocked
+        out[0]["ckpt_persisted"] = persisted
+    return out
+
+
+# ---- main --------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="0.1,1", help="GiB of replicated fp32 state per rank, comma list")
+    p.add_argument("--nodes", default="", help="N of the chain: one for all (3) or per size (0.1:3,1:3,4:2)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions; medians reported")
+    p.add_argument("--tools", default=",".join(TOOLS), help=f"comma list of {', '.join(TOOLS)}")
+    p.add_argument("--json", type=Path, help="write every record + the summary here (after every run)")
+    p.add_argument("--timeout", type=float, default=120, help="bound of every wait after an event, seconds")
+    p.add_argument("--start-timeout", type=float, default=180, help="bound of a cold start, seconds")
+    p.add_argument("--step-time", type=float, default=0.05, help="extra sleep per training step")
+    p.add_argument("--checkpoint-every", type=int, default=20, help="checkpoint interval in steps")
+    p.add_argument("--no-efs-limits", action="store_true",
+                   help="EFS without AWS's throughput limits (default: the local cloud's emulation)")  # fmt: skip
+    p.add_argument("--shm", default="/dev/shm", help="tmpfs for petctl-mem's snapshots")
+    p.add_argument("--mem-margin", type=float, default=3.0, help="GiB of MemAvailable a run leaves free")
+    p.add_argument("--render", type=Path, help="only print the tables of an existing --json file")
+    p.add_argument(
+        "--keep", action="store_true", help="keep run directories (logs, not the checkpoints) under --workdir"
+    )
+    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--netns", choices=("auto", "on", "off"), default="auto",
+                   help="run inside a private loopback-only network namespace (unshare --net)")  # fmt: skip
+    a = p.parse_args(argv)
+    try:
+        a.size_list = parse_sizes(a.sizes)
+        a.node_map = parse_nodes(a.nodes, a.size_list)
+    except (argparse.ArgumentTypeError, ValueError) as e:
+        p.error(str(e))
+    a.tool_list = [t.strip() for t in a.tools.split(",") if t.strip()]
+    bad = [t for t in a.tool_list if t not in TOOLS]
+    if bad or not a.tool_list:
+        p.error(f"--tools: unknown {bad}; choose from {', '.join(TOOLS)}")
+    if a.reps < 1:
+        p.error("--reps must be >= 1")
+    return a
+
+
+def render(doc: dict[str, Any]) -> str:
+    recs = doc["records"]
+    return "\n\n".join(x for x in (markdown(summarize(recs)), ckpt_table(recs), breakdown(recs)) if x)
+
+
+def _reexec_in_netns(argv: list[str]) -> int | None:
+    unshare, ip = shutil.which("unshare"), shutil.which("ip")
+    if not unshare or not ip or os.environ.get("BENCH_IN_NETNS"):
+        return None
+    if subprocess.run([unshare, "--net", "true"], capture_output=True).returncode != 0:
+        return None
+    cmd = [unshare, "--net", "--", "sh", "-c", f'{ip} link set lo up && exec "$@"', "sh",
+           sys.executable, os.path.abspath(__file__), *argv]  # fmt: skip
+    return subprocess.call(cmd, env={**os.environ, "BENCH_IN_NETNS": "1"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parse_args(argv)
+    if a.render:
+        print(render(json.loads(a.render.read_text())))
+        return 0
+    if a.netns != "off" and not os.environ.get("BENCH_IN_NETNS"):
+        rc = _reexec_in_netns(argv)
+        if rc is not None:
+            return rc
+        if a.netns == "on":
+            print("cannot create a network namespace (unshare --net)", file=sys.stderr)
+            return 2
+    root = a.workdir or Path(tempfile.mkdtemp(prefix="bench-state-"))
+    root.mkdir(parents=True, exist_ok=True)
+    records: list[dict[str, Any]] = []
+    started = time.time()
+
+    def write_json(complete: bool) -> None:
+        if not a.json:
+            return
+        doc = {
+            "command": "python scripts/bench_state.py " + " ".join(argv), "complete": complete,
+            "started": started, "wall_s": round(time.time() - started, 1),
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                        "netns": bool(os.environ.get("BENCH_IN_NETNS")), "mem_total_gib": round(
+                            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB, 1)},
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()
+                       if k != "node_map"} | {"node_map": {str(k): v for k, v in a.node_map.items()}},
+            "summary": summarize(records), "records": records,
+        }  # fmt: skip
+        tmp = a.json.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1, default=str))
+        os.replace(tmp, a.json)
+
+    # reps outermost, then sizes, then tools: an interrupted run still has every tool side by side
+    for rep in range(1, a.reps + 1):
+        for gib in a.size_list:
+            for tool in a.tool_list:
+                recs = run_one(gib, a.node_map[gib], tool, rep, a, root)
+                records.extend(recs)
+                for r in recs:
+                    print(
+                        f"# {gib:g} GiB {r['scenario']:10s} {tool:13s} rep {rep}: seconds={r.get('seconds')} "
+                        f"stall={r.get('stall')} lost={r.get('steps_lost')} load={r.get('load')} "
+                        f"phases={r.get('phases')} {r.get('note') or ''}",
+                        file=sys.stderr, flush=True,
+                    )  # fmt: skip
+                write_json(False)
+    print(render({"records": records}))
+    write_json(True)
+    if not a.keep and a.workdir is None:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""scripts/bench_state.py's argument handling and tables, from synthetic records (no processes)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import bench_state as bs  # noqa: E402
+
+
+def test_sizes_and_nodes_defaults_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    a = bs.parse_args(["--sizes", "0.1,1,4"])
+    assert a.size_list == [0.1, 1.0, 4.0]
+    assert a.node_map == {0.1: 3, 1.0: 3, 4.0: 2}  # 4 GiB: 2 nodes (24 GiB machine)
+    assert bs.parse_args(["--sizes", "1", "--nodes", "4"]).node_map == {1.0: 4}
+    assert bs.parse_args(["--sizes", "0.1,2", "--nodes", "0.1:3,2:2"]).node_map == {0.1: 3, 2.0: 2}
+    for argv, words in (
+        (["--sizes", "one"], "comma-separated GiB"),
+        (["--sizes", "0"], "must be > 0"),
+        (["--sizes", "0.1,1", "--nodes", "0.1:3"], "no N for size(s) [1.0]"),
+        (["--nodes", "1"], "within 2..8"),
+        (["--tools", "petctl,torchrun-efs"], "unknown ['petctl']"),
+        (["--reps", "0"], "--reps must be >= 1"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            bs.parse_args(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err
+
+
+def test_memory_need_counts_two_snapshot_slots_per_node() -> None:
+    assert bs.memory_need(4, 2, snapshots=True) == 2 * 4 * 3 + 4 + 1  # 29 GiB: not on this 24 GiB box
+    assert bs.memory_need(1, 3, snapshots=False) == 3 + 1 + 1
+
+
+def rec(gib, sc, tool, rep, seconds, lost=0, **kw):
+    return {"gib": gib, "scenario": sc, "tool": tool, "rep": rep, "nodes": 3, "seconds": seconds,
+            "steps_lost": lost, **kw}  # fmt: skip
+
+
+def test_tables_take_medians_and_show_misses_and_targets() -> None:
+    recs = [
+        rec(
+            1.0,
+            "join",
+            "petctl-mem",
+            1,
+            1.0,
+            phases={"rendezvous_done": 0.5, "restore": 0.2, "sources": ["memory"]},
+            ckpt_blocked=[0.08, 0.1],
+            ckpt_persisted=[2.0],
+        ),  # fmt: skip
+        rec(
+            1.0,
+            "join",
+            "petctl-mem",
+            2,
+            3.0,
+            phases={"rendezvous_done": 0.7, "restore": 0.4, "sources": ["efs"]},
+        ),
+        rec(1.0, "join", "petctl-mem", 3, None, lost=None, note="timeout 120s waiting"),
+        rec(1.0, "join", "torchrun-efs", 1, 40.0, lost=8, ckpt_blocked=[3.0]),
+    ]
+    rows = bs.summarize(recs)
+    mem = next(r for r in rows if r["tool"] == "petctl-mem")
+    assert (mem["seconds"], mem["reps"], mem["attempts"]) == (2.0, 2, 3)
+    table = bs.markdown(rows)
+    line = next(x for x in table.splitlines() if "| join |" in x)
+    # tools in TOOLS order, the missed rep shown, the 1 GiB join target, steps lost per tool
+    assert "| 1 (3) | join | 2.00 (2/3) | 40.00 | ≤ 2.0 | 0 / 8 |" in line
+    ck = bs.ckpt_table(recs)
+    assert "| 1 | petctl-mem | 0.090 | 0.090 | 0.100 | 2.00 | 2 |" in ck
+    assert "| 1 | torchrun-efs | 3.000 | 3.000 | 3.000 | — | 1 |" in ck
+    bd = bs.breakdown(recs)
+    mem_line = next(x for x in bd.splitlines() if "petctl-mem" in x)
+    assert "0.60" in mem_line and "0.30 (efs+memory)" in mem_line and mem_line.endswith("| 2 |")
+
+
+def test_targets_by_size() -> None:
+    assert bs.target(0.1, "drain") == 1.5
+    assert bs.target(0.5, "hard_loss") == 4.0  # between sizes: the next size up
+    assert bs.target(2, "join") == 4.0
+    assert bs.target(8, "join") is None and bs.target(1, "cold_start") is None
