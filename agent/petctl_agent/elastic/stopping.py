@@ -98,7 +98,11 @@ class WorkerStops:
         """
         # "leave": this node's memory snapshot goes with it, so the workers wait for EFS (a join's
         # coordinated_stop leaves the file empty: every node keeps its snapshot)
-        self.drain_file.write_text("leave\n")
+        # (a temp file renamed over it: a worker reading while write_text truncated would see an
+        # empty file, i.e. a join's stop, and not wait for EFS)
+        tmp = self.drain_file.with_name(f".{self.drain_file.name}.{os.getpid()}.tmp")
+        tmp.write_text("leave\n")
+        os.replace(tmp, self.drain_file)
         t0 = time.monotonic()
         deadline = t0 + timeout
         result = monitor()
