@@ -140,10 +140,18 @@ def _persister(store: SnapshotStore, directory: Path, keep: int) -> Persister:
     return p
 
 
-def _wait_persisted(store: SnapshotStore, step: int, directory: Path, keep: int) -> None:
-    """Return once ``latest`` names ``step`` (or newer): the agent's persister's, else our own write."""
+def _checkpoint_timeout() -> float:
+    return float(os.environ.get("PETCTL_CHECKPOINT_TIMEOUT") or 1800)
+
+
+def _wait_persisted(store: SnapshotStore, step: int, directory: Path, keep: int) -> bool:
+    """True once ``latest`` names ``step`` (or newer): the agent's persister's, else our own write.
+
+    False when neither got it there within ``PETCTL_CHECKPOINT_TIMEOUT`` (the caller then writes
+    the state it holds the old way: a wait for EFS is never unbounded).
+    """
     sdir = store.dir
-    deadline = time.monotonic() + float(os.environ.get("PETCTL_CHECKPOINT_TIMEOUT") or 1800)
+    deadline = time.monotonic() + _checkpoint_timeout()
     while time.monotonic() < deadline:
         p = read_pointer(directory)
         if p and int(p.get("step", -1)) >= step:
@@ -157,7 +165,16 @@ def _wait_persisted(store: SnapshotStore, step: int, directory: Path, keep: int)
         persist.persist_newest(store, directory, keep)
     p = read_pointer(directory)
     if not p or int(p.get("step", -1)) < step:
-        per.wait()
+        return per.wait(timeout=max(5.0, deadline - time.monotonic()))
+    return True
+
+
+def _not_persisted(sdir: Path, step: int) -> bool:
+    """Rank 0 only: the snapshot never reached EFS in time; False makes the caller write it the old way."""
+    why = f"step {step} not persisted from memory within {_checkpoint_timeout():.0f} s"
+    print(f"petctl checkpoint: {why}; writing it to EFS directly", file=sys.stderr)
+    _report(sdir, FALLBACK_REPORT, {"step": int(step), "reason": why})
+    return False
 
 
 def save(
@@ -165,7 +182,9 @@ def save(
 ) -> bool:
     """Snapshot ``state`` on every node; True when it did (persisting), False: use today's path.
 
-    Collective. ``wait``: rank 0 returns only once ``latest`` names ``step`` (last step, a node
+    Collective (but rank 0 alone returns False when ``wait`` and the step did not reach EFS within
+    ``PETCTL_CHECKPOINT_TIMEOUT``: the caller's old path then writes it; every rank still meets
+    one barrier). ``wait``: rank 0 returns only once ``latest`` names ``step`` (last step, a node
     leaving). ``complete``: every node's snapshot is complete (header written) on return (the
     workers stop for a join: their memory stays, but a worker that exits kills the crc thread).
     """
@@ -190,12 +209,13 @@ def save(
             persist.request(sdir, step, directory, keep)  # the header follows: the persister waits for it
             if wait:
                 store.flush()
-                _wait_persisted(store, step, directory, keep)
+                if not _wait_persisted(store, step, directory, keep):
+                    return _not_persisted(sdir, step)
         else:
             per = _persister(store, directory, keep)
             per.kick()
-            if wait:
-                per.wait()
+            if wait and not per.wait(timeout=_checkpoint_timeout()):
+                return _not_persisted(sdir, step)
     elif (wait or complete) and _local_rank() == 0:
         store.flush()
     if complete and dist_rank() == 0:

@@ -24,6 +24,7 @@ tests), and then persists itself (:class:`Persister`, the same loop as a thread)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -34,6 +35,7 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,17 @@ class _HashingFile:
 
     def flush(self) -> None:
         self.f.flush()
+
+
+@contextlib.contextmanager
+def _publish_lock(d: Path) -> Iterator[None]:
+    """An exclusive POSIX lock on ``<d>/.persist.lock`` (fcntl byte-range locks work across NFS/EFS clients)."""
+    fd = os.open(d / ".persist.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (closing releases the lock)
 
 
 def persist_newest(store: SnapshotStore, directory: Path, keep: int = 3) -> int | None:
@@ -115,12 +128,25 @@ def _persist(store: SnapshotStore, c: Complete, d: Path, keep: int) -> bool:
         if again is None or again["gen"] != c.gen:
             tmp.unlink()  # the writer reused the slot while we read it: the next call takes the newer one
             return False
-        os.replace(tmp, d / name)
-        fsync_dir(d)
-        write_pointer(
-            d,
-            {"file": name, "step": c.step, "format": "torch", "sha256": hf.sha.hexdigest(), "size": hf.size},
-        )
+        with _publish_lock(d):
+            # the agent's persister and a rank 0 whose wait for it timed out may both get here
+            # with the same step: the second drops its copy instead of replacing the file that
+            # `latest` already names (with other bytes: another saved_at) or moving `latest` back
+            pointer = read_pointer(d)
+            if pointer and "step" in pointer and int(pointer["step"]) >= c.step:
+                return True
+            os.replace(tmp, d / name)
+            fsync_dir(d)
+            write_pointer(
+                d,
+                {
+                    "file": name,
+                    "step": c.step,
+                    "format": "torch",
+                    "sha256": hf.sha.hexdigest(),
+                    "size": hf.size,
+                },
+            )
         prune(d, keep, name)
         return True
     finally:
@@ -188,6 +214,7 @@ class Persister:
                 persist_newest(self.store, self.directory, self.keep)
             if end is not None and time.monotonic() > end:
                 return False
+            time.sleep(0.05)  # a snapshot that cannot be persisted (torn, gone) is retried, not spun on
 
     def close(self) -> None:
         self._stop.set()
