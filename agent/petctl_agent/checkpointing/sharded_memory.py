@@ -462,6 +462,8 @@ def _finish(
                 os.fsync(f.fileno())
         except OSError:
             pass
+        if rank == 0:
+            shutil.rmtree(out, ignore_errors=True)
         raise
     if rank != 0:
         return
