@@ -4,8 +4,11 @@ On when the workers have ``$PETCTL_SNAPSHOT_DIR`` (the agent's node-local tmpfs,
 node's memory holds DCP step directories ``<snapshot dir>/sharded/ckpt-<step:010d>.dcp`` -- the same
 format as on EFS, so a restore is DCP's own load, resharding included. Save (collective, agreed step):
 
-1. every rank checks that twice its local shard bytes fit in the node's memory (``snapshot.fits``);
-   any "no" and every rank takes the EFS path (``sharded.save_sharded``) with a warning;
+1. each node decides once, on its lowest rank, whether the step fits in its memory
+   (``snapshot.fits``): the bytes of all its ranks' shards plus the replicas it will receive (the
+   node's ranks share one MemAvailable, so no rank decides alone); any node's "no" and every rank
+   takes the EFS path (``sharded.save_sharded``) with a warning. Older steps are dropped before the
+   write (keeping the newest complete one and the one EFS is still copying);
 2. ``dcp.save`` into the node's step directory (no fsync: tmpfs) -- each rank writes its own
    ``__<rank>_*.distcp``, rank 0 the ``.metadata``;
 3. with two nodes or more: rank 0 broadcasts ``.metadata`` to every node, and rank ``r`` sends its
@@ -17,7 +20,11 @@ format as on EFS, so a restore is DCP's own load, resharding included. Save (col
    <save id>.tmp/`` with fsync and drops a ``.done-<r>`` file there; rank 0's thread waits until all
    ranks' ``.done`` files are there, renames the directory to ``ckpt-<step>.dcp`` and replaces
    ``latest`` -- today's atomic semantics, ``latest`` only once every shard of the step is on EFS.
-   The job's last step and a drain wait for that (as the replicated path does).
+   A rank whose copy fails drops ``.failed-<r>`` instead: rank 0 gives the step up at once (no
+   ``latest`` for it, an error line naming the rank and step at the next save). A periodic save
+   never waits for EFS: while any rank still copies the previous step, this step is kept in memory
+   only (persisted steps thin out). The job's last step and a drain wait for EFS (as the
+   replicated path does).
 
 Resume (collective, :func:`resume`): every rank reports what its node's memory holds (steps, save
 ids, files whose crc32 matches its marker: a torn or stale file is never offered); every rank then
@@ -31,8 +38,9 @@ holds the same for the caller. Any rank's failure makes every rank use EFS; a pe
 fails the worker within the timeout (the agent restarts the group, which then finds that node's
 memory gone and plans without it).
 
-Memory: up to two steps per node (the newest complete one is kept while the next is written), each
-holding the node's own shards plus one replica: about 4x the node's shard bytes at the peak.
+Memory: up to two steps per node (the newest complete one is kept while the next is written), three
+while EFS still copies an older one, each holding the node's own shards plus one replica: about 4x
+(6x while EFS lags) the node's shard bytes at the peak; each save checks that its own step fits.
 """
 
 from __future__ import annotations
