@@ -95,13 +95,14 @@ print("RESULT " + json.dumps(out), flush=True)
 os._exit(0)  # killed: no clean shutdown
 """
 
-# 2 ranks: rank 1's node is told to drain at step 3; both agree at step 4, save, exit 75
+# 2 ranks: rank 1's node is told to leave at step 3; both agree at step 4, save, exit 75
 DRAIN = """
 for s in range(1, 9):
     train(s)
     reference(s)
     if rank == 1 and s == 3:
-        open(os.environ["PETCTL_DRAIN_FILE"], "w").close()
+        with open(os.environ["PETCTL_DRAIN_FILE"], "w") as f:
+            f.write("leave")  # the node leaves (an empty file is a join's stop: not durable)
     ckpt.step(s, state, every=0, last=s == 8)
 """
 
