@@ -95,13 +95,14 @@ print("RESULT " + json.dumps(out), flush=True)
 os._exit(0)  # killed: no clean shutdown
 """
 
-# 2 ranks: rank 1's node is told to drain at step 3; both agree at step 4, save, exit 75
+# 2 ranks: rank 1's node is told to leave at step 3; both agree at step 4, save, exit 75
 DRAIN = """
 for s in range(1, 9):
     train(s)
     reference(s)
     if rank == 1 and s == 3:
-        open(os.environ["PETCTL_DRAIN_FILE"], "w").close()
+        with open(os.environ["PETCTL_DRAIN_FILE"], "w") as f:
+            f.write("leave")  # the node leaves (an empty file is a join's stop: not durable)
     ckpt.step(s, state, every=0, last=s == 8)
 """
 
@@ -302,3 +303,102 @@ def test_memory_off_without_snapshot_dir_keeps_the_efs_path(tmp_path: Path) -> N
     assert sharded_memory.memory_root() is None
     assert sharded_memory.save({"w": torch.zeros(2)}, 1, tmp_path, 3, wait=True) is False
     assert sharded_memory.resume({"w": torch.zeros(2)}, tmp_path) is None
+
+
+# 2 ranks of one node (one snapshot dir). Each rank's own need fits the (fake, small) free memory
+# alone; the node's two ranks together do not: the node must say no, and the job write to EFS.
+ONE_NODE_TIGHT = """
+from petctl_agent.checkpointing.snapshot import RESERVE_MIN
+own = sharded_memory._local_bytes(state())
+fake = os.path.join(os.environ["REF_DIR"], f"meminfo-{rank}")
+with open(fake, "w") as f:  # room for 1.5x this rank's shard bytes: each rank alone fits
+    f.write(f"MemTotal: {(1 << 30) // 1024} kB\\nMemAvailable: {(RESERVE_MIN + 3 * own // 2) // 1024} kB\\n")
+sharded_memory.MEMINFO_PATH = fake
+train(1)
+ckpt.step(1, state, every=1)
+sharded_memory.flush()
+out["latest"] = ckpt.latest_step()
+out["memory"] = sorted(os.listdir(os.path.join(os.environ["PETCTL_SNAPSHOT_DIR"], "sharded")))
+"""
+
+
+def test_fit_is_decided_for_the_whole_node(tmp_path: Path) -> None:
+    r0, r1 = _run(tmp_path, ONE_NODE_TIGHT, [0, 0])
+    a, b = _result(r0), _result(r1)
+    assert a["memory"] == b["memory"] == [], r0.stderr[-2000:]  # nothing written to the node's memory
+    assert a["latest"] == 1  # the EFS path took the step
+    assert "sharded snapshot of step 1 does not fit in memory (node of rank 0:" in r0.stderr
+    assert sorted(os.listdir(tmp_path / "efs" / "ckpt-0000000001.dcp")) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+
+
+# rank 1's EFS copy of step 2 fails (an I/O error on EFS, injected in its process only); the default
+# PETCTL_CHECKPOINT_TIMEOUT (30 min) stays: rank 0 must give step 2 up at once, the job go on
+COPY_FAILS = """
+import time as _t
+real = shutil.copyfileobj
+def eio(src, dst, n=0):
+    if "ckpt-0000000002" in dst.name:
+        raise OSError(5, "injected EFS I/O error")
+    return real(src, dst, n)
+if rank == 1:
+    shutil.copyfileobj = eio
+seen = []
+t0 = _t.monotonic()
+for s in range(1, 7):
+    train(s)
+    ckpt.step(s, state, every=2, last=s == 6)
+    seen.append(ckpt.latest_step())
+out["seen"] = seen
+out["secs"] = _t.monotonic() - t0
+out["efs"] = sorted(os.listdir(D))
+"""
+
+
+def test_a_rank_failing_its_efs_copy_gives_the_step_up_at_once(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    c0, c1 = _run(tmp_path, COPY_FAILS, [0, 1], timeout=90)
+    a, b = _result(c0), _result(c1)
+    assert a["seen"][-1] == 6 and 2 not in a["seen"] + b["seen"], c0.stderr[-2000:]
+    assert "rank 1 could not copy its shard of step 2" in c0.stderr, c0.stderr[-2000:]
+    assert not [n for n in a["efs"] if ".tmp" in n or n == "ckpt-0000000002.dcp"], a["efs"]
+    assert time.monotonic() - t0 < 80
+
+
+# EFS is slow: every rank's copy takes 4 s. Periodic saves at every step must not wait for it:
+# steps whose predecessor is still being copied stay in memory only; the last step waits for EFS.
+SLOW_EFS = """
+import time as _t
+real = shutil.copyfileobj
+def slow(src, dst, n=0):
+    _t.sleep(4)
+    return real(src, dst, n)
+shutil.copyfileobj = slow
+took = []
+held = []
+for s in range(1, 7):
+    train(s)
+    reference(s)
+    t0 = _t.monotonic()
+    ckpt.step(s, state, every=1, last=s == 6)
+    took.append(_t.monotonic() - t0)
+    held.append(len(os.listdir(os.path.join(os.environ["PETCTL_SNAPSHOT_DIR"], "sharded"))))
+out["took"] = took
+out["held"] = held
+out["latest"] = ckpt.latest_step()
+out["efs"] = sorted(n for n in os.listdir(D) if n.startswith("ckpt-"))
+"""
+
+
+def test_periodic_saves_do_not_wait_for_a_slow_efs_copy(tmp_path: Path) -> None:
+    c0, c1 = _run(tmp_path, SLOW_EFS, [0, 1], timeout=90)
+    a, b = _result(c0), _result(c1)
+    assert max(a["took"][1:5] + b["took"][1:5]) < 2.5, (a["took"], b["took"])  # no 4 s wait on EFS
+    assert a["took"][5] > 3.5  # the last step waits for its copy
+    assert a["latest"] == 6 and a["efs"][-1] == "ckpt-0000000006.dcp"
+    assert "ckpt-0000000002.dcp" not in a["efs"]  # skipped: step 1 was still being copied
+    assert "step 2: kept in node memory only; step 1 is still being copied" in c0.stderr
+    assert max(a["held"] + b["held"]) <= 3  # the copied step, the newest complete one, the new one

@@ -4,8 +4,11 @@ On when the workers have ``$PETCTL_SNAPSHOT_DIR`` (the agent's node-local tmpfs,
 node's memory holds DCP step directories ``<snapshot dir>/sharded/ckpt-<step:010d>.dcp`` -- the same
 format as on EFS, so a restore is DCP's own load, resharding included. Save (collective, agreed step):
 
-1. every rank checks that twice its local shard bytes fit in the node's memory (``snapshot.fits``);
-   any "no" and every rank takes the EFS path (``sharded.save_sharded``) with a warning;
+1. each node decides once, on its lowest rank, whether the step fits in its memory
+   (``snapshot.fits``): the bytes of all its ranks' shards plus the replicas it will receive (the
+   node's ranks share one MemAvailable, so no rank decides alone); any node's "no" and every rank
+   takes the EFS path (``sharded.save_sharded``) with a warning. Older steps are dropped before the
+   write (keeping the newest complete one and the one EFS is still copying);
 2. ``dcp.save`` into the node's step directory (no fsync: tmpfs) -- each rank writes its own
    ``__<rank>_*.distcp``, rank 0 the ``.metadata``;
 3. with two nodes or more: rank 0 broadcasts ``.metadata`` to every node, and rank ``r`` sends its
@@ -17,7 +20,11 @@ format as on EFS, so a restore is DCP's own load, resharding included. Save (col
    <save id>.tmp/`` with fsync and drops a ``.done-<r>`` file there; rank 0's thread waits until all
    ranks' ``.done`` files are there, renames the directory to ``ckpt-<step>.dcp`` and replaces
    ``latest`` -- today's atomic semantics, ``latest`` only once every shard of the step is on EFS.
-   The job's last step and a drain wait for that (as the replicated path does).
+   A rank whose copy fails drops ``.failed-<r>`` instead: rank 0 gives the step up at once (no
+   ``latest`` for it, an error line naming the rank and step at the next save). A periodic save
+   never waits for EFS: while any rank still copies the previous step, this step is kept in memory
+   only (persisted steps thin out). The job's last step and a drain wait for EFS (as the
+   replicated path does).
 
 Resume (collective, :func:`resume`): every rank reports what its node's memory holds (steps, save
 ids, files whose crc32 matches its marker: a torn or stale file is never offered); every rank then
@@ -31,8 +38,9 @@ holds the same for the caller. Any rank's failure makes every rank use EFS; a pe
 fails the worker within the timeout (the agent restarts the group, which then finds that node's
 memory gone and plans without it).
 
-Memory: up to two steps per node (the newest complete one is kept while the next is written), each
-holding the node's own shards plus one replica: about 4x the node's shard bytes at the peak.
+Memory: up to two steps per node (the newest complete one is kept while the next is written), three
+while EFS still copies an older one, each holding the node's own shards plus one replica: about 4x
+(6x while EFS lags) the node's shard bytes at the peak; each save checks that its own step fits.
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ from typing import Any
 
 from petctl_agent.checkpointing.atomic import fsync_dir
 from petctl_agent.checkpointing.files import CKPT_RE, prune, read_pointer, write_pointer
-from petctl_agent.checkpointing.snapshot import fits
+from petctl_agent.checkpointing.snapshot import fits, read_meminfo
 from petctl_agent.distributed import dist_on, dist_rank, dist_world
 
 SUBDIR = "sharded"
@@ -63,8 +71,10 @@ _CHUNK = 8 << 20
 
 #: what the last :func:`resume` did: ``{"source": "memory"|"efs", "step", "newest", ...}`` (or None)
 last_restore: dict[str, Any] | None = None
-_pending: threading.Thread | None = None
+_pending: list[_Persist] = []
 _pending_error: list[str] = []
+#: where the node's free memory is read (tests point it at a small fake)
+MEMINFO_PATH = "/proc/meminfo"
 
 
 def memory_root() -> Path | None:
@@ -79,6 +89,10 @@ def _fetch_timeout() -> timedelta:
 
 def _persist_timeout() -> float:
     return float(os.environ.get("PETCTL_CHECKPOINT_TIMEOUT", "1800"))
+
+
+def _meminfo() -> dict[str, int]:
+    return read_meminfo(MEMINFO_PATH)
 
 
 def _node_key() -> str:
@@ -222,21 +236,60 @@ def _steps(root: Path) -> list[tuple[int, Path]]:
 # ---------------------------------------------------------------- save
 
 
+class _Persist:
+    """One save's background work: crc32s + marker (``marked`` set after), then maybe the EFS copy."""
+
+    def __init__(self, step: int, copy: bool, run: Any) -> None:
+        self.step = step
+        self.copy = copy
+        self.marked = threading.Event()
+        self.thread = threading.Thread(target=run, args=(self,), name="petctl-sharded-persist", daemon=True)
+
+
 def flush() -> None:
-    """Wait for this rank's previous background work (crc32s, marker, EFS copy); report its errors."""
+    """Wait for all of this rank's background work (crc32s, markers, EFS copy); report its errors."""
     global _pending
-    t, _pending = _pending, None
-    if t is not None:
-        t.join()
+    jobs, _pending = _pending, []
+    for j in jobs:
+        j.thread.join()
+    _report()
+
+
+def _report() -> None:
     while _pending_error:
         _say(f"persisting a sharded checkpoint failed: {_pending_error.pop(0)}")
+
+
+def _settle() -> int | None:
+    """Without blocking on EFS: wait for every earlier save's marker, drop finished work, report
+    errors. Returns the step whose EFS copy is still running on this rank (None: none)."""
+    global _pending
+    for j in _pending:
+        j.marked.wait()
+    _pending = [j for j in _pending if j.thread.is_alive()]
+    _report()
+    busy = [j.step for j in _pending if j.copy]
+    return busy[0] if busy else None
+
+
+def _node_needs(info: list[dict[str, Any]], nodes: list[str]) -> dict[str, int]:
+    """Bytes each node's memory takes for one step: its ranks' shards plus the replicas it receives."""
+    need: dict[str, int] = {}
+    multi = len(set(nodes)) > 1
+    for r, i in enumerate(info):
+        need[nodes[r]] = need.get(nodes[r], 0) + int(i["bytes"])
+        t = _ring_target(r, nodes) if multi else None
+        if t is not None:
+            need[nodes[t]] = need.get(nodes[t], 0) + int(i["bytes"])
+    return need
 
 
 def save(state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: bool) -> bool:
     """Checkpoint sharded ``state`` into node memory (+ a peer replica, + EFS in the background).
 
     Collective. True when it did; False: memory is off or some node's memory cannot hold it (the
-    caller writes to EFS as before). ``wait``: return only once ``latest`` names ``step``.
+    caller writes to EFS as before). ``wait``: return only once ``latest`` names ``step``. A periodic
+    save while the previous step's EFS copy is still running skips this step's EFS copy (memory only).
     """
     global _pending
     root = memory_root()
@@ -244,31 +297,45 @@ def save(state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: 
         return False
     import torch.distributed.checkpoint as dcp
 
-    flush()
+    if wait:
+        flush()
+    inflight = _settle()
     rank, world = dist_rank(), dist_world()
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    need = 2 * _local_bytes(state)
-    ok, why = fits(need, root)
     stepdir = root / f"ckpt-{step:010d}.dcp"
     node = _node_key()
-    info = _gather_json({"node": node, "ok": ok, "why": why, "id": uuid.uuid4().hex if rank == 0 else ""})
+    info = _gather_json(
+        {
+            "node": node,
+            "bytes": _local_bytes(state),
+            "busy": inflight,
+            "id": uuid.uuid4().hex if rank == 0 else "",
+        }
+    )
     nodes = [i["node"] for i in info]
-    if not all(i["ok"] for i in info):
+    leader = _leader(rank, nodes) == rank
+    # one decision per node (its lowest rank), on the node's whole need: the ranks share its memory
+    ok, why = fits(_node_needs(info, nodes)[node], root, _meminfo) if leader else (True, "")
+    verdicts = _gather_json({"ok": ok, "why": why})
+    if not all(v["ok"] for v in verdicts):
         if rank == 0:
-            bad = "; ".join(f"rank {r}: {i['why']}" for r, i in enumerate(info) if not i["ok"])
+            bad = "; ".join(f"node of rank {r}: {v['why']}" for r, v in enumerate(verdicts) if not v["ok"])
             _say(f"sharded snapshot of step {step} does not fit in memory ({bad}); writing to EFS")
+        if _pending:
+            flush()  # the EFS path writes the directory this rank's copy may be writing to
         return False
     save_id = info[0]["id"]
-    leader = _leader(rank, nodes) == rank
+    busy = {int(i["busy"]) for i in info if i["busy"] is not None}
+    copy = wait or not busy
     if leader and stepdir.exists():
         shutil.rmtree(stepdir, ignore_errors=True)  # an earlier save of this step (a retry)
+    if leader:  # before writing: keep the newest complete step and the one EFS is still copying
+        _drop_old(root, step, busy)
     _barrier()
     stepdir.mkdir(mode=0o700, parents=True, exist_ok=True)
     group = _group() if dist_on() else None
     writer = dcp.FileSystemWriter(str(stepdir), sync_files=False, overwrite=True)
     dcp.save(state, storage_writer=writer, process_group=group)
-    if leader:  # keep the newest complete step besides this one; everyone's old threads are joined
-        _drop_old(root, step)
     own = sorted(n for n in os.listdir(stepdir) if n.startswith(f"__{rank}_") and n.endswith(".distcp"))
     if rank == 0:
         own.append(".metadata")
@@ -281,21 +348,26 @@ def save(state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: 
         for src in set(held.values()) - {rank}:
             counts[src] = sum(n != ".metadata" for n in everyone[src])
     ckpt_dir = Path(directory)
+    if rank == 0 and not copy:
+        _say(f"step {step}: kept in node memory only; step {min(busy)} is still being copied to {ckpt_dir}")
 
-    def work() -> None:
+    def work(job: _Persist) -> None:
         try:
-            _finish(stepdir, step, save_id, rank, world, held, counts, ckpt_dir, keep)
+            _finish(stepdir, step, save_id, rank, world, held, counts, ckpt_dir, keep, job)
         except Exception as e:  # noqa: BLE001 - reported at the next save (or raised by a wait)
-            _pending_error.append(f"{type(e).__name__}: {e}")
+            _pending_error.append(f"step {step}: {type(e).__name__}: {e}")
+        finally:
+            job.marked.set()
 
-    _pending = threading.Thread(target=work, name="petctl-sharded-persist", daemon=True)
-    _pending.start()
+    job = _Persist(step, copy, work)
+    job.thread.start()
     if wait:
-        t, _pending = _pending, None
-        t.join()
+        job.thread.join()
         if _pending_error:
             raise RuntimeError(f"persisting step {step} to {ckpt_dir}: {_pending_error.pop(0)}")
         _barrier()
+    else:
+        _pending.append(job)
     return True
 
 
@@ -305,10 +377,11 @@ def _barrier() -> None:
     barrier()
 
 
-def _drop_old(root: Path, step: int) -> None:
+def _drop_old(root: Path, step: int, busy: set[int]) -> None:
+    """Keep the newest complete step before ``step`` and the steps in ``busy`` (EFS still copies them)."""
     kept = False
     for s, p in _steps(root):
-        if s == step:
+        if s == step or s in busy:
             continue
         if s < step and not kept and _read_markers(p, s):
             kept = True
@@ -361,6 +434,7 @@ def _finish(
     counts: dict[int, int],
     ckpt_dir: Path,
     keep: int,
+    job: _Persist,
 ) -> None:
     """The background part: crc32s and the marker (memory complete), then this rank's files to EFS."""
     files = {}
@@ -380,28 +454,36 @@ def _finish(
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(marker))
     os.replace(tmp, path)  # the marker last: the files it names are complete
+    job.marked.set()
+    if not job.copy:
+        return
     name = f"ckpt-{step:010d}.dcp"
     p = read_pointer(ckpt_dir)
     if p and int(p.get("step", -1)) >= step:
         return  # EFS is already there (or ahead)
     out = ckpt_dir / f".{name}.{save_id}.tmp"
-    out.mkdir(parents=True, exist_ok=True)
-    for n, owner in held.items():
-        if owner != rank:
-            continue
-        dst = out / n
-        with open(stepdir / n, "rb", buffering=0) as src, open(dst, "wb") as f:
-            shutil.copyfileobj(src, f, _CHUNK)
-            f.flush()
-            os.fsync(f.fileno())
-    done = out / f".done-{rank}"
-    with open(done, "wb") as f:
-        os.fsync(f.fileno())
-    fsync_dir(out)
+    try:
+        _copy_own(stepdir, rank, held, out)
+    except Exception:
+        try:  # tell rank 0 at once, so that it gives this step up instead of waiting for us
+            with open(out / f".failed-{rank}", "wb") as f:
+                os.fsync(f.fileno())
+        except OSError:
+            pass
+        if rank == 0:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     if rank != 0:
         return
     end = time.monotonic() + _persist_timeout()
     while not all((out / f".done-{r}").exists() for r in range(world)):
+        failed = sorted(int(n[8:]) for n in _listdir(out) if n.startswith(".failed-") and n[8:].isdigit())
+        if failed:
+            shutil.rmtree(out, ignore_errors=True)
+            who = ", ".join(f"rank {r}" for r in failed)
+            raise OSError(
+                f"{who} could not copy its shard of step {step} to {ckpt_dir}; step {step} not persisted"
+            )
         if time.monotonic() > end:
             raise TimeoutError(f"not every rank's shard of step {step} reached {ckpt_dir}")
         time.sleep(0.05)
@@ -418,6 +500,31 @@ def _finish(
     fsync_dir(ckpt_dir)
     write_pointer(ckpt_dir, {"file": name, "step": step, "format": "dcp", "world_size": world})
     prune(ckpt_dir, keep, name)
+
+
+def _listdir(d: Path) -> list[str]:
+    try:
+        return os.listdir(d)
+    except OSError:
+        return []
+
+
+def _copy_own(stepdir: Path, rank: int, held: dict[str, int], out: Path) -> None:
+    """This rank's own files into the step's EFS temp directory (fsync), then its ``.done-<rank>``."""
+    out.mkdir(parents=True, exist_ok=True)
+    for n, owner in held.items():
+        if owner != rank:
+            continue
+        dst = out / n
+        with open(stepdir / n, "rb", buffering=0) as src, open(dst, "wb") as f:
+            shutil.copyfileobj(src, f, _CHUNK)
+            f.flush()
+            os.fsync(f.fileno())
+    fsync_dir(out)  # the files' names first, then the .done that vouches for them
+    done = out / f".done-{rank}"
+    with open(done, "wb") as f:
+        os.fsync(f.fileno())
+    fsync_dir(out)
 
 
 # ---------------------------------------------------------------- resume
