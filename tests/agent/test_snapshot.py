@@ -242,8 +242,7 @@ def test_persist_of_a_replaced_slot_is_dropped_and_newest_goes_next(tmp_path: Pa
     store.write({"w": torch.full((1000,), 2.0)}, 2, wait=True)
     store.write({"w": torch.full((1000,), 3.0)}, 3, wait=True)
     assert not _persist(store, old, efs, 3)
-    assert read_pointer(efs) is None and not list(efs.glob("ckpt-*"))
-    assert not [n for n in os.listdir(efs) if n.endswith(".tmp")]
+    assert not efs.exists() or not os.listdir(efs)  # no checkpoint, no temp file, no latest
     assert persist_newest(store, efs) == 3
     state, step = ckpt.load_latest(efs, map_location="cpu")
     assert step == 3 and torch.equal(state["w"], torch.full((1000,), 3.0))
@@ -530,3 +529,59 @@ def test_durable_save_raises_when_the_checkpoint_dir_cannot_be_written(snap_env)
     efs.write_text("not a directory")
     with pytest.raises(OSError):
         ckpt.save({"w": torch.ones(3)}, 1)
+
+
+def test_a_pinned_slot_is_never_written_and_the_newest_is_overwritten(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "shm", "r")
+    for s in (1, 2):
+        store.write({"w": torch.full((1000,), float(s))}, s, wait=True)
+    old = [c for c in store.complete() if c.step == 1][0]
+    pin = store.pin(old)  # the persister's hold while it writes step 1 to EFS
+    assert pin is not None
+    try:
+        for s in (3, 4, 5):  # the older slot is pinned: each write replaces the newest
+            assert store.write({"w": torch.full((1000,), float(s))}, s, wait=True) == "ok"
+            assert {c.step for c in store.complete()} == {1, s}
+        assert store.newest().step == 5
+        got = store.load(1)
+        assert got is not None and torch.equal(got["w"], torch.full((1000,), 1.0))
+    finally:
+        os.close(pin)
+    # unpinned: the next write goes into the older slot again (step 1's)
+    store.write({"w": torch.full((1000,), 6.0)}, 6, wait=True)
+    assert sorted(c.step for c in store.complete()) == [5, 6]
+    # a pin on a snapshot the writer has since replaced is refused: the persister takes the newest
+    assert store.pin(old) is None
+    gens = [c.gen for c in store.complete()]
+    assert len(set(gens)) == 2 and max(gens) > 5  # generations only grow, also across overwrites
+
+
+def test_a_dead_persisters_pin_does_not_block_the_writer(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    store = SnapshotStore(shm, "r")
+    for s in (1, 2):
+        store.write({"w": torch.full((10,), float(s))}, s, wait=True)
+    slot = [c for c in store.complete() if c.step == 1][0].slot
+    holder = textwrap.dedent(
+        """
+        import fcntl, os, sys, time
+        fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        open(sys.argv[2], "w").close()
+        time.sleep(600)
+        """
+    )
+    ready = tmp_path / "ready"
+    p = subprocess.Popen([sys.executable, "-c", holder, str(store.pin_path(slot)), str(ready)])
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert p.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        store.write({"w": torch.full((10,), 3.0)}, 3, wait=True)
+        assert sorted(c.step for c in store.complete()) == [1, 3]  # pinned: step 1 kept
+    finally:
+        p.kill()
+        p.wait()
+    store.write({"w": torch.full((10,), 4.0)}, 4, wait=True)  # the pin died with its holder
+    assert sorted(c.step for c in store.complete()) == [3, 4]
