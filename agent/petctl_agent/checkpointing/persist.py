@@ -253,7 +253,8 @@ def state(snapshot_dir: Path) -> dict[str, Any]:
 
 
 def serve(snapshot_dir: Path, name: str, poll: float = 0.05, stop: threading.Event | None = None) -> int:
-    """The agent's persister: serve ``persist.request`` until SIGTERM (the persist in flight ends first)."""
+    """The agent's persister: serve ``persist.request`` until SIGTERM (the persist in flight, or a
+    request whose snapshot is complete but not yet persisted, ends first)."""
     sdir = Path(snapshot_dir)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
@@ -264,7 +265,10 @@ def serve(snapshot_dir: Path, name: str, poll: float = 0.05, stop: threading.Eve
     store = SnapshotStore(sdir, name)
     done: tuple[str, int] | None = None  # the last request served: (dir, step)
     try:
-        while not stop.is_set():
+        while True:
+            # stopping (the node leaves): the request already made is still served, once, if its
+            # snapshot is complete -- a drain that a survivor covered did not wait for it
+            stopping = stop.is_set()
             req = _read_json(sdir / REQUEST)
             if req and "step" in req and "dir" in req and done != (req["dir"], int(req["step"])):
                 c = store.newest()
@@ -282,7 +286,11 @@ def serve(snapshot_dir: Path, name: str, poll: float = 0.05, stop: threading.Eve
                         why = f"{type(e).__name__}: {e}"
                         _report(sdir, {"error": why, "error_step": int(req["step"]), "dir": str(d)})
                         print(f"petctl persist: step {req['step']}: {why}", file=sys.stderr, flush=True)
+                    if stopping:
+                        break
                     continue
+            if stopping:
+                break
             stop.wait(poll)
     finally:
         store.close()
