@@ -141,6 +141,7 @@ def _save(
     *,
     durable: bool,
     complete: bool = False,
+    leaving: bool = False,
 ) -> Path | None:
     d = checkpoint_dir(directory)
     keep = keep if keep is not None else int(os.environ.get("PETCTL_CHECKPOINT_KEEP", "3"))
@@ -148,7 +149,7 @@ def _save(
         if sharded_memory.save(state, int(step), d, keep, wait=durable):
             return d / f"ckpt-{int(step):010d}.dcp" if durable and dist_rank() == 0 else None
         return save_sharded(state, int(step), d, keep)
-    if memory.save(state, int(step), d, keep, wait=durable, complete=complete):
+    if memory.save(state, int(step), d, keep, wait=durable, complete=complete, leaving=leaving):
         if durable:
             barrier()
         return d / f"ckpt-{int(step):010d}.pt" if durable and dist_rank() == 0 else None
@@ -282,9 +283,11 @@ def step(
     saved = False
     if should_checkpoint(step, every) or last:
         # with memory snapshots on, training goes on while EFS is written, except at the last step
-        # and when a node leaves; a join's stop only waits for the snapshot to be complete
+        # and when the rank-0 node (its persister) or every node leaves; a join's stop, or a leave
+        # that a survivor's memory covers, only waits for the snapshots to be complete
         stopping = drain_requested()
-        _save(state_fn(), step, directory, None, durable=last or drain_leaving(), complete=stopping)
+        leaving = drain_leaving() and not last
+        _save(state_fn(), step, directory, None, durable=last or leaving, complete=stopping, leaving=leaving)
         saved = True
     if drain_requested() and not last:
         exit_for_drain()

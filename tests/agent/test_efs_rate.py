@@ -24,7 +24,8 @@ import torch
 from petctl.local import efs_rate
 from petctl.local.client import LocalCloudError, ensure_started
 from petctl.local.starting import Starting
-from petctl_agent.checkpointing import efsrate
+from petctl_agent import checkpoint as ckpt
+from petctl_agent.checkpointing import efsrate, persist
 from petctl_agent.checkpointing.atomic import atomic_write
 from petctl_agent.checkpointing.files import load_file, read_pointer, write_file
 from petctl_agent.checkpointing.persist import persist_newest
@@ -216,3 +217,38 @@ def test_a_bad_knob_is_one_line_and_starts_nothing(
     assert "\n" not in msg and knob in msg
     assert not (tmp_path / "local" / "cloud.json").exists()
     assert not (tmp_path / "local" / "cloud.log").exists()
+
+
+def test_a_persist_slower_than_the_checkpoints_still_lands(tmp_path: Path, monkeypatch) -> None:
+    # issue 20 F1: the agent's persister (the real --serve process) writes at 4 MiB/s, ~2 s per
+    # checkpoint, while the worker snapshots every ~0.1 s. Without the pin the writer reused the
+    # slot being persisted two snapshots later, every persist was dropped, and EFS kept nothing.
+    fs = _configure(monkeypatch, tmp_path, client_mibps="4")
+    shm, d = tmp_path / "shm", fs / "ckpt"
+    store = SnapshotStore(shm, "replicated")
+    n = 2 * MIB  # 8 MiB of fp32 per snapshot
+    assert store.write({"w": torch.full((n,), 0.0), "s": 0}, 0, wait=True) == "ok"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "agent")}
+    cmd = [sys.executable, "-m", "petctl_agent.checkpointing.persist", "--serve", str(shm), "replicated"]
+    server = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not persist.served(shm):
+            assert server.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        step, t0 = 0, time.monotonic()
+        while read_pointer(d) is None:
+            assert server.poll() is None and time.monotonic() < deadline, f"no latest after {step} snapshots"
+            step += 1
+            assert store.write({"w": torch.full((n,), float(step)), "s": step}, step) == "ok"
+            persist.request(shm, step, d, 3)
+            time.sleep(0.1)
+        landed = time.monotonic() - t0
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    store.close()
+    assert step >= 5, f"the writer was not faster than the persist ({step} snapshots in {landed:.1f} s)"
+    state, got = ckpt.load_latest(d, map_location="cpu")  # sha256 checked: complete, loadable
+    assert 1 <= got <= step and state["s"] == got
+    assert torch.equal(state["w"], torch.full((n,), float(got)))

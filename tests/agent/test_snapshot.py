@@ -242,8 +242,7 @@ def test_persist_of_a_replaced_slot_is_dropped_and_newest_goes_next(tmp_path: Pa
     store.write({"w": torch.full((1000,), 2.0)}, 2, wait=True)
     store.write({"w": torch.full((1000,), 3.0)}, 3, wait=True)
     assert not _persist(store, old, efs, 3)
-    assert read_pointer(efs) is None and not list(efs.glob("ckpt-*"))
-    assert not [n for n in os.listdir(efs) if n.endswith(".tmp")]
+    assert not efs.exists() or not os.listdir(efs)  # no checkpoint, no temp file, no latest
     assert persist_newest(store, efs) == 3
     state, step = ckpt.load_latest(efs, map_location="cpu")
     assert step == 3 and torch.equal(state["w"], torch.full((1000,), 3.0))
@@ -454,12 +453,12 @@ RANKS_SNAP = textwrap.dedent(
 )
 
 
-def _ranks(tmp_path: Path, envs: list[dict]) -> list[subprocess.CompletedProcess]:
+def _ranks(tmp_path: Path, envs: list[dict], source: str = RANKS_SNAP) -> list[subprocess.CompletedProcess]:
     sys.path.insert(0, str(REPO / "scripts"))
     from harness import free_port
 
     script = tmp_path / "ranks_snap.py"
-    script.write_text(RANKS_SNAP)
+    script.write_text(source)
     port = free_port()
     procs = []
     for r, extra in enumerate(envs):
@@ -571,3 +570,158 @@ def test_a_durable_save_whose_snapshot_never_reaches_efs_writes_it_directly(
     state, step = ckpt.load_latest(efs, map_location="cpu")
     assert step == 12 and torch.equal(state["w"], torch.full((10,), 4.0))
     assert "not persisted from memory" in capsys.readouterr().err
+
+
+def test_a_pinned_slot_is_never_written_and_the_newest_is_overwritten(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "shm", "r")
+    for s in (1, 2):
+        store.write({"w": torch.full((1000,), float(s))}, s, wait=True)
+    old = [c for c in store.complete() if c.step == 1][0]
+    pin = store.pin(old)  # the persister's hold while it writes step 1 to EFS
+    assert pin is not None
+    try:
+        for s in (3, 4, 5):  # the older slot is pinned: each write replaces the newest
+            assert store.write({"w": torch.full((1000,), float(s))}, s, wait=True) == "ok"
+            assert {c.step for c in store.complete()} == {1, s}
+        assert store.newest().step == 5
+        got = store.load(1)
+        assert got is not None and torch.equal(got["w"], torch.full((1000,), 1.0))
+    finally:
+        os.close(pin)
+    # unpinned: the next write goes into the older slot again (step 1's)
+    store.write({"w": torch.full((1000,), 6.0)}, 6, wait=True)
+    assert sorted(c.step for c in store.complete()) == [5, 6]
+    # a pin on a snapshot the writer has since replaced is refused: the persister takes the newest
+    assert store.pin(old) is None
+    gens = [c.gen for c in store.complete()]
+    assert len(set(gens)) == 2 and max(gens) > 5  # generations only grow, also across overwrites
+
+
+def test_a_dead_persisters_pin_does_not_block_the_writer(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    store = SnapshotStore(shm, "r")
+    for s in (1, 2):
+        store.write({"w": torch.full((10,), float(s))}, s, wait=True)
+    slot = [c for c in store.complete() if c.step == 1][0].slot
+    holder = textwrap.dedent(
+        """
+        import fcntl, os, sys, time
+        fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        open(sys.argv[2], "w").close()
+        time.sleep(600)
+        """
+    )
+    ready = tmp_path / "ready"
+    p = subprocess.Popen([sys.executable, "-c", holder, str(store.pin_path(slot)), str(ready)])
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert p.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        store.write({"w": torch.full((10,), 3.0)}, 3, wait=True)
+        assert sorted(c.step for c in store.complete()) == [1, 3]  # pinned: step 1 kept
+    finally:
+        p.kill()
+        p.wait()
+    store.write({"w": torch.full((10,), 4.0)}, 4, wait=True)  # the pin died with its holder
+    assert sorted(c.step for c in store.complete()) == [3, 4]
+
+
+LEAVE_SNAP = textwrap.dedent(
+    """
+    import json, os, sys, torch
+    import torch.distributed as dist
+    from petctl_agent import checkpoint as ckpt
+    from pathlib import Path
+    from petctl_agent.checkpointing.files import read_pointer
+    from petctl_agent.distributed import init_process_group
+    init_process_group()
+    rank = dist.get_rank()
+    w = torch.zeros(int(os.environ["N"]))
+
+    def leave():  # what EFS held when this rank's drain save returned
+        p = read_pointer(Path(os.environ["PETCTL_CHECKPOINT_DIR"]))
+        print("RESULT " + json.dumps({"latest": p and p["step"]}), flush=True)
+        os._exit(0)
+
+    ckpt.exit_for_drain = leave
+    for s in range(1, 100):
+        w += 1
+        if str(rank) in os.environ["LEAVERS"].split(",") and s == 2:  # agreed, and saved, at 3
+            open(os.environ["PETCTL_DRAIN_FILE"], "w").write("leave")  # as a leaving agent writes it
+        ckpt.step(s, lambda: {"w": w.clone()}, every=0)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "leavers, waits",
+    [("1", False), ("0", True), ("0,1", True)],
+    ids=["a-survivor-holds-it", "the-persisters-node-leaves", "every-node-leaves"],
+)
+def test_a_drain_waits_for_efs_only_when_no_survivor_or_persister_stays(
+    tmp_path: Path, leavers, waits
+) -> None:
+    # two nodes (a store each), the agent's persister serving node 0 over an EFS paced at 1 MiB/s:
+    # persisting the 2 MiB snapshot takes >= 2 s, so a drain that does not wait returns before it
+    from petctl.local import efs_rate
+    from petctl_agent.checkpointing import efsrate, persist
+
+    rates = efs_rate.rates_from_env({"PETCTL_LOCAL_EFS_CLIENT_MIBPS": "1"})
+    pace = efs_rate.instance_env(tmp_path / "state", "i-1", rates)
+    efs = tmp_path / "state" / "efs" / "fs-0123456789abcdef0" / "ckpt"
+    shm0, shm1 = tmp_path / "shm0", tmp_path / "shm1"
+    shm0.mkdir()
+    env = {**os.environ, **pace, "PYTHONPATH": str(REPO / "agent")}
+    serve = [sys.executable, "-m", "petctl_agent.checkpointing.persist", "--serve", str(shm0), "replicated"]
+    server = subprocess.Popen(serve, env=env, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not persist.served(shm0):
+            assert server.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        base = {**pace, "PETCTL_CHECKPOINT_DIR": str(efs), "N": str(1 << 19), "LEAVERS": leavers}
+        base["LOCAL_RANK"] = "0"
+        script_env = [{**base, "PETCTL_SNAPSHOT_DIR": str(shm0)}, {**base, "PETCTL_SNAPSHOT_DIR": str(shm1)}]
+        res = [_res(cp) for cp in _ranks(tmp_path, script_env, LEAVE_SNAP)]
+        if waits:
+            assert res[0]["latest"] == 3  # rank 0 returned only once EFS had the step
+        else:
+            assert res[0]["latest"] is None  # returned at once: node 0 holds step 3 and persists it
+            while ckpt.latest_step(efs) != 3:  # ...in the background, after the workers exited
+                assert server.poll() is None and time.monotonic() < deadline + 60
+                time.sleep(0.05)
+        state, step = ckpt.load_latest(efs, map_location="cpu")
+        assert step == 3 and torch.equal(state["w"], torch.full((1 << 19,), 3.0))
+        assert SnapshotStore(shm1, "replicated").newest().step == 3  # the survivor's copy
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    assert efsrate.ENV in pace
+
+
+def test_a_stopping_persister_still_serves_the_request_already_made(tmp_path: Path) -> None:
+    import threading
+
+    from petctl_agent.checkpointing import persist
+
+    shm, efs = tmp_path / "shm", tmp_path / "efs"
+    store = SnapshotStore(shm, "replicated")
+    store.write({"w": torch.full((100,), 7.0)}, 7, wait=True)
+    persist.request(shm, 7, efs, 3)
+    stop = threading.Event()
+    stop.set()  # SIGTERM (the node leaves) came before the persister picked the request up
+
+    def serve() -> None:  # a thread: serve() installs signal handlers only in the main thread
+        t = threading.Thread(target=persist.serve, args=(shm, "replicated"), kwargs={"stop": stop})
+        t.start()
+        t.join(60)
+        assert not t.is_alive()
+
+    serve()
+    state, step = ckpt.load_latest(efs, map_location="cpu")
+    assert step == 7 and torch.equal(state["w"], torch.full((100,), 7.0))
+    persist.request(shm, 9, efs, 3)  # a step whose snapshot never completed: nothing to wait for
+    serve()
+    assert ckpt.latest_step(efs) == 7

@@ -46,6 +46,7 @@ from typing import Any
 
 from petctl_agent.checkpointing import persist
 from petctl_agent.checkpointing.atomic import atomic_write
+from petctl_agent.checkpointing.drain import LEAVE, _local_drain_flag
 from petctl_agent.checkpointing.files import read_pointer
 from petctl_agent.checkpointing.persist import Persister
 from petctl_agent.checkpointing.snapshot import (
@@ -178,7 +179,14 @@ def _not_persisted(sdir: Path, step: int) -> bool:
 
 
 def save(
-    state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: bool, complete: bool = False
+    state: dict[str, Any],
+    step: int,
+    directory: Path,
+    keep: int,
+    *,
+    wait: bool,
+    complete: bool = False,
+    leaving: bool = False,
 ) -> bool:
     """Snapshot ``state`` on every node; True when it did (persisting), False: use today's path.
 
@@ -187,6 +195,10 @@ def save(
     one barrier). ``wait``: rank 0 returns only once ``latest`` names ``step`` (last step, a node
     leaving). ``complete``: every node's snapshot is complete (header written) on return (the
     workers stop for a join: their memory stays, but a worker that exits kills the crc thread).
+    ``leaving``: the wait is only for a drain where some node leaves (not the last step): the ranks
+    then skip it when a node that stays holds the step and rank 0's node, whose persister writes
+    EFS, stays and has one serving its store (a survivor is a copy; the persist goes on in the
+    background). Every node leaving, or the rank-0 node leaving, still waits for EFS.
     """
     sdir = snapshot_dir()
     if sdir is None:
@@ -196,7 +208,15 @@ def save(
     if _local_rank() == 0:
         why = store.write(state, step, world_size=1, rank=0)
     ok = why in ("", OK)
-    if not _all_min([int(ok)])[0]:
+    flags = [int(ok)]
+    if wait and leaving:
+        stays = int(_local_drain_flag() < LEAVE)  # this node's memory outlives the drain
+        persister = stays and persist.served(sdir) if dist_rank() == 0 else 1
+        flags += [-stays, int(persister)]  # MIN: -(does any node stay), does rank 0's persister stay
+    agreed = _all_min(flags)
+    if wait and leaving and agreed[1] < 0 and agreed[2]:
+        wait, complete = False, True  # the survivors hold the step; the persister writes it
+    if not agreed[0]:
         if why and why != OK:
             print(
                 f"petctl checkpoint: memory snapshot of step {step} skipped ({why}); writing to EFS",

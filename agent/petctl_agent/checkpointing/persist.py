@@ -5,9 +5,11 @@ checks its crc32s, writes it as ``ckpt-<step:010d>.pt`` (``torch.save`` of ``{"s
 "saved_at"}``, what :func:`petctl_agent.checkpointing.files.load_file` reads) into a temp file,
 fsyncs it, and only then renames it and replaces ``latest`` (with its sha256 and size) -- today's
 atomic ``latest`` semantics. The tensors are read straight out of the snapshot's ``mmap`` (no
-copy); the slot is a seqlock: if the writer started on it while we read (its header gone or its
-generation changed), the temp file is dropped and the newer snapshot is persisted on the next call.
-Never a torn mix.
+copy). The slot is *pinned* for the whole persist (:meth:`SnapshotStore.pin`, a shared ``flock``):
+the writer never writes into a pinned slot -- it overwrites the newer one instead -- so a persist
+always lands, however slow EFS is next to the checkpoint interval, and the persister then takes
+the newest complete snapshot, at most one persist behind. The seqlock check stays (header gone or
+generation changed: the temp file is dropped, the newest goes next). Never a torn mix.
 
 Where it runs: a child process of the agent (``python -m petctl_agent.checkpointing.persist --serve
 SNAPSHOT_DIR NAME``), started when the node's store is made and stopped when the node leaves the
@@ -42,7 +44,13 @@ from typing import Any
 from petctl_agent.checkpointing import efsrate
 from petctl_agent.checkpointing.atomic import atomic_write, fsync_dir
 from petctl_agent.checkpointing.files import prune, read_pointer, write_pointer
-from petctl_agent.checkpointing.snapshot import Complete, SnapshotStore, decode_structure, dtype_from_name
+from petctl_agent.checkpointing.snapshot import (
+    Complete,
+    SnapshotStore,
+    decode_structure,
+    dtype_from_name,
+    same_snapshot,
+)
 
 
 class _HashingFile:
@@ -86,6 +94,16 @@ def persist_newest(store: SnapshotStore, directory: Path, keep: int = 3) -> int 
 
 
 def _persist(store: SnapshotStore, c: Complete, d: Path, keep: int) -> bool:
+    pin = store.pin(c)
+    if pin is None:
+        return False  # the writer took the slot first: the caller picks the newest again
+    try:
+        return _persist_pinned(store, c, d, keep)
+    finally:
+        os.close(pin)  # unpinned: the writer may use the slot again
+
+
+def _persist_pinned(store: SnapshotStore, c: Complete, d: Path, keep: int) -> bool:
     import torch
 
     h = c.header
@@ -124,9 +142,8 @@ def _persist(store: SnapshotStore, c: Complete, d: Path, keep: int) -> bool:
             os.fsync(f.fileno())
         state = None
         tensors.clear()  # views of the mmap: gone before it closes
-        again = store.read_header(c.slot)
-        if again is None or again["gen"] != c.gen:
-            tmp.unlink()  # the writer reused the slot while we read it: the next call takes the newer one
+        if not same_snapshot(store.read_header(c.slot), c):
+            tmp.unlink()  # the slot changed under us after all: the next call takes the newer one
             return False
         with _publish_lock(d):
             # the agent's persister and a rank 0 whose wait for it timed out may both get here
@@ -263,7 +280,8 @@ def state(snapshot_dir: Path) -> dict[str, Any]:
 
 
 def serve(snapshot_dir: Path, name: str, poll: float = 0.05, stop: threading.Event | None = None) -> int:
-    """The agent's persister: serve ``persist.request`` until SIGTERM (the persist in flight ends first)."""
+    """The agent's persister: serve ``persist.request`` until SIGTERM (the persist in flight, or a
+    request whose snapshot is complete but not yet persisted, ends first)."""
     sdir = Path(snapshot_dir)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
@@ -274,7 +292,10 @@ def serve(snapshot_dir: Path, name: str, poll: float = 0.05, stop: threading.Eve
     store = SnapshotStore(sdir, name)
     done: tuple[str, int] | None = None  # the last request served: (dir, step)
     try:
-        while not stop.is_set():
+        while True:
+            # stopping (the node leaves): the request already made is still served, once, if its
+            # snapshot is complete -- a drain that a survivor covered did not wait for it
+            stopping = stop.is_set()
             req = _read_json(sdir / REQUEST)
             if req and "step" in req and "dir" in req and done != (req["dir"], int(req["step"])):
                 c = store.newest()
@@ -292,7 +313,11 @@ def serve(snapshot_dir: Path, name: str, poll: float = 0.05, stop: threading.Eve
                         why = f"{type(e).__name__}: {e}"
                         _report(sdir, {"error": why, "error_step": int(req["step"]), "dir": str(d)})
                         print(f"petctl persist: step {req['step']}: {why}", file=sys.stderr, flush=True)
+                    if stopping:
+                        break
                     continue
+            if stopping:
+                break
             stop.wait(poll)
     finally:
         store.close()

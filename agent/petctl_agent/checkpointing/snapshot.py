@@ -12,7 +12,14 @@ owned by the agent, docs/agent.md "Memory snapshots"):
 
 Two slots (``a``, ``b``) per name: a write goes into the slot that does *not* hold the newest
 complete snapshot, after removing that slot's header, so a writer killed at any point leaves the
-newest complete snapshot intact. The slot's file is reused in place, and stays mapped in the
+newest complete snapshot intact. Unless that slot is *pinned*: the persister holds a shared
+``flock`` on ``<name>.<slot>.pin`` while it writes the slot to EFS (:meth:`SnapshotStore.pin`), and
+the writer, which takes that lock exclusively (non-blocking) while it claims a slot, then writes
+into the other one -- it overwrites the newest complete snapshot, and the pinned, older one stays
+readable until the persist ends. So a persist slower than two checkpoint intervals still lands
+(at most one persist behind), and a writer killed mid-write leaves the pinned snapshot as the
+newest complete one (older, but whole; a restore checks the step). A dead persister's pin goes
+with it (the kernel drops its ``flock``). The slot's file is reused in place, and stays mapped in the
 writer, rather than created anew: tmpfs page allocation measured 0.5-1.3 s/GiB here, page faults
 into a fresh mapping ~0.3 s/GiB, a copy into a populated mapping 0.05-0.1 s/GiB
 (docs/benchmarks.md, "Memory snapshots"). So a name costs up to twice its state's bytes in shared
@@ -33,6 +40,7 @@ header. Torch is imported only to write or read.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
@@ -171,6 +179,15 @@ def _header_crc(header: dict[str, Any]) -> int:
 # ---------------------------------------------------------------- the store
 
 
+def same_snapshot(header: dict[str, Any] | None, c: Complete) -> bool:
+    """Does the slot still hold ``c`` (the seqlock's check after a read)?"""
+    return (
+        header is not None
+        and header.get("gen") == c.header.get("gen")
+        and header.get("nonce") == c.header.get("nonce")
+    )
+
+
 @dataclass(frozen=True)
 class Complete:
     """A complete snapshot on disk: its slot and header."""
@@ -209,6 +226,7 @@ class SnapshotStore:
         self._pending: threading.Thread | None = None
         self._maps: dict[str, tuple[int, mmap.mmap]] = {}  # slot -> (inode, mapping), kept
         self._error: BaseException | None = None
+        self._pins_made = False
 
     # -- paths and headers
 
@@ -217,6 +235,39 @@ class SnapshotStore:
 
     def header_path(self, slot: str) -> Path:
         return self.dir / f"{self.name}.{slot}.json"
+
+    def pin_path(self, slot: str) -> Path:
+        return self.dir / f"{self.name}.{slot}.pin"
+
+    def pin(self, c: Complete) -> int | None:
+        """Pin ``c``'s slot against the writer (a shared ``flock``); the fd to close, or None when
+        the slot no longer holds ``c`` (the writer took it first: pick the newest again).
+
+        While pinned, :meth:`write` never writes into the slot; closing the fd (or dying) unpins.
+        """
+        try:
+            fd = os.open(self.pin_path(c.slot), os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # a writer holds it exclusively only while it claims the slot
+            if same_snapshot(self.read_header(c.slot), c):
+                fd, out = -1, fd
+                return out
+            return None
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def _claim(self, slot: str) -> int | None:
+        """The slot's pin lock, exclusively, if no persister pins it (non-blocking), else None."""
+        fd = os.open(self.pin_path(slot), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
 
     def read_header(self, slot: str) -> dict[str, Any] | None:
         """The slot's header if present and intact (its own crc32 matches), else None."""
@@ -256,8 +307,6 @@ class SnapshotStore:
         and the header follow in a background thread unless ``wait``. Anything but ``"ok"``
         leaves the existing snapshots as they were: use the EFS path.
         """
-        import torch
-
         self.flush()  # the previous write's header first: its slot is the one we keep
         tensors: list[Any] = []
         try:
@@ -271,9 +320,51 @@ class SnapshotStore:
             metas.append({"dtype": str(t.dtype), "shape": list(t.shape), "offset": off, "nbytes": nbytes})
             off += (nbytes + ALIGN - 1) // ALIGN * ALIGN
         size = off
-        newest = self.newest()
-        slot = SLOTS[0] if newest is None or newest.slot == SLOTS[1] else SLOTS[1]
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not self._pins_made:  # both at once: a write that fails later leaves no new file
+            for s in SLOTS:
+                os.close(os.open(self.pin_path(s), os.O_RDWR | os.O_CREAT, 0o600))
+            self._pins_made = True
+        done = self.complete()
+        newest = done[0] if done else None
+        slot = SLOTS[0] if newest is None or newest.slot == SLOTS[1] else SLOTS[1]
+        claim = self._claim(slot)
+        if claim is None:  # the persister pins the older slot: overwrite the newest instead
+            slot = SLOTS[1] if slot == SLOTS[0] else SLOTS[0]
+            claim = self._claim(slot)
+        if claim is None:  # both pinned (two persisters): wait for the older one's persist to end
+            slot = SLOTS[0] if newest is None or newest.slot == SLOTS[1] else SLOTS[1]
+            claim = os.open(self.pin_path(slot), os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(claim, fcntl.LOCK_EX)
+        held = [claim]
+
+        def release() -> None:
+            if held:
+                os.close(held.pop())
+
+        try:
+            return self._write_slot(
+                slot, release, done, step, world_size, rank, wait, structure, tensors, metas, size
+            )
+        finally:
+            release()  # the header is gone by now (or nothing changed): the slot is free either way
+
+    def _write_slot(
+        self,
+        slot: str,
+        release: Callable[[], None],
+        done: list[Complete],
+        step: int,
+        world_size: int,
+        rank: int,
+        wait: bool,
+        structure: Any,
+        tensors: list[Any],
+        metas: list[dict[str, Any]],
+        size: int,
+    ) -> str:
+        import torch
+
         data = self.data_path(slot)
         try:
             st = os.stat(data)
@@ -285,11 +376,14 @@ class SnapshotStore:
         ok, why = fits(size - held, self.dir, self.meminfo)
         if not ok:
             return f"no-fit: {why}"
+        # newer than both slots, including the one overwritten (a reader compares generations)
+        gen = max((c.gen for c in done), default=0) + 1
         # from here on the slot is torn until its header is back
         try:
             self.header_path(slot).unlink()
         except FileNotFoundError:
             pass
+        release()  # a persister that pins the slot now finds no header: it never reads it
         mm = self._mapped(slot, data, size) if held else None
         if mm is None:
             self._unmap(slot)
@@ -325,12 +419,12 @@ class SnapshotStore:
             dst = None
             self._unmap(slot)
             raise
-        gen = max((c.gen for c in self.complete()), default=0) + 1
         header = {
             "format": FORMAT,
             "name": self.name,
             "slot": slot,
             "gen": gen,
+            "nonce": os.urandom(8).hex(),  # a restarted writer may reuse a generation: never its nonce
             "step": int(step),
             "world_size": int(world_size),
             "rank": int(rank),
@@ -445,8 +539,7 @@ class SnapshotStore:
                 else:
                     out.append(torch.empty(m["shape"], dtype=dt, device=map_location))
             # checked again after the copy: a writer that started on this slot meanwhile changed it
-            again = self.read_header(c.slot)
-            if again is None or again["gen"] != c.gen:
+            if not same_snapshot(self.read_header(c.slot), c):
                 return None
             return decode_structure(h["structure"], out)
         finally:
@@ -464,7 +557,7 @@ class SnapshotStore:
         """Remove this name's files (the agent removes the whole directory at job end)."""
         self.close()
         for s in SLOTS:
-            for p in (self.header_path(s), self.data_path(s)):
+            for p in (self.header_path(s), self.data_path(s), self.pin_path(s)):
                 try:
                     p.unlink()
                 except FileNotFoundError:
