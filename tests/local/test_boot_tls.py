@@ -194,6 +194,7 @@ def test_a_jobs_own_etcd_copy_is_checked_before_it_is_unpacked(cloud: Cloud, tmp
     (boot_failed, the mismatch as its error) and leaves no etcd to run; the right one boots."""
     tarball, sha256 = etcd_release.local_release(tmp_path)
     url = f"s3://{BUCKET}/petctl/uploads/etcd-copy.tar.gz"
+    cloud.network()  # (makes the bucket: this test may be the first on the daemon to need it)
     cloud.s3.put_object(Bucket=BUCKET, Key="petctl/uploads/etcd-copy.tar.gz", Body=tarball.read_bytes())
     wrong = hashlib.sha256(b"not the copy").hexdigest()
     _job_stack(cloud, "copy-bad", EtcdUrl=url, EtcdSha256=wrong)

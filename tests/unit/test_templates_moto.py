@@ -67,9 +67,13 @@ def client(name: str):
 
 def create(stack: str, template: str, parameters: list[dict]) -> dict[str, str]:
     cf = client("cloudformation")
-    cf.create_stack(
-        StackName=stack, TemplateBody=template, Parameters=parameters, Capabilities=["CAPABILITY_IAM"]
-    )
+    source: dict[str, str] = {"TemplateBody": template}
+    if len(template.encode()) > 51_200:  # past the inline cap: by URL from S3, as petctl sends a job stack
+        s3 = client("s3")
+        s3.create_bucket(Bucket="petctl-test-templates")
+        s3.put_object(Bucket="petctl-test-templates", Key=f"{stack}.yaml", Body=template.encode())
+        source = {"TemplateURL": f"https://petctl-test-templates.s3.{REGION}.amazonaws.com/{stack}.yaml"}
+    cf.create_stack(StackName=stack, **source, Parameters=parameters, Capabilities=["CAPABILITY_IAM"])
     (described,) = cf.describe_stacks(StackName=stack)["Stacks"]
     assert described["StackStatus"] == "CREATE_COMPLETE"
     return {o["OutputKey"]: o["OutputValue"] for o in described.get("Outputs", [])}
