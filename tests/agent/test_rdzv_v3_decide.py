@@ -147,3 +147,11 @@ def test_lapsed_reads_etcd_whole_seconds_and_our_own_silence() -> None:
 def test_lapse_recheck_is_when_it_could_first_lapse() -> None:
     assert lapse_recheck(5, 6) == 1.0  # silent at most 1 s: 1 s to reach 2 s
     assert lapse_recheck(4, 6) == 0.0 and lapse_recheck(3, 6) == 0.0
+
+
+def test_a_longer_keepalive_interval_needs_a_longer_silence() -> None:
+    # refresh=2 (ttl 6): a live lease reads 5 or 4 (3 when a keepalive is late): silent > 2 s is
+    # not enough, > 3 s is (a keepalive missed by a whole second)
+    assert not lapsed(3, 6, 0.1, refresh=2.0) and lapsed(2, 6, 0.1, refresh=2.0)
+    assert not lapsed(2, 6, 0.6, refresh=2.0), "our own silence 0.6 s: 3 s is not 2.5 s more"
+    assert lapse_recheck(5, 6, refresh=2.0) == 2.0

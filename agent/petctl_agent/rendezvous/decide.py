@@ -44,17 +44,11 @@ class CloseView:
     lapsed: frozenset[str] = frozenset()  #: registered, not joined, its lease not kept alive: dead
 
 
-#: the least time etcd must have heard no keepalive of a node's lease for :func:`lapsed` (with a
-#: keepalive every 1 s, a live node misses at least one in a row by a whole second)
-LAPSE_FLOOR = 2.0
-#: ...and by how much its silence must exceed the leader's own (etcd paused: every lease is silent)
-LAPSE_MARGIN = 1.5
-
-
-def lapsed(remaining: int, granted: int, own_silence: float) -> bool:
+def lapsed(remaining: int, granted: int, own_silence: float, refresh: float = 1.0) -> bool:
     """Whether a lease whose ``LeaseTimeToLive`` read ``remaining`` (of ``granted``) seconds was
-    certainly not kept alive by its holder: etcd has heard no keepalive of it for at least
-    ``LAPSE_FLOOR`` and for ``LAPSE_MARGIN`` longer than the leader's own lease
+    certainly not kept alive by its holder (which renews it every ``refresh``): etcd has heard
+    no keepalive of it for at least ``refresh + 1`` (2 s by default: a whole second past a
+    missed keepalive) and for ``refresh + 0.5`` longer than the leader's own lease
     (``own_silence``: now - when the leader's last successful keepalive was sent).
 
     etcd rounds the remaining TTL *down* to whole seconds, so the silence is more than
@@ -66,13 +60,13 @@ def lapsed(remaining: int, granted: int, own_silence: float) -> bool:
     if remaining < 0:
         return False
     silent = granted - remaining - 1
-    return silent >= max(LAPSE_FLOOR, own_silence + LAPSE_MARGIN)
+    return silent >= max(refresh + 1.0, own_silence + refresh + 0.5)
 
 
-def lapse_recheck(remaining: int, granted: int) -> float:
+def lapse_recheck(remaining: int, granted: int, refresh: float = 1.0) -> float:
     """When a lease read not lapsed can first read lapsed: its silence is at most
-    ``granted - remaining``, and it must reach ``LAPSE_FLOOR``."""
-    return max(0.0, LAPSE_FLOOR - (granted - remaining))
+    ``granted - remaining``, and it must reach ``refresh + 1``."""
+    return max(0.0, refresh + 1.0 - (granted - remaining))
 
 
 def close(v: CloseView) -> tuple[list[str] | None, float | None]:

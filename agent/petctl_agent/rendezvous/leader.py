@@ -259,12 +259,12 @@ class Leadership:
             remaining, _ = self._etcd.time_to_live(lease)
             t = time.monotonic()
             own_silence = t - (own.deadline - own.ttl)  # since our last successful keepalive was sent
-            if decide.lapsed(remaining, granted, own_silence):
+            if decide.lapsed(remaining, granted, own_silence, self.cfg.refresh):
                 memo[(n, lease)] = math.inf
                 out.add(n)
                 self._event(f"lease of {n} not kept alive ({remaining}s of {granted}s left): not waited for")
                 continue
-            at = t + max(LAPSE_POLL, decide.lapse_recheck(remaining, granted))
+            at = t + max(LAPSE_POLL, decide.lapse_recheck(remaining, granted, self.cfg.refresh))
             memo[(n, lease)] = at
             due = at if due is None else min(due, at)
         return frozenset(out), due
