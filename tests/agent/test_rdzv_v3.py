@@ -324,3 +324,31 @@ def test_the_master_port_hand_over(group: Callable[..., Group]) -> None:
     assert infos[0].store.check(["n", "cs"]) and not infos[0].store.check(["nope"])
     assert infos[1].store.multi_get(["n", "cs"]) == [b"5", b"a"]
     assert a.get_backend() == BACKEND
+
+
+@pytest.mark.parametrize("who", [2, 0], ids=["a-follower", "the-leader"])
+def test_a_hard_loss_is_not_waited_for(group: Callable[..., Group], who: int) -> None:
+    """3 nodes run; one is SIGKILLed (its keepalive stops, its key stays until its 6 s lease
+    expires) and the 2 survivors re-join at once (their workers' collectives failed). The new
+    round closes with the 2 within 4 s: the leader reads the lease of the node it waits for and
+    sees that it is no longer kept alive, instead of waiting out its TTL (or the 10 s straggler
+    deadline). ``who``: its rank in the running round (rank 0 leads)."""
+    g = group(2, 8)
+    hs = [g.new() for _ in range(3)]
+    res = g.rendezvous(*hs)
+    order = sorted(hs, key=lambda h: res[h].rank)
+    dead = order[who]
+    survivors = [h for h in order if h is not dead]
+    time.sleep(1.5)  # running: a few keepalives each
+    dead._crash()  # noqa: SLF001 - a SIGKILLed node: no keepalive, no leave, its key left to expire
+    t0 = time.monotonic()
+    res = g.rendezvous(*survivors, timeout=15)
+    took = time.monotonic() - t0
+    assert {i.world_size for i in res.values()} == {2}
+    assert {h.round for h in survivors} == {2}
+    print(f"hard loss of rank {who}: the round of 2 closed {took:.2f}s after the re-joins")
+    assert took < 4.5, f"the round without the dead node took {took:.2f}s (its lease: 6 s)"
+    c = v3.Client(g.endpoint)
+    assert c.get(dead.node_key) is not None, (
+        "the dead node's key expired: this measured the TTL, not the lapse"
+    )

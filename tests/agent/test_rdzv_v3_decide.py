@@ -3,7 +3,15 @@ what it sees, so every deadline is checked here without etcd or sleeps."""
 
 from __future__ import annotations
 
-from petctl_agent.rendezvous.decide import CloseView, OpenView, close, open_round, rank_order
+from petctl_agent.rendezvous.decide import (
+    CloseView,
+    OpenView,
+    close,
+    lapse_recheck,
+    lapsed,
+    open_round,
+    rank_order,
+)
 
 LIVE = {"a": 10, "b": 11, "c": 12, "d": 13}
 
@@ -108,3 +116,42 @@ def test_ready_newcomers_are_batched_one_shot_by_the_hint() -> None:
 def test_at_max_newcomers_do_not_open_a_round() -> None:
     v = OpenView(now=0.0, participants=["a", "b"], live=LIVE, ready={"c": 0.0}, max_nodes=2)
     assert open_round(v) == (None, None)
+
+
+def test_a_lapsed_node_is_not_waited_for() -> None:
+    # d registered long ago, never joined; its lease is no longer kept alive: close at once
+    v = dict(joined={"a", "b", "c"})
+    assert close(view(now=101.0, lapsed=frozenset({"d"}), **v)) == (["a", "b", "c"], None)
+    # lapsed is only about waiting: a lapsed node below MIN does not close the round
+    assert close(view(now=101.0, joined={"a"}, lapsed=frozenset({"b", "c", "d"}))) == (None, None)
+    # another live straggler still holds it
+    parts, again = close(view(now=101.0, lapsed=frozenset({"d"}), joined={"a", "b"}))
+    assert parts is None and 8.9 < again < 9.1
+
+
+def test_lapsed_reads_etcd_whole_seconds_and_our_own_silence() -> None:
+    # TTL 6, keepalive every 1 s: etcd reads 5 or 4 (rounded down) for a live lease
+    assert not lapsed(5, 6, 0.1) and not lapsed(4, 6, 0.1)
+    # 3 left: silent for more than 2 s: lapsed, unless our own keepalive is as late
+    assert lapsed(3, 6, 0.1) and lapsed(3, 6, 0.5)
+    assert not lapsed(3, 6, 0.6), "our own silence 0.6 s: 2 s is not 1.5 s more"
+    assert lapsed(2, 6, 1.0) and not lapsed(2, 6, 1.6)
+    # etcd paused 2.5 s: every remaining TTL ran down, ours too (our keepalive was stuck): no lapse
+    assert not lapsed(2, 6, 2.6)
+    # the lease ended (-1): the watch deletes the key, no lapse is decided on it
+    assert not lapsed(-1, 6, 0.0)
+    # a lease just extended by a new etcd leader (remaining above the granted TTL)
+    assert not lapsed(8, 6, 0.0)
+
+
+def test_lapse_recheck_is_when_it_could_first_lapse() -> None:
+    assert lapse_recheck(5, 6) == 1.0  # silent at most 1 s: 1 s to reach 2 s
+    assert lapse_recheck(4, 6) == 0.0 and lapse_recheck(3, 6) == 0.0
+
+
+def test_a_longer_keepalive_interval_needs_a_longer_silence() -> None:
+    # refresh=2 (ttl 6): a live lease reads 5 or 4 (3 when a keepalive is late): silent > 2 s is
+    # not enough, > 3 s is (a keepalive missed by a whole second)
+    assert not lapsed(3, 6, 0.1, refresh=2.0) and lapsed(2, 6, 0.1, refresh=2.0)
+    assert not lapsed(2, 6, 0.6, refresh=2.0), "our own silence 0.6 s: 3 s is not 2.5 s more"
+    assert lapse_recheck(5, 6, refresh=2.0) == 2.0

@@ -41,6 +41,32 @@ class CloseView:
     settle: float = 0.5
     join_window: float = 5.0
     straggler: float = 10.0
+    lapsed: frozenset[str] = frozenset()  #: registered, not joined, its lease not kept alive: dead
+
+
+def lapsed(remaining: int, granted: int, own_silence: float, refresh: float = 1.0) -> bool:
+    """Whether a lease whose ``LeaseTimeToLive`` read ``remaining`` (of ``granted``) seconds was
+    certainly not kept alive by its holder (which renews it every ``refresh``): etcd has heard
+    no keepalive of it for at least ``refresh + 1`` (2 s by default: a whole second past a
+    missed keepalive) and for ``refresh + 0.5`` longer than the leader's own lease
+    (``own_silence``: now - when the leader's last successful keepalive was sent).
+
+    etcd rounds the remaining TTL *down* to whole seconds, so the silence is more than
+    ``granted - remaining - 1``. The margin over our own silence keeps an etcd pause (SIGSTOP,
+    a stall: the remaining TTLs run down meanwhile, every lease's alike, and our own keepalive
+    was stuck too) from reading as everyone's loss. ``remaining < 0`` (the lease ended) is no
+    lapse: its keys are deleted and the membership watch says so.
+    """
+    if remaining < 0:
+        return False
+    silent = granted - remaining - 1
+    return silent >= max(refresh + 1.0, own_silence + refresh + 0.5)
+
+
+def lapse_recheck(remaining: int, granted: int, refresh: float = 1.0) -> float:
+    """When a lease read not lapsed can first read lapsed: its silence is at most
+    ``granted - remaining``, and it must reach ``refresh + 1``."""
+    return max(0.0, refresh + 1.0 - (granted - remaining))
 
 
 def close(v: CloseView) -> tuple[list[str] | None, float | None]:
@@ -55,6 +81,8 @@ def close(v: CloseView) -> tuple[list[str] | None, float | None]:
       deadline, ``straggler`` after it registered or after the round opened, whichever is
       later; then it is left out (it joins the next round when it is ready). A node that
       registered more than ``join_window`` after the round opened is not waited for at all.
+    * A ``lapsed`` node (registered, not joined, and its lease no longer kept alive: a hard
+      loss whose key has not expired yet) is not waited for either.
     """
     joined = {n for n in v.joined if n in v.live}
     if len(joined) < v.min_nodes:
@@ -70,7 +98,7 @@ def close(v: CloseView) -> tuple[list[str] | None, float | None]:
     if not hinted and v.now < v.opened_at + v.settle:
         due.append(v.opened_at + v.settle)
     for n in v.live:
-        if n in joined:
+        if n in joined or n in v.lapsed:
             continue
         at = v.seen_at.get(n, v.opened_at)
         if at > v.opened_at + v.join_window:

@@ -10,8 +10,10 @@ watches only the leader's key. See docs/rendezvous.md, "Protocol".
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import time
 from typing import Any
 
@@ -22,6 +24,11 @@ from petctl_agent.rendezvous.layout import Rounds, key_name, latest_closed, load
 from petctl_agent.rendezvous.watcher import Watcher
 
 log = logging.getLogger("petctl_agent.rendezvous")
+
+#: a round open this long before the leader reads the leases of the nodes it waits for
+LAPSE_AFTER = 1.0
+#: the least time between two reads of one lease
+LAPSE_POLL = 0.25
 
 
 class Leadership:
@@ -44,6 +51,27 @@ class Leadership:
                     live.setdefault(n, 0)
         if self._reg_index is not None:
             live.setdefault(self.node_id, self._reg_index)
+        lapsed = self.__dict__.get("_lapsed_leader")
+        if lapsed is not None and lapsed[1] == rnum and lapsed[0] != self.node_id:
+            # the leader's lease is no longer kept alive (a hard loss): the next one leads until
+            # the round closes (its record puts the survivors first: the next one still leads)
+            live.pop(lapsed[0], None)
+        if not live:
+            return None
+        return decide.rank_order(base, set(live), lambda n: live.get(n, 0))[0]
+
+    def _successor(self, leader: str) -> str | None:
+        """Who leads if ``leader`` is gone, as far as this node knows (caller holds _cond)."""
+        rounds, _ = self._rounds_view()
+        rnum, rec = latest_closed(rounds)
+        rec = rec or self._last_record
+        base = list(rec["participants"]) if rec else []
+        live = dict(self._snap)
+        for n in base:
+            live.setdefault(n, 0)
+        if self._reg_index is not None:
+            live.setdefault(self.node_id, self._reg_index)
+        live.pop(leader, None)
         if not live:
             return None
         return decide.rank_order(base, set(live), lambda n: live.get(n, 0))[0]
@@ -94,8 +122,10 @@ class Leadership:
     def _follow(self, now: float) -> float | None:
         with self._cond:
             w = self._leader_w
-            if w is None or not w.synced or w.items or not w.connected:
+            if w is None or not w.synced or not w.connected:
                 return None
+            if w.items:
+                return self._watch_leader(now, w)
             since = max(w.reconnected_at, self._replaced_at)
             if now - since < self.cfg.reconnect_grace:
                 return self.cfg.reconnect_grace - (now - since) + 0.05
@@ -104,6 +134,32 @@ class Leadership:
             self._snapped_for = (w.key, w.revision)
         # the leader's key is gone (its lease ended or it left): read the membership, recompute
         self._snapshot()
+        return 0.0
+
+    def _watch_leader(self, now: float, w: Watcher) -> float | None:
+        """Joining while the leader's key lives: if we would lead without it and have waited
+        ``LAPSE_AFTER``, read its lease; not kept alive (a hard loss of the leader), we lead."""
+        with self._cond:
+            target = self._target
+            if target is None:
+                return None
+            since = self.__dict__.get("_waiting_since")
+            if since is None or since[0] != target:
+                since = self._waiting_since = (target, now)
+            if now < since[1] + LAPSE_AFTER:
+                return since[1] + LAPSE_AFTER - now + 0.01
+            leader = key_name(w.key)
+            if self._successor(leader) != self.node_id:
+                return None
+            rnum = latest_closed(self._rounds_view()[0])[0]
+            value = next(iter(w.items.values()))[0]
+        lapsed, due = self._lapsed(target, [leader], {leader: value})
+        if not lapsed:
+            return None if due is None else max(0.0, due - time.monotonic()) + 0.01
+        with self._cond:
+            self._lapsed_leader = (leader, rnum)
+            self._bump()
+        self._event(f"leading in place of {leader} (its lease is not kept alive)")
         return 0.0
 
     def _lead(self, now: float) -> float | None:
@@ -115,6 +171,7 @@ class Leadership:
             if now - since < self.cfg.reconnect_grace:
                 return self.cfg.reconnect_grace - (now - since) + 0.05
             live = {key_name(k): c for k, (_, c, _) in m.items.items()}
+            values = {key_name(k): v for k, (v, _, _) in m.items.items()}
             seen_at = {key_name(k): t for k, t in m.added_at.items()}
             rounds, closed = self._rounds_view()
             if closed:
@@ -140,7 +197,7 @@ class Leadership:
             return None
         with self._cond:
             opened_at = self._opened_at.setdefault(target, now)
-        return self._try_close(now, target, opened_at, live, seen_at, joins, members_rev, rounds, rec)
+        return self._try_close(now, target, opened_at, live, seen_at, joins, members_rev, rounds, rec, values)
 
     def _maybe_open(
         self, now: float, latest: int, rec: dict[str, Any], live: dict[str, int], ready: dict[str, float]
@@ -160,6 +217,58 @@ class Leadership:
             self._event(f"opened round {latest + 1}: waiting={len(waiting)} gone={len(gone)}")
         return None
 
+    def _lease_of(self, node: str, value: str | None) -> tuple[int, int]:
+        """A member's lease and its granted TTL: from its value (one read of its key for a node
+        whose value does not say)."""
+        try:
+            d = json.loads(value) if value else {}
+        except ValueError:
+            d = {}
+        if isinstance(d, dict) and d.get("lease"):
+            return int(d["lease"]), int(d.get("ttl") or self.cfg.ttl)
+        kv = self._etcd.get(self.keys.node(node))
+        return (kv.lease if kv is not None else 0), self.cfg.ttl
+
+    def _lapsed(
+        self, target: int, nodes: list[str], values: dict[str, str]
+    ) -> tuple[frozenset[str], float | None]:
+        """Of ``nodes`` (registered, not joined round ``target``), those whose lease is no longer
+        kept alive (:func:`.decide.lapsed`), and when to read the others again. One
+        LeaseTimeToLive per node and read, each lease read again no sooner than it could lapse."""
+        own = self._lease
+        if own is None:
+            return frozenset(), None
+        with self._cond:
+            memo: dict[tuple[str, int], float] = self.__dict__.setdefault("_lapse_memo", {})
+            if self.__dict__.get("_lapse_target") != target:
+                memo.clear()  # (node, lease) -> when to read it again; inf: lapsed
+                self._lapse_target = target
+        out: set[str] = set()
+        due: float | None = None
+        for n in nodes:
+            lease, granted = self._lease_of(n, values.get(n))
+            if not lease:
+                continue
+            at = memo.get((n, lease), 0.0)
+            if at == math.inf:
+                out.add(n)
+                continue
+            if time.monotonic() < at:
+                due = at if due is None else min(due, at)
+                continue
+            remaining, _ = self._etcd.time_to_live(lease)
+            t = time.monotonic()
+            own_silence = t - (own.deadline - own.ttl)  # since our last successful keepalive was sent
+            if decide.lapsed(remaining, granted, own_silence, self.cfg.refresh):
+                memo[(n, lease)] = math.inf
+                out.add(n)
+                self._event(f"lease of {n} not kept alive ({remaining}s of {granted}s left): not waited for")
+                continue
+            at = t + max(LAPSE_POLL, decide.lapse_recheck(remaining, granted, self.cfg.refresh))
+            memo[(n, lease)] = at
+            due = at if due is None else min(due, at)
+        return frozenset(out), due
+
     def _try_close(
         self,
         now: float,
@@ -171,6 +280,7 @@ class Leadership:
         members_rev: int,
         rounds: Rounds,
         rec: dict[str, Any] | None,
+        values: dict[str, str] | None = None,
     ) -> float | None:
         for n, j in joins.items():
             # joined, but its registration not seen yet (it is in flight on the other watch)
@@ -183,6 +293,20 @@ class Leadership:
             settle=self.cfg.settle, join_window=self.cfg.join_window, straggler=self.cfg.straggler,
         )  # fmt: skip
         parts, again = decide.close(view)
+        if parts is None and again is not None:
+            # waiting for a registered node: a hard loss (SIGKILL) holds its key until its lease
+            # expires; its lease read shows it is no longer kept alive (docs/rendezvous.md)
+            if now < opened_at + LAPSE_AFTER:
+                return min(again, opened_at + LAPSE_AFTER - now + 0.01)
+            waited = [
+                n for n in live
+                if n not in joins and seen_at.get(n, opened_at) <= opened_at + self.cfg.join_window
+            ]  # fmt: skip
+            lapsed, due = self._lapsed(target, waited, values or {})
+            if lapsed:
+                parts, again = decide.close(dataclasses.replace(view, lapsed=lapsed))
+            if parts is None and again is not None and due is not None:
+                again = min(again, max(0.0, due - time.monotonic()) + 0.01)
         if parts is None:
             return again
         left_out = sorted(n for n in live if n not in joins)

@@ -86,8 +86,9 @@ class Membership:
 
     def _register(self) -> None:
         """A new lease, and our member key on it (written once per registration)."""
-        value = json.dumps({"addr": self.addr, "pid": os.getpid()})
         lid, ttl = self._etcd.grant(self.cfg.ttl)
+        # the lease in the value: a leader checks it with one LeaseTimeToLive (no read of the key)
+        value = json.dumps({"addr": self.addr, "pid": os.getpid(), "lease": lid, "ttl": ttl})
         r = self._etcd.put(self.node_key, value, lease=lid, prev_kv=True)
         # re-registering while our key lives (same node id) keeps its revision: not a newcomer
         created = r.prev.create_revision if r.prev is not None else r.revision
