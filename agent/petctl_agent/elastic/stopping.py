@@ -96,8 +96,9 @@ class WorkerStops:
         is up -- gets SIGTERM, as torchrun does, and is waited for (the rest of ``timeout``, at
         least 5 s).
         """
-        # "leave": this node's memory snapshot goes with it, so the workers wait for EFS (a join's
-        # coordinated_stop leaves the file empty: every node keeps its snapshot)
+        # "leave": this node's memory snapshot goes with it, so the workers wait for EFS when no
+        # survivor can stand in for it (the rank-0 node, whose persister writes EFS, or every node
+        # leaving; checkpointing/memory.py). A join's coordinated_stop leaves the file empty.
         # (a temp file renamed over it: a worker reading while write_text truncated would see an
         # empty file, i.e. a join's stop, and not wait for EFS)
         tmp = self.drain_file.with_name(f".{self.drain_file.name}.{os.getpid()}.tmp")
