@@ -383,7 +383,9 @@ def test_a_terminal_agent_failure_is_not_restarted_and_counts_like_a_failed_boot
     # the job stopped: terminated before its agent ran)
     workers = cloud.instances("agent-bad", "worker")
     assert workers and all(inst["restarts"] == 0 for inst in workers), workers
-    assert any(inst["exit_code"] == 78 for inst in workers), workers
+    # (the S3 records above prove the exits 78; the instances listed now may all be later boots
+    # whose agent had not run when the job stopped: ci3 of stop 23 saw just that under load)
+    assert all(inst.get("exit_code") in (78, None) for inst in workers), workers
     # every failed instance was marked Unhealthy and replaced (terminated), none left billing
     wait_for(
         lambda: all(
