@@ -72,8 +72,11 @@ def finish(
         except Exception as e:  # noqa: BLE001
             log.debug("rendezvous shutdown: %s", e)
         pub.event("succeeded", last_step=last_step())
-        pub.update(state="SUCCEEDED", reason=None)
+        # Zero first, then SUCCEEDED: the publisher thread sends a state change at once, so a
+        # user (or a script) who sees SUCCEEDED must already see the groups at zero (CI of stop
+        # 23 read SUCCEEDED with desired still 2, the update call still in flight under load).
         lifecycle.scale_groups_to_zero()
+        pub.update(state="SUCCEEDED", reason=None)
         _forget_ca_key(lifecycle)
         lifecycle.complete_action_at_end(lifecycle_wait)
         pub.close()
@@ -90,10 +93,11 @@ def finish(
         handler.shutdown()  # unrecoverable: close it so the other nodes stop too
     except Exception:  # noqa: BLE001
         pass
-    rc = fail(pub, fail_reason or "unknown failure", EXIT_TERMINAL)
     # A failed job must not keep paying for idle instances (the ASG would replace them and
     # systemd would restart the agent): stop the groups; the status, logs and checkpoints stay.
+    # Zero before FAILED is published, as for SUCCEEDED above.
     lifecycle.scale_groups_to_zero()
+    rc = fail(pub, fail_reason or "unknown failure", EXIT_TERMINAL)
     _forget_ca_key(lifecycle)
     lifecycle.complete_action_at_end(lifecycle_wait)
     pub.close()
