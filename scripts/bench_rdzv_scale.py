@@ -545,6 +545,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="N=16 everywhere, short windows (the test's mode)")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument(
+        "--light",
+        action="store_true",
+        help="one keepalive thread per participant process (rdzv_sim.KeepaliveHub)",
+    )
+    ap.add_argument(
         "--etcd-binary", default="etcd", help="the etcd to run (e.g. Debian's /usr/bin/etcd, 3.4)"
     )
     if "--quick" in (sys.argv[1:] if argv is None else argv):  # new defaults; flags given still win
@@ -552,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.set_defaults(settle=1.0, timeout=30.0, straggler_wait=15.0, observe=4.0)
     a = ap.parse_args(argv)
     a.conf = parse_conf(a.conf)
+    if a.light:
+        os.environ["PETCTL_SIM_LIGHT"] = "1"  # the forked participant processes read it
     logging.basicConfig(level=logging.WARNING)
     rows: list[dict[str, Any]] = []
     t_all = time.monotonic()

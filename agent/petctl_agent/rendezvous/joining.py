@@ -115,19 +115,18 @@ class Joining:
             if closed_rec is not None and target is not None:
                 try:
                     rank = read_rank(self._etcd, self.keys, target, closed_rec, self.node_id)
-                except TRANSIENT as e:
+                except TRANSIENT as e:  # read again after the wait below (the join timeout still runs)
                     self._client_error(e)
                     log.info("reading our rank of round %d failed (%s); retrying", target, e)
-                    time.sleep(0.2)
+                else:
+                    with self._cond:
+                        # a record read before etcd was replaced is the old etcd's: never accept it
+                        if rank is not None and epoch[1] == self._generation and not self._left:
+                            return self._accept(target, closed_rec, rank, t0)
+                    if rank is None:
+                        self._event(f"round {target} closed without us")
+                    target = None
                     continue
-                with self._cond:
-                    # a record read before etcd was replaced is the old etcd's: never accept it
-                    if rank is not None and epoch[1] == self._generation and not self._left:
-                        return self._accept(target, closed_rec, rank, t0)
-                if rank is None:
-                    self._event(f"round {target} closed without us")
-                target = None
-                continue
             if time.monotonic() > deadline:
                 with self._cond:
                     self._target = None
