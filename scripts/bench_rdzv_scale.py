@@ -45,6 +45,7 @@ import os
 import platform
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -496,6 +497,16 @@ def parse_conf(s: str) -> dict[str, Any]:
     return out
 
 
+def _etcd_version(binary: str) -> str:
+    try:
+        out = subprocess.run(
+            [shutil.which(binary) or binary, "--version"], capture_output=True, text=True, timeout=10
+        )
+    except OSError as e:
+        return f"? ({e})"
+    return out.stdout.splitlines()[0] if out.stdout else "?"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Prediction for ``--predict`` nodes: steady-state writes and requests scale the measured
     per-node rates linearly; bytes and time per round follow the power law y = c N^k through the
@@ -533,16 +544,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--predict", type=int, default=5000)
     ap.add_argument("--quick", action="store_true", help="N=16 everywhere, short windows (the test's mode)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument(
+        "--light",
+        action="store_true",
+        help="one keepalive thread per participant process (rdzv_sim.KeepaliveHub)",
+    )
+    ap.add_argument(
+        "--etcd-binary", default="etcd", help="the etcd to run (e.g. Debian's /usr/bin/etcd, 3.4)"
+    )
     if "--quick" in (sys.argv[1:] if argv is None else argv):  # new defaults; flags given still win
         ap.set_defaults(n=16, fault_n=8, scale_from=8, scale_to=16, arrival=3.0, spread=3.0, window=3.0)
         ap.set_defaults(settle=1.0, timeout=30.0, straggler_wait=15.0, observe=4.0)
     a = ap.parse_args(argv)
     a.conf = parse_conf(a.conf)
+    if a.light:
+        os.environ["PETCTL_SIM_LIGHT"] = "1"  # the forked participant processes read it
     logging.basicConfig(level=logging.WARNING)
     rows: list[dict[str, Any]] = []
     t_all = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="rdzv-scale-") as tmp:
-        etcd = Etcd(Path(tmp))
+        etcd = Etcd(Path(tmp), binary=a.etcd_binary)
         etcd.start()
         try:
             for sc in a.scenarios.split(","):
@@ -573,7 +594,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nprediction for {a.predict} nodes: {json.dumps(pred)}")
     doc = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "host": {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine()},
+        "host": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "etcd": _etcd_version(a.etcd_binary),
+        },  # fmt: skip
         "wall_s": round(time.monotonic() - t_all, 1),
         "rows": rows,
         "prediction": pred,

@@ -242,6 +242,64 @@ def _participant(plan: Plan, spec: Spec, h: Any) -> None:
             q.put(("error", spec.idx, time.monotonic(), f"{type(e).__name__}: {e}"))
 
 
+class KeepaliveHub:
+    """Light participants (``PETCTL_SIM_LIGHT=1``, the bench's ``--light``): one thread per
+    process renews every membership lease of its participants, each every its own ``interval``
+    as its own thread would (the same request, the same deadline and loss rules as
+    ``etcdv3.Lease._run``), instead of one thread per lease. The handler's code is unchanged;
+    this only spares a 2-core machine a thousand keepalive threads."""
+
+    def __init__(self) -> None:
+        self.leases: list[Any] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._run, name="sim-keepalives", daemon=True).start()
+
+    def install(self) -> None:
+        from petctl_agent.rendezvous import etcdv3 as v3
+
+        hub = self
+
+        def start(lease: Any) -> Any:
+            lease._next = time.monotonic() + lease.interval  # noqa: SLF001
+            with hub.lock:
+                hub.leases.append(lease)
+            return lease
+
+        v3.Lease.start = start  # type: ignore[method-assign]
+
+    def _once(self, lease: Any) -> bool:
+        """One keepalive; False when the lease is lost (no more renewals)."""
+        from petctl_agent.rendezvous import etcdv3 as v3
+
+        sent = time.monotonic()
+        budget = max(0.1, min(lease.client.timeout, lease.deadline - sent))
+        try:
+            ttl = lease.client.keepalive_once(lease.id, timeout=budget)
+        except v3.LeaseNotFound:
+            lease._lose()  # noqa: SLF001
+            return False
+        except v3.EtcdError:
+            if time.monotonic() >= lease.deadline:
+                lease._lose()  # noqa: SLF001
+                return False
+            return True
+        lease.deadline = sent + ttl
+        lease.keepalives += 1
+        return True
+
+    def _run(self) -> None:
+        while True:
+            now = time.monotonic()
+            with self.lock:
+                self.leases = [x for x in self.leases if not x._stop.is_set() and not x.lost.is_set()]  # noqa: SLF001
+                due = [x for x in self.leases if x._next <= now]  # noqa: SLF001
+            for x in due:
+                x._next = time.monotonic() + x.interval  # noqa: SLF001
+                if not x._stop.is_set() and not self._once(x):  # noqa: SLF001
+                    x._stop.set()  # noqa: SLF001
+            time.sleep(0.02)
+
+
 def _process(plan: Plan, specs: list[Spec], row: int) -> None:
     """One participant process: its participants as threads; leaves when ``plan.stop`` is set."""
     logging.basicConfig(level=logging.WARNING)
@@ -250,6 +308,8 @@ def _process(plan: Plan, specs: list[Spec], row: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     io = _Io(plan.io, row * len(IO_KINDS))
     install_io_counters(io)
+    if os.environ.get("PETCTL_SIM_LIGHT") == "1":
+        KeepaliveHub().install()
     from petctl_agent.rendezvous import PetctlRendezvousHandler
 
     cfg = make_config(plan.conf)

@@ -155,3 +155,25 @@ def test_a_longer_keepalive_interval_needs_a_longer_silence() -> None:
     assert not lapsed(3, 6, 0.1, refresh=2.0) and lapsed(2, 6, 0.1, refresh=2.0)
     assert not lapsed(2, 6, 0.6, refresh=2.0), "our own silence 0.6 s: 3 s is not 2.5 s more"
     assert lapse_recheck(5, 6, refresh=2.0) == 2.0
+
+
+def test_with_no_closed_round_the_order_comes_from_what_the_joins_remember() -> None:
+    """etcd replaced (no record on the new etcd): each join's ``prev`` ([round, rank]) keeps the
+    survivors' order; only the newest round's count (an older ``prev`` is a node that was left
+    out since), and a join without one is a newcomer (ordered after, by registration)."""
+    from petctl_agent.rendezvous.leader import _order_from_joins
+
+    joins = {
+        "c": {"prev": [7, 0]},
+        "a": {"prev": [7, 2]},
+        "b": {"prev": [7, 1]},
+        "old": {"prev": [5, 0]},
+        "new": {},
+        "junk": {"prev": "x"},
+    }
+    assert _order_from_joins(joins) == ["c", "b", "a"]
+    assert _order_from_joins({"new": {}}) == []
+    order = rank_order(
+        _order_from_joins(joins), set(joins), lambda n: {"new": 3, "old": 1, "junk": 2}.get(n, 9)
+    )
+    assert order == ["c", "b", "a", "old", "junk", "new"]

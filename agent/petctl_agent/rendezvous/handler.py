@@ -97,7 +97,17 @@ class PetctlRendezvousHandler(Membership, Leadership, Joining, RendezvousHandler
         self._snap_index = 0
         self._round: int | None = None  # the round we run in (None while joining / before)
         self._record: dict[str, Any] | None = None
-        self._last_record: dict[str, Any] | None = None  # survives etcd replacement: rank order
+        self._last_record: dict[str, Any] | None = None  # survives etcd replacement: the head
+        self._last_rank: tuple[int, int] | None = None  # (round, rank) we last ran with: put in our joins
+        #: leader: (etcd generation, round) -> that round's full rank order (closed it, or read members/<r>)
+        self._order: dict[tuple[int, int], list[str]] = {}
+        #: leader: (node, lease) -> when to read that lease again (inf: lapsed), for round _lapse_target
+        self._lapse_memo: dict[tuple[str, int], float] = {}
+        self._lapse_target: int | None = None
+        #: (dead leader, latest closed round): not a candidate until a round closes (hard loss)
+        self._lapsed_leader: tuple[str, int] | None = None
+        #: follower: (round joining, since when): the leader's lease is read LAPSE_AFTER after it
+        self._waiting_since: tuple[int, float] | None = None
         self._target: int | None = None  # the round we are joining
         self._expected_cache: tuple[float, int | None] = (float("-inf"), None)
         self._snapped_for: tuple[str, int] | None = None
@@ -146,7 +156,8 @@ class PetctlRendezvousHandler(Membership, Leadership, Joining, RendezvousHandler
         return self.run_id
 
     def pending_change(self) -> dict[str, Any] | None:
-        """Why the current round must end, or None: ``{"round", "reason", "waiting", "gone"}``.
+        """Why the current round must end, or None: ``{"round", "reason", "waiting", "gone",
+        "n_waiting", "n_gone"}`` (the lists hold the marker's first ids, the counts all of them).
 
         ``gone`` non-empty (or ``reason`` "round record gone") means a participant is missing:
         the workers cannot take a coordinated checkpoint. Reads local state only (no request).
@@ -161,14 +172,20 @@ class PetctlRendezvousHandler(Membership, Leadership, Joining, RendezvousHandler
                 reason = "new round opened" if v.get("state") == "open" else "a newer round closed without us"
                 if v.get("rejoin"):
                     reason = "a participant re-joined"
+                waiting, gone = list(v.get("waiting", [])), list(v.get("gone", []))
                 return {
                     "round": newer[0],
                     "reason": reason,
-                    "waiting": list(v.get("waiting", [])),
-                    "gone": list(v.get("gone", [])),
+                    "waiting": waiting,  # the first MARKER_IDS ids; their number: n_waiting
+                    "gone": gone,
+                    "n_waiting": int(v.get("n_waiting", len(waiting))),
+                    "n_gone": int(v.get("n_gone", len(gone))),
                 }
             if self._round not in rounds and self._rounds.connected:
-                return {"round": self._round + 1, "reason": "round record gone", "waiting": [], "gone": []}
+                return {
+                    "round": self._round + 1, "reason": "round record gone",
+                    "waiting": [], "gone": [], "n_waiting": 0, "n_gone": 0,
+                }  # fmt: skip
             return None
 
     def wait_for_change(self, timeout: float) -> dict[str, Any] | None:
@@ -194,7 +211,7 @@ class PetctlRendezvousHandler(Membership, Leadership, Joining, RendezvousHandler
         ch = self.pending_change()
         if ch is None:
             return 0
-        return max(1, len(ch["waiting"]) + len(ch["gone"]))
+        return max(1, ch["n_waiting"] + ch["n_gone"])
 
     def is_closed(self) -> bool:
         with self._cond:

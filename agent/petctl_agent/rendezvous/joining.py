@@ -1,8 +1,8 @@
 """Joining: :meth:`next_rendezvous`, the caller's side of a round.
 
 A node joins round ``latest closed + 1`` (``joins/<r>/<id>``, on its lease) and waits until the
-leader's record of that round names it (then it has its rank) or leaves it out (then it joins the
-next).
+leader's record of that round is written; then it reads its own rank key under the record's
+nonce once: there, it has its rank; missing, it was left out and joins the next round.
 It picks its round only from a rounds view read since the last etcd error, and picks again
 when it re-registered or etcd lost its state.
 """
@@ -28,6 +28,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from petctl_agent.rendezvous import etcdv3 as v3
 from petctl_agent.rendezvous.client import TRANSIENT
 from petctl_agent.rendezvous.layout import Rounds, latest_closed
+from petctl_agent.rendezvous.leader import read_rank
 
 log = logging.getLogger("petctl_agent.rendezvous")
 
@@ -91,6 +92,7 @@ class Joining:
         target: int | None = None
         join_epoch: tuple[int, int] = (-1, -1)
         while True:
+            closed_rec: dict[str, Any] | None = None
             with self._cond:
                 if self._left:
                     self._target = None
@@ -105,15 +107,26 @@ class Joining:
                 if target is not None and synced:
                     got = rounds.get(target)
                     if got is not None and got[0].get("state") == "closed":
-                        rec = got[0]
-                        if self.node_id in rec.get("participants", []):
-                            return self._accept(target, rec, t0)
-                        self._event(f"round {target} closed without us")
-                        target = None
+                        closed_rec = got[0]
                     elif latest_closed(rounds)[0] >= target or epoch != join_epoch:
                         target = None
                 latest, _ = latest_closed(rounds)
                 version = self._version
+            if closed_rec is not None and target is not None:
+                try:
+                    rank = read_rank(self._etcd, self.keys, target, closed_rec, self.node_id)
+                except TRANSIENT as e:  # read again after the wait below (the join timeout still runs)
+                    self._client_error(e)
+                    log.info("reading our rank of round %d failed (%s); retrying", target, e)
+                else:
+                    with self._cond:
+                        # a record read before etcd was replaced is the old etcd's: never accept it
+                        if rank is not None and epoch[1] == self._generation and not self._left:
+                            return self._accept(target, closed_rec, rank, t0)
+                    if rank is None:
+                        self._event(f"round {target} closed without us")
+                    target = None
+                    continue
             if time.monotonic() > deadline:
                 with self._cond:
                     self._target = None
@@ -144,14 +157,19 @@ class Joining:
         latest: int,
         rounds: Rounds,
     ) -> None:
-        value = {"addr": self.addr, "port": _free_port(self.addr), "reg": self._reg_index or 0}
+        value: dict[str, Any] = {
+            "addr": self.addr,
+            "port": _free_port(self.addr),
+            "reg": self._reg_index or 0,
+        }
+        if self._last_rank is not None:
+            value["prev"] = list(self._last_rank)  # [round, rank]: the order kept if etcd is replaced
         lease = self._lease.id if self._lease is not None else 0
         self._etcd.put(self.keys.join(target, self.node_id), json.dumps(value), lease=lease)
         if (
             prev_round is not None
             and prev_round == latest
-            and prev_record is not None
-            and self.node_id in prev_record.get("participants", [])
+            and prev_record is not None  # we ran in it (a record is kept only for a round we ran in)
             and target not in rounds
         ):
             # a participant of the running round wants a new one (its workers stopped): tell everyone
@@ -163,23 +181,23 @@ class Joining:
             self._bump()
         self._event(f"joined round {target}")
 
-    def _accept(self, target: int, rec: dict[str, Any], t0: float) -> RendezvousInfo:
+    def _accept(self, target: int, rec: dict[str, Any], rank: int, t0: float) -> RendezvousInfo:
         """Caller holds _cond."""
         from petctl_agent.rendezvous.store import V3Store
 
         self._round, self._record, self._last_record, self._target = target, rec, rec, None
+        self._last_rank = (target, rank)
         if self._joins is not None:
             self._joins.stop()
             self._joins = None
         self._bump()
-        parts = rec["participants"]
-        rank = parts.index(self.node_id)
+        world = int(rec["n"])
         store = V3Store(self._etcd, self.keys.store(target), timedelta(seconds=self.cfg.store_timeout))
-        self._event(f"round {target} rank {rank}/{len(parts)}")
+        self._event(f"round {target} rank {rank}/{world}")
         log.info(
             "rendezvous %s round %d: rank %d of %d (master %s:%s) after %.3fs",
-            self.run_id, target, rank, len(parts), rec["master_addr"], rec["master_port"], time.monotonic() - t0,
+            self.run_id, target, rank, world, rec["master_addr"], rec["master_port"], time.monotonic() - t0,
         )  # fmt: skip
         return RendezvousInfo(
-            store, rank, len(parts), RendezvousStoreInfo(rec["master_addr"], int(rec["master_port"]))
+            store, rank, world, RendezvousStoreInfo(rec["master_addr"], int(rec["master_port"]))
         )

@@ -2,8 +2,9 @@
 
 All keys of a run sit under ``<prefix>/<run_id>/``: ``nodes/<id>`` (membership, on the node's
 lease), ``rounds/<r>`` (open marker, then the record; ``rounds/closed``), ``joins/<r>/<id>`` (on
-the node's lease) and ``store/<r>/...`` (the agent-side store). Round numbers have 10 digits, so
-keys sort by round.
+the node's lease), ``ranks/<r>/<nonce>/<id>`` (each participant's rank, read once by that node),
+``members/<r>`` (the full rank order, read only by a leader that takes over) and
+``store/<r>/...`` (the agent-side store). Round numbers have 10 digits, so keys sort by round.
 """
 
 from __future__ import annotations
@@ -40,6 +41,24 @@ class Keys:
 
     def store(self, r: int) -> str:
         return f"{self.base}/store/{r:010d}/"
+
+    def ranks(self, r: int) -> str:
+        return f"{self.base}/ranks/{r:010d}/"
+
+    def rank(self, r: int, nonce: str, node_id: str) -> str:
+        return f"{self.ranks(r)}{nonce}/{node_id}"
+
+    def members(self, r: int) -> str:
+        return f"{self.base}/members/{r:010d}"
+
+
+#: ids at the head of a record (the leader and its successors): what finding the leader reads
+HEAD = 8
+
+
+def head(rec: dict[str, Any] | None) -> list[str]:
+    """The first ids of a record's rank order (its ``head``); [] for none."""
+    return list((rec or {}).get("head", []))
 
 
 def key_name(key: str) -> str:

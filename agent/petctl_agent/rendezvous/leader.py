@@ -15,12 +15,13 @@ import json
 import logging
 import math
 import time
+import uuid
 from typing import Any
 
 from petctl_agent.rendezvous import decide
 from petctl_agent.rendezvous import etcdv3 as v3
 from petctl_agent.rendezvous.client import TRANSIENT
-from petctl_agent.rendezvous.layout import Rounds, key_name, latest_closed, loads
+from petctl_agent.rendezvous.layout import HEAD, Keys, head, key_name, latest_closed, loads
 from petctl_agent.rendezvous.watcher import Watcher
 
 log = logging.getLogger("petctl_agent.rendezvous")
@@ -29,6 +30,59 @@ log = logging.getLogger("petctl_agent.rendezvous")
 LAPSE_AFTER = 1.0
 #: the least time between two reads of one lease
 LAPSE_POLL = 0.25
+#: etcd's default ``--max-txn-ops``: the most operations one txn may carry (etcd-io/etcd#7976)
+MAX_TXN_OPS = 128
+#: ids of the open marker's ``waiting`` and ``gone`` lists (their counts are in ``n_waiting``, ``n_gone``)
+MARKER_IDS = 16
+
+
+def publish_round(
+    etcd: v3.Client,
+    keys: Keys,
+    target: int,
+    parts: list[str],
+    record: dict[str, Any],
+    cmp: list[dict[str, Any]],
+    ops: list[dict[str, Any]],
+) -> tuple[v3.TxnResult, dict[str, Any]]:
+    """Close round ``target`` with ``parts`` (rank order): each participant's rank in its own key
+    ``ranks/<target>/<nonce>/<id>`` (batches of at most ``MAX_TXN_OPS`` puts, written before the
+    record), then one txn guarded by ``cmp`` that writes the record (naming the nonce) and the full
+    order (``members/<target>``), deletes round ``target - 2``'s ranks and order, and runs ``ops``
+    (at most ``MAX_TXN_OPS - 4``). A leader that loses the race leaves rank keys only
+    under a nonce no record names; they go with the round's other keys (``ranks/<target>/`` is
+    deleted when round ``target + 2`` closes). Returns the txn's result and the record."""
+    nonce = uuid.uuid4().hex[:12]
+    puts = [v3.put_op(keys.rank(target, nonce, n), str(i)) for i, n in enumerate(parts)]
+    for i in range(0, len(puts), MAX_TXN_OPS):
+        etcd.txn([], puts[i : i + MAX_TXN_OPS])
+    rec = {
+        **record,
+        "state": "closed",
+        "round": target,
+        "n": len(parts),
+        "head": parts[:HEAD],
+        "nonce": nonce,
+    }
+    ops = [
+        v3.put_op(keys.round(target), json.dumps(rec)),
+        v3.put_op(keys.members(target), json.dumps(parts)),
+        v3.delete_op(keys.ranks(target - 2), prefix=True),  # every nonce's, a lost race's too
+        v3.delete_op(keys.members(target - 2)),
+        *ops,
+    ]
+    return etcd.txn(cmp, ops), rec
+
+
+def read_rank(etcd: v3.Client, keys: Keys, target: int, rec: dict[str, Any], node_id: str) -> int | None:
+    """This node's rank in closed round ``target`` (its record ``rec``); None: left out."""
+    kv = etcd.get(keys.rank(target, str(rec.get("nonce", "")), node_id))
+    if kv is None:
+        return None
+    try:
+        return int(kv.text)
+    except ValueError:
+        return None
 
 
 class Leadership:
@@ -39,8 +93,7 @@ class Leadership:
         """The first live node in rank order, as far as this node knows (caller holds _cond)."""
         rounds, _ = self._rounds_view()
         rnum, rec = latest_closed(rounds)
-        rec = rec or self._last_record
-        base = list(rec["participants"]) if rec else []
+        base = head(rec or self._last_record)
         if self._members is not None and self._members.synced:
             live = {key_name(k): c for k, (_, c, _) in self._members.items.items()}
         else:
@@ -51,7 +104,7 @@ class Leadership:
                     live.setdefault(n, 0)
         if self._reg_index is not None:
             live.setdefault(self.node_id, self._reg_index)
-        lapsed = self.__dict__.get("_lapsed_leader")
+        lapsed = self._lapsed_leader
         if lapsed is not None and lapsed[1] == rnum and lapsed[0] != self.node_id:
             # the leader's lease is no longer kept alive (a hard loss): the next one leads until
             # the round closes (its record puts the survivors first: the next one still leads)
@@ -63,9 +116,8 @@ class Leadership:
     def _successor(self, leader: str) -> str | None:
         """Who leads if ``leader`` is gone, as far as this node knows (caller holds _cond)."""
         rounds, _ = self._rounds_view()
-        rnum, rec = latest_closed(rounds)
-        rec = rec or self._last_record
-        base = list(rec["participants"]) if rec else []
+        _, rec = latest_closed(rounds)
+        base = head(rec or self._last_record)
         live = dict(self._snap)
         for n in base:
             live.setdefault(n, 0)
@@ -143,7 +195,7 @@ class Leadership:
             target = self._target
             if target is None:
                 return None
-            since = self.__dict__.get("_waiting_since")
+            since = self._waiting_since
             if since is None or since[0] != target:
                 since = self._waiting_since = (target, now)
             if now < since[1] + LAPSE_AFTER:
@@ -191,26 +243,57 @@ class Leadership:
             ready = {key_name(k): self._joins.added_at.get(k, now) for k in self._joins.items}
             marker = rounds.get(target)
             members_rev = m.revision
+        if marker is None and not joins and rec is None:
+            return None
+        order = self._order_of(latest, rec)
         if rec is not None and marker is None:
-            return self._maybe_open(now, latest, rec, live, ready)
+            return self._maybe_open(now, latest, order, live, ready)
         if marker is None and not joins:
             return None
         with self._cond:
             opened_at = self._opened_at.setdefault(target, now)
-        return self._try_close(now, target, opened_at, live, seen_at, joins, members_rev, rounds, rec, values)
+        base = order if rec is not None else _order_from_joins(joins)
+        return self._try_close(now, target, opened_at, live, seen_at, joins, members_rev, base, values)
+
+    def _order_of(self, latest: int, rec: dict[str, Any] | None) -> list[str]:
+        """The full rank order of closed round ``latest``: known if we closed it or read it
+        before, else one read of ``members/<latest>`` (a leader that takes over)."""
+        if rec is None:
+            return []
+        with self._cond:
+            key = (self._generation, latest)
+            got = self._order.get(key)
+        if got is not None:
+            return got
+        kv = self._etcd.get(self.keys.members(latest))
+        try:
+            order = json.loads(kv.text) if kv is not None else None
+        except ValueError:
+            order = None
+        if not isinstance(order, list):
+            log.warning(
+                "round %d: no member list (%s); using the record's head", latest, self.keys.members(latest)
+            )
+            return head(rec)
+        with self._cond:
+            self._order = {k: v for k, v in self._order.items() if k[0] == key[0] and k[1] >= latest - 1}
+            self._order[key] = order
+        return order
 
     def _maybe_open(
-        self, now: float, latest: int, rec: dict[str, Any], live: dict[str, int], ready: dict[str, float]
+        self, now: float, latest: int, order: list[str], live: dict[str, int], ready: dict[str, float]
     ) -> float | None:
         """Leader of a running round: announce the next round when the membership changed."""
-        view = decide.OpenView(
-            now, rec["participants"], live, ready, self.max_nodes, self._expected(), self.cfg.hint_wait
-        )
+        view = decide.OpenView(now, order, live, ready, self.max_nodes, self._expected(), self.cfg.hint_wait)
         got, again = decide.open_round(view)
         if got is None:
             return again
         waiting, gone = got
-        marker = {"state": "open", "by": self.node_id, "waiting": waiting, "gone": gone}
+        marker = {
+            "state": "open", "by": self.node_id,
+            "waiting": waiting[:MARKER_IDS], "n_waiting": len(waiting),
+            "gone": gone[:MARKER_IDS], "n_gone": len(gone),
+        }  # fmt: skip
         key = self.keys.round(latest + 1)
         r = self._etcd.txn([v3.compare(key, "create", "==", 0)], [v3.put_op(key, json.dumps(marker))])
         if r.succeeded:
@@ -239,8 +322,8 @@ class Leadership:
         if own is None:
             return frozenset(), None
         with self._cond:
-            memo: dict[tuple[str, int], float] = self.__dict__.setdefault("_lapse_memo", {})
-            if self.__dict__.get("_lapse_target") != target:
+            memo = self._lapse_memo
+            if self._lapse_target != target:
                 memo.clear()  # (node, lease) -> when to read it again; inf: lapsed
                 self._lapse_target = target
         out: set[str] = set()
@@ -278,15 +361,13 @@ class Leadership:
         seen_at: dict[str, float],
         joins: dict[str, dict[str, Any]],
         members_rev: int,
-        rounds: Rounds,
-        rec: dict[str, Any] | None,
+        base: list[str],
         values: dict[str, str] | None = None,
     ) -> float | None:
         for n, j in joins.items():
             # joined, but its registration not seen yet (it is in flight on the other watch)
             if n not in live and int(j.get("reg", 0)) > members_rev:
                 return None
-        base = list((rec or self._last_record or {}).get("participants", []))
         view = decide.CloseView(
             now=now, opened_at=opened_at, live=live, seen_at=seen_at, joined=set(joins), base=base,
             min_nodes=self.min_nodes, max_nodes=self.max_nodes, expected=self._expected(),
@@ -311,9 +392,6 @@ class Leadership:
             return again
         left_out = sorted(n for n in live if n not in joins)
         record = {
-            "state": "closed",
-            "round": target,
-            "participants": parts,
             "master_addr": joins[parts[0]].get("addr"),
             "master_port": int(joins[parts[0]]["port"]),
             "leader": self.node_id,
@@ -324,7 +402,6 @@ class Leadership:
             prev = self._rounds.items.get(self.keys.round(target - 1)) if self._rounds is not None else None
         cmp = v3.compare(key, "mod", "==", cur[2]) if cur else v3.compare(key, "create", "==", 0)
         ops = [
-            v3.put_op(key, json.dumps(record)),
             v3.delete_op(self.keys.joins(target - 1), prefix=True),
             v3.delete_op(self.keys.store(target - 2), prefix=True),
         ]
@@ -332,15 +409,30 @@ class Leadership:
             # only the record just replaced gets a TTL; older ones got theirs when they were replaced
             lid, _ = self._etcd.grant(self.cfg.record_ttl)
             ops.append(v3.put_op(self.keys.round(target - 1), prev[0], lease=lid))
-        r = self._etcd.txn([cmp], ops)
+        r, rec = publish_round(self._etcd, self.keys, target, parts, record, [cmp], ops)
         if not r.succeeded:
-            return None  # someone else wrote it; the rounds watch brings it
+            return None  # someone else wrote it; the rounds watch brings it (our ranks: an unnamed nonce)
         self._event(
             f"closed round {target} with {len(parts)}" + (f", left out {left_out}" if left_out else "")
         )
         with self._cond:
             if self._rounds is not None and not self._rounds.stopped:
-                self._rounds.items[key] = (json.dumps(record), cur[1] if cur else r.revision, r.revision)
+                self._rounds.items[key] = (json.dumps(rec), cur[1] if cur else r.revision, r.revision)
+            self._order[(self._generation, target)] = parts
             self._opened_at.pop(target, None)
             self._bump()
         return None
+
+
+def _order_from_joins(joins: dict[str, dict[str, Any]]) -> list[str]:
+    """With no closed round in this etcd (a first round, or etcd replaced): the rank order each
+    joined node remembers (``prev``: its last round and rank), those of the newest round only."""
+    prevs: dict[str, tuple[int, int]] = {}
+    for n, j in joins.items():
+        p = j.get("prev")
+        if isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) for x in p):
+            prevs[n] = (p[0], p[1])
+    if not prevs:
+        return []
+    top = max(r for r, _ in prevs.values())
+    return sorted((n for n, (r, _) in prevs.items() if r == top), key=lambda n: prevs[n][1])

@@ -76,6 +76,7 @@ class Membership:
             self._members = self._leader_w = self._joins = None
             self._snapped_for = None
             self._opened_at.clear()
+            self._order.clear()
             if self._rounds is not None:
                 self._rounds.stop()
                 self._rounds = Watcher(self, self.keys.rounds, True, self.cfg.watch_timeout).start()
