@@ -92,7 +92,9 @@ def test_elastic_job_on_the_local_cloud(local_home, tmp_path):
     # instances leave service within a bounded wait: nothing keeps costing money
     assert final["desired"] == 0, final["desired"]
     assert demo.wait_for(
-        "the finished job's group out of service", lambda s: s["desired"] == 0 and s["in_service"] == 0, timeout=60
+        "the finished job's group out of service",
+        lambda s: s["desired"] == 0 and s["in_service"] == 0,
+        timeout=60,
     ), report
 
     # every checkpoint on the shared filesystem loads; the newest is the last step
