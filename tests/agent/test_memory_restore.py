@@ -206,6 +206,99 @@ def test_source_killed_mid_transfer_every_rank_exits_then_next_source_serves(tmp
     assert res[1]["report"]["bytes"] >= n * 4
 
 
+def test_a_rank_restored_from_a_peer_keeps_the_step_so_its_next_restart_restores_from_itself(
+    tmp_path: Path,
+) -> None:
+    """Node 1 (a newcomer) gets step 6 from node 0 and writes it into its own store, complete (no
+    checkpoint follows). Node 0 is then lost: node 1's next restart, with a second newcomer,
+    restores from itself and serves the newcomer -- never EFS, whose file is unreadable."""
+    efs = tmp_path / "efs"
+    _efs_with_a_broken_step_4(efs)
+    n = 1 << 20  # 4 MiB
+    _snap(tmp_path / "n0", 6, n)
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "6"}  # restore only: no step, no checkpoint
+    first = [
+        _res(cp)
+        for cp in _ranks(tmp_path, [{**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}")} for r in (0, 1)])
+    ]
+    assert [r["report"]["source"] for r in first] == ["self", "peer"]
+    assert first[1]["report"]["kept_seconds"] >= 0
+    kept = SnapshotStore(tmp_path / "n1", memory.NAME)
+    assert kept.newest() is not None and kept.newest().step == 6  # complete: the header is in place
+    assert torch.equal(kept.load(6)["w"], torch.full((n,), 6.0))  # every crc32 checks
+    # node 0 is gone; node 1 (now rank 0) and a newcomer, node 2
+    second = _ranks(
+        tmp_path, [{**base, "TOTAL": "7", "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}")} for r in (1, 2)]
+    )
+    res = [_res(cp) for cp in second]
+    assert [r["report"]["source"] for r in res] == ["self", "peer"]
+    assert [r["start"] for r in res] == [7, 7] and all(r["w"] == [7.0] * 4 for r in res)
+
+
+def test_a_newcomer_that_becomes_rank_0_has_the_restored_step_persisted(
+    shm_base: Path, tmp_path: Path
+) -> None:
+    """EFS holds step 4; node 0 holds step 6 in memory. A newcomer (its agent's persister serving
+    its store) becomes rank 0 and restores step 6 from node 0: its persister writes step 6 to EFS
+    although no checkpoint follows -- EFS never lags the job by more than one persist."""
+    efs = tmp_path / "efs"
+    ckpt.save({"w": torch.full((4,), 4.0)}, 4, efs)
+    _snap(tmp_path / "n0", 6)
+    area = SnapshotArea.open(shm_base, "j", "i-new", Pub())
+    assert area is not None
+    try:
+        deadline = time.monotonic() + 10
+        while not persist.served(area.dir):
+            assert time.monotonic() < deadline, "the persister never took its lock"
+            time.sleep(0.05)
+        base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "6"}  # restore only: no checkpoint
+        res = [
+            _res(cp)
+            for cp in _ranks(
+                tmp_path,
+                [
+                    {**base, "PETCTL_SNAPSHOT_DIR": str(area.dir)},
+                    {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n0")},
+                ],
+            )
+        ]
+        assert [r["report"]["source"] for r in res] == ["peer", "self"]
+        deadline = time.monotonic() + 30
+        while ckpt.latest_step(efs) != 6:
+            assert time.monotonic() < deadline, f"step 6 never reached EFS (latest {ckpt.latest_step(efs)})"
+            time.sleep(0.1)
+        state, step = ckpt.load_latest(efs, map_location="cpu")
+        assert step == 6 and torch.equal(state["w"], torch.full((4,), 6.0))
+        assert persist.state(area.dir)["pid"] == area.persister.pid  # the newcomer's persister wrote it
+    finally:
+        area.close()
+
+
+def test_a_newcomer_rank_0_whose_memory_cannot_keep_the_step_writes_it_to_efs(tmp_path: Path) -> None:
+    """As above, but the newcomer's node has no memory to spare (MemAvailable, through the test-only
+    PETCTL_SNAPSHOT_MEMINFO): it does not keep the step, so rank 0 writes step 6 to EFS itself
+    before training goes on, and says so."""
+    efs = tmp_path / "efs"
+    ckpt.save({"w": torch.full((4,), 4.0)}, 4, efs)
+    _snap(tmp_path / "n0", 6)
+    full = tmp_path / "meminfo-full"
+    full.write_text("MemTotal:       8388608 kB\nMemAvailable:          0 kB\n")
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "6"}
+    cps = _ranks(
+        tmp_path,
+        [
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n1"), "PETCTL_SNAPSHOT_MEMINFO": str(full)},
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n0")},
+        ],
+    )
+    res = [_res(cp) for cp in cps]
+    assert [r["report"]["source"] for r in res] == ["peer", "self"]
+    assert ckpt.latest_step(efs) == 6  # on EFS when the worker exits: written synchronously
+    assert "not held in this node's memory; writing it to EFS directly" in cps[0].stderr
+    assert SnapshotStore(tmp_path / "n1", memory.NAME).newest() is None
+    assert json.loads((tmp_path / "n1" / memory.FALLBACK_REPORT).read_text())["step"] == 6
+
+
 # ------------------------------------------------------------------ the agent's store
 
 

@@ -73,8 +73,9 @@ _CHUNK = 8 << 20
 last_restore: dict[str, Any] | None = None
 _pending: list[_Persist] = []
 _pending_error: list[str] = []
-#: where the node's free memory is read (tests point it at a small fake)
-MEMINFO_PATH = "/proc/meminfo"
+#: where the node's free memory is read (tests point it at a small fake); None: ``/proc/meminfo``,
+#: or the test-only ``$PETCTL_SNAPSHOT_MEMINFO`` (``snapshot.read_meminfo``)
+MEMINFO_PATH: str | None = None
 
 
 def memory_root() -> Path | None:

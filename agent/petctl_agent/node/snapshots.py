@@ -40,6 +40,9 @@ OWNER_LOCK = "owner.lock"
 RESTORE_REPORT = "restore.json"
 FALLBACK_REPORT = "fallback.json"
 PERSIST_STATE = "persist.json"
+#: optional fields of ``restore.json`` passed on in ``snapshot_restored``: a peer's copy kept in
+#: this node's store (seconds), and the sharded path's per-shard sources and the step gone back to
+RESTORE_EXTRAS = ("kept_seconds", "shards", "newest", "back_to")
 #: seconds the persister gets to finish a write in flight when the node leaves
 STOP_WAIT = 60.0
 TMPFS_TYPES = ("tmpfs",)
@@ -181,8 +184,9 @@ class SnapshotArea:
                     "reason": f"memory snapshot skipped ({body.get('reason')}); step written to EFS",
                 }
                 log.warning("%s", data["reason"])
-            else:
+            else:  # source, step, bytes, seconds, and what else the restore said (docs/contracts.md)
                 data = {k: body.get(k) for k in ("source", "step", "bytes", "seconds")}
+                data.update({k: v for k, v in body.items() if k in RESTORE_EXTRAS})
             if self.pub is not None:
                 self.pub.event(kind, **data)
 
