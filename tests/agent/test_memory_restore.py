@@ -418,6 +418,91 @@ def test_no_fit_falls_back_to_efs_and_warns_in_status(shm_base: Path, tmp_path: 
         area.close()
 
 
+NO_FIT_WORKER = textwrap.dedent(
+    """
+    import torch
+    from petctl_agent import checkpoint as ckpt
+    ckpt.step(2, lambda: {"w": torch.full((16 << 20,), 2.0)}, every=2)  # 64 MiB
+    """
+)
+
+
+def test_a_snapshot_that_memavailable_cannot_hold_is_never_attempted(shm_base: Path, tmp_path: Path) -> None:
+    """The fit check reads MemAvailable (here a fake /proc/meminfo, PETCTL_SNAPSHOT_MEMINFO): 560 MiB
+    available cannot hold 64 MiB on top of the 512 MiB reserve, so the worker never makes the
+    snapshot's file (nothing reserved, nothing copied: the node is not pushed toward OOM), writes
+    step 2 to EFS synchronously, and the agent publishes snapshot_fallback, which status shows.
+    With 1 GiB available the same worker snapshots to memory."""
+    from petctl import render
+
+    def run(avail_kib: int, node: str) -> tuple[SnapshotArea, Pub, Path]:
+        pub = Pub()
+        area = SnapshotArea.open(shm_base, "j", node, pub)
+        assert area is not None
+        mi = tmp_path / f"meminfo-{node}"
+        mi.write_text(f"MemTotal:       8388608 kB\nMemAvailable:   {avail_kib} kB\n")
+        efs = tmp_path / f"efs-{node}"
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO / "agent"),
+            "PETCTL_SNAPSHOT_DIR": str(area.dir),
+            "PETCTL_CHECKPOINT_DIR": str(efs),
+            "PETCTL_SNAPSHOT_MEMINFO": str(mi),
+        }
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PETCTL_DRAIN_FILE", "PETCTL_PROGRESS_FILE"):
+            env.pop(k, None)
+        cp = subprocess.run(
+            [sys.executable, "-c", NO_FIT_WORKER], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert cp.returncode == 0, cp.stderr[-2000:]
+        return area, pub, efs
+
+    area, pub, efs = run(560 << 10, "i-full")
+    try:
+        assert not list(area.dir.glob("replicated.*.bin"))  # never made, never reserved
+        assert not list(area.dir.glob("replicated.*.json"))
+        assert ckpt.latest_step(efs) == 2  # written to EFS before ckpt.step returned
+        area.publish_reports()
+        ev = [d for k, d in pub.events if k == "snapshot_fallback"]
+        assert len(ev) == 1 and ev[0]["step"] == 2 and "no-fit" in ev[0]["reason"], pub.events
+        assert "available (reserve 0.50 GiB)" in ev[0]["reason"]
+        shown = render._event_extra({"kind": "snapshot_fallback", **ev[0]})
+        assert "step=2" in shown and "memory snapshot skipped (no-fit" in shown
+    finally:
+        area.close()
+    area, pub, efs = run(1 << 20, "i-room")
+    try:  # the same state with room for it: a snapshot in memory, no fallback
+        assert SnapshotStore(area.dir, memory.NAME).newest().step == 2
+        area.publish_reports()
+        assert not [k for k, _ in pub.events if k == "snapshot_fallback"]
+    finally:
+        area.close()
+
+
+def test_the_agent_passes_a_restores_sources_on_in_its_event(tmp_path: Path) -> None:
+    """restore.json as a sharded restore writes it: the event carries the shards' sources and the
+    step gone back to (the agent's side only; no persister is started)."""
+    pub = Pub()
+    area = SnapshotArea(tmp_path, pub)
+    body = {
+        "source": "peer",
+        "step": 6,
+        "bytes": 100,
+        "seconds": 0.5,
+        "shards": {"self": [1], "peer": [0]},
+        "newest": 8,
+        "back_to": 6,
+        "kept_seconds": 0.1,
+        "t": 1.0,
+        "junk": 1,
+    }
+    (tmp_path / memory.RESTORE_REPORT).write_text(json.dumps(body))
+    area.publish_reports()
+    ((kind, data),) = pub.events
+    assert kind == "snapshot_restored"
+    assert data == {k: v for k, v in body.items() if k not in ("t", "junk")}
+
+
 @pytest.mark.e2e
 def test_agents_own_the_store_newcomer_restores_from_a_peer_store_freed_on_leave(
     make_cluster, shm_base: Path
