@@ -764,3 +764,19 @@ def test_a_stopping_persister_still_serves_the_request_already_made(tmp_path: Pa
     persist.request(shm, 9, efs, 3)  # a step whose snapshot never completed: nothing to wait for
     serve()
     assert ckpt.latest_step(efs) == 7
+
+
+def test_the_shared_flock_helpers(tmp_path: Path) -> None:
+    """filelocks.hold/held: what the store's owner.lock and the persister's persist.lock use."""
+    from petctl_agent import filelocks
+    from petctl_agent.checkpointing import persist
+
+    lock = tmp_path / persist.LOCK
+    assert not filelocks.held(lock) and not persist.served(tmp_path)  # missing
+    fd = filelocks.hold(lock)
+    try:
+        assert oct(lock.stat().st_mode & 0o777) == "0o600"
+        assert filelocks.held(lock) and persist.served(tmp_path)
+    finally:
+        os.close(fd)
+    assert not filelocks.held(lock) and not persist.served(tmp_path)  # released with its fd

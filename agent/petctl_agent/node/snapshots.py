@@ -22,7 +22,6 @@ This room never imports ``checkpointing`` (the worker's side): the file names be
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -32,6 +31,8 @@ import sys
 import threading
 from pathlib import Path
 from typing import Any
+
+from petctl_agent import filelocks
 
 log = logging.getLogger("petctl_agent")
 
@@ -68,20 +69,6 @@ def fs_type(path: Path, mounts: str = "/proc/mounts") -> str | None:
     except OSError:
         return None
     return kind
-
-
-def _locked_by_someone(path: Path) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -132,15 +119,14 @@ class SnapshotArea:
         job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         for sib in job_dir.iterdir():  # stores no live agent holds (a SIGKILLed one's)
             if sib.is_dir() and sib != self.dir and (sib / OWNER_LOCK).exists():
-                if not _locked_by_someone(sib / OWNER_LOCK):
+                if not filelocks.held(sib / OWNER_LOCK):
                     log.info("removing the stale snapshot store %s", sib)
                     shutil.rmtree(sib, ignore_errors=True)
         shutil.rmtree(self.dir, ignore_errors=True)  # this node starts empty
         self.dir.mkdir(mode=0o700)
         # locked before it has its name: a sweeper never sees an unlocked owner.lock of a live agent
         tmp = self.dir / f".{OWNER_LOCK}.tmp"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fd = filelocks.hold(tmp)
         os.replace(tmp, self.dir / OWNER_LOCK)
         self._lock_fd = fd
 
