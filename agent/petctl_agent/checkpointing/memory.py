@@ -29,8 +29,16 @@ by default; docs/agent.md, "Memory snapshots"). Then, for plain (not sharded) st
   longer agree over a broken group. The agent then restarts the round without the dead node,
   whose survivors still hold the agreed step (the next source), or EFS answers.
 
+A node restored from a peer keeps the step: its local rank 0 writes the received state into its
+own store (the copy only: the peer header's checked crc32s are reused, so it is complete at once),
+so a later restart of that node restores from itself. Rank 0 hands a restored step newer than
+``latest`` to its node's persister; when its node could not keep it (no room), it writes the step to
+EFS itself, the old way: EFS, the source of truth for a restart of the whole job, never lags by more
+than one persist.
+
 Each node's local rank 0 writes what its restore used to ``restore.json`` in the store (source
-``self``/``peer``/``efs``, bytes, seconds); the agent publishes it as a ``snapshot_restored`` event.
+``self``/``peer``/``efs``, bytes, seconds, ``kept_seconds``); the agent publishes it as a
+``snapshot_restored`` event.
 """
 
 from __future__ import annotations
