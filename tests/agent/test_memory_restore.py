@@ -422,7 +422,9 @@ NO_FIT_WORKER = textwrap.dedent(
     """
     import torch
     from petctl_agent import checkpoint as ckpt
+    from petctl_agent.checkpointing import memory
     ckpt.step(2, lambda: {"w": torch.full((16 << 20,), 2.0)}, every=2)  # 64 MiB
+    memory._store(memory.snapshot_dir()).flush()  # a snapshot taken is complete before we exit
     """
 )
 
