@@ -111,6 +111,25 @@ def plan_text(p: dict[str, Any], show_template: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _event_extra(e: dict[str, Any]) -> str:
+    """An event's fields worth a line in ``status``; a memory snapshot's restore says where each
+    shard came from and the step the job went back to (docs/contracts.md, ``snapshot_restored``)."""
+    if not str(e.get("kind", "")).startswith("snapshot_"):
+        keys: tuple[str, ...] = ("round", "world_size", "reason")
+        return ", ".join(f"{k}={e[k]}" for k in keys if e.get(k) is not None)
+    parts = [f"{k}={e[k]}" for k in ("source", "step") if e.get(k) is not None]
+    shards = e.get("shards")
+    if isinstance(shards, dict) and shards:  # sharded state: {"self": [owner ranks], "peer": ..., "efs": ...}
+        parts.append(
+            "shards " + "; ".join(f"{src} {','.join(str(r) for r in ranks)}" for src, ranks in shards.items())
+        )
+    if e.get("back_to") is not None:
+        parts.append(f"went back to step {e['back_to']} (newest {e.get('newest')})")
+    if e.get("reason") is not None:
+        parts.append(f"reason={e['reason']}")
+    return ", ".join(parts)
+
+
 def status_text(r: dict[str, Any]) -> str:
     """``status``: the state, sizes and progress, a table of hosts, the newest boot and events."""
     lines = [
@@ -159,9 +178,7 @@ def status_text(r: dict[str, Any]) -> str:
         lines += ["", "recent events:"]
         t0 = r["events"][0].get("t", 0)
         for e in r["events"][-12:]:
-            extra = ", ".join(
-                f"{k}={e[k]}" for k in ("round", "world_size", "reason") if e.get(k) is not None
-            )
+            extra = _event_extra(e)
             lines.append(
                 f"  +{e.get('t', 0) - t0:7.1f}s  {e.get('instance_id', '?'):<20} {e.get('kind', '?'):<18} {extra}"
             )

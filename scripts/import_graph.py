@@ -49,6 +49,7 @@ AGENT_ROOMS = {
     "petctl_agent.spec": "contracts",
     "petctl_agent.settings": "contracts",
     "petctl_agent.workarounds": "contracts",
+    "petctl_agent.filelocks": "contracts",  # flock helpers of the snapshot store and its persister
     "petctl_agent.distributed": "distributed",  # user scripts' face
     "petctl_agent.checkpointing": "checkpointing",
     "petctl_agent.checkpoint": "checkpoint",  # user scripts' face

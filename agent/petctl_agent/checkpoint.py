@@ -237,7 +237,13 @@ def resume(
         got = sharded_memory.resume(into, checkpoint_dir(directory), unsafe_load)
         if got is not None:
             return got
-        return load_latest(directory, into=into, unsafe_load=unsafe_load)
+        t0 = time.monotonic()
+        out = load_latest(directory, into=into, unsafe_load=unsafe_load)
+        if out is not None:  # every shard from EFS: the agent's event says so (and the step gone back to)
+            pointer = read_pointer(checkpoint_dir(directory)) or {}
+            ws = pointer.get("world_size")
+            sharded_memory.report_efs_restore(out[1], int(ws) if ws else None, time.monotonic() - t0)
+        return out
     if memory.snapshot_dir() is None:
         return load_latest(directory, into=into, unsafe_load=unsafe_load)
     from petctl_agent.distributed import rank_device

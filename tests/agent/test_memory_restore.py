@@ -206,6 +206,99 @@ def test_source_killed_mid_transfer_every_rank_exits_then_next_source_serves(tmp
     assert res[1]["report"]["bytes"] >= n * 4
 
 
+def test_a_rank_restored_from_a_peer_keeps_the_step_so_its_next_restart_restores_from_itself(
+    tmp_path: Path,
+) -> None:
+    """Node 1 (a newcomer) gets step 6 from node 0 and writes it into its own store, complete (no
+    checkpoint follows). Node 0 is then lost: node 1's next restart, with a second newcomer,
+    restores from itself and serves the newcomer -- never EFS, whose file is unreadable."""
+    efs = tmp_path / "efs"
+    _efs_with_a_broken_step_4(efs)
+    n = 1 << 20  # 4 MiB
+    _snap(tmp_path / "n0", 6, n)
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "6"}  # restore only: no step, no checkpoint
+    first = [
+        _res(cp)
+        for cp in _ranks(tmp_path, [{**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}")} for r in (0, 1)])
+    ]
+    assert [r["report"]["source"] for r in first] == ["self", "peer"]
+    assert first[1]["report"]["kept_seconds"] >= 0
+    kept = SnapshotStore(tmp_path / "n1", memory.NAME)
+    assert kept.newest() is not None and kept.newest().step == 6  # complete: the header is in place
+    assert torch.equal(kept.load(6)["w"], torch.full((n,), 6.0))  # every crc32 checks
+    # node 0 is gone; node 1 (now rank 0) and a newcomer, node 2
+    second = _ranks(
+        tmp_path, [{**base, "TOTAL": "7", "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}")} for r in (1, 2)]
+    )
+    res = [_res(cp) for cp in second]
+    assert [r["report"]["source"] for r in res] == ["self", "peer"]
+    assert [r["start"] for r in res] == [7, 7] and all(r["w"] == [7.0] * 4 for r in res)
+
+
+def test_a_newcomer_that_becomes_rank_0_has_the_restored_step_persisted(
+    shm_base: Path, tmp_path: Path
+) -> None:
+    """EFS holds step 4; node 0 holds step 6 in memory. A newcomer (its agent's persister serving
+    its store) becomes rank 0 and restores step 6 from node 0: its persister writes step 6 to EFS
+    although no checkpoint follows -- EFS never lags the job by more than one persist."""
+    efs = tmp_path / "efs"
+    ckpt.save({"w": torch.full((4,), 4.0)}, 4, efs)
+    _snap(tmp_path / "n0", 6)
+    area = SnapshotArea.open(shm_base, "j", "i-new", Pub())
+    assert area is not None
+    try:
+        deadline = time.monotonic() + 10
+        while not persist.served(area.dir):
+            assert time.monotonic() < deadline, "the persister never took its lock"
+            time.sleep(0.05)
+        base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "6"}  # restore only: no checkpoint
+        res = [
+            _res(cp)
+            for cp in _ranks(
+                tmp_path,
+                [
+                    {**base, "PETCTL_SNAPSHOT_DIR": str(area.dir)},
+                    {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n0")},
+                ],
+            )
+        ]
+        assert [r["report"]["source"] for r in res] == ["peer", "self"]
+        deadline = time.monotonic() + 30
+        while ckpt.latest_step(efs) != 6:
+            assert time.monotonic() < deadline, f"step 6 never reached EFS (latest {ckpt.latest_step(efs)})"
+            time.sleep(0.1)
+        state, step = ckpt.load_latest(efs, map_location="cpu")
+        assert step == 6 and torch.equal(state["w"], torch.full((4,), 6.0))
+        assert persist.state(area.dir)["pid"] == area.persister.pid  # the newcomer's persister wrote it
+    finally:
+        area.close()
+
+
+def test_a_newcomer_rank_0_whose_memory_cannot_keep_the_step_writes_it_to_efs(tmp_path: Path) -> None:
+    """As above, but the newcomer's node has no memory to spare (MemAvailable, through the test-only
+    PETCTL_SNAPSHOT_MEMINFO): it does not keep the step, so rank 0 writes step 6 to EFS itself
+    before training goes on, and says so."""
+    efs = tmp_path / "efs"
+    ckpt.save({"w": torch.full((4,), 4.0)}, 4, efs)
+    _snap(tmp_path / "n0", 6)
+    full = tmp_path / "meminfo-full"
+    full.write_text("MemTotal:       8388608 kB\nMemAvailable:          0 kB\n")
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "6"}
+    cps = _ranks(
+        tmp_path,
+        [
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n1"), "PETCTL_SNAPSHOT_MEMINFO": str(full)},
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n0")},
+        ],
+    )
+    res = [_res(cp) for cp in cps]
+    assert [r["report"]["source"] for r in res] == ["peer", "self"]
+    assert ckpt.latest_step(efs) == 6  # on EFS when the worker exits: written synchronously
+    assert "not held in this node's memory; writing it to EFS directly" in cps[0].stderr
+    assert SnapshotStore(tmp_path / "n1", memory.NAME).newest() is None
+    assert json.loads((tmp_path / "n1" / memory.FALLBACK_REPORT).read_text())["step"] == 6
+
+
 # ------------------------------------------------------------------ the agent's store
 
 
@@ -323,6 +416,93 @@ def test_no_fit_falls_back_to_efs_and_warns_in_status(shm_base: Path, tmp_path: 
     finally:
         memory.close_persisters()
         area.close()
+
+
+NO_FIT_WORKER = textwrap.dedent(
+    """
+    import torch
+    from petctl_agent import checkpoint as ckpt
+    from petctl_agent.checkpointing import memory
+    ckpt.step(2, lambda: {"w": torch.full((16 << 20,), 2.0)}, every=2)  # 64 MiB
+    memory._store(memory.snapshot_dir()).flush()  # a snapshot taken is complete before we exit
+    """
+)
+
+
+def test_a_snapshot_that_memavailable_cannot_hold_is_never_attempted(shm_base: Path, tmp_path: Path) -> None:
+    """The fit check reads MemAvailable (here a fake /proc/meminfo, PETCTL_SNAPSHOT_MEMINFO): 560 MiB
+    available cannot hold 64 MiB on top of the 512 MiB reserve, so the worker never makes the
+    snapshot's file (nothing reserved, nothing copied: the node is not pushed toward OOM), writes
+    step 2 to EFS synchronously, and the agent publishes snapshot_fallback, which status shows.
+    With 1 GiB available the same worker snapshots to memory."""
+    from petctl import render
+
+    def run(avail_kib: int, node: str) -> tuple[SnapshotArea, Pub, Path]:
+        pub = Pub()
+        area = SnapshotArea.open(shm_base, "j", node, pub)
+        assert area is not None
+        mi = tmp_path / f"meminfo-{node}"
+        mi.write_text(f"MemTotal:       8388608 kB\nMemAvailable:   {avail_kib} kB\n")
+        efs = tmp_path / f"efs-{node}"
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO / "agent"),
+            "PETCTL_SNAPSHOT_DIR": str(area.dir),
+            "PETCTL_CHECKPOINT_DIR": str(efs),
+            "PETCTL_SNAPSHOT_MEMINFO": str(mi),
+        }
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PETCTL_DRAIN_FILE", "PETCTL_PROGRESS_FILE"):
+            env.pop(k, None)
+        cp = subprocess.run(
+            [sys.executable, "-c", NO_FIT_WORKER], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert cp.returncode == 0, cp.stderr[-2000:]
+        return area, pub, efs
+
+    area, pub, efs = run(560 << 10, "i-full")
+    try:
+        assert not list(area.dir.glob("replicated.*.bin"))  # never made, never reserved
+        assert not list(area.dir.glob("replicated.*.json"))
+        assert ckpt.latest_step(efs) == 2  # written to EFS before ckpt.step returned
+        area.publish_reports()
+        ev = [d for k, d in pub.events if k == "snapshot_fallback"]
+        assert len(ev) == 1 and ev[0]["step"] == 2 and "no-fit" in ev[0]["reason"], pub.events
+        assert "available (reserve 0.50 GiB)" in ev[0]["reason"]
+        shown = render._event_extra({"kind": "snapshot_fallback", **ev[0]})
+        assert "step=2" in shown and "memory snapshot skipped (no-fit" in shown
+    finally:
+        area.close()
+    area, pub, efs = run(1 << 20, "i-room")
+    try:  # the same state with room for it: a snapshot in memory, no fallback
+        assert SnapshotStore(area.dir, memory.NAME).newest().step == 2
+        area.publish_reports()
+        assert not [k for k, _ in pub.events if k == "snapshot_fallback"]
+    finally:
+        area.close()
+
+
+def test_the_agent_passes_a_restores_sources_on_in_its_event(tmp_path: Path) -> None:
+    """restore.json as a sharded restore writes it: the event carries the shards' sources and the
+    step gone back to (the agent's side only; no persister is started)."""
+    pub = Pub()
+    area = SnapshotArea(tmp_path, pub)
+    body = {
+        "source": "peer",
+        "step": 6,
+        "bytes": 100,
+        "seconds": 0.5,
+        "shards": {"self": [1], "peer": [0]},
+        "newest": 8,
+        "back_to": 6,
+        "kept_seconds": 0.1,
+        "t": 1.0,
+        "junk": 1,
+    }
+    (tmp_path / memory.RESTORE_REPORT).write_text(json.dumps(body))
+    area.publish_reports()
+    ((kind, data),) = pub.events
+    assert kind == "snapshot_restored"
+    assert data == {k: v for k, v in body.items() if k not in ("t", "junk")}
 
 
 @pytest.mark.e2e

@@ -115,6 +115,8 @@ if got is not None:
     ref = torch.load(os.path.join(REF, f"ref-{got[1]}.pt"), weights_only=True)
     out["same"] = same(full(), ref)
 out["restore"] = sharded_memory.last_restore
+rep = os.path.join(os.environ["PETCTL_SNAPSHOT_DIR"], "restore.json")  # for the agent's event
+out["report"] = json.load(open(rep)) if os.path.exists(rep) else None
 out["node_files"] = sorted(os.listdir(os.path.join(os.environ["PETCTL_SNAPSHOT_DIR"], "sharded")))
 """
 
@@ -199,6 +201,10 @@ def test_hard_loss_restores_from_own_shard_and_replica_without_efs(trained: Path
     assert r["restore"]["source"] == "memory" and r["restore"]["world_size"] == 2
     assert r["restore"]["fetched_bytes"] == 0
     assert "restored step 4 from node memory at world size 1 (saved at 2" in cp.stderr
+    # the agent's event: every shard from this node's own memory (its own and the replica it held)
+    rep = r["report"]
+    assert rep["source"] == "self" and rep["step"] == 4 and rep["shards"] == {"self": [0, 1]}, rep
+    assert rep["newest"] == 4 and rep["back_to"] is None and rep["bytes"] > 0
 
 
 def test_loss_of_rank_0s_node_restores_from_the_other_node_alone(trained: Path, tmp_path: Path) -> None:
@@ -223,9 +229,12 @@ def test_both_copies_of_a_shard_gone_goes_back_to_efs_and_names_the_step(
     (cp,) = _run(t, RESTORE, [0])
     r = _result(cp)
     assert r["step"] == 2 and r["same"] is True, cp.stderr[-2000:]
-    assert r["restore"] == {"source": "efs", "step": 2, "newest": 4}
+    assert r["restore"] == {"source": "efs", "step": 2, "newest": 4, "back_to": 2}
     assert "step 4 is not in the survivors' memory (no intact copy of rank 1's shard)" in cp.stderr
     assert "going back to step 2" in cp.stderr
+    rep = r["report"]  # the agent's event: every shard from EFS, back to step 2 of 4
+    assert rep["source"] == "efs" and rep["step"] == 2 and rep["shards"] == {"efs": [0, 1]}, rep
+    assert rep["newest"] == 4 and rep["back_to"] == 2
 
 
 def test_torn_memory_shard_is_never_loaded(trained: Path, tmp_path: Path) -> None:
@@ -241,6 +250,8 @@ def test_torn_memory_shard_is_never_loaded(trained: Path, tmp_path: Path) -> Non
     r = _result(cp)
     assert r["step"] == 2 and r["same"] is True, cp.stderr[-2000:]  # step 2, not the torn 4
     assert r["restore"]["source"] == "memory"  # the older step node 0's memory still holds intact
+    rep = r["report"]  # the agent's event names the step gone back to
+    assert rep["source"] == "self" and rep["step"] == 2 and rep["newest"] == 4 and rep["back_to"] == 2
     assert "step 4 is not in the survivors' memory (no intact copy of rank 0's shard)" in cp.stderr
     assert "going back to step 2" in cp.stderr
 
@@ -254,11 +265,27 @@ def test_torn_own_shard_is_fetched_from_the_peer_replica(trained: Path, tmp_path
     assert r0["step"] == r1["step"] == 4 and r0["same"] is True
     assert r0["restore"]["source"] == "memory" and r0["restore"]["fetched_bytes"] > 100
     assert r1["restore"]["fetched_bytes"] == 0
+    # the agents' events: node 0 got rank 0's shard from the peer's replica, rank 1's from itself
+    assert r0["report"]["source"] == "peer" and r0["report"]["shards"] == {"self": [1], "peer": [0]}
+    assert r1["report"]["source"] == "self" and r1["report"]["shards"] == {"self": [0, 1]}
     fetched = t / "node0" / "sharded" / "ckpt-0000000004.dcp" / "__0_0.distcp"
     assert (
         fetched.read_bytes()
         == (t / "node1" / "sharded" / "ckpt-0000000004.dcp" / "__0_0.distcp").read_bytes()
     )
+
+
+def test_a_newcomer_gets_every_shard_from_the_survivors_memory_and_says_so(
+    trained: Path, tmp_path: Path
+) -> None:
+    t = _scenario(trained, tmp_path)
+    shutil.rmtree(t / "node1")  # node 1 is lost; node 2 joins with empty memory
+    shutil.rmtree(t / "efs")
+    r0, r2 = (_result(cp) for cp in _run(t, RESTORE, [0, 2]))
+    assert r0["step"] == r2["step"] == 4 and r0["same"] is True
+    assert r0["report"]["source"] == "self" and r0["report"]["shards"] == {"self": [0, 1]}
+    assert r2["report"]["source"] == "peer" and r2["report"]["shards"] == {"peer": [0, 1]}
+    assert r2["report"]["step"] == 4 and r2["report"]["back_to"] is None
 
 
 def test_peer_dying_mid_transfer_fails_fast_then_efs(trained: Path, tmp_path: Path) -> None:

@@ -146,6 +146,45 @@ def test_no_fit_falls_back_and_touches_nothing(tmp_path: Path) -> None:
     assert small.load(1) is not None and small.newest().step == 1
 
 
+def test_a_copy_with_known_crc32s_is_complete_at_once_and_checked_on_load(tmp_path: Path) -> None:
+    """What a rank restored from a peer keeps: the peer header's crc32s are taken when the layout
+    matches (the header is in place when write returns, no background pass); a layout that does
+    not match is ignored (crc32s computed); a wrong crc32 makes the snapshot fail its load."""
+    state = _mixed_state()
+    src = SnapshotStore(tmp_path / "src", "r")
+    assert src.write(state, 5, wait=True) == "ok"
+    known = src.newest().header["tensors"]
+    dst = SnapshotStore(tmp_path / "dst", "r")
+    assert dst.write(state, 5, known=known) == "ok"
+    assert dst._pending is None  # no checksum thread: complete on return
+    assert dst.newest().step == 5 and [m["crc32"] for m in dst.newest().header["tensors"]] == [
+        m["crc32"] for m in known
+    ]
+    assert _same(dst.load(5), state)
+    other = SnapshotStore(tmp_path / "other", "r")
+    assert other.write({"w": torch.ones(3)}, 5, known=known) == "ok"  # not this layout: computed
+    other.flush()
+    assert torch.equal(other.load(5)["w"], torch.ones(3))
+    bad = [{**m, "crc32": m["crc32"] ^ 1} for m in src.newest().header["tensors"]]
+    liar = SnapshotStore(tmp_path / "liar", "r")
+    assert liar.write(state, 5, known=bad) == "ok"
+    assert liar.newest().step == 5 and liar.load(5) is None  # never loaded
+
+
+def test_meminfo_can_be_pointed_elsewhere_for_tests(tmp_path: Path, monkeypatch) -> None:
+    """PETCTL_SNAPSHOT_MEMINFO (test-only) is what a store's fit check reads: 600 MiB available
+    refuses 100 MiB (reserve 512 MiB) and touches nothing; 700 MiB takes it."""
+    mi = tmp_path / "meminfo"
+    mi.write_text("MemTotal:       8388608 kB\nMemAvailable:     614400 kB\n")
+    monkeypatch.setenv("PETCTL_SNAPSHOT_MEMINFO", str(mi))
+    assert read_meminfo()["MemAvailable"] == 600 << 20
+    store = SnapshotStore(tmp_path / "s", "r")
+    assert store.write({"w": torch.zeros(100 << 18)}, 1).startswith("no-fit: ")
+    assert not list((tmp_path / "s").glob("*.bin"))
+    mi.write_text("MemTotal:       8388608 kB\nMemAvailable:     716800 kB\n")
+    assert store.write({"w": torch.zeros(100 << 18)}, 1, wait=True) == "ok"
+
+
 def test_fits_reads_the_real_filesystem_and_meminfo(tmp_path: Path) -> None:
     st = os.statvfs(tmp_path)
     free = st.f_bavail * st.f_frsize
@@ -725,3 +764,19 @@ def test_a_stopping_persister_still_serves_the_request_already_made(tmp_path: Pa
     persist.request(shm, 9, efs, 3)  # a step whose snapshot never completed: nothing to wait for
     serve()
     assert ckpt.latest_step(efs) == 7
+
+
+def test_the_shared_flock_helpers(tmp_path: Path) -> None:
+    """filelocks.hold/held: what the store's owner.lock and the persister's persist.lock use."""
+    from petctl_agent import filelocks
+    from petctl_agent.checkpointing import persist
+
+    lock = tmp_path / persist.LOCK
+    assert not filelocks.held(lock) and not persist.served(tmp_path)  # missing
+    fd = filelocks.hold(lock)
+    try:
+        assert oct(lock.stat().st_mode & 0o777) == "0o600"
+        assert filelocks.held(lock) and persist.served(tmp_path)
+    finally:
+        os.close(fd)
+    assert not filelocks.held(lock) and not persist.served(tmp_path)  # released with its fd

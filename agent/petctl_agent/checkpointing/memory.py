@@ -29,8 +29,16 @@ by default; docs/agent.md, "Memory snapshots"). Then, for plain (not sharded) st
   longer agree over a broken group. The agent then restarts the round without the dead node,
   whose survivors still hold the agreed step (the next source), or EFS answers.
 
+A node restored from a peer keeps the step: its local rank 0 writes the received state into its
+own store (the copy only: the peer header's checked crc32s are reused, so it is complete at once),
+so a later restart of that node restores from itself. Rank 0 hands a restored step newer than
+``latest`` to its node's persister; when its node could not keep it (no room), it writes the step to
+EFS itself, the old way: EFS, the source of truth for a restart of the whole job, never lags by more
+than one persist.
+
 Each node's local rank 0 writes what its restore used to ``restore.json`` in the store (source
-``self``/``peer``/``efs``, bytes, seconds); the agent publishes it as a ``snapshot_restored`` event.
+``self``/``peer``/``efs``, bytes, seconds, ``kept_seconds``); the agent publishes it as a
+``snapshot_restored`` event.
 """
 
 from __future__ import annotations
@@ -124,11 +132,15 @@ def _report(sdir: Path, name: str, body: dict[str, Any]) -> None:
         pass
 
 
-def report_restore(source: str, step: int | None, nbytes: int, seconds: float) -> None:
-    """Record which source this node's restore used (``self``/``peer``/``efs``) for the agent."""
+def report_restore(source: str, step: int | None, nbytes: int, seconds: float, **extra: Any) -> None:
+    """Record which source this node's restore used (``self``/``peer``/``efs``) for the agent.
+
+    ``extra``: more fields for the event (JSON-able): ``kept_seconds`` (a peer's copy written into
+    this node's store), the sharded path's ``shards``/``newest``/``back_to``.
+    """
     sdir = snapshot_dir()
     if sdir is not None:
-        body = {"source": source, "step": step, "bytes": int(nbytes), "seconds": round(seconds, 3)}
+        body = {"source": source, "step": step, "bytes": int(nbytes), "seconds": round(seconds, 3), **extra}
         _report(sdir, RESTORE_REPORT, body)
 
 
@@ -270,7 +282,7 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
         if state is None:
             return None
         report_restore("self", mine, newest.header["size"] if newest else 0, time.monotonic() - t0)
-        _kick(store, directory, mine, efs)
+        _kick(store, directory, mine, efs, state, held=True)
         return state, mine
     import torch.distributed as dist
 
@@ -290,7 +302,7 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
         if not holders:
             return None
         needers = [r for r, v in enumerate(holds) if not v]
-        source, nbytes = "self", 0
+        source, nbytes, known = "self", 0, None
         if needers:
             src = holders[0]
             members = [src, *needers]
@@ -299,7 +311,7 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
             if me == src:
                 nbytes = _send(store, agreed, src, sub)
             elif me in needers:
-                state, nbytes = _receive(agreed, src, sub, map_location)
+                state, nbytes, known = _receive(agreed, src, sub, map_location)
                 source = "peer"
         ok = min(_all_gather(int(state is not None), group))
     except Exception as e:  # noqa: BLE001 - a dead peer breaks the group for every rank
@@ -316,19 +328,59 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
                 pass
     if not ok:
         return None  # a receiver's checks failed: every rank loads EFS (the group still agreed)
+    extra: dict[str, Any] = {}
+    held = source == "self"
+    if source == "peer":
+        if _local_rank() == 0:  # the store's one writer on this node
+            held, extra["kept_seconds"] = _keep(store, state, agreed, known)
+        else:
+            held = True  # local rank 0 keeps it (global rank 0 is local rank 0 under torchrun)
     if source == "self":
         nbytes = newest.header["size"] if newest is not None and newest.step == agreed else 0
-    report_restore(source, agreed, nbytes, time.monotonic() - t0)
+    report_restore(source, agreed, nbytes, time.monotonic() - t0, **extra)
     if dist_rank() == 0:
-        _kick(store, directory, agreed, efs)
+        _kick(store, directory, agreed, efs, state, held=held)
     return state, agreed
 
 
-def _kick(store: SnapshotStore, directory: Path, step: int, efs: int) -> None:
-    """Restored a step newer than ``latest``: have it persisted (the agent's persister, else ours)."""
-    if step <= efs or store.newest() is None or store.newest().step != step:
+def _keep(
+    store: SnapshotStore, state: dict[str, Any], step: int, known: list[dict[str, Any]] | None
+) -> tuple[bool, float]:
+    """Write a peer's snapshot, received and checked, into this node's own store, so that a later
+    restart of this node restores from itself (not a second trip over the network, or EFS when the
+    source is gone by then). Blocks only for the copy: the crc32s came with the snapshot, so the
+    header goes in place at once. (True when kept, the seconds it took.)"""
+    t = time.monotonic()
+    try:
+        why = store.write(state, step, world_size=1, rank=0, known=known)
+    except Exception as e:  # noqa: BLE001 - never fatal: the state is restored; only the copy is missing
+        why = f"{type(e).__name__}: {e}"
+    took = round(time.monotonic() - t, 3)
+    if why != OK:
+        print(
+            f"petctl checkpoint: step {step}, restored from a peer, not kept in this node's memory ({why})",
+            file=sys.stderr,
+        )
+    return why == OK, took
+
+
+def _kick(
+    store: SnapshotStore, directory: Path, step: int, efs: int, state: dict[str, Any], *, held: bool
+) -> None:
+    """Rank 0 restored a step newer than ``latest``: make sure it reaches EFS, the source of truth
+    for a restart of the whole job -- the agent's persister (else ours) when this node's store
+    holds it (``held``: its own snapshot, or a peer's it kept), else written now, the old way."""
+    if step <= efs:
         return
     keep = int(os.environ.get("PETCTL_CHECKPOINT_KEEP", "3"))
+    if not held:  # this node's memory could not keep the step (a newcomer whose store is full)
+        why = f"step {step} restored from a peer but not held in this node's memory"
+        print(f"petctl checkpoint: {why}; writing it to EFS directly", file=sys.stderr)
+        _report(store.dir, FALLBACK_REPORT, {"step": int(step), "reason": why})
+        from petctl_agent.checkpointing.files import write_file
+
+        write_file(state, step, directory, keep)
+        return
     if persist.served(store.dir):
         persist.request(store.dir, step, directory, keep)
     else:
@@ -367,8 +419,11 @@ def _send(store: SnapshotStore, step: int, src: int, group: Any) -> int:
             mm.close()
 
 
-def _receive(step: int, src: int, group: Any, map_location: Any) -> tuple[dict[str, Any] | None, int]:
-    """Receive a peer's snapshot; the state if its step and every crc32 check, else None."""
+def _receive(
+    step: int, src: int, group: Any, map_location: Any
+) -> tuple[dict[str, Any] | None, int, list[dict[str, Any]] | None]:
+    """Receive a peer's snapshot; the state if its step and every crc32 check, else None; its
+    size; its header's ``tensors`` (layout and crc32s, checked)."""
     import torch
     import torch.distributed as dist
 
@@ -384,14 +439,14 @@ def _receive(step: int, src: int, group: Any, map_location: Any) -> tuple[dict[s
     try:
         h = json.loads(bytes(hbuf.numpy()))
     except ValueError:
-        return None, size
+        return None, size, None
     if h.get("header_crc") != _header_crc(h) or int(h.get("step", -1)) != step or int(h["size"]) != size:
-        return None, size
+        return None, size, None
     view = memoryview(blob.numpy())
     out = []
     for m in h["tensors"]:
         if zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]]) != m["crc32"]:
-            return None, size
+            return None, size, None
         dt = dtype_from_name(m["dtype"])
         if not m["nbytes"]:
             out.append(torch.empty(m["shape"], dtype=dt, device=map_location))
@@ -401,7 +456,7 @@ def _receive(step: int, src: int, group: Any, map_location: Any) -> tuple[dict[s
             blob[m["offset"] : m["offset"] + m["nbytes"]].view(dt).reshape(m["shape"]).to(map_location)
         )
     view.release()
-    return decode_structure(h["structure"], out), size
+    return decode_structure(h["structure"], out), size, h["tensors"]
 
 
 def close_persisters() -> None:

@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from petctl_agent import filelocks
 from petctl_agent.checkpointing import efsrate
 from petctl_agent.checkpointing.atomic import atomic_write, fsync_dir
 from petctl_agent.checkpointing.files import prune, read_pointer, write_pointer
@@ -261,17 +262,7 @@ def request(snapshot_dir: Path, step: int, directory: Path, keep: int) -> None:
 
 def served(snapshot_dir: Path) -> bool:
     """Is a persister process serving ``snapshot_dir`` (it holds ``persist.lock``)?"""
-    try:
-        fd = os.open(Path(snapshot_dir) / LOCK, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing drops a lock we just took
-    return False
+    return filelocks.held(Path(snapshot_dir) / LOCK)
 
 
 def state(snapshot_dir: Path) -> dict[str, Any]:
@@ -287,8 +278,7 @@ def serve(snapshot_dir: Path, name: str, poll: float = 0.05, stop: threading.Eve
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         signal.signal(signal.SIGINT, lambda *_: stop.set())
-    lock = os.open(sdir / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(lock, fcntl.LOCK_EX)  # one persister per store; held until we exit
+    lock = filelocks.hold(sdir / LOCK)  # one persister per store; held until we exit
     store = SnapshotStore(sdir, name)
     done: tuple[str, int] | None = None  # the last request served: (dir, step)
     try:

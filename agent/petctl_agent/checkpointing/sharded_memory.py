@@ -73,8 +73,9 @@ _CHUNK = 8 << 20
 last_restore: dict[str, Any] | None = None
 _pending: list[_Persist] = []
 _pending_error: list[str] = []
-#: where the node's free memory is read (tests point it at a small fake)
-MEMINFO_PATH = "/proc/meminfo"
+#: where the node's free memory is read (tests point it at a small fake); None: ``/proc/meminfo``,
+#: or the test-only ``$PETCTL_SNAPSHOT_MEMINFO`` (``snapshot.read_meminfo``)
+MEMINFO_PATH: str | None = None
 
 
 def memory_root() -> Path | None:
@@ -625,6 +626,8 @@ def resume(
             break
     if plan is None:
         last_restore = {"source": "efs", "step": efs, "newest": newest}
+        if seen and seen[0] > efs:
+            last_restore["back_to"] = efs
         if rank == 0 and seen and seen[0] > efs:
             missing = _missing(str(seen[0]), invs)
             _say(
@@ -660,6 +663,7 @@ def resume(
             _say(f"loading step {step} from memory failed ({e}); going back to step {efs} from {directory}")
         return None
     secs = time.monotonic() - t0
+    shards = _shard_sources(rank, nodes, invs, str(step), plan)
     last_restore = {
         "source": "memory",
         "step": step,
@@ -667,7 +671,19 @@ def resume(
         "world_size": plan["world"],
         "fetched_bytes": fetched,
         "seconds": round(secs, 3),
+        "shards": shards,
     }
+    if step < newest:
+        last_restore["back_to"] = step
+    _report_restore(
+        "peer" if shards.get("peer") else "self",
+        step,
+        sum(f[1] for f in plan["files"].values()),
+        secs,
+        shards=shards,
+        newest=newest,
+        back_to=last_restore.get("back_to"),
+    )
     if rank == 0 and step < newest:
         _say(
             f"step {newest} is not in the survivors' memory (no intact copy of {_missing(str(newest), invs)}); "
@@ -679,6 +695,43 @@ def resume(
             f"{plan['world']}; {fetched / 2**20:.1f} MiB fetched from peers by this node, {secs:.2f} s)"
         )
     return got
+
+
+def _report_restore(source: str, step: int, nbytes: int, seconds: float, **extra: Any) -> None:
+    """This node's restore for the agent's ``snapshot_restored`` event (local rank 0 writes it)."""
+    from petctl_agent.checkpointing.memory import report_restore
+
+    report_restore(source, step, nbytes, seconds, **extra)
+
+
+def report_efs_restore(step: int, world: int | None, seconds: float) -> None:
+    """After :func:`resume` said EFS: every shard of ``step`` came from EFS (the event says which step
+    the job went back to when memory had a newer one). Called by ``checkpoint.resume``."""
+    if memory_root() is None or last_restore is None or last_restore.get("source") != "efs":
+        return
+    shards = {"efs": list(range(world))} if world else {"efs": []}
+    newest = last_restore.get("newest")
+    back = step if newest is not None and newest > step else None
+    _report_restore("efs", step, 0, seconds, shards=shards, newest=newest, back_to=back)
+
+
+def _shard_sources(
+    rank: int, nodes: list[str], invs: list[dict[str, Any]], step: str, plan: dict[str, Any]
+) -> dict[str, list[int]]:
+    """Where this node got each shard of the plan (by the saving rank that owns it): ``self`` (its
+    own memory: its shard or the replica it held) or ``peer`` (fetched: some file was missing)."""
+    mine = invs[_leader(rank, nodes)].get(step)
+    has = set(mine["files"]) if mine and mine["id"] == plan["id"] else set()
+    fetched: set[int] = set()
+    owners: set[int] = set()
+    for n, (owner, _, _) in plan["files"].items():
+        if n == ".metadata":
+            continue
+        owners.add(owner)
+        if n not in has:
+            fetched.add(owner)
+    out = {"self": sorted(owners - fetched), "peer": sorted(fetched)}
+    return {k: v for k, v in out.items() if v}
 
 
 def _missing(step: str, invs: list[dict[str, Any]]) -> str:

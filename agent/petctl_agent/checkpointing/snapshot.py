@@ -29,7 +29,7 @@ Never loaded: a slot without its header (torn), a header or tensor whose crc32 d
 data file of the wrong size, or a snapshot of another step than the one asked for (stale).
 
 Never OOM: before a write, the bytes the slot must grow by are checked against ``MemAvailable``
-(``/proc/meminfo``, less a reserve) and the filesystem's free space (``os.statvfs``), then reserved
+(``/proc/meminfo``, or the test-only ``$PETCTL_SNAPSHOT_MEMINFO``; less a reserve) and the filesystem's free space (``os.statvfs``), then reserved
 with ``posix_fallocate`` (ENOSPC, not a SIGBUS on a full tmpfs). When they do not fit, the write
 returns ``"no-fit: ..."`` and touches nothing: the caller falls back to the EFS path.
 
@@ -66,8 +66,14 @@ class Unsupported(ValueError):
     """The state holds something a snapshot cannot represent (the caller uses the EFS path)."""
 
 
-def read_meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
-    """``/proc/meminfo`` in bytes (``MemAvailable``, ``MemTotal``, ...)."""
+#: test-only: a file in ``/proc/meminfo``'s format read instead of it (a node's memory as a test
+#: wants it, e.g. too little ``MemAvailable`` for a snapshot). Never set it on a real node.
+MEMINFO_ENV = "PETCTL_SNAPSHOT_MEMINFO"
+
+
+def read_meminfo(path: str | None = None) -> dict[str, int]:
+    """``/proc/meminfo`` (or ``$PETCTL_SNAPSHOT_MEMINFO``, test-only) in bytes (``MemAvailable``, ...)."""
+    path = path or os.environ.get(MEMINFO_ENV) or "/proc/meminfo"
     out: dict[str, int] = {}
     with open(path) as f:
         for line in f:
@@ -174,6 +180,13 @@ def dtype_from_name(name: str) -> Any:
 def _header_crc(header: dict[str, Any]) -> int:
     body = {k: v for k, v in header.items() if k != "header_crc"}
     return zlib.crc32(json.dumps(body, sort_keys=True).encode())
+
+
+def _same_layout(known: list[dict[str, Any]], metas: list[dict[str, Any]]) -> bool:
+    keys = ("dtype", "shape", "offset", "nbytes")
+    return len(known) == len(metas) and all(
+        isinstance(k.get("crc32"), int) and all(k.get(x) == m[x] for x in keys) for k, m in zip(known, metas)
+    )
 
 
 # ---------------------------------------------------------------- the store
@@ -300,12 +313,19 @@ class SnapshotStore:
         world_size: int = 1,
         rank: int = 0,
         wait: bool = False,
+        known: list[dict[str, Any]] | None = None,
     ) -> str:
         """Copy ``state`` into the older slot; ``"ok"``, or ``"no-fit: why"`` / ``"unsupported: why"``.
 
         Returns once the bytes are copied (training may change the tensors then); the checksums
         and the header follow in a background thread unless ``wait``. Anything but ``"ok"``
         leaves the existing snapshots as they were: use the EFS path.
+
+        ``known``: the ``tensors`` of a header whose crc32s are already known (a peer's snapshot
+        of this very state, checked on receipt): when their layout (dtype, shape, offset, bytes)
+        is the one this write makes, their crc32s are taken and the header goes in place at once,
+        no checksum pass. Otherwise they are ignored. (A wrong crc32 would only make the snapshot
+        fail its check on load, as a torn one does: never loaded.)
         """
         self.flush()  # the previous write's header first: its slot is the one we keep
         tensors: list[Any] = []
@@ -343,6 +363,9 @@ class SnapshotStore:
                 os.close(held.pop())
 
         try:
+            if known is not None and _same_layout(known, metas):
+                for m, k in zip(metas, known):
+                    m["crc32"] = int(k["crc32"])
             return self._write_slot(
                 slot, release, done, step, world_size, rank, wait, structure, tensors, metas, size
             )
@@ -439,7 +462,7 @@ class SnapshotStore:
             except BaseException as e:  # noqa: BLE001 - reported by flush()
                 self._error = e
 
-        if wait:
+        if wait or all("crc32" in m for m in metas):
             self._finish(mm, header)
         else:
             self._pending = threading.Thread(target=finish, name="petctl-snapshot-crc", daemon=True)
@@ -468,7 +491,8 @@ class SnapshotStore:
         view = memoryview(mm) if mm is not None else memoryview(b"")
         try:
             for m in header["tensors"]:
-                m["crc32"] = zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]])
+                if "crc32" not in m:  # known already when the caller gave them (write(crcs=...))
+                    m["crc32"] = zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]])
         finally:
             view.release()
         header["header_crc"] = _header_crc(header)

@@ -22,7 +22,6 @@ This room never imports ``checkpointing`` (the worker's side): the file names be
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -33,6 +32,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from petctl_agent import filelocks
+
 log = logging.getLogger("petctl_agent")
 
 NAME = "replicated"
@@ -40,6 +41,9 @@ OWNER_LOCK = "owner.lock"
 RESTORE_REPORT = "restore.json"
 FALLBACK_REPORT = "fallback.json"
 PERSIST_STATE = "persist.json"
+#: optional fields of ``restore.json`` passed on in ``snapshot_restored``: a peer's copy kept in
+#: this node's store (seconds), and the sharded path's per-shard sources and the step gone back to
+RESTORE_EXTRAS = ("kept_seconds", "shards", "newest", "back_to")
 #: seconds the persister gets to finish a write in flight when the node leaves
 STOP_WAIT = 60.0
 TMPFS_TYPES = ("tmpfs",)
@@ -65,20 +69,6 @@ def fs_type(path: Path, mounts: str = "/proc/mounts") -> str | None:
     except OSError:
         return None
     return kind
-
-
-def _locked_by_someone(path: Path) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -129,15 +119,14 @@ class SnapshotArea:
         job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         for sib in job_dir.iterdir():  # stores no live agent holds (a SIGKILLed one's)
             if sib.is_dir() and sib != self.dir and (sib / OWNER_LOCK).exists():
-                if not _locked_by_someone(sib / OWNER_LOCK):
+                if not filelocks.held(sib / OWNER_LOCK):
                     log.info("removing the stale snapshot store %s", sib)
                     shutil.rmtree(sib, ignore_errors=True)
         shutil.rmtree(self.dir, ignore_errors=True)  # this node starts empty
         self.dir.mkdir(mode=0o700)
         # locked before it has its name: a sweeper never sees an unlocked owner.lock of a live agent
         tmp = self.dir / f".{OWNER_LOCK}.tmp"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fd = filelocks.hold(tmp)
         os.replace(tmp, self.dir / OWNER_LOCK)
         self._lock_fd = fd
 
@@ -181,8 +170,9 @@ class SnapshotArea:
                     "reason": f"memory snapshot skipped ({body.get('reason')}); step written to EFS",
                 }
                 log.warning("%s", data["reason"])
-            else:
+            else:  # source, step, bytes, seconds, and what else the restore said (docs/contracts.md)
                 data = {k: body.get(k) for k in ("source", "step", "bytes", "seconds")}
+                data.update({k: v for k, v in body.items() if k in RESTORE_EXTRAS})
             if self.pub is not None:
                 self.pub.event(kind, **data)
 

@@ -1,0 +1,43 @@
+"""``flock`` helpers shared by the worker's side (``checkpointing/persist.py``) and the agent's
+(``node/snapshots.py``): the agent's store and its persister each say "alive" by holding an
+exclusive ``flock`` on a file for as long as they live (the kernel drops it when they die), and
+the other side asks whether anyone holds it. Standard library only (a contracts module).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+
+def hold(path: str | os.PathLike) -> int:
+    """Open (create, mode 0600) ``path`` and take an exclusive ``flock`` on it, waiting for it.
+
+    Returns the fd: the lock lasts until it is closed or the process dies.
+    """
+    fd = os.open(Path(path), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def held(path: str | os.PathLike) -> bool:
+    """Does some live process hold an exclusive ``flock`` on ``path``? False when it is missing.
+
+    A non-blocking shared probe: a shared lock we took is dropped again at once (closing the fd).
+    """
+    try:
+        fd = os.open(Path(path), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
