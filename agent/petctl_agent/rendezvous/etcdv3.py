@@ -753,9 +753,12 @@ class Watch:
 
     def _read(self) -> None:
         st = self._state
-        assert self._conn.sock is not None
-        self._conn.sock.settimeout(None)
         try:
+            # a watch closed before this thread ran (its creation timed out under load) has no socket
+            sock = self._conn.sock
+            if sock is None:
+                raise Unavailable(f"etcd {self.client.url}: watch closed before it was read")
+            sock.settimeout(None)
             for line in self._lines():
                 d = json.loads(line)
                 if "error" in d and "result" not in d:
