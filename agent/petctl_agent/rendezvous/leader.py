@@ -191,10 +191,12 @@ class Leadership:
     def _watch_leader(self, now: float, w: Watcher) -> float | None:
         """Joining while the leader's key lives: if we would lead without it and have waited
         ``LAPSE_AFTER``, read its lease; not kept alive (a hard loss of the leader), we lead."""
+        if self._target is None:  # running: did our workers fail? (fastloss.py; reads a lease)
+            return self._leader_after_failure(now, w)
         with self._cond:
             target = self._target
             if target is None:
-                return self._leader_after_failure(now, w)  # running: our workers failed?
+                return None
             since = self._waiting_since
             if since is None or since[0] != target:
                 since = self._waiting_since = (target, now)
