@@ -159,7 +159,8 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
         return self.run_id
 
     def pending_change(self) -> dict[str, Any] | None:
-        """Why the current round must end, or None: ``{"round", "reason", "waiting", "gone"}``.
+        """Why the current round must end, or None: ``{"round", "reason", "waiting", "gone",
+        "n_waiting", "n_gone"}`` (the lists hold the marker's first ids, the counts all of them).
 
         ``gone`` non-empty (or ``reason`` "round record gone") means a participant is missing:
         the workers cannot take a coordinated checkpoint. Reads local state only (no request).
