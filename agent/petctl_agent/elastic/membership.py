@@ -106,12 +106,17 @@ class MembershipWatch:
         """Did the membership change around a worker failure (a peer died or left, a node is waiting)?
 
         A peer that died is dropped from the round only after the heartbeat expiry, while
-        our workers' collectives fail at once: look for up to that long
+        our workers' collectives fail at once. petctl-etcd is told (``workers_failed``): its
+        leader reads the running round's leases and opens a round without a lost node within
+        ~2-3 s (docs/rendezvous.md). Look for up to the expiry
         (``PETCTL_AGENT_FAILURE_GRACE``; default: petctl-etcd's key TTL + 1.5 s (3.5 s),
         torch's keep-alive x attempts + 2 s (7 s)).
         """
         mine = ours(self.handler) if self.handler is not None else None
         if mine is not None:
+            # a hard loss: the leader reads the participants' leases now and opens a round naming
+            # the lapsed ones gone (~2 s), instead of waiting for the lease to expire
+            mine.workers_failed()
             default = mine.cfg.ttl + 1.5
         else:
             cfg = rendezvous_config(self.join_timeout, self.settings)

@@ -20,6 +20,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousHandler
 from petctl_agent.rendezvous import etcdv3 as v3
 from petctl_agent.rendezvous.client import TRANSIENT, RequestCounter, make_client
 from petctl_agent.rendezvous.config import BACKEND, DEFAULT_PORT, DEFAULT_PREFIX, Config
+from petctl_agent.rendezvous.fastloss import FastLoss
 from petctl_agent.rendezvous.joining import Joining
 from petctl_agent.rendezvous.layout import Keys, Rounds, rounds_view
 from petctl_agent.rendezvous.leader import Leadership
@@ -29,7 +30,7 @@ from petctl_agent.rendezvous.watcher import Watcher
 log = logging.getLogger("petctl_agent.rendezvous")
 
 
-class PetctlRendezvousHandler(Membership, Leadership, Joining, RendezvousHandler):
+class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, RendezvousHandler):
     """petctl's rendezvous handler (the package docstring, docs/rendezvous.md). Thread-safe;
     :meth:`next_rendezvous` runs in the caller's thread.
 
@@ -108,6 +109,8 @@ class PetctlRendezvousHandler(Membership, Leadership, Joining, RendezvousHandler
         self._lapsed_leader: tuple[str, int] | None = None
         #: follower: (round joining, since when): the leader's lease is read LAPSE_AFTER after it
         self._waiting_since: tuple[int, float] | None = None
+        #: (round, until when): our workers failed in that round; the leases are read (fastloss.py)
+        self._failed: tuple[int, float] | None = None
         self._target: int | None = None  # the round we are joining
         self._expected_cache: tuple[float, int | None] = (float("-inf"), None)
         self._snapped_for: tuple[str, int] | None = None

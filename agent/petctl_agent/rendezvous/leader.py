@@ -191,6 +191,8 @@ class Leadership:
     def _watch_leader(self, now: float, w: Watcher) -> float | None:
         """Joining while the leader's key lives: if we would lead without it and have waited
         ``LAPSE_AFTER``, read its lease; not kept alive (a hard loss of the leader), we lead."""
+        if self._target is None:  # running: did our workers fail? (fastloss.py; reads a lease)
+            return self._leader_after_failure(now, w)
         with self._cond:
             target = self._target
             if target is None:
@@ -247,7 +249,7 @@ class Leadership:
             return None
         order = self._order_of(latest, rec)
         if rec is not None and marker is None:
-            return self._maybe_open(now, latest, order, live, ready)
+            return self._maybe_open(now, latest, order, live, ready, values)
         if marker is None and not joins:
             return None
         with self._cond:
@@ -281,12 +283,23 @@ class Leadership:
         return order
 
     def _maybe_open(
-        self, now: float, latest: int, order: list[str], live: dict[str, int], ready: dict[str, float]
+        self,
+        now: float,
+        latest: int,
+        order: list[str],
+        live: dict[str, int],
+        ready: dict[str, float],
+        values: dict[str, str] | None = None,
     ) -> float | None:
-        """Leader of a running round: announce the next round when the membership changed."""
+        """Leader of a running round: announce the next round when the membership changed (a
+        participant whose lease is not kept alive after our workers failed is gone: fastloss.py)."""
+        lapsed, due = self._lapsed_participants(now, latest, order, values or {})
+        live = {n: c for n, c in live.items() if n not in lapsed}
         view = decide.OpenView(now, order, live, ready, self.max_nodes, self._expected(), self.cfg.hint_wait)
         got, again = decide.open_round(view)
         if got is None:
+            if due is not None:
+                again = min(again if again is not None else math.inf, max(0.0, due - time.monotonic()) + 0.01)
             return again
         waiting, gone = got
         marker = {
@@ -377,7 +390,7 @@ class Leadership:
         if parts is None and again is not None:
             # waiting for a registered node: a hard loss (SIGKILL) holds its key until its lease
             # expires; its lease read shows it is no longer kept alive (docs/rendezvous.md)
-            if now < opened_at + LAPSE_AFTER:
+            if now < opened_at + LAPSE_AFTER and not self._known_lapsed(target):
                 return min(again, opened_at + LAPSE_AFTER - now + 0.01)
             waited = [
                 n for n in live

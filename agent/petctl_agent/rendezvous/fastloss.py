@@ -1,0 +1,89 @@
+"""A hard loss seen from the data plane (issue 21): when our workers fail, look at the running
+round's leases at once instead of waiting for the dead node's lease to expire.
+
+A SIGKILLed node's key lives on until its lease expires (the TTL, 6 s), but its peers'
+collectives fail within a fraction of a second. The agent reports its workers' failure
+(:meth:`FastLoss.workers_failed`); for a window as long as the agent waits for an explanation
+(the TTL + 1.5 s), the leader of the running round reads its participants' leases
+(``LeaseTimeToLive``, :func:`.decide.lapsed`) and opens the next round naming the lapsed ones
+``gone``. A node silent for ``refresh + 1`` s (and longer than the leader's own silence) is
+lapsed, so a hard loss opens the round ~1.5–3 s after the kill. If the leader is the silent one,
+the node next in line reads the leader's lease, leads in its place, and does the same.
+
+Only a worker failure starts the reads: an agent or etcd paused 3 s while the workers train
+opens no round. O(N) reads on one node per failure, none at steady state. The round that
+follows has ``gone`` non-empty, so the survivors' restart is free; a worker crash with every
+lease kept alive opens nothing here, and the agent spends its restart budget as before.
+See docs/rendezvous.md, "A hard loss seen from the data plane".
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from petctl_agent.rendezvous.layout import key_name, latest_closed
+
+
+class FastLoss:
+    """Mixin of :class:`~petctl_agent.rendezvous.handler.PetctlRendezvousHandler` (its state,
+    ``_failed``, is made in the handler's ``__init__``)."""
+
+    def workers_failed(self: Any) -> None:
+        """Our workers failed in the running round (the agent calls this at once): for the next
+        ``ttl + 1.5`` s the leader (or the node next in line) reads the participants' leases and
+        opens the next round without the ones no longer kept alive. No request here."""
+        with self._cond:
+            if self._round is None or self._left:
+                return
+            self._failed = (self._round, time.monotonic() + self.cfg.ttl + 1.5)
+            self._event(f"workers failed in round {self._round}: reading the participants' leases")
+            self._bump()
+
+    def _failure_round(self: Any, now: float) -> int | None:
+        """The running round our workers failed in, while the window lasts (caller holds _cond)."""
+        f = self._failed
+        if f is None or now > f[1] or f[0] != self._round:
+            return None
+        return f[0]
+
+    def _lapsed_participants(
+        self: Any, now: float, latest: int, order: list[str], values: dict[str, str]
+    ) -> tuple[frozenset[str], float | None]:
+        """Leader of running round ``latest``: if our workers failed in it, those of its
+        participants (``order``; live ones have ``values``) whose lease is no longer kept alive,
+        and when to read the others again."""
+        with self._cond:
+            if self._failure_round(now) != latest:
+                return frozenset(), None
+        others = [n for n in order if n != self.node_id and n in values]
+        return self._lapsed(latest + 1, others, values)
+
+    def _leader_after_failure(self: Any, now: float, w: Any) -> float | None:
+        """Follower of a running round whose workers failed: if we are next in line, read the
+        leader's lease; not kept alive (the leader is the lost node), we lead in its place (and
+        then read the other participants' leases as the leader does)."""
+        with self._cond:
+            if self._failure_round(now) is None:
+                return None
+            leader = key_name(w.key)
+            if self._successor(leader) != self.node_id:
+                return None
+            rnum = latest_closed(self._rounds_view()[0])[0]
+            if rnum != self._round:
+                return None
+            value = next(iter(w.items.values()))[0]
+        lapsed, due = self._lapsed(rnum + 1, [leader], {leader: value})
+        if not lapsed:
+            return None if due is None else max(0.0, due - time.monotonic()) + 0.01
+        with self._cond:
+            self._lapsed_leader = (leader, rnum)
+            self._bump()
+        self._event(f"leading in place of {leader} (its lease is not kept alive; our workers failed)")
+        return 0.0
+
+    def _known_lapsed(self: Any, target: int) -> bool:
+        """Whether a lease read for round ``target`` already found a node lapsed (caller need
+        not hold _cond): the close need not wait ``LAPSE_AFTER`` to read leases again."""
+        with self._cond:
+            return self._lapse_target == target and any(v == float("inf") for v in self._lapse_memo.values())

@@ -1,0 +1,156 @@
+"""A hard loss seen from the data plane (issue 21, petctl-etcd on a real etcd v3): when the
+survivors' workers fail, the agent's explanation (``MembershipWatch.failure_explained``, what
+``_on_workers_stopped`` calls before it decides on the restart budget) comes from the leader's
+read of the participants' leases, in < 3.5 s, not from the dead node's 6 s lease expiring.
+And a worker failure with every peer alive is *not* explained: it still spends the budget.
+
+Handlers run in threads of this process (no torch workers); a SIGKILLed node is ``_crash()``:
+no keepalive, no leave, its key left to expire.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from harness import Etcd
+from test_rendezvous import Group
+
+from petctl_agent.elastic.membership import MembershipWatch
+from petctl_agent.rendezvous import PetctlRendezvousHandler
+from petctl_agent.rendezvous import etcdv3 as v3
+from petctl_agent.settings import Settings
+
+pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
+
+
+@pytest.fixture(scope="module")
+def etcd3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
+    e = Etcd(tmp_path_factory.mktemp("etcd3"))
+    e.start()
+    yield e
+    e.stop()
+
+
+@pytest.fixture
+def group(etcd3: Etcd) -> Iterator[Callable[..., Group]]:
+    made: list[Group] = []
+
+    def make(min_nodes: int, max_nodes: int, **cfg: Any) -> Group:
+        g = Group(etcd3.endpoint, min_nodes, max_nodes, **cfg)
+        made.append(g)
+        return g
+
+    yield make
+    for g in made:
+        g.close()
+
+
+class _Events:
+    """The status publisher's ``event`` (only an unreachable etcd publishes one here)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, dict[str, Any]]] = []
+
+    def event(self, kind: str, **kw: Any) -> None:
+        self.seen.append((kind, kw))
+
+
+def _watch(h: PetctlRendezvousHandler, settings: Settings) -> MembershipWatch:
+    w = MembershipWatch(settings, _Events(), lambda: None, 600.0)  # type: ignore[arg-type]
+    w.started(h)
+    return w
+
+
+def _workers_failed(
+    hs: list[PetctlRendezvousHandler], settings: Settings
+) -> dict[PetctlRendezvousHandler, tuple[str | None, float]]:
+    """Each agent's ``failure_explained`` at once, in its own thread: (explanation, seconds)."""
+    out: dict[PetctlRendezvousHandler, tuple[str | None, float]] = {}
+    watches = {h: _watch(h, settings) for h in hs}
+
+    def run(h: PetctlRendezvousHandler) -> None:
+        t = time.monotonic()
+        why = watches[h].failure_explained(threading.Event())
+        out[h] = (why, time.monotonic() - t)
+
+    ts = [threading.Thread(target=run, args=(h,), daemon=True) for h in hs]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert set(out) == set(hs), "failure_explained did not return"
+    return out
+
+
+def _three(g: Group) -> list[PetctlRendezvousHandler]:
+    """3 nodes in round 1, in rank order (rank 0 leads), running for a few keepalives."""
+    hs = [g.new() for _ in range(3)]
+    res = g.rendezvous(*hs)
+    assert {h.round for h in hs} == {1}
+    time.sleep(1.5)
+    return sorted(hs, key=lambda h: res[h].rank)
+
+
+@pytest.mark.parametrize("who", [2, 0], ids=["a-follower", "the-leader"])
+def test_a_hard_loss_is_explained_from_the_leases(group: Callable[..., Group], who: int) -> None:
+    """One of 3 is SIGKILLed; the survivors' workers fail 0.2 s later (a broken collective).
+    Both agents get "new round opened ... gone: <dead>" in < 3.5 s of the kill (before: the
+    6 s lease + the round; about 6-7 s), then a round of 2 closes. ``who``: the dead node's
+    rank (0: the leader, whose successor reads its lease and leads in its place)."""
+    g = group(2, 8)
+    order = _three(g)
+    dead = order[who]
+    survivors = [h for h in order if h is not dead]
+    dead._crash()  # noqa: SLF001
+    t0 = time.monotonic()
+    time.sleep(0.2)  # gloo: "Connection reset by peer" 0.19 s after the kill (docs/benchmarks.md)
+    got = _workers_failed(survivors, Settings())
+    took = {h.node_id: round(0.2 + s, 2) for h, (_, s) in got.items()}
+    print(f"hard loss of rank {who}: explained after {took} s")
+    for h, (why, _) in got.items():
+        assert why is not None, f"{h.node_id}: no explanation (the fast path did not open a round)"
+        assert "gone" in why and dead.node_id in why, why
+    assert max(took.values()) < 3.5, f"explained after {took} s (the dead node's lease: 6 s)"
+    assert v3.Client(g.endpoint).get(dead.node_key) is not None, (
+        "the dead node's key expired: this measured the TTL, not the lease read"
+    )
+    t1 = time.monotonic()
+    res = g.rendezvous(*survivors, timeout=15)
+    assert {i.world_size for i in res.values()} == {2}
+    assert {h.round for h in survivors} == {2}
+    print(f"then the round of 2 closed {time.monotonic() - t1:.2f}s after the re-joins")
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_a_worker_crash_with_every_peer_alive_spends_the_budget(group: Callable[..., Group]) -> None:
+    """Every node's workers fail (one crashed, the others' collectives broke) but every agent is
+    alive: the leader reads the leases for the whole window and finds none lapsed, so no round
+    opens and ``failure_explained`` returns None: ``_on_workers_stopped`` spends one restart."""
+    g = group(2, 8)
+    order = _three(g)
+    t0 = time.monotonic()
+    got = _workers_failed(order, Settings())
+    for h, (why, s) in got.items():
+        assert why is None, f"{h.node_id}: explained by {why!r} with every peer alive"
+        assert s >= 7.0, s  # the whole grace (TTL + 1.5 s) was waited
+    assert all(h.pending_change() is None and h.round == 1 for h in order)
+    leader = order[0]
+    assert any("workers failed in round 1" in e for _, e in leader.events), "the leader read no lease"
+    assert not any("not kept alive" in e for h in order for _, e in h.events)
+    assert time.monotonic() - t0 < 12
+
+
+def test_no_worker_failure_no_lease_reads(group: Callable[..., Group]) -> None:
+    """At steady state (no worker failure) the leader reads no lease: 0 LeaseTimeToLive."""
+    g = group(2, 8)
+    order = _three(g)
+    before = g.counter.snapshot()
+    time.sleep(2.0)
+    after = g.counter.snapshot()
+    assert after.get("timetolive", 0) == before.get("timetolive", 0), (before, after)
+    assert all(h.pending_change() is None for h in order)
