@@ -780,3 +780,34 @@ def test_the_shared_flock_helpers(tmp_path: Path) -> None:
     finally:
         os.close(fd)
     assert not filelocks.held(lock) and not persist.served(tmp_path)  # released with its fd
+
+
+def test_a_durable_save_the_agents_persister_lands_is_written_once(snap_env, capsys) -> None:
+    """A durable save (the last step, a leave) whose snapshot the agent's persister gets to EFS
+    returns once ``latest`` names it, and writes nothing more. The wait once returned None there,
+    which the save read as "not persisted": rank 0 wrote the whole state to EFS a second time,
+    synchronously, and published a false ``snapshot_fallback`` (stop 24's 1 GiB drain: ~9 s)."""
+    import threading
+
+    from petctl_agent.checkpointing import memory, persist
+
+    shm, efs = snap_env
+    shm.mkdir(parents=True)
+    stop = threading.Event()
+    server = threading.Thread(target=persist.serve, args=(shm, memory.NAME), kwargs={"stop": stop})
+    server.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not persist.served(shm):
+            assert server.is_alive() and time.monotonic() < deadline
+            time.sleep(0.02)
+        assert ckpt.save({"w": torch.full((1000,), 5.0)}, 5) is not None
+        assert ckpt.latest_step(efs) == 5
+    finally:
+        stop.set()
+        server.join(60)
+    err = capsys.readouterr().err
+    assert "not persisted from memory" not in err and "writing it to EFS directly" not in err, err
+    assert not (shm / memory.FALLBACK_REPORT).exists()
+    state, step = ckpt.load_latest(efs, map_location="cpu")
+    assert step == 5 and torch.equal(state["w"], torch.full((1000,), 5.0))

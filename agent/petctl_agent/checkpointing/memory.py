@@ -168,7 +168,7 @@ def _wait_persisted(store: SnapshotStore, step: int, directory: Path, keep: int)
     while time.monotonic() < deadline:
         p = read_pointer(directory)
         if p and int(p.get("step", -1)) >= step:
-            return
+            return True
         st = persist.state(sdir)
         if not persist.served(sdir) or (st.get("error_step") == step and st.get("dir") == str(directory)):
             break  # nobody serves the store, or its write failed: ours raises what it fails with
