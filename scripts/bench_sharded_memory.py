@@ -3,7 +3,10 @@
     python scripts/bench_sharded_memory.py --gib 1 --reps 3 --out /tmp/bench_sharded.json
 
 Two ranks on this machine stand for two nodes (each its own ``PETCTL_SNAPSHOT_DIR`` under
-``--shm``); ``--efs`` stands in for EFS (a local disk: a lower bound, no EFS throughput limit).
+``--shm``); ``--efs`` stands in for EFS: a local directory with the local cloud's EFS limits (AWS's
+Elastic-mode figures, ``petctl/local/efs_rate.py``: 1,500 MiB/s per node, 5 GiB/s of writes in
+all), paid by the checkpoint layer's reads and writes, each rank its own EFS client;
+``--no-efs-limits`` turns them off (a local disk: a lower bound).
 The state is an FSDP2 model (8 bias-free ``Linear(4096, 2730)``) with Adam: parameters and two
 moments, ``--gib`` GiB in all, half per rank. Timed, medians of ``--reps``:
 
@@ -95,9 +98,12 @@ print("RESULT " + json.dumps(out), flush=True)
 """
 
 
-def _run(tmp: Path, nodes: list[int], env: dict[str, str], memory: bool) -> list[dict]:
+def _run(tmp: Path, nodes: list[int], env: dict[str, str], memory: bool, rates: object = None) -> list[dict]:
+    """``rates``: the local cloud's ``EfsRates`` (every node an EFS client of ``tmp/efs``), or None."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from harness import free_port
+
+    from petctl.local import efs_rate
 
     script = tmp / "worker.py"
     script.write_text(WORKER)
@@ -112,12 +118,15 @@ def _run(tmp: Path, nodes: list[int], env: dict[str, str], memory: bool) -> list
             "WORLD_SIZE": str(len(nodes)),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
-            "PETCTL_CHECKPOINT_DIR": str(tmp / "efs"),
+            # under <efs root>/<file system id>/, where the EFS emulation paces I/O
+            "PETCTL_CHECKPOINT_DIR": str(tmp / "efs" / "fs-bench" / "ckpt"),
             "PETCTL_CHECKPOINT_KEEP": "1",
             "CUDA_VISIBLE_DEVICES": "",
             "T_START": repr(time.time()),
         }
         e.pop("PETCTL_SNAPSHOT_DIR", None)
+        e.pop(efs_rate.ENV, None)
+        e.update(efs_rate.instance_env(tmp, f"i-node{node}", rates))  # type: ignore[arg-type]
         if memory:
             e["PETCTL_SNAPSHOT_DIR"] = str(tmp / "shm" / f"node{node}")
         procs.append(
@@ -157,8 +166,8 @@ def _back(tmp: Path, shm: Path, saved: Path) -> None:
     shutil.copytree(saved / "shm", shm, dirs_exist_ok=True)
 
 
-def one(gib: float, reps: int, shm_root: Path, efs_root: Path) -> dict:
-    out: dict = {}
+def one(gib: float, reps: int, shm_root: Path, efs_root: Path, rates: object = None) -> dict:
+    out: dict = {"efs_limits": rates is not None}
     env = {"GIB": str(gib), "REPS": str(reps), "OMP_NUM_THREADS": "1"}
     for mode in ("efs", "memory"):
         mem = mode == "memory"
@@ -167,7 +176,7 @@ def one(gib: float, reps: int, shm_root: Path, efs_root: Path) -> dict:
         saved = Path(tempfile.mkdtemp(prefix="bench-sharded-saved-", dir=shm_root))
         (tmp / "shm").symlink_to(shm)
         try:
-            tr = _run(tmp, [0, 1], {**env, "PHASE": "train"}, mem)
+            tr = _run(tmp, [0, 1], {**env, "PHASE": "train"}, mem, rates)
             out[f"{mode}_bytes"] = sum(r["bytes"] for r in tr)
             blocks = [max(a, b) for a, b in zip(tr[0]["block"], tr[1]["block"])]
             out[f"{mode}_block"] = statistics.median(blocks)
@@ -176,7 +185,7 @@ def one(gib: float, reps: int, shm_root: Path, efs_root: Path) -> dict:
             if mem:
                 _keep(tmp, shm, saved)
                 shutil.rmtree(shm / "node1")  # node 1 drained: the agent freed its memory
-            (r,) = _run(tmp, [0], {**env, "PHASE": "restore"}, mem)
+            (r,) = _run(tmp, [0], {**env, "PHASE": "restore"}, mem, rates)
             out[f"{mode}_drain_restore"], out[f"{mode}_drain_process"] = r["restore"], r["process"]
             out[f"{mode}_drain_source"] = r["source"]
             if mem:
@@ -184,13 +193,13 @@ def one(gib: float, reps: int, shm_root: Path, efs_root: Path) -> dict:
                 _back(tmp, shm, saved)
                 shutil.rmtree(shm / "node1")
                 shutil.rmtree(tmp / "efs")
-                (r,) = _run(tmp, [0], {**env, "PHASE": "restore"}, mem)
+                (r,) = _run(tmp, [0], {**env, "PHASE": "restore"}, mem, rates)
                 out["memory_hardloss_restore"], out["memory_hardloss_process"] = r["restore"], r["process"]
                 out["memory_hardloss_source"] = r["source"]
                 # a replacement node (empty memory) joins the survivor: world size 2 again
                 _back(tmp, shm, saved)
                 shutil.rmtree(shm / "node1")
-                rs = _run(tmp, [0, 2], {**env, "PHASE": "restore"}, mem)
+                rs = _run(tmp, [0, 2], {**env, "PHASE": "restore"}, mem, rates)
                 out["memory_replace_restore"] = max(x["restore"] for x in rs)
                 out["memory_replace_fetched"] = sum(x["fetched"] for x in rs)
                 out["memory_replace_source"] = rs[0]["source"]
@@ -207,9 +216,14 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1, help="whole runs (restores: median over runs)")
     ap.add_argument("--shm", default="/dev/shm")
     ap.add_argument("--efs", default=tempfile.gettempdir())
+    ap.add_argument("--no-efs-limits", action="store_true", help="--efs as fast as the local disk")
     ap.add_argument("--out")
     a = ap.parse_args()
-    runs = [one(a.gib, a.reps, Path(a.shm), Path(a.efs)) for _ in range(a.runs)]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from petctl.local import efs_rate
+
+    rates = None if a.no_efs_limits else efs_rate.EfsRates()
+    runs = [one(a.gib, a.reps, Path(a.shm), Path(a.efs), rates) for _ in range(a.runs)]
     res = {
         k: (statistics.median(r[k] for r in runs) if isinstance(runs[0][k], float) else runs[0][k])
         for k in runs[0]

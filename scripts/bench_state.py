@@ -277,6 +277,77 @@ class LatestWatcher:
         self._t.join(2)
 
 
+def pss_anon_gib(pid: int) -> float:
+    """``Pss_Anon`` of one process, GiB (its share of anonymous pages: tensors, buffers); 0 if gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss_Anon:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
+def tree_bytes_gib(root: Path) -> float:
+    """Bytes the files under ``root`` hold (allocated blocks: on tmpfs, RAM), GiB."""
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total / GIB
+
+
+class MemWatcher:
+    """The memory a chain holds, sampled every 0.25 s: the anonymous memory of every process the
+    run started (``Pss_Anon``: shared pages split between their sharers) plus the nodes' memory
+    snapshots (tmpfs files: RAM that no process's Pss_Anon counts). Page cache (EFS's files) is
+    left out: the kernel reclaims it. Also the machine-wide ``MemTotal - MemAvailable`` rise from
+    the chain's start (other sessions' work moves that one)."""
+
+    def __init__(self, run: Run, shm: Path | None) -> None:
+        self.run, self.shm = run, shm
+        self.base_used = self._used()
+        self.peak: dict[str, float] = {
+            "run_gib": 0.0,
+            "anon_gib": 0.0,
+            "shm_gib": 0.0,
+            "system_rise_gib": 0.0,
+        }
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+        self._t.start()
+
+    @staticmethod
+    def _used() -> float:
+        info: dict[str, int] = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                info[k] = int(v.split()[0])
+        return (info["MemTotal"] - info["MemAvailable"]) / 2**20
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.25):
+            try:
+                pids = self.run.leftovers()
+            except RuntimeError:  # the run's pid map grew while read (another thread): next tick
+                continue
+            anon = sum(pss_anon_gib(p) for p in pids)
+            shm = tree_bytes_gib(self.shm) if self.shm is not None else 0.0
+            if anon + shm > self.peak["run_gib"]:
+                self.peak.update(run_gib=anon + shm, anon_gib=anon, shm_gib=shm)
+            self.peak["system_rise_gib"] = max(self.peak["system_rise_gib"], self._used() - self.base_used)
+
+    def close(self) -> dict[str, float]:
+        self._stop.set()
+        self._t.join(2)
+        return {k: round(v, 2) for k, v in self.peak.items()}
+
+
 def marks_after(nodes: list[Node], t0: float, what: str) -> list[tuple[float, dict[str, str]]]:
     return [(t, kv) for n in nodes for t, w, kv in list(n.marks) if w == what and t > t0]
 
@@ -391,6 +462,7 @@ def run_one(
         return [{"scenario": sc, **base, "seconds": None, "note": note} for sc in SCENARIOS]
     run = Run(root / f"{tag}-{tool}-{rep}", cfg)
     watcher = LatestWatcher(run.ckpt_dir)
+    mem = MemWatcher(run, shm)
     note, t = "", time.monotonic()
     try:
         run.start()
@@ -401,6 +473,7 @@ def run_one(
         note = f"error: {type(e).__name__}: {e}"
     finally:
         ckpts = [(tt, kv) for nd in run.nodes for tt, w, kv in list(nd.marks) if w == "ckpt"]
+        peak = mem.close()
         left = run.close()
         watcher.close()
         # --keep keeps the logs and status files, never the checkpoints (GiBs per run)
@@ -428,6 +501,7 @@ def run_one(
     if out:
         out[0]["ckpt_blocked"] = blocked
         out[0]["ckpt_persisted"] = persisted
+        out[0]["mem_peak"] = peak | {"model_gib": round(memory_need(gib, n, snapshots), 2)}
     return out
 
 
@@ -469,9 +543,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def mem_table(records: list[dict[str, Any]]) -> str:
+    """The peak memory of a chain (``MemWatcher``), next to ``memory_need``'s model of it."""
+    keys = sorted({(r["gib"], r["nodes"], r["tool"]) for r in records if r.get("mem_peak")},
+                  key=lambda k: (k[0], list(TOOLS).index(k[2])))  # fmt: skip
+    if not keys:
+        return ""
+    lines = [
+        "| GiB/rank (nodes) | tool | peak held (max s over reps), GiB | of it anon | of it snapshots (tmpfs) "
+        "| per GiB of state per node | machine-wide rise, GiB | model (memory_need), GiB | chains |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for gib, n, tool in keys:
+        ps = [r["mem_peak"] for r in records if (r["gib"], r["nodes"], r["tool"]) == (gib, n, tool)
+              and r.get("mem_peak")]  # fmt: skip
+        top = max(ps, key=lambda p: p["run_gib"])
+        lines.append(
+            f"| {gib:g} ({n}) | {tool} | {top['run_gib']:.2f} | {top['anon_gib']:.2f} | {top['shm_gib']:.2f} "
+            f"| {top['run_gib'] / (gib * n):.2f} | {max(p['system_rise_gib'] for p in ps):.2f} "
+            f"| {top['model_gib']:.1f} | {len(ps)} |"
+        )
+    return "\n".join(lines)
+
+
 def render(doc: dict[str, Any]) -> str:
     recs = doc["records"]
-    return "\n\n".join(x for x in (markdown(summarize(recs)), ckpt_table(recs), breakdown(recs)) if x)
+    parts = (markdown(summarize(recs)), ckpt_table(recs), breakdown(recs), mem_table(recs))
+    return "\n\n".join(x for x in parts if x)
 
 
 def _reexec_in_netns(argv: list[str]) -> int | None:

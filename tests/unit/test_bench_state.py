@@ -85,3 +85,32 @@ def test_targets_by_size() -> None:
     assert bs.target(0.5, "hard_loss") == 4.0  # between sizes: the next size up
     assert bs.target(2, "join") == 4.0
     assert bs.target(8, "join") is None and bs.target(1, "cold_start") is None
+
+
+def test_mem_table_shows_the_heaviest_chain_and_the_model() -> None:
+    peak = {"run_gib": 6.0, "anon_gib": 3.5, "shm_gib": 2.5, "system_rise_gib": 7.0, "model_gib": 11.0}
+    recs = [
+        rec(1.0, "cold_start", "petctl-mem", 1, 5.0, mem_peak=peak),
+        rec(
+            1.0, "cold_start", "petctl-mem", 2, 5.0, mem_peak={**peak, "run_gib": 5.0, "system_rise_gib": 8.0}
+        ),
+        rec(1.0, "join", "petctl-mem", 1, 1.0),  # only a chain's first record carries its peak
+    ]
+    line = next(x for x in bs.mem_table(recs).splitlines() if "petctl-mem" in x)
+    # the heaviest chain's peak and split, per GiB of state per node (6 / (1 x 3)), the
+    # machine-wide rise's max over chains, the model, and the number of chains
+    assert line == "| 1 (3) | petctl-mem | 6.00 | 3.50 | 2.50 | 2.00 | 8.00 | 11.0 | 2 |"
+    assert bs.mem_table([rec(1.0, "join", "petctl-mem", 1, 1.0)]) == ""
+
+
+def test_memory_probes_read_real_processes_and_tmpfs_files(tmp_path: Path) -> None:
+    import os
+
+    blob = bytearray(64 * 2**20)  # 64 MiB of anonymous memory, touched
+    blob[::4096] = b"x" * len(blob[::4096])
+    assert bs.pss_anon_gib(os.getpid()) >= 60 / 1024
+    assert bs.pss_anon_gib(2**22 + 12345) == 0.0  # no such process
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "slot").write_bytes(b"\1" * (8 * 2**20))
+    assert 8 / 1024 <= bs.tree_bytes_gib(tmp_path) < 9 / 1024
+    del blob
