@@ -106,6 +106,15 @@ def test_a_hard_loss_is_explained_from_the_leases(group: Callable[..., Group], w
     order = _three(g)
     dead = order[who]
     survivors = [h for h in order if h is not dead]
+    held: list[bool] = []  # was the handler's lock held at a lease read (an etcd request)?
+    for h in survivors:
+        real = h._etcd.time_to_live  # noqa: SLF001
+
+        def spy(*a: Any, _h: PetctlRendezvousHandler = h, _real: Any = real, **k: Any) -> Any:
+            held.append(_h._cond._is_owned())  # noqa: SLF001
+            return _real(*a, **k)
+
+        h._etcd.time_to_live = spy  # noqa: SLF001
     dead._crash()  # noqa: SLF001
     t0 = time.monotonic()
     time.sleep(0.2)  # gloo: "Connection reset by peer" 0.19 s after the kill (docs/benchmarks.md)
@@ -116,6 +125,8 @@ def test_a_hard_loss_is_explained_from_the_leases(group: Callable[..., Group], w
         assert why is not None, f"{h.node_id}: no explanation (the fast path did not open a round)"
         assert "gone" in why and dead.node_id in why, why
     assert max(took.values()) < 3.5, f"explained after {took} s (the dead node's lease: 6 s)"
+    # the lease reads ran without the lock the watchers and the agent's monitor need
+    assert held and not any(held), held
     assert v3.Client(g.endpoint).get(dead.node_key) is not None, (
         "the dead node's key expired: this measured the TTL, not the lease read"
     )
@@ -134,7 +145,9 @@ def test_a_worker_crash_with_every_peer_alive_spends_the_budget(group: Callable[
     g = group(2, 8)
     order = _three(g)
     t0 = time.monotonic()
+    before = g.counter.snapshot().get("timetolive", 0)
     got = _workers_failed(order, Settings())
+    assert g.counter.snapshot().get("timetolive", 0) > before, "the leader read no lease"
     for h, (why, s) in got.items():
         assert why is None, f"{h.node_id}: explained by {why!r} with every peer alive"
         assert s >= 7.0, s  # the whole grace (TTL + 1.5 s) was waited
@@ -154,3 +167,42 @@ def test_no_worker_failure_no_lease_reads(group: Callable[..., Group]) -> None:
     after = g.counter.snapshot()
     assert after.get("timetolive", 0) == before.get("timetolive", 0), (before, after)
     assert all(h.pending_change() is None for h in order)
+
+
+def test_the_first_node_to_spend_its_restart_explains_no_other_nodes_failure(
+    group: Callable[..., Group],
+) -> None:
+    """A genuine crash, every peer alive: the node whose grace runs out first spends its restart
+    and re-joins, which opens a round ("a participant re-joined", nobody gone or waiting). The
+    other nodes, still in their grace, must not take that for a membership change: each of them
+    charges its restart too (docs/agent.md: every node whose workers failed charges it once)."""
+    from petctl_agent.settings import Settings as S
+
+    g = group(2, 8)
+    order = _three(g)
+    first, rest = order[2], order[:2]
+    short = S.from_env({"PETCTL_AGENT_FAILURE_GRACE": "1"})
+    got: dict[str, tuple[str | None, float]] = {}
+
+    def run(h: PetctlRendezvousHandler, settings: Settings, rejoin: bool) -> None:
+        t = time.monotonic()
+        why = _watch(h, settings).failure_explained(threading.Event())
+        got[h.node_id] = (why, time.monotonic() - t)
+        if rejoin and why is None:
+            h._event("re-joining after spending a restart")  # noqa: SLF001
+            threading.Thread(target=lambda: g.rendezvous(h, timeout=20), daemon=True).start()
+
+    ts = [threading.Thread(target=run, args=(first, short, True), daemon=True)]
+    ts += [threading.Thread(target=run, args=(h, Settings(), False), daemon=True) for h in rest]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert got[first.node_id][0] is None, got
+    assert any(
+        h.pending_change() and h.pending_change()["reason"] == "a participant re-joined" for h in rest
+    ), "the first node's re-join opened no round: this test checks nothing"
+    for h in rest:
+        why, took = got[h.node_id]
+        assert why is None, f"{h.node_id}: a peer's re-join after its own crash was taken for a loss: {why!r}"
+        assert took >= 7.0, took

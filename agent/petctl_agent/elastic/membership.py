@@ -109,7 +109,7 @@ class MembershipWatch:
         our workers' collectives fail at once. petctl-etcd is told (``workers_failed``): its
         leader reads the running round's leases and opens a round without a lost node within
         ~2-3 s (docs/rendezvous.md). Look for up to the expiry
-        (``PETCTL_AGENT_FAILURE_GRACE``; default: petctl-etcd's key TTL + 1.5 s (3.5 s),
+        (``PETCTL_AGENT_FAILURE_GRACE``; default: petctl-etcd's key TTL + 1.5 s (7.5 s),
         torch's keep-alive x attempts + 2 s (7 s)).
         """
         mine = ours(self.handler) if self.handler is not None else None
@@ -125,12 +125,14 @@ class MembershipWatch:
         deadline = time.monotonic() + (default if grace is None else grace)
         while True:
             change, _ = self.change()
-            if change:
+            if change and not (mine is not None and _only_a_rejoin(mine.pending_change())):
                 return change
             left = deadline - time.monotonic()
             if left <= 0 or leaving.is_set():
                 return None
-            if mine is not None:
+            if mine is not None and change:  # only a re-join: wait_for_change would not wait
+                time.sleep(min(left, 0.1))
+            elif mine is not None:
                 mine.wait_for_change(min(left, 0.25))
             else:
                 time.sleep(0.25)
@@ -147,3 +149,14 @@ class MembershipWatch:
             self._down_since = None
             log.info("rendezvous server reachable again after %.1fs", down)
             self.pub.event("rdzv_recovered", round=self.round, step=self.last_step(), seconds=round(down, 3))
+
+
+def _only_a_rejoin(ch: dict[str, Any] | None) -> bool:
+    """A round opened only because a participant re-joined (no node gone, none waiting): after a
+    genuine worker failure that is the first node whose grace ran out and that spent its restart;
+    it explains nobody else's failure (every node whose workers failed charges it once)."""
+    return (
+        bool(ch)
+        and ch.get("reason") == "a participant re-joined"
+        and not (ch.get("n_gone") or ch.get("n_waiting") or ch.get("gone") or ch.get("waiting"))
+    )

@@ -72,6 +72,8 @@ class FastLoss:
             rnum = latest_closed(self._rounds_view()[0])[0]
             if rnum != self._round:
                 return None
+            if not w.items:
+                return 0.0  # the leader's key went meanwhile: _follow looks again
             value = next(iter(w.items.values()))[0]
         lapsed, due = self._lapsed(rnum + 1, [leader], {leader: value})
         if not lapsed:

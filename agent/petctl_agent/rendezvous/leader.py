@@ -176,8 +176,15 @@ class Leadership:
             w = self._leader_w
             if w is None or not w.synced or not w.connected:
                 return None
-            if w.items:
-                return self._watch_leader(now, w)
+            alive = bool(w.items)
+        if alive:
+            # outside _cond: _watch_leader may read the leader's lease (an etcd request, up to
+            # the request timeout when etcd is slow); the watchers, pending_change and the
+            # agent's monitor need _cond meanwhile
+            return self._watch_leader(now, w)
+        with self._cond:
+            if w is not self._leader_w or w.items:
+                return 0.0  # changed meanwhile: look again
             since = max(w.reconnected_at, self._replaced_at)
             if now - since < self.cfg.reconnect_grace:
                 return self.cfg.reconnect_grace - (now - since) + 0.05
@@ -206,6 +213,8 @@ class Leadership:
             if self._successor(leader) != self.node_id:
                 return None
             rnum = latest_closed(self._rounds_view()[0])[0]
+            if not w.items:
+                return 0.0  # the leader's key went meanwhile: _follow looks again
             value = next(iter(w.items.values()))[0]
         lapsed, due = self._lapsed(target, [leader], {leader: value})
         if not lapsed:
@@ -431,7 +440,9 @@ class Leadership:
         with self._cond:
             if self._rounds is not None and not self._rounds.stopped:
                 self._rounds.items[key] = (json.dumps(rec), cur[1] if cur else r.revision, r.revision)
-            self._order[(self._generation, target)] = parts
+            # only the order of the round just closed is needed again (a leader closing every
+            # round never misses the cache, where the other pruning happens)
+            self._order = {(self._generation, target): parts}
             self._opened_at.pop(target, None)
             self._bump()
         return None
