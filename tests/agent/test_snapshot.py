@@ -811,3 +811,26 @@ def test_a_durable_save_the_agents_persister_lands_is_written_once(snap_env, cap
     assert not (shm / memory.FALLBACK_REPORT).exists()
     state, step = ckpt.load_latest(efs, map_location="cpu")
     assert step == 5 and torch.equal(state["w"], torch.full((1000,), 5.0))
+
+
+def test_a_direct_write_forward_only_never_replaces_what_latest_names(tmp_path: Path) -> None:
+    """A newcomer rank 0 that must write a restored step to EFS itself (its memory could not keep
+    it) may race the old rank 0's persister publishing the same step: ``forward_only`` writes
+    nothing when ``latest`` already names that step or a newer one, so ``latest`` always names
+    the bytes of its file and never moves back."""
+    from petctl_agent.checkpointing.files import write_file
+
+    efs = tmp_path / "efs"
+    write_file({"w": torch.full((10,), 7.0)}, 7, efs, 3)
+    before = read_pointer(efs)
+    data = (efs / before["file"]).read_bytes()
+    for step in (7, 5):  # the same step (other bytes: another saved_at), an older one
+        write_file({"w": torch.full((10,), -1.0)}, step, efs, 3, forward_only=True)
+        assert read_pointer(efs) == before
+        assert (efs / before["file"]).read_bytes() == data
+    assert not (efs / "ckpt-0000000005.pt").exists()
+    write_file({"w": torch.full((10,), 8.0)}, 8, efs, 3, forward_only=True)  # newer: written
+    state, step = ckpt.load_latest(efs, map_location="cpu")
+    assert step == 8 and torch.equal(state["w"], torch.full((10,), 8.0))
+    write_file({"w": torch.full((10,), 6.0)}, 6, efs, 3)  # the plain path keeps today's meaning
+    assert ckpt.latest_step(efs) == 6

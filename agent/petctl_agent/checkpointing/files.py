@@ -8,6 +8,8 @@ imported only to write or read a file.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -16,6 +18,7 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +53,25 @@ def read_pointer(d: Path) -> dict[str, Any] | None:
         return None
 
 
-def write_file(state: dict[str, Any], step: int, d: Path, keep: int) -> Path:
-    """Write the single-file checkpoint of ``step``, point ``latest`` at it, prune (rank 0's job)."""
+@contextlib.contextmanager
+def publish_lock(d: Path) -> Iterator[None]:
+    """An exclusive POSIX lock on ``<d>/.persist.lock`` (fcntl byte-range locks work across NFS/EFS
+    clients): held while a checkpoint file and ``latest`` are put in place, by the agent's persister
+    and by a rank 0 writing directly, so ``latest`` always names the bytes of the file it names."""
+    fd = os.open(d / ".persist.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (closing releases the lock)
+
+
+def write_file(state: dict[str, Any], step: int, d: Path, keep: int, *, forward_only: bool = False) -> Path:
+    """Write the single-file checkpoint of ``step``, point ``latest`` at it, prune (rank 0's job).
+
+    ``forward_only``: when ``latest`` already names ``step`` or a newer one (the agent's persister
+    got there first), write nothing: never replace the file ``latest`` names, never move it back.
+    """
     import torch
 
     d.mkdir(parents=True, exist_ok=True)
@@ -60,17 +80,21 @@ def write_file(state: dict[str, Any], step: int, d: Path, keep: int) -> Path:
     data = buf.getvalue()
     name = f"ckpt-{int(step):010d}.pt"
     path = d / name
-    atomic_write(path, data)
-    write_pointer(
-        d,
-        {
-            "file": name,
-            "step": int(step),
-            "format": "torch",
-            "sha256": hashlib.sha256(data).hexdigest(),
-            "size": len(data),
-        },
-    )
+    with publish_lock(d):
+        p = read_pointer(d) if forward_only else None
+        if p and int(p.get("step", -1)) >= int(step):
+            return d / str(p.get("file", name))
+        atomic_write(path, data)
+        write_pointer(
+            d,
+            {
+                "file": name,
+                "step": int(step),
+                "format": "torch",
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "size": len(data),
+            },
+        )
     prune(d, keep, name)
     return path
 

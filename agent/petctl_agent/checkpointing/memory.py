@@ -379,7 +379,7 @@ def _kick(
         _report(store.dir, FALLBACK_REPORT, {"step": int(step), "reason": why})
         from petctl_agent.checkpointing.files import write_file
 
-        write_file(state, step, directory, keep)
+        write_file(state, step, directory, keep, forward_only=True)
         return
     if persist.served(store.dir):
         persist.request(store.dir, step, directory, keep)

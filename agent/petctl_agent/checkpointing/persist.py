@@ -26,8 +26,6 @@ tests), and then persists itself (:class:`Persister`, the same loop as a thread)
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import hashlib
 import json
 import mmap
@@ -37,14 +35,13 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from petctl_agent import filelocks
 from petctl_agent.checkpointing import efsrate
 from petctl_agent.checkpointing.atomic import atomic_write, fsync_dir
-from petctl_agent.checkpointing.files import prune, read_pointer, write_pointer
+from petctl_agent.checkpointing.files import prune, publish_lock, read_pointer, write_pointer
 from petctl_agent.checkpointing.snapshot import (
     Complete,
     SnapshotStore,
@@ -70,17 +67,6 @@ class _HashingFile:
 
     def flush(self) -> None:
         self.f.flush()
-
-
-@contextlib.contextmanager
-def _publish_lock(d: Path) -> Iterator[None]:
-    """An exclusive POSIX lock on ``<d>/.persist.lock`` (fcntl byte-range locks work across NFS/EFS clients)."""
-    fd = os.open(d / ".persist.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # (closing releases the lock)
 
 
 def persist_newest(store: SnapshotStore, directory: Path, keep: int = 3) -> int | None:
@@ -146,7 +132,7 @@ def _persist_pinned(store: SnapshotStore, c: Complete, d: Path, keep: int) -> bo
         if not same_snapshot(store.read_header(c.slot), c):
             tmp.unlink()  # the slot changed under us after all: the next call takes the newer one
             return False
-        with _publish_lock(d):
+        with publish_lock(d):
             # the agent's persister and a rank 0 whose wait for it timed out may both get here
             # with the same step: the second drops its copy instead of replacing the file that
             # `latest` already names (with other bytes: another saved_at) or moving `latest` back
