@@ -217,8 +217,8 @@ def test_broken_boot_scripts_fail_loudly(petctl: Any, cloud: Cloud, monkeypatch:
     assert any("petctl boot: FAILED (exit 2)" in line for line in st["boot_failures"]["last_lines"])
     wait_for(lambda: petctl("status", "boot-syntax")["desired"] == 0, timeout=30, what="the job stopped")
 
-    # At least three boots publish boot_failed (the give-up script publishes that event last, after
-    # the boot log that status counts and the scale to zero: waited for, not read at one instant),
+    # At least three boots publish boot_failed (the give-up script publishes it after the boot log
+    # that status counts, before the scale to zero: waited for, not read at one instant),
     # and no boot got as far as the agent; a replacement launched before the job stopped may still
     # be booting, so not every boot has ended.
     def worker_boots() -> list[dict[str, Any]]:
