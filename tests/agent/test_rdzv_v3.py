@@ -30,14 +30,6 @@ from petctl_agent.rendezvous.config import BOOT_TOKEN_KEY
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
 
 
-@pytest.fixture(scope="module")
-def etcd3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
-    e = Etcd(tmp_path_factory.mktemp("etcd3"))
-    e.start()
-    yield e
-    e.stop()
-
-
 @pytest.fixture
 def group(etcd3: Etcd) -> Iterator[Callable[..., Group]]:
     made: list[Group] = []

@@ -23,14 +23,6 @@ from petctl_agent.rendezvous.leader import MAX_TXN_OPS, publish_round, read_rank
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
 
 
-@pytest.fixture(scope="module")
-def etcd3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
-    e = Etcd(tmp_path_factory.mktemp("etcd3"))
-    e.start()
-    yield e
-    e.stop()
-
-
 @pytest.fixture
 def client(etcd3: Etcd) -> v3.Client:
     return v3.Client(etcd3.endpoint)
