@@ -896,6 +896,16 @@ DELETE_WARM_POOL = 'aws autoscaling delete-warm-pool --region "$REGION" --auto-s
 
 
 @pytest.mark.parametrize("flags", JOB_VARIANTS, ids=_id)
+def test_no_boot_pipeline_ends_in_head(flags):
+    """The boot scripts run under ``set -o pipefail``: ``cmd | head -n 1`` fails the boot with exit
+    141 whenever ``cmd`` writes after head has exited (SIGPIPE; CI saw it on ``etcd --version``)."""
+    for lt in ("WorkerLaunchTemplate", "RdzvLaunchTemplate"):
+        script = _user_data(flags, lt)
+        assert "set -Eeuo pipefail" in script, lt
+        assert not re.search(r"\|\s*head\b", script), (lt, re.findall(r".*\|\s*head\b.*", script))
+
+
+@pytest.mark.parametrize("flags", JOB_VARIANTS, ids=_id)
 def test_boot_failure_gives_up_on_the_warm_pool_first(flags):
     """A group at zero keeps its warm pool (MinSize = MaxGroupPreparedCapacity): giving up deletes
     it, or its failing boots would be replaced forever. Both roles may, with a warm pool only."""
