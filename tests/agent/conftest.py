@@ -50,6 +50,25 @@ def etcd3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
     e.stop()
 
 
+@pytest.fixture
+def group(etcd3: Etcd) -> Iterator:
+    """Factory: ``group(min, max, endpoint=None, **cfg)`` -> a ``test_rendezvous.Group`` of
+    petctl-etcd handlers on ``etcd3`` (or ``endpoint``); every one leaves after the test.
+    (test_rendezvous.py keeps its own ``group``, on its own etcd.)"""
+    from test_rendezvous import Group
+
+    made: list[Group] = []
+
+    def make(min_nodes: int, max_nodes: int, endpoint: str | None = None, **cfg: object) -> Group:
+        g = Group(endpoint or etcd3.endpoint, min_nodes, max_nodes, **cfg)
+        made.append(g)
+        return g
+
+    yield make
+    for g in made:
+        g.close()
+
+
 @pytest.fixture(scope="module")
 def tls_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Etcd, EtcdCerts]]:
     """A real etcd serving https only, with client certificate auth, and its CA and certificates."""

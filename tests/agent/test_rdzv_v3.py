@@ -14,10 +14,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 from harness import Etcd, wait_for
@@ -28,20 +27,6 @@ from petctl_agent.rendezvous import etcdv3 as v3
 from petctl_agent.rendezvous.config import BOOT_TOKEN_KEY
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
-
-
-@pytest.fixture
-def group(etcd3: Etcd) -> Iterator[Callable[..., Group]]:
-    made: list[Group] = []
-
-    def make(min_nodes: int, max_nodes: int, endpoint: str | None = None, **cfg: Any) -> Group:
-        g = Group(endpoint or etcd3.endpoint, min_nodes, max_nodes, **cfg)
-        made.append(g)
-        return g
-
-    yield make
-    for g in made:
-        g.close()
 
 
 def _drive(g: Group, hs: list[PetctlRendezvousHandler], n: int, timeout: float) -> float:

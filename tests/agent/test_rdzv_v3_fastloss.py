@@ -13,11 +13,10 @@ from __future__ import annotations
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from harness import Etcd
 from test_rendezvous import Group
 
 from petctl_agent.elastic.membership import MembershipWatch
@@ -26,20 +25,6 @@ from petctl_agent.rendezvous import etcdv3 as v3
 from petctl_agent.settings import Settings
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
-
-
-@pytest.fixture
-def group(etcd3: Etcd) -> Iterator[Callable[..., Group]]:
-    made: list[Group] = []
-
-    def make(min_nodes: int, max_nodes: int, **cfg: Any) -> Group:
-        g = Group(etcd3.endpoint, min_nodes, max_nodes, **cfg)
-        made.append(g)
-        return g
-
-    yield make
-    for g in made:
-        g.close()
 
 
 class _Events:

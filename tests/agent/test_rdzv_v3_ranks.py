@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from harness import Etcd
@@ -26,20 +26,6 @@ pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binar
 @pytest.fixture
 def client(etcd3: Etcd) -> v3.Client:
     return v3.Client(etcd3.endpoint)
-
-
-@pytest.fixture
-def group(etcd3: Etcd) -> Iterator[Callable[..., Group]]:
-    made: list[Group] = []
-
-    def make(min_nodes: int, max_nodes: int, **cfg: object) -> Group:
-        g = Group(etcd3.endpoint, min_nodes, max_nodes, **cfg)
-        made.append(g)
-        return g
-
-    yield make
-    for g in made:
-        g.close()
 
 
 def test_the_test_etcd_refuses_a_txn_over_128_ops(client: v3.Client) -> None:
