@@ -45,7 +45,19 @@ def read_rounds(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """
     rounds: dict[tuple[int, int], dict[str, Any]] = {}
     epoch, max_round = 0, -1
+    # the step each instance's workers loaded, per round: ``workers_started`` carries the newest
+    # step persisted on EFS when they started; a ``snapshot_restored`` after it (same instance) says
+    # what they did load, which is newer when the state came from memory while its EFS write was
+    # still under way (a join that lost no step read as 5 lost without it)
+    loaded: dict[tuple[int, int], dict[Any, int]] = {}
+    last_start: dict[Any, tuple[int, int]] = {}
     for e in events:
+        if e["kind"] == "snapshot_restored":
+            key = last_start.get(e.get("instance_id"))
+            step = integer(e.get("step"))
+            if key is not None and step is not None:
+                loaded.setdefault(key, {})[e.get("instance_id")] = step
+            continue
         if e["kind"] not in ("rendezvous_done", "workers_started"):
             continue
         r = integer(e.get("round"))
@@ -73,9 +85,10 @@ def read_rounds(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             rec["first"] = e["t"] if rec["first"] is None else min(rec["first"], e["t"])
             rec["ready"] = e["t"] if rec["ready"] is None else max(rec["ready"], e["t"])
             rec["world_size"] = integer(e.get("world_size")) or rec["world_size"]
+            last_start[e.get("instance_id")] = (epoch, r)
             step = integer(e.get("step"))
             if step is not None:
-                rec["step_after"] = step if rec["step_after"] is None else min(rec["step_after"], step)
+                loaded.setdefault((epoch, r), {})[e.get("instance_id")] = step
         else:
             nodes = integer(e.get("nodes"))
             if nodes is not None:
@@ -86,6 +99,9 @@ def read_rounds(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     started if rec["rdzv_started"] is None else min(rec["rdzv_started"], started)
                 )
             rec["world_size"] = rec["world_size"] or integer(e.get("world_size"))
+    for key, steps in loaded.items():
+        if key in rounds and steps:
+            rounds[key]["step_after"] = min(steps.values())
     done = [r for r in rounds.values() if r["ready"] is not None]
     done.sort(key=lambda r: r["ready"])
     for r in done:

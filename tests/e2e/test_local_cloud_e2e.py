@@ -119,10 +119,15 @@ def test_elastic_job_on_the_local_cloud(local_home, tmp_path):
         hit = re.search(r"step=(\d+) world_size=(\d+) loss=", m)  # lines carry an [attempt/rank] prefix
         if hit:
             steps_at.setdefault(int(hit.group(2)), []).append(int(hit.group(1)))
-    # where each round resumed: the step its workers load, from the agents' workers_started
-    # events (time order), not from the workers' "resumed from" lines: the lead line of a round
+    # where each round resumed, as `petctl timeline` derives it from the agents' events (time
+    # order): workers_started's persisted step, or the step a snapshot_restored says the workers
+    # loaded from memory (newer while its EFS write was still under way: CI read 160 for a round
+    # that resumed at 165). Not from the workers' "resumed from" lines: the lead line of a round
     # is rank 0's alone, so one lost line (or one late batch) used to fail the whole check
-    resumes = [(int(e["step"]), int(e["world_size"])) for e in done if e.get("step") is not None]
+    from petctl import timeline
+
+    rounds = timeline.build(final)["rounds"]
+    resumes = [(r["step_after"], r["world_size"]) for r in rounds if r["step_after"] is not None]
     assert 3 in steps_at and resumes, (messages[-20:], done)
     first3, last3 = min(steps_at[3]), max(steps_at[3])
     joined = [s for s, w in resumes if w == 3]

@@ -225,6 +225,30 @@ def test_spot_and_worker_failure_and_event_steps():
     assert not any("events carry no step" in m for m in d["missing"])
 
 
+def test_a_restore_from_memory_sets_the_step_a_round_resumed_at():
+    """With memory snapshots, ``workers_started`` carries the newest step on EFS, which can lag the
+    step the workers load from memory (its EFS write still under way); the node's later
+    ``snapshot_restored`` says what they loaded. A join that lost no step must not read as 5 lost
+    (CI: 160 on EFS, 165 loaded from memory). A node with no report keeps its EFS step."""
+    evs = [
+        ev(0, "workers_started", round=0, world_size=2, instance_id="x", step=0),
+        ev(0, "workers_started", round=0, world_size=2, instance_id="y", step=0),
+        ev(20, "workers_failed", round=0, exit_codes=[1], instance_id="x", step=165),
+        ev(21, "rendezvous_start", reason=COORDINATED, round=0, instance_id="x"),
+        ev(22, "workers_started", round=1, world_size=3, instance_id="x", step=160),
+        ev(22, "workers_started", round=1, world_size=3, instance_id="y", step=165),
+        ev(22, "workers_started", round=1, world_size=3, instance_id="z", step=160),
+        ev(23, "snapshot_restored", source="self", step=165, instance_id="x"),
+        ev(23, "snapshot_restored", source="peer", step=165, instance_id="z"),
+    ]
+    st = {"job": "j", "state": "RUNNING", "agents": [], "events": evs}
+    rounds = timeline.build(st, now=T + 30)["rounds"]
+    assert rounds[1]["step_after"] == 165 and rounds[1]["steps_lost"] == 0
+    # without z's report, z's EFS step is what the round is known to have resumed at
+    st["events"] = evs[:-1]
+    assert timeline.build(st, now=T + 30)["rounds"][1]["step_after"] == 160
+
+
 def test_nothing_to_draw_yet():
     d = timeline.build({"job": "j", "state": "STARTING", "agents": [], "events": []}, now=T)
     assert d["rounds"] == [] and "nothing to draw" in timeline.render_text(d)

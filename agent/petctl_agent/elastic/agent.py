@@ -210,9 +210,9 @@ class PetctlElasticAgent(LocalElasticAgent):
         self.phase = "running"
         self.pub.update(state="RUNNING", restarts=self._restarts)
         try:
-            resume = self.step_info().get(
-                "last_checkpoint_step"
-            )  # the state they load: they train resume+1 on
+            # the newest step persisted on EFS: what a plain script loads; the helper may load a
+            # newer one from memory (its EFS write under way), which snapshot_restored then says
+            resume = self.step_info().get("last_checkpoint_step")
         except Exception:  # noqa: BLE001
             resume = None
         self.pub.event(
