@@ -144,6 +144,11 @@ def test_no_worker_failure_no_lease_reads(group: Callable[..., Group]) -> None:
     after = g.counter.snapshot()
     assert after.get("timetolive", 0) == before.get("timetolive", 0), (before, after)
     assert all(h.pending_change() is None for h in order)
+    # the agent's watch keeps the round only: the v3 record has no participant list to read
+    # (it read a "participants" key the record no longer has: an always-empty set)
+    w = _watch(order[0], Settings())
+    assert w.round == 1 and w.members is None
+    assert w.change() == (None, False)
 
 
 def test_the_first_node_to_spend_its_restart_explains_no_other_nodes_failure(

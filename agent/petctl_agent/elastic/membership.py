@@ -36,6 +36,7 @@ class MembershipWatch:
         self.join_timeout = join_timeout
         self.handler: RendezvousHandler | None = None
         self.round: int | None = None
+        #: torch's dynamic handler only (MEMBERSHIP_WATCH compares it); None for petctl-etcd
         self.members: set[Any] | None = None
         self._last_etcd_warn = 0.0
         self._down_since: float | None = None  # etcd unreachable while training (event published)
@@ -45,7 +46,9 @@ class MembershipWatch:
         self.handler = handler
         mine = ours(handler)
         if mine is not None:
-            self.round, self.members = mine.round, set((mine.record or {}).get("participants", []))
+            # petctl-etcd: the round only. Its record holds no participant list (O(1): n, head,
+            # master, nonce) and change() asks pending_change(), never a member set
+            self.round, self.members = mine.round, None
         h = dynamic(handler)
         if h is not None:
             st = h._state_holder.state
