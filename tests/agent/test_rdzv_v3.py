@@ -263,6 +263,39 @@ def test_etcd_replaced_seen_by_its_boot_token(group: Callable[..., Group], tmp_p
         e.stop()
 
 
+def test_the_rank_order_survives_two_etcd_replacements(group: Callable[..., Group], tmp_path: Path) -> None:
+    """x, a, b run 3 rounds on etcd A (x rank 0). B replaces A (a new data dir at the same
+    address); x sits it out (registered, never joins: left out at the straggler deadline) while
+    a and b run B's round 1, which numbers from 1 again. C replaces B and all three join. B's
+    round is the newest, though x's A-round 3 has the higher number: a and b keep their ranks and
+    x comes after them (comparing round numbers across etcds put x first)."""
+    e = Etcd(tmp_path / "e")
+    e.start()
+    try:
+        g = group(2, 8, endpoint=e.endpoint, straggler=1.0, join_timeout=30.0)
+        hs = [g.new() for _ in range(3)]
+        for _ in range(3):
+            res = g.rendezvous(*hs)
+        assert {h.round for h in hs} == {3}
+        x, a, b = sorted(hs, key=lambda h: res[h].rank)
+
+        def replace() -> None:
+            e.stop()
+            shutil.rmtree(e.data_dir)
+            e.start()
+
+        replace()  # B
+        res = g.rendezvous(a, b, timeout=15)
+        assert a.round == b.round == 1 and [res[a].rank, res[b].rank] == [0, 1]
+        replace()  # C
+        res = g.rendezvous(x, a, b, timeout=15)
+        assert {h.round for h in hs} == {1}
+        assert [res[h].rank for h in (a, b, x)] == [0, 1, 2], {h.node_id: res[h].rank for h in hs}
+        assert x.record["seq"] == 5  # A's rounds 1-3, B's 1, C's 1: one clock across etcds
+    finally:
+        e.stop()
+
+
 def test_the_master_port_hand_over(group: Callable[..., Group]) -> None:
     """The record's master port is below the kernel's ephemeral range (no outgoing connection
     takes it before rank 0's store binds it), rank 0's TCPStore binds it and rank 1 reaches it;

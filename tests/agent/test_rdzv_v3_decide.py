@@ -177,3 +177,44 @@ def test_with_no_closed_round_the_order_comes_from_what_the_joins_remember() -> 
         _order_from_joins(joins), set(joins), lambda n: {"new": 3, "old": 1, "junk": 2}.get(n, 9)
     )
     assert order == ["c", "b", "a", "old", "junk", "new"]
+
+
+def test_the_order_across_two_etcd_replacements_is_the_newest_rounds() -> None:
+    """x ran rounds 1-3 on etcd A with a and b, then sat out while B replaced A: a and b ran
+    B's round 1 (which numbers from 1 again). C replaces B and all three join. By round number
+    x's A-round 3 beats B's round 1, and x alone would set the order (a and b after it, by
+    registration); by ``seq`` (a Lamport clock over every round seen, on any etcd) B's round is
+    the newest and its order is kept, x after it."""
+    from petctl_agent.rendezvous.leader import _order_from_joins, next_seq
+
+    a_round3 = {"seq": 3}
+    assert next_seq(a_round3, 3, {}) == 4  # no replacement: seq == round number
+    assert next_seq(None, 0, {}) == 1
+    # B's first round: a and b ran A's round 3 (and saw it closed); x did not join
+    b_joins = {"a": {"prev": [3, 1, "A"], "seen": 3}, "b": {"prev": [3, 2, "A"], "seen": 3}}
+    seq_b1 = next_seq(None, 0, b_joins)
+    assert seq_b1 == 4
+    # B's round 1 put b first (say), a second; C's first round:
+    c_joins = {
+        "x": {"prev": [3, 0, "A"], "seen": 3},
+        "a": {"prev": [seq_b1, 1, "B"], "seen": seq_b1},
+        "b": {"prev": [seq_b1, 0, "B"], "seen": seq_b1},
+    }
+    assert _order_from_joins(c_joins) == ["b", "a"]
+    assert next_seq(None, 0, c_joins) == seq_b1 + 1
+    # x sat out B's rounds but saw one close: its next join says so, and the seq moves past it
+    assert next_seq(None, 0, {"x": {"prev": [3, 0, "A"], "seen": 9}}) == 10
+
+
+def test_two_rounds_with_one_seq_on_two_etcds_the_larger_group_wins() -> None:
+    """Two rounds got the same seq on two etcds (no node of one saw the other close): their
+    ranks conflict, so only one round's order is kept: the one most joined nodes ran in."""
+    from petctl_agent.rendezvous.leader import _order_from_joins
+
+    joins = {
+        "x": {"prev": [5, 0, "A"]},
+        "y": {"prev": [5, 1, "B"]},
+        "z": {"prev": [5, 0, "B"]},
+        "w": {"prev": [4, 0, "B"]},
+    }
+    assert _order_from_joins(joins) == ["z", "y"]

@@ -99,7 +99,9 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
         self._round: int | None = None  # the round we run in (None while joining / before)
         self._record: dict[str, Any] | None = None
         self._last_record: dict[str, Any] | None = None  # survives etcd replacement: the head
-        self._last_rank: tuple[int, int] | None = None  # (round, rank) we last ran with: put in our joins
+        #: (seq, rank, etcd boot token) of the round we last ran in: put in our joins as ``prev``
+        self._last_rank: tuple[int, int, str] | None = None
+        self._seen_seq = 0  #: the newest round's seq we saw closed, on any etcd: put in our joins
         #: leader: (etcd generation, round) -> that round's full rank order (closed it, or read members/<r>)
         self._order: dict[tuple[int, int], list[str]] = {}
         #: leader: (node, lease) -> when to read that lease again (inf: lapsed), for round _lapse_target

@@ -162,8 +162,14 @@ class Joining:
             "port": _free_port(self.addr),
             "reg": self._reg_index or 0,
         }
+        _, rec = latest_closed(rounds)
+        if rec is not None:
+            self._seen_seq = max(self._seen_seq, int(rec.get("seq", latest)))
+        if self._seen_seq:
+            value["seen"] = self._seen_seq  # the newest round we saw closed, on any etcd (its seq)
         if self._last_rank is not None:
-            value["prev"] = list(self._last_rank)  # [round, rank]: the order kept if etcd is replaced
+            # [seq, rank, etcd boot token] of the round we last ran in: the order kept if etcd is replaced
+            value["prev"] = list(self._last_rank)
         lease = self._lease.id if self._lease is not None else 0
         self._etcd.put(self.keys.join(target, self.node_id), json.dumps(value), lease=lease)
         if (
@@ -186,7 +192,9 @@ class Joining:
         from petctl_agent.rendezvous.store import V3Store
 
         self._round, self._record, self._last_record, self._target = target, rec, rec, None
-        self._last_rank = (target, rank)
+        seq = int(rec.get("seq", target))
+        self._last_rank = (seq, rank, self._token or "")
+        self._seen_seq = max(self._seen_seq, seq)
         if self._joins is not None:
             self._joins.stop()
             self._joins = None

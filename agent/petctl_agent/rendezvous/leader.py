@@ -264,7 +264,8 @@ class Leadership:
         with self._cond:
             opened_at = self._opened_at.setdefault(target, now)
         base = order if rec is not None else _order_from_joins(joins)
-        return self._try_close(now, target, opened_at, live, seen_at, joins, members_rev, base, values)
+        seq = next_seq(rec, latest, joins)
+        return self._try_close(now, target, opened_at, live, seen_at, joins, members_rev, base, values, seq)
 
     def _order_of(self, latest: int, rec: dict[str, Any] | None) -> list[str]:
         """The full rank order of closed round ``latest``: known if we closed it or read it
@@ -385,6 +386,7 @@ class Leadership:
         members_rev: int,
         base: list[str],
         values: dict[str, str] | None = None,
+        seq: int = 0,
     ) -> float | None:
         for n, j in joins.items():
             # joined, but its registration not seen yet (it is in flight on the other watch)
@@ -417,6 +419,7 @@ class Leadership:
             "master_addr": joins[parts[0]].get("addr"),
             "master_port": int(joins[parts[0]]["port"]),
             "leader": self.node_id,
+            "seq": seq or target,
         }
         key = self.keys.round(target)
         with self._cond:
@@ -448,15 +451,48 @@ class Leadership:
         return None
 
 
+def _prev(j: dict[str, Any]) -> tuple[int, int, str | None] | None:
+    """A join's ``prev``: ``[seq, rank, token]`` (the ``seq`` of the round it last ran in, its
+    rank there, the boot token of the etcd that round ran on); ``[round, rank]`` from a node
+    that predates them."""
+    p = j.get("prev")
+    if not isinstance(p, list) or len(p) not in (2, 3) or not all(isinstance(x, int) for x in p[:2]):
+        return None
+    token = p[2] if len(p) == 3 and isinstance(p[2], str) else None
+    return p[0], p[1], token
+
+
+def _int(v: Any) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+
+def next_seq(rec: dict[str, Any] | None, latest: int, joins: dict[str, dict[str, Any]]) -> int:
+    """The ``seq`` of the round that follows closed round ``latest`` (its record ``rec``; None:
+    no closed round in this etcd). Round numbers restart on every etcd, so they cannot be
+    compared across a replacement; ``seq`` is a Lamport clock that can: one more than the
+    newest round any participant ran in (``prev``) or saw closed (``seen``), on any etcd, and
+    than this etcd's last round. With no replacement ever it equals the round number."""
+    top = _int(rec.get("seq", latest)) if rec is not None else 0
+    for j in joins.values():
+        p = _prev(j)
+        top = max(top, p[0] if p else 0, _int(j.get("seen")))
+    return top + 1
+
+
 def _order_from_joins(joins: dict[str, dict[str, Any]]) -> list[str]:
     """With no closed round in this etcd (a first round, or etcd replaced): the rank order each
-    joined node remembers (``prev``: its last round and rank), those of the newest round only."""
-    prevs: dict[str, tuple[int, int]] = {}
-    for n, j in joins.items():
-        p = j.get("prev")
-        if isinstance(p, list) and len(p) == 2 and all(isinstance(x, int) for x in p):
-            prevs[n] = (p[0], p[1])
+    joined node remembers (``prev``), those of the newest round only. Newest by ``seq``, not by
+    round number: after two replacements a node that last ran on the first etcd carries a round
+    number of that etcd, which says nothing against the second one's. Two rounds with the same
+    ``seq`` (on two etcds, no node of one having seen the other) are told apart by the etcd's
+    boot token: the one most joined nodes ran in wins."""
+    prevs = {n: p for n, p in ((n, _prev(j)) for n, j in joins.items()) if p is not None}
     if not prevs:
         return []
-    top = max(r for r, _ in prevs.values())
-    return sorted((n for n, (r, _) in prevs.items() if r == top), key=lambda n: prevs[n][1])
+    top = max(p[0] for p in prevs.values())
+    groups: dict[str | None, list[str]] = {}
+    for n, p in prevs.items():
+        if p[0] == top:
+            groups.setdefault(p[2], []).append(n)
+    _, best = max(groups.items(), key=lambda kv: (len(kv[1]), kv[0] or ""))
+    return sorted(best, key=lambda n: (prevs[n][1], n))
