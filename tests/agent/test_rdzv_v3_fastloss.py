@@ -188,3 +188,112 @@ def test_the_first_node_to_spend_its_restart_explains_no_other_nodes_failure(
         why, took = got[h.node_id]
         assert why is None, f"{h.node_id}: a peer's re-join after its own crash was taken for a loss: {why!r}"
         assert took >= 7.0, took
+
+
+def _stall(h: PetctlRendezvousHandler) -> threading.Event:
+    """While the returned event is set, ``h``'s keepalives hang (an agent stalled by memory
+    pressure: its lease is not kept alive, but it lives and keeps its node id)."""
+    stalled = threading.Event()
+    real = h._etcd.keepalive_once  # noqa: SLF001
+
+    def slow(*a: Any, **k: Any) -> Any:
+        while stalled.is_set():
+            time.sleep(0.05)
+        return real(*a, **k)
+
+    h._etcd.keepalive_once = slow  # noqa: SLF001
+    return stalled
+
+
+def _rejoin_until_together(
+    g: Group, hs: list[PetctlRendezvousHandler], watches: dict[PetctlRendezvousHandler, MembershipWatch]
+) -> dict[PetctlRendezvousHandler, list[str]]:
+    """Act as the agents after a free restart: re-join, ``started`` after each round, re-join when
+    a round opens, until all of ``hs`` run in one round. Returns what each ``take_charge`` gave."""
+    charged: dict[PetctlRendezvousHandler, list[str]] = {h: [] for h in hs}
+    g.join(*hs)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for h in hs:
+            r = g.results.get(h)
+            assert not isinstance(r, Exception), r
+            if r is not None and watches[h].round != h.round:
+                watches[h].started(h)
+                charged[h] += watches[h].take_charge()
+            if r is not None and h.num_nodes_waiting() > 0:
+                g.join(h)
+        if all(g.results.get(h) for h in hs) and len({h.round for h in hs}) == 1:
+            if all(watches[h].round == h.round for h in hs) and hs[0].record["n"] == len(hs):
+                return charged
+        time.sleep(0.02)
+    raise AssertionError(f"no round of {len(hs)}: {[(h.round, g.results.get(h)) for h in hs]}")
+
+
+def test_a_node_named_gone_that_comes_back_charges_the_restart(group: Callable[..., Group]) -> None:
+    """Every node's workers fail (one crashed) while that node's agent stalls 3 s (its keepalives
+    too): the leader reads its lease as not kept alive and names it gone, so every agent's
+    failure is explained and restarts for free. The node comes back with the same id in the
+    next round or the one after: the record says it ``returned``, and every agent's watch asks
+    for that restart to be charged (once). A crash loop thus spends the budget."""
+    g = group(2, 8)
+    order = _three(g)
+    x = order[2]
+    stalled = _stall(x)
+    stalled.set()
+    watches = {h: _watch(h, Settings()) for h in order}
+    got: dict[PetctlRendezvousHandler, str | None] = {}
+
+    def fail(h: PetctlRendezvousHandler) -> None:
+        if h is x:
+            time.sleep(3.0)  # the stalled agent sees its workers' exit late
+            stalled.clear()
+        got[h] = watches[h].failure_explained(threading.Event())
+
+    ts = [threading.Thread(target=fail, args=(h,), daemon=True) for h in order]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(20)
+    assert all(got.get(h) and x.node_id in got[h] and "gone" in got[h] for h in order), got
+    charged = _rejoin_until_together(g, order, watches)
+    assert all(charged[h] == [x.node_id] for h in order), {h.node_id: c for h, c in charged.items()}
+    assert {h.round for h in order} in ({2}, {3})
+
+
+def test_a_real_loss_stays_free(group: Callable[..., Group]) -> None:
+    """The same failure with the node really lost (SIGKILLed: it never comes back): explained,
+    and no charge after the survivors' round, nor after the next one."""
+    g = group(2, 8)
+    order = _three(g)
+    dead = order[2]
+    survivors = order[:2]
+    watches = {h: _watch(h, Settings()) for h in survivors}
+    dead._crash()  # noqa: SLF001
+    time.sleep(0.2)
+    got = {h: watches[h].failure_explained(threading.Event()) for h in survivors[:1]}
+    got.update({h: watches[h].failure_explained(threading.Event()) for h in survivors[1:]})
+    assert all(w and dead.node_id in w for w in got.values()), got
+    charged = _rejoin_until_together(g, survivors, watches)
+    assert charged == {h: [] for h in survivors}
+    newcomer = g.new()
+    charged = _rejoin_until_together(
+        g, [*survivors, newcomer], {**watches, newcomer: _watch(newcomer, Settings())}
+    )
+    assert all(c == [] for c in charged.values()), charged
+
+
+def test_charging_a_false_loss_spends_the_budget_then_fails() -> None:
+    """The agent's side: each charge takes one restart from torch's budget; with none left the
+    agent fails (run() returns FAILED with this reason), as after max_restarts worker failures."""
+    from types import SimpleNamespace
+
+    from petctl_agent.elastic.agent import PetctlElasticAgent, RestartBudgetSpent
+
+    agent = PetctlElasticAgent.__new__(PetctlElasticAgent)  # only the budget's state is needed
+    agent._remaining_restarts, agent._free_restarts = 2, 2  # noqa: SLF001
+    wg = SimpleNamespace(spec=SimpleNamespace(max_restarts=2))
+    agent._charge_false_loss(wg, ["n1"])  # noqa: SLF001
+    agent._charge_false_loss(wg, ["n1"])  # noqa: SLF001
+    assert (agent._remaining_restarts, agent._free_restarts) == (0, 0)  # noqa: SLF001
+    with pytest.raises(RestartBudgetSpent, match="after 2 restarts.*n1.*came back"):
+        agent._charge_false_loss(wg, ["n1"])  # noqa: SLF001

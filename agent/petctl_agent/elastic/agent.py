@@ -42,6 +42,11 @@ from petctl_agent.settings import Settings
 log = logging.getLogger("petctl_agent.elastic")
 
 
+class RestartBudgetSpent(Exception):
+    """A restart taken as free (a node named gone) is charged once the node is back, and no
+    restart is left: the agent fails, as after ``max_restarts`` worker failures."""
+
+
 class PetctlElasticAgent(LocalElasticAgent):
     """torch's LocalElasticAgent plus petctl's drain protocol, status and stall workarounds.
 
@@ -118,6 +123,9 @@ class PetctlElasticAgent(LocalElasticAgent):
                 f"join_timeout {self.join_timeout:.0f}s" + (f"; {e}" if str(e) else "")
             )
             return Outcome.JOIN_TIMEOUT
+        except RestartBudgetSpent as e:
+            self.fail_reason = str(e)
+            return Outcome.FAILED
         except RendezvousClosedError:
             self.fail_reason = "the rendezvous was closed by another node (job failed elsewhere)"
             return Outcome.CLOSED
@@ -181,6 +189,9 @@ class PetctlElasticAgent(LocalElasticAgent):
             raise LeftRendezvous("asked to leave as the round closed")
         self.pub.update(reason=None)
         self.watch.started(handler)
+        back = self.watch.take_charge()
+        if back:
+            self._charge_false_loss(worker_group, back)
         world = worker_group.workers[0].world_size if worker_group.workers else None
         self.pub.update(world_size=world, round=self.watch.round)
         self.pub.event(
@@ -192,6 +203,25 @@ class PetctlElasticAgent(LocalElasticAgent):
             reason=self._rdzv_reason,
             started=started,
             seconds=round(time.time() - started, 3),
+        )
+
+    def _charge_false_loss(self, wg: WorkerGroup, back: list[str]) -> None:
+        """The last worker failure was restarted for free because nodes were named gone (their
+        leases read as not kept alive), but they are back in this round with the same id: they
+        were never lost (an agent that stalled, e.g. a repeating OOM on its node). Charge that
+        restart now, so that a crash loop spends the budget; none left: the job fails, as
+        after ``max_restarts`` worker failures."""
+        self._free_restarts = max(0, self._free_restarts - 1)
+        if self._remaining_restarts > 0:
+            self._remaining_restarts -= 1
+            log.warning(
+                "the node(s) named gone after our workers failed are back (%s): charging that restart, "
+                "%d of %d left", ", ".join(back), self._remaining_restarts, wg.spec.max_restarts,
+            )  # fmt: skip
+            return
+        raise RestartBudgetSpent(
+            f"workers failed after {wg.spec.max_restarts} restarts: the last failure was taken for "
+            f"the loss of {', '.join(back)}, which came back (a crash loop, not a lost node)"
         )
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:

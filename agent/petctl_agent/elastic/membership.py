@@ -38,6 +38,10 @@ class MembershipWatch:
         self.round: int | None = None
         #: torch's dynamic handler only (MEMBERSHIP_WATCH compares it); None for petctl-etcd
         self.members: set[Any] | None = None
+        #: petctl-etcd: rendezvous left in which a node named gone by the failure we restarted
+        #: for free may come back (then that restart is charged: :meth:`take_charge`)
+        self._loss_rounds = 0
+        self._charge: list[str] = []
         self._last_etcd_warn = 0.0
         self._down_since: float | None = None  # etcd unreachable while training (event published)
 
@@ -49,6 +53,10 @@ class MembershipWatch:
             # petctl-etcd: the round only. Its record holds no participant list (O(1): n, head,
             # master, nonce) and change() asks pending_change(), never a member set
             self.round, self.members = mine.round, None
+            if self._loss_rounds > 0:
+                back = list((mine.record or {}).get("returned") or [])
+                self._loss_rounds = 0 if back else self._loss_rounds - 1
+                self._charge = back
         h = dynamic(handler)
         if h is not None:
             st = h._state_holder.state
@@ -129,6 +137,10 @@ class MembershipWatch:
         while True:
             change, _ = self.change()
             if change and not (mine is not None and _only_a_rejoin(mine.pending_change())):
+                if mine is not None and (mine.pending_change() or {}).get("n_gone"):
+                    # explained by a node named gone: if it comes back (the same id) in the next
+                    # round or the one after, it was never lost, and the restart is charged
+                    self._loss_rounds = 2
                 return change
             left = deadline - time.monotonic()
             if left <= 0 or leaving.is_set():
@@ -139,6 +151,14 @@ class MembershipWatch:
                 mine.wait_for_change(min(left, 0.25))
             else:
                 time.sleep(0.25)
+
+    def take_charge(self) -> list[str]:
+        """After :meth:`started`: the nodes whose "loss" explained the last worker failure (so the
+        agent restarted for free) and that are back in this round with the same id (an agent that
+        stalled past the leader's lease read, not a lost node). Non-empty: the agent charges the
+        restart now. Each such failure is charged once."""
+        back, self._charge = self._charge, []
+        return back
 
     def _note_reachable(self, reachable: bool, detail: str) -> None:
         """Publish ``rdzv_unreachable`` / ``rdzv_recovered`` when etcd goes away / comes back

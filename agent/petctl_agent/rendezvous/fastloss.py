@@ -13,7 +13,10 @@ the node next in line reads the leader's lease, leads in its place, and does the
 Only a worker failure starts the reads: an agent or etcd paused 3 s while the workers train
 opens no round. O(N) reads on one node per failure, none at steady state. The round that
 follows has ``gone`` non-empty, so the survivors' restart is free; a worker crash with every
-lease kept alive opens nothing here, and the agent spends its restart budget as before.
+lease kept alive opens nothing here, and the agent spends its restart budget as before. A node
+named gone that comes back (the same id: its agent stalled, it was not lost) is listed in the
+``returned`` of the round it rejoins (leader.py, ``_came_back``), and the agents charge that
+restart then: a crash loop with a stalling agent still spends the budget.
 See docs/rendezvous.md, "A hard loss seen from the data plane".
 """
 

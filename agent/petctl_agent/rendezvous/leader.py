@@ -425,6 +425,7 @@ class Leadership:
         with self._cond:
             cur = self._rounds.items.get(key) if self._rounds is not None else None
             prev = self._rounds.items.get(self.keys.round(target - 1)) if self._rounds is not None else None
+        record.update(_came_back(cur[0] if cur else None, prev[0] if prev else None, parts))
         cmp = v3.compare(key, "mod", "==", cur[2]) if cur else v3.compare(key, "create", "==", 0)
         ops = [
             v3.delete_op(self.keys.joins(target - 1), prefix=True),
@@ -449,6 +450,30 @@ class Leadership:
             self._opened_at.pop(target, None)
             self._bump()
         return None
+
+
+def _came_back(marker: str | None, prev_record: str | None, parts: list[str]) -> dict[str, Any]:
+    """The record's ``returned`` and ``out`` (at most ``MARKER_IDS`` ids each, only when not empty).
+
+    ``out``: nodes the opening marker named gone that are not in this round. ``returned``:
+    participants of this round that were named gone by its marker, or are the previous round's
+    ``out``: the same node id (the same agent process) came back within a round, so it was never
+    lost (its agent stalled past the lease read, not dead). The agents charge the restart they
+    took as free for that "loss" (docs/rendezvous.md, "A node named gone that comes back").
+    """
+    named_now = loads(marker).get("gone") if marker else None
+    out_before = loads(prev_record).get("out") if prev_record else None
+    gone = [str(n) for n in named_now] if isinstance(named_now, list) else []
+    named = set(gone) | ({str(n) for n in out_before} if isinstance(out_before, list) else set())
+    in_round = set(parts)
+    got: dict[str, Any] = {}
+    back = sorted(named & in_round)
+    if back:
+        got["returned"] = back[:MARKER_IDS]
+    out = sorted(n for n in gone if n not in in_round)
+    if out:
+        got["out"] = out[:MARKER_IDS]
+    return got
 
 
 def _prev(j: dict[str, Any]) -> tuple[int, int, str | None] | None:
