@@ -94,15 +94,20 @@ def test_registered_but_not_ready_never_opens_a_round() -> None:
     )
 
 
-def test_ready_newcomers_are_batched_one_shot_by_the_hint() -> None:
+def test_ready_newcomers_are_batched_by_the_hint_until_a_quiet_gap() -> None:
     parts = ["a", "b"]
     v = OpenView(
         now=3.0, participants=parts, live=LIVE, ready={"c": 1.0}, max_nodes=8, expected=4, hint_wait=5.0
     )
     got, again = open_round(v)
     assert got is None and 2.9 < again < 3.1
-    # a second newcomer at 5.5 does not re-arm: the batch opens at 1.0 + 5.0
+    # a second newcomer at 5.5: more are coming, keep batching (until 5.5 + 5.0)
     v = OpenView(now=6.0, participants=parts, live={**LIVE, "e": 14}, ready={"c": 1.0, "e": 5.5},
+                 max_nodes=8, expected=5, hint_wait=5.0)  # fmt: skip
+    got, again = open_round(v)
+    assert got is None and 4.4 < again < 4.6
+    # none for hint_wait: the rest are not coming soon, open with those ready
+    v = OpenView(now=10.6, participants=parts, live={**LIVE, "e": 14}, ready={"c": 1.0, "e": 5.5},
                  max_nodes=8, expected=5, hint_wait=5.0)  # fmt: skip
     assert open_round(v) == ((["c", "e"], []), None)
     # the hint met: at once
@@ -111,6 +116,27 @@ def test_ready_newcomers_are_batched_one_shot_by_the_hint() -> None:
     # no hint: at once
     v = OpenView(now=1.0, participants=parts, live=LIVE, ready={"c": 1.0}, max_nodes=8)
     assert open_round(v) == ((["c"], []), None)
+
+
+def test_newcomers_trickling_over_a_long_spread_are_one_round_at_most_hint_max() -> None:
+    """8 running, the hint 16, a newcomer every 4 s (hint_wait 5): never a quiet gap, so no
+    round until the hint is met (one stall of the running nodes, not one per hint_wait); and
+    never past hint_max from the first newcomer."""
+    parts = [f"p{i}" for i in range(8)]
+    live = {n: i for i, n in enumerate(parts)} | {f"n{i}": 100 + i for i in range(8)}
+    for k in range(1, 8):  # n0..n(k-1) ready, at 0, 4, 8, ...
+        ready = {f"n{i}": 4.0 * i for i in range(k)}
+        v = OpenView(now=4.0 * (k - 1) + 3.9, participants=parts, live=live, ready=ready,
+                     max_nodes=16, expected=16, hint_wait=5.0, hint_max=60.0)  # fmt: skip
+        assert open_round(v)[0] is None, k
+    ready = {f"n{i}": 4.0 * i for i in range(8)}
+    v = OpenView(now=28.0, participants=parts, live=live, ready=ready, max_nodes=16, expected=16)
+    assert open_round(v) == (([f"n{i}" for i in range(8)], []), None)
+    # a newcomer every 4 s for ever (the hint 100): the batch opens at hint_max
+    ready = {f"n{i}": 4.0 * i for i in range(8)}
+    v = OpenView(now=27.0, participants=parts, live=live, ready=ready, max_nodes=200, expected=100,
+                 hint_wait=5.0, hint_max=20.0)  # fmt: skip
+    assert open_round(v)[0] == ([f"n{i}" for i in range(8)], [])
 
 
 def test_at_max_newcomers_do_not_open_a_round() -> None:

@@ -28,7 +28,8 @@ etcd's v3 JSON gateway:
   key and the rounds. O(N) requests per round.
 * **Opening and closing** (:mod:`.decide`, pure functions on ``time.monotonic``): a round
   opens when a participant is gone or newcomers are *ready* (joined), batched by the size
-  hint for at most ``hint_wait`` from the first (one-shot). It closes once MIN joined, the
+  hint until none has become ready for ``hint_wait``, at most ``hint_max`` from the first.
+  It closes once MIN joined, the
   one-shot ``settle`` passed (skipped when the hint is met), and every registered node that
   has not joined is past its straggler deadline; nodes registering later than
   ``join_window`` after the opening wait for the next round.

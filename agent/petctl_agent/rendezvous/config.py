@@ -24,8 +24,9 @@ class Config:
       skipped when the size hint is met). ``join_window``: nodes that register later than this
       after the round opened are not waited for (they join the next round). ``straggler``: once
       MIN nodes joined, a registered node that has not joined within this is left out.
-    * ``hint_wait``: while running, newcomers that joined are batched for up to this long (from
-      the first of them, one-shot) while the size hint says more are coming.
+    * ``hint_wait``, ``hint_max``: while running, newcomers that joined are batched while the
+      size hint says more are coming: until none has joined for ``hint_wait`` (no more are
+      coming soon), at most ``hint_max`` after the first of them. The running nodes train on.
     * ``record_ttl``: the lease a round record gets when the next round replaces it.
     * ``reconnect_grace``: after its watch reconnects (or etcd was replaced) the leader acts on
       the membership only this much later, so that nodes still reconnecting (each watcher
@@ -42,6 +43,7 @@ class Config:
         refresh: float = 1.0,
         settle: float = 0.5,
         hint_wait: float = 5.0,
+        hint_max: float = 60.0,
         join_timeout: float = 600.0,
         store_timeout: float = 20.0,
         watch_timeout: float = 30.0,
@@ -60,7 +62,10 @@ class Config:
                 f"ttl ({ttl}) must be a whole number of seconds >= 2 (an etcd lease), "
                 f"and refresh ({refresh}) at most half of it"
             )
-        for name, v in (("settle", settle), ("straggler", straggler), ("join_window", join_window)):
+        for name, v in (
+            ("settle", settle), ("straggler", straggler), ("join_window", join_window),
+            ("hint_wait", hint_wait), ("hint_max", hint_max),
+        ):  # fmt: skip
             if v < 0:
                 raise ValueError(f"{name} ({v}) must not be negative")
         if protocol not in ("http", "https"):
@@ -76,6 +81,7 @@ class Config:
         self.refresh = refresh
         self.settle = settle
         self.hint_wait = hint_wait
+        self.hint_max = hint_max
         self.join_timeout = join_timeout
         self.store_timeout = store_timeout
         self.watch_timeout = watch_timeout

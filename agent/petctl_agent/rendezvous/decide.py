@@ -122,6 +122,7 @@ class OpenView:
     max_nodes: int
     expected: int | None = None
     hint_wait: float = 5.0
+    hint_max: float = 60.0
 
 
 def open_round(v: OpenView) -> tuple[tuple[list[str], list[str]] | None, float | None]:
@@ -131,8 +132,11 @@ def open_round(v: OpenView) -> tuple[tuple[list[str], list[str]] | None, float |
     A participant gone opens it at once. Newcomers count only once they are *ready* (joined the
     next round: booted, registered, called next_rendezvous); a node that registered but never
     joins never opens a round. While the hint says more are coming, ready newcomers are
-    batched for up to ``hint_wait`` from the first of them (one-shot: a later arrival does not
-    re-arm it); the running round keeps training meanwhile.
+    batched until none has become ready for ``hint_wait`` (the rest are not coming soon), and
+    at most ``hint_max`` from the first of them. The running round keeps training meanwhile, so
+    the wait costs the running nodes nothing; a one-shot ``hint_wait`` from the first newcomer
+    split newcomers that trickle in over a longer spread into one round (one stall of every
+    running node) per ``hint_wait``.
     """
     parts = list(v.participants)
     gone = [p for p in parts if p not in v.live]
@@ -145,6 +149,8 @@ def open_round(v: OpenView) -> tuple[tuple[list[str], list[str]] | None, float |
         return None, None
     if v.expected is not None and len(parts) + len(waiting) < min(v.expected, v.max_nodes):
         first = min(v.ready[n] for n in waiting)
-        if v.now - first < v.hint_wait:
-            return None, v.hint_wait - (v.now - first) + 0.01
+        last = max(v.ready[n] for n in waiting)
+        until = min(first + v.hint_max, last + v.hint_wait)
+        if v.now < until:
+            return None, until - v.now + 0.01
     return (waiting, gone), None

@@ -36,9 +36,9 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
 
     ``expected_nodes``: optional hint (e.g. the worker group's desired capacity). While the
     current round plus the waiting nodes are below it, the leader holds off announcing a
-    new round for up to ``hint_wait`` s so that a burst becomes one round (the running
-    workers keep training meanwhile); once it is met the round closes without the settle
-    window.
+    new round until no newcomer has become ready for ``hint_wait`` s (at most ``hint_max`` s)
+    so that newcomers arriving over a spread become one round (the running workers keep
+    training meanwhile); once it is met the round closes without the settle window.
     """
 
     def __init__(
@@ -126,11 +126,12 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
         self._version += 1
         self._cond.notify_all()
 
-    def _expected(self) -> int | None:
+    def _expected(self, fresh: bool = False) -> int | None:
+        """The size hint, read at most once a second unless ``fresh``."""
         if self.expected_nodes is None:
             return None
         t, v = self._expected_cache
-        if time.monotonic() - t < 1.0:
+        if not fresh and time.monotonic() - t < 1.0:
             return v
         try:
             v = self.expected_nodes()

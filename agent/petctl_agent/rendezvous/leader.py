@@ -305,7 +305,14 @@ class Leadership:
         participant whose lease is not kept alive after our workers failed is gone: fastloss.py)."""
         lapsed, due = self._lapsed_participants(now, latest, order, values or {})
         live = {n: c for n, c in live.items() if n not in lapsed}
-        view = decide.OpenView(now, order, live, ready, self.max_nodes, self._expected(), self.cfg.hint_wait)
+        expected = self._expected()
+        if expected is not None and expected <= len(order) and any(n not in order for n in ready):
+            # newcomers are ready but the hint expects no growth: it may predate the scale-out
+            # (read up to a second ago): read it again before opening a round for the first one
+            expected = self._expected(fresh=True)
+        view = decide.OpenView(
+            now, order, live, ready, self.max_nodes, expected, self.cfg.hint_wait, self.cfg.hint_max
+        )
         got, again = decide.open_round(view)
         if got is None:
             if due is not None:
