@@ -175,7 +175,7 @@ class LightPool:
             first = n.state == REG
             if first:
                 n.state = STRAG if n.spec.straggler else IDLE
-            n.busy = False
+            n.busy = False  # last: the driver reads a node only when it is not busy
         if first and n.spec.straggler:
             self.plan.q.put(("registered", n.idx, time.monotonic()))
         self._poke()
@@ -253,9 +253,9 @@ class LightPool:
         assert target is not None
         self._join(n, target, latest_closed(rounds)[0], rounds)
         with self.lock:
-            n.busy = False
             if n.target == target:
                 n.join_epoch = epoch
+            n.busy = False
         self._poke()
 
     def _rank_task(self, n: Node) -> None:
@@ -266,17 +266,18 @@ class LightPool:
         assert target is not None and rec is not None
         rank = read_rank(self.etcd, self.keys, target, rec, n.id)
         t = time.monotonic()
-        with self.lock:
-            n.busy = False
+        with self.lock:  # busy goes last: the driver reads a node only when it is not busy
             if n.target != target or n.state != JOINING:
+                n.busy = False
                 return
-            n.target = None
             if rank is None:  # closed without us: join the next round
-                n.rec = None
+                n.state, n.rec, n.target = IDLE, None, None
+                n.busy = False
                 return
-            n.state, n.round, n.last_rank = RUN, target, (target, rank)
+            n.state, n.round, n.last_rank, n.target = RUN, target, (target, rank), None
             n.steps = 0
             n.prev_round, n.prev_rec = None, None
+            n.busy = False
         self.plan.q.put(("ret", n.idx, t, target, rank, int(rec["n"])))
         self._poke()
 
@@ -316,66 +317,89 @@ class LightPool:
             for n in self.nodes:
                 if n.busy or n.state == GONE or now < n.retry_at:
                     continue
-                flag = plan.crash[n.idx]
-                if flag and n.state != WAIT:
-                    self._crash_or_leave(n, flag)
-                    continue
-                st = n.state
-                if st == WAIT:
-                    base = t1 if n.spec.phase == 1 else t0
-                    if not base or now < base + n.spec.arrive:
-                        continue
-                    n.state = REG
-                    if not n.spec.straggler:
-                        plan.q.put(("call", n.idx, now))
-                    self._submit(self._register, n)
-                    continue
-                if not n.lease:  # lost: register again (a join under the old lease went with it)
-                    if st == REG:
-                        self._submit(self._register, n)
-                    else:
-                        self._submit(self._reregister, n)
-                    continue
-                if st == STRAG:
-                    if released:
-                        n.state = IDLE
-                        plan.q.put(("call", n.idx, now))
-                    continue
-                if st == RUN:
-                    if not step:
-                        continue
-                    assert n.round is not None
-                    if n.round not in pending:
-                        pending[n.round] = _pending(n.round, rounds, connected)
-                    n.steps += 1
-                    n.since_ckpt += 1
-                    if n.since_ckpt >= plan.ckpt_steps:
-                        n.since_ckpt = 0
-                    ch = pending[n.round]
-                    if ch is None:
-                        continue
-                    gone, why = ch
-                    lost = n.since_ckpt if gone else 0
-                    n.since_ckpt = 0
-                    plan.q.put(("end", n.idx, now, n.round, n.steps, lost, why))
-                    plan.q.put(("call", n.idx, now))
-                    n.prev_round, n.prev_rec = n.round, n.rec
-                    n.state, n.round, n.rec, n.target = IDLE, None, None, None
-                    st = IDLE
-                if st == JOINING and synced:
-                    assert n.target is not None
-                    got = rounds.get(n.target)
-                    if got is not None and got[0].get("state") == "closed" and n.join_epoch == n.epoch:
-                        n.rec = got[0]
-                        self._submit(self._rank_task, n)
-                        continue
-                    if latest >= n.target or n.join_epoch != n.epoch:
-                        n.state, n.target = IDLE, None
-                        st = IDLE
-                if st == IDLE and synced:
-                    n.state, n.target = JOINING, latest + 1
-                    self._submit(self._join_task, n)
+                try:
+                    self._advance(n, now, step, rounds, latest, synced, connected, pending, t0, t1, released)
+                except Exception as e:  # noqa: BLE001 - a defect of this simulation: reported, never silent
+                    n.state = GONE
+                    plan.q.put(("error", n.idx, now, f"light node: {type(e).__name__}: {e}"))
         self._shutdown()
+
+    def _advance(
+        self,
+        n: Node,
+        now: float,
+        step: bool,
+        rounds: dict[int, Any],
+        latest: int,
+        synced: bool,
+        connected: bool,
+        pending: dict[int, tuple[bool, str] | None],
+        t0: float,
+        t1: float,
+        released: bool,
+    ) -> None:
+        """One look at node ``n`` by the driver: arrive, register again, join, read its rank, or
+        count a step of its workers (and stop them when a newer round shows)."""
+        plan = self.plan
+        flag = plan.crash[n.idx]
+        if flag and n.state != WAIT:
+            self._crash_or_leave(n, flag)
+            return
+        st = n.state
+        if st == WAIT:
+            base = t1 if n.spec.phase == 1 else t0
+            if not base or now < base + n.spec.arrive:
+                return
+            n.state = REG
+            if not n.spec.straggler:
+                plan.q.put(("call", n.idx, now))
+            self._submit(self._register, n)
+            return
+        if not n.lease:  # lost: register again (a join under the old lease went with it)
+            if st == REG:
+                self._submit(self._register, n)
+            else:
+                self._submit(self._reregister, n)
+            return
+        if st == STRAG:
+            if released:
+                n.state = IDLE
+                plan.q.put(("call", n.idx, now))
+            return
+        if st == RUN:
+            if not step:
+                return
+            assert n.round is not None
+            if n.round not in pending:
+                pending[n.round] = _pending(n.round, rounds, connected)
+            n.steps += 1
+            n.since_ckpt += 1
+            if n.since_ckpt >= plan.ckpt_steps:
+                n.since_ckpt = 0
+            ch = pending[n.round]
+            if ch is None:
+                return
+            gone, why = ch
+            lost = n.since_ckpt if gone else 0
+            n.since_ckpt = 0
+            plan.q.put(("end", n.idx, now, n.round, n.steps, lost, why))
+            plan.q.put(("call", n.idx, now))
+            n.prev_round, n.prev_rec = n.round, n.rec
+            n.state, n.round, n.rec, n.target = IDLE, None, None, None
+            st = IDLE
+        if st == JOINING and synced:
+            assert n.target is not None
+            got = rounds.get(n.target)
+            if got is not None and got[0].get("state") == "closed" and n.join_epoch == n.epoch:
+                n.rec = got[0]
+                self._submit(self._rank_task, n)
+                return
+            if latest >= n.target or n.join_epoch != n.epoch:
+                n.state, n.target = IDLE, None
+                st = IDLE
+        if st == IDLE and synced:
+            n.state, n.target = JOINING, latest + 1
+            self._submit(self._join_task, n)
 
     def _reregister(self, n: Node) -> None:
         self._register(n)
