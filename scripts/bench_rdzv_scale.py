@@ -141,6 +141,17 @@ def _rounds_after(sim: Sim, after: float, ids: set[int] | None = None) -> list[A
     return seen
 
 
+def _round_info(sim: Sim, after: float, t_ref: float) -> list[list[Any]]:
+    """Each round participants returned into after ``after``: [round, world size, first and
+    last return (s after ``t_ref``)]."""
+    out: dict[Any, list[Any]] = {}
+    for e in sim.snapshot():
+        if e[0] == "ret" and e[2] > after:
+            r = out.setdefault(e[3], [e[3], e[5], e[2], e[2]])
+            r[2], r[3] = min(r[2], e[2]), max(r[3], e[2])
+    return [[r, w, round(a - t_ref, 2), round(b - t_ref, 2)] for r, w, a, b in out.values()]
+
+
 def _lost_after(sim: Sim, after: float) -> tuple[int, int]:
     """(steps lost, worker stops) after ``after``."""
     ends = [e for e in sim.snapshot() if e[0] == "end" and e[2] > after and e[6] != "left"]
@@ -252,7 +263,8 @@ def scenario_cold_steady_drain(etcd: Etcd, a: argparse.Namespace) -> list[dict[s
             "requests": round(req / len(rounds)), "bytes": round(byt / len(rounds)),
             "per_round_note": "whole cold start / rounds",
             "writes_per_s": round(w["etcd"].get("proposals", 0) / w["seconds"], 1),
-            "light_nodes": len(light), **_health(w),
+            "light_nodes": len(light), **_health(w), "snapshot_bytes": int(w["io"].get("snapshot_bytes", 0)),
+            "round_info": _round_info(sim, t0, t0), "round_info_what": "round, world, first/last return (s after t0)",
             "target": "<= 3 rounds; <= 3 s", "ok": len(rounds) <= 3 and close <= 3.0,
         })  # fmt: skip
 
@@ -336,6 +348,7 @@ def scenario_scaleup(etcd: Etcd, a: argparse.Namespace) -> dict[str, Any]:
             "restarts_per_running_node": restarts, "lost_steps": lost,
             "requests": round(req / max(1, len(rounds))), "bytes": round(byt / max(1, len(rounds))),
             "per_round_note": "whole scale-up / rounds", "light_nodes": len(_light(a, n1)), **_health(w),
+            "round_info": _round_info(sim, t_up, t_up), "round_info_what": "round, world, first/last return (s after go)",
             "writes_per_s": round(w["etcd"].get("proposals", 0) / w["seconds"], 1),
             "ok": len(rounds) <= 2 and per_round <= 2.0 and total <= 4.0,
         }  # fmt: skip
@@ -543,6 +556,10 @@ def table(rows: list[dict[str, Any]]) -> str:
             if r.get("bytes_fanout"):
                 other.append(f"{_si(r['bytes_equiv'])} ({_si(r['bytes_equiv_per_node'])} per node) with per-node "
                              "rounds watches")  # fmt: skip
+        if r.get("round_info"):
+            other.append("round sizes " + ", ".join(str(x[1]) for x in r["round_info"]))
+        if r.get("snapshot_bytes"):
+            other.append(f"{_si(r['snapshot_bytes'])} of reads of nodes/ (one per registration)")
         if r.get("cpu_cores"):
             c = r["cpu_cores"]
             other.append(

@@ -116,6 +116,8 @@ class LightPool:
         self.addr = "127.0.0.1"
         self.etcd = v3.Client(plan.endpoint, timeout=self.cfg.request_timeout)
         self.watch_stats = v3.Stats()
+        self.snap_stats = v3.Stats()
+        self.snap = v3.Client(plan.endpoint, timeout=self.cfg.request_timeout, stats=self.snap_stats)
         self.owner = _ViewOwner(
             v3.Client(plan.endpoint, timeout=self.cfg.request_timeout, stats=self.watch_stats)
         )
@@ -167,7 +169,7 @@ class LightPool:
         r = self.etcd.put(self.keys.node(n.id), value, lease=lid, prev_kv=True)
         created = r.prev.create_revision if r.prev is not None else r.revision
         # the read of nodes/ a real node makes once per registration (Membership._snapshot)
-        self.etcd.range(self.keys.nodes, prefix=True, keys_only=True)
+        self.snap.range(self.keys.nodes, prefix=True, keys_only=True)
         with self.lock:
             n.lease, n.ttl, n.deadline = lid, ttl, sent + ttl
             n.next_ka = time.monotonic() + self.cfg.refresh

@@ -69,6 +69,9 @@ IO_KINDS = (
     "ka_late",
     "leases_lost",
     "task_errors",
+    # light nodes: the JSON bytes of their reads of nodes/ (one per registration, as a real node
+    # makes: Membership._snapshot), part of bytes_in
+    "snapshot_bytes",
 )
 
 
@@ -378,6 +381,7 @@ def _light_process(plan: Plan, specs: list[Spec], row: int, ka_threads: int, wor
         fan, rereads = pool.fanout()
         io.set("fanout_bytes", fan)
         io.set("rereads", rereads)
+        io.set("snapshot_bytes", pool.snap_stats.bytes_in)
         io.flush()
     # the driver sees the stop and every node leaves (its lease revoked, bounded)
     deadline = time.monotonic() + 10
