@@ -33,6 +33,9 @@ table, a prediction for ``--predict`` (5,000) nodes, and JSON (``--json`` writes
 
     python scripts/bench_rdzv_scale.py --quick                  # N=16, short windows (~1 min)
     flock /tmp/petctl-heavy.lock python scripts/bench_rdzv_scale.py --json out.json   # 1,000 / 256 -> 512
+    # what fits 2 cores at 1,000: all but --real (2) participants of cold/scaleup are light nodes
+    flock /tmp/petctl-heavy.lock python scripts/bench_rdzv_scale.py --light-nodes --etcd-binary /usr/bin/etcd \
+        --scenarios cold,scaleup --json out.json
 """
 
 from __future__ import annotations

@@ -95,10 +95,16 @@ def test_light_nodes_close_a_round_with_the_real_handlers(tmp_path: Path) -> Non
         assert rec["state"] == "closed" and rec["n"] == n and rec["leader"] in ("sim00000", "sim00001"), rec
         order = json.loads(c.get(keys.members(rnd)).text)
         assert order == [f"sim{i:05d}" for i in sorted(ranks, key=ranks.__getitem__)], (order, ranks)
+        # a light node's keys hold what a real handler's hold, on its lease
+        for real_id, light_id in (("sim00001", "sim00005"), ("sim00000", "sim00039")):
+            for key_of in (keys.node, lambda i: keys.join(rnd, i)):
+                kr, kl = c.get(key_of(real_id)), c.get(key_of(light_id))
+                assert kr is not None and kl is not None, (key_of(real_id), key_of(light_id))
+                assert sorted(json.loads(kr.text)) == sorted(json.loads(kl.text)), (kr.text, kl.text)
+                assert kl.lease == json.loads(c.get(keys.node(light_id)).text)["lease"] != 0, kl
         io = sim.io()
-        assert io["keepalive"] > 0 and io["fanout_bytes"] > 0, (
-            io
-        )  # light keepalives sent; watch fan-out counted
+        # the light nodes' keepalives were sent, and their watch fan-out counted
+        assert io["keepalive"] > 0 and io["fanout_bytes"] > 0, io
     finally:
         sim.stop()
         etcd.stop()
