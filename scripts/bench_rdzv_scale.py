@@ -318,6 +318,7 @@ def scenario_scaleup(etcd: Etcd, a: argparse.Namespace) -> dict[str, Any]:
         time.sleep(a.settle)
         m0 = Meter(sim, etcd.endpoint)
         sim.set_expected(n1)  # the group's desired capacity goes up as the newcomers launch
+        time.sleep(a.hint_lead)  # ... a boot time before the first of them is ready
         t_up = sim.go()
         got = sim.wait_together(list(range(n1)), spread + a.timeout, after=t_up)
         calls = [e[2] for e in sim.snapshot() if e[0] == "call" and e[1] >= n0]
@@ -616,6 +617,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale-from", type=int, default=256)
     ap.add_argument("--scale-to", type=int, default=512)
     ap.add_argument("--spread", type=float, default=90.0, help="scale-up: newcomers ready over this (s)")
+    ap.add_argument(
+        "--hint-lead",
+        type=float,
+        default=0.0,
+        help="scale-up: the hint rises this long before the first newcomer is ready (s; AWS: a boot time)",
+    )
     ap.add_argument("--fault-n", type=int, default=256, help="participants of the fault scenarios")
     ap.add_argument(
         "--straggler-wait", type=float, default=30.0, help="how long to wait for the round without it"
