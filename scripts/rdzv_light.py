@@ -106,13 +106,14 @@ class LightPool:
         from rdzv_sim import make_config
 
         from petctl_agent.rendezvous import etcdv3 as v3
+        from petctl_agent.rendezvous.config import DEFAULT_PREFIX
         from petctl_agent.rendezvous.layout import Keys
         from petctl_agent.rendezvous.watcher import Watcher
 
         self.v3 = v3
         self.plan, self.io = plan, io
         self.cfg = make_config(plan.conf)
-        self.keys = Keys("/petctl/rdzv", plan.run_id)
+        self.keys = Keys(DEFAULT_PREFIX, plan.run_id)
         self.addr = "127.0.0.1"
         self.etcd = v3.Client(plan.endpoint, timeout=self.cfg.request_timeout)
         self.watch_stats = v3.Stats()

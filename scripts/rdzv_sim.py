@@ -489,9 +489,10 @@ class Sim:
 
     def _wait_registered(self, idxs: list[int], timeout: float = 120.0) -> None:
         from petctl_agent.rendezvous import etcdv3 as v3
+        from petctl_agent.rendezvous.config import DEFAULT_PREFIX
         from petctl_agent.rendezvous.layout import Keys, key_name
 
-        keys = Keys("/petctl/rdzv", self.plan.run_id)
+        keys = Keys(DEFAULT_PREFIX, self.plan.run_id)
         want = {f"sim{i:05d}" for i in idxs}
         c = v3.Client(self.plan.endpoint, timeout=5.0)
         deadline = time.monotonic() + timeout

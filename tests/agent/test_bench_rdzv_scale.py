@@ -68,6 +68,7 @@ def test_light_nodes_close_a_round_with_the_real_handlers(tmp_path: Path) -> Non
     from rdzv_sim import Sim, Spec
 
     from petctl_agent.rendezvous import etcdv3 as v3
+    from petctl_agent.rendezvous.config import DEFAULT_PREFIX
     from petctl_agent.rendezvous.layout import Keys, loads
 
     etcd = Etcd(tmp_path / "etcd")
@@ -90,7 +91,7 @@ def test_light_nodes_close_a_round_with_the_real_handlers(tmp_path: Path) -> Non
         assert len(sim.groups) == 3 and sim.n_real_groups == 1, sim.groups  # 38 light nodes: 2 processes
 
         c = v3.Client(etcd.endpoint)
-        keys = Keys("/petctl/rdzv", "light40")
+        keys = Keys(DEFAULT_PREFIX, "light40")
         rec = loads(c.get(keys.round(rnd)).text)
         assert rec["state"] == "closed" and rec["n"] == n and rec["leader"] in ("sim00000", "sim00001"), rec
         order = json.loads(c.get(keys.members(rnd)).text)
