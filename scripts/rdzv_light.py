@@ -14,7 +14,7 @@ package's own helpers (``layout.Keys``, ``leader.read_rank``, ``joining._free_po
   ``refresh`` (one lease id per request: the JSON gateway's ``lease/keepalive``), each on its
   own keep-alive HTTP connection, with ``etcdv3.Lease._run``'s deadline and loss rules.
 * **Joins and rank reads**: ``workers`` threads run each node's requests: its join
-  ``joins/<r>/<id>`` (``{"addr", "port", "reg"}`` and ``prev`` = its last ``[round, rank]``,
+  ``joins/<r>/<id>`` (``{"addr", "port", "reg"}`` and ``prev`` = its last ``[seq, rank, token]``, ``seen``,
   on its lease; the re-join marker when its workers stopped while no newer round was open),
   then, once the record of ``r`` is closed, its rank key ``ranks/<r>/<nonce>/<id>`` (one read:
   missing means left out, join the next round).
@@ -65,7 +65,7 @@ class Node:
         self.join_epoch = -1
         self.round: int | None = None
         self.rec: dict[str, Any] | None = None
-        self.last_rank: tuple[int, int] | None = None
+        self.last_rank: tuple[int, int, str] | None = None
         self.steps = self.since_ckpt = 0
         self.prev_round: int | None = None
         self.prev_rec: dict[str, Any] | None = None
@@ -234,6 +234,7 @@ class LightPool:
         v3 = self.v3
         value: dict[str, Any] = {"addr": self.addr, "port": _free_port(self.addr), "reg": n.reg}
         if n.last_rank is not None:
+            value["seen"] = n.last_rank[0]
             value["prev"] = list(n.last_rank)
         self.etcd.put(self.keys.join(target, n.id), json.dumps(value), lease=n.lease)
         if (
@@ -277,7 +278,10 @@ class LightPool:
                 n.state, n.rec, n.target = IDLE, None, None
                 n.busy = False
                 return
-            n.state, n.round, n.last_rank, n.target = RUN, target, (target, rank), None
+            # [seq, rank, boot token] as the handler's joins carry it (light nodes never see etcd
+            # replaced: no token), and the newest seq seen closed
+            seq = int(rec.get("seq", target))
+            n.state, n.round, n.last_rank, n.target = RUN, target, (seq, rank, ""), None
             n.steps = 0
             n.prev_round, n.prev_rec = None, None
             n.busy = False
