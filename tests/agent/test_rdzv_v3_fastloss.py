@@ -115,6 +115,59 @@ def test_a_hard_loss_is_explained_from_the_leases(group: Callable[..., Group], w
     assert time.monotonic() - t0 < 5.0
 
 
+def _gone_within(
+    hs: list[PetctlRendezvousHandler], dead: PetctlRendezvousHandler, limit: float
+) -> float | None:
+    """Seconds until every handler of ``hs`` has a pending change naming ``dead`` gone (None: not
+    within ``limit``). The agents' monitor loops read exactly this (``MembershipWatch.change``)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        chs = [h.pending_change() for h in hs]
+        if all(ch is not None and dead.node_id in (ch.get("gone") or []) for ch in chs):
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    return None
+
+
+@pytest.mark.parametrize("who", [2, 0], ids=["a-follower", "the-leader"])
+def test_a_loss_while_the_workers_start_is_seen_from_the_leases(
+    group: Callable[..., Group], who: int
+) -> None:
+    """A peer lost while the workers start (bench_elastic's "node lost during a re-rendezvous"):
+    the survivors' workers do not fail, they wait at process-group init for the dead rank, so no
+    agent calls workers_failed. The agents said their workers were starting (the agent does at
+    each start): the leader, or the node next in line when the leader is the dead one, reads the
+    leases and opens a round naming the dead node gone in < 3.5 s (before: its 6 s lease, 6.8 s
+    in bench_elastic). Without the start-up window (workers that stepped) the same loss waits
+    for the lease (the control: a pause while training must open nothing)."""
+    g = group(2, 8)
+    order = _three(g)
+    for h in order:
+        h.workers_starting()
+    dead = order[who]
+    survivors = [h for h in order if h is not dead]
+    dead._crash()  # noqa: SLF001
+    took = _gone_within(survivors, dead, 5.0)
+    print(f"loss of rank {who} while the workers start: a round named it gone after {took} s")
+    assert took is not None and took < 3.5, took
+    assert v3.Client(g.endpoint).get(dead.node_key) is not None, "the lease expired: this measured the TTL"
+    res = g.rendezvous(*survivors, timeout=15)
+    assert {i.world_size for i in res.values()} == {2}
+
+
+def test_workers_that_stepped_read_no_lease_on_a_loss(group: Callable[..., Group]) -> None:
+    """The control: the workers stepped (workers_running ends the start-up window), so nothing
+    reads a lease and the loss is seen only when the dead node's lease expires (> 3.5 s)."""
+    g = group(2, 8)
+    order = _three(g)
+    for h in order:
+        h.workers_starting()
+        h.workers_running()
+    dead, survivors = order[2], order[:2]
+    dead._crash()  # noqa: SLF001
+    assert _gone_within(survivors, dead, 3.5) is None
+
+
 def test_a_worker_crash_with_every_peer_alive_spends_the_budget(group: Callable[..., Group]) -> None:
     """Every node's workers fail (one crashed, the others' collectives broke) but every agent is
     alive: the leader reads the leases for the whole window and finds none lapsed, so no round

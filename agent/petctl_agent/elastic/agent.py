@@ -97,6 +97,7 @@ class PetctlElasticAgent(LocalElasticAgent):
         self.fail_reason: str | None = None
         self._rdzv_reason = "initial"
         self._restarts = 0
+        self._starting = False  # our workers have not stepped yet (the start-up lease reads)
         self._free_restarts = 0
         self.sync_timeout = (
             min(max(drain_timeout, 5.0), 30.0) if settings.sync_timeout is None else settings.sync_timeout
@@ -253,6 +254,12 @@ class PetctlElasticAgent(LocalElasticAgent):
             step=resume,
             start_method=self._start_method,
         )
+        mine = ours(worker_group.spec.rdzv_handler)
+        if mine is not None:
+            # until they step, a peer lost meanwhile leaves them waiting at process-group init,
+            # not failing: the leader reads the leases (fastloss.py) as after a failure
+            mine.workers_starting()
+            self._starting = True
         return pids
 
     def _restore_signal_handlers(self) -> None:
@@ -303,6 +310,10 @@ class PetctlElasticAgent(LocalElasticAgent):
                 if done is not None:
                     return done
                 continue
+            if result.state == WorkerState.HEALTHY and self._starting and self.stops.workers_progressed():
+                self._starting = False
+                if mine is not None:
+                    mine.workers_running()  # they stepped: no more lease reads for the start-up
             if result.state == WorkerState.HEALTHY and time.monotonic() >= next_check:
                 next_check = time.monotonic() + check_every
                 change, can_sync = self.watch.change()

@@ -10,8 +10,9 @@ collectives fail within a fraction of a second. The agent reports its workers' f
 lapsed, so a hard loss opens the round ~1.5–3 s after the kill. If the leader is the silent one,
 the node next in line reads the leader's lease, leads in its place, and does the same.
 
-Only a worker failure starts the reads: an agent or etcd paused 3 s while the workers train
-opens no round. O(N) reads on one node per failure, none at steady state. The round that
+Only a worker failure, or workers that have not yet reported a step since they started (a peer
+lost during the start-up leaves them waiting at process-group init, not failing), starts the
+reads: an agent or etcd paused 3 s while the workers train opens no round. O(N) reads on one node per failure, none at steady state. The round that
 follows has ``gone`` non-empty, so the survivors' restart is free; a worker crash with every
 lease kept alive opens nothing here, and the agent spends its restart budget as before. A node
 named gone that comes back (the same id: its agent stalled, it was not lost) is listed in the
@@ -40,8 +41,34 @@ class FastLoss:
             if self._round is None or self._left:
                 return
             self._failed = (self._round, time.monotonic() + self.cfg.ttl + 1.5)
+            self._starting = None
             self._event(f"workers failed in round {self._round}: reading the participants' leases")
             self._bump()
+
+    def workers_starting(self: Any) -> None:
+        """Our workers of the running round just started (the agent calls this at once): until
+        they report a step (:meth:`workers_running`), at most ``ttl + 1.5`` s, read the leases
+        as after a failure. Workers whose peer died while they started do not fail: they wait
+        at process-group init for the dead rank (gloo, NCCL), so without this a loss during a
+        re-rendezvous waited for the dead node's lease (6.8 s in bench_elastic). An agent paused
+        for more than ``refresh + 1`` s in that window is read as lost: every node restarts
+        workers that had not trained yet (no step lost; the paused node rejoins the next round).
+        No request here."""
+        with self._cond:
+            if self._round is None or self._left:
+                return
+            self._failed = (self._round, time.monotonic() + self.cfg.ttl + 1.5)
+            self._starting = self._round
+            self._event(f"workers starting in round {self._round}: reading the participants' leases")
+            self._bump()
+
+    def workers_running(self: Any) -> None:
+        """Our workers reported a step: end the start-up window (:meth:`workers_starting`); a
+        failure window opened by :meth:`workers_failed` is left alone."""
+        with self._cond:
+            if self._starting is not None and self._failed is not None and self._failed[0] == self._starting:
+                self._failed = None
+            self._starting = None
 
     def _failure_round(self: Any, now: float) -> int | None:
         """The running round our workers failed in, while the window lasts (caller holds _cond)."""
