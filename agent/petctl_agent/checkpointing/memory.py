@@ -7,8 +7,8 @@ by default; docs/agent.md, "Memory snapshots"). Then, for plain (not sharded) st
   (``checkpointing/snapshot.py``); the ranks agree (MIN over the checkpoint's gloo group) that
   every node's copy fit; global rank 0 then asks its agent's persister (``persist.request``,
   ``checkpointing/persist.py``) to write that step to the checkpoint directory, and training goes
-  on. At the job's last step and on a drain, rank 0 waits until ``latest`` names the step (a node
-  that leaves takes its memory with it). Without a persister serving the store (no agent), rank 0
+  on. At the job's last step, and on a drain that no staying node with a persister covers, rank 0
+  waits until ``latest`` names the step (a node that leaves takes its memory with it). Without a persister serving the store (no agent), rank 0
   persists in a thread of its own, as before. Any node's "no-fit"/"unsupported" makes every rank
   take today's path (:func:`petctl_agent.checkpoint.save`) and that node's agent publishes a
   ``snapshot_fallback`` event.
@@ -208,9 +208,11 @@ def save(
     leaving). ``complete``: every node's snapshot is complete (header written) on return (the
     workers stop for a join: their memory stays, but a worker that exits kills the crc thread).
     ``leaving``: the wait is only for a drain where some node leaves (not the last step): the ranks
-    then skip it when a node that stays holds the step and rank 0's node, whose persister writes
-    EFS, stays and has one serving its store (a survivor is a copy; the persist goes on in the
-    background). Every node leaving, or the rank-0 node leaving, still waits for EFS.
+    then skip it when a node that stays holds the step and has its agent's persister serving its
+    store (a survivor is a copy; the persist goes on in the background: rank 0's persister serves
+    the request even when its node leaves, and the restarted round's rank 0, on a node that stayed,
+    hands a restored step newer than ``latest`` to its own -- :func:`_kick`). Every node leaving,
+    or no node that stays having a persister, still waits for EFS.
     """
     sdir = snapshot_dir()
     if sdir is None:
@@ -222,12 +224,13 @@ def save(
     ok = why in ("", OK)
     flags = [int(ok)]
     if wait and leaving:
-        stays = int(_local_drain_flag() < LEAVE)  # this node's memory outlives the drain
-        persister = stays and persist.served(sdir) if dist_rank() == 0 else 1
-        flags += [-stays, int(persister)]  # MIN: -(does any node stay), does rank 0's persister stay
+        # this node's memory outlives the drain and its agent's persister serves it: it holds the
+        # step and can put it on EFS (MIN: -1 when some node can; rank 0's node need not be it)
+        covers = _local_drain_flag() < LEAVE and persist.served(sdir)
+        flags.append(-int(covers))
     agreed = _all_min(flags)
-    if wait and leaving and agreed[1] < 0 and agreed[2]:
-        wait, complete = False, True  # the survivors hold the step; the persister writes it
+    if wait and leaving and agreed[1] < 0:
+        wait, complete = False, True  # a survivor holds the step; a persister writes it (below)
     if not agreed[0]:
         if why and why != OK:
             print(
