@@ -375,6 +375,94 @@ def test_slot_reused_in_place_only_at_the_same_size(tmp_path: Path) -> None:
     assert torch.equal(store.load(5)["w"], torch.full((16,), 5.0))
 
 
+def _mapping_of(t: torch.Tensor) -> str:
+    """The file whose mapping holds ``t``'s bytes in this process (/proc/self/maps), or "anon"."""
+    ptr = t.untyped_storage().data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split(None, 5)
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo <= ptr < hi:
+            return parts[5] if len(parts) > 5 and parts[5].startswith("/") else "anon"
+    return "anon"
+
+
+def test_a_restore_on_the_cpu_is_views_of_the_slot_lent_until_dropped(tmp_path: Path) -> None:
+    """A load onto the CPU copies nothing: the tensors are views of a private mapping of the
+    slot's file (stop 25: a 1 GiB self-restore spent ~1-3 s allocating and filling fresh pages).
+    The file stays lent while they live: the writer never rewrites it in place (a new file), so
+    the restored tensors never change under training, and a change to them never reaches the
+    snapshot. Once they are gone, writes reuse the slot's pages in place again."""
+    import gc
+
+    store = SnapshotStore(tmp_path, "r")
+    n = 1 << 18  # 1 MiB
+    store.write({"w": torch.full((n,), 1.0), "k": torch.arange(4)}, 1, wait=True)  # slot a
+    store.write({"w": torch.full((n,), 2.0), "k": torch.arange(4)}, 2, wait=True)  # slot b
+    got = store.load(2)
+    assert _mapping_of(got["w"]) == str(store.data_path("b"))  # a view of the slot, not a copy
+    ino = store.data_path("b").stat().st_ino
+    got["w"][0] = -1.0  # copy-on-write: the snapshot does not see it
+    assert store.load(2)["w"][0] == 2.0
+    store.write({"w": torch.full((n,), 3.0), "k": torch.arange(4)}, 3, wait=True)  # slot a
+    store.write({"w": torch.full((n,), 4.0), "k": torch.arange(4)}, 4, wait=True)  # slot b: lent
+    assert store.data_path("b").stat().st_ino != ino  # a new file: the lent one is left alone
+    assert (
+        got["w"][0] == -1.0 and bool((got["w"][1:] == 2.0).all()) and torch.equal(got["k"], torch.arange(4))
+    )
+    assert torch.equal(store.load(4)["w"], torch.full((n,), 4.0))
+    del got
+    gc.collect()  # every view gone (the load of step 4 above was dropped at once, too): unlent
+    ino = store.data_path("b").stat().st_ino
+    store.write({"w": torch.full((n,), 5.0), "k": torch.arange(4)}, 5, wait=True)  # slot a
+    store.write({"w": torch.full((n,), 6.0), "k": torch.arange(4)}, 6, wait=True)  # slot b
+    assert store.data_path("b").stat().st_ino == ino  # in place again
+    assert torch.equal(store.load(6)["w"], torch.full((n,), 6.0))
+
+
+def test_a_peers_snapshot_received_into_a_slot_is_complete_at_once_and_checked_on_load(
+    tmp_path: Path,
+) -> None:
+    """SnapshotStore.receive: what a newcomer's local rank 0 does with a peer's transfer -- the
+    bytes go straight into a slot (no buffer, no copy), the peer's header gives the crc32s, a load
+    checks them. Wrong bytes: never loaded. A fill that fails mid-way (the peer died): the slot is
+    torn, the snapshot the store held stays whole."""
+    import mmap as mmap_
+
+    state = _mixed_state()
+    src = SnapshotStore(tmp_path / "src", "r")
+    assert src.write(state, 5, wait=True) == "ok"
+    c = src.newest()
+    raw = src.data_path(c.slot).read_bytes()
+
+    def fill_with(data: bytes):
+        def fill(mm: mmap_.mmap | None) -> None:
+            if mm is not None:
+                mm[: len(data)] = data
+
+        return fill
+
+    dst = SnapshotStore(tmp_path / "dst", "r")
+    assert dst.receive(c.header, fill_with(raw)) == "ok"
+    assert dst._pending is None and dst.newest().step == 5  # complete on return
+    assert _same(dst.load(5), state)
+    bad = SnapshotStore(tmp_path / "bad", "r")
+    flipped = bytearray(raw)
+    flipped[0] ^= 0xFF
+    assert bad.receive(c.header, fill_with(bytes(flipped))) == "ok"
+    assert bad.load(5) is None  # the crc32 check on load
+    held = SnapshotStore(tmp_path / "held", "r")
+    assert held.write({"w": torch.ones(3)}, 4, wait=True) == "ok"
+
+    def dies(mm: mmap_.mmap | None) -> None:
+        raise RuntimeError("peer gone")
+
+    with pytest.raises(RuntimeError):
+        held.receive(c.header, dies)
+    assert [x.step for x in held.complete()] == [4] and torch.equal(held.load(4)["w"], torch.ones(3))
+    out = {**c.header, "tensors": [{**c.header["tensors"][0], "offset": c.header["size"]}]}
+    assert held.receive(out, dies).startswith("unsupported")  # a layout outside its bytes
+
+
 # ---------------------------------------------------------------- wired into ckpt.step / ckpt.resume
 
 

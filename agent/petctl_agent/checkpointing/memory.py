@@ -306,6 +306,7 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
             return None
         needers = [r for r, v in enumerate(holds) if not v]
         source, nbytes, known = "self", 0, None
+        kept: tuple[bool, float] | None = None
         if needers:
             src = holders[0]
             members = [src, *needers]
@@ -314,7 +315,8 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
             if me == src:
                 nbytes = _send(store, agreed, src, sub)
             elif me in needers:
-                state, nbytes, known = _receive(agreed, src, sub, map_location)
+                into = store if _local_rank() == 0 else None  # the store's one writer on this node
+                state, nbytes, known, kept = _receive(agreed, src, sub, map_location, into)
                 source = "peer"
         ok = min(_all_gather(int(state is not None), group))
     except Exception as e:  # noqa: BLE001 - a dead peer breaks the group for every rank
@@ -335,7 +337,8 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
     held = source == "self"
     if source == "peer":
         if _local_rank() == 0:  # the store's one writer on this node
-            held, extra["kept_seconds"] = _keep(store, state, agreed, known)
+            # received straight into the store (kept, no copy), or no room there; else a copy now
+            held, extra["kept_seconds"] = kept if kept is not None else _keep(store, state, agreed, known)
         else:
             held = True  # local rank 0 keeps it (global rank 0 is local rank 0 under torchrun)
     if source == "self":
@@ -422,11 +425,40 @@ def _send(store: SnapshotStore, step: int, src: int, group: Any) -> int:
             mm.close()
 
 
+def _recv_bytes(dst: Any, size: int, src: int, group: Any) -> None:
+    """Receive ``size`` bytes of a peer's broadcast into ``dst`` (uint8), in :func:`_chunk` pieces."""
+    import torch.distributed as dist
+
+    chunk = _chunk()
+    for off in range(0, size, chunk):
+        dist.broadcast(dst[off : off + min(chunk, size - off)], src=src, group=group)
+
+
+def _peer_header(hbuf: Any, step: int, size: int) -> dict[str, Any] | None:
+    """The peer's header if it parses, its own crc32 matches and it is of ``step`` and ``size``."""
+    try:
+        h = json.loads(bytes(hbuf.numpy()))
+    except ValueError:
+        return None
+    if not isinstance(h, dict) or h.get("header_crc") != _header_crc(h):
+        return None
+    if int(h.get("step", -1)) != step or int(h.get("size", -1)) != size:
+        return None
+    return h
+
+
 def _receive(
-    step: int, src: int, group: Any, map_location: Any
-) -> tuple[dict[str, Any] | None, int, list[dict[str, Any]] | None]:
+    step: int, src: int, group: Any, map_location: Any, store: SnapshotStore | None = None
+) -> tuple[dict[str, Any] | None, int, list[dict[str, Any]] | None, tuple[bool, float] | None]:
     """Receive a peer's snapshot; the state if its step and every crc32 check, else None; its
-    size; its header's ``tensors`` (layout and crc32s, checked)."""
+    size; its header's ``tensors`` (layout and crc32s, checked); whether it was kept in ``store``.
+
+    ``store`` (this node's, given to its local rank 0): the bytes arrive straight in a slot of it
+    (:meth:`SnapshotStore.receive`) and the state is loaded from there (every crc32 checked; on the
+    CPU views of the slot, lent): the node keeps the step with no copy of its own, and no second
+    buffer. Kept is then ``(True, 0.0)``; ``(False, 0.0)`` when the store has no room (the bytes
+    then go into a buffer, as without a store); None without a store (the caller keeps it).
+    """
     import torch
     import torch.distributed as dist
 
@@ -435,21 +467,42 @@ def _receive(
     hlen, size = int(sizes[0]), int(sizes[1])
     hbuf = torch.empty(hlen, dtype=torch.uint8)
     dist.broadcast(hbuf, src=src, group=group)
+    h = _peer_header(hbuf, step, size)
+    kept: tuple[bool, float] | None = None
+    if h is not None and store is not None:
+
+        def fill(mm: Any) -> None:
+            dst = (
+                torch.frombuffer(mm, dtype=torch.uint8, count=size)
+                if size
+                else torch.empty(0, dtype=torch.uint8)
+            )
+            _recv_bytes(dst, size, src, group)
+            del dst  # the mmap cannot close while a tensor exports it
+
+        why = store.receive(h, fill)
+        if why == OK:
+            state = store.load(step, map_location=map_location)  # checks every crc32
+            if state is None:  # the transfer went wrong: never loaded, and not kept either
+                for c in store.complete():
+                    if c.step == step:
+                        store.header_path(c.slot).unlink(missing_ok=True)
+                return None, size, None, None
+            return state, size, h["tensors"], (True, 0.0)
+        print(
+            f"petctl checkpoint: step {step}, restored from a peer, not kept in this node's memory ({why})",
+            file=sys.stderr,
+        )
+        kept = (False, 0.0)  # fill() was not called: the bytes go into a buffer below
     blob = torch.empty(size, dtype=torch.uint8)
-    chunk = _chunk()
-    for off in range(0, size, chunk):
-        dist.broadcast(blob[off : off + min(chunk, size - off)], src=src, group=group)
-    try:
-        h = json.loads(bytes(hbuf.numpy()))
-    except ValueError:
-        return None, size, None
-    if h.get("header_crc") != _header_crc(h) or int(h.get("step", -1)) != step or int(h["size"]) != size:
-        return None, size, None
+    _recv_bytes(blob, size, src, group)
+    if h is None:
+        return None, size, None, kept
     view = memoryview(blob.numpy())
     out = []
     for m in h["tensors"]:
         if zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]]) != m["crc32"]:
-            return None, size, None
+            return None, size, None, kept
         dt = dtype_from_name(m["dtype"])
         if not m["nbytes"]:
             out.append(torch.empty(m["shape"], dtype=dt, device=map_location))
@@ -459,7 +512,7 @@ def _receive(
             blob[m["offset"] : m["offset"] + m["nbytes"]].view(dt).reshape(m["shape"]).to(map_location)
         )
     view.release()
-    return decode_structure(h["structure"], out), size, h["tensors"]
+    return decode_structure(h["structure"], out), size, h["tensors"], kept
 
 
 def close_persisters() -> None:
