@@ -255,11 +255,12 @@ def test_restored_tensors_are_views_of_the_nodes_own_snapshot_not_copies(tmp_pat
     n = 1 << 20  # 4 MiB in 1 MiB broadcasts
     _snap(tmp_path / "n0", 6, n)
     base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "6", "PETCTL_SNAPSHOT_CHUNK": str(1 << 20)}
-    res = [
-        _res(cp)
-        for cp in _ranks(tmp_path, [{**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}")} for r in (0, 1)])
-    ]
+    cps = _ranks(tmp_path, [{**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}")} for r in (0, 1)])
+    res = [_res(cp) for cp in cps]
     assert [r["report"]["source"] for r in res] == ["self", "peer"]
+    # where each rank's restore spent its time, on stderr (the benchmark's breakdown reads it)
+    assert "rank 0 restored step 6 from self in" in cps[0].stderr and "load " in cps[0].stderr
+    assert "rank 1 restored step 6 from peer in" in cps[1].stderr and "transfer " in cps[1].stderr
     for r, got in enumerate(res):
         store = SnapshotStore(tmp_path / f"n{r}", memory.NAME)
         assert got["at"] == str(store.data_path(store.newest().slot)), got

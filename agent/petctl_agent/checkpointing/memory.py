@@ -290,16 +290,23 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
     import torch.distributed as dist
 
     timeout = timedelta(seconds=_peer_timeout())
+    marks: list[tuple[str, float]] = []  # where this rank's restore spent its time (a stderr line)
+
+    def mark(what: str) -> None:
+        marks.append((what, time.monotonic()))
+
     group = dist.new_group(backend="gloo", timeout=timeout)  # every rank: the restore's own group
     sub = None
     try:
         agreed = max(_all_gather(mine, group))
+        mark("agree")  # mostly waiting for the last rank to get here (process start, init)
         # every rank read the same `latest` (EFS is shared); a newer one makes EFS the source
         agreed = agreed if agreed >= max(efs, 0) else -1
         agreed = min(_all_gather(agreed, group))
         if agreed < 0:
             return None
         state = store.load(agreed, map_location=map_location)
+        mark("load")
         holds = _all_gather(int(state is not None), group)
         holders = [r for r, v in enumerate(holds) if v]
         if not holders:
@@ -311,6 +318,7 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
             src = holders[0]
             members = [src, *needers]
             sub = dist.new_group(ranks=members, backend="gloo", timeout=timeout)
+            mark("group")
             me = dist.get_rank()
             if me == src:
                 nbytes = _send(store, agreed, src, sub)
@@ -318,7 +326,9 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
                 into = store if _local_rank() == 0 else None  # the store's one writer on this node
                 state, nbytes, known, kept = _receive(agreed, src, sub, map_location, into)
                 source = "peer"
+            mark("transfer")  # the receiver's includes its slot's pages and the crc32 check
         ok = min(_all_gather(int(state is not None), group))
+        mark("end")
     except Exception as e:  # noqa: BLE001 - a dead peer breaks the group for every rank
         raise PeerRestoreError(
             f"restore from a peer's memory failed ({type(e).__name__}: {e}); "
@@ -344,6 +354,16 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
     if source == "self":
         nbytes = newest.header["size"] if newest is not None and newest.step == agreed else 0
     report_restore(source, agreed, nbytes, time.monotonic() - t0, **extra)
+    last, parts = t0, []
+    for what, t in marks:
+        parts.append(f"{what} {t - last:.2f}")
+        last = t
+    print(
+        f"petctl checkpoint: rank {dist_rank()} restored step {agreed} from {source} in "
+        f"{time.monotonic() - t0:.2f} s ({', '.join(parts)})",
+        file=sys.stderr,
+        flush=True,
+    )
     if dist_rank() == 0:
         _kick(store, directory, agreed, efs, state, held=held)
     return state, agreed

@@ -3,8 +3,9 @@
 A snapshot is two files per slot in the store's directory (a tmpfs: ``/dev/shm/petctl/<job>``,
 owned by the agent, docs/agent.md "Memory snapshots"):
 
-- ``<name>.<slot>.bin``: every tensor's bytes, 64-byte aligned, one after another. Loading is a
-  copy out of an ``mmap``, never unpickling.
+- ``<name>.<slot>.bin``: every tensor's bytes, 64-byte aligned, one after another. Loading maps
+  it, never unpickles: on the CPU the tensors are views of a private (copy-on-write) mapping, the
+  file *lent* (a shared ``flock``) while they live, so a writer never rewrites it in place.
 - ``<name>.<slot>.json``: the header, written last (temp file + ``os.replace``): its presence is the
   "complete" marker. It holds the step, world size and rank, a generation number, the state's
   structure (dicts/lists/tuples/numbers/strings, tensors as references), each tensor's dtype, shape,
