@@ -285,6 +285,7 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
         if state is None:
             return None
         report_restore("self", mine, newest.header["size"] if newest else 0, time.monotonic() - t0)
+        store.prepare_spares(_snapshot_size(store, mine))
         _kick(store, directory, mine, efs, state, held=True)
         return state, mine
     import torch.distributed as dist
@@ -364,9 +365,17 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
         file=sys.stderr,
         flush=True,
     )
+    if _local_rank() == 0 and held:
+        # the next writes' new files (the lent slot's, a newcomer's second slot) made meanwhile
+        store.prepare_spares(_snapshot_size(store, agreed))
     if dist_rank() == 0:
         _kick(store, directory, agreed, efs, state, held=held)
     return state, agreed
+
+
+def _snapshot_size(store: SnapshotStore, step: int) -> int:
+    c = next((c for c in store.complete() if c.step == step), None)
+    return int(c.header["size"]) if c is not None else 0
 
 
 def _keep(
