@@ -459,6 +459,40 @@ def test_the_new_file_a_lent_slot_needs_is_made_in_the_background_after_a_restor
     assert torch.equal(store.load(6)["w"], torch.full((n,), 6.0))
 
 
+def test_a_write_never_waits_for_a_spare_still_being_made(tmp_path: Path, monkeypatch) -> None:
+    """On a busy node the background allocation can take longer than a checkpoint interval (stop
+    25's bench: the writes that joined the spare thread blocked 4-6 s at 1 GiB): a write that comes
+    before its spare is ready allocates its own file and does not wait; the late spare thread then
+    finds nothing due and leaves no file behind."""
+    import threading
+
+    n = 1 << 16
+    store = SnapshotStore(tmp_path, "r")
+    store.write({"w": torch.full((n,), 1.0)}, 1, wait=True)
+    store.write({"w": torch.full((n,), 2.0)}, 2, wait=True)
+    store.close()
+    store = SnapshotStore(tmp_path, "r")
+    got = store.load(2)  # lends slot b
+    gate = threading.Event()
+    real = SnapshotStore._make_spare
+
+    def slow(self, slot, size):
+        assert gate.wait(60)
+        real(self, slot, size)
+
+    monkeypatch.setattr(SnapshotStore, "_make_spare", slow)
+    store.prepare_spares(store.newest().header["size"])
+    spares = store._spares
+    t = time.monotonic()
+    store.write({"w": torch.full((n,), 3.0)}, 3, wait=True)  # slot a
+    store.write({"w": torch.full((n,), 4.0)}, 4, wait=True)  # slot b: lent, no spare yet: a new file
+    assert time.monotonic() - t < 30 and spares.is_alive()
+    gate.set()
+    spares.join(60)
+    assert not list(tmp_path.glob("*spare*"))  # nothing was due any more
+    assert torch.equal(store.load(4)["w"], torch.full((n,), 4.0)) and bool((got["w"] == 2.0).all())
+
+
 def test_a_peers_snapshot_received_into_a_slot_is_complete_at_once_and_checked_on_load(
     tmp_path: Path,
 ) -> None:

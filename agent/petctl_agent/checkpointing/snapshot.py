@@ -428,12 +428,14 @@ class SnapshotStore:
         fill: Callable[[mmap.mmap | None], None],
     ) -> str:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        spares, self._spares = self._spares, None
-        if spares is not None:
-            spares.join()  # the spare files it makes are this write's to take
-        for s in SLOTS:  # half-made by a writer that died making it (the store's one writer: ours now)
-            tmp = self.spare_path(s)
-            tmp.with_name(f".{tmp.name}.tmp").unlink(missing_ok=True)
+        # a spare still being made is not waited for (the write then allocates its own file): on a
+        # busy node the background allocation may well take longer than a checkpoint interval
+        if self._spares is not None and not self._spares.is_alive():
+            self._spares = None
+        if self._spares is None:
+            for s in SLOTS:  # half-made by a writer that died making it (the store's one writer: ours now)
+                tmp = self.spare_path(s)
+                tmp.with_name(f".{tmp.name}.tmp").unlink(missing_ok=True)
         if not self._pins_made:  # both at once: a write that fails later leaves no new file
             for s in SLOTS:
                 os.close(os.open(self.pin_path(s), os.O_RDWR | os.O_CREAT, 0o600))
@@ -608,11 +610,15 @@ class SnapshotStore:
         is checked against the node's memory like a write (no room: none made; the write then
         checks again), and errors are ignored. A spare costs the state's bytes in the tmpfs until
         the write takes it (or the store is removed)."""
-        if size <= 0 or self._spares is not None:
+        if size <= 0 or (self._spares is not None and self._spares.is_alive()):
             return
 
+        newest = self.newest()
+        # the slot the next write goes to first (not the newest one), then the newest (lent) one
+        order = sorted(SLOTS, key=lambda sl: newest is not None and sl == newest.slot)
+
         def make() -> None:
-            for slot in SLOTS:
+            for slot in order:
                 try:
                     self._make_spare(slot, size)
                 except OSError:
