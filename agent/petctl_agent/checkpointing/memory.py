@@ -29,9 +29,12 @@ by default; docs/agent.md, "Memory snapshots"). Then, for plain (not sharded) st
   longer agree over a broken group. The agent then restarts the round without the dead node,
   whose survivors still hold the agreed step (the next source), or EFS answers.
 
-A node restored from a peer keeps the step: its local rank 0 writes the received state into its
-own store (the copy only: the peer header's checked crc32s are reused, so it is complete at once),
-so a later restart of that node restores from itself. Rank 0 hands a restored step newer than
+A node restored from a peer keeps the step: its local rank 0 receives the peer's bytes straight
+into a slot of its own store (the peer header's crc32s are taken, so it is complete at once, and
+the load from it checks them; no room: a buffer, not kept), so a later restart of that node
+restores from itself. On the CPU the restored tensors are views of the snapshot's file, not copies
+(``SnapshotStore.load``), and local rank 0 then has the store make the files its next writes will
+need new in the background (``SnapshotStore.prepare_spares``). Rank 0 hands a restored step newer than
 ``latest`` to its node's persister; when its node could not keep it (no room), it writes the step to
 EFS itself, the old way: EFS, the source of truth for a restart of the whole job, never lags by more
 than one persist.
