@@ -289,8 +289,8 @@ def step(
     saved = False
     if should_checkpoint(step, every) or last:
         # with memory snapshots on, training goes on while EFS is written, except at the last step
-        # and when the rank-0 node (its persister) or every node leaves; a join's stop, or a leave
-        # that a survivor's memory covers, only waits for the snapshots to be complete
+        # and when no node that stays (with its agent's persister) holds the step; a join's stop,
+        # or a leave that a survivor's memory covers, only waits for the snapshots to be complete
         stopping = drain_requested()
         leaving = drain_leaving() and not last
         _save(state_fn(), step, directory, None, durable=last or leaving, complete=stopping, leaving=leaving)

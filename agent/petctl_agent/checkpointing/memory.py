@@ -7,8 +7,8 @@ by default; docs/agent.md, "Memory snapshots"). Then, for plain (not sharded) st
   (``checkpointing/snapshot.py``); the ranks agree (MIN over the checkpoint's gloo group) that
   every node's copy fit; global rank 0 then asks its agent's persister (``persist.request``,
   ``checkpointing/persist.py``) to write that step to the checkpoint directory, and training goes
-  on. At the job's last step and on a drain, rank 0 waits until ``latest`` names the step (a node
-  that leaves takes its memory with it). Without a persister serving the store (no agent), rank 0
+  on. At the job's last step, and on a drain that no staying node with a persister covers, rank 0
+  waits until ``latest`` names the step (a node that leaves takes its memory with it). Without a persister serving the store (no agent), rank 0
   persists in a thread of its own, as before. Any node's "no-fit"/"unsupported" makes every rank
   take today's path (:func:`petctl_agent.checkpoint.save`) and that node's agent publishes a
   ``snapshot_fallback`` event.
@@ -29,9 +29,12 @@ by default; docs/agent.md, "Memory snapshots"). Then, for plain (not sharded) st
   longer agree over a broken group. The agent then restarts the round without the dead node,
   whose survivors still hold the agreed step (the next source), or EFS answers.
 
-A node restored from a peer keeps the step: its local rank 0 writes the received state into its
-own store (the copy only: the peer header's checked crc32s are reused, so it is complete at once),
-so a later restart of that node restores from itself. Rank 0 hands a restored step newer than
+A node restored from a peer keeps the step: its local rank 0 receives the peer's bytes straight
+into a slot of its own store (the peer header's crc32s are taken, so it is complete at once, and
+the load from it checks them; no room: a buffer, not kept), so a later restart of that node
+restores from itself. On the CPU the restored tensors are views of the snapshot's file, not copies
+(``SnapshotStore.load``), and local rank 0 then has the store make the files its next writes will
+need new in the background (``SnapshotStore.prepare_spares``). Rank 0 hands a restored step newer than
 ``latest`` to its node's persister; when its node could not keep it (no room), it writes the step to
 EFS itself, the old way: EFS, the source of truth for a restart of the whole job, never lags by more
 than one persist.
@@ -208,9 +211,11 @@ def save(
     leaving). ``complete``: every node's snapshot is complete (header written) on return (the
     workers stop for a join: their memory stays, but a worker that exits kills the crc thread).
     ``leaving``: the wait is only for a drain where some node leaves (not the last step): the ranks
-    then skip it when a node that stays holds the step and rank 0's node, whose persister writes
-    EFS, stays and has one serving its store (a survivor is a copy; the persist goes on in the
-    background). Every node leaving, or the rank-0 node leaving, still waits for EFS.
+    then skip it when a node that stays holds the step and has its agent's persister serving its
+    store (a survivor is a copy; the persist goes on in the background: rank 0's persister serves
+    the request even when its node leaves, and the restarted round's rank 0, on a node that stayed,
+    hands a restored step newer than ``latest`` to its own -- :func:`_kick`). Every node leaving,
+    or no node that stays having a persister, still waits for EFS.
     """
     sdir = snapshot_dir()
     if sdir is None:
@@ -222,12 +227,13 @@ def save(
     ok = why in ("", OK)
     flags = [int(ok)]
     if wait and leaving:
-        stays = int(_local_drain_flag() < LEAVE)  # this node's memory outlives the drain
-        persister = stays and persist.served(sdir) if dist_rank() == 0 else 1
-        flags += [-stays, int(persister)]  # MIN: -(does any node stay), does rank 0's persister stay
+        # this node's memory outlives the drain and its agent's persister serves it: it holds the
+        # step and can put it on EFS (MIN: -1 when some node can; rank 0's node need not be it)
+        covers = _local_drain_flag() < LEAVE and persist.served(sdir)
+        flags.append(-int(covers))
     agreed = _all_min(flags)
-    if wait and leaving and agreed[1] < 0 and agreed[2]:
-        wait, complete = False, True  # the survivors hold the step; the persister writes it
+    if wait and leaving and agreed[1] < 0:
+        wait, complete = False, True  # a survivor holds the step; a persister writes it (below)
     if not agreed[0]:
         if why and why != OK:
             print(
@@ -282,38 +288,51 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
         if state is None:
             return None
         report_restore("self", mine, newest.header["size"] if newest else 0, time.monotonic() - t0)
+        store.prepare_spares(_snapshot_size(store, mine))
         _kick(store, directory, mine, efs, state, held=True)
         return state, mine
     import torch.distributed as dist
 
     timeout = timedelta(seconds=_peer_timeout())
+    marks: list[tuple[str, float]] = []  # where this rank's restore spent its time (a stderr line)
+
+    def mark(what: str) -> None:
+        marks.append((what, time.monotonic()))
+
     group = dist.new_group(backend="gloo", timeout=timeout)  # every rank: the restore's own group
     sub = None
     try:
         agreed = max(_all_gather(mine, group))
+        mark("agree")  # mostly waiting for the last rank to get here (process start, init)
         # every rank read the same `latest` (EFS is shared); a newer one makes EFS the source
         agreed = agreed if agreed >= max(efs, 0) else -1
         agreed = min(_all_gather(agreed, group))
         if agreed < 0:
             return None
         state = store.load(agreed, map_location=map_location)
+        mark("load")
         holds = _all_gather(int(state is not None), group)
         holders = [r for r, v in enumerate(holds) if v]
         if not holders:
             return None
         needers = [r for r, v in enumerate(holds) if not v]
         source, nbytes, known = "self", 0, None
+        kept: tuple[bool, float] | None = None
         if needers:
             src = holders[0]
             members = [src, *needers]
             sub = dist.new_group(ranks=members, backend="gloo", timeout=timeout)
+            mark("group")
             me = dist.get_rank()
             if me == src:
                 nbytes = _send(store, agreed, src, sub)
             elif me in needers:
-                state, nbytes, known = _receive(agreed, src, sub, map_location)
+                into = store if _local_rank() == 0 else None  # the store's one writer on this node
+                state, nbytes, known, kept = _receive(agreed, src, sub, map_location, into)
                 source = "peer"
+            mark("transfer")  # the receiver's includes its slot's pages and the crc32 check
         ok = min(_all_gather(int(state is not None), group))
+        mark("end")
     except Exception as e:  # noqa: BLE001 - a dead peer breaks the group for every rank
         raise PeerRestoreError(
             f"restore from a peer's memory failed ({type(e).__name__}: {e}); "
@@ -332,15 +351,34 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
     held = source == "self"
     if source == "peer":
         if _local_rank() == 0:  # the store's one writer on this node
-            held, extra["kept_seconds"] = _keep(store, state, agreed, known)
+            # received straight into the store (kept, no copy), or no room there; else a copy now
+            held, extra["kept_seconds"] = kept if kept is not None else _keep(store, state, agreed, known)
         else:
             held = True  # local rank 0 keeps it (global rank 0 is local rank 0 under torchrun)
     if source == "self":
         nbytes = newest.header["size"] if newest is not None and newest.step == agreed else 0
     report_restore(source, agreed, nbytes, time.monotonic() - t0, **extra)
+    last, parts = t0, []
+    for what, t in marks:
+        parts.append(f"{what} {t - last:.2f}")
+        last = t
+    print(
+        f"petctl checkpoint: rank {dist_rank()} restored step {agreed} from {source} in "
+        f"{time.monotonic() - t0:.2f} s ({', '.join(parts)})",
+        file=sys.stderr,
+        flush=True,
+    )
+    if _local_rank() == 0 and held:
+        # the next writes' new files (the lent slot's, a newcomer's second slot) made meanwhile
+        store.prepare_spares(_snapshot_size(store, agreed))
     if dist_rank() == 0:
         _kick(store, directory, agreed, efs, state, held=held)
     return state, agreed
+
+
+def _snapshot_size(store: SnapshotStore, step: int) -> int:
+    c = next((c for c in store.complete() if c.step == step), None)
+    return int(c.header["size"]) if c is not None else 0
 
 
 def _keep(
@@ -419,11 +457,40 @@ def _send(store: SnapshotStore, step: int, src: int, group: Any) -> int:
             mm.close()
 
 
+def _recv_bytes(dst: Any, size: int, src: int, group: Any) -> None:
+    """Receive ``size`` bytes of a peer's broadcast into ``dst`` (uint8), in :func:`_chunk` pieces."""
+    import torch.distributed as dist
+
+    chunk = _chunk()
+    for off in range(0, size, chunk):
+        dist.broadcast(dst[off : off + min(chunk, size - off)], src=src, group=group)
+
+
+def _peer_header(hbuf: Any, step: int, size: int) -> dict[str, Any] | None:
+    """The peer's header if it parses, its own crc32 matches and it is of ``step`` and ``size``."""
+    try:
+        h = json.loads(bytes(hbuf.numpy()))
+    except ValueError:
+        return None
+    if not isinstance(h, dict) or h.get("header_crc") != _header_crc(h):
+        return None
+    if int(h.get("step", -1)) != step or int(h.get("size", -1)) != size:
+        return None
+    return h
+
+
 def _receive(
-    step: int, src: int, group: Any, map_location: Any
-) -> tuple[dict[str, Any] | None, int, list[dict[str, Any]] | None]:
+    step: int, src: int, group: Any, map_location: Any, store: SnapshotStore | None = None
+) -> tuple[dict[str, Any] | None, int, list[dict[str, Any]] | None, tuple[bool, float] | None]:
     """Receive a peer's snapshot; the state if its step and every crc32 check, else None; its
-    size; its header's ``tensors`` (layout and crc32s, checked)."""
+    size; its header's ``tensors`` (layout and crc32s, checked); whether it was kept in ``store``.
+
+    ``store`` (this node's, given to its local rank 0): the bytes arrive straight in a slot of it
+    (:meth:`SnapshotStore.receive`) and the state is loaded from there (every crc32 checked; on the
+    CPU views of the slot, lent): the node keeps the step with no copy of its own, and no second
+    buffer. Kept is then ``(True, 0.0)``; ``(False, 0.0)`` when the store has no room (the bytes
+    then go into a buffer, as without a store); None without a store (the caller keeps it).
+    """
     import torch
     import torch.distributed as dist
 
@@ -432,21 +499,42 @@ def _receive(
     hlen, size = int(sizes[0]), int(sizes[1])
     hbuf = torch.empty(hlen, dtype=torch.uint8)
     dist.broadcast(hbuf, src=src, group=group)
+    h = _peer_header(hbuf, step, size)
+    kept: tuple[bool, float] | None = None
+    if h is not None and store is not None:
+
+        def fill(mm: Any) -> None:
+            dst = (
+                torch.frombuffer(mm, dtype=torch.uint8, count=size)
+                if size
+                else torch.empty(0, dtype=torch.uint8)
+            )
+            _recv_bytes(dst, size, src, group)
+            del dst  # the mmap cannot close while a tensor exports it
+
+        why = store.receive(h, fill)
+        if why == OK:
+            state = store.load(step, map_location=map_location)  # checks every crc32
+            if state is None:  # the transfer went wrong: never loaded, and not kept either
+                for c in store.complete():
+                    if c.step == step:
+                        store.header_path(c.slot).unlink(missing_ok=True)
+                return None, size, None, None
+            return state, size, h["tensors"], (True, 0.0)
+        print(
+            f"petctl checkpoint: step {step}, restored from a peer, not kept in this node's memory ({why})",
+            file=sys.stderr,
+        )
+        kept = (False, 0.0)  # fill() was not called: the bytes go into a buffer below
     blob = torch.empty(size, dtype=torch.uint8)
-    chunk = _chunk()
-    for off in range(0, size, chunk):
-        dist.broadcast(blob[off : off + min(chunk, size - off)], src=src, group=group)
-    try:
-        h = json.loads(bytes(hbuf.numpy()))
-    except ValueError:
-        return None, size, None
-    if h.get("header_crc") != _header_crc(h) or int(h.get("step", -1)) != step or int(h["size"]) != size:
-        return None, size, None
+    _recv_bytes(blob, size, src, group)
+    if h is None:
+        return None, size, None, kept
     view = memoryview(blob.numpy())
     out = []
     for m in h["tensors"]:
         if zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]]) != m["crc32"]:
-            return None, size, None
+            return None, size, None, kept
         dt = dtype_from_name(m["dtype"])
         if not m["nbytes"]:
             out.append(torch.empty(m["shape"], dtype=dt, device=map_location))
@@ -456,7 +544,7 @@ def _receive(
             blob[m["offset"] : m["offset"] + m["nbytes"]].view(dt).reshape(m["shape"]).to(map_location)
         )
     view.release()
-    return decode_structure(h["structure"], out), size, h["tensors"]
+    return decode_structure(h["structure"], out), size, h["tensors"], kept
 
 
 def close_persisters() -> None:

@@ -3,8 +3,9 @@
 A snapshot is two files per slot in the store's directory (a tmpfs: ``/dev/shm/petctl/<job>``,
 owned by the agent, docs/agent.md "Memory snapshots"):
 
-- ``<name>.<slot>.bin``: every tensor's bytes, 64-byte aligned, one after another. Loading is a
-  copy out of an ``mmap``, never unpickling.
+- ``<name>.<slot>.bin``: every tensor's bytes, 64-byte aligned, one after another. Loading maps
+  it, never unpickles: on the CPU the tensors are views of a private (copy-on-write) mapping, the
+  file *lent* (a shared ``flock``) while they live, so a writer never rewrites it in place.
 - ``<name>.<slot>.json``: the header, written last (temp file + ``os.replace``): its presence is the
   "complete" marker. It holds the step, world size and rank, a generation number, the state's
   structure (dicts/lists/tuples/numbers/strings, tensors as references), each tensor's dtype, shape,
@@ -45,6 +46,7 @@ import json
 import mmap
 import os
 import threading
+import weakref
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
@@ -102,6 +104,31 @@ def fits(
     if need + reserve > avail:
         return False, f"{_gib(need)} more needed, {_gib(avail)} available (reserve {_gib(reserve)})"
     return True, ""
+
+
+def _on_cpu(map_location: Any) -> bool:
+    """Is ``map_location`` the CPU (a restore there can be views of a mapping, not a copy)?"""
+    if map_location is None:
+        return True
+    return str(map_location).split(":")[0] == "cpu"
+
+
+def _lock_unlent(path: Path) -> int | None:
+    """``path``'s flock, exclusively, if no restore has the file lent (non-blocking); else None.
+
+    The fd to close. A restore lends a slot's file with a shared ``flock`` for as long as its
+    tensors are views of it (:meth:`SnapshotStore.load`); the writer then makes a new file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _gib(n: int) -> str:
@@ -240,6 +267,7 @@ class SnapshotStore:
         self._maps: dict[str, tuple[int, mmap.mmap]] = {}  # slot -> (inode, mapping), kept
         self._error: BaseException | None = None
         self._pins_made = False
+        self._spares: threading.Thread | None = None
 
     # -- paths and headers
 
@@ -248,6 +276,9 @@ class SnapshotStore:
 
     def header_path(self, slot: str) -> Path:
         return self.dir / f"{self.name}.{slot}.json"
+
+    def spare_path(self, slot: str) -> Path:
+        return self.dir / f"{self.name}.{slot}.spare"
 
     def pin_path(self, slot: str) -> Path:
         return self.dir / f"{self.name}.{slot}.pin"
@@ -340,7 +371,71 @@ class SnapshotStore:
             metas.append({"dtype": str(t.dtype), "shape": list(t.shape), "offset": off, "nbytes": nbytes})
             off += (nbytes + ALIGN - 1) // ALIGN * ALIGN
         size = off
+        if known is not None and _same_layout(known, metas):
+            for m, k in zip(metas, known):
+                m["crc32"] = int(k["crc32"])
+
+        def fill(mm: mmap.mmap | None) -> None:
+            import torch
+
+            for t, m in zip(tensors, metas):
+                if m["nbytes"]:
+                    dst = torch.frombuffer(mm, dtype=torch.uint8, count=m["nbytes"], offset=m["offset"])
+                    dst.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+                    del dst  # the mmap cannot close while a tensor exports it
+
+        return self._write(step, world_size, rank, wait, structure, metas, size, fill)
+
+    def receive(
+        self,
+        header: dict[str, Any],
+        fill: Callable[[mmap.mmap | None], None],
+        *,
+        world_size: int = 1,
+        rank: int = 0,
+    ) -> str:
+        """Write a peer's snapshot straight into the older slot: ``fill(mm)`` puts its bytes into
+        the slot's mapping (e.g. received over the network into views of it), ``header`` (the
+        peer's, its own crc32 checked by the caller) gives the step, the structure and the tensors'
+        layout and crc32s, so the header goes in place at once, without a checksum pass: a
+        :meth:`load` checks them (a transfer that went wrong is then never loaded).
+
+        ``"ok"``; ``"no-fit: why"`` (``fill`` is then not called: the caller receives elsewhere) or
+        ``"unsupported: why"`` (a layout that does not fit its size). A ``fill`` that raises leaves
+        the slot torn (no header) and re-raises.
+        """
+        self.flush()
+        size = int(header["size"])
+        metas = []
+        for m in header["tensors"]:
+            meta = {k: m[k] for k in ("dtype", "shape", "offset", "nbytes", "crc32")}
+            if not (0 <= int(meta["offset"]) and int(meta["offset"]) + int(meta["nbytes"]) <= size):
+                return f"unsupported: tensor at {meta['offset']}+{meta['nbytes']} outside {size} bytes"
+            metas.append(meta)
+        return self._write(
+            int(header["step"]), world_size, rank, False, header["structure"], metas, size, fill
+        )
+
+    def _write(
+        self,
+        step: int,
+        world_size: int,
+        rank: int,
+        wait: bool,
+        structure: Any,
+        metas: list[dict[str, Any]],
+        size: int,
+        fill: Callable[[mmap.mmap | None], None],
+    ) -> str:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # a spare still being made is not waited for (the write then allocates its own file): on a
+        # busy node the background allocation may well take longer than a checkpoint interval
+        if self._spares is not None and not self._spares.is_alive():
+            self._spares = None
+        if self._spares is None:
+            for s in SLOTS:  # half-made by a writer that died making it (the store's one writer: ours now)
+                tmp = self.spare_path(s)
+                tmp.with_name(f".{tmp.name}.tmp").unlink(missing_ok=True)
         if not self._pins_made:  # both at once: a write that fails later leaves no new file
             for s in SLOTS:
                 os.close(os.open(self.pin_path(s), os.O_RDWR | os.O_CREAT, 0o600))
@@ -363,11 +458,8 @@ class SnapshotStore:
                 os.close(held.pop())
 
         try:
-            if known is not None and _same_layout(known, metas):
-                for m, k in zip(metas, known):
-                    m["crc32"] = int(k["crc32"])
             return self._write_slot(
-                slot, release, done, step, world_size, rank, wait, structure, tensors, metas, size
+                slot, release, done, step, world_size, rank, wait, structure, fill, metas, size
             )
         finally:
             release()  # the header is gone by now (or nothing changed): the slot is free either way
@@ -382,31 +474,49 @@ class SnapshotStore:
         rank: int,
         wait: bool,
         structure: Any,
-        tensors: list[Any],
+        fill: Callable[[mmap.mmap | None], None],
         metas: list[dict[str, Any]],
         size: int,
     ) -> str:
-        import torch
-
         data = self.data_path(slot)
+        lent: int | None = None  # the data file's flock, exclusive, while nobody has it lent
         try:
-            st = os.stat(data)
-            # reused in place only at the same size: shrinking a file that a reader (the persister,
-            # another rank) has mapped would SIGBUS it; a new inode leaves the reader's pages alone
-            held = st.st_blocks * 512 if st.st_size == size else 0
-        except FileNotFoundError:
-            held = 0
-        ok, why = fits(size - held, self.dir, self.meminfo)
-        if not ok:
-            return f"no-fit: {why}"
-        # newer than both slots, including the one overwritten (a reader compares generations)
-        gen = max((c.gen for c in done), default=0) + 1
-        # from here on the slot is torn until its header is back
-        try:
-            self.header_path(slot).unlink()
-        except FileNotFoundError:
-            pass
+            try:
+                st = os.stat(data)
+                # reused in place only at the same size: shrinking a file that a reader (the
+                # persister, another rank) has mapped would SIGBUS it; a new inode leaves the
+                # reader's pages alone. Nor while a restore has it lent (its tensors are views of a
+                # private mapping of the file, whose pages a write in place would change under it)
+                held = st.st_blocks * 512 if st.st_size == size else 0
+                if held:
+                    lent = _lock_unlent(data)
+                    if lent is None:
+                        held = 0
+            except FileNotFoundError:
+                held = 0
+            spare = 0 if held else self._spare_of(slot, size)  # a new file is due: made already?
+            ok, why = fits(size - (held or spare), self.dir, self.meminfo)
+            if not ok:
+                return f"no-fit: {why}"
+            # newer than both slots, including the one overwritten (a reader compares generations)
+            gen = max((c.gen for c in done), default=0) + 1
+            # from here on the slot is torn until its header is back
+            try:
+                self.header_path(slot).unlink()
+            except FileNotFoundError:
+                pass
+        finally:
+            if lent is not None:
+                os.close(lent)  # a restore that lends the file from now on finds no header: never maps it
         release()  # a persister that pins the slot now finds no header: it never reads it
+        if spare:
+            try:  # the new file, its pages allocated in the background (prepare_spares)
+                os.replace(self.spare_path(slot), data)  # a lent file lives on, unlinked, while mapped
+                held = spare
+            except OSError:
+                pass
+        else:  # in place after all (the restore's tensors are gone), or no spare: none kept unused
+            self.spare_path(slot).unlink(missing_ok=True)
         mm = self._mapped(slot, data, size) if held else None
         if mm is None:
             self._unmap(slot)
@@ -431,15 +541,9 @@ class SnapshotStore:
                     self._maps[slot] = (os.fstat(fd).st_ino, mm)
             finally:
                 os.close(fd)
-        dst = None
         try:
-            for t, m in zip(tensors, metas):
-                if m["nbytes"]:
-                    dst = torch.frombuffer(mm, dtype=torch.uint8, count=m["nbytes"], offset=m["offset"])
-                    dst.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-                    dst = None  # the mmap cannot close while a tensor exports it
+            fill(mm)
         except BaseException:
-            dst = None
             self._unmap(slot)
             raise
         header = {
@@ -485,7 +589,72 @@ class SnapshotStore:
     def _unmap(self, slot: str) -> None:
         held = self._maps.pop(slot, None)
         if held is not None:
-            held[1].close()
+            try:
+                held[1].close()
+            except BufferError:  # a fill that raised left a view in its traceback: gc unmaps it
+                pass
+
+    def _spare_of(self, slot: str, size: int) -> int:
+        """Bytes allocated of the slot's spare file if it is ``size`` bytes, fully allocated; else 0."""
+        try:
+            st = os.stat(self.spare_path(slot))
+        except OSError:
+            return 0
+        return st.st_blocks * 512 if size and st.st_size == size and st.st_blocks * 512 >= size else 0
+
+    def prepare_spares(self, size: int) -> None:
+        """Make, in a background thread, the files the next writes of ``size`` bytes will need new:
+        for a slot whose file a restore has lent (its tensors are views of it), is missing, or is of
+        another size. A write that finds its slot's spare renames it into place instead of
+        allocating fresh tmpfs pages while training waits (0.5-1.3 s/GiB here). Best effort: each
+        is checked against the node's memory like a write (no room: none made; the write then
+        checks again), and errors are ignored. A spare costs the state's bytes in the tmpfs until
+        the write takes it (or the store is removed)."""
+        if size <= 0 or (self._spares is not None and self._spares.is_alive()):
+            return
+
+        newest = self.newest()
+        # the slot the next write goes to first (not the newest one), then the newest (lent) one
+        order = sorted(SLOTS, key=lambda sl: newest is not None and sl == newest.slot)
+
+        def make() -> None:
+            for slot in order:
+                try:
+                    self._make_spare(slot, size)
+                except OSError:
+                    pass
+
+        self._spares = threading.Thread(target=make, name="petctl-snapshot-spare", daemon=True)
+        self._spares.start()
+
+    def _make_spare(self, slot: str, size: int) -> None:
+        data = self.data_path(slot)
+        try:
+            st = os.stat(data)
+            due = st.st_size != size
+            if not due:
+                fd = _lock_unlent(data)
+                due = fd is None
+                if fd is not None:
+                    os.close(fd)
+        except FileNotFoundError:
+            due = True
+        if not due or self._spare_of(slot, size):
+            return
+        if not fits(size, self.dir, self.meminfo)[0]:
+            return
+        path = self.spare_path(slot)
+        tmp = path.with_name(f".{path.name}.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
+        except OSError:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        os.replace(tmp, path)
 
     def _finish(self, mm: mmap.mmap | None, header: dict[str, Any]) -> None:
         view = memoryview(mm) if mm is not None else memoryview(b"")
@@ -520,7 +689,14 @@ class SnapshotStore:
         rank: int | None = None,
         map_location: Any = "cpu",
     ) -> dict[str, Any] | None:
-        """The state of snapshot ``step`` (checked, copied out), or None when there is no valid one."""
+        """The state of snapshot ``step`` (checked), or None when there is no valid one.
+
+        On the CPU the tensors are views of a private (copy-on-write) mapping of the slot's file,
+        not a copy: only the pages training then changes are copied, when it changes them. The
+        file stays *lent* while any of the tensors lives (a shared ``flock`` on it, dropped with
+        the mapping): :meth:`write` never rewrites a lent file in place but makes a new one, so a
+        later snapshot never changes the restored tensors. Elsewhere (a GPU): a copy to the device.
+        """
         for c in self.complete():
             h = c.header
             if c.step != int(step):
@@ -538,42 +714,66 @@ class SnapshotStore:
         import torch
 
         h = c.header
+        lend = _on_cpu(map_location)
         try:
             fd = os.open(self.data_path(c.slot), os.O_RDONLY)
         except OSError:
             return None
+        mm = None
         try:
+            if lend:
+                # lent before the header is checked: a writer removes the header before it looks
+                # for a lender, so either it sees this lock (a new file) or we see no header
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                if not same_snapshot(self.read_header(c.slot), c):
+                    return None
             if os.fstat(fd).st_size != h["size"]:
                 return None
             mm = mmap.mmap(fd, h["size"], access=mmap.ACCESS_COPY) if h["size"] else None
         finally:
-            os.close(fd)
+            if not lend or mm is None:
+                os.close(fd)
         view = memoryview(mm) if mm is not None else memoryview(b"")
+        out: list[Any] = []
         try:
-            out = []
             for m in h["tensors"]:
                 if zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]]) != m["crc32"]:
                     return None
                 dt = dtype_from_name(m["dtype"])
                 if m["nbytes"]:
                     raw = torch.frombuffer(mm, dtype=torch.uint8, count=m["nbytes"], offset=m["offset"])
-                    # a copy: the slot is rewritten two snapshots from now
-                    out.append(raw.view(dt).reshape(m["shape"]).to(map_location, copy=True))
-                    del raw  # the mmap cannot close while a tensor exports it
+                    t = raw.view(dt).reshape(m["shape"])
+                    # lent: a view (the mapping lives as long as a tensor does); else a copy to the
+                    # device (the slot is rewritten two snapshots from now)
+                    out.append(t if lend else t.to(map_location, copy=True))
+                    del raw, t  # unlent: the mmap cannot close while a tensor exports it
                 else:
                     out.append(torch.empty(m["shape"], dtype=dt, device=map_location))
-            # checked again after the copy: a writer that started on this slot meanwhile changed it
+            # checked again after the read: a writer that started on this slot meanwhile changed it
             if not same_snapshot(self.read_header(c.slot), c):
                 return None
-            return decode_structure(h["structure"], out)
+            state = decode_structure(h["structure"], out)
+            if lend and mm is not None:
+                weakref.finalize(mm, os.close, fd)  # the lock goes with the last view
+                mm = None
+            return state
         finally:
             view.release()
             if mm is not None:
-                mm.close()
+                out.clear()
+                try:
+                    mm.close()
+                except BufferError:  # a view escaped (cannot happen on the paths above): let gc close it
+                    pass
+                if lend:
+                    os.close(fd)
 
     def close(self) -> None:
         """Wait for the last write and drop this process's mappings (the files stay)."""
         self.flush()
+        spares, self._spares = self._spares, None
+        if spares is not None:
+            spares.join()
         for slot in list(self._maps):
             self._unmap(slot)
 
@@ -581,7 +781,7 @@ class SnapshotStore:
         """Remove this name's files (the agent removes the whole directory at job end)."""
         self.close()
         for s in SLOTS:
-            for p in (self.header_path(s), self.data_path(s), self.pin_path(s)):
+            for p in (self.header_path(s), self.data_path(s), self.pin_path(s), self.spare_path(s)):
                 try:
                     p.unlink()
                 except FileNotFoundError:
