@@ -7,7 +7,8 @@ package's own helpers (``layout.Keys``, ``leader.read_rank``, ``joining._free_po
 
 * **Membership**: a lease of ``ttl`` (``etcdv3.Client.grant``), ``nodes/<id>`` on it with the
   value ``{"addr", "pid", "lease", "ttl"}`` (``prev_kv``: a re-registration keeps its
-  revision), then the one keys-only read of ``nodes/`` a real node makes per registration.
+  revision), then the bounded read of ``nodes/`` a real node makes per registration
+  (``membership.read_membership``: the oldest few keys and the last record's head, keys only).
   A lost lease (etcd says not found, or no keepalive succeeded before its deadline) registers
   again, as the handler's keeper does.
 * **Keepalives**: ``keepalive_threads`` threads per process send every node's keepalive every
@@ -169,8 +170,14 @@ class LightPool:
         sent = time.monotonic()
         r = self.etcd.put(self.keys.node(n.id), value, lease=lid, prev_kv=True)
         created = r.prev.create_revision if r.prev is not None else r.revision
-        # the read of nodes/ a real node makes once per registration (Membership._snapshot)
-        self.snap.range(self.keys.nodes, prefix=True, keys_only=True)
+        # the read of nodes/ a real node makes once per registration (Membership._snapshot): the
+        # handler's own helper, with the head of the newest record this process has seen
+        from petctl_agent.rendezvous.layout import head, latest_closed
+        from petctl_agent.rendezvous.membership import read_membership
+
+        with self.owner._cond:
+            base = head(latest_closed(self._view()[0])[1])
+        read_membership(self.snap, self.keys, base)
         with self.lock:
             n.lease, n.ttl, n.deadline = lid, ttl, sent + ttl
             n.next_ka = time.monotonic() + self.cfg.refresh

@@ -251,8 +251,46 @@ def delete_op(key: str, prefix: bool = False, prev_kv: bool = False) -> dict[str
     return {"request_delete_range": _range_body(key, prefix, prev_kv=prev_kv)}
 
 
-def range_op(key: str, prefix: bool = False) -> dict[str, Any]:
-    return {"request_range": _range_body(key, prefix)}
+def range_op(
+    key: str,
+    prefix: bool = False,
+    limit: int = 0,
+    keys_only: bool = False,
+    sort: str | None = None,
+    min_create: int = 0,
+    max_create: int = 0,
+) -> dict[str, Any]:
+    """A txn's read; the options as :meth:`Client.range`'s."""
+    return {
+        "request_range": _range_body(
+            key, prefix, **_range_opts(limit, keys_only, sort, min_create, max_create)
+        )
+    }
+
+
+#: ``sort`` of a range: "<target>" ascending or "-<target>" descending; the RangeRequest enums
+#: by name, as etcd's JSON gateway reads them (``sort_target``: KEY, VERSION, CREATE, MOD, VALUE)
+_SORT_TARGETS = {"key": "KEY", "version": "VERSION", "create": "CREATE", "mod": "MOD", "value": "VALUE"}
+
+
+def _range_opts(
+    limit: int, keys_only: bool, sort: str | None, min_create: int, max_create: int
+) -> dict[str, Any]:
+    opts: dict[str, Any] = {
+        "limit": str(limit) if limit else None,
+        "keys_only": keys_only,
+        "min_create_revision": str(min_create) if min_create else None,
+        "max_create_revision": str(max_create) if max_create else None,
+    }
+    if sort:
+        target = _SORT_TARGETS.get(sort.lstrip("-"))
+        if target is None:
+            raise ValueError(
+                f"sort={sort!r}: must be one of {sorted(_SORT_TARGETS)}, '-' first for descending"
+            )
+        opts["sort_order"] = "DESCEND" if sort.startswith("-") else "ASCEND"
+        opts["sort_target"] = target
+    return opts
 
 
 def _put_body(key: str, value: str | bytes, lease: int, prev_kv: bool) -> dict[str, Any]:
@@ -477,12 +515,19 @@ class Client:
         keys_only: bool = False,
         serializable: bool = False,
         timeout: float | None = None,
+        sort: str | None = None,
+        min_create: int = 0,
+        max_create: int = 0,
     ) -> RangeResult:
         """One key, or every key under ``prefix``, at ``revision`` (0: now; a compacted one
-        raises :class:`Compacted`). Linearizable unless ``serializable``."""
+        raises :class:`Compacted`). Linearizable unless ``serializable``. ``sort``: by
+        ``"create"`` revision (or key, version, mod, value) ascending, ``"-create"`` descending,
+        applied before ``limit`` (etcd sorts the whole range, then cuts: the bytes returned
+        are bounded by ``limit``, not etcd's work). ``min_create``/``max_create``: only keys
+        created at or after / at or before that revision. ``count`` is the whole range's."""
         body = _range_body(key, prefix, revision=str(revision) if revision else None,
-                           limit=str(limit) if limit else None, keys_only=keys_only,
-                           serializable=serializable)  # fmt: skip
+                           serializable=serializable,
+                           **_range_opts(limit, keys_only, sort, min_create, max_create))  # fmt: skip
         d = self.call("kv/range", body, "range", timeout)
         return RangeResult.parse(d, Header.parse(d.get("header")).revision)
 

@@ -24,7 +24,7 @@ from petctl_agent.rendezvous.fastloss import FastLoss
 from petctl_agent.rendezvous.joining import Joining
 from petctl_agent.rendezvous.layout import Keys, Rounds, rounds_view
 from petctl_agent.rendezvous.leader import Leadership
-from petctl_agent.rendezvous.membership import Membership
+from petctl_agent.rendezvous.membership import Membership, MemberView
 from petctl_agent.rendezvous.watcher import Watcher
 
 log = logging.getLogger("petctl_agent.rendezvous")
@@ -94,8 +94,7 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
         self._members: Watcher | None = None  # only while we are the leader
         self._leader_w: Watcher | None = None  # the leader's key, while someone else leads
         self._joins: Watcher | None = None  # leader in a rendezvous: joins of the target round
-        self._snap: dict[str, int] = {}  # node id -> registration revision, from the last read of nodes/
-        self._snap_index = 0
+        self._snap = MemberView()  # the last read of nodes/ (a non-leader's: membership.read_membership)
         self._round: int | None = None  # the round we run in (None while joining / before)
         self._record: dict[str, Any] | None = None
         self._last_record: dict[str, Any] | None = None  # survives etcd replacement: the head

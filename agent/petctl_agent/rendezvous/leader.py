@@ -22,6 +22,7 @@ from petctl_agent.rendezvous import decide
 from petctl_agent.rendezvous import etcdv3 as v3
 from petctl_agent.rendezvous.client import TRANSIENT
 from petctl_agent.rendezvous.layout import HEAD, Keys, head, key_name, latest_closed, loads
+from petctl_agent.rendezvous.membership import MemberView
 from petctl_agent.rendezvous.watcher import Watcher
 
 log = logging.getLogger("petctl_agent.rendezvous")
@@ -85,6 +86,43 @@ def read_rank(etcd: v3.Client, keys: Keys, target: int, rec: dict[str, Any], nod
         return None
 
 
+def first_live(
+    base: list[str], live: dict[str, int], me: str, reg: int | None, drop: str | None = None
+) -> str | None:
+    """``rank_order(base, live + us - drop)[0]``: who leads among ``live`` (id -> registration)."""
+    live = dict(live)
+    if reg is not None:
+        live.setdefault(me, reg)
+    if drop is not None:
+        live.pop(drop, None)
+    if not live:
+        return None
+    return decide.rank_order(base, set(live), lambda n: live.get(n, 0))[0]
+
+
+def presumed_leader(
+    base: list[str], snap: MemberView, me: str, reg: int | None, newer: bool = False, drop: str | None = None
+) -> str | None:
+    """A non-leader's leader from its read of ``nodes/`` (``snap``) and the last record's head
+    ``base``. ``newer``: the record is newer than the read, so its nodes were alive; a head id the
+    read did not check (a record not seen at the read) is taken as alive too: if it is gone,
+    its key's watch says so and ``_follow`` reads again (membership.read_membership says why
+    the bounded read gives the full read's answer)."""
+    live = dict(snap.live)
+    for n in base:
+        if newer or not snap.knows(n):
+            live.setdefault(n, 0)
+    return first_live(base, live, me, reg, drop)
+
+
+def successor(base: list[str], snap: MemberView, me: str, reg: int | None, leader: str) -> str | None:
+    """Who leads if ``leader`` is gone: the head's nodes taken as alive (they were, at the record)."""
+    live = dict(snap.live)
+    for n in base:
+        live.setdefault(n, 0)
+    return first_live(base, live, me, reg, leader)
+
+
 class Leadership:
     """Mixin of :class:`~petctl_agent.rendezvous.handler.PetctlRendezvousHandler` (its state is
     made in the handler's ``__init__``): the control thread."""
@@ -94,39 +132,22 @@ class Leadership:
         rounds, _ = self._rounds_view()
         rnum, rec = latest_closed(rounds)
         base = head(rec or self._last_record)
+        lapsed = self._lapsed_leader
+        # the leader's lease is no longer kept alive (a hard loss): the next one leads until the
+        # round closes (its record puts the survivors first: the next one still leads)
+        drop = lapsed[0] if lapsed is not None and lapsed[1] == rnum and lapsed[0] != self.node_id else None
         if self._members is not None and self._members.synced:
             live = {key_name(k): c for k, (_, c, _) in self._members.items.items()}
-        else:
-            live = dict(self._snap)
-            rec_rev = rounds[rnum][1] if rnum in rounds else 0
-            if rec and self._snap_index < rec_rev:
-                for n in base:  # the record is newer than our read of nodes/: its nodes were alive
-                    live.setdefault(n, 0)
-        if self._reg_index is not None:
-            live.setdefault(self.node_id, self._reg_index)
-        lapsed = self._lapsed_leader
-        if lapsed is not None and lapsed[1] == rnum and lapsed[0] != self.node_id:
-            # the leader's lease is no longer kept alive (a hard loss): the next one leads until
-            # the round closes (its record puts the survivors first: the next one still leads)
-            live.pop(lapsed[0], None)
-        if not live:
-            return None
-        return decide.rank_order(base, set(live), lambda n: live.get(n, 0))[0]
+            return first_live(base, live, self.node_id, self._reg_index, drop)
+        rec_rev = rounds[rnum][1] if rnum in rounds else 0
+        newer = bool(rec) and self._snap.revision < rec_rev
+        return presumed_leader(base, self._snap, self.node_id, self._reg_index, newer, drop)
 
     def _successor(self, leader: str) -> str | None:
         """Who leads if ``leader`` is gone, as far as this node knows (caller holds _cond)."""
         rounds, _ = self._rounds_view()
         _, rec = latest_closed(rounds)
-        base = head(rec or self._last_record)
-        live = dict(self._snap)
-        for n in base:
-            live.setdefault(n, 0)
-        if self._reg_index is not None:
-            live.setdefault(self.node_id, self._reg_index)
-        live.pop(leader, None)
-        if not live:
-            return None
-        return decide.rank_order(base, set(live), lambda n: live.get(n, 0))[0]
+        return successor(head(rec or self._last_record), self._snap, self.node_id, self._reg_index, leader)
 
     def _control(self) -> None:
         """Background coordination: who leads, opening rounds on membership changes, closing rounds."""

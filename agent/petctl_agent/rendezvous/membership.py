@@ -10,16 +10,85 @@ import os
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from petctl_agent.rendezvous import etcdv3 as v3
 from petctl_agent.rendezvous.client import TRANSIENT
 from petctl_agent.rendezvous.config import BOOT_TOKEN_KEY
-from petctl_agent.rendezvous.layout import key_name
+from petctl_agent.rendezvous.layout import HEAD, Keys, head, key_name, latest_closed
 from petctl_agent.rendezvous.watcher import Watcher
 
 log = logging.getLogger("petctl_agent.rendezvous")
+
+#: the oldest registrations a non-leader reads: the two it may need (read_membership says why)
+#: and one that marks where the read stops (a tie on it is read whole)
+OLDEST = 3
+
+
+@dataclass(frozen=True)
+class MemberView:
+    """What a non-leader knows of ``nodes/`` (:func:`read_membership`): enough to find the
+    leader and its successor, never every id.
+
+    ``live`` holds every live node registered before ``below`` (all of them when ``below`` is
+    None: the read saw the whole of ``nodes/``) and each id of the ``checked`` head that is
+    live. Another id is *unknown*, not dead (:meth:`knows`)."""
+
+    live: dict[str, int] = field(default_factory=dict)  #: node id -> registration (create) revision
+    revision: int = 0  #: the store revision of the read
+    checked: frozenset[str] = frozenset()  #: ids read one by one (the head at the read)
+    below: int | None = None  #: every live node with a smaller create revision is in ``live``
+    count: int = 0  #: keys under nodes/ at the read
+
+    def knows(self, node: str) -> bool:
+        """Whether ``live`` says if ``node`` is alive."""
+        return self.below is None or node in self.live or node in self.checked
+
+
+def read_membership(etcd: v3.Client, keys: Keys, base: list[str]) -> MemberView:
+    """The read of ``nodes/`` a non-leader makes (at each registration, and when the leader's key
+    goes): one read-only txn of the ``OLDEST`` keys by create revision plus one key per id of
+    ``base`` (the last record's head, <= HEAD ids), keys only: at most ``OLDEST + HEAD`` keys
+    whatever the membership's size. A second read only when the last key read shares its create revision
+    with another one read (several keys put in one txn: never a handler's registration, which
+    is one put): then every key of that revision, so ``live`` stays closed downwards.
+
+    Why this is enough (tests/agent/test_rdzv_v3_members.py checks it against the full read,
+    and fails with one key fewer or without the tie's read): ``live`` holds ``T``, every live
+    node below a create revision (a down-set of the live nodes in ``(revision, id)`` order) and
+    at least 2 of them unless it holds all. The leader is ``rank_order(base, live)[0]`` after
+    ``us`` is added and at most one id ``R`` is dropped (a lapsed leader; for the successor the
+    leader, with every ``base`` id taken as alive). A live ``base`` id not dropped answers, and
+    each ``base`` id's liveness is read. Otherwise every live ``base`` id is ``R``, so ``T``
+    minus ``base`` and ``R`` keeps one node or more, and its least is the full membership's
+    least outside ``base`` and ``R``: a lesser one would be in ``T``. ``us`` is added with our
+    own revision in both. So 2 suffice whatever the head's size. A head read later (a newer
+    record) that this read did not check is taken as alive (``leader.presumed_leader``): at
+    worst a follower watches a gone leader's key, sees it absent and reads again with the new
+    head (``_follow``)."""
+    base = list(dict.fromkeys(base))[:HEAD]
+    oldest = v3.range_op(keys.nodes, prefix=True, limit=OLDEST, keys_only=True, sort="create")
+    ops = [oldest, *(v3.range_op(keys.node(n), keys_only=True) for n in base)]
+    r = etcd.txn([], ops)
+    first, *heads = r.responses
+    assert isinstance(first, v3.RangeResult)
+    kvs = list(first.kvs)
+    below: int | None = None
+    if first.more and kvs:
+        below = kvs[-1].create_revision
+        if sum(1 for kv in kvs if kv.create_revision == below) > 1:
+            tied = etcd.range(keys.nodes, prefix=True, keys_only=True, revision=r.revision,
+                              min_create=below, max_create=below)  # fmt: skip
+            kvs += tied.kvs
+            below += 1  # every key of that revision is read too
+    live = {key_name(kv.key): kv.create_revision for kv in kvs if below is None or kv.create_revision < below}
+    for n, got in zip(base, heads, strict=True):
+        assert isinstance(got, v3.RangeResult)
+        if got.kvs:
+            live[n] = got.kvs[0].create_revision
+    return MemberView(live, r.revision, frozenset(base), below, first.count)
 
 
 class Membership:
@@ -109,11 +178,13 @@ class Membership:
             self._rereg.set()
 
     def _snapshot(self) -> None:
-        """Read the membership once (non-leaders use it to find the leader): ids only."""
-        r = self._etcd.range(self.keys.nodes, prefix=True, keys_only=True)
-        snap = {key_name(kv.key): kv.create_revision for kv in r.kvs}
+        """Read what a non-leader needs of the membership to find the leader (:func:`read_membership`)."""
         with self._cond:
-            self._snap, self._snap_index = snap, r.revision
+            rounds, _ = self._rounds_view()
+            base = head(latest_closed(rounds)[1] or self._last_record)
+        view = read_membership(self._etcd, self.keys, base)
+        with self._cond:
+            self._snap = view
             self._bump()
 
     def _start(self) -> None:
