@@ -419,6 +419,26 @@ def test_a_restore_on_the_cpu_is_views_of_the_slot_lent_until_dropped(tmp_path: 
     assert torch.equal(store.load(6)["w"], torch.full((n,), 6.0))
 
 
+def test_a_restore_is_lent_only_when_a_new_file_for_its_slot_fits(tmp_path: Path) -> None:
+    """A lent slot is never rewritten in place: its next write needs a whole new file. On a node
+    with room for the two slots but not a third file, a lent restore would make every later write
+    to that slot a no-fit (EFS the slow way, for the worker's whole life; review of stop 25). So
+    with no room for a new file the restore copies, and the slot is rewritten in place."""
+    tiny = {"MemTotal": 8 << 30, "MemAvailable": 600 << 20}  # < reserve (512 MiB) + 100 MiB
+    n = 100 << 18  # 100 MiB of fp32
+    SnapshotStore(tmp_path, "r").write({"w": torch.full((n,), 1.0)}, 1, wait=True)  # slot a
+    SnapshotStore(tmp_path, "r").write({"w": torch.full((n,), 2.0)}, 2, wait=True)  # slot b
+    store = SnapshotStore(tmp_path, "r", meminfo=lambda: tiny)
+    got = store.load(2)
+    assert got is not None and _mapping_of(got["w"]) == "anon"  # a copy, not a view of slot b
+    ino = store.data_path("b").stat().st_ino
+    assert store.write({"w": torch.full((n,), 3.0)}, 3, wait=True) == "ok"  # slot a, in place
+    assert store.write({"w": torch.full((n,), 4.0)}, 4, wait=True) == "ok"  # slot b, not lent: fits
+    assert store.data_path("b").stat().st_ino == ino
+    assert bool((got["w"] == 2.0).all())
+    del got
+
+
 def test_the_new_file_a_lent_slot_needs_is_made_in_the_background_after_a_restore(tmp_path: Path) -> None:
     """After a restore whose tensors are views of slot b, prepare_spares makes b's replacement file
     (allocated) in a background thread: the write that comes to b renames it into place instead of

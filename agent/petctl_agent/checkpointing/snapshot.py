@@ -714,7 +714,10 @@ class SnapshotStore:
         import torch
 
         h = c.header
-        lend = _on_cpu(map_location)
+        # lent only if a replacement file for this slot fits now: a lent slot is never rewritten
+        # in place, so without that room every later write to it would go to EFS the slow way
+        # (its no-fit would repeat for the worker's whole life). No room: a copy, as before.
+        lend = _on_cpu(map_location) and fits(h["size"], self.dir, self.meminfo)[0]
         try:
             fd = os.open(self.data_path(c.slot), os.O_RDONLY)
         except OSError:
