@@ -313,6 +313,35 @@ def test_a_node_named_gone_that_comes_back_charges_the_restart(group: Callable[.
     assert {h.round for h in order} in ({2}, {3})
 
 
+def test_a_node_named_gone_at_start_up_that_comes_back_charges_the_restart(
+    group: Callable[..., Group],
+) -> None:
+    """The start-up window's version: no worker fails (they wait at process-group init), but a
+    node's agent stalls 3 s while the workers start, so the leader's lease reads name it gone and
+    every agent restarts for free from its monitor loop (``change``; the agent then calls
+    ``restart_for_a_loss``). It comes back under its id: every agent is charged once, as after a
+    failure. Without it a node stalling at every start would restart the job for ever, free."""
+    g = group(2, 8)
+    order = _three(g)
+    x = order[2]
+    stalled = _stall(x)
+    watches = {h: _watch(h, Settings()) for h in order}
+    for h in order:
+        h.workers_starting()
+    stalled.set()
+    t0 = time.monotonic()
+    while not all(watches[h].change()[0] for h in order[:2]):
+        assert time.monotonic() - t0 < 5.0, "the start-up lease reads named nobody gone"
+        time.sleep(0.05)
+    assert all(x.node_id in (h.pending_change() or {}).get("gone", []) for h in order[:2])
+    time.sleep(max(0.0, 3.0 - (time.monotonic() - t0)))
+    stalled.clear()
+    for h in order:  # what the agent's monitor loop does on that change while its workers start
+        watches[h].restart_for_a_loss()
+    charged = _rejoin_until_together(g, order, watches)
+    assert all(charged[h] == [x.node_id] for h in order), {h.node_id: c for h, c in charged.items()}
+
+
 def test_a_real_loss_stays_free(group: Callable[..., Group]) -> None:
     """The same failure with the node really lost (SIGKILLed: it never comes back): explained,
     and no charge after the survivors' round, nor after the next one."""

@@ -319,6 +319,10 @@ class PetctlElasticAgent(LocalElasticAgent):
                 change, can_sync = self.watch.change()
                 if change:
                     log.info("re-rendezvous: %s", change)
+                    if self._starting:
+                        # a round the start-up lease reads opened: a node named gone that comes
+                        # back was stalled, not lost, and this restart is charged then
+                        self.watch.restart_for_a_loss()
                     if can_sync and self.settings.enabled("SYNC_RESTART") and self.stops.workers_progressed():
                         self._rdzv_reason = change
                         done = self._coordinated_stop(wg, self.sync_timeout)

@@ -137,10 +137,7 @@ class MembershipWatch:
         while True:
             change, _ = self.change()
             if change and not (mine is not None and _only_a_rejoin(mine.pending_change())):
-                if mine is not None and (mine.pending_change() or {}).get("n_gone"):
-                    # explained by a node named gone: if it comes back (the same id) in the next
-                    # round or the one after, it was never lost, and the restart is charged
-                    self._loss_rounds = 2
+                self.restart_for_a_loss()
                 return change
             left = deadline - time.monotonic()
             if left <= 0 or leaving.is_set():
@@ -151,6 +148,15 @@ class MembershipWatch:
                 mine.wait_for_change(min(left, 0.25))
             else:
                 time.sleep(0.25)
+
+    def restart_for_a_loss(self) -> None:
+        """We restart for free because the pending change names nodes gone (a worker failure it
+        explained, or the start-up lease reads while our workers had not stepped): if one comes
+        back (the same id) in the next round or the one after, it was never lost, and the
+        restart is charged (:meth:`take_charge`)."""
+        mine = ours(self.handler) if self.handler is not None else None
+        if mine is not None and (mine.pending_change() or {}).get("n_gone"):
+            self._loss_rounds = 2
 
     def take_charge(self) -> list[str]:
         """After :meth:`started`: the nodes whose "loss" explained the last worker failure (so the
