@@ -25,6 +25,31 @@ def hold(path: str | os.PathLike) -> int:
     return fd
 
 
+def try_hold(path: str | os.PathLike, create: bool = True) -> int | None:
+    """``path``'s exclusive ``flock`` if nobody holds a lock on it (non-blocking), else None.
+
+    Returns the fd (the lock lasts until it is closed). ``create``: make ``path`` (mode 0600) if
+    missing; else a missing ``path`` is None too.
+    """
+    try:
+        fd = (
+            os.open(Path(path), os.O_RDWR | os.O_CREAT, 0o600) if create else os.open(Path(path), os.O_RDONLY)
+        )
+    except OSError:
+        if create:
+            raise
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def held(path: str | os.PathLike) -> bool:
     """Does some live process hold an exclusive ``flock`` on ``path``? False when it is missing.
 

@@ -1003,6 +1003,16 @@ def test_the_shared_flock_helpers(tmp_path: Path) -> None:
     finally:
         os.close(fd)
     assert not filelocks.held(lock) and not persist.served(tmp_path)  # released with its fd
+    # try_hold: the pin's and the lent file's non-blocking exclusive lock
+    fd = filelocks.try_hold(lock)
+    assert fd is not None and filelocks.held(lock)
+    assert filelocks.try_hold(lock) is None  # another holder: not taken
+    os.close(fd)
+    assert filelocks.try_hold(tmp_path / "missing", create=False) is None
+    assert not (tmp_path / "missing").exists()
+    fd = filelocks.try_hold(lock, create=False)
+    assert fd is not None
+    os.close(fd)
 
 
 def test_a_durable_save_the_agents_persister_lands_is_written_once(snap_env, capsys) -> None:

@@ -54,6 +54,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from petctl_agent import filelocks
+
 FORMAT = "petctl-snapshot-1"
 SLOTS = ("a", "b")
 ALIGN = 64
@@ -119,16 +121,7 @@ def _lock_unlent(path: Path) -> int | None:
     The fd to close. A restore lends a slot's file with a shared ``flock`` for as long as its
     tensors are views of it (:meth:`SnapshotStore.load`); the writer then makes a new file.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
+    return filelocks.try_hold(path, create=False)
 
 
 def _gib(n: int) -> str:
@@ -305,13 +298,7 @@ class SnapshotStore:
 
     def _claim(self, slot: str) -> int | None:
         """The slot's pin lock, exclusively, if no persister pins it (non-blocking), else None."""
-        fd = os.open(self.pin_path(slot), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        return fd
+        return filelocks.try_hold(self.pin_path(slot))
 
     def read_header(self, slot: str) -> dict[str, Any] | None:
         """The slot's header if present and intact (its own crc32 matches), else None."""
