@@ -296,9 +296,12 @@ def test_a_newcomer_that_becomes_rank_0_has_the_restored_step_persisted(
             )
         ]
         assert [r["report"]["source"] for r in res] == ["peer", "self"]
+        # the persister moves EFS's pointer first and reports (persist.json) just after: wait for both
         deadline = time.monotonic() + 30
-        while ckpt.latest_step(efs) != 6:
-            assert time.monotonic() < deadline, f"step 6 never reached EFS (latest {ckpt.latest_step(efs)})"
+        while ckpt.latest_step(efs) != 6 or persist.state(area.dir).get("step") != 6:
+            assert time.monotonic() < deadline, (
+                f"step 6 never reached EFS (latest {ckpt.latest_step(efs)}, reported {persist.state(area.dir)})"
+            )
             time.sleep(0.1)
         state, step = ckpt.load_latest(efs, map_location="cpu")
         assert step == 6 and torch.equal(state["w"], torch.full((4,), 6.0))
@@ -411,7 +414,7 @@ def test_persistence_by_the_agent_survives_a_worker_killed_after_its_snapshot(
     cp = subprocess.run([sys.executable, "-c", worker], env=env, capture_output=True, text=True, timeout=120)
     assert cp.returncode == -signal.SIGKILL, cp.stderr[-2000:]
     deadline = time.monotonic() + 30
-    while ckpt.latest_step(efs) != 2:
+    while ckpt.latest_step(efs) != 2 or persist.state(area.dir).get("step") != 2:  # pointer, then report
         assert time.monotonic() < deadline, "the agent's persister did not persist step 2"
         time.sleep(0.1)
     state, step = ckpt.load_latest(efs, map_location="cpu")
