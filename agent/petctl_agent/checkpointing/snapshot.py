@@ -42,6 +42,7 @@ header. Torch is imported only to write or read.
 from __future__ import annotations
 
 import fcntl
+import itertools
 import json
 import mmap
 import os
@@ -108,11 +109,165 @@ def fits(
     return True, ""
 
 
+class _Budget:
+    """The allocations of one directory in this process, so that checking ``fits`` and allocating
+    the pages are one step: the writer and the background spare thread each checked
+    ``MemAvailable`` on its own, and a check made while the other's ``posix_fallocate`` had not yet
+    taken its pages passed for both (review: together they overshot the reserve by a whole state).
+
+    ``reserve`` checks ``need`` plus what the allocations still in flight have yet to take (each
+    one's bytes less what its file holds already, ``fstat``: the part ``MemAvailable`` does not show
+    yet) and, if it fits, records ``need`` as in flight until :meth:`_Reservation.done`.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.inflight: list[_Reservation] = []
+
+    def pending(self) -> int:
+        """Bytes the allocations in flight have yet to take (call with the lock held)."""
+        out = 0
+        for r in self.inflight:
+            held = 0
+            if r.fd is not None:
+                try:
+                    held = os.fstat(r.fd).st_blocks * 512
+                except OSError:
+                    pass
+            out += max(0, r.need - held)
+        return out
+
+    def fits(self, need: int, directory: Path, meminfo: Callable[[], dict[str, int]]) -> tuple[bool, str]:
+        """``fits`` counting the allocations in flight, without reserving."""
+        with self.lock:
+            return fits(need + self.pending() if need > 0 else need, directory, meminfo)
+
+    def reserve(
+        self, need: int, directory: Path, meminfo: Callable[[], dict[str, int]]
+    ) -> tuple[_Reservation | None, str]:
+        """A reservation of ``need`` bytes if they fit with the allocations in flight; else (None, why)."""
+        with self.lock:
+            ok, why = fits(need + self.pending() if need > 0 else need, directory, meminfo)
+            if not ok:
+                return None, why
+            r = _Reservation(self, max(0, need))
+            self.inflight.append(r)
+            return r, ""
+
+
+class _Reservation:
+    """Bytes promised to one allocation until :meth:`done` (its pages are then in ``MemAvailable``).
+
+    ``fd``: the file being allocated, once open (its allocated blocks count as taken)."""
+
+    def __init__(self, budget: _Budget, need: int) -> None:
+        self.budget, self.need, self.fd = budget, need, None
+
+    def attach(self, fd: int) -> None:
+        with self.budget.lock:
+            self.fd = fd
+
+    def done(self) -> None:
+        """The allocation ended (its pages taken, or it failed); idempotent. Call before closing ``fd``."""
+        with self.budget.lock:
+            if self in self.budget.inflight:
+                self.budget.inflight.remove(self)
+            self.fd = None
+
+
+_budgets: dict[str, _Budget] = {}
+_budgets_lock = threading.Lock()
+
+
+def _budget(directory: Path) -> _Budget:
+    """The one budget of ``directory`` in this process, shared by all its stores and threads."""
+    key = os.path.realpath(directory)
+    with _budgets_lock:
+        b = _budgets.get(key)
+        if b is None:
+            b = _budgets[key] = _Budget()
+        return b
+
+
+# ---------------------------------------------------------------- lent files and fork
+
+#: token -> fd of every file a restore has lent (a shared ``flock`` held while its tensors live)
+_lent: dict[int, int] = {}
+_lent_lock = threading.Lock()
+_lent_tokens = itertools.count()
+
+
+def _lend(fd: int) -> int:
+    with _lent_lock:
+        token = next(_lent_tokens)
+        _lent[token] = fd
+        return token
+
+
+def _unlend(token: int) -> None:
+    """Close a lent file's fd (its last tensor is gone): the lock goes. Once only; in a forked child
+    the fd is closed already (:func:`_forget_lent_in_child`) and never closed twice."""
+    with _lent_lock:
+        fd = _lent.pop(token, None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _forget_lent_in_child() -> None:
+    """After ``os.fork`` (no exec: forked DataLoader workers), in the child: close its copies of
+    the lent files' fds. A ``flock`` belongs to the open file description, which fork shares, so a
+    child holding a copy kept the slot lent for as long as it lived (every later write to that slot
+    made a new file: up to 3x the state in ``/dev/shm``). Closing a copy never unlocks the parent's
+    (``LOCK_UN`` would: never called here); the child's mapping, and its views, stay valid. O_CLOEXEC
+    does not help with fork, and OFD ``fcntl`` locks are shared across fork the same way."""
+    global _lent_lock, _budgets_lock
+    _lent_lock = threading.Lock()  # a thread of the parent may have held it at the fork
+    _budgets_lock = threading.Lock()
+    _budgets.clear()  # the parent's allocations in flight are not the child's
+    fds = list(_lent.values())
+    _lent.clear()
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_lent_in_child)
+
+
+def _fallocate(fd: int, size: int) -> None:
+    """Allocate the file's pages now (tmpfs: ENOSPC here, not a SIGBUS on the copy)."""
+    os.posix_fallocate(fd, 0, size)
+
+
 def _on_cpu(map_location: Any) -> bool:
     """Is ``map_location`` the CPU (a restore there can be views of a mapping, not a copy)?"""
     if map_location is None:
         return True
     return str(map_location).split(":")[0] == "cpu"
+
+
+def _map_copy(fd: int, size: int, lend: bool) -> mmap.mmap:
+    """A private (copy-on-write) mapping of ``fd``'s file. Lent: mapped through a second open file
+    description of the same file (``/proc/self/fd``), never through the one that holds the lent
+    ``flock``: Python's ``mmap`` keeps a ``dup`` of the fd it maps, which a forked child inherits
+    and which would keep the lock (it belongs to the open file description) for as long as the
+    child lives -- closing the lock's fd in the child (:func:`_forget_lent_in_child`) must end it."""
+    if not lend:
+        return mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    try:
+        mfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+    except OSError:  # no /proc: a child forked meanwhile keeps the slot lent while it lives
+        return mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    try:
+        return mmap.mmap(mfd, size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(mfd)
 
 
 def _lock_unlent(path: Path) -> int | None:
@@ -261,6 +416,8 @@ class SnapshotStore:
         self._error: BaseException | None = None
         self._pins_made = False
         self._spares: threading.Thread | None = None
+        self._cancel = threading.Event()  # set by close(): the spare thread makes no more
+        self._made_spares: set[str] = set()  # slots whose spare this store made (freed on close)
 
     # -- paths and headers
 
@@ -423,6 +580,12 @@ class SnapshotStore:
             for s in SLOTS:  # half-made by a writer that died making it (the store's one writer: ours now)
                 tmp = self.spare_path(s)
                 tmp.with_name(f".{tmp.name}.tmp").unlink(missing_ok=True)
+                try:  # a spare no write of this size can take (the state changed size): freed now
+                    if tmp.stat().st_size != size:
+                        tmp.unlink()
+                        self._made_spares.discard(s)
+                except FileNotFoundError:
+                    pass
         if not self._pins_made:  # both at once: a write that fails later leaves no new file
             for s in SLOTS:
                 os.close(os.open(self.pin_path(s), os.O_RDWR | os.O_CREAT, 0o600))
@@ -467,6 +630,7 @@ class SnapshotStore:
     ) -> str:
         data = self.data_path(slot)
         lent: int | None = None  # the data file's flock, exclusive, while nobody has it lent
+        res: _Reservation | None = None
         try:
             try:
                 st = os.stat(data)
@@ -482,8 +646,9 @@ class SnapshotStore:
             except FileNotFoundError:
                 held = 0
             spare = 0 if held else self._spare_of(slot, size)  # a new file is due: made already?
-            ok, why = fits(size - (held or spare), self.dir, self.meminfo)
-            if not ok:
+            # checked and reserved in one step with the spare thread's allocations (_Budget)
+            res, why = _budget(self.dir).reserve(size - (held or spare), self.dir, self.meminfo)
+            if res is None:
                 return f"no-fit: {why}"
             # newer than both slots, including the one overwritten (a reader compares generations)
             gen = max((c.gen for c in done), default=0) + 1
@@ -492,42 +657,20 @@ class SnapshotStore:
                 self.header_path(slot).unlink()
             except FileNotFoundError:
                 pass
+        except BaseException:
+            if res is not None:
+                res.done()
+            raise
         finally:
             if lent is not None:
                 os.close(lent)  # a restore that lends the file from now on finds no header: never maps it
         release()  # a persister that pins the slot now finds no header: it never reads it
-        if spare:
-            try:  # the new file, its pages allocated in the background (prepare_spares)
-                os.replace(self.spare_path(slot), data)  # a lent file lives on, unlinked, while mapped
-                held = spare
-            except OSError:
-                pass
-        else:  # in place after all (the restore's tensors are gone), or no spare: none kept unused
-            self.spare_path(slot).unlink(missing_ok=True)
-        mm = self._mapped(slot, data, size) if held else None
-        if mm is None:
-            self._unmap(slot)
-            if not held:  # held: the file of a previous writer (a restarted worker), pages reused
-                try:
-                    data.unlink()
-                except FileNotFoundError:
-                    pass
-            fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                if not held:
-                    os.ftruncate(fd, size)
-                if size:
-                    try:
-                        os.posix_fallocate(fd, 0, size)
-                    except OSError as e:
-                        os.ftruncate(fd, 0)
-                        return f"no-fit: reserving {_gib(size)} in {self.dir}: {e.strerror}"
-                    # kept mapped between writes, page tables filled at once: a fresh mapping's
-                    # page faults cost ~0.3 s/GiB, a copy into a populated one ~0.09 (measured)
-                    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-                    self._maps[slot] = (os.fstat(fd).st_ino, mm)
-            finally:
-                os.close(fd)
+        try:
+            mm = self._place(slot, data, size, held, spare, res)
+        finally:
+            res.done()
+        if isinstance(mm, str):
+            return mm
         try:
             fill(mm)
         except BaseException:
@@ -559,6 +702,49 @@ class SnapshotStore:
             self._pending = threading.Thread(target=finish, name="petctl-snapshot-crc", daemon=True)
             self._pending.start()
         return OK
+
+    def _place(
+        self, slot: str, data: Path, size: int, held: int, spare: int, res: _Reservation
+    ) -> mmap.mmap | None | str:
+        """The slot's file, mapped, its pages allocated (``res`` reserved them): the mapping (None
+        for an empty state), or ``"no-fit: why"`` when the tmpfs refused the allocation."""
+        self._made_spares.discard(slot)  # taken or removed here
+        if spare:
+            try:  # the new file, its pages allocated in the background (prepare_spares)
+                os.replace(self.spare_path(slot), data)  # a lent file lives on, unlinked, while mapped
+                held = spare
+            except OSError:
+                pass
+        else:  # in place after all (the restore's tensors are gone), or no spare: none kept unused
+            self.spare_path(slot).unlink(missing_ok=True)
+        mm = self._mapped(slot, data, size) if held else None
+        if mm is None:
+            self._unmap(slot)
+            if not held:  # held: the file of a previous writer (a restarted worker), pages reused
+                try:
+                    data.unlink()
+                except FileNotFoundError:
+                    pass
+            fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o600)
+            if not held:  # its pages are taken by the fallocate below: what is left of them is in flight
+                res.attach(fd)
+            try:
+                if not held:
+                    os.ftruncate(fd, size)
+                if size:
+                    try:
+                        _fallocate(fd, size)
+                    except OSError as e:
+                        os.ftruncate(fd, 0)
+                        return f"no-fit: reserving {_gib(size)} in {self.dir}: {e.strerror}"
+                    # kept mapped between writes, page tables filled at once: a fresh mapping's
+                    # page faults cost ~0.3 s/GiB, a copy into a populated one ~0.09 (measured)
+                    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                    self._maps[slot] = (os.fstat(fd).st_ino, mm)
+            finally:
+                res.done()  # before the fd closes: the budget never fstat()s a closed (reused) fd
+                os.close(fd)
+        return mm
 
     def _mapped(self, slot: str, data: Path, size: int) -> mmap.mmap | None:
         """This process's mapping of the slot's file, if it is still that file at that size."""
@@ -626,22 +812,32 @@ class SnapshotStore:
                     os.close(fd)
         except FileNotFoundError:
             due = True
-        if not due or self._spare_of(slot, size):
+        if not due or self._spare_of(slot, size) or self._cancel.is_set():
             return
-        if not fits(size, self.dir, self.meminfo)[0]:
+        # checked and reserved in one step with the writer's own allocations (_Budget)
+        res, _ = _budget(self.dir).reserve(size, self.dir, self.meminfo)
+        if res is None:
             return
         path = self.spare_path(slot)
         tmp = path.with_name(f".{path.name}.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = -1
         try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            res.attach(fd)
             os.ftruncate(fd, size)
-            os.posix_fallocate(fd, 0, size)
+            _fallocate(fd, size)
         except OSError:
-            os.close(fd)
             tmp.unlink(missing_ok=True)
             raise
-        os.close(fd)
+        finally:
+            res.done()  # before the fd closes: the budget never fstat()s a closed (reused) fd
+            if fd >= 0:
+                os.close(fd)
+        if self._cancel.is_set():  # the store closed meanwhile: nothing will take it
+            tmp.unlink(missing_ok=True)
+            return
         os.replace(tmp, path)
+        self._made_spares.add(slot)
 
     def _finish(self, mm: mmap.mmap | None, header: dict[str, Any]) -> None:
         view = memoryview(mm) if mm is not None else memoryview(b"")
@@ -704,7 +900,7 @@ class SnapshotStore:
         # lent only if a replacement file for this slot fits now: a lent slot is never rewritten
         # in place, so without that room every later write to it would go to EFS the slow way
         # (its no-fit would repeat for the worker's whole life). No room: a copy, as before.
-        lend = _on_cpu(map_location) and fits(h["size"], self.dir, self.meminfo)[0]
+        lend = _on_cpu(map_location) and _budget(self.dir).fits(h["size"], self.dir, self.meminfo)[0]
         try:
             fd = os.open(self.data_path(c.slot), os.O_RDONLY)
         except OSError:
@@ -719,7 +915,7 @@ class SnapshotStore:
                     return None
             if os.fstat(fd).st_size != h["size"]:
                 return None
-            mm = mmap.mmap(fd, h["size"], access=mmap.ACCESS_COPY) if h["size"] else None
+            mm = _map_copy(fd, h["size"], lend) if h["size"] else None
         finally:
             if not lend or mm is None:
                 os.close(fd)
@@ -744,7 +940,7 @@ class SnapshotStore:
                 return None
             state = decode_structure(h["structure"], out)
             if lend and mm is not None:
-                weakref.finalize(mm, os.close, fd)  # the lock goes with the last view
+                weakref.finalize(mm, _unlend, _lend(fd))  # the lock goes with the last view
                 mm = None
             return state
         finally:
@@ -759,19 +955,35 @@ class SnapshotStore:
                     os.close(fd)
 
     def close(self) -> None:
-        """Wait for the last write and drop this process's mappings (the files stay)."""
-        self.flush()
-        spares, self._spares = self._spares, None
-        if spares is not None:
-            spares.join()
-        for slot in list(self._maps):
-            self._unmap(slot)
+        """Wait for the last write and drop this process's mappings (the snapshots stay); free the
+        spares this store made that no write took (the spare thread makes no more, and what it had
+        half-made goes): nothing but a write of this store would ever take them."""
+        self._cancel.set()
+        try:
+            self.flush()
+        finally:
+            spares, self._spares = self._spares, None
+            if spares is not None:
+                spares.join()
+            for slot in list(self._made_spares):
+                self.spare_path(slot).unlink(missing_ok=True)
+            self._made_spares.clear()
+            for slot in list(self._maps):
+                self._unmap(slot)
+            self._cancel.clear()  # the store may be written again (a test's, a restarted resume's)
 
     def remove(self) -> None:
         """Remove this name's files (the agent removes the whole directory at job end)."""
         self.close()
         for s in SLOTS:
-            for p in (self.header_path(s), self.data_path(s), self.pin_path(s), self.spare_path(s)):
+            spare = self.spare_path(s)
+            for p in (
+                self.header_path(s),
+                self.data_path(s),
+                self.pin_path(s),
+                spare,
+                spare.with_name(f".{spare.name}.tmp"),
+            ):
                 try:
                     p.unlink()
                 except FileNotFoundError:
