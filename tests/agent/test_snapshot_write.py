@@ -15,6 +15,8 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -238,3 +240,27 @@ def test_a_forked_child_does_not_keep_a_restored_file_lent(tmp_path: Path) -> No
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
     store.close()
+
+
+def test_a_worker_that_exits_for_good_frees_its_spares(tmp_path: Path) -> None:
+    """Review (2): a worker that restored (spares made for its next writes) and then ends (the
+    job's last step) left its spares in /dev/shm until the agent removed the store. A real process
+    exits normally: its spares are gone, the snapshots stay."""
+    store = SnapshotStore(tmp_path, "r")
+    store.write({"w": torch.full((N,), 1.0)}, 1, wait=True)
+    store.write({"w": torch.full((N,), 2.0)}, 2, wait=True)
+    store.close()
+    code = f"""
+import torch
+from petctl_agent.checkpointing.snapshot import SnapshotStore
+store = SnapshotStore({str(tmp_path)!r}, "r")
+got = store.load(2)
+store.prepare_spares(store.newest().header["size"])
+store._spares.join(30)
+assert store.spare_path("b").exists()
+print("spare made", flush=True)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "spare made" in out.stdout, out.stderr
+    assert not list(tmp_path.glob("*spare*")), "the exited worker left its spare"
+    assert torch.equal(SnapshotStore(tmp_path, "r").load(2)["w"], torch.full((N,), 2.0))

@@ -41,6 +41,7 @@ header. Torch is imported only to write or read.
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import itertools
 import json
@@ -234,6 +235,23 @@ def _forget_lent_in_child() -> None:
             os.close(fd)
         except OSError:
             pass
+
+
+#: stores that made spares: a worker that exits for good frees those no write took (atexit)
+_with_spares: weakref.WeakSet[SnapshotStore] = weakref.WeakSet()
+
+
+@atexit.register
+def _free_spares_at_exit() -> None:
+    """A worker's normal exit (the job's end, its last checkpoint taken): no write of this process
+    will take its spares, free them now (the agent would only when the node leaves). A worker that
+    is killed or ``os._exit``s (a drain) leaves them to the next worker of the store, which takes
+    or frees them, or to the agent's removal of the store."""
+    for store in list(_with_spares):
+        store._cancel.set()
+        for slot in list(store._made_spares):
+            store.spare_path(slot).unlink(missing_ok=True)
+        store._made_spares.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -838,6 +856,7 @@ class SnapshotStore:
             return
         os.replace(tmp, path)
         self._made_spares.add(slot)
+        _with_spares.add(self)
 
     def _finish(self, mm: mmap.mmap | None, header: dict[str, Any]) -> None:
         view = memoryview(mm) if mm is not None else memoryview(b"")
