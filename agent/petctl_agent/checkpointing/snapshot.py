@@ -21,10 +21,12 @@ readable until the persist ends. So a persist slower than two checkpoint interva
 (at most one persist behind), and a writer killed mid-write leaves the pinned snapshot as the
 newest complete one (older, but whole; a restore checks the step). A dead persister's pin goes
 with it (the kernel drops its ``flock``). The slot's file is reused in place, and stays mapped in the
-writer, rather than created anew: tmpfs page allocation measured 0.5-1.3 s/GiB here, page faults
-into a fresh mapping ~0.3 s/GiB, a copy into a populated mapping 0.05-0.1 s/GiB
-(docs/benchmarks.md, "Memory snapshots"). So a name costs up to twice its state's bytes in shared
-memory.
+writer, rather than created anew: at 1 GiB here ``posix_fallocate`` takes 0.29 s, filling a
+mapping's page tables 0.15 s (the copy's faults) to 0.5 s (``MAP_POPULATE``), the copy into a
+mapped slot 0.05 s (docs/benchmarks.md, "Memory snapshots"). What a write would do beyond the copy
+-- a new file (*spare*) for a lent or missing slot, a restarted worker's mapping of its held slots
+-- a background thread does beforehand (:meth:`SnapshotStore.prepare_spares`). So a name costs up
+to twice its state's bytes in shared memory, three times while a spare stands by.
 
 Never loaded: a slot without its header (torn), a header or tensor whose crc32 does not match, a
 data file of the wrong size, or a snapshot of another step than the one asked for (stale).
@@ -263,6 +265,37 @@ def _fallocate(fd: int, size: int) -> None:
     os.posix_fallocate(fd, 0, size)
 
 
+#: madvise(2) advice: fault every page of the range in for writing (Linux 5.14); not in Python 3.11
+MADV_POPULATE_WRITE = 23
+
+
+def _populate(mm: mmap.mmap) -> None:
+    """Fill ``mm``'s page tables now (a background thread's work), with the GIL released.
+
+    ``MADV_POPULATE_WRITE`` through ctypes: ``MAP_POPULATE`` and ``mmap.madvise`` hold the GIL for
+    the whole call (0.3-0.6 s/GiB here: the training thread would stall), a foreign call does not.
+    Best effort: an older kernel (EINVAL) leaves the faults to the copy."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        anchor = ctypes.c_char.from_buffer(mm)
+    except (OSError, TypeError, ValueError):
+        return
+    try:
+        addr = ctypes.addressof(anchor)
+    finally:
+        del anchor  # the mapping's buffer export: the mmap could not close while it lived
+    libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(len(mm)), MADV_POPULATE_WRITE)
+
+
+def _close_map(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:  # a fill that raised left a view in its traceback: gc unmaps it
+        pass
+
+
 def _on_cpu(map_location: Any) -> bool:
     """Is ``map_location`` the CPU (a restore there can be views of a mapping, not a copy)?"""
     if map_location is None:
@@ -431,6 +464,8 @@ class SnapshotStore:
         self.meminfo = meminfo
         self._pending: threading.Thread | None = None
         self._maps: dict[str, tuple[int, mmap.mmap]] = {}  # slot -> (inode, mapping), kept
+        self._spare_maps: dict[str, tuple[int, mmap.mmap]] = {}  # slot -> its spare's, populated
+        self._maps_lock = threading.Lock()  # the writer's and the spare thread's (pre-mapping)
         self._error: BaseException | None = None
         self._pins_made = False
         self._spares: threading.Thread | None = None
@@ -546,7 +581,12 @@ class SnapshotStore:
                     dst.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
                     del dst  # the mmap cannot close while a tensor exports it
 
-        return self._write(step, world_size, rank, wait, structure, metas, size, fill)
+        why = self._write(step, world_size, rank, wait, structure, metas, size, fill)
+        if why == OK and size and not all(self._ready(s, size) for s in SLOTS):
+            # the next write's file, made and mapped in the background now rather than on its path:
+            # a job's second checkpoint (no slot b yet), a restarted worker's (slots not mapped)
+            self.prepare_spares(size)
+        return why
 
     def receive(
         self,
@@ -727,14 +767,21 @@ class SnapshotStore:
         """The slot's file, mapped, its pages allocated (``res`` reserved them): the mapping (None
         for an empty state), or ``"no-fit: why"`` when the tmpfs refused the allocation."""
         self._made_spares.discard(slot)  # taken or removed here
+        with self._maps_lock:
+            spare_map = self._spare_maps.pop(slot, None)
         if spare:
             try:  # the new file, its pages allocated in the background (prepare_spares)
                 os.replace(self.spare_path(slot), data)  # a lent file lives on, unlinked, while mapped
                 held = spare
+                if spare_map is not None and spare_map[0] == os.stat(data).st_ino:
+                    self._keep_map(slot, spare_map)  # mapped and populated in the background too
+                    spare_map = None
             except OSError:
                 pass
         else:  # in place after all (the restore's tensors are gone), or no spare: none kept unused
             self.spare_path(slot).unlink(missing_ok=True)
+        if spare_map is not None:
+            spare_map[1].close()
         mm = self._mapped(slot, data, size) if held else None
         if mm is None:
             self._unmap(slot)
@@ -755,18 +802,27 @@ class SnapshotStore:
                     except OSError as e:
                         os.ftruncate(fd, 0)
                         return f"no-fit: reserving {_gib(size)} in {self.dir}: {e.strerror}"
-                    # kept mapped between writes, page tables filled at once: a fresh mapping's
-                    # page faults cost ~0.3 s/GiB, a copy into a populated one ~0.09 (measured)
-                    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-                    self._maps[slot] = (os.fstat(fd).st_ino, mm)
+                    # kept mapped between writes. Not MAP_POPULATE: it fills the page tables
+                    # in one thread, holding the GIL (0.45-0.50 s/GiB here), where the copy's own
+                    # page faults, taken by torch's copy threads, cost 0.15 (docs/benchmarks.md)
+                    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+                    self._keep_map(slot, (os.fstat(fd).st_ino, mm))
             finally:
                 res.done()  # before the fd closes: the budget never fstat()s a closed (reused) fd
                 os.close(fd)
         return mm
 
+    def _keep_map(self, slot: str, held: tuple[int, mmap.mmap]) -> None:
+        """Keep ``held`` as the slot's mapping (one made meanwhile by the spare thread goes)."""
+        with self._maps_lock:
+            old, self._maps[slot] = self._maps.get(slot), held
+        if old is not None and old[1] is not held[1]:
+            _close_map(old[1])
+
     def _mapped(self, slot: str, data: Path, size: int) -> mmap.mmap | None:
         """This process's mapping of the slot's file, if it is still that file at that size."""
-        held = self._maps.get(slot)
+        with self._maps_lock:
+            held = self._maps.get(slot)
         if held is None or not size:
             return None
         ino, mm = held
@@ -778,12 +834,17 @@ class SnapshotStore:
         return mm
 
     def _unmap(self, slot: str) -> None:
-        held = self._maps.pop(slot, None)
+        with self._maps_lock:
+            held = self._maps.pop(slot, None)
         if held is not None:
-            try:
-                held[1].close()
-            except BufferError:  # a fill that raised left a view in its traceback: gc unmaps it
-                pass
+            _close_map(held[1])
+
+    def _ready(self, slot: str, size: int) -> bool:
+        """Will a write of ``size`` bytes to ``slot`` only copy (a mapping or a spare's is ready)?"""
+        with self._maps_lock:
+            if slot in self._spare_maps:
+                return True
+        return self._mapped(slot, self.data_path(slot), size) is not None
 
     def _spare_of(self, slot: str, size: int) -> int:
         """Bytes allocated of the slot's spare file if it is ``size`` bytes, fully allocated; else 0."""
@@ -812,6 +873,7 @@ class SnapshotStore:
             for slot in order:
                 try:
                     self._make_spare(slot, size)
+                    self._premap(slot, size)
                 except OSError:
                     pass
 
@@ -857,6 +919,44 @@ class SnapshotStore:
         os.replace(tmp, path)
         self._made_spares.add(slot)
         _with_spares.add(self)
+        try:  # mapped and its page tables filled now, off the write's path (the inode stays on rename)
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            return
+        try:
+            held = (os.fstat(fd).st_ino, mmap.mmap(fd, size, flags=mmap.MAP_SHARED))
+        finally:
+            os.close(fd)
+        _populate(held[1])
+        with self._maps_lock:
+            old, self._spare_maps[slot] = self._spare_maps.get(slot), held
+        if old is not None:
+            _close_map(old[1])
+
+    def _premap(self, slot: str, size: int) -> None:
+        """Map the slot's file and fill its page tables in the background when a write will reuse
+        it in place (a restarted worker: the file is held, this process has no mapping of it yet),
+        so that write only copies (a mapping made on the write's path costs it 0.15-0.5 s/GiB)."""
+        data = self.data_path(slot)
+        if self._cancel.is_set() or self._ready(slot, size):
+            return
+        try:
+            fd = os.open(data, os.O_RDWR)
+        except OSError:
+            return
+        try:
+            st = os.fstat(fd)
+            if st.st_size != size or st.st_blocks * 512 < size:
+                return  # a write makes a new file (a spare, or its own)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        _populate(mm)
+        with self._maps_lock:
+            if slot not in self._maps:
+                self._maps[slot], mm = (st.st_ino, mm), None
+        if mm is not None:  # the writer mapped it meanwhile: its mapping stays
+            _close_map(mm)
 
     def _finish(self, mm: mmap.mmap | None, header: dict[str, Any]) -> None:
         view = memoryview(mm) if mm is not None else memoryview(b"")
@@ -989,6 +1089,10 @@ class SnapshotStore:
             self._made_spares.clear()
             for slot in list(self._maps):
                 self._unmap(slot)
+            with self._maps_lock:
+                spare_maps, self._spare_maps = self._spare_maps, {}
+            for _, mm in spare_maps.values():
+                _close_map(mm)
             self._cancel.clear()  # the store may be written again (a test's, a restarted resume's)
 
     def remove(self) -> None:
