@@ -18,6 +18,10 @@ For each size (GiB of fp32 state, one tensor per 64 MiB) it times, medians of ``
 - ``snap_load`` vs ``efs_load``: restore from the snapshot vs ``files.load_file`` (sha256 + torch.load);
 - ``persist``: the background write of the snapshot to ``--efs`` (``persist_newest``).
 
+``--floor``: only the pieces, s/GiB: the memcpy floor (anonymous memory, 1 and all threads),
+``posix_fallocate``, ``MAP_POPULATE`` vs ``madvise(MADV_POPULATE_WRITE)`` (the store's, GIL
+released) vs the copy's own page faults, and the copy into mapped pages.
+
 ``--interval`` stands in for the training between checkpoints (idle here: on a busy node the
 background work competes with training for the cores).
 
@@ -134,6 +138,50 @@ def bench(gib: float, reps: int, shm_root: Path, efs_root: Path, interval: float
     return med
 
 
+def floor(gib: float, reps: int, shm_root: Path) -> dict[str, float]:
+    """Where a copy into tmpfs spends its time, piece by piece, and the memcpy floor (medians)."""
+    import mmap
+    import os
+
+    from petctl_agent.checkpointing.snapshot import _populate
+
+    n = int(gib * 2**30)
+    src = torch.randn(n // 4).view(torch.uint8)
+    anon = torch.empty(n, dtype=torch.uint8)
+    anon.copy_(src)
+    r: dict[str, list[float]] = {}
+    threads = torch.get_num_threads()
+    d = Path(tempfile.mkdtemp(prefix="bench-floor-", dir=shm_root))
+    try:
+        for _ in range(reps):
+            for k in (1, threads):
+                torch.set_num_threads(k)
+                r.setdefault(f"memcpy_anon_{k}thr", []).append(_t(anon.copy_, src))
+            torch.set_num_threads(threads)
+            for how in ("map_populate", "madvise_populate_ctypes", "copy_faults"):
+                fd = os.open(d / how, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.ftruncate(fd, n)
+                r.setdefault("fallocate", []).append(_t(os.posix_fallocate, fd, 0, n))
+                t0 = time.perf_counter()
+                flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if how == "map_populate" else 0)
+                mm = mmap.mmap(fd, n, flags=flags)
+                if how == "madvise_populate_ctypes":
+                    _populate(mm)
+                t1 = time.perf_counter()
+                dst = torch.frombuffer(mm, dtype=torch.uint8, count=n)
+                dst.copy_(src)
+                t2 = time.perf_counter()
+                r.setdefault(how, []).append(t1 - t0 if how != "copy_faults" else t2 - t1)
+                r.setdefault("copy_mapped", []).append(_t(dst.copy_, src))
+                del dst
+                mm.close()
+                os.close(fd)
+                os.unlink(d / how)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return {k: statistics.median(v) / gib for k, v in r.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="0.1,1", help="GiB of fp32 state, comma-separated")
@@ -142,7 +190,13 @@ def main() -> None:
     ap.add_argument("--efs", default=tempfile.gettempdir(), help="directory standing in for EFS")
     ap.add_argument("--interval", type=float, default=2.0, help="s of (idle) training between checkpoints")
     ap.add_argument("--out", default="")
+    ap.add_argument("--floor", action="store_true", help="only the pieces of a copy into tmpfs, s/GiB")
     a = ap.parse_args()
+    if a.floor:
+        for g in a.sizes.split(","):
+            for k, v in floor(float(g), a.reps, Path(a.shm)).items():
+                print(f"{g} GiB  {k:26s} {v:.3f} s/GiB")
+        return
     rows = [bench(float(g), a.reps, Path(a.shm), Path(a.efs), a.interval) for g in a.sizes.split(",")]
     cols = [
         "gib",

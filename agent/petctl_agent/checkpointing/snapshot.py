@@ -938,8 +938,12 @@ class SnapshotStore:
         it in place (a restarted worker: the file is held, this process has no mapping of it yet),
         so that write only copies (a mapping made on the write's path costs it 0.15-0.5 s/GiB)."""
         data = self.data_path(slot)
-        if self._cancel.is_set() or self._ready(slot, size):
-            return
+        if self._cancel.is_set() or self._ready(slot, size) or self._spare_of(slot, size):
+            return  # ready, or the write takes the spare
+        lock = _lock_unlent(data)
+        if lock is None:
+            return  # lent (or missing): the write makes a new file
+        os.close(lock)
         try:
             fd = os.open(data, os.O_RDWR)
         except OSError:
