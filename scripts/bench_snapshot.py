@@ -9,11 +9,24 @@ For each size (GiB of fp32 state, one tensor per 64 MiB) it times, medians of ``
 - ``snap_block``: :meth:`SnapshotStore.write`, the part training waits for (the copy into the
   slot; the slot's pages already held, as from the second checkpoint of a job on);
 - ``snap_first``: the same on a fresh slot (the job's first checkpoint: tmpfs allocates pages);
+- ``snap_second``: the job's second checkpoint, ``--interval`` s after the first (its slot is new
+  too; the store prepares it in the background meanwhile);
+- ``snap_restart``: the worse of the first two checkpoints after a worker restart, each
+  ``--interval`` s after the one before: a new store on the held slots, a restore whose tensors
+  the script keeps (its slot lent: the write to it needs a new file), then the two writes;
 - ``snap_total``: the copy plus the crc32s and the header (``flush``);
 - ``snap_load`` vs ``efs_load``: restore from the snapshot vs ``files.load_file`` (sha256 + torch.load);
 - ``persist``: the background write of the snapshot to ``--efs`` (``persist_newest``).
 
-Memory: about 3x the largest size at once (the state, two slots); ``--shm`` defaults to /dev/shm.
+``--floor``: only the pieces, s/GiB: the memcpy floor (anonymous memory, 1 and all threads),
+``posix_fallocate``, ``MAP_POPULATE`` vs ``madvise(MADV_POPULATE_WRITE)`` (the store's, GIL
+released) vs the copy's own page faults, and the copy into mapped pages.
+
+``--interval`` stands in for the training between checkpoints (idle here: on a busy node the
+background work competes with training for the cores).
+
+Memory: about 5x the largest size at once (the state, two slots, a lent file and its spare);
+``--shm`` defaults to /dev/shm.
 """
 
 from __future__ import annotations
@@ -53,13 +66,23 @@ def _t(f, *args) -> float:
     return time.perf_counter() - t
 
 
-def bench(gib: float, reps: int, shm_root: Path, efs_root: Path) -> dict[str, float]:
+def bench(gib: float, reps: int, shm_root: Path, efs_root: Path, interval: float = 2.0) -> dict[str, float]:
     state = _state(gib)
     shm = Path(tempfile.mkdtemp(prefix="bench-snap-", dir=shm_root))
     efs = Path(tempfile.mkdtemp(prefix="bench-efs-", dir=efs_root))
     r: dict[str, list[float]] = {
         k: []
-        for k in ("efs_save", "efs_load", "snap_first", "snap_block", "snap_total", "snap_load", "persist")
+        for k in (
+            "efs_save",
+            "efs_load",
+            "snap_first",
+            "snap_second",
+            "snap_restart",
+            "snap_block",
+            "snap_total",
+            "snap_load",
+            "persist",
+        )
     }
     try:
         step = 0
@@ -71,6 +94,8 @@ def bench(gib: float, reps: int, shm_root: Path, efs_root: Path) -> dict[str, fl
             # a fresh store: the first checkpoint allocates the slot's pages
             first = SnapshotStore(shm, f"first{step}")
             r["snap_first"].append(_t(first.write, state, step))
+            time.sleep(interval)
+            r["snap_second"].append(_t(first.write, state, step + 1))
             first.remove()
         store = SnapshotStore(shm, "r")
         for s in (1, 2):  # both slots hold their pages, as from the job's 2nd checkpoint on
@@ -85,6 +110,23 @@ def bench(gib: float, reps: int, shm_root: Path, efs_root: Path) -> dict[str, fl
             r["snap_total"].append(time.perf_counter() - t0)
             r["snap_load"].append(_t(store.load, step))
             r["persist"].append(_t(persist_newest, store, efs, 1))
+        for _ in range(reps):  # a worker restart: a new store, a restore kept as training state
+            store.close()
+            store = SnapshotStore(shm, "r")
+            kept = store.load(step)
+            assert kept is not None
+            if hasattr(store, "prepare_spares"):
+                store.prepare_spares(store.newest().header["size"])  # what ckpt.resume does
+            worst = 0.0
+            for _ in range(2):
+                time.sleep(interval)
+                step += 1
+                t0 = time.perf_counter()
+                assert store.write(state, step) == "ok"
+                worst = max(worst, time.perf_counter() - t0)
+                store.flush()
+            r["snap_restart"].append(worst)
+            del kept
         store.remove()
     finally:
         shutil.rmtree(shm, ignore_errors=True)
@@ -92,7 +134,52 @@ def bench(gib: float, reps: int, shm_root: Path, efs_root: Path) -> dict[str, fl
     med = {k: statistics.median(v) for k, v in r.items()}
     med["gib"] = gib
     med["block_s_per_gib"] = med["snap_block"] / gib
+    med["restart_s_per_gib"] = med["snap_restart"] / gib
     return med
+
+
+def floor(gib: float, reps: int, shm_root: Path) -> dict[str, float]:
+    """Where a copy into tmpfs spends its time, piece by piece, and the memcpy floor (medians)."""
+    import mmap
+    import os
+
+    from petctl_agent.checkpointing.snapshot import _populate
+
+    n = int(gib * 2**30)
+    src = torch.randn(n // 4).view(torch.uint8)
+    anon = torch.empty(n, dtype=torch.uint8)
+    anon.copy_(src)
+    r: dict[str, list[float]] = {}
+    threads = torch.get_num_threads()
+    d = Path(tempfile.mkdtemp(prefix="bench-floor-", dir=shm_root))
+    try:
+        for _ in range(reps):
+            for k in (1, threads):
+                torch.set_num_threads(k)
+                r.setdefault(f"memcpy_anon_{k}thr", []).append(_t(anon.copy_, src))
+            torch.set_num_threads(threads)
+            for how in ("map_populate", "madvise_populate_ctypes", "copy_faults"):
+                fd = os.open(d / how, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.ftruncate(fd, n)
+                r.setdefault("fallocate", []).append(_t(os.posix_fallocate, fd, 0, n))
+                t0 = time.perf_counter()
+                flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if how == "map_populate" else 0)
+                mm = mmap.mmap(fd, n, flags=flags)
+                if how == "madvise_populate_ctypes":
+                    _populate(mm)
+                t1 = time.perf_counter()
+                dst = torch.frombuffer(mm, dtype=torch.uint8, count=n)
+                dst.copy_(src)
+                t2 = time.perf_counter()
+                r.setdefault(how, []).append(t1 - t0 if how != "copy_faults" else t2 - t1)
+                r.setdefault("copy_mapped", []).append(_t(dst.copy_, src))
+                del dst
+                mm.close()
+                os.close(fd)
+                os.unlink(d / how)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return {k: statistics.median(v) / gib for k, v in r.items()}
 
 
 def main() -> None:
@@ -101,16 +188,26 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--shm", default="/dev/shm")
     ap.add_argument("--efs", default=tempfile.gettempdir(), help="directory standing in for EFS")
+    ap.add_argument("--interval", type=float, default=2.0, help="s of (idle) training between checkpoints")
     ap.add_argument("--out", default="")
+    ap.add_argument("--floor", action="store_true", help="only the pieces of a copy into tmpfs, s/GiB")
     a = ap.parse_args()
-    rows = [bench(float(g), a.reps, Path(a.shm), Path(a.efs)) for g in a.sizes.split(",")]
+    if a.floor:
+        for g in a.sizes.split(","):
+            for k, v in floor(float(g), a.reps, Path(a.shm)).items():
+                print(f"{g} GiB  {k:26s} {v:.3f} s/GiB")
+        return
+    rows = [bench(float(g), a.reps, Path(a.shm), Path(a.efs), a.interval) for g in a.sizes.split(",")]
     cols = [
         "gib",
         "efs_save",
         "snap_first",
+        "snap_second",
+        "snap_restart",
         "snap_block",
         "snap_total",
         "block_s_per_gib",
+        "restart_s_per_gib",
         "efs_load",
         "snap_load",
         "persist",

@@ -21,10 +21,12 @@ readable until the persist ends. So a persist slower than two checkpoint interva
 (at most one persist behind), and a writer killed mid-write leaves the pinned snapshot as the
 newest complete one (older, but whole; a restore checks the step). A dead persister's pin goes
 with it (the kernel drops its ``flock``). The slot's file is reused in place, and stays mapped in the
-writer, rather than created anew: tmpfs page allocation measured 0.5-1.3 s/GiB here, page faults
-into a fresh mapping ~0.3 s/GiB, a copy into a populated mapping 0.05-0.1 s/GiB
-(docs/benchmarks.md, "Memory snapshots"). So a name costs up to twice its state's bytes in shared
-memory.
+writer, rather than created anew: at 1 GiB here ``posix_fallocate`` takes 0.29 s, filling a
+mapping's page tables 0.15 s (the copy's faults) to 0.5 s (``MAP_POPULATE``), the copy into a
+mapped slot 0.05 s (docs/benchmarks.md, "Memory snapshots"). What a write would do beyond the copy
+-- a new file (*spare*) for a lent or missing slot, a restarted worker's mapping of its held slots
+-- a background thread does beforehand (:meth:`SnapshotStore.prepare_spares`). So a name costs up
+to twice its state's bytes in shared memory, three times while a spare stands by.
 
 Never loaded: a slot without its header (torn), a header or tensor whose crc32 does not match, a
 data file of the wrong size, or a snapshot of another step than the one asked for (stale).
@@ -41,7 +43,9 @@ header. Torch is imported only to write or read.
 
 from __future__ import annotations
 
+import atexit
 import fcntl
+import itertools
 import json
 import mmap
 import os
@@ -108,11 +112,213 @@ def fits(
     return True, ""
 
 
+class _Budget:
+    """The allocations of one directory in this process, so that checking ``fits`` and allocating
+    the pages are one step: the writer and the background spare thread each checked
+    ``MemAvailable`` on its own, and a check made while the other's ``posix_fallocate`` had not yet
+    taken its pages passed for both (review: together they overshot the reserve by a whole state).
+
+    ``reserve`` checks ``need`` plus what the allocations still in flight have yet to take (each
+    one's bytes less what its file holds already, ``fstat``: the part ``MemAvailable`` does not show
+    yet) and, if it fits, records ``need`` as in flight until :meth:`_Reservation.done`.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.inflight: list[_Reservation] = []
+
+    def pending(self) -> int:
+        """Bytes the allocations in flight have yet to take (call with the lock held)."""
+        out = 0
+        for r in self.inflight:
+            held = 0
+            if r.fd is not None:
+                try:
+                    held = os.fstat(r.fd).st_blocks * 512
+                except OSError:
+                    pass
+            out += max(0, r.need - held)
+        return out
+
+    def fits(self, need: int, directory: Path, meminfo: Callable[[], dict[str, int]]) -> tuple[bool, str]:
+        """``fits`` counting the allocations in flight, without reserving."""
+        with self.lock:
+            return fits(need + self.pending() if need > 0 else need, directory, meminfo)
+
+    def reserve(
+        self, need: int, directory: Path, meminfo: Callable[[], dict[str, int]]
+    ) -> tuple[_Reservation | None, str]:
+        """A reservation of ``need`` bytes if they fit with the allocations in flight; else (None, why)."""
+        with self.lock:
+            ok, why = fits(need + self.pending() if need > 0 else need, directory, meminfo)
+            if not ok:
+                return None, why
+            r = _Reservation(self, max(0, need))
+            self.inflight.append(r)
+            return r, ""
+
+
+class _Reservation:
+    """Bytes promised to one allocation until :meth:`done` (its pages are then in ``MemAvailable``).
+
+    ``fd``: the file being allocated, once open (its allocated blocks count as taken)."""
+
+    def __init__(self, budget: _Budget, need: int) -> None:
+        self.budget, self.need, self.fd = budget, need, None
+
+    def attach(self, fd: int) -> None:
+        with self.budget.lock:
+            self.fd = fd
+
+    def done(self) -> None:
+        """The allocation ended (its pages taken, or it failed); idempotent. Call before closing ``fd``."""
+        with self.budget.lock:
+            if self in self.budget.inflight:
+                self.budget.inflight.remove(self)
+            self.fd = None
+
+
+_budgets: dict[str, _Budget] = {}
+_budgets_lock = threading.Lock()
+
+
+def _budget(directory: Path) -> _Budget:
+    """The one budget of ``directory`` in this process, shared by all its stores and threads."""
+    key = os.path.realpath(directory)
+    with _budgets_lock:
+        b = _budgets.get(key)
+        if b is None:
+            b = _budgets[key] = _Budget()
+        return b
+
+
+# ---------------------------------------------------------------- lent files and fork
+
+#: token -> fd of every file a restore has lent (a shared ``flock`` held while its tensors live)
+_lent: dict[int, int] = {}
+_lent_lock = threading.Lock()
+_lent_tokens = itertools.count()
+
+
+def _lend(fd: int) -> int:
+    with _lent_lock:
+        token = next(_lent_tokens)
+        _lent[token] = fd
+        return token
+
+
+def _unlend(token: int) -> None:
+    """Close a lent file's fd (its last tensor is gone): the lock goes. Once only; in a forked child
+    the fd is closed already (:func:`_forget_lent_in_child`) and never closed twice."""
+    with _lent_lock:
+        fd = _lent.pop(token, None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _forget_lent_in_child() -> None:
+    """After ``os.fork`` (no exec: forked DataLoader workers), in the child: close its copies of
+    the lent files' fds. A ``flock`` belongs to the open file description, which fork shares, so a
+    child holding a copy kept the slot lent for as long as it lived (every later write to that slot
+    made a new file: up to 3x the state in ``/dev/shm``). Closing a copy never unlocks the parent's
+    (``LOCK_UN`` would: never called here); the child's mapping, and its views, stay valid. O_CLOEXEC
+    does not help with fork, and OFD ``fcntl`` locks are shared across fork the same way."""
+    global _lent_lock, _budgets_lock
+    _lent_lock = threading.Lock()  # a thread of the parent may have held it at the fork
+    _budgets_lock = threading.Lock()
+    _budgets.clear()  # the parent's allocations in flight are not the child's
+    fds = list(_lent.values())
+    _lent.clear()
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+#: stores that made spares: a worker that exits for good frees those no write took (atexit)
+_with_spares: weakref.WeakSet[SnapshotStore] = weakref.WeakSet()
+
+
+@atexit.register
+def _free_spares_at_exit() -> None:
+    """A worker's normal exit (the job's end, its last checkpoint taken): no write of this process
+    will take its spares, free them now (the agent would only when the node leaves). A worker that
+    is killed or ``os._exit``s (a drain) leaves them to the next worker of the store, which takes
+    or frees them, or to the agent's removal of the store."""
+    for store in list(_with_spares):
+        store._cancel.set()
+        for slot in list(store._made_spares):
+            store.spare_path(slot).unlink(missing_ok=True)
+        store._made_spares.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_lent_in_child)
+
+
+def _fallocate(fd: int, size: int) -> None:
+    """Allocate the file's pages now (tmpfs: ENOSPC here, not a SIGBUS on the copy)."""
+    os.posix_fallocate(fd, 0, size)
+
+
+#: madvise(2) advice: fault every page of the range in for writing (Linux 5.14); not in Python 3.11
+MADV_POPULATE_WRITE = 23
+
+
+def _populate(mm: mmap.mmap) -> None:
+    """Fill ``mm``'s page tables now (a background thread's work), with the GIL released.
+
+    ``MADV_POPULATE_WRITE`` through ctypes: ``MAP_POPULATE`` and ``mmap.madvise`` hold the GIL for
+    the whole call (0.3-0.6 s/GiB here: the training thread would stall), a foreign call does not.
+    Best effort: an older kernel (EINVAL) leaves the faults to the copy."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        anchor = ctypes.c_char.from_buffer(mm)
+    except (OSError, TypeError, ValueError):
+        return
+    try:
+        addr = ctypes.addressof(anchor)
+    finally:
+        del anchor  # the mapping's buffer export: the mmap could not close while it lived
+    libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(len(mm)), MADV_POPULATE_WRITE)
+
+
+def _close_map(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:  # a fill that raised left a view in its traceback: gc unmaps it
+        pass
+
+
 def _on_cpu(map_location: Any) -> bool:
     """Is ``map_location`` the CPU (a restore there can be views of a mapping, not a copy)?"""
     if map_location is None:
         return True
     return str(map_location).split(":")[0] == "cpu"
+
+
+def _map_copy(fd: int, size: int, lend: bool) -> mmap.mmap:
+    """A private (copy-on-write) mapping of ``fd``'s file. Lent: mapped through a second open file
+    description of the same file (``/proc/self/fd``), never through the one that holds the lent
+    ``flock``: Python's ``mmap`` keeps a ``dup`` of the fd it maps, which a forked child inherits
+    and which would keep the lock (it belongs to the open file description) for as long as the
+    child lives -- closing the lock's fd in the child (:func:`_forget_lent_in_child`) must end it."""
+    if not lend:
+        return mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    try:
+        mfd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+    except OSError:  # no /proc: a child forked meanwhile keeps the slot lent while it lives
+        return mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    try:
+        return mmap.mmap(mfd, size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(mfd)
 
 
 def _lock_unlent(path: Path) -> int | None:
@@ -258,9 +464,13 @@ class SnapshotStore:
         self.meminfo = meminfo
         self._pending: threading.Thread | None = None
         self._maps: dict[str, tuple[int, mmap.mmap]] = {}  # slot -> (inode, mapping), kept
+        self._spare_maps: dict[str, tuple[int, mmap.mmap]] = {}  # slot -> its spare's, populated
+        self._maps_lock = threading.Lock()  # the writer's and the spare thread's (pre-mapping)
         self._error: BaseException | None = None
         self._pins_made = False
         self._spares: threading.Thread | None = None
+        self._cancel = threading.Event()  # set by close(): the spare thread makes no more
+        self._made_spares: set[str] = set()  # slots whose spare this store made (freed on close)
 
     # -- paths and headers
 
@@ -371,7 +581,12 @@ class SnapshotStore:
                     dst.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
                     del dst  # the mmap cannot close while a tensor exports it
 
-        return self._write(step, world_size, rank, wait, structure, metas, size, fill)
+        why = self._write(step, world_size, rank, wait, structure, metas, size, fill)
+        if why == OK and size and not all(self._ready(s, size) for s in SLOTS):
+            # the next write's file, made and mapped in the background now rather than on its path:
+            # a job's second checkpoint (no slot b yet), a restarted worker's (slots not mapped)
+            self.prepare_spares(size)
+        return why
 
     def receive(
         self,
@@ -423,6 +638,12 @@ class SnapshotStore:
             for s in SLOTS:  # half-made by a writer that died making it (the store's one writer: ours now)
                 tmp = self.spare_path(s)
                 tmp.with_name(f".{tmp.name}.tmp").unlink(missing_ok=True)
+                try:  # a spare no write of this size can take (the state changed size): freed now
+                    if tmp.stat().st_size != size:
+                        tmp.unlink()
+                        self._made_spares.discard(s)
+                except FileNotFoundError:
+                    pass
         if not self._pins_made:  # both at once: a write that fails later leaves no new file
             for s in SLOTS:
                 os.close(os.open(self.pin_path(s), os.O_RDWR | os.O_CREAT, 0o600))
@@ -467,6 +688,7 @@ class SnapshotStore:
     ) -> str:
         data = self.data_path(slot)
         lent: int | None = None  # the data file's flock, exclusive, while nobody has it lent
+        res: _Reservation | None = None
         try:
             try:
                 st = os.stat(data)
@@ -482,8 +704,9 @@ class SnapshotStore:
             except FileNotFoundError:
                 held = 0
             spare = 0 if held else self._spare_of(slot, size)  # a new file is due: made already?
-            ok, why = fits(size - (held or spare), self.dir, self.meminfo)
-            if not ok:
+            # checked and reserved in one step with the spare thread's allocations (_Budget)
+            res, why = _budget(self.dir).reserve(size - (held or spare), self.dir, self.meminfo)
+            if res is None:
                 return f"no-fit: {why}"
             # newer than both slots, including the one overwritten (a reader compares generations)
             gen = max((c.gen for c in done), default=0) + 1
@@ -492,42 +715,20 @@ class SnapshotStore:
                 self.header_path(slot).unlink()
             except FileNotFoundError:
                 pass
+        except BaseException:
+            if res is not None:
+                res.done()
+            raise
         finally:
             if lent is not None:
                 os.close(lent)  # a restore that lends the file from now on finds no header: never maps it
         release()  # a persister that pins the slot now finds no header: it never reads it
-        if spare:
-            try:  # the new file, its pages allocated in the background (prepare_spares)
-                os.replace(self.spare_path(slot), data)  # a lent file lives on, unlinked, while mapped
-                held = spare
-            except OSError:
-                pass
-        else:  # in place after all (the restore's tensors are gone), or no spare: none kept unused
-            self.spare_path(slot).unlink(missing_ok=True)
-        mm = self._mapped(slot, data, size) if held else None
-        if mm is None:
-            self._unmap(slot)
-            if not held:  # held: the file of a previous writer (a restarted worker), pages reused
-                try:
-                    data.unlink()
-                except FileNotFoundError:
-                    pass
-            fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                if not held:
-                    os.ftruncate(fd, size)
-                if size:
-                    try:
-                        os.posix_fallocate(fd, 0, size)
-                    except OSError as e:
-                        os.ftruncate(fd, 0)
-                        return f"no-fit: reserving {_gib(size)} in {self.dir}: {e.strerror}"
-                    # kept mapped between writes, page tables filled at once: a fresh mapping's
-                    # page faults cost ~0.3 s/GiB, a copy into a populated one ~0.09 (measured)
-                    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-                    self._maps[slot] = (os.fstat(fd).st_ino, mm)
-            finally:
-                os.close(fd)
+        try:
+            mm = self._place(slot, data, size, held, spare, res)
+        finally:
+            res.done()
+        if isinstance(mm, str):
+            return mm
         try:
             fill(mm)
         except BaseException:
@@ -560,9 +761,68 @@ class SnapshotStore:
             self._pending.start()
         return OK
 
+    def _place(
+        self, slot: str, data: Path, size: int, held: int, spare: int, res: _Reservation
+    ) -> mmap.mmap | None | str:
+        """The slot's file, mapped, its pages allocated (``res`` reserved them): the mapping (None
+        for an empty state), or ``"no-fit: why"`` when the tmpfs refused the allocation."""
+        self._made_spares.discard(slot)  # taken or removed here
+        with self._maps_lock:
+            spare_map = self._spare_maps.pop(slot, None)
+        if spare:
+            try:  # the new file, its pages allocated in the background (prepare_spares)
+                os.replace(self.spare_path(slot), data)  # a lent file lives on, unlinked, while mapped
+                held = spare
+                if spare_map is not None and spare_map[0] == os.stat(data).st_ino:
+                    self._keep_map(slot, spare_map)  # mapped and populated in the background too
+                    spare_map = None
+            except OSError:
+                pass
+        else:  # in place after all (the restore's tensors are gone), or no spare: none kept unused
+            self.spare_path(slot).unlink(missing_ok=True)
+        if spare_map is not None:
+            spare_map[1].close()
+        mm = self._mapped(slot, data, size) if held else None
+        if mm is None:
+            self._unmap(slot)
+            if not held:  # held: the file of a previous writer (a restarted worker), pages reused
+                try:
+                    data.unlink()
+                except FileNotFoundError:
+                    pass
+            fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o600)
+            if not held:  # its pages are taken by the fallocate below: what is left of them is in flight
+                res.attach(fd)
+            try:
+                if not held:
+                    os.ftruncate(fd, size)
+                if size:
+                    try:
+                        _fallocate(fd, size)
+                    except OSError as e:
+                        os.ftruncate(fd, 0)
+                        return f"no-fit: reserving {_gib(size)} in {self.dir}: {e.strerror}"
+                    # kept mapped between writes. Not MAP_POPULATE: it fills the page tables
+                    # in one thread, holding the GIL (0.45-0.50 s/GiB here), where the copy's own
+                    # page faults, taken by torch's copy threads, cost 0.15 (docs/benchmarks.md)
+                    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+                    self._keep_map(slot, (os.fstat(fd).st_ino, mm))
+            finally:
+                res.done()  # before the fd closes: the budget never fstat()s a closed (reused) fd
+                os.close(fd)
+        return mm
+
+    def _keep_map(self, slot: str, held: tuple[int, mmap.mmap]) -> None:
+        """Keep ``held`` as the slot's mapping (one made meanwhile by the spare thread goes)."""
+        with self._maps_lock:
+            old, self._maps[slot] = self._maps.get(slot), held
+        if old is not None and old[1] is not held[1]:
+            _close_map(old[1])
+
     def _mapped(self, slot: str, data: Path, size: int) -> mmap.mmap | None:
         """This process's mapping of the slot's file, if it is still that file at that size."""
-        held = self._maps.get(slot)
+        with self._maps_lock:
+            held = self._maps.get(slot)
         if held is None or not size:
             return None
         ino, mm = held
@@ -574,12 +834,17 @@ class SnapshotStore:
         return mm
 
     def _unmap(self, slot: str) -> None:
-        held = self._maps.pop(slot, None)
+        with self._maps_lock:
+            held = self._maps.pop(slot, None)
         if held is not None:
-            try:
-                held[1].close()
-            except BufferError:  # a fill that raised left a view in its traceback: gc unmaps it
-                pass
+            _close_map(held[1])
+
+    def _ready(self, slot: str, size: int) -> bool:
+        """Will a write of ``size`` bytes to ``slot`` only copy (a mapping or a spare's is ready)?"""
+        with self._maps_lock:
+            if slot in self._spare_maps:
+                return True
+        return self._mapped(slot, self.data_path(slot), size) is not None
 
     def _spare_of(self, slot: str, size: int) -> int:
         """Bytes allocated of the slot's spare file if it is ``size`` bytes, fully allocated; else 0."""
@@ -608,6 +873,7 @@ class SnapshotStore:
             for slot in order:
                 try:
                     self._make_spare(slot, size)
+                    self._premap(slot, size)
                 except OSError:
                     pass
 
@@ -626,22 +892,75 @@ class SnapshotStore:
                     os.close(fd)
         except FileNotFoundError:
             due = True
-        if not due or self._spare_of(slot, size):
+        if not due or self._spare_of(slot, size) or self._cancel.is_set():
             return
-        if not fits(size, self.dir, self.meminfo)[0]:
+        # checked and reserved in one step with the writer's own allocations (_Budget)
+        res, _ = _budget(self.dir).reserve(size, self.dir, self.meminfo)
+        if res is None:
             return
         path = self.spare_path(slot)
         tmp = path.with_name(f".{path.name}.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = -1
         try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            res.attach(fd)
             os.ftruncate(fd, size)
-            os.posix_fallocate(fd, 0, size)
+            _fallocate(fd, size)
         except OSError:
-            os.close(fd)
             tmp.unlink(missing_ok=True)
             raise
-        os.close(fd)
+        finally:
+            res.done()  # before the fd closes: the budget never fstat()s a closed (reused) fd
+            if fd >= 0:
+                os.close(fd)
+        if self._cancel.is_set():  # the store closed meanwhile: nothing will take it
+            tmp.unlink(missing_ok=True)
+            return
         os.replace(tmp, path)
+        self._made_spares.add(slot)
+        _with_spares.add(self)
+        try:  # mapped and its page tables filled now, off the write's path (the inode stays on rename)
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            return
+        try:
+            held = (os.fstat(fd).st_ino, mmap.mmap(fd, size, flags=mmap.MAP_SHARED))
+        finally:
+            os.close(fd)
+        _populate(held[1])
+        with self._maps_lock:
+            old, self._spare_maps[slot] = self._spare_maps.get(slot), held
+        if old is not None:
+            _close_map(old[1])
+
+    def _premap(self, slot: str, size: int) -> None:
+        """Map the slot's file and fill its page tables in the background when a write will reuse
+        it in place (a restarted worker: the file is held, this process has no mapping of it yet),
+        so that write only copies (a mapping made on the write's path costs it 0.15-0.5 s/GiB)."""
+        data = self.data_path(slot)
+        if self._cancel.is_set() or self._ready(slot, size) or self._spare_of(slot, size):
+            return  # ready, or the write takes the spare
+        lock = _lock_unlent(data)
+        if lock is None:
+            return  # lent (or missing): the write makes a new file
+        os.close(lock)
+        try:
+            fd = os.open(data, os.O_RDWR)
+        except OSError:
+            return
+        try:
+            st = os.fstat(fd)
+            if st.st_size != size or st.st_blocks * 512 < size:
+                return  # a write makes a new file (a spare, or its own)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        _populate(mm)
+        with self._maps_lock:
+            if slot not in self._maps:
+                self._maps[slot], mm = (st.st_ino, mm), None
+        if mm is not None:  # the writer mapped it meanwhile: its mapping stays
+            _close_map(mm)
 
     def _finish(self, mm: mmap.mmap | None, header: dict[str, Any]) -> None:
         view = memoryview(mm) if mm is not None else memoryview(b"")
@@ -704,7 +1023,7 @@ class SnapshotStore:
         # lent only if a replacement file for this slot fits now: a lent slot is never rewritten
         # in place, so without that room every later write to it would go to EFS the slow way
         # (its no-fit would repeat for the worker's whole life). No room: a copy, as before.
-        lend = _on_cpu(map_location) and fits(h["size"], self.dir, self.meminfo)[0]
+        lend = _on_cpu(map_location) and _budget(self.dir).fits(h["size"], self.dir, self.meminfo)[0]
         try:
             fd = os.open(self.data_path(c.slot), os.O_RDONLY)
         except OSError:
@@ -719,7 +1038,7 @@ class SnapshotStore:
                     return None
             if os.fstat(fd).st_size != h["size"]:
                 return None
-            mm = mmap.mmap(fd, h["size"], access=mmap.ACCESS_COPY) if h["size"] else None
+            mm = _map_copy(fd, h["size"], lend) if h["size"] else None
         finally:
             if not lend or mm is None:
                 os.close(fd)
@@ -744,7 +1063,7 @@ class SnapshotStore:
                 return None
             state = decode_structure(h["structure"], out)
             if lend and mm is not None:
-                weakref.finalize(mm, os.close, fd)  # the lock goes with the last view
+                weakref.finalize(mm, _unlend, _lend(fd))  # the lock goes with the last view
                 mm = None
             return state
         finally:
@@ -759,19 +1078,39 @@ class SnapshotStore:
                     os.close(fd)
 
     def close(self) -> None:
-        """Wait for the last write and drop this process's mappings (the files stay)."""
-        self.flush()
-        spares, self._spares = self._spares, None
-        if spares is not None:
-            spares.join()
-        for slot in list(self._maps):
-            self._unmap(slot)
+        """Wait for the last write and drop this process's mappings (the snapshots stay); free the
+        spares this store made that no write took (the spare thread makes no more, and what it had
+        half-made goes): nothing but a write of this store would ever take them."""
+        self._cancel.set()
+        try:
+            self.flush()
+        finally:
+            spares, self._spares = self._spares, None
+            if spares is not None:
+                spares.join()
+            for slot in list(self._made_spares):
+                self.spare_path(slot).unlink(missing_ok=True)
+            self._made_spares.clear()
+            for slot in list(self._maps):
+                self._unmap(slot)
+            with self._maps_lock:
+                spare_maps, self._spare_maps = self._spare_maps, {}
+            for _, mm in spare_maps.values():
+                _close_map(mm)
+            self._cancel.clear()  # the store may be written again (a test's, a restarted resume's)
 
     def remove(self) -> None:
         """Remove this name's files (the agent removes the whole directory at job end)."""
         self.close()
         for s in SLOTS:
-            for p in (self.header_path(s), self.data_path(s), self.pin_path(s), self.spare_path(s)):
+            spare = self.spare_path(s)
+            for p in (
+                self.header_path(s),
+                self.data_path(s),
+                self.pin_path(s),
+                spare,
+                spare.with_name(f".{spare.name}.tmp"),
+            ):
                 try:
                     p.unlink()
                 except FileNotFoundError:
