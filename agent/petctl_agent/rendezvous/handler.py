@@ -320,3 +320,17 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
     @property
     def record(self) -> dict[str, Any] | None:
         return self._record
+
+    def records_since(self, after: int | None) -> list[tuple[int, dict[str, Any]]]:
+        """The records of the closed rounds newer than ``after`` up to ours, oldest first, that
+        the rounds watch still holds (a replaced record lives ``record_ttl`` more). Local state,
+        no request: what ``MembershipWatch`` reads for who came back (``returned``, ``out``)."""
+        with self._cond:
+            if self._round is None or self._rounds is None:
+                return []
+            rounds, _ = self._rounds_view()
+            return sorted(
+                (n, v)
+                for n, (v, _) in rounds.items()
+                if v.get("state") == "closed" and (after is None or n > after) and n <= self._round
+            )

@@ -515,6 +515,13 @@ def _came_back(marker: str | None, prev_record: str | None, parts: list[str]) ->
     out = sorted(n for n in gone if n not in in_round)
     if out:
         got["out"] = out[:MARKER_IDS]
+    # n_out: how many named gone are not in this round. A marker names at most MARKER_IDS ids:
+    # the ones it did not list are counted out (not known to be back), so n_out > len(out) says
+    # "not every one is known": an agent then never charges (docs/rendezvous.md)
+    n_gone = loads(marker).get("n_gone") if marker else None
+    n_out = len(out) + (max(0, n_gone - len(gone)) if isinstance(n_gone, int) else 0)
+    if n_out:
+        got["n_out"] = n_out
     return got
 
 
