@@ -49,6 +49,8 @@
 12. **EFS access points and file system policies** in CloudFormation (:mod:`petctl.local.moto_efs`):
    an access point's ``Ref``/``Fn::GetAtt`` and AWS's checks of its properties; a file system's
    ``FileSystemPolicy``.
+13. **DescribeAutoScalingGroups IncludeInstances=false**: AWS leaves each group's instances out
+   (its advice for large groups, whose full answer may be throttled); moto listed them anyway.
 
 Each patch wraps one moto method with :func:`petctl.local.patching.wrap`.
 """
@@ -309,6 +311,34 @@ def _patch_lifecycle_actions() -> None:
     AutoScalingResponse.record_lifecycle_action_heartbeat = lambda self: _lifecycle(self, "heartbeat")  # type: ignore[attr-defined]
 
 
+class _GroupWithoutInstances:
+    """An Auto Scaling group as DescribeAutoScalingGroups answers with ``IncludeInstances=false``."""
+
+    instances: list[Any] = []
+
+    def __init__(self, group: Any) -> None:
+        self._group = group
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._group, name)
+
+
+def _patch_include_instances() -> None:
+    """DescribeAutoScalingGroups ``IncludeInstances=false`` leaves the groups' instances out
+    (AWS's advice against throttling for large groups); moto ignores it and lists them."""
+    from moto.autoscaling.responses import AutoScalingResponse
+    from moto.core.responses import ActionResult
+
+    @wrap(AutoScalingResponse, "describe_auto_scaling_groups")
+    def describe_auto_scaling_groups(original: Callable[[Any], Any], self: Any) -> Any:
+        out = original(self)
+        if str(self._get_param("IncludeInstances", True)).lower() != "false":
+            return out
+        result = dict(out.result)
+        result["AutoScalingGroups"] = [_GroupWithoutInstances(g) for g in result["AutoScalingGroups"]]
+        return ActionResult(result)
+
+
 #: An S3 object URL CloudFormation takes: virtual-hosted (``bucket.s3.region.amazonaws.com/key``)
 #: or path style (``s3.region.amazonaws.com/bucket/key``); no region means us-east-1.
 _S3_VIRTUAL = re.compile(
@@ -463,6 +493,7 @@ def apply() -> None:
     _patch_template_limits()
     _patch_private_ips()
     _patch_lifecycle_actions()
+    _patch_include_instances()
     _patch_network_interfaces()
     _patch_put_log_events_limits()
     _patch_delete_objects_cap()

@@ -244,3 +244,44 @@ def test_two_rounds_with_one_seq_on_two_etcds_the_larger_group_wins() -> None:
         "w": {"prev": [4, 0, "B"]},
     }
     assert _order_from_joins(joins) == ["z", "y"]
+
+
+def _charged(marker: dict, rounds: list[list[str]], named: list[str], n_named: int | None = None) -> bool:
+    """Records written by the leader (``_came_back``) for the round a marker opened and the
+    next ones (``rounds``: each round's participants), read by an agent's ``_Loss`` as
+    ``MembershipWatch.started`` does: is the free restart for ``named`` charged?"""
+    import json
+
+    from petctl_agent.elastic.membership import _Loss
+    from petctl_agent.rendezvous.leader import _came_back
+
+    loss = _Loss(5, named, len(named) if n_named is None else n_named)
+    prev: str | None = None
+    m: str | None = json.dumps(marker)
+    for i, parts in enumerate(rounds):
+        rec = {"state": "closed", **_came_back(m, prev, parts)}
+        loss.see(5 + i, rec)
+        prev, m = json.dumps(rec), None
+    return loss.all_back()
+
+
+def test_a_restart_is_charged_only_when_every_node_named_gone_came_back() -> None:
+    gone = {"state": "open", "gone": ["x", "y"], "n_gone": 2}
+    # a stall alone, back at once or a round later: charged (a crash loop spends the budget)
+    assert _charged({"gone": ["y"], "n_gone": 1}, [["a", "y"]], ["y"])
+    assert _charged({"gone": ["y"], "n_gone": 1}, [["a"], ["a", "y"]], ["y"])
+    # both stalled, both back (in different rounds): charged
+    assert _charged(gone, [["a", "y"], ["a", "x", "y"]], ["x", "y"])
+    # x really lost, y stalled and back: x's loss explains the restart: free
+    assert not _charged(gone, [["a", "y"]], ["x", "y"])
+    assert not _charged(gone, [["a", "y"], ["a", "y", "n"]], ["x", "y"])
+    # nobody back yet: free so far
+    assert not _charged(gone, [["a"]], ["x", "y"])
+
+
+def test_more_gone_than_a_marker_lists_is_never_charged() -> None:
+    """17 named gone, 16 listed: the one not listed may be a real loss, so even if all 16 listed
+    come back, nothing is charged (the leader counts the unlisted one out: ``n_out``)."""
+    listed = [f"n{i:02d}" for i in range(16)]
+    marker = {"state": "open", "gone": listed, "n_gone": 17}
+    assert not _charged(marker, [["a", *listed]], listed, 17)

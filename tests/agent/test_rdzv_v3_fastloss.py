@@ -364,6 +364,54 @@ def test_a_real_loss_stays_free(group: Callable[..., Group]) -> None:
     assert all(c == [] for c in charged.values()), charged
 
 
+def test_a_real_loss_beside_a_stall_stays_free(group: Callable[..., Group]) -> None:
+    """Node X is SIGKILLed while node Y's agent stalls 3 s (its keepalives too), at the same
+    moment: every survivor's workers fail, the leader names both gone, every agent restarts for
+    free. Y comes back under its id, X never does: X's loss alone explains the restart, so no
+    agent is charged, in the survivors' round nor in the next. (The charge was per round: Y's
+    ``returned`` charged every agent for a real loss.)"""
+    g = group(2, 8)
+    hs = [g.new() for _ in range(4)]
+    res = g.rendezvous(*hs)
+    time.sleep(1.5)
+    order = sorted(hs, key=lambda h: res[h].rank)
+    x, y = order[3], order[2]
+    survivors = order[:3]
+    stalled = _stall(y)
+    stalled.set()
+    x._crash()  # noqa: SLF001
+    watches = {h: _watch(h, Settings()) for h in survivors}
+    got: dict[PetctlRendezvousHandler, str | None] = {}
+    named: dict[PetctlRendezvousHandler, list[str]] = {}
+
+    def fail(h: PetctlRendezvousHandler) -> None:
+        if h is y:
+            time.sleep(3.0)  # the stalled agent sees its workers' exit late
+            stalled.clear()
+        got[h] = watches[h].failure_explained(threading.Event())
+        named[h] = list((h.pending_change() or {}).get("gone") or [])
+
+    ts = [threading.Thread(target=fail, args=(h,), daemon=True) for h in survivors]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(20)
+    assert all(got.get(h) and "gone" in (got[h] or "") for h in survivors), got
+    # the case under test: one change names both, the real loss and the stall
+    assert all(set(named[h]) == {x.node_id, y.node_id} for h in survivors), named
+    charged = _rejoin_until_together(g, survivors, watches)
+    assert {h.round for h in survivors} in ({2}, {3})
+    assert any(y.node_id in (h.record or {}).get("returned", []) for h in survivors) or any(
+        y.node_id in (rec.get("returned") or []) for _, rec in survivors[0].records_since(1)
+    ), "Y did not come back under its id: this test did not make the case"
+    assert charged == {h: [] for h in survivors}, {h.node_id: c for h, c in charged.items()}
+    newcomer = g.new()
+    charged = _rejoin_until_together(
+        g, [*survivors, newcomer], {**watches, newcomer: _watch(newcomer, Settings())}
+    )
+    assert all(c == [] for c in charged.values()), charged
+
+
 def test_charging_a_false_loss_spends_the_budget_then_fails() -> None:
     """The agent's side: each charge takes one restart from torch's budget; with none left the
     agent fails (run() returns FAILED with this reason), as after max_restarts worker failures."""

@@ -20,7 +20,9 @@ by default; docs/agent.md, "Memory snapshots"). Then, for plain (not sharded) st
      read straight out of its ``mmap``, over a gloo group of itself and the ranks that need it
      (timeout ``PETCTL_SNAPSHOT_PEER_TIMEOUT``, default 60 s); the receivers check every crc32;
   3. else (no rank holds a step as new as ``latest``, or a receiver's check failed) every rank
-     loads the checkpoint directory as today.
+     loads the checkpoint directory as today -- after a rank that holds the agreed step, when it
+     is newer than ``latest``, had it persisted (:func:`_persist_before_efs`: a drain of the
+     rank-0 node does not wait for EFS, so the drained step may be only in a survivor's memory).
 
   The ranks end the restore with one MIN over a gloo group with the same timeout. If that or the
   broadcast fails (the source died mid-transfer: the process group is broken for every rank),
@@ -345,8 +347,10 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
                     dist.destroy_process_group(g)
             except Exception:  # noqa: BLE001 - a broken group may not tear down cleanly
                 pass
-    if not ok:
-        return None  # a receiver's checks failed: every rank loads EFS (the group still agreed)
+    if not ok:  # a receiver's checks failed: every rank loads EFS (the group still agreed) ...
+        if agreed > efs:  # ... once a holder put the agreed step there (a drain did not wait for EFS)
+            _persist_before_efs(store, agreed, directory, holders[0])
+        return None
     extra: dict[str, Any] = {}
     held = source == "self"
     if source == "peer":
@@ -374,6 +378,44 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
     if dist_rank() == 0:
         _kick(store, directory, agreed, efs, state, held=held)
     return state, agreed
+
+
+def _persist_before_efs(store: SnapshotStore, step: int, directory: Path, holder: int) -> None:
+    """Every rank is about to load EFS although rank ``holder`` holds ``step``, newer than
+    ``latest`` (a drain whose rank 0 left did not wait for EFS: a staying node's memory was the
+    copy). The holder persists it first -- its agent's persister, else in this process, as a
+    checkpoint's wait does (bounded by ``PETCTL_CHECKPOINT_TIMEOUT``) -- and every rank waits for
+    it, so the fallback loads that step, not an older one (docs/agent.md, "Memory snapshots")."""
+    import torch.distributed as dist
+
+    keep = int(os.environ.get("PETCTL_CHECKPOINT_KEEP", "3"))
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=_checkpoint_timeout() + 60))
+    try:
+        if dist.get_rank() == holder:
+            try:
+                if persist.served(store.dir):
+                    persist.request(store.dir, step, directory, keep)
+                done = _wait_persisted(store, step, directory, keep)
+            except Exception as e:  # noqa: BLE001 - EFS trouble: the ranks load the older step
+                done = False
+                print(f"petctl checkpoint: {type(e).__name__}: {e}", file=sys.stderr)
+            print(
+                f"petctl checkpoint: the restore from memory failed; step {step} "
+                + ("persisted from this node's memory first" if done else "could not be persisted")
+                + ": every rank loads EFS",
+                file=sys.stderr,
+                flush=True,
+            )
+        dist.barrier(group=group)
+    except Exception as e:  # noqa: BLE001 - the holder died meanwhile: as a peer dying mid-transfer
+        raise PeerRestoreError(
+            f"waiting for step {step} to reach EFS failed ({type(e).__name__}: {e}); exiting"
+        ) from e
+    finally:
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _snapshot_size(store: SnapshotStore, step: int) -> int:

@@ -38,9 +38,11 @@ class MembershipWatch:
         self.round: int | None = None
         #: torch's dynamic handler only (MEMBERSHIP_WATCH compares it); None for petctl-etcd
         self.members: set[Any] | None = None
-        #: petctl-etcd: rendezvous left in which a node named gone by the failure we restarted
-        #: for free may come back (then that restart is charged: :meth:`take_charge`)
+        #: petctl-etcd: rendezvous left in which the nodes named gone by the failure we restarted
+        #: for free may come back (then that restart is charged: :meth:`take_charge`), and what
+        #: is known of them (:class:`_Loss`)
         self._loss_rounds = 0
+        self._loss: _Loss | None = None
         self._charge: list[str] = []
         self._last_etcd_warn = 0.0
         self._down_since: float | None = None  # etcd unreachable while training (event published)
@@ -52,11 +54,15 @@ class MembershipWatch:
         if mine is not None:
             # petctl-etcd: the round only. Its record holds no participant list (O(1): n, head,
             # master, nonce) and change() asks pending_change(), never a member set
-            self.round, self.members = mine.round, None
-            if self._loss_rounds > 0:
-                back = list((mine.record or {}).get("returned") or [])
-                self._loss_rounds = 0 if back else self._loss_rounds - 1
-                self._charge = back
+            before, self.round, self.members = self.round, mine.round, None
+            loss = self._loss
+            if loss is not None and self._loss_rounds > 0:
+                for r, rec in mine.records_since(before):
+                    loss.see(r, rec)
+                self._loss_rounds = 0 if loss.all_back() else self._loss_rounds - 1
+                self._charge = loss.back_ids() if loss.all_back() else []
+                if self._loss_rounds == 0:
+                    self._loss = None
         h = dynamic(handler)
         if h is not None:
             st = h._state_holder.state
@@ -151,17 +157,20 @@ class MembershipWatch:
 
     def restart_for_a_loss(self) -> None:
         """We restart for free because the pending change names nodes gone (a worker failure it
-        explained, or the start-up lease reads while our workers had not stepped): if one comes
-        back (the same id) in the next round or the one after, it was never lost, and the
-        restart is charged (:meth:`take_charge`)."""
+        explained, or the start-up lease reads while our workers had not stepped): if every one
+        of them comes back (the same id) in the next round or the one after, none was lost, and
+        the restart is charged (:meth:`take_charge`). One that does not come back was really
+        lost, and explains the restart alone: free, whoever else came back."""
         mine = ours(self.handler) if self.handler is not None else None
-        if mine is not None and (mine.pending_change() or {}).get("n_gone"):
+        ch = (mine.pending_change() or {}) if mine is not None else {}
+        if ch.get("n_gone"):
             self._loss_rounds = 2
+            self._loss = _Loss(int(ch["round"]), [str(n) for n in ch.get("gone") or []], int(ch["n_gone"]))
 
     def take_charge(self) -> list[str]:
         """After :meth:`started`: the nodes whose "loss" explained the last worker failure (so the
-        agent restarted for free) and that are back in this round with the same id (an agent that
-        stalled past the leader's lease read, not a lost node). Non-empty: the agent charges the
+        agent restarted for free), once every one of them is back with the same id (agents that
+        stalled past the leader's lease read, no lost node). Non-empty: the agent charges the
         restart now. Each such failure is charged once."""
         back, self._charge = self._charge, []
         return back
@@ -178,6 +187,47 @@ class MembershipWatch:
             self._down_since = None
             log.info("rendezvous server reachable again after %.1fs", down)
             self.pub.event("rdzv_recovered", round=self.round, step=self.last_step(), seconds=round(down, 3))
+
+
+class _Loss:
+    """The nodes named gone for one free restart, and which of them came back (the records'
+    ``returned``/``out``/``n_out``, docs/rendezvous.md "A node named gone that comes back").
+
+    ``round``: the round the change's marker opened; its record says which named nodes are not
+    in it (``out``, ``n_out``); a later record's ``returned`` says which of those came back.
+    Every one back: the restart is charged. One never back (a real loss, or not known: more ids
+    than a record lists): free."""
+
+    def __init__(self, round_: int, named: list[str], n_named: int) -> None:
+        self.round = round_
+        self.named = set(named)
+        self.complete = n_named <= len(self.named)  # the marker listed every id
+        self.back: set[str] = set()
+        #: named nodes not back yet, known once the record of ``round`` is seen (None: unknown)
+        self.missing: set[str] | None = None
+        self.seen_first = False
+
+    def see(self, r: int, rec: dict[str, Any]) -> None:
+        returned = {str(n) for n in rec.get("returned") or []}
+        if r == self.round:
+            out = {str(n) for n in rec.get("out") or []}
+            n_out = rec.get("n_out", len(out))
+            self.seen_first = True
+            self.missing = out if isinstance(n_out, int) and n_out <= len(out) else None
+            self.back |= returned & self.named
+        elif r > self.round:
+            if self.missing is not None:
+                self.back |= returned & self.missing
+                self.missing -= returned
+            self.back |= returned & self.named
+
+    def all_back(self) -> bool:
+        if self.seen_first:
+            return self.missing is not None and not self.missing and bool(self.back)
+        return self.complete and bool(self.named) and self.named <= self.back
+
+    def back_ids(self) -> list[str]:
+        return sorted(self.back)
 
 
 def _only_a_rejoin(ch: dict[str, Any] | None) -> bool:

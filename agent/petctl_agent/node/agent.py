@@ -311,7 +311,9 @@ class Agent:
             self.local_addr,
             spec.join_timeout,
             backend=self.backend,
-            expected_nodes=CapacityHint(self.lifecycle.capacity) if spec.worker_group else None,
+            expected_nodes=CapacityHint(lambda: self.lifecycle.capacity(instances=False))
+            if spec.worker_group
+            else None,
             settings=self.settings,
         )
 

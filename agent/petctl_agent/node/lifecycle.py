@@ -35,28 +35,56 @@ class CapacityHint:
     wait on the Auto Scaling API: this returns the last value read at once and refreshes it
     in a background thread when it is older than ``max_age`` seconds. None until the first
     read succeeds, and whenever there is no worker group.
+
+    ``fresh(since)`` is the leader's re-read when newcomers are ready but the hint expects no
+    growth (docs/rendezvous.md): it reaches the source, not this cache. Every read of the
+    source, routine or fresh, starts at least ``min_interval`` after the one before (one read
+    at a time, from one thread), so an agent makes at most ``1 / min_interval``
+    DescribeAutoScalingGroups calls a second whatever its callers ask, and ``1 / max_age`` in
+    steady state. The Auto Scaling API has one throttle bucket per account and Region for
+    every call (its rate is not published); see docs/rendezvous.md for the bound.
     """
 
-    def __init__(self, probe: Any, max_age: float = 5.0) -> None:
+    def __init__(self, probe: Any, max_age: float = 5.0, min_interval: float = 1.0) -> None:
         self.probe = probe
         self.max_age = max_age
+        self.min_interval = min_interval
         self.value: int | None = None
-        self._read_at = float("-inf")
+        #: how many reads of the source were made (tests, the bench)
+        self.reads = 0
+        self._tried_at = float("-inf")  # when the last read started (failed ones too)
+        self._read_at = float("-inf")  # when the last successful read started: the value's age
         self._busy = threading.Lock()
 
     def __call__(self) -> int | None:
-        if time.monotonic() - self._read_at > self.max_age and self._busy.acquire(blocking=False):
-            threading.Thread(target=self._refresh, name="petctl-capacity", daemon=True).start()
+        if time.monotonic() - self._tried_at > self.max_age:
+            self._start()
         return self.value
+
+    def fresh(self, since: float) -> tuple[bool, int | None]:
+        """``(True, value)`` once a read of the source that started at or after ``since``
+        (``time.monotonic``) succeeded; else ``(False, the cached value)``, and such a read is
+        started (at once, or ``min_interval`` after the last one began). Never blocks."""
+        if self._read_at >= since:
+            return True, self.value
+        self._start()
+        return False, self.value
+
+    def _start(self) -> None:
+        if self._busy.acquire(blocking=False):
+            threading.Thread(target=self._refresh, name="petctl-capacity", daemon=True).start()
 
     def _refresh(self) -> None:
         try:
+            time.sleep(max(0.0, self._tried_at + self.min_interval - time.monotonic()))
+            t = self._tried_at = time.monotonic()
+            self.reads += 1
             cap = self.probe()
             self.value = None if cap is None else int(cap.get("desired", 0)) or None
+            self._read_at = t
         except Exception as e:  # noqa: BLE001 - a hint only
             log.debug("capacity hint: %s", e)
         finally:
-            self._read_at = time.monotonic()
             self._busy.release()
 
 
@@ -217,12 +245,15 @@ class Lifecycle:
         except Exception as e:  # noqa: BLE001 - the hook's heartbeat timeout completes it anyway
             log.warning("complete_lifecycle_action failed (ignored): %s", e)
 
-    def capacity(self) -> dict[str, int] | None:
-        """The worker group's capacity (desired, in service, pending), or None without a group."""
+    def capacity(self, instances: bool = True) -> dict[str, int] | None:
+        """The worker group's capacity (desired, in service, pending), or None without a group.
+        ``instances=False``: the desired capacity only (in service and pending read 0), without the
+        group's instance list (AWS: a large group's DescribeAutoScalingGroups may be throttled
+        unless ``IncludeInstances`` is false)."""
         if not self.spec.worker_group:
             return None
         groups = self._autoscaling().describe_auto_scaling_groups(
-            AutoScalingGroupNames=[self.spec.worker_group]
+            AutoScalingGroupNames=[self.spec.worker_group], IncludeInstances=instances
         )["AutoScalingGroups"]
         if not groups:
             return {"desired": 0, "in_service": 0, "pending": 0}

@@ -141,6 +141,24 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
         self._expected_cache = (time.monotonic(), v)
         return v
 
+    def _expected_fresh(self, since: float) -> tuple[int | None, bool]:
+        """The size hint read from its source at or after ``since`` (``time.monotonic``):
+        ``(value, False)``; or ``(the cached value, True)`` while such a read is under way. A hint
+        with a ``fresh(since)`` method (the agent's ``CapacityHint``, which caches the Auto
+        Scaling API's answer and reads it in the background) is asked for one, never waited on;
+        a plain callable is its source, so calling it is the fresh read."""
+        fresh = getattr(self.expected_nodes, "fresh", None)
+        if fresh is None:
+            return self._expected(fresh=True), False
+        try:
+            done, v = fresh(since)
+        except Exception as e:  # noqa: BLE001 - a hint only
+            log.debug("expected_nodes hint failed: %s", e)
+            return self._expected(), False
+        if done:
+            self._expected_cache = (time.monotonic(), v)
+        return v, not done
+
     def _event(self, what: str) -> None:
         self.events.append((time.time(), what))
         log.debug("%s: %s", self.node_id, what)
@@ -302,3 +320,17 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
     @property
     def record(self) -> dict[str, Any] | None:
         return self._record
+
+    def records_since(self, after: int | None) -> list[tuple[int, dict[str, Any]]]:
+        """The records of the closed rounds newer than ``after`` up to ours, oldest first, that
+        the rounds watch still holds (a replaced record lives ``record_ttl`` more). Local state,
+        no request: what ``MembershipWatch`` reads for who came back (``returned``, ``out``)."""
+        with self._cond:
+            if self._round is None or self._rounds is None:
+                return []
+            rounds, _ = self._rounds_view()
+            return sorted(
+                (n, v)
+                for n, (v, _) in rounds.items()
+                if v.get("state") == "closed" and (after is None or n > after) and n <= self._round
+            )

@@ -31,6 +31,11 @@ log = logging.getLogger("petctl_agent.rendezvous")
 LAPSE_AFTER = 1.0
 #: the least time between two reads of one lease
 LAPSE_POLL = 0.25
+#: how long the leader holds ready newcomers for a read of the size hint's source that began after
+#: the first was ready (CapacityHint.fresh: at most its ``min_interval``, 1 s, plus one API call)
+HINT_FRESH_WAIT = 3.0
+#: how often it looks whether that read came back
+HINT_FRESH_POLL = 0.05
 #: etcd's default ``--max-txn-ops``: the most operations one txn may carry (etcd-io/etcd#7976)
 MAX_TXN_OPS = 128
 #: ids of the open marker's ``waiting`` and ``gone`` lists (their counts are in ``n_waiting``, ``n_gone``)
@@ -327,10 +332,19 @@ class Leadership:
         lapsed, due = self._lapsed_participants(now, latest, order, values or {})
         live = {n: c for n, c in live.items() if n not in lapsed}
         expected = self._expected()
-        if expected is not None and expected <= len(order) and any(n not in order for n in ready):
+        newcomers = [t for n, t in ready.items() if n not in order and n in live]
+        gone = any(p not in live for p in order)  # opens at once, whatever the hint
+        if expected is not None and expected <= len(order) and newcomers and not gone:
             # newcomers are ready but the hint expects no growth: it may predate the scale-out
-            # (read up to a second ago): read it again before opening a round for the first one
-            expected = self._expected(fresh=True)
+            # (the handler reads it at most once a second, the agent's CapacityHint caches the
+            # Auto Scaling API's answer for 5 s). Auto Scaling raises the desired capacity before
+            # it launches an instance, so a read of the source that began after the first
+            # newcomer was ready sees the scale-out: wait for one (it runs in the background;
+            # the running nodes keep training), at most HINT_FRESH_WAIT, then go on with what we have
+            since = min(newcomers)
+            expected, pending = self._expected_fresh(since)
+            if pending and now < since + HINT_FRESH_WAIT:
+                return HINT_FRESH_POLL
         view = decide.OpenView(
             now, order, live, ready, self.max_nodes, expected, self.cfg.hint_wait, self.cfg.hint_max
         )
@@ -501,6 +515,13 @@ def _came_back(marker: str | None, prev_record: str | None, parts: list[str]) ->
     out = sorted(n for n in gone if n not in in_round)
     if out:
         got["out"] = out[:MARKER_IDS]
+    # n_out: how many named gone are not in this round. A marker names at most MARKER_IDS ids:
+    # the ones it did not list are counted out (not known to be back), so n_out > len(out) says
+    # "not every one is known": an agent then never charges (docs/rendezvous.md)
+    n_gone = loads(marker).get("n_gone") if marker else None
+    n_out = len(out) + (max(0, n_gone - len(gone)) if isinstance(n_gone, int) else 0)
+    if n_out:
+        got["n_out"] = n_out
     return got
 
 
