@@ -376,20 +376,27 @@ class SnapshotStore:
     def receive(
         self,
         header: dict[str, Any],
-        fill: Callable[[mmap.mmap | None], None],
+        fill: Callable[[mmap.mmap | None, Callable[[int, int], None]], None],
         *,
         world_size: int = 1,
         rank: int = 0,
     ) -> str:
-        """Write a peer's snapshot straight into the older slot: ``fill(mm)`` puts its bytes into
-        the slot's mapping (e.g. received over the network into views of it), ``header`` (the
+        """Write a peer's snapshot straight into the older slot: ``fill(mm, reserve)`` puts its
+        bytes into the slot's mapping (e.g. received over the network into views of it), calling
+        ``reserve(offset, n)`` before it writes bytes ``[offset, offset + n)``; ``header`` (the
         peer's, its own crc32 checked by the caller) gives the step, the structure and the tensors'
-        layout and crc32s, so the header goes in place at once, without a checksum pass: a
-        :meth:`load` checks them (a transfer that went wrong is then never loaded).
+        layout and crc32s, so the header goes in place at once, without a checksum pass: ``fill``
+        checks the bytes as they arrive and raises when they do not match (no header then).
 
-        ``"ok"``; ``"no-fit: why"`` (``fill`` is then not called: the caller receives elsewhere) or
-        ``"unsupported: why"`` (a layout that does not fit its size). A ``fill`` that raises leaves
-        the slot torn (no header) and re-raises.
+        A new file's pages are not allocated up front (tmpfs allocation costs 0.5-1.3 s/GiB here,
+        a peer's whole transfer would wait for it): ``reserve`` allocates each piece just before
+        it arrives (``posix_fallocate``: ENOSPC, an ``OSError``, rather than a SIGBUS on a full
+        tmpfs), so the allocation overlaps the transfer. The whole size is checked against the
+        node's memory first, as for a write (:func:`fits`).
+
+        ``"ok"`` (then :meth:`verified` is the header written); ``"no-fit: why"`` (``fill`` is then
+        not called: the caller receives elsewhere) or ``"unsupported: why"`` (a layout that does
+        not fit its size). A ``fill`` that raises leaves the slot torn (no header) and re-raises.
         """
         self.flush()
         size = int(header["size"])
@@ -399,9 +406,34 @@ class SnapshotStore:
             if not (0 <= int(meta["offset"]) and int(meta["offset"]) + int(meta["nbytes"]) <= size):
                 return f"unsupported: tensor at {meta['offset']}+{meta['nbytes']} outside {size} bytes"
             metas.append(meta)
-        return self._write(
-            int(header["step"]), world_size, rank, False, header["structure"], metas, size, fill
+        self._received = None
+        why = self._write(
+            int(header["step"]), world_size, rank, False, header["structure"], metas, size, fill, lazy=True
         )
+        if why == OK:
+            self._received = self.newest()
+        return why
+
+    def verified(self) -> Callable[[dict[str, Any], mmap.mmap | None], bool]:
+        """A :meth:`load` ``check`` for the snapshot the last :meth:`receive` wrote: its bytes were
+        checked against the crc32s as they arrived, so a load of that very snapshot (same
+        generation and nonce; this process is the store's one writer) skips the second pass over
+        them. Any other snapshot is checked in full."""
+        got = self._received
+
+        def check(header: dict[str, Any], mm: mmap.mmap | None) -> bool:
+            if got is not None and same_snapshot(header, got):
+                return True
+            view = memoryview(mm) if mm is not None else memoryview(b"")
+            try:
+                return all(
+                    zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]]) == m["crc32"]
+                    for m in header["tensors"]
+                )
+            finally:
+                view.release()
+
+        return check
 
     def _write(
         self,
@@ -412,7 +444,9 @@ class SnapshotStore:
         structure: Any,
         metas: list[dict[str, Any]],
         size: int,
-        fill: Callable[[mmap.mmap | None], None],
+        fill: Callable[..., None],
+        *,
+        lazy: bool = False,
     ) -> str:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         # a spare still being made is not waited for (the write then allocates its own file): on a
@@ -446,7 +480,7 @@ class SnapshotStore:
 
         try:
             return self._write_slot(
-                slot, release, done, step, world_size, rank, wait, structure, fill, metas, size
+                slot, release, done, step, world_size, rank, wait, structure, fill, metas, size, lazy
             )
         finally:
             release()  # the header is gone by now (or nothing changed): the slot is free either way
@@ -461,10 +495,12 @@ class SnapshotStore:
         rank: int,
         wait: bool,
         structure: Any,
-        fill: Callable[[mmap.mmap | None], None],
+        fill: Callable[..., None],
         metas: list[dict[str, Any]],
         size: int,
+        lazy: bool = False,
     ) -> str:
+        """``lazy`` (a receive): ``fill(mm, reserve)``, a new file's pages allocated per piece."""
         data = self.data_path(slot)
         lent: int | None = None  # the data file's flock, exclusive, while nobody has it lent
         try:
@@ -505,6 +541,7 @@ class SnapshotStore:
         else:  # in place after all (the restore's tensors are gone), or no spare: none kept unused
             self.spare_path(slot).unlink(missing_ok=True)
         mm = self._mapped(slot, data, size) if held else None
+        rfd = -1  # lazy: the fd whose pages reserve() allocates
         if mm is None:
             self._unmap(slot)
             if not held:  # held: the file of a previous writer (a restarted worker), pages reused
@@ -516,7 +553,11 @@ class SnapshotStore:
             try:
                 if not held:
                     os.ftruncate(fd, size)
-                if size:
+                if size and lazy:  # a receive: pages allocated per piece, as the bytes arrive
+                    rfd = os.dup(fd)
+                    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+                    self._maps[slot] = (os.fstat(fd).st_ino, mm)
+                elif size:
                     try:
                         os.posix_fallocate(fd, 0, size)
                     except OSError as e:
@@ -529,10 +570,16 @@ class SnapshotStore:
             finally:
                 os.close(fd)
         try:
-            fill(mm)
+            if lazy:
+                fill(mm, lambda off, n: os.posix_fallocate(rfd, off, n) if rfd >= 0 else None)
+            else:
+                fill(mm)
         except BaseException:
             self._unmap(slot)
             raise
+        finally:
+            if rfd >= 0:
+                os.close(rfd)
         header = {
             "format": FORMAT,
             "name": self.name,
@@ -675,8 +722,14 @@ class SnapshotStore:
         world_size: int | None = None,
         rank: int | None = None,
         map_location: Any = "cpu",
+        check: Callable[[dict[str, Any], mmap.mmap | None], bool] | None = None,
     ) -> dict[str, Any] | None:
         """The state of snapshot ``step`` (checked), or None when there is no valid one.
+
+        ``check(header, mm)``, if given, replaces the crc32 pass over the mapped bytes: True when
+        every tensor's bytes match the header's crc32s, computed otherwise (a peer restore's
+        source checks them while it sends them, :func:`memory._send`; a receiver while they
+        arrive, :meth:`verified`). Called at most once, on the mapping the tensors will view.
 
         On the CPU the tensors are views of a private (copy-on-write) mapping of the slot's file,
         not a copy: only the pages training then changes are copied, when it changes them. The
@@ -692,12 +745,17 @@ class SnapshotStore:
                 continue
             if rank is not None and h["rank"] != rank:
                 continue
-            state = self._load_slot(c, map_location)
+            state = self._load_slot(c, map_location, check)
             if state is not None:
                 return state
         return None
 
-    def _load_slot(self, c: Complete, map_location: Any) -> dict[str, Any] | None:
+    def _load_slot(
+        self,
+        c: Complete,
+        map_location: Any,
+        check: Callable[[dict[str, Any], mmap.mmap | None], bool] | None = None,
+    ) -> dict[str, Any] | None:
         import torch
 
         h = c.header
@@ -726,9 +784,14 @@ class SnapshotStore:
         view = memoryview(mm) if mm is not None else memoryview(b"")
         out: list[Any] = []
         try:
-            for m in h["tensors"]:
-                if zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]]) != m["crc32"]:
+            if check is not None:
+                if not check(h, mm):
                     return None
+            elif any(
+                zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]]) != m["crc32"] for m in h["tensors"]
+            ):
+                return None
+            for m in h["tensors"]:
                 dt = dtype_from_name(m["dtype"])
                 if m["nbytes"]:
                     raw = torch.frombuffer(mm, dtype=torch.uint8, count=m["nbytes"], offset=m["offset"])
