@@ -239,6 +239,32 @@ def test_the_source_sends_while_it_checks_its_own_copy_and_the_newcomer_checks_a
     assert new[0] < src[3], (src, new)  # the newcomer's first piece checked before the source's last
 
 
+def test_a_holder_whose_own_copy_fails_its_check_gets_the_step_from_a_peer(tmp_path: Path) -> None:
+    """Holders are known by their headers, their bytes checked as they load: node 1 holds step 6
+    with a flipped byte, node 0 a good copy, node 2 (a newcomer) nothing. Node 2 gets the step
+    from node 0 while node 1 finds its copy bad; node 1 then gets it from node 0 too (self, then
+    peer, then EFS: EFS is never needed here, and its step-4 file is unreadable anyway)."""
+    efs = tmp_path / "efs"
+    _efs_with_a_broken_step_4(efs)
+    n = 1 << 18
+    _snap(tmp_path / "n0", 6, n)
+    s1 = _snap(tmp_path / "n1", 6, n)
+    data = s1.data_path(s1.newest().slot)
+    raw = bytearray(data.read_bytes())
+    raw[5] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "7", "PETCTL_SNAPSHOT_CHUNK": str(1 << 18)}
+    res = [
+        _res(cp)
+        for cp in _ranks(
+            tmp_path, [{**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}")} for r in range(3)]
+        )
+    ]
+    assert [r["start"] for r in res] == [7, 7, 7]
+    assert all(r["w"] == [7.0] * 4 for r in res)
+    assert [r["report"]["source"] for r in res] == ["self", "peer", "peer"]
+
+
 def test_a_piece_that_arrives_changed_is_never_loaded_nor_kept_and_efs_answers(tmp_path: Path) -> None:
     """Checked as it arrives: a newcomer whose first data piece arrives with one byte changed
     finds its crc32 wrong, writes no header for it (the slot stays torn: never loaded, not

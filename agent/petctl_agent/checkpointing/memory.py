@@ -16,11 +16,14 @@ by default; docs/agent.md, "Memory snapshots"). Then, for plain (not sharded) st
   some rank's node holds complete and that is not older than ``latest``:
 
   1. the node's own snapshot of that step (checked by step and crc32s);
-  2. else a peer's: the lowest rank that loaded it broadcasts the snapshot's header and bytes,
-     read straight out of its ``mmap``, over a gloo group of itself and the ranks that need it
-     (timeout ``PETCTL_SNAPSHOT_PEER_TIMEOUT``, default 60 s); the receivers check every crc32;
-  3. else (no rank holds a step as new as ``latest``, or a receiver's check failed) every rank
-     loads the checkpoint directory as today.
+  2. else (no complete header of it on this node) a peer's: the lowest rank that holds one
+     broadcasts the snapshot's header and bytes over a gloo group of itself and the ranks that
+     need it (timeout ``PETCTL_SNAPSHOT_PEER_TIMEOUT``, default 60 s), straight out of the mapping
+     its own restored tensors view, checking the crc32s as the pieces go (its load's one pass: the
+     receivers never wait for the source's own load); the receivers check every crc32 as the
+     pieces arrive. A holder whose own copy fails its check gets it from a peer the same way;
+  3. else (no rank holds a step as new as ``latest``, or the source's copy or a receiver's check
+     failed) every rank loads the checkpoint directory as today.
 
   The ranks end the restore with one MIN over a gloo group with the same timeout. If that or the
   broadcast fails (the source died mid-transfer: the process group is broken for every rank),
@@ -30,8 +33,8 @@ by default; docs/agent.md, "Memory snapshots"). Then, for plain (not sharded) st
   whose survivors still hold the agreed step (the next source), or EFS answers.
 
 A node restored from a peer keeps the step: its local rank 0 receives the peer's bytes straight
-into a slot of its own store (the peer header's crc32s are taken, so it is complete at once, and
-the load from it checks them; no room: a buffer, not kept), so a later restart of that node
+into a slot of its own store, its pages allocated piece by piece as they arrive (the peer header's
+crc32s, checked on arrival, are taken, so it is complete at once; no room: a buffer, not kept), so a later restart of that node
 restores from itself. On the CPU the restored tensors are views of the snapshot's file, not copies
 (``SnapshotStore.load``), and local rank 0 then has the store make the files its next writes will
 need new in the background (``SnapshotStore.prepare_spares``). Rank 0 hands a restored step newer than
