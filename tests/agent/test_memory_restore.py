@@ -54,6 +54,15 @@ RESTORE = textwrap.dedent(
                 print("TRACE crc %.6f" % time.time(), flush=True)
             return real_crc(data, value)
         zlib.crc32 = crc32
+    if os.environ.get("FAIL_FALLOCATE_AFTER"):  # the node's tmpfs fills up mid-receive (ENOSPC)
+        import errno
+        real_fa, calls = os.posix_fallocate, [0]
+        def posix_fallocate(fd, off, n):
+            calls[0] += 1
+            if calls[0] > int(os.environ["FAIL_FALLOCATE_AFTER"]):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_fa(fd, off, n)
+        os.posix_fallocate = posix_fallocate
     if os.environ.get("CORRUPT_RECV"):  # a receiver's first data piece arrives with a byte changed
         real_b, hit = dist.broadcast, [False]
         class Done:
@@ -263,6 +272,36 @@ def test_a_holder_whose_own_copy_fails_its_check_gets_the_step_from_a_peer(tmp_p
     assert [r["start"] for r in res] == [7, 7, 7]
     assert all(r["w"] == [7.0] * 4 for r in res)
     assert [r["report"]["source"] for r in res] == ["self", "peer", "peer"]
+
+
+def test_a_receive_that_runs_out_of_room_mid_way_frees_it_and_efs_answers(tmp_path: Path) -> None:
+    """Pages allocated per piece: the newcomer's tmpfs answering ENOSPC at its third piece (the
+    whole size fitted when checked) does not hang the group nor SIGBUS: it takes the rest of the
+    bytes into a scratch piece, keeps nothing (its torn file removed: the memory goes back before
+    the EFS load), and every rank loads EFS."""
+    efs = tmp_path / "efs"
+    ckpt.save({"w": torch.full((4,), 4.0)}, 4, efs)
+    n = 1 << 20  # 4 MiB in 1 MiB pieces
+    _snap(tmp_path / "n0", 6, n)
+    # TOTAL 4: EFS's step is the last, so no step runs after the restore (nor writes a snapshot)
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "4", "PETCTL_SNAPSHOT_CHUNK": str(1 << 20)}
+    t0 = time.monotonic()
+    cps = _ranks(
+        tmp_path,
+        [
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n0")},
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n1"), "FAIL_FALLOCATE_AFTER": "2"},
+        ],
+    )
+    res = [_res(cp) for cp in cps]
+    assert time.monotonic() - t0 < 60  # never waited out a timeout
+    assert [r["start"] for r in res] == [5, 5]
+    assert all(r["w"] == [4.0] * 4 for r in res)
+    assert [r["report"]["source"] for r in res] == ["efs", "efs"]
+    assert "step 6 from a peer not loaded (no room)" in cps[1].stderr
+    n1 = tmp_path / "n1"
+    assert not SnapshotStore(n1, memory.NAME).complete()
+    assert sum(p.stat().st_blocks for p in n1.glob("*.bin")) == 0  # the 2 pieces it held: freed
 
 
 def test_a_piece_that_arrives_changed_is_never_loaded_nor_kept_and_efs_answers(tmp_path: Path) -> None:

@@ -566,6 +566,8 @@ def test_a_peers_snapshot_received_into_a_slot_is_complete_at_once_and_checked_o
     with pytest.raises(RuntimeError):
         held.receive(c.header, dies)
     assert [x.step for x in held.complete()] == [4] and torch.equal(held.load(4)["w"], torch.ones(3))
+    # the torn slot's file is gone (its pages back to the node), the complete one's stays
+    assert [p.name for p in sorted((tmp_path / "held").glob("*.bin"))] == [f"r.{held.newest().slot}.bin"]
     out = {**c.header, "tensors": [{**c.header["tensors"][0], "offset": c.header["size"]}]}
     assert held.receive(out, dies).startswith("unsupported")  # a layout outside its bytes
 

@@ -396,7 +396,9 @@ class SnapshotStore:
 
         ``"ok"`` (then :meth:`verified` is the header written); ``"no-fit: why"`` (``fill`` is then
         not called: the caller receives elsewhere) or ``"unsupported: why"`` (a layout that does
-        not fit its size). A ``fill`` that raises leaves the slot torn (no header) and re-raises.
+        not fit its size). A ``fill`` that raises leaves the slot torn (no header), its file
+        removed (its pages go back to the node: a receive that ran out of room must not hold the
+        memory that the EFS fallback then needs), and re-raises.
         """
         self.flush()
         size = int(header["size"])
@@ -407,9 +409,24 @@ class SnapshotStore:
                 return f"unsupported: tensor at {meta['offset']}+{meta['nbytes']} outside {size} bytes"
             metas.append(meta)
         self._received = None
-        why = self._write(
-            int(header["step"]), world_size, rank, False, header["structure"], metas, size, fill, lazy=True
-        )
+        try:
+            why = self._write(
+                int(header["step"]),
+                world_size,
+                rank,
+                False,
+                header["structure"],
+                metas,
+                size,
+                fill,
+                lazy=True,
+            )
+        except BaseException:
+            for s in SLOTS:  # the slot it wrote has no header: never loaded; a lender keeps its inode
+                if self.read_header(s) is None:
+                    self._unmap(s)
+                    self.data_path(s).unlink(missing_ok=True)
+            raise
         if why == OK:
             self._received = self.newest()
         return why
