@@ -404,6 +404,9 @@ def run_chain(run: Run, n: int, a: argparse.Namespace, rec: Any) -> None:
     if t is None:
         raise Miss(f"cold start of {n}: {note}")
     rec("cold_start", seconds=t - t0, from_event=t - t0, steps_lost=None)
+    last = max(SCENARIOS.index(sc) for sc in a.scenario_list)  # the chain stops after it
+    if last == 0:
+        return
     steady(run, nodes, n, a.timeout)
 
     leaving, live = nodes[-1], nodes[:-1]
@@ -412,6 +415,8 @@ def run_chain(run: Run, n: int, a: argparse.Namespace, rec: Any) -> None:
     poll(lambda: not leaving.alive(), 30)
     run.drop_memory(leaving)
     rec("drain", **add_marks(run, r, nodes, live, n - 1, t0))
+    if last == 1:
+        return
     steady(run, live, n - 1, a.timeout)
 
     new = run.add_node()
@@ -420,6 +425,8 @@ def run_chain(run: Run, n: int, a: argparse.Namespace, rec: Any) -> None:
     t_last = max((s[0] for x in live for s in list(x.steps) if s[2] == n - 1 and s[0] < t_first), default=0.0)
     rec("join", **add_marks(run, r, live, live + [new], n, new.started, since=max(t_last, new.started)))
     live = live + [new]
+    if last == 2:
+        return
     # a hard loss from the state a job is in most of the time: a periodic checkpoint taken by
     # every node now in the job (not the join's, which the newcomer did not hold)
     first = min(s[1] for x in live for s in x.steps_after(new.started, n))
@@ -459,7 +466,7 @@ def run_one(
     need, avail = memory_need(gib, n, snapshots), mem_available_gib()
     if need > avail - a.mem_margin:
         note = f"skipped: needs ~{need:.1f} GiB, MemAvailable {avail:.1f} GiB (margin {a.mem_margin:g})"
-        return [{"scenario": sc, **base, "seconds": None, "note": note} for sc in SCENARIOS]
+        return [{"scenario": sc, **base, "seconds": None, "note": note} for sc in a.scenario_list]
     run = Run(root / f"{tag}-{tool}-{rep}", cfg)
     watcher = LatestWatcher(run.ckpt_dir)
     mem = MemWatcher(run, shm)
@@ -484,8 +491,9 @@ def run_one(
         s, b = int(kv["step"]), float(kv["blocked"])
         if s in watcher.seen:  # from the start of the checkpoint to ``latest`` naming it
             persisted.append(round(max(watcher.seen[s] - (tt - b), b), 3))
+    out = [r for r in out if r["scenario"] in a.scenario_list]
     done = {r["scenario"] for r in out}
-    missed = [sc for sc in SCENARIOS if sc not in done]
+    missed = [sc for sc in a.scenario_list if sc not in done]
     for i, sc in enumerate(missed):
         rec(
             sc,
@@ -512,6 +520,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nodes", default="", help="N of the chain: one for all (3) or per size (0.1:3,1:3,4:2)")
     p.add_argument("--reps", type=int, default=3, help="repetitions; medians reported")
     p.add_argument("--tools", default=",".join(TOOLS), help=f"comma list of {', '.join(TOOLS)}")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+                   help="comma list of the scenarios to report; the chain stops after the last one "
+                        "(its earlier events still run: a join follows a drain)")  # fmt: skip
     p.add_argument("--json", type=Path, help="write every record + the summary here (after every run)")
     p.add_argument("--timeout", type=float, default=120, help="bound of every wait after an event, seconds")
     p.add_argument("--start-timeout", type=float, default=180, help="bound of a cold start, seconds")
@@ -538,6 +549,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [t for t in a.tool_list if t not in TOOLS]
     if bad or not a.tool_list:
         p.error(f"--tools: unknown {bad}; choose from {', '.join(TOOLS)}")
+    a.scenario_list = [sc.strip() for sc in a.scenarios.split(",") if sc.strip()]
+    bad = [sc for sc in a.scenario_list if sc not in SCENARIOS]
+    if bad or not a.scenario_list:
+        p.error(f"--scenarios: unknown {bad}; choose from {', '.join(SCENARIOS)}")
     if a.reps < 1:
         p.error("--reps must be >= 1")
     return a

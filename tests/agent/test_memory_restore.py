@@ -45,6 +45,36 @@ RESTORE = textwrap.dedent(
             sent[0] += 1
             return real(t, src, group=group, **kw)
         dist.broadcast = broadcast
+    if os.environ.get("TRACE_CRC"):  # when each crc32 of a piece of data ran (SLOW_CRC: and slowly)
+        import zlib
+        real_crc, slow = zlib.crc32, float(os.environ.get("SLOW_CRC") or 0)
+        def crc32(data, value=0):
+            if memoryview(data).nbytes >= 65536:  # not a header's
+                time.sleep(slow)
+                print("TRACE crc %.6f" % time.time(), flush=True)
+            return real_crc(data, value)
+        zlib.crc32 = crc32
+    if os.environ.get("FAIL_FALLOCATE_AFTER"):  # the node's tmpfs fills up mid-receive (ENOSPC)
+        import errno
+        real_fa, calls = os.posix_fallocate, [0]
+        def posix_fallocate(fd, off, n):
+            calls[0] += 1
+            if calls[0] > int(os.environ["FAIL_FALLOCATE_AFTER"]):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_fa(fd, off, n)
+        os.posix_fallocate = posix_fallocate
+    if os.environ.get("CORRUPT_RECV"):  # a receiver's first data piece arrives with a byte changed
+        real_b, hit = dist.broadcast, [False]
+        class Done:
+            def wait(self):
+                return True
+        def broadcast(t, src, group=None, async_op=False, **kw):
+            w = real_b(t, src, group=group, **kw)
+            if dist.get_rank() != src and t.numel() >= 65536 and not hit[0]:
+                hit[0] = True
+                t[0] += 1
+            return Done() if async_op else w
+        dist.broadcast = broadcast
     t0 = time.monotonic()
     try:
         restored = ckpt.resume()
@@ -178,6 +208,129 @@ def test_torn_snapshot_is_never_loaded_and_efs_answers(tmp_path: Path) -> None:
     assert [r["report"]["source"] for r in res] == ["efs", "efs"]
 
 
+def _crc_times(cp: subprocess.CompletedProcess) -> list[float]:
+    return [float(x.split()[2]) for x in cp.stdout.splitlines() if x.startswith("TRACE crc ")]
+
+
+def test_the_source_sends_while_it_checks_its_own_copy_and_the_newcomer_checks_as_it_receives(
+    tmp_path: Path,
+) -> None:
+    """A newcomer never waits for the source's own load: the source sends its snapshot out of the
+    mapping its restored tensors view, checking the crc32s piece by piece as the pieces go, and
+    the newcomer checks each piece as it arrives (no pass of its own afterwards). With the
+    source's crc32 made slow (0.3 s a piece), the newcomer has checked its first piece before the
+    source has checked its last. (Stop 25-26 at 1 GiB: the source's load, 0.5-1.3 s, came first;
+    the newcomer waited, then checked the whole state again after the transfer.)"""
+    efs = tmp_path / "efs"
+    _efs_with_a_broken_step_4(efs)
+    n = 1 << 20  # 4 MiB of float32 in 1 MiB pieces
+    _snap(tmp_path / "n0", 6, n)
+    base = {
+        "PETCTL_CHECKPOINT_DIR": str(efs),
+        "TOTAL": "6",
+        "PETCTL_SNAPSHOT_CHUNK": str(1 << 20),
+        "TRACE_CRC": "1",
+    }
+    cps = _ranks(
+        tmp_path,
+        [
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n0"), "SLOW_CRC": "0.3"},
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n1")},
+        ],
+    )
+    res = [_res(cp) for cp in cps]
+    assert [r["report"]["source"] for r in res] == ["self", "peer"]
+    assert all(r["w"] == [6.0] * 4 for r in res)
+    src, new = _crc_times(cps[0]), _crc_times(cps[1])
+    # 4 pieces on each side, checked once: the newcomer's load from its store (the step is kept
+    # there) makes no second pass, nor does the source's (resumed at the last step: no step runs)
+    assert len(src) == 4 and len(new) == 4, (src, new)
+    assert new[0] < src[3], (src, new)  # the newcomer's first piece checked before the source's last
+
+
+def test_a_holder_whose_own_copy_fails_its_check_gets_the_step_from_a_peer(tmp_path: Path) -> None:
+    """Holders are known by their headers, their bytes checked as they load: node 1 holds step 6
+    with a flipped byte, node 0 a good copy, node 2 (a newcomer) nothing. Node 2 gets the step
+    from node 0 while node 1 finds its copy bad; node 1 then gets it from node 0 too (self, then
+    peer, then EFS: EFS is never needed here, and its step-4 file is unreadable anyway)."""
+    efs = tmp_path / "efs"
+    _efs_with_a_broken_step_4(efs)
+    n = 1 << 18
+    _snap(tmp_path / "n0", 6, n)
+    s1 = _snap(tmp_path / "n1", 6, n)
+    data = s1.data_path(s1.newest().slot)
+    raw = bytearray(data.read_bytes())
+    raw[5] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "7", "PETCTL_SNAPSHOT_CHUNK": str(1 << 18)}
+    res = [
+        _res(cp)
+        for cp in _ranks(
+            tmp_path, [{**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}")} for r in range(3)]
+        )
+    ]
+    assert [r["start"] for r in res] == [7, 7, 7]
+    assert all(r["w"] == [7.0] * 4 for r in res)
+    assert [r["report"]["source"] for r in res] == ["self", "peer", "peer"]
+
+
+def test_a_receive_that_runs_out_of_room_mid_way_frees_it_and_efs_answers(tmp_path: Path) -> None:
+    """Pages allocated per piece: the newcomer's tmpfs answering ENOSPC at its third piece (the
+    whole size fitted when checked) does not hang the group nor SIGBUS: it takes the rest of the
+    bytes into a scratch piece, keeps nothing (its torn file removed: the memory goes back before
+    the EFS load), and every rank loads EFS -- the step the holder put there first."""
+    efs = tmp_path / "efs"
+    ckpt.save({"w": torch.full((4,), 4.0)}, 4, efs)
+    n = 1 << 20  # 4 MiB in 1 MiB pieces
+    _snap(tmp_path / "n0", 6, n)
+    # TOTAL 4: no step runs after the restore (nor writes a snapshot)
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "4", "PETCTL_SNAPSHOT_CHUNK": str(1 << 20)}
+    t0 = time.monotonic()
+    cps = _ranks(
+        tmp_path,
+        [
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n0")},
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n1"), "FAIL_FALLOCATE_AFTER": "2"},
+        ],
+    )
+    res = [_res(cp) for cp in cps]
+    assert time.monotonic() - t0 < 60  # never waited out a timeout
+    # the holder's copy passed its checks: it put step 6 on EFS before the ranks loaded EFS
+    assert ckpt.latest_step(efs) == 6
+    assert [r["start"] for r in res] == [7, 7]
+    assert all(r["w"] == [6.0] * 4 for r in res)
+    assert [r["report"]["source"] for r in res] == ["efs", "efs"]
+    assert "step 6 from a peer not loaded (no room)" in cps[1].stderr
+    n1 = tmp_path / "n1"
+    assert not SnapshotStore(n1, memory.NAME).complete()
+    assert sum(p.stat().st_blocks for p in n1.glob("*.bin")) == 0  # the 2 pieces it held: freed
+
+
+def test_a_piece_that_arrives_changed_is_never_loaded_nor_kept_and_efs_answers(tmp_path: Path) -> None:
+    """Checked as it arrives: a newcomer whose first data piece arrives with one byte changed
+    finds its crc32 wrong, writes no header for it (the slot stays torn: never loaded, not
+    kept), and every rank loads EFS (the group agrees on it: no hang, the same step everywhere),
+    where the holder, whose own copy passed its checks, put the agreed step first."""
+    efs = tmp_path / "efs"
+    ckpt.save({"w": torch.full((4,), 4.0)}, 4, efs)
+    n = 1 << 20
+    _snap(tmp_path / "n0", 6, n)
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "6", "PETCTL_SNAPSHOT_CHUNK": str(1 << 20)}
+    cps = _ranks(
+        tmp_path,
+        [
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n0")},
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n1"), "CORRUPT_RECV": "1"},
+        ],
+    )
+    res = [_res(cp) for cp in cps]
+    assert ckpt.latest_step(efs) == 6  # persisted from the holder's good copy before the EFS load
+    assert [r["start"] for r in res] == [7, 7]
+    assert all(r["w"] == [6.0] * 4 for r in res)
+    assert [r["report"]["source"] for r in res] == ["efs", "efs"]
+    assert "step 6 from a peer not loaded (crc32 mismatch)" in cps[1].stderr
+
+
 def test_source_killed_mid_transfer_every_rank_exits_then_next_source_serves(tmp_path: Path) -> None:
     """The source (rank 0) is SIGKILLed in the middle of a multi-chunk broadcast: the others stop
     within the peer timeout (no hang) with PeerRestoreError; the next round, without the dead
@@ -259,8 +412,8 @@ def test_restored_tensors_are_views_of_the_nodes_own_snapshot_not_copies(tmp_pat
     res = [_res(cp) for cp in cps]
     assert [r["report"]["source"] for r in res] == ["self", "peer"]
     # where each rank's restore spent its time, on stderr (the benchmark's breakdown reads it)
-    assert "rank 0 restored step 6 from self in" in cps[0].stderr and "load " in cps[0].stderr
-    assert "rank 1 restored step 6 from peer in" in cps[1].stderr and "transfer " in cps[1].stderr
+    assert "rank 0 restored step 6 from self in" in cps[0].stderr and "send " in cps[0].stderr
+    assert "rank 1 restored step 6 from peer in" in cps[1].stderr and "receive " in cps[1].stderr
     for r, got in enumerate(res):
         store = SnapshotStore(tmp_path / f"n{r}", memory.NAME)
         assert got["at"] == str(store.data_path(store.newest().slot)), got

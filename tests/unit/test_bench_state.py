@@ -17,6 +17,8 @@ def test_sizes_and_nodes_defaults_and_errors(capsys: pytest.CaptureFixture[str])
     assert a.node_map == {0.1: 3, 1.0: 3, 4.0: 2}  # 4 GiB: 2 nodes (24 GiB machine)
     assert bs.parse_args(["--sizes", "1", "--nodes", "4"]).node_map == {1.0: 4}
     assert bs.parse_args(["--sizes", "0.1,2", "--nodes", "0.1:3,2:2"]).node_map == {0.1: 3, 2.0: 2}
+    assert a.scenario_list == list(bs.SCENARIOS)  # every scenario by default
+    assert bs.parse_args(["--scenarios", "join, drain"]).scenario_list == ["join", "drain"]
     for argv, words in (
         (["--sizes", "one"], "comma-separated GiB"),
         (["--sizes", "0"], "must be > 0"),
@@ -24,6 +26,7 @@ def test_sizes_and_nodes_defaults_and_errors(capsys: pytest.CaptureFixture[str])
         (["--nodes", "1"], "within 2..8"),
         (["--tools", "petctl,torchrun-efs"], "unknown ['petctl']"),
         (["--reps", "0"], "--reps must be >= 1"),
+        (["--scenarios", "join,scale_up"], "--scenarios: unknown ['scale_up']"),
     ):
         with pytest.raises(SystemExit) as e:
             bs.parse_args(argv)

@@ -16,13 +16,17 @@ by default; docs/agent.md, "Memory snapshots"). Then, for plain (not sharded) st
   some rank's node holds complete and that is not older than ``latest``:
 
   1. the node's own snapshot of that step (checked by step and crc32s);
-  2. else a peer's: the lowest rank that loaded it broadcasts the snapshot's header and bytes,
-     read straight out of its ``mmap``, over a gloo group of itself and the ranks that need it
-     (timeout ``PETCTL_SNAPSHOT_PEER_TIMEOUT``, default 60 s); the receivers check every crc32;
-  3. else (no rank holds a step as new as ``latest``, or a receiver's check failed) every rank
-     loads the checkpoint directory as today -- after a rank that holds the agreed step, when it
-     is newer than ``latest``, had it persisted (:func:`_persist_before_efs`: a drain of the
-     rank-0 node does not wait for EFS, so the drained step may be only in a survivor's memory).
+  2. else (no complete header of it on this node) a peer's: the lowest rank that holds one
+     broadcasts the snapshot's header and bytes over a gloo group of itself and the ranks that
+     need it (timeout ``PETCTL_SNAPSHOT_PEER_TIMEOUT``, default 60 s), straight out of the mapping
+     its own restored tensors view, checking the crc32s as the pieces go (its load's one pass: the
+     receivers never wait for the source's own load); the receivers check every crc32 as the
+     pieces arrive. A holder whose own copy fails its check gets it from a peer the same way;
+  3. else (no rank holds a step as new as ``latest``, or the source's copy or a receiver's check
+     failed) every rank loads the checkpoint directory as today -- after a rank that holds the
+     agreed step, when it is newer than ``latest``, had it persisted (:func:`_persist_before_efs`:
+     a drain of the rank-0 node does not wait for EFS, so the drained step may be only in a
+     survivor's memory).
 
   The ranks end the restore with one MIN over a gloo group with the same timeout. If that or the
   broadcast fails (the source died mid-transfer: the process group is broken for every rank),
@@ -32,8 +36,8 @@ by default; docs/agent.md, "Memory snapshots"). Then, for plain (not sharded) st
   whose survivors still hold the agreed step (the next source), or EFS answers.
 
 A node restored from a peer keeps the step: its local rank 0 receives the peer's bytes straight
-into a slot of its own store (the peer header's crc32s are taken, so it is complete at once, and
-the load from it checks them; no room: a buffer, not kept), so a later restart of that node
+into a slot of its own store, its pages allocated piece by piece as they arrive (the peer header's
+crc32s, checked on arrival, are taken, so it is complete at once; no room: a buffer, not kept), so a later restart of that node
 restores from itself. On the CPU the restored tensors are views of the snapshot's file, not copies
 (``SnapshotStore.load``), and local rank 0 then has the store make the files its next writes will
 need new in the background (``SnapshotStore.prepare_spares``). Rank 0 hands a restored step newer than
@@ -311,30 +315,50 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
         agreed = min(_all_gather(agreed, group))
         if agreed < 0:
             return None
-        state = store.load(agreed, map_location=map_location)
-        mark("load")
-        holds = _all_gather(int(state is not None), group)
+        # who holds the step: a complete header of it (its bytes are checked while loaded or sent)
+        holds = _all_gather(int(_holds(store, agreed)), group)
         holders = [r for r, v in enumerate(holds) if v]
         if not holders:
             return None
         needers = [r for r, v in enumerate(holds) if not v]
         source, nbytes, known = "self", 0, None
         kept: tuple[bool, float] | None = None
-        if needers:
-            src = holders[0]
-            members = [src, *needers]
-            sub = dist.new_group(ranks=members, backend="gloo", timeout=timeout)
-            mark("group")
-            me = dist.get_rank()
-            if me == src:
-                nbytes = _send(store, agreed, src, sub)
-            elif me in needers:
-                into = store if _local_rank() == 0 else None  # the store's one writer on this node
-                state, nbytes, known, kept = _receive(agreed, src, sub, map_location, into)
-                source = "peer"
-            mark("transfer")  # the receiver's includes its slot's pages and the crc32 check
-        ok = min(_all_gather(int(state is not None), group))
-        mark("end")
+        state = None
+        me = dist.get_rank()
+        for attempt in (1, 2):
+            if needers:
+                src = holders[0]
+                sub = dist.new_group(ranks=[src, *needers], backend="gloo", timeout=timeout)
+                mark("group")
+                if me == src:
+                    # sent straight out of the mapping its own state views, the crc32s checked on
+                    # the way: the receivers never wait for a load of the source's own
+                    loaded, n = _send(store, agreed, src, sub, map_location)
+                    state = state if state is not None else loaded
+                    nbytes = nbytes or n
+                elif me in needers:
+                    into = store if _local_rank() == 0 else None  # the store's one writer on this node
+                    state, nbytes, known, kept = _receive(agreed, src, sub, map_location, into)
+                    source = "peer"
+                elif state is None:  # another holder: its own copy, meanwhile
+                    state = store.load(agreed, map_location=map_location)
+                # the source's: its send and load (one pass); a receiver's: its slot's pages, the
+                # bytes and their crc32s (as they arrive); another holder's: its own load
+                mark("send" if me == src else "receive" if me in needers else "load")
+            elif state is None:
+                state = store.load(agreed, map_location=map_location)
+                mark("load")
+            oks = _all_gather(int(state is not None), group)
+            mark("end")
+            bad = [r for r, v in enumerate(oks) if not v]
+            if not bad or attempt == 2 or any(r in needers for r in bad) or len(bad) == len(oks):
+                break  # done; or a transfer failed its checks (EFS, below)
+            # a holder's own copy failed its check: one more transfer, from a rank whose copy loaded
+            for g in (sub,):
+                if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
+                    dist.destroy_process_group(g)
+            sub, holders, needers = None, [r for r, v in enumerate(oks) if v], bad
+        ok = min(oks)
     except Exception as e:  # noqa: BLE001 - a dead peer breaks the group for every rank
         raise PeerRestoreError(
             f"restore from a peer's memory failed ({type(e).__name__}: {e}); "
@@ -347,9 +371,12 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
                     dist.destroy_process_group(g)
             except Exception:  # noqa: BLE001 - a broken group may not tear down cleanly
                 pass
-    if not ok:  # a receiver's checks failed: every rank loads EFS (the group still agreed) ...
-        if agreed > efs:  # ... once a holder put the agreed step there (a drain did not wait for EFS)
-            _persist_before_efs(store, agreed, directory, holders[0])
+    if not ok:  # a check failed: every rank loads EFS (the group still agreed) ...
+        # ... once a holder whose own copy passed its checks put the agreed step there (a drain
+        # did not wait for EFS). A holder is known by its header alone: a torn copy is no source
+        good = [r for r in holders if oks[r]]
+        if agreed > efs and good:
+            _persist_before_efs(store, agreed, directory, good[0])
         return None
     extra: dict[str, Any] = {}
     held = source == "self"
@@ -467,45 +494,121 @@ def _kick(
         _persister(store, directory, keep).kick()
 
 
-def _send(store: SnapshotStore, step: int, src: int, group: Any) -> int:
-    """Broadcast snapshot ``step``'s header and bytes, read straight out of the snapshot's mmap."""
-    import mmap
+def _holds(store: SnapshotStore, step: int) -> bool:
+    """Does this node's store hold a complete snapshot of ``step`` (header intact, data file of its
+    size)? Cheap: its bytes are checked by whoever loads or sends them."""
+    for c in store.complete():
+        if c.step == step:
+            try:
+                if os.stat(store.data_path(c.slot)).st_size == int(c.header["size"]):
+                    return True
+            except OSError:
+                pass
+    return False
 
+
+class _Crcs:
+    """Running crc32s of a snapshot's tensors, fed the bytes piece by piece in order."""
+
+    def __init__(self, tensors: list[dict[str, Any]]) -> None:
+        self.metas = sorted(tensors, key=lambda m: int(m["offset"]))
+        self.crc = [0] * len(self.metas)
+        self.first = 0  # the first tensor not yet wholly fed
+
+    def update(self, view: memoryview, off: int, n: int) -> None:
+        """Feed bytes ``[off, off + n)`` of the snapshot (``view`` is the whole snapshot's)."""
+        end = off + n
+        for i in range(self.first, len(self.metas)):
+            m = self.metas[i]
+            lo, hi = int(m["offset"]), int(m["offset"]) + int(m["nbytes"])
+            if lo >= end:
+                break
+            a, b = max(lo, off), min(hi, end)
+            if a < b:
+                self.crc[i] = zlib.crc32(view[a:b], self.crc[i])
+            if hi <= end:
+                self.first = i + 1
+
+    def ok(self) -> bool:
+        return all(c == int(m["crc32"]) for c, m in zip(self.crc, self.metas))
+
+
+def _stream(buf: Any, size: int, src: int, group: Any, crcs: _Crcs | None, reserve: Any = None) -> bool:
+    """Broadcast (from ``src``) or receive ``size`` bytes of ``buf`` (a uint8 tensor, or a buffer
+    ``torch.frombuffer`` takes) in :func:`_chunk` pieces, the next piece in flight while the last
+    one's crc32s are computed (``crcs``; gloo and zlib both release the GIL). ``reserve(off, n)``
+    (a receiver's slot) allocates a piece's pages just before it arrives. False when ``reserve``
+    failed (the rest was received into a scratch buffer, to keep the group in step)."""
     import torch
     import torch.distributed as dist
 
-    c = next((c for c in store.complete() if c.step == step), None)
-    if c is None:
-        raise RuntimeError(f"snapshot of step {step} gone before the transfer")
-    header = json.dumps(c.header).encode()
-    fd = os.open(store.data_path(c.slot), os.O_RDONLY)
+    chunk = _chunk()
+    whole = buf if isinstance(buf, torch.Tensor) else None
+    view = memoryview(whole.numpy()) if whole is not None else memoryview(buf)
+    scratch = None
+    prev: tuple[int, int] | None = None
     try:
-        size = int(c.header["size"])
-        mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None
+        for off in range(0, size, chunk):
+            n = min(chunk, size - off)
+            if reserve is not None and scratch is None:
+                try:
+                    reserve(off, n)
+                except OSError:
+                    scratch = torch.empty(chunk, dtype=torch.uint8)
+            if scratch is not None:
+                piece = scratch[:n]
+            elif whole is not None:
+                piece = whole[off : off + n]
+            else:
+                piece = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off)
+            work = dist.broadcast(piece, src=src, group=group, async_op=True)
+            if prev is not None and crcs is not None:
+                crcs.update(view, *prev)
+            work.wait()
+            del piece, work  # a mapping cannot close while a tensor exports it
+            prev = (off, n) if scratch is None else None
+        if prev is not None and crcs is not None:
+            crcs.update(view, *prev)
     finally:
-        os.close(fd)
-    try:
-        dist.broadcast(torch.tensor([len(header), size], dtype=torch.int64), src=src, group=group)
-        dist.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8), src=src, group=group)
-        step_ = _chunk()
-        for off in range(0, size, step_):
-            n = min(step_, size - off)
-            chunk = torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=off)
-            dist.broadcast(chunk, src=src, group=group)
-            del chunk  # the mmap cannot close while a tensor exports it
-        return size
-    finally:
-        if mm is not None:
-            mm.close()
+        view.release()
+    return scratch is None
 
 
-def _recv_bytes(dst: Any, size: int, src: int, group: Any) -> None:
-    """Receive ``size`` bytes of a peer's broadcast into ``dst`` (uint8), in :func:`_chunk` pieces."""
+def _send(
+    store: SnapshotStore, step: int, src: int, group: Any, map_location: Any
+) -> tuple[dict[str, Any] | None, int]:
+    """Broadcast snapshot ``step``'s header and bytes and load it: the bytes go out of the very
+    mapping the loaded tensors view (:meth:`SnapshotStore.load`), their crc32s computed as they
+    go, in place of the load's own pass. (The state, None when a check failed; the bytes sent.)
+    A snapshot gone before it could be sent is announced as such (size -1): the receivers give
+    up at once, never waiting out the timeout."""
+    import torch
     import torch.distributed as dist
 
-    chunk = _chunk()
-    for off in range(0, size, chunk):
-        dist.broadcast(dst[off : off + min(chunk, size - off)], src=src, group=group)
+    sent = [0, False]
+
+    def send(h: dict[str, Any], mm: Any) -> bool:
+        if sent[1]:
+            return False  # a second slot of the same step: the receivers have had the first
+        header = json.dumps(h).encode()
+        size = int(h["size"])
+        dist.broadcast(torch.tensor([len(header), size], dtype=torch.int64), src=src, group=group)
+        sent[1] = True
+        dist.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8), src=src, group=group)
+        crcs = _Crcs(h["tensors"])
+        if size:
+            _stream(mm, size, src, group, crcs)
+        sent[0] = size
+        return crcs.ok()
+
+    state = store.load(step, map_location=map_location, check=send)
+    if not sent[1]:
+        dist.broadcast(torch.tensor([-1, -1], dtype=torch.int64), src=src, group=group)
+    return state, int(sent[0])
+
+
+class _Torn(Exception):
+    """A peer's bytes did not match its header's crc32s (or could not be stored): not kept."""
 
 
 def _peer_header(hbuf: Any, step: int, size: int) -> dict[str, Any] | None:
@@ -527,11 +630,14 @@ def _receive(
     """Receive a peer's snapshot; the state if its step and every crc32 check, else None; its
     size; its header's ``tensors`` (layout and crc32s, checked); whether it was kept in ``store``.
 
+    The crc32s are checked as the bytes arrive (:func:`_stream`), not in a pass of their own.
     ``store`` (this node's, given to its local rank 0): the bytes arrive straight in a slot of it
-    (:meth:`SnapshotStore.receive`) and the state is loaded from there (every crc32 checked; on the
-    CPU views of the slot, lent): the node keeps the step with no copy of its own, and no second
-    buffer. Kept is then ``(True, 0.0)``; ``(False, 0.0)`` when the store has no room (the bytes
-    then go into a buffer, as without a store); None without a store (the caller keeps it).
+    (:meth:`SnapshotStore.receive`, its pages allocated piece by piece as they arrive) and the
+    state is loaded from there (on the CPU views of the slot, lent; its crc32s already checked):
+    the node keeps the step with no copy of its own, and no second buffer. Bytes that fail their
+    check never get a header (never loaded, not kept). Kept is then ``(True, 0.0)``;
+    ``(False, 0.0)`` when the store has no room (the bytes then go into a buffer, as without a
+    store); None without a store (the caller keeps it).
     """
     import torch
     import torch.distributed as dist
@@ -539,28 +645,28 @@ def _receive(
     sizes = torch.zeros(2, dtype=torch.int64)
     dist.broadcast(sizes, src=src, group=group)
     hlen, size = int(sizes[0]), int(sizes[1])
+    if size < 0:  # the source's snapshot went before it could send it
+        return None, 0, None, None
     hbuf = torch.empty(hlen, dtype=torch.uint8)
     dist.broadcast(hbuf, src=src, group=group)
     h = _peer_header(hbuf, step, size)
     kept: tuple[bool, float] | None = None
     if h is not None and store is not None:
 
-        def fill(mm: Any) -> None:
-            dst = (
-                torch.frombuffer(mm, dtype=torch.uint8, count=size)
-                if size
-                else torch.empty(0, dtype=torch.uint8)
-            )
-            _recv_bytes(dst, size, src, group)
-            del dst  # the mmap cannot close while a tensor exports it
+        def fill(mm: Any, reserve: Any) -> None:
+            crcs = _Crcs(h["tensors"])
+            whole = _stream(mm, size, src, group, crcs, reserve) if size else True
+            if not (whole and crcs.ok()):
+                raise _Torn("no room" if not whole else "crc32 mismatch")
 
-        why = store.receive(h, fill)
+        try:
+            why = store.receive(h, fill)
+        except _Torn as e:  # the slot stays torn (no header): never loaded
+            print(f"petctl checkpoint: step {step} from a peer not loaded ({e})", file=sys.stderr)
+            return None, size, None, None
         if why == OK:
-            state = store.load(step, map_location=map_location)  # checks every crc32
-            if state is None:  # the transfer went wrong: never loaded, and not kept either
-                for c in store.complete():
-                    if c.step == step:
-                        store.header_path(c.slot).unlink(missing_ok=True)
+            state = store.load(step, map_location=map_location, check=store.verified())
+            if state is None:
                 return None, size, None, None
             return state, size, h["tensors"], (True, 0.0)
         print(
@@ -568,15 +674,16 @@ def _receive(
             file=sys.stderr,
         )
         kept = (False, 0.0)  # fill() was not called: the bytes go into a buffer below
-    blob = torch.empty(size, dtype=torch.uint8)
-    _recv_bytes(blob, size, src, group)
-    if h is None:
+    if h is None:  # received and dropped, a piece at a time, to keep the group in step
+        _stream(torch.empty(min(size, _chunk()), dtype=torch.uint8), size, src, group, None, _no_room)
         return None, size, None, kept
-    view = memoryview(blob.numpy())
+    blob = torch.empty(size, dtype=torch.uint8)
+    crcs = _Crcs(h["tensors"])
+    _stream(blob, size, src, group, crcs)
+    if not crcs.ok():
+        return None, size, None, kept
     out = []
     for m in h["tensors"]:
-        if zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]]) != m["crc32"]:
-            return None, size, None, kept
         dt = dtype_from_name(m["dtype"])
         if not m["nbytes"]:
             out.append(torch.empty(m["shape"], dtype=dt, device=map_location))
@@ -585,8 +692,12 @@ def _receive(
         out.append(
             blob[m["offset"] : m["offset"] + m["nbytes"]].view(dt).reshape(m["shape"]).to(map_location)
         )
-    view.release()
     return decode_structure(h["structure"], out), size, h["tensors"], kept
+
+
+def _no_room(off: int, n: int) -> None:
+    """A ``reserve`` that always fails: :func:`_stream` receives into its scratch piece."""
+    raise OSError("dropped")
 
 
 def close_persisters() -> None:

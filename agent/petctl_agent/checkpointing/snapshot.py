@@ -591,20 +591,29 @@ class SnapshotStore:
     def receive(
         self,
         header: dict[str, Any],
-        fill: Callable[[mmap.mmap | None], None],
+        fill: Callable[[mmap.mmap | None, Callable[[int, int], None]], None],
         *,
         world_size: int = 1,
         rank: int = 0,
     ) -> str:
-        """Write a peer's snapshot straight into the older slot: ``fill(mm)`` puts its bytes into
-        the slot's mapping (e.g. received over the network into views of it), ``header`` (the
+        """Write a peer's snapshot straight into the older slot: ``fill(mm, reserve)`` puts its
+        bytes into the slot's mapping (e.g. received over the network into views of it), calling
+        ``reserve(offset, n)`` before it writes bytes ``[offset, offset + n)``; ``header`` (the
         peer's, its own crc32 checked by the caller) gives the step, the structure and the tensors'
-        layout and crc32s, so the header goes in place at once, without a checksum pass: a
-        :meth:`load` checks them (a transfer that went wrong is then never loaded).
+        layout and crc32s, so the header goes in place at once, without a checksum pass: ``fill``
+        checks the bytes as they arrive and raises when they do not match (no header then).
 
-        ``"ok"``; ``"no-fit: why"`` (``fill`` is then not called: the caller receives elsewhere) or
-        ``"unsupported: why"`` (a layout that does not fit its size). A ``fill`` that raises leaves
-        the slot torn (no header) and re-raises.
+        A new file's pages are not allocated up front (tmpfs allocation costs 0.5-1.3 s/GiB here,
+        a peer's whole transfer would wait for it): ``reserve`` allocates each piece just before
+        it arrives (``posix_fallocate``: ENOSPC, an ``OSError``, rather than a SIGBUS on a full
+        tmpfs), so the allocation overlaps the transfer. The whole size is checked against the
+        node's memory first, as for a write (:func:`fits`).
+
+        ``"ok"`` (then :meth:`verified` is the header written); ``"no-fit: why"`` (``fill`` is then
+        not called: the caller receives elsewhere) or ``"unsupported: why"`` (a layout that does
+        not fit its size). A ``fill`` that raises leaves the slot torn (no header), its file
+        removed (its pages go back to the node: a receive that ran out of room must not hold the
+        memory that the EFS fallback then needs), and re-raises.
         """
         self.flush()
         size = int(header["size"])
@@ -614,9 +623,49 @@ class SnapshotStore:
             if not (0 <= int(meta["offset"]) and int(meta["offset"]) + int(meta["nbytes"]) <= size):
                 return f"unsupported: tensor at {meta['offset']}+{meta['nbytes']} outside {size} bytes"
             metas.append(meta)
-        return self._write(
-            int(header["step"]), world_size, rank, False, header["structure"], metas, size, fill
-        )
+        self._received = None
+        try:
+            why = self._write(
+                int(header["step"]),
+                world_size,
+                rank,
+                False,
+                header["structure"],
+                metas,
+                size,
+                fill,
+                lazy=True,
+            )
+        except BaseException:
+            for s in SLOTS:  # the slot it wrote has no header: never loaded; a lender keeps its inode
+                if self.read_header(s) is None:
+                    self._unmap(s)
+                    self.data_path(s).unlink(missing_ok=True)
+            raise
+        if why == OK:
+            self._received = self.newest()
+        return why
+
+    def verified(self) -> Callable[[dict[str, Any], mmap.mmap | None], bool]:
+        """A :meth:`load` ``check`` for the snapshot the last :meth:`receive` wrote: its bytes were
+        checked against the crc32s as they arrived, so a load of that very snapshot (same
+        generation and nonce; this process is the store's one writer) skips the second pass over
+        them. Any other snapshot is checked in full."""
+        got = self._received
+
+        def check(header: dict[str, Any], mm: mmap.mmap | None) -> bool:
+            if got is not None and same_snapshot(header, got):
+                return True
+            view = memoryview(mm) if mm is not None else memoryview(b"")
+            try:
+                return all(
+                    zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]]) == m["crc32"]
+                    for m in header["tensors"]
+                )
+            finally:
+                view.release()
+
+        return check
 
     def _write(
         self,
@@ -627,7 +676,9 @@ class SnapshotStore:
         structure: Any,
         metas: list[dict[str, Any]],
         size: int,
-        fill: Callable[[mmap.mmap | None], None],
+        fill: Callable[..., None],
+        *,
+        lazy: bool = False,
     ) -> str:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         # a spare still being made is not waited for (the write then allocates its own file): on a
@@ -667,7 +718,7 @@ class SnapshotStore:
 
         try:
             return self._write_slot(
-                slot, release, done, step, world_size, rank, wait, structure, fill, metas, size
+                slot, release, done, step, world_size, rank, wait, structure, fill, metas, size, lazy
             )
         finally:
             release()  # the header is gone by now (or nothing changed): the slot is free either way
@@ -682,10 +733,12 @@ class SnapshotStore:
         rank: int,
         wait: bool,
         structure: Any,
-        fill: Callable[[mmap.mmap | None], None],
+        fill: Callable[..., None],
         metas: list[dict[str, Any]],
         size: int,
+        lazy: bool = False,
     ) -> str:
+        """``lazy`` (a receive): ``fill(mm, reserve)``, a new file's pages allocated per piece."""
         data = self.data_path(slot)
         lent: int | None = None  # the data file's flock, exclusive, while nobody has it lent
         res: _Reservation | None = None
@@ -724,16 +777,26 @@ class SnapshotStore:
                 os.close(lent)  # a restore that lends the file from now on finds no header: never maps it
         release()  # a persister that pins the slot now finds no header: it never reads it
         try:
-            mm = self._place(slot, data, size, held, spare, res)
-        finally:
+            placed = self._place(slot, data, size, held, spare, res, lazy)
+        except BaseException:
             res.done()
-        if isinstance(mm, str):
-            return mm
+            raise
+        if isinstance(placed, str):
+            res.done()
+            return placed
+        mm, rfd = placed  # rfd (lazy): the fd whose pages reserve() allocates, its reservation still open
         try:
-            fill(mm)
+            if lazy:
+                fill(mm, lambda off, n: os.posix_fallocate(rfd, off, n) if rfd >= 0 else None)
+            else:
+                fill(mm)
         except BaseException:
             self._unmap(slot)
             raise
+        finally:
+            res.done()  # every page taken (or the fill failed): before rfd closes
+            if rfd >= 0:
+                os.close(rfd)
         header = {
             "format": FORMAT,
             "name": self.name,
@@ -762,11 +825,14 @@ class SnapshotStore:
         return OK
 
     def _place(
-        self, slot: str, data: Path, size: int, held: int, spare: int, res: _Reservation
-    ) -> mmap.mmap | None | str:
-        """The slot's file, mapped, its pages allocated (``res`` reserved them): the mapping (None
-        for an empty state), or ``"no-fit: why"`` when the tmpfs refused the allocation."""
+        self, slot: str, data: Path, size: int, held: int, spare: int, res: _Reservation, lazy: bool = False
+    ) -> tuple[mmap.mmap | None, int] | str:
+        """The slot's file, mapped, its pages allocated (``res`` reserved them): ``(mapping, -1)``
+        (None for an empty state), or ``"no-fit: why"`` when the tmpfs refused the allocation.
+        ``lazy`` (a receive): a new file's pages are not allocated here but per piece, through the
+        returned fd (``(mapping, fd)``; the caller closes it and ends ``res`` after the fill)."""
         self._made_spares.discard(slot)  # taken or removed here
+        rfd = -1
         with self._maps_lock:
             spare_map = self._spare_maps.pop(slot, None)
         if spare:
@@ -791,12 +857,17 @@ class SnapshotStore:
                 except FileNotFoundError:
                     pass
             fd = os.open(data, os.O_RDWR | os.O_CREAT, 0o600)
+            if size and lazy:
+                rfd = os.dup(fd)
             if not held:  # its pages are taken by the fallocate below: what is left of them is in flight
-                res.attach(fd)
+                res.attach(rfd if rfd >= 0 else fd)
             try:
                 if not held:
                     os.ftruncate(fd, size)
-                if size:
+                if size and lazy:  # a receive: pages allocated per piece, as the bytes arrive
+                    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+                    self._keep_map(slot, (os.fstat(fd).st_ino, mm))
+                elif size:
                     try:
                         _fallocate(fd, size)
                     except OSError as e:
@@ -807,10 +878,16 @@ class SnapshotStore:
                     # page faults, taken by torch's copy threads, cost 0.15 (docs/benchmarks.md)
                     mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
                     self._keep_map(slot, (os.fstat(fd).st_ino, mm))
+            except BaseException:
+                if rfd >= 0:
+                    res.done()
+                    os.close(rfd)
+                raise
             finally:
-                res.done()  # before the fd closes: the budget never fstat()s a closed (reused) fd
+                if rfd < 0:
+                    res.done()  # before the fd closes: the budget never fstat()s a closed (reused) fd
                 os.close(fd)
-        return mm
+        return mm, rfd
 
     def _keep_map(self, slot: str, held: tuple[int, mmap.mmap]) -> None:
         """Keep ``held`` as the slot's mapping (one made meanwhile by the spare thread goes)."""
@@ -994,8 +1071,14 @@ class SnapshotStore:
         world_size: int | None = None,
         rank: int | None = None,
         map_location: Any = "cpu",
+        check: Callable[[dict[str, Any], mmap.mmap | None], bool] | None = None,
     ) -> dict[str, Any] | None:
         """The state of snapshot ``step`` (checked), or None when there is no valid one.
+
+        ``check(header, mm)``, if given, replaces the crc32 pass over the mapped bytes: True when
+        every tensor's bytes match the header's crc32s, computed otherwise (a peer restore's
+        source checks them while it sends them, :func:`memory._send`; a receiver while they
+        arrive, :meth:`verified`). Called at most once, on the mapping the tensors will view.
 
         On the CPU the tensors are views of a private (copy-on-write) mapping of the slot's file,
         not a copy: only the pages training then changes are copied, when it changes them. The
@@ -1011,12 +1094,17 @@ class SnapshotStore:
                 continue
             if rank is not None and h["rank"] != rank:
                 continue
-            state = self._load_slot(c, map_location)
+            state = self._load_slot(c, map_location, check)
             if state is not None:
                 return state
         return None
 
-    def _load_slot(self, c: Complete, map_location: Any) -> dict[str, Any] | None:
+    def _load_slot(
+        self,
+        c: Complete,
+        map_location: Any,
+        check: Callable[[dict[str, Any], mmap.mmap | None], bool] | None = None,
+    ) -> dict[str, Any] | None:
         import torch
 
         h = c.header
@@ -1045,9 +1133,14 @@ class SnapshotStore:
         view = memoryview(mm) if mm is not None else memoryview(b"")
         out: list[Any] = []
         try:
-            for m in h["tensors"]:
-                if zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]]) != m["crc32"]:
+            if check is not None:
+                if not check(h, mm):
                     return None
+            elif any(
+                zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]]) != m["crc32"] for m in h["tensors"]
+            ):
+                return None
+            for m in h["tensors"]:
                 dt = dtype_from_name(m["dtype"])
                 if m["nbytes"]:
                     raw = torch.frombuffer(mm, dtype=torch.uint8, count=m["nbytes"], offset=m["offset"])
