@@ -114,3 +114,11 @@ def test_memory_probes_read_real_processes_and_tmpfs_files(tmp_path: Path) -> No
     (tmp_path / "a" / "slot").write_bytes(b"\1" * (8 * 2**20))
     assert 8 / 1024 <= bs.tree_bytes_gib(tmp_path) < 9 / 1024
     del blob
+
+
+def test_scenarios_filter(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bs.parse_args([]).scenario_set == {"drain", "join", "hard_loss"}
+    assert bs.parse_args(["--scenarios", "hard_loss"]).scenario_set == {"hard_loss"}
+    with pytest.raises(SystemExit):
+        bs.parse_args(["--scenarios", "cold_start"])  # always runs: not a choice
+    assert "--scenarios" in capsys.readouterr().err

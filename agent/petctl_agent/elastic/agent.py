@@ -237,6 +237,7 @@ class PetctlElasticAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.stops.workers_starting()
         self._failing_seen = False
+        self._rendezvoused = False  # consumed by now; never skip a later round's rendezvous
         if self.before_workers_start is not None:
             # torch rmtree()s and re-creates attempt_<n>/ when the restart count is unchanged:
             # read the last lines of the workers that just stopped before they are deleted

@@ -54,10 +54,12 @@ class WorkerStops:
         )
         self.drain_probe = drain_probe
         self._workers_started_at = time.time()
+        self._notes_since = self._workers_started_at
 
     def workers_starting(self) -> None:
         """New workers must not see the previous drain request (nor the agent their predecessors'
         failure note)."""
+        self._notes_since = time.time() - 1.0  # file times are coarser than time.time()
         for f in (self.drain_file, self.failure_file):
             try:
                 f.unlink()
@@ -68,7 +70,8 @@ class WorkerStops:
         """What a current worker wrote when it began to fail (its error), while its process may
         still be exiting; None if none of them did."""
         try:
-            if self.failure_file.stat().st_mtime <= self._workers_started_at:
+            # older: not these workers' (their start removed any note)
+            if self.failure_file.stat().st_mtime < self._notes_since:
                 return None
             body = json.loads(self.failure_file.read_text())
         except (OSError, ValueError):
