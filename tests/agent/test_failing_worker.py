@@ -7,7 +7,10 @@ starts the hard-loss lease reads and joins the next round while the process exit
   (real forkserver worker, as the agent starts them);
 - end to end (real etcd, agents, torch workers on gloo): a node SIGKILLed; the survivor's worker
   takes 6 s to exit; the survivor is in the next round within ~2-3 s of the kill (the lease
-  read), not after the exit, with its restart budget (0) untouched.
+  read), not after the exit, with its restart budget (0) untouched;
+- end to end: a node frozen (SIGSTOP: its workers' peers see no error, its lease expires); the
+  survivor's worker, SIGTERMed for the membership change, takes 6 s to exit; the survivor joins
+  the next round first and reaps its worker after.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -88,3 +92,29 @@ def test_a_hard_loss_is_rejoined_while_the_failing_worker_exits(make_cluster) ->
     st = c.status(a.instance_id)
     assert st["state"] == "RUNNING", st  # max_restarts=0: a charged restart would have failed a
     assert os.path.exists(c.tmp)
+
+
+@pytest.mark.e2e
+def test_a_restart_for_a_membership_change_joins_the_round_while_the_workers_exit(make_cluster) -> None:
+    from petctl.local.procs import descendants
+
+    c = make_cluster(job="slowterm", min_nodes=1, max_nodes=2, script=SLOW,
+                     script_args=["--exit-s", str(EXIT_S), "--on-sigterm"], spec_extra={"max_restarts": 0})  # fmt: skip
+    a = c.add_node()
+    b = c.add_node()
+    c.wait(lambda: c.all_at_world([a, b], 2, 0, min_steps=10), 180, "world 2", alive=[a, b])
+    t = c.now()
+    frozen = [b.proc.pid, *descendants(b.proc.pid)]
+    for pid in frozen:  # an instance that stops answering: no reset, its lease runs out (6 s)
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        c.wait(lambda: c.all_at_world([a], 1, t, min_steps=3), 90, "a alone after b froze", alive=[a])
+    finally:
+        c.kill_hard(b)
+    evs = (c.status(a.instance_id) or {}).get("events", [])
+    rdzv = [e for e in evs if e["kind"] == "rendezvous_done" and e["t"] > t]
+    started = [e for e in evs if e["kind"] == "workers_started" and e["t"] > t]
+    assert rdzv and started, evs[-8:]
+    # joined the round first, then waited for the SIGTERMed worker's slow exit, then started
+    assert started[0]["t"] - rdzv[0]["t"] > EXIT_S - 2.0, (rdzv[0], started[0])
+    assert c.status(a.instance_id)["state"] == "RUNNING"

@@ -19,6 +19,7 @@ need none of it (joining, stopping, membership, decisions, handlers) are their o
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -40,6 +41,20 @@ from petctl_agent.elastic.stopping import WorkerStops
 from petctl_agent.settings import Settings
 
 log = logging.getLogger("petctl_agent.elastic")
+
+
+def live_worker_pids(pc: Any) -> list[int]:
+    """The pids of a torch ``PContext``'s workers that are still running (never one reaped, whose
+    pid the kernel may have given to another process). Functions (the forkserver's
+    ``run_script``): ``MultiprocessContext``; binaries: ``SubprocessContext``."""
+    out: list[int] = []
+    for proc in getattr(getattr(pc, "_pc", None), "processes", None) or []:
+        if proc.is_alive():
+            out.append(proc.pid)
+    for handler in (getattr(pc, "subprocess_handlers", None) or {}).values():
+        if handler.proc.poll() is None:
+            out.append(handler.proc.pid)
+    return out
 
 
 class RestartBudgetSpent(Exception):
@@ -86,6 +101,7 @@ class PetctlElasticAgent(LocalElasticAgent):
         #: first and reaps them after (:meth:`_while_failing`)
         self._rendezvous_first = False
         self._rendezvoused = False
+        self._stop_first = False  # ... and SIGTERMs the workers before it joins
         self._failing_seen = False  # the current workers' failure note was acted on
         #: called right before each (re)start of the workers (node/agent.py: flush the log tailer)
         self.before_workers_start: Callable[[], None] | None = None
@@ -285,13 +301,25 @@ class PetctlElasticAgent(LocalElasticAgent):
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self._restarts += 1
         if self._rendezvous_first:
-            # our workers are failing and their processes still exiting (the kernel frees GiBs of
-            # state): join the next round meanwhile; they are reaped (SIGTERM, waited for) before
-            # the new ones start, as always
+            # our workers are failing (or told to stop) and their processes still exiting (the
+            # kernel frees GiBs of state): join the next round meanwhile; they are reaped
+            # (SIGTERM, waited for) before the new ones start, as always
             self._rendezvous_first = False
+            if self._stop_first:
+                self._stop_first = False
+                self._signal_workers(signal.SIGTERM)
             self._rendezvous(worker_group)
             self._rendezvoused = True
         super()._restart_workers(worker_group)
+
+    def _signal_workers(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to our live workers without waiting (torch's close() sends the same and
+        waits, after the rendezvous)."""
+        for pid in live_worker_pids(self._pcontext):
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def _free_restart(self, wg: WorkerGroup, reason: str) -> None:
         """Restart for a membership change: the restart budget is not touched."""
@@ -361,6 +389,10 @@ class PetctlElasticAgent(LocalElasticAgent):
                             return done
                         if self.leave_requested.is_set():
                             return self._drain_and_leave(wg)
+                    # the workers are stopped (SIGTERM) first and reaped after this node has
+                    # joined the next round: a process holding GiBs of state takes seconds to exit
+                    self._stop_first = True
+                    self._rendezvous_first = True
                     self._free_restart(wg, change)
 
     def _while_failing(self, wg: WorkerGroup, note: str) -> RunResult | None:
