@@ -28,6 +28,7 @@ Prints ``step=<n> world_size=<w> loss=<x>`` per step, and for the benchmark (ran
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import sys
@@ -185,10 +186,23 @@ def main(argv: list[str] | None = None) -> int:
         ballast = make_ballast(args.state_gib)
     print(f"bench: started seconds={time.monotonic() - T_START:.3f}", flush=True)
 
+    keys = list(ballast)
+    # where a failure's time goes (bench_state.py): when this rank saw it, and when it began to exit
+    atexit.register(lambda: print(f"bench: exiting mono={time.monotonic():.3f}", flush=True))
+    try:
+        train(args, ddp, opt, model, ballast, keys, step, rank, world, directory, ckpt)
+    except BaseException:
+        print(f"bench: raised mono={time.monotonic():.3f}", flush=True)
+        raise
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def train(args, ddp, opt, model, ballast, keys, step, rank, world, directory, ckpt) -> None:
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(256, 32, generator=g), torch.randn(256, 1, generator=g)
     loss_fn = nn.MSELoss()
-    keys = list(ballast)
     while step < args.total_steps:
         step += 1
         rows = torch.arange((step * 16) % 256, (step * 16) % 256 + 16)[rank::world]
@@ -225,9 +239,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"bench: ckpt step={step} blocked={time.monotonic() - t:.3f} gib={args.state_gib:g}",
                 flush=True,
             )
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ need none of it (joining, stopping, membership, decisions, handlers) are their o
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -40,6 +41,20 @@ from petctl_agent.elastic.stopping import WorkerStops
 from petctl_agent.settings import Settings
 
 log = logging.getLogger("petctl_agent.elastic")
+
+
+def live_worker_pids(pc: Any) -> list[int]:
+    """The pids of a torch ``PContext``'s workers that are still running (never one reaped, whose
+    pid the kernel may have given to another process). Functions (the forkserver's
+    ``run_script``): ``MultiprocessContext``; binaries: ``SubprocessContext``."""
+    out: list[int] = []
+    for proc in getattr(getattr(pc, "_pc", None), "processes", None) or []:
+        if proc.is_alive():
+            out.append(proc.pid)
+    for handler in (getattr(pc, "subprocess_handlers", None) or {}).values():
+        if handler.proc.poll() is None:
+            out.append(handler.proc.pid)
+    return out
 
 
 class RestartBudgetSpent(Exception):
@@ -74,13 +89,20 @@ class PetctlElasticAgent(LocalElasticAgent):
         start_method: str = "spawn",
         step_info: Callable[[], dict[str, Any]] | None = None,
         settings: Settings = Settings(),
+        failure_file: Path | None = None,
     ) -> None:
         super().__init__(
             spec, logs_specs, start_method=start_method, exit_barrier_timeout=exit_barrier_timeout
         )
         self.pub = publisher
         self.settings = settings
-        self.stops = WorkerStops(drain_file, progress_file, settings.drain_probe)
+        self.stops = WorkerStops(drain_file, progress_file, settings.drain_probe, failure_file)
+        #: our failing workers' processes may still be exiting: the next restart joins the round
+        #: first and reaps them after (:meth:`_while_failing`)
+        self._rendezvous_first = False
+        self._rendezvoused = False
+        self._stop_first = False  # ... and SIGTERMs the workers before it joins
+        self._failing_seen = False  # the current workers' failure note was acted on
         #: called right before each (re)start of the workers (node/agent.py: flush the log tailer)
         self.before_workers_start: Callable[[], None] | None = None
         self.drain_timeout = drain_timeout
@@ -159,6 +181,9 @@ class PetctlElasticAgent(LocalElasticAgent):
             return None
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        if self._rendezvoused:  # done by _restart_workers before it reaped the failing workers
+            self._rendezvoused = False
+            return
         self.phase = "rendezvous"
         handler = worker_group.spec.rdzv_handler
         mine = ours(handler)
@@ -227,6 +252,8 @@ class PetctlElasticAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.stops.workers_starting()
+        self._failing_seen = False
+        self._rendezvoused = False  # consumed by now; never skip a later round's rendezvous
         if self.before_workers_start is not None:
             # torch rmtree()s and re-creates attempt_<n>/ when the restart count is unchanged:
             # read the last lines of the workers that just stopped before they are deleted
@@ -273,7 +300,26 @@ class PetctlElasticAgent(LocalElasticAgent):
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self._restarts += 1
+        if self._rendezvous_first:
+            # our workers are failing (or told to stop) and their processes still exiting (the
+            # kernel frees GiBs of state): join the next round meanwhile; they are reaped
+            # (SIGTERM, waited for) before the new ones start, as always
+            self._rendezvous_first = False
+            if self._stop_first:
+                self._stop_first = False
+                self._signal_workers(signal.SIGTERM)
+            self._rendezvous(worker_group)
+            self._rendezvoused = True
         super()._restart_workers(worker_group)
+
+    def _signal_workers(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to our live workers without waiting (torch's close() sends the same and
+        waits, after the rendezvous)."""
+        for pid in live_worker_pids(self._pcontext):
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def _free_restart(self, wg: WorkerGroup, reason: str) -> None:
         """Restart for a membership change: the restart budget is not touched."""
@@ -310,6 +356,19 @@ class PetctlElasticAgent(LocalElasticAgent):
                 if done is not None:
                     return done
                 continue
+            if result.state == WorkerState.HEALTHY and not self._failing_seen:
+                note = self.stops.failure_noted()
+                if note is not None:
+                    self._failing_seen = True
+                    result = self._while_failing(wg, note)
+                    if result is None:
+                        continue  # restarted for a membership change, the old processes reaped
+                    wg.state = result.state
+                if result.state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
+                    done = self._on_workers_stopped(wg, result)
+                    if done is not None:
+                        return done
+                    continue
             if result.state == WorkerState.HEALTHY and self._starting and self.stops.workers_progressed():
                 self._starting = False
                 if mine is not None:
@@ -330,7 +389,43 @@ class PetctlElasticAgent(LocalElasticAgent):
                             return done
                         if self.leave_requested.is_set():
                             return self._drain_and_leave(wg)
+                    # the workers are stopped (SIGTERM) first and reaped after this node has
+                    # joined the next round: a process holding GiBs of state takes seconds to exit
+                    self._stop_first = True
+                    self._rendezvous_first = True
                     self._free_restart(wg, change)
+
+    def _while_failing(self, wg: WorkerGroup, note: str) -> RunResult | None:
+        """A worker wrote that it is failing (``worker.forkserver.note_failure``: a collective
+        raised) and its process is still exiting -- 0.6 s for 1 GiB of state on an idle box,
+        seconds on a busy one, all of it before torch reports the failure. Start the hard-loss
+        lease reads now and watch for the membership change that explains it: found first, publish
+        the failure, join that round while the processes exit, reap them, start (a free restart).
+        The processes gone first: their result, for the usual path; no change within the grace
+        (or a leave): HEALTHY, the main loop goes on and sees the exit. Only the usual path
+        charges the restart budget, as before. None: restarted."""
+        log.info("a worker is failing (%s): reading the participants' leases while it exits", note[:200])
+        exited: list[RunResult] = []
+
+        def gone() -> bool:
+            r = self._monitor_workers(wg)
+            if r.state != WorkerState.HEALTHY:
+                exited.append(r)
+            return bool(exited)
+
+        why = self.watch.failure_explained(self.leave_requested, until=gone)
+        if exited:
+            return exited[0]
+        if not why:  # the main loop waits for the exit (and the leave) as before
+            return RunResult(state=WorkerState.HEALTHY)
+        self.pub.event(
+            "workers_failed", round=self.watch.round, exit_codes=[], failures=f"exiting: {note[:200]}",
+            step=self._last_step(), exiting=True,
+        )  # fmt: skip
+        log.info("workers failing (%s) and %s: joining the next round while they exit", note[:120], why)
+        self._rendezvous_first = True
+        self._free_restart(wg, f"workers failed ({note[:120]}) after a membership change: {why}")
+        return None
 
     def _on_workers_stopped(self, wg: WorkerGroup, result: RunResult) -> RunResult | None:
         """Workers stopped with failures: a drain, a membership change, or a failure that

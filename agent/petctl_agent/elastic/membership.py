@@ -119,7 +119,7 @@ class MembershipWatch:
             return f"participant(s) left: {', '.join(gone) or '?'}", False
         return None, False
 
-    def failure_explained(self, leaving: Event) -> str | None:
+    def failure_explained(self, leaving: Event, until: Callable[[], bool] | None = None) -> str | None:
         """Did the membership change around a worker failure (a peer died or left, a node is waiting)?
 
         A peer that died is dropped from the round only after the heartbeat expiry, while
@@ -127,7 +127,8 @@ class MembershipWatch:
         leader reads the running round's leases and opens a round without a lost node within
         ~2-3 s (docs/rendezvous.md). Look for up to the expiry
         (``PETCTL_AGENT_FAILURE_GRACE``; default: petctl-etcd's key TTL + 1.5 s (7.5 s),
-        torch's keep-alive x attempts + 2 s (7 s)).
+        torch's keep-alive x attempts + 2 s (7 s)). ``until``: also stop looking (None) once it
+        says so (the failing workers' processes have exited).
         """
         mine = ours(self.handler) if self.handler is not None else None
         if mine is not None:
@@ -146,7 +147,7 @@ class MembershipWatch:
                 self.restart_for_a_loss()
                 return change
             left = deadline - time.monotonic()
-            if left <= 0 or leaving.is_set():
+            if left <= 0 or leaving.is_set() or (until is not None and until()):
                 return None
             if mine is not None and change:  # only a re-join: wait_for_change would not wait
                 time.sleep(min(left, 0.1))

@@ -9,6 +9,7 @@ waits; :class:`petctl_agent.elastic.agent.PetctlElasticAgent` decides when to st
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -42,18 +43,40 @@ class Drained:
 class WorkerStops:
     """The drain file and the progress file of this node, and the waits on the workers."""
 
-    def __init__(self, drain_file: Path, progress_file: Path, drain_probe: float) -> None:
+    def __init__(
+        self, drain_file: Path, progress_file: Path, drain_probe: float, failure_file: Path | None = None
+    ) -> None:
         self.drain_file = Path(drain_file)
         self.progress_file = Path(progress_file)
+        #: written by a failing worker before it exits (``worker.forkserver.note_failure``)
+        self.failure_file = (
+            Path(failure_file) if failure_file else self.progress_file.with_name("failed.json")
+        )
         self.drain_probe = drain_probe
         self._workers_started_at = time.time()
+        self._notes_since = self._workers_started_at
 
     def workers_starting(self) -> None:
-        """New workers must not see the previous drain request."""
+        """New workers must not see the previous drain request (nor the agent their predecessors'
+        failure note)."""
+        self._notes_since = time.time() - 1.0  # file times are coarser than time.time()
+        for f in (self.drain_file, self.failure_file):
+            try:
+                f.unlink()
+            except FileNotFoundError:
+                pass
+
+    def failure_noted(self) -> str | None:
+        """What a current worker wrote when it began to fail (its error), while its process may
+        still be exiting; None if none of them did."""
         try:
-            self.drain_file.unlink()
-        except FileNotFoundError:
-            pass
+            # older: not these workers' (their start removed any note)
+            if self.failure_file.stat().st_mtime < self._notes_since:
+                return None
+            body = json.loads(self.failure_file.read_text())
+        except (OSError, ValueError):
+            return None
+        return str(body.get("error") or "?") if isinstance(body, dict) else None
 
     def workers_started(self) -> None:
         self._workers_started_at = time.time()

@@ -372,6 +372,7 @@ class Agent:
             start_method=start_method,
             step_info=self.step_info,
             settings=self.settings,
+            failure_file=self.paths.failed,
         )
         if self.leave_reason:  # arrived while we were setting up
             agent.request_leave(self.leave_reason)

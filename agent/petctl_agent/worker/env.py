@@ -47,6 +47,7 @@ class Paths:
         self.logs = agent_dir / "logs"
         self.drain = agent_dir / "drain"
         self.progress = agent_dir / "progress.json"
+        self.failed = agent_dir / "failed.json"
 
 
 def job_checkpoint_dir(efs: Path, spec: JobSpec) -> Path:
@@ -96,6 +97,7 @@ def export_worker_env(
     env["PETCTL_CHECKPOINT_DIR"] = str(ckpt_dir)
     env["PETCTL_DRAIN_FILE"] = str(paths.drain)
     env["PETCTL_PROGRESS_FILE"] = str(paths.progress)
+    env["PETCTL_FAILURE_FILE"] = str(paths.failed)
     env["PETCTL_LOCAL_ADDR"] = local_addr
     env["PETCTL_AGENT_PID"] = str(os.getpid())
     if snapshot_dir is not None:  # the node's memory-snapshot store (node/snapshots.py)

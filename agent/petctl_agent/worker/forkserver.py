@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import os
 import runpy
 import signal
@@ -132,6 +133,26 @@ def warm_forkserver(timeout: float = 300) -> float:
     return time.monotonic() - t0
 
 
+def note_failure(e: BaseException) -> None:
+    """Tell the agent at once that this worker is failing (``$PETCTL_FAILURE_FILE``): the process
+    exits only after torch records the error and the kernel frees its memory, which takes
+    0.6 s for 1 GiB of state and its snapshot mappings on an idle box, several seconds on a busy
+    one (docs/benchmarks.md, issue 20). The agent starts the hard-loss lease reads and joins the
+    next round meanwhile (``PetctlElasticAgent``, "failing workers"). Best effort, atomic."""
+    path = os.environ.get("PETCTL_FAILURE_FILE")
+    if not path:
+        return
+    body = {"pid": os.getpid(), "rank": os.environ.get("RANK"), "t": time.time(),
+            "error": f"{type(e).__name__}: {e}"[:300]}  # fmt: skip
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(body, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 def run_script(script: str, *args: str) -> None:
     """Entry point torch calls in each worker (must be importable/picklable)."""
     if os.environ.get("PETCTL_AGENT_NO_PDEATHSIG", "") != "1":
@@ -150,5 +171,8 @@ def run_script(script: str, *args: str) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code if isinstance(code, int) else 1)
+    except BaseException as e:
+        note_failure(e)
+        raise
     sys.stdout.flush()
     sys.stderr.flush()
