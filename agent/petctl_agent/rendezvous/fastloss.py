@@ -16,8 +16,9 @@ reads: an agent or etcd paused 3 s while the workers train opens no round. O(N) 
 follows has ``gone`` non-empty, so the survivors' restart is free; a worker crash with every
 lease kept alive opens nothing here, and the agent spends its restart budget as before. A node
 named gone that comes back (the same id: its agent stalled, it was not lost) is listed in the
-``returned`` of the round it rejoins (leader.py, ``_came_back``), and the agents charge that
-restart then: a crash loop with a stalling agent still spends the budget.
+``returned`` of the round it rejoins (leader.py, ``_came_back``); the agents charge that
+restart once every node named gone for it has come back (per failure, not per round: a real loss
+beside a stall stays free), so a crash loop with a stalling agent still spends the budget.
 See docs/rendezvous.md, "A hard loss seen from the data plane".
 """
 
