@@ -47,6 +47,24 @@ def test_the_hint_met_skips_the_settle_window() -> None:
     assert close(view(now=100.01, **v)) == (["a", "b"], None)
 
 
+def test_a_round_of_the_previous_rounds_nodes_only_skips_the_settle_window() -> None:
+    # a drain or a loss without a hint (a spot reclaim keeps the desired capacity): the two
+    # survivors of a, b, c rejoin and nobody else is registered -- nothing to batch, close now
+    v = dict(base=["a", "b", "c"], live={"a": 1, "b": 2}, joined={"a", "b"})
+    assert close(view(now=100.01, **v)) == (["a", "b"], None)
+    # a worker's restart: the same nodes again
+    v = dict(base=["a", "b"], live={"a": 1, "b": 2}, joined={"a", "b"})
+    assert close(view(now=100.01, **v)) == (["a", "b"], None)
+    # a survivor not yet re-joined still holds it (its straggler deadline), settle or not
+    v = dict(base=["a", "b", "c"], live={"a": 1, "b": 2, "c": 3}, joined={"a", "b"})
+    parts, again = close(view(now=100.01, **v))
+    assert parts is None and 9.9 < again < 10.1
+    # a newcomer among the joined: the settle applies as before
+    v = dict(base=["a", "b"], live={"a": 1, "b": 2, "c": 3}, joined={"a", "b", "c"})
+    parts, again = close(view(now=100.01, **v))
+    assert parts is None and 0.4 < again < 0.51
+
+
 def test_a_stale_hint_does_not_skip_the_settle_window() -> None:
     # the hint says 2 (read before the scale-out) while 2 survivors and a newcomer join
     v = dict(base=["a", "b"], live={"a": 1, "b": 2, "c": 3}, joined={"a", "b", "c"}, expected=2)

@@ -30,7 +30,8 @@ etcd's v3 JSON gateway:
   opens when a participant is gone or newcomers are *ready* (joined), batched by the size
   hint until none has become ready for ``hint_wait``, at most ``hint_max`` from the first.
   It closes once MIN joined, the
-  one-shot ``settle`` passed (skipped when the hint is met), and every registered node that
+  one-shot ``settle`` passed (skipped when the hint is met or no newcomer joined), and every
+  registered node that
   has not joined is past its straggler deadline; nodes registering later than
   ``join_window`` after the opening wait for the next round.
 * **Loss detection**: fast from the data plane (a peer's collectives fail, a worker exits:

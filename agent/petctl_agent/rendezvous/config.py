@@ -21,7 +21,7 @@ class Config:
       the agent or of etcd; a real loss is seen sooner from the data plane (workers' collectives
       fail, a worker exits, the agent re-joins and opens the round).
     * ``settle``: a round closes no sooner than this after it opened (one-shot, never re-armed;
-      skipped when the size hint is met). ``join_window``: nodes that register later than this
+      skipped when the size hint is met or no newcomer joined). ``join_window``: nodes that register later than this
       after the round opened are not waited for (they join the next round). ``straggler``: once
       MIN nodes joined, a registered node that has not joined within this is left out.
     * ``hint_wait``, ``hint_max``: while running, newcomers that joined are batched while the

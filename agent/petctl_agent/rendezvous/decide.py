@@ -76,7 +76,7 @@ def close(v: CloseView) -> tuple[list[str] | None, float | None]:
     * Fewer than MIN live nodes joined: wait (no deadline applies below MIN).
     * MAX joined: close now (more would wait for the next round anyway).
     * ``settle`` after the opening, once (never re-armed by an arrival); skipped when the hint
-      is met.
+      is met, and when every joined node was in the previous round (nothing arrives to batch).
     * Every live registered node that has not joined holds the round until its straggler
       deadline, ``straggler`` after it registered or after the round opened, whichever is
       later; then it is left out (it joins the next round when it is ready). A node that
@@ -94,8 +94,12 @@ def close(v: CloseView) -> tuple[list[str] | None, float | None]:
     survivors = sum(1 for n in v.base if n in joined)
     exp = effective_hint(v.expected, len(parts), survivors)
     hinted = exp is not None and len(parts) >= min(exp, v.max_nodes)
+    # the settle batches arrivals; a round of the previous round's nodes only (a drain, a loss, a
+    # worker's restart) has none to batch: a newcomer registering now joins the next round anyway
+    # (hint_wait batches those), and every live node not yet joined still holds it below
+    shrink = bool(v.base) and joined <= set(v.base)
     due: list[float] = []
-    if not hinted and v.now < v.opened_at + v.settle:
+    if not hinted and not shrink and v.now < v.opened_at + v.settle:
         due.append(v.opened_at + v.settle)
     for n in v.live:
         if n in joined or n in v.lapsed:
