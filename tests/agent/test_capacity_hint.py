@@ -108,12 +108,18 @@ class _Failing:
         raise RuntimeError("Rate exceeded")
 
 
-def test_a_failed_read_is_not_fresh() -> None:
-    """A read that failed (throttled, the API down) is no fresh answer: the caller keeps asking
-    (and its leader opens with what it has after HINT_FRESH_WAIT)."""
-    hint = CapacityHint(_Failing(), max_age=60, min_interval=0.1)
-    since = time.monotonic()
-    _until(lambda: hint.fresh(since) == (False, None) and hint.reads >= 3, 5)
+def test_a_failed_read_is_not_fresh_and_is_not_retried_before_max_age() -> None:
+    """A read that failed (throttled, the API down) is no fresh answer (the leader opens with
+    what it has after HINT_FRESH_WAIT), and a leader asking again and again does not spend a
+    throttled account's bucket: the next read of the source waits ``max_age``, as a routine one."""
+    hint = CapacityHint(_Failing(), max_age=1.5, min_interval=0.1)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.2:  # every 5 ms, each asking for a read newer than the last
+        assert hint.fresh(time.monotonic()) == (False, None)
+        time.sleep(0.005)
+    _until(lambda: not hint._busy.locked(), 5)
+    assert hint.reads == 1  # was 11-12: one read per min_interval for as long as it was asked
+    _until(lambda: hint.fresh(time.monotonic()) == (False, None) and hint.reads == 2, 5)  # after max_age
 
 
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")

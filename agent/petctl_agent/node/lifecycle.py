@@ -37,7 +37,8 @@ class CapacityHint:
     read succeeds, and whenever there is no worker group.
 
     ``fresh(since)`` is the leader's re-read when newcomers are ready but the hint expects no
-    growth (docs/rendezvous.md): it reaches the source, not this cache. Every read of the
+    growth (docs/rendezvous.md): it reaches the source, not this cache; after a failed read
+    (throttled) it starts none for ``max_age``, as the routine read does. Every read of the
     source, routine or fresh, starts at least ``min_interval`` after the one before (one read
     at a time, from one thread), so an agent makes at most ``1 / min_interval``
     DescribeAutoScalingGroups calls a second whatever its callers ask, and ``1 / max_age`` in
@@ -54,6 +55,7 @@ class CapacityHint:
         self.reads = 0
         self._tried_at = float("-inf")  # when the last read started (failed ones too)
         self._read_at = float("-inf")  # when the last successful read started: the value's age
+        self._failed_at = float("-inf")  # when the last failed read started
         self._busy = threading.Lock()
 
     def __call__(self) -> int | None:
@@ -67,7 +69,10 @@ class CapacityHint:
         started (at once, or ``min_interval`` after the last one began). Never blocks."""
         if self._read_at >= since:
             return True, self.value
-        self._start()
+        # a read that failed (throttled, the API down) backs off ``max_age``, as a routine one
+        # does: asking again each second would spend a throttled account's bucket further
+        if time.monotonic() - self._failed_at >= self.max_age:
+            self._start()
         return False, self.value
 
     def _start(self) -> None:
@@ -79,7 +84,11 @@ class CapacityHint:
             time.sleep(max(0.0, self._tried_at + self.min_interval - time.monotonic()))
             t = self._tried_at = time.monotonic()
             self.reads += 1
-            cap = self.probe()
+            try:
+                cap = self.probe()
+            except Exception:
+                self._failed_at = t
+                raise
             self.value = None if cap is None else int(cap.get("desired", 0)) or None
             self._read_at = t
         except Exception as e:  # noqa: BLE001 - a hint only
