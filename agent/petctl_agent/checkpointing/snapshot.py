@@ -377,6 +377,41 @@ def _populate(mm: mmap.mmap) -> None:
     _madvise(mm, MADV_POPULATE_WRITE)
 
 
+#: mmap(2) flags for a placeholder at a given address, failing (EEXIST) if anything is mapped there
+_MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_FIXED_NOREPLACE = 0x02, 0x20, 0x100000
+#: in a forked child: mappings of the parent's store whose range something else took before the
+#: at-fork handler ran; never closed (that would unmap the other thing), so never freed
+_kept_in_child: list[mmap.mmap] = []
+
+
+def _drop_in_child(mm: mmap.mmap) -> None:
+    """In a forked child: close ``mm`` (one of :func:`_own_map`'s: not in the child) and the
+    ``dup`` of its file's fd it holds, which kept the file's pages in ``/dev/shm`` for the child's
+    life once the parent unlinked the file. Its range is empty here, and ``mmap.close`` unmaps it:
+    a placeholder goes there first (``MAP_FIXED_NOREPLACE``), so a mapping another at-fork
+    handler made there meanwhile is never unmapped (that ``mm`` is then kept, never closed)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        anchor = ctypes.c_char.from_buffer(mm)
+    except (OSError, TypeError, ValueError):
+        return  # closed already, or empty
+    try:
+        addr = ctypes.addressof(anchor)
+    finally:
+        del anchor
+    libc.mmap.restype = ctypes.c_void_p
+    flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE
+    got = libc.mmap(ctypes.c_void_p(addr), ctypes.c_size_t(len(mm)), 0, flags, -1, ctypes.c_long(0))
+    if got == addr:
+        _close_map(mm)  # unmaps the placeholder
+        return
+    if got is not None and got != ctypes.c_void_p(-1).value:  # a kernel without NOREPLACE: a hint
+        libc.munmap(ctypes.c_void_p(got), ctypes.c_size_t(len(mm)))
+    _kept_in_child.append(mm)
+
+
 def _own_map(fd: int, size: int) -> mmap.mmap:
     """A shared mapping of a slot's or a spare's file for this process's writes, never in a forked
     child (``MADV_DONTFORK``): a DataLoader worker has no use for it, and its copy would keep the
@@ -571,7 +606,7 @@ class SnapshotStore:
         maps = list(self._maps.values()) + list(self._spare_maps.values())
         self._maps, self._spare_maps = {}, {}
         for _, mm in maps:
-            _close_map(mm)  # its range is unmapped here already: nothing else can be there yet
+            _drop_in_child(mm)
         self._made_spares = set()
         self._claims = {}
 
