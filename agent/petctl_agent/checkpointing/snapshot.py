@@ -166,6 +166,16 @@ class _Reservation:
     def __init__(self, budget: _Budget, need: int) -> None:
         self.budget, self.need, self.fd = budget, need, None
 
+    def grow(self, need: int, directory: Path, meminfo: Callable[[], dict[str, int]]) -> tuple[bool, str]:
+        """Reserve ``need`` bytes instead, if the bytes added fit with the allocations in flight
+        (a spare the reservation counted on is gone: a whole file is due); else (False, why)."""
+        with self.budget.lock:
+            extra = max(0, need - self.need)
+            ok, why = fits(extra + self.budget.pending() if extra else 0, directory, meminfo)
+            if ok:
+                self.need = max(self.need, need)
+            return ok, why
+
     def attach(self, fd: int) -> None:
         with self.budget.lock:
             self.fd = fd
@@ -192,51 +202,119 @@ def _budget(directory: Path) -> _Budget:
         return b
 
 
-# ---------------------------------------------------------------- lent files and fork
+# ---------------------------------------------------------------- locks, mappings and fork
 
-#: token -> fd of every file a restore has lent (a shared ``flock`` held while its tensors live)
-_lent: dict[int, int] = {}
-_lent_lock = threading.Lock()
-_lent_tokens = itertools.count()
+#: token -> (fd, st_dev, st_ino) of every lock fd of this process that a forked child (a DataLoader
+#: worker: ``os.fork``, no exec) must not keep: a file a restore has lent (a shared ``flock`` held
+#: while its tensors live), a pin (the persister's shared ``flock`` while it writes a slot to EFS),
+#: the writer's claim of a slot, the brief "is it lent?" checks (the writer's and the spare thread's).
+#: A ``flock`` belongs to the open file description, which fork shares: the child's copy of the fd
+#: kept the lock for as long as the child lived, after the parent had closed its own (a pinned slot
+#: blocked the writer for the child's life: deadlock; a lent one made every write a new file).
+_child_closes: dict[int, tuple[int, int, int]] = {}
+#: held while such an fd is opened (and locked, never waiting) and recorded, or closed and
+#: forgotten, and across ``os.fork`` (register_at_fork): a fork never falls between the two
+_fork_lock = threading.Lock()
+_tokens = itertools.count()
 
 
-def _lend(fd: int) -> int:
-    with _lent_lock:
-        token = next(_lent_tokens)
-        _lent[token] = fd
-        return token
+def _record(fd: int) -> int:
+    """Record ``fd`` to be closed in any child forked from now on (call with ``_fork_lock`` held)."""
+    st = os.fstat(fd)
+    for token, (f, dev, ino) in list(_child_closes.items()):  # closed by their owner (a pin: os.close)
+        try:
+            s = os.fstat(f)
+            if (s.st_dev, s.st_ino) == (dev, ino):
+                continue
+        except OSError:
+            pass
+        del _child_closes[token]
+    token = next(_tokens)
+    _child_closes[token] = (fd, st.st_dev, st.st_ino)
+    return token
+
+
+def _opened(open_fd: Callable[[], int | None]) -> tuple[int, int] | None:
+    """``open_fd()`` (an open, perhaps a non-blocking ``flock``: never waits), no fork in between,
+    its fd closed in every child forked later; ``(fd, token)`` (close with :func:`_close`) or None."""
+    with _fork_lock:
+        fd = open_fd()
+        if fd is None:
+            return None
+        try:
+            return fd, _record(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+
+
+def _close(token: int) -> None:
+    """Close a recorded fd (its lock goes). Once only; in a forked child the fd is closed already
+    (:func:`_after_fork_in_child`) and never closed twice (its number may be another file's now)."""
+    with _fork_lock:
+        entry = _child_closes.pop(token, None)
+        if entry is not None:
+            try:
+                os.close(entry[0])
+            except OSError:
+                pass
 
 
 def _unlend(token: int) -> None:
-    """Close a lent file's fd (its last tensor is gone): the lock goes. Once only; in a forked child
-    the fd is closed already (:func:`_forget_lent_in_child`) and never closed twice."""
-    with _lent_lock:
-        fd = _lent.pop(token, None)
-    if fd is not None:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+    """A lent file's last tensor is gone: close its fd, the lock goes."""
+    _close(token)
 
 
-def _forget_lent_in_child() -> None:
+def _lock_unlent(path: Path) -> tuple[int, int] | None:
+    """``path``'s flock, exclusively, if no restore has the file lent (non-blocking); else None.
+
+    ``(fd, token)``: close with :func:`_close`. A restore lends a slot's file with a shared
+    ``flock`` for as long as its tensors are views of it (:meth:`SnapshotStore.load`); the writer
+    then makes a new file.
+    """
+    return _opened(lambda: filelocks.try_hold(path, create=False))
+
+
+#: every store of this process: a forked child drops their mappings (:func:`_after_fork_in_child`)
+_stores: weakref.WeakSet[SnapshotStore] = weakref.WeakSet()
+
+
+def _before_fork() -> None:
+    _fork_lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _fork_lock.release()
+
+
+def _after_fork_in_child() -> None:
     """After ``os.fork`` (no exec: forked DataLoader workers), in the child: close its copies of
-    the lent files' fds. A ``flock`` belongs to the open file description, which fork shares, so a
-    child holding a copy kept the slot lent for as long as it lived (every later write to that slot
-    made a new file: up to 3x the state in ``/dev/shm``). Closing a copy never unlocks the parent's
-    (``LOCK_UN`` would: never called here); the child's mapping, and its views, stay valid. O_CLOEXEC
-    does not help with fork, and OFD ``fcntl`` locks are shared across fork the same way."""
-    global _lent_lock, _budgets_lock
-    _lent_lock = threading.Lock()  # a thread of the parent may have held it at the fork
+    the recorded lock fds (:data:`_child_closes`). Closing a copy never unlocks the parent's
+    (``LOCK_UN`` would: never called here); it ends the child's reference, so the lock goes when
+    the parent closes its own. O_CLOEXEC does not help with fork, and OFD ``fcntl`` locks are
+    shared across fork the same way. The child's lent mappings, and the restored tensors that
+    view them, stay valid.
+
+    The stores' own mappings (slots, spares) are not in the child (``MADV_DONTFORK``); their
+    ``mmap`` objects, each holding a ``dup`` of its file's fd, are dropped here: a file the parent
+    unlinks later (a spare it frees, a slot it replaces) keeps no pages in ``/dev/shm`` for the
+    child's life. Nor does the child ever free the parent's spares on its exit."""
+    global _fork_lock, _budgets_lock
+    _fork_lock = threading.Lock()  # held by the parent's fork (_before_fork): a new one
     _budgets_lock = threading.Lock()
     _budgets.clear()  # the parent's allocations in flight are not the child's
-    fds = list(_lent.values())
-    _lent.clear()
-    for fd in fds:
+    entries = list(_child_closes.values())
+    _child_closes.clear()
+    for fd, dev, ino in entries:
         try:
-            os.close(fd)
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == (dev, ino):
+                os.close(fd)
         except OSError:
             pass
+    _with_spares.clear()  # the parent's spares: its own exit frees them, never the child's
+    for store in list(_stores):
+        store._forget_in_child()
 
 
 #: stores that made spares: a worker that exits for good frees those no write took (atexit)
@@ -257,7 +335,9 @@ def _free_spares_at_exit() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_lent_in_child)
+    os.register_at_fork(
+        before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+    )
 
 
 def _fallocate(fd: int, size: int) -> None:
@@ -267,14 +347,13 @@ def _fallocate(fd: int, size: int) -> None:
 
 #: madvise(2) advice: fault every page of the range in for writing (Linux 5.14); not in Python 3.11
 MADV_POPULATE_WRITE = 23
+#: madvise(2) advice: the range is not in a child made by fork (Linux 2.6.16)
+MADV_DONTFORK = 10
 
 
-def _populate(mm: mmap.mmap) -> None:
-    """Fill ``mm``'s page tables now (a background thread's work), with the GIL released.
-
-    ``MADV_POPULATE_WRITE`` through ctypes: ``MAP_POPULATE`` and ``mmap.madvise`` hold the GIL for
-    the whole call (0.3-0.6 s/GiB here: the training thread would stall), a foreign call does not.
-    Best effort: an older kernel (EINVAL) leaves the faults to the copy."""
+def _madvise(mm: mmap.mmap, advice: int) -> None:
+    """``madvise`` over all of ``mm`` through ctypes, the GIL released (``mmap.madvise`` holds it).
+    Best effort: an older kernel (EINVAL) ignores it."""
     import ctypes
 
     try:
@@ -286,7 +365,61 @@ def _populate(mm: mmap.mmap) -> None:
         addr = ctypes.addressof(anchor)
     finally:
         del anchor  # the mapping's buffer export: the mmap could not close while it lived
-    libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(len(mm)), MADV_POPULATE_WRITE)
+    libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(len(mm)), advice)
+
+
+def _populate(mm: mmap.mmap) -> None:
+    """Fill ``mm``'s page tables now (a background thread's work), with the GIL released.
+
+    ``MADV_POPULATE_WRITE`` through ctypes: ``MAP_POPULATE`` and ``mmap.madvise`` hold the GIL for
+    the whole call (0.3-0.6 s/GiB here: the training thread would stall), a foreign call does not.
+    Best effort: an older kernel (EINVAL) leaves the faults to the copy."""
+    _madvise(mm, MADV_POPULATE_WRITE)
+
+
+#: mmap(2) flags for a placeholder at a given address, failing (EEXIST) if anything is mapped there
+_MAP_PRIVATE, _MAP_ANONYMOUS, _MAP_FIXED_NOREPLACE = 0x02, 0x20, 0x100000
+#: in a forked child: mappings of the parent's store whose range something else took before the
+#: at-fork handler ran; never closed (that would unmap the other thing), so never freed
+_kept_in_child: list[mmap.mmap] = []
+
+
+def _drop_in_child(mm: mmap.mmap) -> None:
+    """In a forked child: close ``mm`` (one of :func:`_own_map`'s: not in the child) and the
+    ``dup`` of its file's fd it holds, which kept the file's pages in ``/dev/shm`` for the child's
+    life once the parent unlinked the file. Its range is empty here, and ``mmap.close`` unmaps it:
+    a placeholder goes there first (``MAP_FIXED_NOREPLACE``), so a mapping another at-fork
+    handler made there meanwhile is never unmapped (that ``mm`` is then kept, never closed)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        anchor = ctypes.c_char.from_buffer(mm)
+    except (OSError, TypeError, ValueError):
+        return  # closed already, or empty
+    try:
+        addr = ctypes.addressof(anchor)
+    finally:
+        del anchor
+    libc.mmap.restype = ctypes.c_void_p
+    flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE
+    got = libc.mmap(ctypes.c_void_p(addr), ctypes.c_size_t(len(mm)), 0, flags, -1, ctypes.c_long(0))
+    if got == addr:
+        _close_map(mm)  # unmaps the placeholder
+        return
+    if got is not None and got != ctypes.c_void_p(-1).value:  # a kernel without NOREPLACE: a hint
+        libc.munmap(ctypes.c_void_p(got), ctypes.c_size_t(len(mm)))
+    _kept_in_child.append(mm)
+
+
+def _own_map(fd: int, size: int) -> mmap.mmap:
+    """A shared mapping of a slot's or a spare's file for this process's writes, never in a forked
+    child (``MADV_DONTFORK``): a DataLoader worker has no use for it, and its copy would keep the
+    file's pages (a whole state) in ``/dev/shm`` for the child's life after the parent unlinked it.
+    Not for a restore's mapping: restored tensors view that one, and a child may read them."""
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    _madvise(mm, MADV_DONTFORK)
+    return mm
 
 
 def _close_map(mm: mmap.mmap) -> None:
@@ -308,7 +441,7 @@ def _map_copy(fd: int, size: int, lend: bool) -> mmap.mmap:
     description of the same file (``/proc/self/fd``), never through the one that holds the lent
     ``flock``: Python's ``mmap`` keeps a ``dup`` of the fd it maps, which a forked child inherits
     and which would keep the lock (it belongs to the open file description) for as long as the
-    child lives -- closing the lock's fd in the child (:func:`_forget_lent_in_child`) must end it."""
+    child lives -- closing the lock's fd in the child (:func:`_after_fork_in_child`) must end it."""
     if not lend:
         return mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
     try:
@@ -319,15 +452,6 @@ def _map_copy(fd: int, size: int, lend: bool) -> mmap.mmap:
         return mmap.mmap(mfd, size, access=mmap.ACCESS_COPY)
     finally:
         os.close(mfd)
-
-
-def _lock_unlent(path: Path) -> int | None:
-    """``path``'s flock, exclusively, if no restore has the file lent (non-blocking); else None.
-
-    The fd to close. A restore lends a slot's file with a shared ``flock`` for as long as its
-    tensors are views of it (:meth:`SnapshotStore.load`); the writer then makes a new file.
-    """
-    return filelocks.try_hold(path, create=False)
 
 
 def _gib(n: int) -> str:
@@ -471,6 +595,20 @@ class SnapshotStore:
         self._spares: threading.Thread | None = None
         self._cancel = threading.Event()  # set by close(): the spare thread makes no more
         self._made_spares: set[str] = set()  # slots whose spare this store made (freed on close)
+        self._claims: dict[int, int] = {}  # fd -> token of the writer's claims (_claim_fd)
+        _stores.add(self)
+
+    def _forget_in_child(self) -> None:
+        """In a child forked from this process (:func:`_after_fork_in_child`): drop the mappings
+        (not in the child: ``MADV_DONTFORK``; their ``mmap`` objects hold a ``dup`` of the file's
+        fd) and the spares, which are the parent's."""
+        self._maps_lock = threading.Lock()  # a thread of the parent may have held it at the fork
+        maps = list(self._maps.values()) + list(self._spare_maps.values())
+        self._maps, self._spare_maps = {}, {}
+        for _, mm in maps:
+            _drop_in_child(mm)
+        self._made_spares = set()
+        self._claims = {}
 
     # -- paths and headers
 
@@ -492,23 +630,42 @@ class SnapshotStore:
 
         While pinned, :meth:`write` never writes into the slot; closing the fd (or dying) unpins.
         """
-        try:
-            fd = os.open(self.pin_path(c.slot), os.O_RDWR | os.O_CREAT, 0o600)
+        try:  # closed in a child forked while the persist runs: the pin lasts as long as ours
+            fd, token = _opened(lambda: os.open(self.pin_path(c.slot), os.O_RDWR | os.O_CREAT, 0o600))
         except OSError:
             return None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # a writer holds it exclusively only while it claims the slot
             if same_snapshot(self.read_header(c.slot), c):
-                fd, out = -1, fd
-                return out
+                token = -1
+                return fd
             return None
         finally:
-            if fd >= 0:
-                os.close(fd)
+            if token >= 0:
+                _close(token)
 
     def _claim(self, slot: str) -> int | None:
-        """The slot's pin lock, exclusively, if no persister pins it (non-blocking), else None."""
-        return filelocks.try_hold(self.pin_path(slot))
+        """The slot's pin lock, exclusively, if no persister pins it (non-blocking), else None.
+        The fd: close it with :meth:`_unclaim` (a child forked meanwhile closes its copy)."""
+        got = _opened(lambda: filelocks.try_hold(self.pin_path(slot)))
+        if got is None:
+            return None
+        self._claims[got[0]] = got[1]
+        return got[0]
+
+    def _claim_waiting(self, slot: str) -> int:
+        """The slot's pin lock, exclusively, waiting for the persister that pins it."""
+        fd, token = _opened(lambda: os.open(self.pin_path(slot), os.O_RDWR | os.O_CREAT, 0o600))
+        self._claims[fd] = token
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # not under _fork_lock: a fork meanwhile closes the child's copy
+        except BaseException:
+            self._unclaim(fd)
+            raise
+        return fd
+
+    def _unclaim(self, fd: int) -> None:
+        _close(self._claims.pop(fd))
 
     def read_header(self, slot: str) -> dict[str, Any] | None:
         """The slot's header if present and intact (its own crc32 matches), else None."""
@@ -708,13 +865,12 @@ class SnapshotStore:
             claim = self._claim(slot)
         if claim is None:  # both pinned (two persisters): wait for the older one's persist to end
             slot = SLOTS[0] if newest is None or newest.slot == SLOTS[1] else SLOTS[1]
-            claim = os.open(self.pin_path(slot), os.O_RDWR | os.O_CREAT, 0o600)
-            fcntl.flock(claim, fcntl.LOCK_EX)
+            claim = self._claim_waiting(slot)
         held = [claim]
 
         def release() -> None:
             if held:
-                os.close(held.pop())
+                self._unclaim(held.pop())
 
         try:
             return self._write_slot(
@@ -740,7 +896,7 @@ class SnapshotStore:
     ) -> str:
         """``lazy`` (a receive): ``fill(mm, reserve)``, a new file's pages allocated per piece."""
         data = self.data_path(slot)
-        lent: int | None = None  # the data file's flock, exclusive, while nobody has it lent
+        lent: tuple[int, int] | None = None  # the data file's flock, exclusive, while nobody has it lent
         res: _Reservation | None = None
         try:
             try:
@@ -774,7 +930,7 @@ class SnapshotStore:
             raise
         finally:
             if lent is not None:
-                os.close(lent)  # a restore that lends the file from now on finds no header: never maps it
+                _close(lent[1])  # a restore that lends the file from now on finds no header: never maps it
         release()  # a persister that pins the slot now finds no header: it never reads it
         try:
             placed = self._place(slot, data, size, held, spare, res, lazy)
@@ -843,7 +999,12 @@ class SnapshotStore:
                     self._keep_map(slot, spare_map)  # mapped and populated in the background too
                     spare_map = None
             except OSError:
-                pass
+                if not held:  # the spare is gone (removed meanwhile): a whole file, reserved as a whole
+                    ok, why = res.grow(size, self.dir, self.meminfo)
+                    if not ok:
+                        if spare_map is not None:
+                            _close_map(spare_map[1])
+                        return f"no-fit: {why}"
         else:  # in place after all (the restore's tensors are gone), or no spare: none kept unused
             self.spare_path(slot).unlink(missing_ok=True)
         if spare_map is not None:
@@ -865,7 +1026,7 @@ class SnapshotStore:
                 if not held:
                     os.ftruncate(fd, size)
                 if size and lazy:  # a receive: pages allocated per piece, as the bytes arrive
-                    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+                    mm = _own_map(fd, size)
                     self._keep_map(slot, (os.fstat(fd).st_ino, mm))
                 elif size:
                     try:
@@ -876,7 +1037,7 @@ class SnapshotStore:
                     # kept mapped between writes. Not MAP_POPULATE: it fills the page tables
                     # in one thread, holding the GIL (0.45-0.50 s/GiB here), where the copy's own
                     # page faults, taken by torch's copy threads, cost 0.15 (docs/benchmarks.md)
-                    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+                    mm = _own_map(fd, size)
                     self._keep_map(slot, (os.fstat(fd).st_ino, mm))
             except BaseException:
                 if rfd >= 0:
@@ -963,10 +1124,10 @@ class SnapshotStore:
             st = os.stat(data)
             due = st.st_size != size
             if not due:
-                fd = _lock_unlent(data)
-                due = fd is None
-                if fd is not None:
-                    os.close(fd)
+                got = _lock_unlent(data)
+                due = got is None
+                if got is not None:
+                    _close(got[1])
         except FileNotFoundError:
             due = True
         if not due or self._spare_of(slot, size) or self._cancel.is_set():
@@ -1001,14 +1162,23 @@ class SnapshotStore:
         except OSError:
             return
         try:
-            held = (os.fstat(fd).st_ino, mmap.mmap(fd, size, flags=mmap.MAP_SHARED))
+            held = (os.fstat(fd).st_ino, _own_map(fd, size))
         finally:
             os.close(fd)
         _populate(held[1])
         with self._maps_lock:
-            old, self._spare_maps[slot] = self._spare_maps.get(slot), held
-        if old is not None:
-            _close_map(old[1])
+            # kept only while it is still the spare: the writer may have taken it (renamed into
+            # place: mapped by the write itself) or removed it meanwhile, or the store closed
+            try:
+                current = os.stat(path).st_ino == held[0] and not self._cancel.is_set()
+            except OSError:
+                current = False
+            old = None
+            if current:
+                old, self._spare_maps[slot], held = self._spare_maps.get(slot), held, None
+        for left in (old, held):
+            if left is not None:
+                _close_map(left[1])
 
     def _premap(self, slot: str, size: int) -> None:
         """Map the slot's file and fill its page tables in the background when a write will reuse
@@ -1020,7 +1190,7 @@ class SnapshotStore:
         lock = _lock_unlent(data)
         if lock is None:
             return  # lent (or missing): the write makes a new file
-        os.close(lock)
+        _close(lock[1])
         try:
             fd = os.open(data, os.O_RDWR)
         except OSError:
@@ -1029,7 +1199,7 @@ class SnapshotStore:
             st = os.fstat(fd)
             if st.st_size != size or st.st_blocks * 512 < size:
                 return  # a write makes a new file (a spare, or its own)
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            mm = _own_map(fd, size)
         finally:
             os.close(fd)
         _populate(mm)
@@ -1112,8 +1282,11 @@ class SnapshotStore:
         # in place, so without that room every later write to it would go to EFS the slow way
         # (its no-fit would repeat for the worker's whole life). No room: a copy, as before.
         lend = _on_cpu(map_location) and _budget(self.dir).fits(h["size"], self.dir, self.meminfo)[0]
-        try:
-            fd = os.open(self.data_path(c.slot), os.O_RDONLY)
+        path = self.data_path(c.slot)
+        try:  # lent: closed in a child forked from now on (its copy would keep the file lent)
+            fd, token = (
+                _opened(lambda: os.open(path, os.O_RDONLY)) if lend else (os.open(path, os.O_RDONLY), -1)
+            )
         except OSError:
             return None
         mm = None
@@ -1128,8 +1301,10 @@ class SnapshotStore:
                 return None
             mm = _map_copy(fd, h["size"], lend) if h["size"] else None
         finally:
-            if not lend or mm is None:
+            if not lend:
                 os.close(fd)
+            elif mm is None:
+                _close(token)
         view = memoryview(mm) if mm is not None else memoryview(b"")
         out: list[Any] = []
         try:
@@ -1156,7 +1331,7 @@ class SnapshotStore:
                 return None
             state = decode_structure(h["structure"], out)
             if lend and mm is not None:
-                weakref.finalize(mm, _unlend, _lend(fd))  # the lock goes with the last view
+                weakref.finalize(mm, _unlend, token)  # the lock goes with the last view
                 mm = None
             return state
         finally:
@@ -1168,7 +1343,7 @@ class SnapshotStore:
                 except BufferError:  # a view escaped (cannot happen on the paths above): let gc close it
                     pass
                 if lend:
-                    os.close(fd)
+                    _close(token)
 
     def close(self) -> None:
         """Wait for the last write and drop this process's mappings (the snapshots stay); free the
