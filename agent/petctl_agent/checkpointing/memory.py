@@ -21,10 +21,12 @@ by default; docs/agent.md, "Memory snapshots"). Then, for plain (not sharded) st
      need it (timeout ``PETCTL_SNAPSHOT_PEER_TIMEOUT``, default 60 s), straight out of the mapping
      its own restored tensors view, checking the crc32s as the pieces go (its load's one pass: the
      receivers never wait for the source's own load); the receivers check every crc32 as the
-     pieces arrive. A holder whose own copy fails its check gets it from a peer the same way;
+     pieces arrive. A holder whose own copy fails its check (the source's too: then with every
+     receiver) gets it the same way, once more, from a rank whose store holds the step and whose
+     copy passed;
   3. else (no rank holds a step as new as ``latest``, or the source's copy or a receiver's check
-     failed) every rank loads the checkpoint directory as today -- after a rank that holds the
-     agreed step, when it is newer than ``latest``, had it persisted (:func:`_persist_before_efs`:
+     failed) every rank loads the checkpoint directory as today -- after a rank whose store holds
+     the agreed step, its copy checked, when it is newer than ``latest``, had it persisted (:func:`_persist_before_efs`:
      a drain of the rank-0 node does not wait for EFS, so the drained step may be only in a
      survivor's memory).
 
