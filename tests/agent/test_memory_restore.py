@@ -880,3 +880,37 @@ def test_a_source_whose_own_copy_is_corrupt_is_replaced_by_another_holder(tmp_pa
     assert [r["report"]["source"] for r in res] == ["peer", "self", "peer"], res
     assert [r["start"] for r in res] == [7, 7, 7], res
     assert all(r["w"] == [7.0] * 4 for r in res)
+
+
+def test_a_transfer_longer_than_the_peer_timeout_does_not_fail_the_holders_outside_it(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 sends step 6 to rank 2 (a newcomer) in 4 pieces, its crc32 made slow (1 s a piece),
+    with PETCTL_SNAPSHOT_PEER_TIMEOUT 2 s: every piece arrives within the timeout, the whole
+    transfer does not. Rank 1, a holder outside the transfer, waits for it at the end; that wait
+    is bounded per piece too (before: one peer timeout, so it raised PeerRestoreError after 2 s
+    and every rank exited)."""
+    efs = tmp_path / "efs"
+    _efs_with_a_broken_step_4(efs)
+    n = 1 << 20  # 4 MiB of float32 in 1 MiB pieces
+    for r in (0, 1):
+        _snap(tmp_path / f"n{r}", 6, n)
+    base = {
+        "PETCTL_CHECKPOINT_DIR": str(efs),
+        "TOTAL": "6",
+        "PETCTL_SNAPSHOT_CHUNK": str(1 << 20),
+        "PETCTL_SNAPSHOT_PEER_TIMEOUT": "2",
+        "TRACE_CRC": "1",
+    }
+    cps = _ranks(
+        tmp_path,
+        [
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n0"), "SLOW_CRC": "1.0"},
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n1")},
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n2")},
+        ],
+    )
+    res = [_res(cp) for cp in cps]
+    assert [r["report"]["source"] for r in res] == ["self", "self", "peer"], res
+    assert all(r["w"] == [6.0] * 4 for r in res)
+    assert res[0]["report"]["seconds"] > 2  # the transfer outlasted one peer timeout

@@ -27,13 +27,16 @@ from petctl_agent.node.snapshots import SnapshotArea
 CORRUPT = """
 import torch, torch.distributed as dist
 _real, _seen = dist.broadcast, [0]
-def _corrupting(t, src, group=None, **kw):
-    out = _real(t, src, group=group, **kw)
+class _Done:
+    def wait(self):
+        return True
+def _corrupting(t, src, group=None, async_op=False, **kw):
+    out = _real(t, src, group=group, **kw)  # waited for: a flip before the bytes land is lost
     if dist.get_rank() != src and t.dtype == torch.uint8:
         _seen[0] += 1
         if _seen[0] == 2 and t.numel():  # 1: the header; 2: the first chunk of the data
             t[0] ^= 0xFF
-    return out
+    return _Done() if async_op else out
 dist.broadcast = _corrupting
 """
 

@@ -310,7 +310,7 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
         marks.append((what, time.monotonic()))
 
     group = dist.new_group(backend="gloo", timeout=timeout)  # every rank: the restore's own group
-    sub = None
+    sub = end = None
     try:
         agreed = max(_all_gather(mine, group))
         mark("agree")  # mostly waiting for the last rank to get here (process start, init)
@@ -319,8 +319,9 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
         agreed = min(_all_gather(agreed, group))
         if agreed < 0:
             return None
-        # who holds the step: a complete header of it (its bytes are checked while loaded or sent)
-        holds = _all_gather(int(_holds(store, agreed)), group)
+        # who holds the step (a complete header of it; its bytes are checked while loaded or
+        # sent), and its size (+1; 0: not held)
+        holds = _all_gather(_snapshot_size(store, agreed) + 1 if _holds(store, agreed) else 0, group)
         holders = [r for r, v in enumerate(holds) if v]
         if not holders:
             return None
@@ -332,6 +333,12 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
         src = holders[0]  # the lowest holder by header; its bytes are checked as they go
         for attempt in (1, 2):
             if needers:
+                if end is None:
+                    # for the gather after the transfer, where the ranks outside it wait: each
+                    # piece is bounded by the peer timeout, so the whole transfer by as many (one
+                    # timeout there failed every rank on a transfer longer than 60 s)
+                    pieces = -(-(max(holds) - 1) // _chunk())
+                    end = dist.new_group(backend="gloo", timeout=timeout * (pieces + 3))
                 sub = dist.new_group(ranks=[src, *needers], backend="gloo", timeout=timeout)
                 mark("group")
                 if me == src:
@@ -357,7 +364,7 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
             # A receiver whose node could not keep the step (a plain buffer) is no source: its
             # `_send` would announce nothing, its persister would ignore a request for the step
             serves = state is not None and (source == "self" or bool(kept and kept[0]))
-            flags = _all_gather(int(state is not None) | int(serves) << 1, group)
+            flags = _all_gather(int(state is not None) | int(serves) << 1, end or group)
             mark("end")
             oks = [v & 1 for v in flags]
             sources = [r for r, v in enumerate(flags) if v & 2]
@@ -380,7 +387,7 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
             "exiting so the next round restores from a surviving copy or EFS"
         ) from e
     finally:
-        for g in (sub, group):
+        for g in (sub, end, group):
             try:
                 if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
                     dist.destroy_process_group(g)
