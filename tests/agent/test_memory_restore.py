@@ -819,3 +819,98 @@ def test_store_freed_at_job_end(make_cluster, shm_base: Path) -> None:
     assert a.proc.returncode == 0 and (c.status(a.instance_id) or {}).get("state") == "SUCCEEDED"
     assert not store.exists() and not (shm_base / "memend").exists()
     assert ckpt.latest_step(c.ckpt_dir) == 60
+
+
+# ------------------------------------------------------------------ retries and sources (review of s26)
+
+
+def _corrupt(d: Path, step: int, n: int) -> None:
+    """A complete snapshot of ``step`` in ``d`` whose data has one byte flipped (its crc32 fails)."""
+    s = _snap(d, step, n)
+    data = s.data_path(s.newest().slot)
+    raw = bytearray(data.read_bytes())
+    raw[5] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
+def test_the_retry_comes_from_a_store_that_holds_the_step_not_a_receivers_buffer(tmp_path: Path) -> None:
+    """Rank 0 is a newcomer whose node has no room (it receives into a plain buffer, keeps
+    nothing), rank 1 holds a good step 6, rank 2 a corrupt one. Attempt 1: rank 1 sends to rank
+    0, rank 2 finds its copy bad. The retry for rank 2 must come from rank 1, whose store holds
+    the step -- not rank 0, the lowest rank with a state, whose store lacks it (before: rank 0
+    announced nothing, every rank fell back to EFS's step 4, and rank 0 was "persisting" a step
+    it never held)."""
+    efs = tmp_path / "efs"
+    ckpt.save({"w": torch.full((4,), 4.0)}, 4, efs)
+    n = 1 << 18
+    _snap(tmp_path / "n1", 6, n)
+    _corrupt(tmp_path / "n2", 6, n)
+    full = tmp_path / "meminfo-full"
+    full.write_text("MemTotal:       8388608 kB\nMemAvailable:          0 kB\n")
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "7", "PETCTL_SNAPSHOT_CHUNK": str(1 << 18)}
+    t0 = time.monotonic()
+    cps = _ranks(
+        tmp_path,
+        [
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n0"), "PETCTL_SNAPSHOT_MEMINFO": str(full)},
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n1")},
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n2")},
+        ],
+    )
+    res = [_res(cp) for cp in cps]
+    assert time.monotonic() - t0 < 60
+    assert [r["report"]["source"] for r in res] == ["peer", "self", "peer"], res
+    assert [r["start"] for r in res] == [7, 7, 7], res
+    assert all(r["w"] == [7.0] * 4 for r in res)
+    assert SnapshotStore(tmp_path / "n0", memory.NAME).newest() is None  # rank 0's node kept nothing
+
+
+def test_a_source_whose_own_copy_is_corrupt_is_replaced_by_another_holder(tmp_path: Path) -> None:
+    """Rank 0, the lowest holder and so the source, holds step 6 with a flipped byte; rank 1 a
+    good copy; rank 2 nothing. Every receiver of rank 0's bytes fails, and so does rank 0: one
+    more transfer, from rank 1, restores both (before: every rank fell back to EFS)."""
+    efs = tmp_path / "efs"
+    _efs_with_a_broken_step_4(efs)
+    n = 1 << 18
+    _corrupt(tmp_path / "n0", 6, n)
+    _snap(tmp_path / "n1", 6, n)
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "7", "PETCTL_SNAPSHOT_CHUNK": str(1 << 18)}
+    cps = _ranks(tmp_path, [{**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}")} for r in range(3)])
+    res = [_res(cp) for cp in cps]
+    assert [r["report"]["source"] for r in res] == ["peer", "self", "peer"], res
+    assert [r["start"] for r in res] == [7, 7, 7], res
+    assert all(r["w"] == [7.0] * 4 for r in res)
+
+
+def test_a_transfer_longer_than_the_peer_timeout_does_not_fail_the_holders_outside_it(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 sends step 6 to rank 2 (a newcomer) in 4 pieces, its crc32 made slow (1 s a piece),
+    with PETCTL_SNAPSHOT_PEER_TIMEOUT 2 s: every piece arrives within the timeout, the whole
+    transfer does not. Rank 1, a holder outside the transfer, waits for it at the end; that wait
+    is bounded per piece too (before: one peer timeout, so it raised PeerRestoreError after 2 s
+    and every rank exited)."""
+    efs = tmp_path / "efs"
+    _efs_with_a_broken_step_4(efs)
+    n = 1 << 20  # 4 MiB of float32 in 1 MiB pieces
+    for r in (0, 1):
+        _snap(tmp_path / f"n{r}", 6, n)
+    base = {
+        "PETCTL_CHECKPOINT_DIR": str(efs),
+        "TOTAL": "6",
+        "PETCTL_SNAPSHOT_CHUNK": str(1 << 20),
+        "PETCTL_SNAPSHOT_PEER_TIMEOUT": "2",
+        "TRACE_CRC": "1",
+    }
+    cps = _ranks(
+        tmp_path,
+        [
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n0"), "SLOW_CRC": "1.0"},
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n1")},
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n2")},
+        ],
+    )
+    res = [_res(cp) for cp in cps]
+    assert [r["report"]["source"] for r in res] == ["self", "self", "peer"], res
+    assert all(r["w"] == [6.0] * 4 for r in res)
+    assert res[0]["report"]["seconds"] > 2  # the transfer outlasted one peer timeout

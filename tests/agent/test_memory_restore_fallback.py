@@ -17,7 +17,8 @@ import torch
 from test_memory_restore import Pub
 
 from petctl_agent import checkpoint as ckpt
-from petctl_agent.checkpointing import persist
+from petctl_agent import filelocks
+from petctl_agent.checkpointing import memory, persist
 from petctl_agent.node import snapshots
 from petctl_agent.node.snapshots import SnapshotArea
 
@@ -26,13 +27,16 @@ from petctl_agent.node.snapshots import SnapshotArea
 CORRUPT = """
 import torch, torch.distributed as dist
 _real, _seen = dist.broadcast, [0]
-def _corrupting(t, src, group=None, **kw):
-    out = _real(t, src, group=group, **kw)
+class _Done:
+    def wait(self):
+        return True
+def _corrupting(t, src, group=None, async_op=False, **kw):
+    out = _real(t, src, group=group, **kw)  # waited for: a flip before the bytes land is lost
     if dist.get_rank() != src and t.dtype == torch.uint8:
         _seen[0] += 1
         if _seen[0] == 2 and t.numel():  # 1: the header; 2: the first chunk of the data
             t[0] ^= 0xFF
-    return out
+    return _Done() if async_op else out
 dist.broadcast = _corrupting
 """
 
@@ -99,3 +103,69 @@ def _until_served(sdir: Path) -> None:
     while not persist.served(sdir):
         assert time.monotonic() < deadline, "the persister never took its lock"
         time.sleep(0.05)
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A gloo group of this process alone (rank 0 of 1) on 127.0.0.1, destroyed after."""
+    import sys
+
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(tmr.REPO / "scripts"))
+    from harness import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        memory.close_persisters()
+
+
+def test_a_holder_whose_store_lacks_the_step_says_so_at_once(
+    one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+) -> None:
+    """``_persist_before_efs`` asked of a rank whose store lacks the step (it holds step 5 only)
+    while a persister serves that store: the persister would ignore the request (it persists only
+    a step its store holds), so waiting for it would keep every rank in the barrier for the whole
+    PETCTL_CHECKPOINT_TIMEOUT. It returns at once, EFS untouched."""
+    monkeypatch.setenv("PETCTL_CHECKPOINT_TIMEOUT", "30")
+    efs = tmp_path / "efs"
+    ckpt.save({"w": torch.full((4,), 4.0)}, 4, efs)
+    sdir = tmp_path / "n0"
+    tmr._snap(sdir, 5)
+    lock = filelocks.hold(sdir / persist.LOCK)  # a persister that serves the store (and ignores it)
+    try:
+        assert persist.served(sdir)
+        t0 = time.monotonic()
+        memory._persist_before_efs(memory._store(sdir), 6, efs, 0)
+        assert time.monotonic() - t0 < 5
+    finally:
+        os.close(lock)
+    assert ckpt.latest_step(efs) == 4
+    assert "no longer holds it complete" in capfd.readouterr().err
+
+
+def test_a_holders_wait_for_a_stuck_persister_is_capped_below_the_others_timeout(
+    one_rank: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The holder holds step 6; its store's persister never answers. It waits at most T/2 for
+    it (T: PETCTL_CHECKPOINT_TIMEOUT, here 4 s), then writes the step itself: well inside the
+    others' barrier (2T + 60 s), which it must never outlast (before: it waited the whole T first,
+    then wrote, while the barrier allowed only T + 60 s)."""
+    monkeypatch.setenv("PETCTL_CHECKPOINT_TIMEOUT", "4")
+    efs = tmp_path / "efs"
+    ckpt.save({"w": torch.full((4,), 4.0)}, 4, efs)
+    sdir = tmp_path / "n0"
+    tmr._snap(sdir, 6)
+    lock = filelocks.hold(sdir / persist.LOCK)
+    try:
+        t0 = time.monotonic()
+        memory._persist_before_efs(memory._store(sdir), 6, efs, 0)
+        took = time.monotonic() - t0
+    finally:
+        os.close(lock)
+    assert ckpt.latest_step(efs) == 6
+    assert 2 <= took < 3.5, took
+    assert memory._efs_wait_timeout() == 2 * 4 + 60

@@ -21,10 +21,12 @@ by default; docs/agent.md, "Memory snapshots"). Then, for plain (not sharded) st
      need it (timeout ``PETCTL_SNAPSHOT_PEER_TIMEOUT``, default 60 s), straight out of the mapping
      its own restored tensors view, checking the crc32s as the pieces go (its load's one pass: the
      receivers never wait for the source's own load); the receivers check every crc32 as the
-     pieces arrive. A holder whose own copy fails its check gets it from a peer the same way;
+     pieces arrive. A holder whose own copy fails its check (the source's too: then with every
+     receiver) gets it the same way, once more, from a rank whose store holds the step and whose
+     copy passed;
   3. else (no rank holds a step as new as ``latest``, or the source's copy or a receiver's check
-     failed) every rank loads the checkpoint directory as today -- after a rank that holds the
-     agreed step, when it is newer than ``latest``, had it persisted (:func:`_persist_before_efs`:
+     failed) every rank loads the checkpoint directory as today -- after a rank whose store holds
+     the agreed step, its copy checked, when it is newer than ``latest``, had it persisted (:func:`_persist_before_efs`:
      a drain of the rank-0 node does not wait for EFS, so the drained step may be only in a
      survivor's memory).
 
@@ -166,14 +168,16 @@ def _checkpoint_timeout() -> float:
     return float(os.environ.get("PETCTL_CHECKPOINT_TIMEOUT") or 1800)
 
 
-def _wait_persisted(store: SnapshotStore, step: int, directory: Path, keep: int) -> bool:
+def _wait_persisted(
+    store: SnapshotStore, step: int, directory: Path, keep: int, timeout: float | None = None
+) -> bool:
     """True once ``latest`` names ``step`` (or newer): the agent's persister's, else our own write.
 
-    False when neither got it there within ``PETCTL_CHECKPOINT_TIMEOUT`` (the caller then writes
-    the state it holds the old way: a wait for EFS is never unbounded).
+    False when neither got it there within ``timeout`` (default ``PETCTL_CHECKPOINT_TIMEOUT``;
+    the caller then writes the state it holds the old way: a wait for EFS is never unbounded).
     """
     sdir = store.dir
-    deadline = time.monotonic() + _checkpoint_timeout()
+    deadline = time.monotonic() + (_checkpoint_timeout() if timeout is None else timeout)
     while time.monotonic() < deadline:
         p = read_pointer(directory)
         if p and int(p.get("step", -1)) >= step:
@@ -306,7 +310,7 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
         marks.append((what, time.monotonic()))
 
     group = dist.new_group(backend="gloo", timeout=timeout)  # every rank: the restore's own group
-    sub = None
+    sub = end = None
     try:
         agreed = max(_all_gather(mine, group))
         mark("agree")  # mostly waiting for the last rank to get here (process start, init)
@@ -315,8 +319,9 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
         agreed = min(_all_gather(agreed, group))
         if agreed < 0:
             return None
-        # who holds the step: a complete header of it (its bytes are checked while loaded or sent)
-        holds = _all_gather(int(_holds(store, agreed)), group)
+        # who holds the step (a complete header of it; its bytes are checked while loaded or
+        # sent), and its size (+1; 0: not held)
+        holds = _all_gather(_snapshot_size(store, agreed) + 1 if _holds(store, agreed) else 0, group)
         holders = [r for r, v in enumerate(holds) if v]
         if not holders:
             return None
@@ -325,9 +330,15 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
         kept: tuple[bool, float] | None = None
         state = None
         me = dist.get_rank()
+        src = holders[0]  # the lowest holder by header; its bytes are checked as they go
         for attempt in (1, 2):
             if needers:
-                src = holders[0]
+                if end is None:
+                    # for the gather after the transfer, where the ranks outside it wait: each
+                    # piece is bounded by the peer timeout, so the whole transfer by as many (one
+                    # timeout there failed every rank on a transfer longer than 60 s)
+                    pieces = -(-(max(holds) - 1) // _chunk())
+                    end = dist.new_group(backend="gloo", timeout=timeout * (pieces + 3))
                 sub = dist.new_group(ranks=[src, *needers], backend="gloo", timeout=timeout)
                 mark("group")
                 if me == src:
@@ -348,16 +359,27 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
             elif state is None:
                 state = store.load(agreed, map_location=map_location)
                 mark("load")
-            oks = _all_gather(int(state is not None), group)
+            # bit 0: this rank has the state; bit 1: it can serve it -- its node's store holds the
+            # step (its own copy, or a peer's received into it) and that copy passed its checks.
+            # A receiver whose node could not keep the step (a plain buffer) is no source: its
+            # `_send` would announce nothing, its persister would ignore a request for the step
+            serves = state is not None and (source == "self" or bool(kept and kept[0]))
+            flags = _all_gather(int(state is not None) | int(serves) << 1, end or group)
             mark("end")
+            oks = [v & 1 for v in flags]
+            sources = [r for r, v in enumerate(flags) if v & 2]
             bad = [r for r, v in enumerate(oks) if not v]
-            if not bad or attempt == 2 or any(r in needers for r in bad) or len(bad) == len(oks):
-                break  # done; or a transfer failed its checks (EFS, below)
-            # a holder's own copy failed its check: one more transfer, from a rank whose copy loaded
+            # a receiver failing while its source's copy passed: the transfer itself (no room,
+            # bytes changed on the way): EFS, below. Else (a holder's own copy failed, the
+            # source's included: then every receiver failed too) one more transfer to every
+            # rank that failed, from a rank whose copy passed
+            transfer_failed = bool(needers) and src not in bad and any(r in needers for r in bad)
+            if not bad or attempt == 2 or not sources or transfer_failed:
+                break
             for g in (sub,):
                 if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
                     dist.destroy_process_group(g)
-            sub, holders, needers = None, [r for r, v in enumerate(oks) if v], bad
+            sub, src, needers = None, sources[0], bad
         ok = min(oks)
     except Exception as e:  # noqa: BLE001 - a dead peer breaks the group for every rank
         raise PeerRestoreError(
@@ -365,18 +387,18 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
             "exiting so the next round restores from a surviving copy or EFS"
         ) from e
     finally:
-        for g in (sub, group):
+        for g in (sub, end, group):
             try:
                 if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
                     dist.destroy_process_group(g)
             except Exception:  # noqa: BLE001 - a broken group may not tear down cleanly
                 pass
     if not ok:  # a check failed: every rank loads EFS (the group still agreed) ...
-        # ... once a holder whose own copy passed its checks put the agreed step there (a drain
-        # did not wait for EFS). A holder is known by its header alone: a torn copy is no source
-        good = [r for r in holders if oks[r]]
-        if agreed > efs and good:
-            _persist_before_efs(store, agreed, directory, good[0])
+        # ... once a rank whose store holds the agreed step, its copy checked, put it there (a
+        # drain did not wait for EFS). A torn copy, or a step received into a plain buffer, is
+        # no source: its persister could not serve the request
+        if agreed > efs and sources:
+            _persist_before_efs(store, agreed, directory, sources[0])
         return None
     extra: dict[str, Any] = {}
     held = source == "self"
@@ -407,28 +429,43 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
     return state, agreed
 
 
+def _efs_wait_timeout() -> float:
+    """The others' bound on :func:`_persist_before_efs`'s holder: 2T + 60 s (T:
+    ``PETCTL_CHECKPOINT_TIMEOUT``). The holder waits at most T/2 for its agent's persister, then
+    writes the step itself (one write, as a checkpoint's own fallback does) and waits at most 5 s
+    more: its worst case, T/2 + a write + 5 s, stays under it for any write shorter than 1.5T."""
+    return 2 * _checkpoint_timeout() + 60
+
+
 def _persist_before_efs(store: SnapshotStore, step: int, directory: Path, holder: int) -> None:
     """Every rank is about to load EFS although rank ``holder`` holds ``step``, newer than
     ``latest`` (a drain whose rank 0 left did not wait for EFS: a staying node's memory was the
     copy). The holder persists it first -- its agent's persister, else in this process, as a
-    checkpoint's wait does (bounded by ``PETCTL_CHECKPOINT_TIMEOUT``) -- and every rank waits for
-    it, so the fallback loads that step, not an older one (docs/agent.md, "Memory snapshots")."""
+    checkpoint's wait does (bounded: :func:`_efs_wait_timeout`) -- and every rank waits for it, so
+    the fallback loads that step, not an older one (docs/agent.md, "Memory snapshots"). A holder
+    whose store lacks a complete copy of the step (its persister would ignore the request) says so
+    at once: every rank loads EFS as it is."""
     import torch.distributed as dist
 
     keep = int(os.environ.get("PETCTL_CHECKPOINT_KEEP", "3"))
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=_checkpoint_timeout() + 60))
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=_efs_wait_timeout()))
     try:
         if dist.get_rank() == holder:
-            try:
-                if persist.served(store.dir):
-                    persist.request(store.dir, step, directory, keep)
-                done = _wait_persisted(store, step, directory, keep)
-            except Exception as e:  # noqa: BLE001 - EFS trouble: the ranks load the older step
-                done = False
-                print(f"petctl checkpoint: {type(e).__name__}: {e}", file=sys.stderr)
+            newest = store.newest()
+            done = False
+            if not _holds(store, step) or newest is None or newest.step != step:
+                why = "this node's memory no longer holds it complete"
+            else:
+                why = "could not be persisted"
+                try:
+                    if persist.served(store.dir):
+                        persist.request(store.dir, step, directory, keep)
+                    done = _wait_persisted(store, step, directory, keep, timeout=_checkpoint_timeout() / 2)
+                except Exception as e:  # noqa: BLE001 - EFS trouble: the ranks load the older step
+                    print(f"petctl checkpoint: {type(e).__name__}: {e}", file=sys.stderr)
             print(
                 f"petctl checkpoint: the restore from memory failed; step {step} "
-                + ("persisted from this node's memory first" if done else "could not be persisted")
+                + ("persisted from this node's memory first" if done else why)
                 + ": every rank loads EFS",
                 file=sys.stderr,
                 flush=True,
