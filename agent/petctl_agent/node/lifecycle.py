@@ -261,12 +261,9 @@ class Lifecycle:
         unless ``IncludeInstances`` is false)."""
         if not self.spec.worker_group:
             return None
-        client = self._autoscaling()
-        kw: dict[str, Any] = {"AutoScalingGroupNames": [self.spec.worker_group]}
-        op = client.meta.service_model.operation_model("DescribeAutoScalingGroups")
-        if "IncludeInstances" in op.input_shape.members:  # an older botocore (boto3>=1.34) lacks it
-            kw["IncludeInstances"] = instances
-        groups = client.describe_auto_scaling_groups(**kw)["AutoScalingGroups"]
+        groups = self._autoscaling().describe_auto_scaling_groups(
+            AutoScalingGroupNames=[self.spec.worker_group], IncludeInstances=instances
+        )["AutoScalingGroups"]
         if not groups:
             return {"desired": 0, "in_service": 0, "pending": 0}
         g = groups[0]
