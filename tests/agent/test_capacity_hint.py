@@ -8,7 +8,6 @@ a real etcd for the rendezvous."""
 from __future__ import annotations
 
 import shutil
-import threading
 import time
 from collections.abc import Callable
 
@@ -18,7 +17,6 @@ from test_rendezvous import Group
 from petctl_agent.cloud import aws
 from petctl_agent.cloud.imds import Imds
 from petctl_agent.node.lifecycle import CapacityHint, Lifecycle
-from petctl_agent.rendezvous import PetctlRendezvousHandler
 from petctl_agent.settings import Settings
 from petctl_agent.spec import JobSpec
 
@@ -148,37 +146,7 @@ def test_a_scale_up_seen_only_by_the_api_is_one_round(
     time.sleep(1.5)  # running: every hint has read 8
     assert {h.expected_nodes.value for h in old} == {n0}
     _set_desired(n1)
-    new: list[PetctlRendezvousHandler] = []
-
-    def arrive() -> None:
-        t0 = time.monotonic()
-        for i in range(n1 - n0):
-            time.sleep(max(0.0, t0 + spread * i / (n1 - n0 - 1) - time.monotonic()))
-            h = g.new(expected=hint())
-            new.append(h)
-            g.join(h)
-
-    th = threading.Thread(target=arrive, daemon=True)
-    th.start()
-    stopped: dict[PetctlRendezvousHandler, float] = {}
-    stalls: list[float] = []
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        hs = old + list(new)
-        for h in hs:
-            r = g.results.get(h)
-            assert not isinstance(r, Exception), r
-            if r is not None and h.num_nodes_waiting() > 0:
-                stopped[h] = time.monotonic()
-                g.join(h)
-            elif r is not None and h in stopped:
-                stalls.append(time.monotonic() - stopped.pop(h))
-        if len(new) == n1 - n0 and all(g.results.get(h) is not None for h in hs):
-            if {h.round for h in hs} == {hs[0].round} and g.results[hs[0]].world_size == n1:
-                break
-        time.sleep(0.01)
-    else:
-        raise AssertionError(f"no round of {n1}: {[(h.round, g.results.get(h)) for h in old + new]}")
+    new, stalls, _ = g.scale_up(old, n1 - n0, spread, lambda: g.new(expected=hint()))
     rounds = old[0].round - start_round
     opened = [e for h in old for _, e in h.events if e.startswith(("opened round", "closed round"))]
     reads = sum(h.expected_nodes.reads for h in old + new)

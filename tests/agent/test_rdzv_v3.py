@@ -111,39 +111,7 @@ def test_a_trickling_scale_up_is_at_most_two_rounds(group: Callable[..., Group])
     start_round = old[0].round
     time.sleep(1.5)  # running: the leader has read the hint (8) within its cache's second
     want[0] = n1
-    new: list[PetctlRendezvousHandler] = []
-    arrived: list[float] = []
-
-    def arrive() -> None:
-        t0 = time.monotonic()
-        for i in range(n1 - n0):
-            time.sleep(max(0.0, t0 + spread * i / (n1 - n0 - 1) - time.monotonic()))
-            h = g.new(expected=lambda: want[0])
-            new.append(h)
-            arrived.append(time.monotonic())
-            g.join(h)
-
-    th = threading.Thread(target=arrive, daemon=True)
-    th.start()
-    stopped: dict[PetctlRendezvousHandler, float] = {}
-    stalls: list[float] = []
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        hs = old + list(new)
-        for h in hs:  # the agents: a running node re-joins when a round opens
-            r = g.results.get(h)
-            assert not isinstance(r, Exception), r
-            if r is not None and h.num_nodes_waiting() > 0:
-                stopped[h] = time.monotonic()  # its workers stop here
-                g.join(h)
-            elif r is not None and h in stopped:
-                stalls.append(time.monotonic() - stopped.pop(h))
-        if len(new) == n1 - n0 and all(g.results.get(h) is not None for h in hs):
-            if {h.round for h in hs} == {hs[0].round} and g.results[hs[0]].world_size == n1:
-                break
-        time.sleep(0.01)
-    else:
-        raise AssertionError(f"no round of {n1}: {[(h.round, g.results.get(h)) for h in old + new]}")
+    _, stalls, _ = g.scale_up(old, n1 - n0, spread, lambda: g.new(expected=lambda: want[0]))
     rounds = old[0].round - start_round
     opened = [e for h in old for _, e in h.events if e.startswith(("opened round", "closed round"))]
     print(f"scale-up 8 -> 16 over 3 s: {rounds} rounds, stalls max {max(stalls):.2f}s: {opened}")

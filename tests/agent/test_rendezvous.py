@@ -98,6 +98,51 @@ class Group:
         self.join(*hs)
         return self.wait(*hs, timeout=timeout)
 
+    def scale_up(
+        self,
+        old: list[PetctlRendezvousHandler],
+        n_new: int,
+        spread: float,
+        make: Callable[[], PetctlRendezvousHandler],
+        timeout: float = 30,
+    ) -> tuple[list[PetctlRendezvousHandler], list[float], list[float]]:
+        """``n_new`` newcomers (``make()``) join evenly over ``spread`` s while ``old`` run; every
+        node acts as its agent does (a running node re-joins when a round opens: its workers stop
+        there) until all are in one round of ``len(old) + n_new``. Returns the newcomers, each
+        stopped node's stall (re-join to its result) and the newcomers' arrival times."""
+        new: list[PetctlRendezvousHandler] = []
+        arrived: list[float] = []
+
+        def arrive() -> None:
+            t0 = time.monotonic()
+            for i in range(n_new):
+                time.sleep(max(0.0, t0 + spread * i / max(1, n_new - 1) - time.monotonic()))
+                h = make()
+                new.append(h)
+                arrived.append(time.monotonic())
+                self.join(h)
+
+        threading.Thread(target=arrive, daemon=True).start()
+        stopped: dict[PetctlRendezvousHandler, float] = {}
+        stalls: list[float] = []
+        size = len(old) + n_new
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            hs = old + list(new)
+            for h in hs:
+                r = self.results.get(h)
+                assert not isinstance(r, Exception), r
+                if r is not None and h.num_nodes_waiting() > 0:
+                    stopped[h] = time.monotonic()
+                    self.join(h)
+                elif r is not None and h in stopped:
+                    stalls.append(time.monotonic() - stopped.pop(h))
+            if len(new) == n_new and all(self.results.get(h) is not None for h in hs):
+                if {h.round for h in hs} == {hs[0].round} and self.results[hs[0]].world_size == size:
+                    return new, stalls, arrived
+            time.sleep(0.01)
+        raise AssertionError(f"no round of {size}: {[(h.round, self.results.get(h)) for h in old + new]}")
+
     def close(self) -> None:
         for h in self.handlers:
             h.leave()
