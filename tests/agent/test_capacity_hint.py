@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from botocore.exceptions import ParamValidationError
 from test_rendezvous import Group
 
 from petctl_agent.cloud import aws
@@ -77,6 +78,24 @@ def test_a_fresh_read_sees_a_new_desired_capacity_the_cache_does_not(moto_endpoi
     assert hint.fresh(since) == (True, 5)
     assert hint() == 5
     assert lc.capacity(instances=False) == {"desired": 5, "in_service": 0, "pending": 0}
+
+
+def test_a_botocore_without_include_instances_still_reads_the_capacity(
+    moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """setup.py admits boto3>=1.34, whose botocore may predate DescribeAutoScalingGroups'
+    ``IncludeInstances``: botocore then refuses the call before any request (ParamValidationError),
+    and the hint, which swallows a failed read, stayed None for the whole job. A real client
+    against the moto server, its model without the parameter (as such a botocore's is)."""
+    lc = _group(3)
+    client = aws.client("autoscaling")
+    members = client.meta.service_model.operation_model("DescribeAutoScalingGroups").input_shape.members
+    monkeypatch.delitem(members, "IncludeInstances")
+    with pytest.raises(ParamValidationError):  # what the old botocore does with it
+        client.describe_auto_scaling_groups(AutoScalingGroupNames=[GROUP], IncludeInstances=False)
+    monkeypatch.setattr(lc, "_autoscaling", lambda: client)
+    assert lc.capacity(instances=False)["desired"] == 3
+    assert lc.capacity()["desired"] == 3
 
 
 def test_reads_of_the_source_are_rate_limited(moto_endpoint: str) -> None:

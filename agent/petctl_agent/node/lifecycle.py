@@ -97,6 +97,16 @@ class CapacityHint:
             self._busy.release()
 
 
+def _knows(client: Any, operation: str, parameter: str) -> bool:
+    """Whether ``client``'s botocore model has ``parameter`` in ``operation``'s input (setup.py
+    admits a botocore older than some parameters; a refused one is a ParamValidationError before
+    any request). A client without a botocore model (a test's fake) is taken to know it."""
+    meta = getattr(client, "meta", None)
+    if meta is None:
+        return True
+    return parameter in meta.service_model.operation_model(operation).input_shape.members
+
+
 class Lifecycle:
     """The instance ``instance_id`` of the job ``spec`` in its Auto Scaling groups."""
 
@@ -261,9 +271,11 @@ class Lifecycle:
         unless ``IncludeInstances`` is false)."""
         if not self.spec.worker_group:
             return None
-        groups = self._autoscaling().describe_auto_scaling_groups(
-            AutoScalingGroupNames=[self.spec.worker_group], IncludeInstances=instances
-        )["AutoScalingGroups"]
+        client = self._autoscaling()
+        kw: dict[str, Any] = {"AutoScalingGroupNames": [self.spec.worker_group]}
+        if _knows(client, "DescribeAutoScalingGroups", "IncludeInstances"):
+            kw["IncludeInstances"] = instances  # a botocore older than the parameter would refuse it
+        groups = client.describe_auto_scaling_groups(**kw)["AutoScalingGroups"]
         if not groups:
             return {"desired": 0, "in_service": 0, "pending": 0}
         g = groups[0]
