@@ -49,6 +49,9 @@ is refused with :class:`UnsafeCheckpointError` naming the type; opt in with
 who can write the directory is trusted (or allow the type with
 ``torch.serialization.add_safe_globals``).
 
+:func:`resume` loads the directory at one step on every rank (``load_latest(..., agree=True)``):
+the ranks exchange their ``latest`` and listing and fall back together, never each alone.
+
 A writer killed at any point leaves the previous ``latest`` intact. Saves end in a
 barrier on a dedicated gloo group whose timeout (``PETCTL_CHECKPOINT_TIMEOUT``,
 default 1800 s) is independent of the collective timeout: a long write to EFS must
