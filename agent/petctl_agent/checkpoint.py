@@ -49,6 +49,9 @@ is refused with :class:`UnsafeCheckpointError` naming the type; opt in with
 who can write the directory is trusted (or allow the type with
 ``torch.serialization.add_safe_globals``).
 
+:func:`resume` loads the directory at one step on every rank (``load_latest(..., agree=True)``):
+the ranks exchange their ``latest`` and listing and fall back together, never each alone.
+
 A writer killed at any point leaves the previous ``latest`` intact. Saves end in a
 barrier on a dedicated gloo group whose timeout (``PETCTL_CHECKPOINT_TIMEOUT``,
 default 1800 s) is independent of the collective timeout: a long write to EFS must
@@ -80,6 +83,7 @@ from petctl_agent.checkpointing.drain import (
     should_checkpoint,
 )
 from petctl_agent.checkpointing.files import (
+    CKPT_RE,
     UnsafeCheckpointError,
     checkpoint_dir,
     list_checkpoints,
@@ -87,7 +91,7 @@ from petctl_agent.checkpointing.files import (
     read_pointer,
     write_file,
 )
-from petctl_agent.checkpointing.group import barrier
+from petctl_agent.checkpointing.group import barrier, ckpt_group
 from petctl_agent.checkpointing.sharded import NeedsStateError, is_sharded, load_sharded, save_sharded
 from petctl_agent.distributed import dist_rank, dist_world
 
@@ -171,11 +175,17 @@ def load_latest(
     map_location: Any = None,
     into: dict[str, Any] | None = None,
     unsafe_load: bool | None = None,
+    *,
+    agree: bool = False,
 ) -> tuple[dict[str, Any], int] | None:
     """Load the newest readable checkpoint: ``(state, step)``, or None when there is none.
 
     The file named by ``latest`` is verified against its sha256; if it is missing
     or unreadable, older checkpoints are tried newest first.
+
+    ``agree=True`` (what :func:`resume` does; collective then: every rank calls it): under a
+    process group of more than one rank, every rank loads the *same* step (:func:`_load_agreed`),
+    where each rank's own pointer read and fallback could land on different ones.
 
     Args:
         directory: defaults to ``$PETCTL_CHECKPOINT_DIR``.
@@ -187,9 +197,11 @@ def load_latest(
         unsafe_load: allow a full unpickle (``torch.load(weights_only=False)``) of a checkpoint
             that a safe load refuses; default ``$PETCTL_CHECKPOINT_UNSAFE_LOAD=1``. Only for
             checkpoints from people you trust: unpickling runs code the file names.
+        agree: every rank loads the same step (above).
 
     Raises:
-        NeedsStateError: (a ``TypeError``) the newest checkpoint is sharded and ``into`` is None.
+        NeedsStateError: (a ``TypeError``) the newest checkpoint is sharded and ``into`` is None
+            (with ``agree``: on any rank -- then on every rank).
         UnsafeCheckpointError: (a ``ValueError``) a checkpoint holds a type outside torch's
             ``weights_only`` allow-list and unsafe loading is off; older ones are not tried.
     """
@@ -198,6 +210,8 @@ def load_latest(
         from petctl_agent.distributed import rank_device
 
         map_location = rank_device()
+    if agree and dist_world() > 1:
+        return _load_agreed(d, map_location, into, unsafe_load)
     pointer = read_pointer(d)
     candidates: list[tuple[Path, str | None]] = []
     if pointer and pointer.get("file"):
@@ -221,6 +235,106 @@ def load_latest(
     return None
 
 
+#: rounds of :func:`_load_agreed`: a round whose steps no rank set could all read starts again
+#: (once more, twice at most) in case `latest` moved on while its older steps were pruned
+_AGREE_ROUNDS = 3
+
+
+def _gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, over the checkpoint's gloo group (CPU, whatever the
+    default group's backend: no CUDA tensor needed under NCCL; bounded by its timeout,
+    ``PETCTL_CHECKPOINT_TIMEOUT``). A dead peer raises here on every rank: never a hang."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj, group=ckpt_group())
+    return out
+
+
+def _load_agreed(
+    d: Path, map_location: Any, into: dict[str, Any] | None, unsafe_load: bool | None
+) -> tuple[dict[str, Any], int] | None:
+    """:func:`load_latest` with every rank loading the same step (collective).
+
+    Each rank reading ``latest`` and falling back on its own can land on different steps: the
+    agent's persister moves ``latest`` at any time, and one rank's unreadable copy sends that rank
+    alone to an older step -- the replicas then silently diverge. So the ranks exchange what they
+    see (pointer, listing); the newest pointer's step bounds the candidates (``latest`` only moves
+    forward: every step up to it was durable and in ``latest`` once), and they try the candidates
+    newest first *together*: each rank loads the step (the sha256 any rank's pointer gave for its
+    file; else the file's own checks), they exchange the outcome, and any rank's failure sends every
+    rank to the next older step. An unsafe load or a sharded step without ``into`` on any rank
+    raises on every rank. When every candidate failed, one more round in case ``latest`` moved on
+    meanwhile (the older files pruned behind it); else None on every rank.
+    """
+    rank = dist_rank()
+    tried: set[int] = set()
+    prev_bound: int | None = None
+    for _ in range(_AGREE_ROUNDS):
+        seen = _gather((read_pointer(d), [(s, p.name) for s, p in list_checkpoints(d)]))
+        pointers = [p for p, _ in seen if isinstance(p, dict) and "step" in p]
+        bound = max((int(p["step"]) for p in pointers), default=None)
+        if prev_bound is not None and (bound is None or bound <= prev_bound):
+            return None  # nothing newer appeared: the retry would try nothing new
+        names: dict[int, str] = {}
+        for _, listing in seen:
+            for s, name in listing:
+                names.setdefault(int(s), name)
+        for p in pointers:
+            if p.get("file") and CKPT_RE.match(str(p["file"])):
+                names.setdefault(int(p["step"]), str(p["file"]))
+        shas = {str(p["file"]): p["sha256"] for p in reversed(pointers) if p.get("file") and p.get("sha256")}
+        candidates = sorted(
+            (s for s in names if s not in tried and (bound is None or s <= bound)), reverse=True
+        )
+        if not candidates:
+            return None
+        for s in candidates:
+            tried.add(s)
+            path = d / names[s]
+            out, code, msg = None, 1, ""
+            if path.name.endswith(".dcp"):
+                # DCP's load is collective: every rank enters it or none does
+                ready = _gather((path.is_dir(), into is None))
+                if any(needs for _, needs in ready):
+                    load_sharded(path, None, unsafe_load)  # raises NeedsStateError, before any collective
+                if not all(there for there, _ in ready):
+                    if rank == 0:
+                        missing = [r for r, (there, _) in enumerate(ready) if not there]
+                        print(
+                            f"petctl checkpoint: {path.name} missing on rank(s) {missing}; every rank tries older",
+                            file=sys.stderr,
+                        )
+                    continue
+            try:
+                if path.name.endswith(".dcp"):
+                    out = load_sharded(path, into, unsafe_load)
+                else:
+                    out = load_file(path, shas.get(path.name), map_location, unsafe_load)
+                code = 0
+            except UnsafeCheckpointError as e:
+                code, msg = 2, str(e)
+            except Exception as e:  # noqa: BLE001 - any unreadable copy sends every rank to an older one
+                msg = f"{type(e).__name__}: {e}"
+                print(f"petctl checkpoint: rank {rank}: {path.name} unreadable ({msg})", file=sys.stderr)
+            outcomes = _gather((code, msg))
+            if code == 2:
+                raise UnsafeCheckpointError(msg)
+            refused = [m for c, m in outcomes if c == 2]
+            if refused:  # another rank's refusal: the same line everywhere
+                raise UnsafeCheckpointError(refused[0])
+            bad = [r for r, (c, _) in enumerate(outcomes) if c]
+            if not bad:
+                return out
+            if rank == 0:
+                print(
+                    f"petctl checkpoint: {path.name} unreadable on rank(s) {bad}; every rank tries older",
+                    file=sys.stderr,
+                )
+        prev_bound = bound if bound is not None else -1
+    return None
+
+
 def resume(
     state: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
     directory: str | os.PathLike | None = None,
@@ -230,7 +344,9 @@ def resume(
 
     Call it on every rank. ``state`` (a dict or a function returning one) is only
     needed for sharded checkpoints: the DTensors in it are filled in place. Loads are
-    ``weights_only`` (see :func:`load_latest` for ``unsafe_load``).
+    ``weights_only`` (see :func:`load_latest` for ``unsafe_load``). Under a process group every
+    rank gets the same step: a load from the checkpoint directory is agreed
+    (``load_latest(..., agree=True)``), as the restore from memory is.
     """
     into = state() if callable(state) else state
     if into is not None and is_sharded(into):
@@ -238,25 +354,34 @@ def resume(
         if got is not None:
             return got
         t0 = time.monotonic()
-        out = load_latest(directory, into=into, unsafe_load=unsafe_load)
+        out = load_latest(directory, into=into, unsafe_load=unsafe_load, agree=True)
         if out is not None:  # every shard from EFS: the agent's event says so (and the step gone back to)
             pointer = read_pointer(checkpoint_dir(directory)) or {}
             ws = pointer.get("world_size")
             sharded_memory.report_efs_restore(out[1], int(ws) if ws else None, time.monotonic() - t0)
         return out
     if memory.snapshot_dir() is None:
-        return load_latest(directory, into=into, unsafe_load=unsafe_load)
+        return load_latest(directory, into=into, unsafe_load=unsafe_load, agree=True)
     from petctl_agent.distributed import rank_device
 
     got = memory.resume(checkpoint_dir(directory), rank_device())
     if got is not None:
         return got
     t0 = time.monotonic()
-    out = load_latest(directory, into=into, unsafe_load=unsafe_load)
+    out = load_latest(directory, into=into, unsafe_load=unsafe_load, agree=True)
     if out is not None:  # (a first start restores nothing: no report)
-        pointer = read_pointer(checkpoint_dir(directory)) or {}
-        memory.report_restore("efs", out[1], int(pointer.get("size", 0)), time.monotonic() - t0)
+        memory.report_restore(
+            "efs", out[1], _file_size(checkpoint_dir(directory), out[1]), time.monotonic() - t0
+        )
     return out
+
+
+def _file_size(d: Path, step: int) -> int:
+    """Bytes of the single-file checkpoint of ``step`` (the agreed one: ``latest`` may name another)."""
+    try:
+        return (d / f"ckpt-{int(step):010d}.pt").stat().st_size
+    except OSError:
+        return 0
 
 
 def step(
