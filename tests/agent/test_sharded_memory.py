@@ -237,6 +237,35 @@ def test_both_copies_of_a_shard_gone_goes_back_to_efs_and_names_the_step(
     assert rep["newest"] == 4 and rep["back_to"] == 2
 
 
+MOVED = (
+    """
+if rank == 1:  # a persister moved `latest` to step 6 just before this rank read it (rank 0 read 4)
+    real = sharded_memory.read_pointer
+
+    def read_pointer(d):
+        p = real(d)
+        return {**p, "step": 6} if p else p
+
+    sharded_memory.read_pointer = read_pointer
+"""
+    + RESTORE
+)
+
+
+def test_ranks_that_read_latest_at_different_steps_agree(trained: Path, tmp_path: Path) -> None:
+    """Memory holds step 4 on both nodes; rank 0 reads EFS's `latest` at 4, rank 1 (a persister
+    moved it meanwhile) at 6. Each rank planned from its own read: rank 0 a restore of step 4 from
+    memory (DCP's collective load), rank 1 none (EFS is newer than memory): the job hung. The reads
+    are gathered: no rank restores memory older than the newest `latest` any rank saw, and both
+    take the same path (EFS, where the checkpoint directory's agreement then picks one step)."""
+    t = _scenario(trained, tmp_path)
+    r0, r1 = (_result(cp) for cp in _run(t, MOVED, [0, 1], timeout=90))
+    # (the full state, cpu_offload'ed, is whole on rank 0 only: compared there)
+    assert r0["step"] == r1["step"] == 4 and r0["same"] is True
+    assert r0["restore"]["source"] == r1["restore"]["source"] == "efs"
+    assert r0["restore"]["step"] == r1["restore"]["step"] == 6
+
+
 def test_torn_memory_shard_is_never_loaded(trained: Path, tmp_path: Path) -> None:
     t = _scenario(trained, tmp_path)
     shutil.rmtree(t / "node1")

@@ -608,11 +608,15 @@ def resume(
     rank = dist_rank()
     t0 = time.monotonic()
     inv = _inventory(root) if root.is_dir() else {}
-    entries = _gather_json({"node": _node_key(), "inv": inv})
+    pointer = read_pointer(Path(directory))
+    mine = int(pointer["step"]) if pointer and "step" in pointer else -1
+    # every rank's read of EFS's `latest` is gathered, not only its memory's inventory: a persister
+    # may move `latest` between the ranks' reads, and a rank that alone saw the newer step would
+    # give memory up (a plan of None) while the others entered the collective load of an older one
+    entries = _gather_json({"node": _node_key(), "inv": inv, "efs": mine})
     nodes = [e["node"] for e in entries]
     invs = [e["inv"] for e in entries]
-    pointer = read_pointer(Path(directory))
-    efs = int(pointer["step"]) if pointer and "step" in pointer else -1
+    efs = max(int(e["efs"]) for e in entries)  # the newest durable step any rank saw
     seen = sorted({int(s) for i in invs for s in i}, reverse=True)
     newest = max(seen[0] if seen else -1, efs)
     plan = None
