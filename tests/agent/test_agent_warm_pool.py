@@ -71,7 +71,8 @@ def test_warmed_waits_until_in_service(imds) -> None:
     a = _agent(url)
     t = threading.Thread(target=a._wait_while_warmed)
     t.start()
-    time.sleep(0.5)
+    wait_for(lambda: a.pub.states, 10, "WARMED")  # the thread's first IMDS read (slow on a loaded box)
+    time.sleep(0.3)
     assert t.is_alive() and a.pub.states == ["WARMED"]
     imds.set("i-warm", STATE, "Warmed:Pending")  # still warmed: keeps waiting
     time.sleep(0.3)
@@ -90,7 +91,8 @@ def test_absent_state_is_in_service_and_a_leave_ends_the_wait(imds) -> None:
     a = _agent(url)
     t0 = time.monotonic()
     a._wait_while_warmed()
-    assert time.monotonic() - t0 < 1 and a.pub.states == [] and a.lifecycle.state() == "InService"
+    took = time.monotonic() - t0
+    assert took < 5 and a.pub.states == [] and a.lifecycle.state() == "InService"  # no wait (loose bound)
 
     imds.set("i-plain", STATE, "Warmed:Stopped")
     t = threading.Thread(target=a._wait_while_warmed)
@@ -236,7 +238,7 @@ def test_agent_heartbeats_the_launch_hook_until_it_completes(imds, monkeypatch, 
     done = Lifecycle(a.lifecycle.spec, a.imds, a.settings, "i-hb")
     t0 = time.monotonic()
     done.launch_heartbeats(0.05, 0.3)  # bounded: a hung agent is abandoned by the hook, not held
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 5  # its 0.3 s bound, not the 60 s one (loose: a loaded box)
 
 
 def test_sigterm_while_warmed_but_still_preparing_stays_parked(imds, monkeypatch) -> None:
