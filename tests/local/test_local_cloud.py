@@ -146,9 +146,9 @@ def test_drain_ends_on_lifecycle_completion_or_timeout(cloud: Cloud) -> None:
         InstanceId=gone,
     )
     wait_for(
-        lambda: cloud.instance(gone)["state"] == "terminated", timeout=10, what="terminated after completion"
+        lambda: cloud.instance(gone)["state"] == "terminated", timeout=30, what="terminated after completion"
     )
-    assert time.monotonic() - t0 < 10  # far below the 60 s drain timeout
+    assert time.monotonic() - t0 < 30  # far below the 60 s drain timeout (1 s grace; loose: a loaded box)
     assert not cloud.instance(gone)["alive"]
 
     # Without completion, the drain timeout (2 s here, + 0.5 s slack) ends it.
