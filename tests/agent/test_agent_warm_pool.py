@@ -71,7 +71,8 @@ def test_warmed_waits_until_in_service(imds) -> None:
     a = _agent(url)
     t = threading.Thread(target=a._wait_while_warmed)
     t.start()
-    time.sleep(0.5)
+    wait_for(lambda: a.pub.states, 10, "WARMED")  # the thread's first IMDS read (slow on a loaded box)
+    time.sleep(0.3)
     assert t.is_alive() and a.pub.states == ["WARMED"]
     imds.set("i-warm", STATE, "Warmed:Pending")  # still warmed: keeps waiting
     time.sleep(0.3)
@@ -90,7 +91,8 @@ def test_absent_state_is_in_service_and_a_leave_ends_the_wait(imds) -> None:
     a = _agent(url)
     t0 = time.monotonic()
     a._wait_while_warmed()
-    assert time.monotonic() - t0 < 1 and a.pub.states == [] and a.lifecycle.state() == "InService"
+    took = time.monotonic() - t0
+    assert took < 5 and a.pub.states == [] and a.lifecycle.state() == "InService"  # no wait (loose bound)
 
     imds.set("i-plain", STATE, "Warmed:Stopped")
     t = threading.Thread(target=a._wait_while_warmed)
@@ -187,12 +189,12 @@ def test_parking_completes_the_launch_hook_only_after_warmed_and_the_boot(
     with stub:  # no response queued yet: a call now would fail the Stubber
         t = threading.Thread(target=a._wait_while_warmed)
         t.start()
-        wait_for(lambda: a.pub.states == ["WARMED"], 5, "WARMED")
+        wait_for(lambda: a.pub.states == ["WARMED"], 20, "WARMED")
         time.sleep(0.5)  # the boot is still running: no call
         assert a.pub.flushed == ["WARMED"] and not a.lifecycle.launch_done.is_set()
         stub.add_response("complete_lifecycle_action", {}, _continue())
         (tmp_path / "boot-done").touch()  # the boot's last step
-        wait_for(lambda: a.lifecycle.launch_done.is_set(), 5, "the launch completed")
+        wait_for(lambda: a.lifecycle.launch_done.is_set(), 20, "the launch completed")
         stub.assert_no_pending_responses()
         assert t.is_alive()  # parked: still waiting, joining nothing
         stub.add_response("complete_lifecycle_action", {}, _continue())
@@ -228,7 +230,7 @@ def test_agent_heartbeats_the_launch_hook_until_it_completes(imds, monkeypatch, 
             stub.add_response("record_lifecycle_action_heartbeat", {}, beat)
         t = threading.Thread(target=a.lifecycle.launch_heartbeats, args=(0.2, 60))
         t.start()
-        wait_for(lambda: not stub._queue, 5, "two heartbeats")
+        wait_for(lambda: not stub._queue, 20, "two heartbeats")
         a.lifecycle.launch_done.set()  # completed: no more heartbeats (a third would fail the Stubber)
         t.join(2)
         assert not t.is_alive()
@@ -236,7 +238,7 @@ def test_agent_heartbeats_the_launch_hook_until_it_completes(imds, monkeypatch, 
     done = Lifecycle(a.lifecycle.spec, a.imds, a.settings, "i-hb")
     t0 = time.monotonic()
     done.launch_heartbeats(0.05, 0.3)  # bounded: a hung agent is abandoned by the hook, not held
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 5  # its 0.3 s bound, not the 60 s one (loose: a loaded box)
 
 
 def test_sigterm_while_warmed_but_still_preparing_stays_parked(imds, monkeypatch) -> None:
@@ -255,7 +257,7 @@ def test_sigterm_while_warmed_but_still_preparing_stays_parked(imds, monkeypatch
     imds.set("i-early", STATE, "InService")
     b = _agent(url)
     b.request_leave("signal SIGTERM")  # in service: a real leave (the leave thread, then LEFT)
-    wait_for(lambda: left, 5, "the leave thread")
+    wait_for(lambda: left, 20, "the leave thread")
     assert exits == [0] and b.pub.states == [] and not b.parked
 
 

@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from harness import Etcd, EtcdCerts
+from harness import Etcd, EtcdCerts, wait_for
 
 from petctl_agent.rendezvous import etcdv3 as v3
 
@@ -119,15 +119,15 @@ def test_txn_on_mod_revision_exactly_one_racer_wins(client: v3.Client) -> None:
 
 
 def test_lease_expiry_removes_its_keys(client: v3.Client) -> None:
+    t0 = time.monotonic()  # before the grant: a put that fsyncs for a second on a loaded box is inside
     lid, ttl = client.grant(2)
     assert ttl == 2
     client.put("/t/exp/k", "v", lease=lid)
     assert client.time_to_live(lid, keys=True)[1] == ["/t/exp/k"]
-    t0 = time.monotonic()
     while client.get("/t/exp/k") is not None:
-        assert time.monotonic() - t0 < 5, "a lease of 2 s kept its key for 5 s without keepalives"
+        assert time.monotonic() - t0 < 10, "a lease of 2 s kept its key for 10 s without keepalives"
         time.sleep(0.1)
-    assert time.monotonic() - t0 >= 1.0  # removed by the lease's expiry, not at once
+    assert time.monotonic() - t0 >= 1.5  # removed by the lease's expiry (2 s after the grant), not at once
     assert client.time_to_live(lid)[0] == -1
     with pytest.raises(v3.LeaseNotFound):
         client.keepalive_once(lid)
@@ -141,11 +141,14 @@ def test_keepalive_keeps_keys_with_zero_raft_writes(client: v3.Client) -> None:
     client.put("/t/ka/k", "v", lease=lease.id)
     renewed0 = client.metrics()["etcd_debugging_lease_renewed_total"]
     before = raft_writes(client)
+    t0 = time.monotonic()
     time.sleep(7)  # 3.5 x TTL
+    # every ttl/3: about 10 by now; on a loaded box the keepalive thread may lag a few (bounded)
+    wait_for(lambda: lease.keepalives >= 7, 30, "7 keepalives")
+    wait_for(lambda: client.metrics()["etcd_debugging_lease_renewed_total"] - renewed0 >= 7, 30, "7 renewals")
     after = raft_writes(client)
     assert client.get("/t/ka/k") is not None and not lost and not lease.lost.is_set()
-    assert lease.keepalives >= 7  # every ttl/3
-    assert client.metrics()["etcd_debugging_lease_renewed_total"] - renewed0 >= 7
+    assert time.monotonic() - t0 >= 7
     # revision, raft index and committed proposals did not move while keepalives ran
     assert after == before
     lease.revoke()
@@ -169,7 +172,7 @@ def test_watch_from_revision_gets_every_event_in_order(client: v3.Client) -> Non
         client.put(p + "live", "x")
         assert [e.kv.key for e in w.get(5)] == [p + "live"]
         t0 = time.monotonic()
-        assert w.get(0.3) is None and time.monotonic() - t0 < 1.5
+        assert w.get(0.3) is None and time.monotonic() - t0 < 3.0  # bounded (loose: a loaded box)
         assert w.revision == first + 31
 
 
@@ -221,12 +224,16 @@ def test_lease_survives_a_3s_sigstop_of_its_owner(client: v3.Client, etcd: Etcd)
         time.sleep(3)
         ttl_paused = client.time_to_live(lid)[0]
         owner.send_signal(signal.SIGCONT)
-        time.sleep(1.5)
-        assert client.get("/t/owner/k") is not None
         assert 0 < ttl_paused <= 7  # counted down through the pause: no keepalive in it
-        assert client.time_to_live(lid)[0] >= 8  # renewed after the pause
-        owner.kill()
-        kept, lost = owner.communicate(timeout=10)[0].split("\n")[-2].split()
+        # renewed after the pause: its overdue keepalive goes out at once (bounded: a loaded box
+        # may take a second or more to run the resumed owner and etcd)
+        wait_for(lambda: client.time_to_live(lid)[0] >= 8, 5, "the lease renewed after the pause")
+        assert client.get("/t/owner/k") is not None
+        # the owner's own count, from its next report (printed every 0.2 s, after etcd saw the renewal)
+        deadline = time.monotonic() + 10
+        kept, lost = "0", "?"
+        while int(kept) < 1 and time.monotonic() < deadline and owner.poll() is None:
+            kept, lost = owner.stdout.readline().split() or ("0", "?")
         assert int(kept) >= 1 and lost == "False"
     finally:
         owner.send_signal(signal.SIGCONT)
@@ -274,9 +281,9 @@ def test_calls_fail_within_their_timeout_when_etcd_stops(own_etcd: Etcd) -> None
         t0 = time.monotonic()
         with pytest.raises(v3.Timeout):
             call()
-        assert time.monotonic() - t0 < 2.0, name
+        assert time.monotonic() - t0 < 3.0, name  # its 1 s timeout, not etcd's stop (loose bound)
     t0 = time.monotonic()
-    assert w.get(0.5) is None and time.monotonic() - t0 < 1.5  # a running watch: get is bounded
+    assert w.get(0.5) is None and time.monotonic() - t0 < 2.5  # a running watch: get is bounded
     # the kept-alive lease is reported lost once its deadline (last renewal + TTL) has passed
     assert lease.lost.wait(3.0)
     os.killpg(own_etcd.proc.pid, signal.SIGCONT)

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
-import socket
 import time
 from pathlib import Path
 
 import pytest
+from harness import free_port
 
 from petctl_agent.worker.forkserver import PRELOAD, run_script
 
@@ -26,17 +26,11 @@ RUNS = 20  # per mode
 RUN_TIMEOUT = 20.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_once(restart: int, mode: str, log_dir: Path) -> str | None:
     """Start 2 ranks from the forkserver; None when both returned, else what went wrong."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
-    port = _free_port()
+    port = free_port()  # below the ephemeral range: no rank's outgoing connection takes it first
     envs = {
         r: {
             "RANK": str(r),

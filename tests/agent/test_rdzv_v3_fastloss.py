@@ -64,6 +64,13 @@ def _workers_failed(
     return out
 
 
+# the settle window: _three's 3 handlers join from threads at once and must all be in round 1.
+# With the default 0.5 s, a third registration slower than that on a loaded box makes round 1 a
+# round of 2 (test_burst_settles_into_one_round failed so in CI). The rounds after a loss are of
+# the previous round's nodes only, which skip the settle: the times measured here do not include it.
+SETTLE = 3.0
+
+
 def _three(g: Group) -> list[PetctlRendezvousHandler]:
     """3 nodes in round 1, in rank order (rank 0 leads), running for a few keepalives."""
     hs = [g.new() for _ in range(3)]
@@ -79,7 +86,7 @@ def test_a_hard_loss_is_explained_from_the_leases(group: Callable[..., Group], w
     Both agents get "new round opened ... gone: <dead>" in < 3.5 s of the kill (before: the
     6 s lease + the round; about 6-7 s), then a round of 2 closes. ``who``: the dead node's
     rank (0: the leader, whose successor reads its lease and leads in its place)."""
-    g = group(2, 8)
+    g = group(2, 8, settle=SETTLE)
     order = _three(g)
     dead = order[who]
     survivors = [h for h in order if h is not dead]
@@ -140,7 +147,7 @@ def test_a_loss_while_the_workers_start_is_seen_from_the_leases(
     leases and opens a round naming the dead node gone in < 3.5 s (before: its 6 s lease, 6.8 s
     in bench_elastic). Without the start-up window (workers that stepped) the same loss waits
     for the lease (the control: a pause while training must open nothing)."""
-    g = group(2, 8)
+    g = group(2, 8, settle=SETTLE)
     order = _three(g)
     for h in order:
         h.workers_starting()
@@ -158,7 +165,7 @@ def test_a_loss_while_the_workers_start_is_seen_from_the_leases(
 def test_workers_that_stepped_read_no_lease_on_a_loss(group: Callable[..., Group]) -> None:
     """The control: the workers stepped (workers_running ends the start-up window), so nothing
     reads a lease and the loss is seen only when the dead node's lease expires (> 3.5 s)."""
-    g = group(2, 8)
+    g = group(2, 8, settle=SETTLE)
     order = _three(g)
     for h in order:
         h.workers_starting()
@@ -172,7 +179,7 @@ def test_a_worker_crash_with_every_peer_alive_spends_the_budget(group: Callable[
     """Every node's workers fail (one crashed, the others' collectives broke) but every agent is
     alive: the leader reads the leases for the whole window and finds none lapsed, so no round
     opens and ``failure_explained`` returns None: ``_on_workers_stopped`` spends one restart."""
-    g = group(2, 8)
+    g = group(2, 8, settle=SETTLE)
     order = _three(g)
     t0 = time.monotonic()
     before = g.counter.snapshot().get("timetolive", 0)
@@ -185,12 +192,12 @@ def test_a_worker_crash_with_every_peer_alive_spends_the_budget(group: Callable[
     leader = order[0]
     assert any("workers failed in round 1" in e for _, e in leader.events), "the leader read no lease"
     assert not any("not kept alive" in e for h in order for _, e in h.events)
-    assert time.monotonic() - t0 < 12
+    assert time.monotonic() - t0 < 20  # the 7.5 s grace and a loaded box: loose, not a speed test
 
 
 def test_no_worker_failure_no_lease_reads(group: Callable[..., Group]) -> None:
     """At steady state (no worker failure) the leader reads no lease: 0 LeaseTimeToLive."""
-    g = group(2, 8)
+    g = group(2, 8, settle=SETTLE)
     order = _three(g)
     before = g.counter.snapshot()
     time.sleep(2.0)
@@ -213,7 +220,7 @@ def test_the_first_node_to_spend_its_restart_explains_no_other_nodes_failure(
     charges its restart too (docs/agent.md: every node whose workers failed charges it once)."""
     from petctl_agent.settings import Settings as S
 
-    g = group(2, 8)
+    g = group(2, 8, settle=SETTLE)
     order = _three(g)
     first, rest = order[2], order[:2]
     short = S.from_env({"PETCTL_AGENT_FAILURE_GRACE": "1"})
@@ -288,7 +295,7 @@ def test_a_node_named_gone_that_comes_back_charges_the_restart(group: Callable[.
     failure is explained and restarts for free. The node comes back with the same id in the
     next round or the one after: the record says it ``returned``, and every agent's watch asks
     for that restart to be charged (once). A crash loop thus spends the budget."""
-    g = group(2, 8)
+    g = group(2, 8, settle=SETTLE)
     order = _three(g)
     x = order[2]
     stalled = _stall(x)
@@ -321,7 +328,7 @@ def test_a_node_named_gone_at_start_up_that_comes_back_charges_the_restart(
     every agent restarts for free from its monitor loop (``change``; the agent then calls
     ``restart_for_a_loss``). It comes back under its id: every agent is charged once, as after a
     failure. Without it a node stalling at every start would restart the job for ever, free."""
-    g = group(2, 8)
+    g = group(2, 8, settle=SETTLE)
     order = _three(g)
     x = order[2]
     stalled = _stall(x)
@@ -345,7 +352,7 @@ def test_a_node_named_gone_at_start_up_that_comes_back_charges_the_restart(
 def test_a_real_loss_stays_free(group: Callable[..., Group]) -> None:
     """The same failure with the node really lost (SIGKILLed: it never comes back): explained,
     and no charge after the survivors' round, nor after the next one."""
-    g = group(2, 8)
+    g = group(2, 8, settle=SETTLE)
     order = _three(g)
     dead = order[2]
     survivors = order[:2]
@@ -370,7 +377,7 @@ def test_a_real_loss_beside_a_stall_stays_free(group: Callable[..., Group]) -> N
     free. Y comes back under its id, X never does: X's loss alone explains the restart, so no
     agent is charged, in the survivors' round nor in the next. (The charge was per round: Y's
     ``returned`` charged every agent for a real loss.)"""
-    g = group(2, 8)
+    g = group(2, 8, settle=SETTLE)
     hs = [g.new() for _ in range(4)]
     res = g.rendezvous(*hs)
     time.sleep(1.5)

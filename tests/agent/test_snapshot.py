@@ -930,15 +930,16 @@ LEAVE_SNAP = textwrap.dedent(
 def test_a_drain_waits_for_efs_only_when_no_survivor_with_a_persister_stays(
     tmp_path: Path, leavers, served, waits
 ) -> None:
-    # two nodes (a store each), the agents' persisters (`served`) over an EFS paced at 1 MiB/s:
-    # persisting the 2 MiB snapshot takes >= 2 s, so a drain that does not wait returns before it.
+    # two nodes (a store each), the agents' persisters (`served`) over an EFS paced at 0.5 MiB/s:
+    # persisting the 2 MiB snapshot takes >= 4 s, so a drain that does not wait returns before it
+    # (4 s, not 2: on a loaded CI box the leaving rank's own path to its check can take seconds).
     # rank-0s-node-leaves: the node of rank 0 (whose persister is asked) leaves, the other node stays
     # with a persister of its own: before stop 25 rank 0 waited for EFS here (5.2 s of the 8.0 s
     # drain at 1 GiB/rank in bench_state.py); the survivor's copy covers it as for any other leaver
     from petctl.local import efs_rate
     from petctl_agent.checkpointing import efsrate, persist
 
-    rates = efs_rate.rates_from_env({"PETCTL_LOCAL_EFS_CLIENT_MIBPS": "1"})
+    rates = efs_rate.rates_from_env({"PETCTL_LOCAL_EFS_CLIENT_MIBPS": "0.5"})
     pace = efs_rate.instance_env(tmp_path / "state", "i-1", rates)
     efs = tmp_path / "state" / "efs" / "fs-0123456789abcdef0" / "ckpt"
     shms = [tmp_path / "shm0", tmp_path / "shm1"]

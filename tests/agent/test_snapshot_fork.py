@@ -18,6 +18,7 @@ Real files, real flocks, real forks (the children sleep, then ``os._exit``).
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -37,13 +38,24 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="nee
 
 
 def _fork_sleeper() -> int:
-    """Fork a child that only sleeps (a DataLoader worker between batches); its pid."""
+    """Fork a child that only sleeps (a DataLoader worker between batches); its pid, once the
+    child runs (its at-fork handlers are done: they run before ``os.fork`` returns in it)."""
+    r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
         try:
+            os.close(r)
+            os.write(w, b"x")
+            os.close(w)
             time.sleep(60)
         finally:
             os._exit(0)
+    os.close(w)
+    try:
+        ready, _, _ = select.select([r], [], [], 60)
+        assert ready and os.read(r, 1) == b"x", "the forked child never ran"
+    finally:
+        os.close(r)
     return pid
 
 
@@ -160,9 +172,8 @@ def test_a_forked_child_keeps_no_pages_of_the_stores_files(tmp_path: Path) -> No
     store._spares.join(30)
     spare = store.spare_path("b")
     assert "b" in store._spare_maps and spare.exists()
-    pid = _fork_sleeper()
+    pid = _fork_sleeper()  # returns once the child ran its at-fork handler
     try:
-        time.sleep(0.2)  # the child ran its at-fork handler
         assert _child_holds(pid, spare) == []
         assert _child_holds(pid, store.data_path("a")) == []
         store.close()  # frees the spare: its pages go back to the node at once

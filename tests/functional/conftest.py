@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import urllib.request
 import zipfile
 from collections.abc import Iterator
@@ -12,12 +11,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -29,10 +22,11 @@ def moto_url() -> Iterator[str]:
     # The local cloud's patches make moto refuse/answer what AWS does (moto_patches docstring),
     # so these tests fail the way AWS would.
     moto_patches.apply()
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    # port 0: the server binds a free port itself (a port picked first and bound a moment later
+    # can be taken in between; then make_server raised in moto's thread and start() waited forever)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{server.get_host_and_port()[1]}"
     yield url
     server.stop()
 

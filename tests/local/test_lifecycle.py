@@ -73,7 +73,7 @@ def test_stale_state_is_recovered_and_only_our_leftovers_are_killed(local_dir: P
         )
         info = local.ensure_started(timeout=60)
         assert info["pid"] not in (dead.pid, os.getpid())
-        wait_for(lambda: ours.poll() is not None, timeout=5, what="leftover killed")
+        wait_for(lambda: ours.poll() is not None, timeout=30, what="leftover killed")
         assert unrelated.poll() is None
         assert local.status()["running"]
 

@@ -146,9 +146,9 @@ def test_drain_ends_on_lifecycle_completion_or_timeout(cloud: Cloud) -> None:
         InstanceId=gone,
     )
     wait_for(
-        lambda: cloud.instance(gone)["state"] == "terminated", timeout=10, what="terminated after completion"
+        lambda: cloud.instance(gone)["state"] == "terminated", timeout=30, what="terminated after completion"
     )
-    assert time.monotonic() - t0 < 10  # far below the 60 s drain timeout
+    assert time.monotonic() - t0 < 30  # far below the 60 s drain timeout (1 s grace; loose: a loaded box)
     assert not cloud.instance(gone)["alive"]
 
     # Without completion, the drain timeout (2 s here, + 0.5 s slack) ends it.
@@ -200,15 +200,20 @@ def test_spot_interruption_notice_then_replacement(cloud: Cloud) -> None:
     job = cloud.make_job("spot", workers=1, mode="ignore-term")
     (inst,) = wait_for(lambda: cloud.running("spot"), what="worker")
     iid = inst["instance_id"]
-    res = local.spot_interrupt(iid, seconds=2)
+    # bounds from before and after the call (the notice's time is whole seconds, truncated): on a
+    # loaded box the reads below can take seconds, and a second notice after the deadline would
+    # meet a terminated instance, not the "already has a notice" refusal under test
+    before = time.time()
+    res = local.spot_interrupt(iid, seconds=4)
+    after = time.time()
+    with pytest.raises(local.LocalCloudError, match="already has a spot notice"):
+        local.spot_interrupt(iid, seconds=4)
     status, body = cloud.imds(iid, "meta-data/spot/instance-action")
     assert status == 200 and json.loads(body) == res["spot_action"]
     notice = json.loads(body)
     when = dt.datetime.strptime(notice["time"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
-    assert notice["action"] == "terminate" and 0 <= when.timestamp() - time.time() <= 3
+    assert notice["action"] == "terminate" and before + 4 - 1 <= when.timestamp() <= after + 4, notice
     assert "spot/" in cloud.imds(iid, "meta-data")[1].split("\n")
-    with pytest.raises(local.LocalCloudError, match="already has a spot notice"):
-        local.spot_interrupt(iid, seconds=2)
     wait_for(lambda: cloud.ec2_state(iid) == "terminated", timeout=15, what="terminated at the deadline")
     assert cloud.drained(iid) is not None  # the shutdown sent SIGTERM first
     assert not cloud.instance(iid)["alive"]

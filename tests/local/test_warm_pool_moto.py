@@ -7,7 +7,6 @@ petctl drives AWS. The pool's instances boot as processes in tests/local/test_wa
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,12 +23,11 @@ def moto() -> Iterator[str]:
     from petctl.local import moto_patches
 
     moto_patches.apply()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    # port 0: bound by the server itself (picked first, it could be taken before moto bound it,
+    # and start() then waited for ever)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
-    yield f"http://127.0.0.1:{port}"
+    yield f"http://127.0.0.1:{server.get_host_and_port()[1]}"
     server.stop()
 
 
