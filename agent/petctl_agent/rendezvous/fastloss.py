@@ -42,7 +42,7 @@ class FastLoss:
             if self._round is None or self._left:
                 return
             self._failed = (self._round, time.monotonic() + self.cfg.ttl + 1.5)
-            self._starting = None
+            self._starting = self._stalled = None
             self._event(f"workers failed in round {self._round}: reading the participants' leases")
             self._bump()
 
@@ -59,17 +59,37 @@ class FastLoss:
             if self._round is None or self._left:
                 return
             self._failed = (self._round, time.monotonic() + self.cfg.ttl + 1.5)
-            self._starting = self._round
+            self._starting, self._stalled = self._round, None
             self._event(f"workers starting in round {self._round}: reading the participants' leases")
             self._bump()
 
-    def workers_running(self: Any) -> None:
-        """Our workers reported a step: end the start-up window (:meth:`workers_starting`); a
-        failure window opened by :meth:`workers_failed` is left alone."""
+    def workers_stalled(self: Any) -> None:
+        """Our workers of the running round stopped making progress (no new step for the agent's
+        stall time, ``elastic/stall.py``): a peer that vanished without a reset (a real instance
+        lost: no RST) leaves them hung in a collective, failing nothing. For the next
+        ``ttl + 1.5`` s, or until they step again (:meth:`workers_running`), read the leases as
+        after a failure. A slow step, a long checkpoint, a paused agent or etcd: every lease reads
+        kept alive (``decide.lapsed``'s margins) and nothing opens. No request here."""
         with self._cond:
-            if self._starting is not None and self._failed is not None and self._failed[0] == self._starting:
-                self._failed = None
-            self._starting = None
+            if self._round is None or self._left:
+                return
+            f = self._failed
+            if f is not None and f[0] == self._round and f[1] >= time.monotonic():
+                return  # a failure or start-up window is open: it reads the leases already
+            self._failed = (self._round, time.monotonic() + self.cfg.ttl + 1.5)
+            self._stalled = self._round
+            self._event(f"workers stalled in round {self._round}: reading the participants' leases")
+            self._bump()
+
+    def workers_running(self: Any) -> None:
+        """Our workers reported a step: end the start-up window (:meth:`workers_starting`) or
+        the stall window (:meth:`workers_stalled`); a failure window opened by
+        :meth:`workers_failed` is left alone."""
+        with self._cond:
+            for r in (self._starting, self._stalled):
+                if r is not None and self._failed is not None and self._failed[0] == r:
+                    self._failed = None
+            self._starting = self._stalled = None
 
     def _failure_round(self: Any, now: float) -> int | None:
         """The running round our workers failed in, while the window lasts (caller holds _cond)."""
