@@ -58,6 +58,18 @@ def test_slow_steps_do_not_stall_and_a_silence_does_once(tmp_path: Path) -> None
     assert w.poll(now + 0.1) == "resumed" and not w.stalled
 
 
+def test_steps_sampled_a_few_at_a_time_give_one_step_time_each(tmp_path: Path) -> None:
+    f = tmp_path / "progress.json"
+    w = StallWatch(f)
+    for i, (step, t) in enumerate(
+        [(3, 1000.0), (10, 1000.21), (17, 1000.42)]
+    ):  # 30 ms steps, read every 0.2 s
+        _step(f, step, t)
+        assert w.poll(100.0 + 0.2 * i) is None
+    assert w.poll(100.4 + STALL_MIN_S - 0.05) is None
+    assert w.poll(100.4 + STALL_MIN_S + 0.01) == "stalled"  # 3 x 30 ms is under the floor
+
+
 def test_no_stall_before_the_new_workers_have_step_times(tmp_path: Path) -> None:
     f = tmp_path / "progress.json"
     _step(f, 41, 1000.0)  # the old workers' last step

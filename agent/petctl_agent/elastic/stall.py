@@ -92,8 +92,10 @@ class StallWatch:
         got = self._read()
         if got is not None and (self._last is None or got[0] != self._last[0]):
             step, t = got
-            if self._last is not None and step == self._last[0] + 1 and t > self._last[1]:
-                self._times.append(t - self._last[1])  # one step's time, from the worker's clock
+            if self._last is not None and step > self._last[0] and t > self._last[1]:
+                # the time of one step, from the worker's clock: the loop samples the file (every
+                # monitor_interval, 0.2 s), so fast steps are seen a few at a time
+                self._times.append((t - self._last[1]) / (step - self._last[0]))
             self._last = (step, t, now)
             if self._stalled:
                 self._stalled = False

@@ -24,10 +24,13 @@ See docs/rendezvous.md, "A hard loss seen from the data plane".
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from petctl_agent.rendezvous.layout import key_name, latest_closed
+
+log = logging.getLogger("petctl_agent.rendezvous")
 
 
 class FastLoss:
@@ -108,7 +111,28 @@ class FastLoss:
             if self._failure_round(now) != latest:
                 return frozenset(), None
         others = [n for n in order if n != self.node_id and n in values]
-        return self._lapsed(latest + 1, others, values)
+        lapsed, due = self._lapsed(latest + 1, others, values)
+        if lapsed:
+            self._say_lapsed(latest, lapsed)
+        return lapsed, due
+
+    def _why_reading(self: Any) -> str:
+        """What opened the lease-read window (caller need not hold _cond)."""
+        with self._cond:
+            if self._stalled is not None:
+                return "our workers stalled"
+            return "our workers are starting" if self._starting is not None else "our workers failed"
+
+    def _say_lapsed(self: Any, rnum: int, lapsed: frozenset[str]) -> None:
+        """Log once per round and set of nodes (INFO: the agent's log shows what found the loss)."""
+        with self._cond:
+            if self._said_lapsed == (rnum, lapsed):
+                return
+            self._said_lapsed = (rnum, lapsed)
+        log.info(
+            "round %d: lease of %s not kept alive (%s): opening the next round without it",
+            rnum, ", ".join(sorted(lapsed)), self._why_reading(),
+        )  # fmt: skip
 
     def _leader_after_failure(self: Any, now: float, w: Any) -> float | None:
         """Follower of a running round whose workers failed: if we are next in line, read the
@@ -132,7 +156,9 @@ class FastLoss:
         with self._cond:
             self._lapsed_leader = (leader, rnum)
             self._bump()
-        self._event(f"leading in place of {leader} (its lease is not kept alive; our workers failed)")
+        why = self._why_reading()
+        self._event(f"leading in place of {leader} (its lease is not kept alive; {why})")
+        self._say_lapsed(rnum, frozenset([leader]))
         return 0.0
 
     def _known_lapsed(self: Any, target: int) -> bool:
