@@ -10,9 +10,12 @@ collectives fail within a fraction of a second. The agent reports its workers' f
 lapsed, so a hard loss opens the round ~1.5–3 s after the kill. If the leader is the silent one,
 the node next in line reads the leader's lease, leads in its place, and does the same.
 
-Only a worker failure, or workers that have not yet reported a step since they started (a peer
-lost during the start-up leaves them waiting at process-group init, not failing), starts the
-reads: an agent or etcd paused 3 s while the workers train opens no round. O(N) reads on one node per failure, none at steady state. The round that
+Only a worker failure, workers that have not yet reported a step since they started (a peer
+lost during the start-up leaves them waiting at process-group init, not failing), or workers that
+stopped stepping (:meth:`FastLoss.workers_stalled`: a peer that vanished without a reset, as a
+real instance does, leaves their collectives hung, not failing; the agent's rule is in
+``elastic/stall.py``) starts the reads: an agent or etcd paused 3 s while the workers train opens
+no round (their workers keep stepping; a stall meanwhile finds every lease kept alive). O(N) reads on one node per failure, none at steady state. The round that
 follows has ``gone`` non-empty, so the survivors' restart is free; a worker crash with every
 lease kept alive opens nothing here, and the agent spends its restart budget as before. A node
 named gone that comes back (the same id: its agent stalled, it was not lost) is listed in the
