@@ -180,12 +180,20 @@ def run_chain(run: Run, a: argparse.Namespace, rec: Callable[..., None]) -> None
     _chain_hard_loss(run, a, rec, live)
 
 
+def lose(run: Run, node: Node, a: argparse.Namespace) -> float:
+    """A hard loss (``--loss``): ``kill``, SIGKILL of the node's tree (its sockets get a RST: the
+    survivors' collectives fail at once, as in the local cloud); ``vanish``, SIGSTOP of the tree
+    (no RST: the survivors' collectives hang, as when a real instance vanishes)."""
+    return run.vanish_node(node) if a.loss == "vanish" else run.kill_node(node)
+
+
 def _chain_hard_loss(run: Run, a: argparse.Namespace, rec: Callable[..., None], live: list[Node]) -> None:
     steady(run, live, 3, a.timeout)
     victim = live[0]
-    t0 = run.kill_node(victim)
+    t0 = lose(run, victim, a)
     r = measure(run, live, live[1:], 2, t0, a, stall=False)
-    rec("hard_loss", **r)
+    run.kill_node(victim)  # a vanished tree: its instance is terminated later
+    rec("hard_loss", **r, loss=a.loss)
     live = live[1:]
     steady(run, live, 2, a.timeout)
 
@@ -209,9 +217,16 @@ def _chain_loss_during_rdzv(
     if t_stop is None:
         raise Miss(f"timeout {a.start_timeout:.0f}s: the join never stopped the running ranks")
     victim = live[0]
-    t0 = run.kill_node(victim)
+    t0 = lose(run, victim, a)
     r = measure(run, live, live[1:] + [new], 3, t0, a, stall=False)
-    rec("loss_during_rdzv", **r, join_to_rdzv=t_stop - new.started, kill_after_rdzv_start=t0 - t_stop)
+    run.kill_node(victim)
+    rec(
+        "loss_during_rdzv",
+        **r,
+        join_to_rdzv=t_stop - new.started,
+        kill_after_rdzv_start=t0 - t_stop,
+        loss=a.loss,
+    )
 
 
 def run_burst(run: Run, a: argparse.Namespace, rec: Callable[..., None]) -> None:
@@ -410,8 +425,8 @@ WHAT = {
     "scale_up": "stall: last step at 2 -> all 3 stepping",
     "burst": "stall: last step at 2 -> all 6 stepping",
     "scale_in": "stall: last step at 3 -> both stepping at 2",
-    "hard_loss": "SIGKILL -> both survivors stepping",
-    "loss_during_rdzv": "SIGKILL -> 3 survivors stepping",
+    "hard_loss": "SIGKILL (--loss vanish: SIGSTOP) -> both survivors stepping",
+    "loss_during_rdzv": "SIGKILL (--loss vanish: SIGSTOP) -> 3 survivors stepping",
 }
 
 
@@ -505,6 +520,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chain-from", choices=("cold_start", "hard_loss", "loss_during_rdzv"), default="cold_start",
                    help="start the chain at this scenario (from a cold start of 3 that is not reported): "
                    "for a tool whose chain hangs before it")  # fmt: skip
+    p.add_argument("--loss", choices=("kill", "vanish"), default="kill",
+                   help="the hard losses: kill = SIGKILL the node's tree (RST: collectives fail); vanish = "
+                   "SIGSTOP it (no RST: collectives hang, as a real instance that vanishes)")  # fmt: skip
     p.add_argument("--cli-runs", type=int, default=0, help="runs per CLI start-up timing (0: skip)")
     p.add_argument("--render", type=Path, help="only print the tables of an existing --json file")
     p.add_argument("--keep", action="store_true", help="keep run directories (logs) under --workdir")

@@ -440,6 +440,25 @@ class Run:
             pass
         return t
 
+    def vanish_node(self, node: Node) -> float:
+        """SIGSTOP the node's whole process tree (agent, forkserver, workers): an instance that
+        vanishes on real AWS (spot reclaim, kernel panic, partition, power) sends no RST, so its
+        peers' sockets stay open and their collectives hang instead of failing; its lease is no
+        longer kept alive. :meth:`kill_node` / :meth:`close` still end it (SIGKILL ends stopped
+        processes). Returns the event time."""
+        victims = descendants(node.proc.pid)
+        self._see(victims)
+        t = time.monotonic()
+        try:
+            os.killpg(node.proc.pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+        kill_pids(victims, signal.SIGSTOP)
+        late = [p for p in descendants(node.proc.pid) if p not in victims]  # forked meanwhile
+        self._see(late)
+        kill_pids(late, signal.SIGSTOP)
+        return t
+
     def terminate_node(self, node: Node) -> float:
         """SIGTERM the node's main process only (what an ASG scale-in / systemd stop sends first)."""
         self._see(descendants(node.proc.pid))

@@ -175,6 +175,59 @@ def test_workers_that_stepped_read_no_lease_on_a_loss(group: Callable[..., Group
     assert _gone_within(survivors, dead, 3.5) is None
 
 
+@pytest.mark.parametrize("who", [2, 0], ids=["a-follower", "the-leader"])
+def test_a_vanished_peer_is_seen_from_the_leases_of_a_stall(group: Callable[..., Group], who: int) -> None:
+    """A peer that vanishes without a reset (a real instance lost: no RST) fails nothing: the
+    survivors' workers hang in a collective, their agents see no new step (elastic/stall.py) and
+    call workers_stalled. The leader, or the node next in line when the leader vanished, reads
+    the leases and opens a round naming it gone, before its key expires (< 3.5 s; without the
+    stall: the lease expiry, test_workers_that_stepped_read_no_lease_on_a_loss)."""
+    g = group(2, 8)
+    order = _three(g)
+    dead = order[who]
+    survivors = [h for h in order if h is not dead]
+    dead._crash()  # noqa: SLF001
+    time.sleep(1.0)  # the agents' stall time for fast steps (STALL_MIN_S)
+    for h in survivors:
+        h.workers_stalled()
+    took = _gone_within(survivors, dead, 5.0)
+    print(f"vanish of rank {who}: a round named it gone {took} s after the stall")
+    assert took is not None and took < 2.5, took
+    assert v3.Client(g.endpoint).get(dead.node_key) is not None, "the lease expired: this measured the TTL"
+    assert any("workers stalled in round 1" in e for h in survivors for _, e in h.events)
+    res = g.rendezvous(*survivors, timeout=15)
+    assert {i.world_size for i in res.values()} == {2}
+
+
+def test_a_stall_with_every_peer_alive_opens_nothing_and_ends_at_the_next_step(
+    group: Callable[..., Group],
+) -> None:
+    """A slow step, a long checkpoint: every agent sees a stall, the leader reads the leases,
+    all kept alive: no round. A step ends the window (workers_running): no more reads. A stall
+    while the window lasts opens no second one (one window per stall: O(N) reads)."""
+    g = group(2, 8)
+    order = _three(g)
+    leader = order[0]
+    before = g.counter.snapshot().get("timetolive", 0)
+    for h in order:
+        h.workers_stalled()
+        h.workers_stalled()  # the window is open: nothing more
+    time.sleep(3.0)
+    during = g.counter.snapshot().get("timetolive", 0) - before
+    assert during >= 2, "the leader read no lease"
+    assert during <= 2 * 6, f"{during} reads of 2 leases in 3 s: not rate-limited"
+    assert sum("workers stalled in round 1" in e for _, e in leader.events) == 1
+    assert all(h.pending_change() is None and h.round == 1 for h in order)
+    for h in order:
+        h.workers_running()  # they stepped
+    time.sleep(0.3)
+    mid = g.counter.snapshot().get("timetolive", 0)
+    time.sleep(2.0)
+    assert g.counter.snapshot().get("timetolive", 0) == mid, "leases read after the workers stepped"
+    assert not any("not kept alive" in e for h in order for _, e in h.events)
+    assert all(h.pending_change() is None for h in order)
+
+
 def test_a_worker_crash_with_every_peer_alive_spends_the_budget(group: Callable[..., Group]) -> None:
     """Every node's workers fail (one crashed, the others' collectives broke) but every agent is
     alive: the leader reads the leases for the whole window and finds none lapsed, so no round

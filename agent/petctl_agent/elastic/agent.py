@@ -37,10 +37,17 @@ from petctl_agent.elastic.handlers import LeftRendezvous, guard_join, join_timeo
 from petctl_agent.elastic.joining import join_round
 from petctl_agent.elastic.membership import MembershipWatch
 from petctl_agent.elastic.outcome import Outcome, describe_failures
+from petctl_agent.elastic.stall import StallWatch
 from petctl_agent.elastic.stopping import WorkerStops
 from petctl_agent.settings import Settings
 
 log = logging.getLogger("petctl_agent.elastic")
+
+#: seconds from the SIGTERM of a membership restart to the SIGKILL of workers still running
+#: (torch's own stop waits 30 s): a process holding GiBs of state exits in 0.6 s/GiB idle, a few
+#: seconds on a busy box (tests/agent/test_failing_worker.py: 6 s); one hung in a collective
+#: whose Python SIGTERM handler cannot run never exits by itself
+LOSS_STOP_GRACE = 10.0
 
 
 def live_worker_pids(pc: Any) -> list[int]:
@@ -97,6 +104,11 @@ class PetctlElasticAgent(LocalElasticAgent):
         self.pub = publisher
         self.settings = settings
         self.stops = WorkerStops(drain_file, progress_file, settings.drain_probe, failure_file)
+        #: no new step for a while: a peer that vanished without a reset (stall.py)
+        self.stall = StallWatch(progress_file)
+        #: when our workers were SIGTERMed for a membership change (the stop is then bounded:
+        #: :meth:`_stop_workers`)
+        self._sigterm_at: float | None = None
         #: our failing workers' processes may still be exiting: the next restart joins the round
         #: first and reaps them after (:meth:`_while_failing`)
         self._rendezvous_first = False
@@ -252,6 +264,7 @@ class PetctlElasticAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         self.stops.workers_starting()
+        self.stall.reset()
         self._failing_seen = False
         self._rendezvoused = False  # consumed by now; never skip a later round's rendezvous
         if self.before_workers_start is not None:
@@ -308,9 +321,29 @@ class PetctlElasticAgent(LocalElasticAgent):
             if self._stop_first:
                 self._stop_first = False
                 self._signal_workers(signal.SIGTERM)
+                self._sigterm_at = time.monotonic()
             self._rendezvous(worker_group)
             self._rendezvoused = True
         super()._restart_workers(worker_group)
+
+    def _stop_workers(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> None:
+        """torch's stop (SIGTERM, then SIGKILL after 30 s), bounded after a membership change:
+        workers SIGTERMed before the rendezvous (:meth:`_restart_workers`) get ``LOSS_STOP_GRACE``
+        from that SIGTERM, then SIGKILL. A worker hung in a collective with a lost peer (no reset
+        on real AWS: gloo waits for its timeout, NCCL for its watchdog) whose script handles
+        SIGTERM in Python never runs the handler (the main thread is inside the C++ wait): it
+        held the restart for torch's 30 s."""
+        at, self._sigterm_at = self._sigterm_at, None
+        if at is not None:
+            while live_worker_pids(self._pcontext) and time.monotonic() - at < LOSS_STOP_GRACE:
+                time.sleep(0.05)
+            if live_worker_pids(self._pcontext):
+                log.warning(
+                    "workers still running %.0fs after SIGTERM (hung in a collective?): SIGKILL",
+                    LOSS_STOP_GRACE,
+                )
+                self._signal_workers(signal.SIGKILL)
+        super()._stop_workers(worker_group, *args, **kwargs)
 
     def _signal_workers(self, sig: signal.Signals) -> None:
         """Send ``sig`` to our live workers without waiting (torch's close() sends the same and
@@ -320,6 +353,20 @@ class PetctlElasticAgent(LocalElasticAgent):
                 os.kill(pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass
+
+    def _check_stall(self, mine: Any) -> None:
+        """Our workers stopped stepping (stall.py): the leases of the running round are read
+        (``workers_stalled``), once per stall; a new step ends that. Never a restart by itself."""
+        what = self.stall.poll()
+        if what == "stalled":
+            silence = self.stall.silence() or 0.0
+            log.info("no new step for %.1fs: reading the participants' leases", silence)
+            self.pub.event(
+                "workers_stalled", round=self.watch.round, step=self._last_step(), seconds=round(silence, 2)
+            )
+            mine.workers_stalled()
+        elif what == "resumed":
+            mine.workers_running()
 
     def _free_restart(self, wg: WorkerGroup, reason: str) -> None:
         """Restart for a membership change: the restart budget is not touched."""
@@ -373,14 +420,16 @@ class PetctlElasticAgent(LocalElasticAgent):
                 self._starting = False
                 if mine is not None:
                     mine.workers_running()  # they stepped: no more lease reads for the start-up
+            if result.state == WorkerState.HEALTHY and not self._starting and mine is not None:
+                self._check_stall(mine)
             if result.state == WorkerState.HEALTHY and time.monotonic() >= next_check:
                 next_check = time.monotonic() + check_every
                 change, can_sync = self.watch.change()
                 if change:
                     log.info("re-rendezvous: %s", change)
-                    if self._starting:
-                        # a round the start-up lease reads opened: a node named gone that comes
-                        # back was stalled, not lost, and this restart is charged then
+                    if self._starting or self.stall.stalled:
+                        # a round the start-up (or stall) lease reads opened: a node named gone
+                        # that comes back was stalled, not lost, and this restart is charged then
                         self.watch.restart_for_a_loss()
                     if can_sync and self.settings.enabled("SYNC_RESTART") and self.stops.workers_progressed():
                         self._rdzv_reason = change

@@ -10,9 +10,12 @@ collectives fail within a fraction of a second. The agent reports its workers' f
 lapsed, so a hard loss opens the round ~1.5–3 s after the kill. If the leader is the silent one,
 the node next in line reads the leader's lease, leads in its place, and does the same.
 
-Only a worker failure, or workers that have not yet reported a step since they started (a peer
-lost during the start-up leaves them waiting at process-group init, not failing), starts the
-reads: an agent or etcd paused 3 s while the workers train opens no round. O(N) reads on one node per failure, none at steady state. The round that
+Only a worker failure, workers that have not yet reported a step since they started (a peer
+lost during the start-up leaves them waiting at process-group init, not failing), or workers that
+stopped stepping (:meth:`FastLoss.workers_stalled`: a peer that vanished without a reset, as a
+real instance does, leaves their collectives hung, not failing; the agent's rule is in
+``elastic/stall.py``) starts the reads: an agent or etcd paused 3 s while the workers train opens
+no round (their workers keep stepping; a stall meanwhile finds every lease kept alive). O(N) reads on one node per failure, none at steady state. The round that
 follows has ``gone`` non-empty, so the survivors' restart is free; a worker crash with every
 lease kept alive opens nothing here, and the agent spends its restart budget as before. A node
 named gone that comes back (the same id: its agent stalled, it was not lost) is listed in the
@@ -24,10 +27,13 @@ See docs/rendezvous.md, "A hard loss seen from the data plane".
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from petctl_agent.rendezvous.layout import key_name, latest_closed
+
+log = logging.getLogger("petctl_agent.rendezvous")
 
 
 class FastLoss:
@@ -42,7 +48,7 @@ class FastLoss:
             if self._round is None or self._left:
                 return
             self._failed = (self._round, time.monotonic() + self.cfg.ttl + 1.5)
-            self._starting = None
+            self._starting = self._stalled = None
             self._event(f"workers failed in round {self._round}: reading the participants' leases")
             self._bump()
 
@@ -59,17 +65,37 @@ class FastLoss:
             if self._round is None or self._left:
                 return
             self._failed = (self._round, time.monotonic() + self.cfg.ttl + 1.5)
-            self._starting = self._round
+            self._starting, self._stalled = self._round, None
             self._event(f"workers starting in round {self._round}: reading the participants' leases")
             self._bump()
 
-    def workers_running(self: Any) -> None:
-        """Our workers reported a step: end the start-up window (:meth:`workers_starting`); a
-        failure window opened by :meth:`workers_failed` is left alone."""
+    def workers_stalled(self: Any) -> None:
+        """Our workers of the running round stopped making progress (no new step for the agent's
+        stall time, ``elastic/stall.py``): a peer that vanished without a reset (a real instance
+        lost: no RST) leaves them hung in a collective, failing nothing. For the next
+        ``ttl + 1.5`` s, or until they step again (:meth:`workers_running`), read the leases as
+        after a failure. A slow step, a long checkpoint, a paused agent or etcd: every lease reads
+        kept alive (``decide.lapsed``'s margins) and nothing opens. No request here."""
         with self._cond:
-            if self._starting is not None and self._failed is not None and self._failed[0] == self._starting:
-                self._failed = None
-            self._starting = None
+            if self._round is None or self._left:
+                return
+            f = self._failed
+            if f is not None and f[0] == self._round and f[1] >= time.monotonic():
+                return  # a failure or start-up window is open: it reads the leases already
+            self._failed = (self._round, time.monotonic() + self.cfg.ttl + 1.5)
+            self._stalled = self._round
+            self._event(f"workers stalled in round {self._round}: reading the participants' leases")
+            self._bump()
+
+    def workers_running(self: Any) -> None:
+        """Our workers reported a step: end the start-up window (:meth:`workers_starting`) or
+        the stall window (:meth:`workers_stalled`); a failure window opened by
+        :meth:`workers_failed` is left alone."""
+        with self._cond:
+            for r in (self._starting, self._stalled):
+                if r is not None and self._failed is not None and self._failed[0] == r:
+                    self._failed = None
+            self._starting = self._stalled = None
 
     def _failure_round(self: Any, now: float) -> int | None:
         """The running round our workers failed in, while the window lasts (caller holds _cond)."""
@@ -88,7 +114,28 @@ class FastLoss:
             if self._failure_round(now) != latest:
                 return frozenset(), None
         others = [n for n in order if n != self.node_id and n in values]
-        return self._lapsed(latest + 1, others, values)
+        lapsed, due = self._lapsed(latest + 1, others, values)
+        if lapsed:
+            self._say_lapsed(latest, lapsed)
+        return lapsed, due
+
+    def _why_reading(self: Any) -> str:
+        """What opened the lease-read window (caller need not hold _cond)."""
+        with self._cond:
+            if self._stalled is not None:
+                return "our workers stalled"
+            return "our workers are starting" if self._starting is not None else "our workers failed"
+
+    def _say_lapsed(self: Any, rnum: int, lapsed: frozenset[str]) -> None:
+        """Log once per round and set of nodes (INFO: the agent's log shows what found the loss)."""
+        with self._cond:
+            if self._said_lapsed == (rnum, lapsed):
+                return
+            self._said_lapsed = (rnum, lapsed)
+        log.info(
+            "round %d: lease of %s not kept alive (%s): opening the next round without it",
+            rnum, ", ".join(sorted(lapsed)), self._why_reading(),
+        )  # fmt: skip
 
     def _leader_after_failure(self: Any, now: float, w: Any) -> float | None:
         """Follower of a running round whose workers failed: if we are next in line, read the
@@ -112,7 +159,9 @@ class FastLoss:
         with self._cond:
             self._lapsed_leader = (leader, rnum)
             self._bump()
-        self._event(f"leading in place of {leader} (its lease is not kept alive; our workers failed)")
+        why = self._why_reading()
+        self._event(f"leading in place of {leader} (its lease is not kept alive; {why})")
+        self._say_lapsed(rnum, frozenset([leader]))
         return 0.0
 
     def _known_lapsed(self: Any, target: int) -> bool:

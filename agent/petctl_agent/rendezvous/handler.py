@@ -113,6 +113,8 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
         #: (round, until when): our workers failed in that round; the leases are read (fastloss.py)
         self._failed: tuple[int, float] | None = None
         self._starting: int | None = None  # the round whose workers are starting (fastloss.py)
+        self._stalled: int | None = None  # the round whose workers stalled (fastloss.py)
+        self._said_lapsed: tuple[int, frozenset[str]] | None = None  # logged (fastloss.py)
         self._target: int | None = None  # the round we are joining
         self._expected_cache: tuple[float, int | None] = (float("-inf"), None)
         self._snapped_for: tuple[str, int] | None = None
