@@ -182,7 +182,7 @@ def test_a_vanished_peer_is_seen_from_the_leases_of_a_stall(group: Callable[...,
     call workers_stalled. The leader, or the node next in line when the leader vanished, reads
     the leases and opens a round naming it gone, before its key expires (< 3.5 s; without the
     stall: the lease expiry, test_workers_that_stepped_read_no_lease_on_a_loss)."""
-    g = group(2, 8)
+    g = group(2, 8, settle=SETTLE)
     order = _three(g)
     dead = order[who]
     survivors = [h for h in order if h is not dead]
@@ -192,7 +192,7 @@ def test_a_vanished_peer_is_seen_from_the_leases_of_a_stall(group: Callable[...,
         h.workers_stalled()
     took = _gone_within(survivors, dead, 5.0)
     print(f"vanish of rank {who}: a round named it gone {took} s after the stall")
-    assert took is not None and took < 2.5, took
+    assert took is not None and took < 3.5, took
     assert v3.Client(g.endpoint).get(dead.node_key) is not None, "the lease expired: this measured the TTL"
     assert any("workers stalled in round 1" in e for h in survivors for _, e in h.events)
     res = g.rendezvous(*survivors, timeout=15)
@@ -205,7 +205,7 @@ def test_a_stall_with_every_peer_alive_opens_nothing_and_ends_at_the_next_step(
     """A slow step, a long checkpoint: every agent sees a stall, the leader reads the leases,
     all kept alive: no round. A step ends the window (workers_running): no more reads. A stall
     while the window lasts opens no second one (one window per stall: O(N) reads)."""
-    g = group(2, 8)
+    g = group(2, 8, settle=SETTLE)
     order = _three(g)
     leader = order[0]
     before = g.counter.snapshot().get("timetolive", 0)
