@@ -161,3 +161,48 @@ def test_sharded_fallback_loads_one_step_on_every_rank(tmp_path: Path) -> None:
     full = torch.arange(32.0).reshape(8, 4) * 2
     assert r0["local"] == full[:4].tolist() and r1["local"] == full[4:].tolist()
     assert json.loads((d / "latest").read_text())["step"] == 2
+
+
+#: sharded (DCP) steps 1 and 2; then rank 0 truncates one shard file of step 2 (an EFS write cut
+#: short, a damaged copy): DCP's load of step 2 fails on every rank with its CheckpointException
+SHARDED_TRUNCATED = """
+    import os
+    from pathlib import Path
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    d = Path(os.environ["PETCTL_CHECKPOINT_DIR"])
+    full = torch.arange(32.0).reshape(8, 4)
+    for s in (1, 2):
+        ckpt.save({"model": {"w": distribute_tensor(full * s, mesh, [Shard(0)])}}, s, keep=3)
+    if rank == 0:
+        shards = sorted((d / "ckpt-0000000002.dcp").glob("*.distcp"))
+        out["shards"] = [p.name for p in shards]
+        os.truncate(shards[-1], shards[-1].stat().st_size // 2)
+    dist.barrier()
+    into = {"model": {"w": distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])}}
+    state, step = ckpt.resume(into)
+    out["step"] = step
+    out["local"] = state["model"]["w"].to_local().tolist()
+"""
+
+
+def test_a_truncated_shard_of_the_newest_sharded_step_sends_every_rank_to_the_older_one(
+    tmp_path: Path,
+) -> None:
+    """One shard file of the newest DCP step (2) cut in half: both ranks load step 1, each its own
+    shard (before: DCP's CheckpointException, a BaseException, went past the agreement's
+    ``except Exception`` and out of resume on every rank -- every restart hit the same step)."""
+    pytest.importorskip("numpy", reason="torch.distributed.checkpoint's object collectives need numpy")
+    d = tmp_path / "ck"
+    env = {"PETCTL_CHECKPOINT_DIR": str(d), "PETCTL_CHECKPOINT_TIMEOUT": "30"}
+    cps = _run_ranks(tmp_path, SHARDED_TRUNCATED, env=env)
+    r0, r1 = (_result(cp) for cp in cps)
+    assert len(r0["shards"]) == 2, r0  # one file per rank: the truncated one is rank 1's
+    assert r0["step"] == r1["step"] == 1, (r0, r1)
+    full = torch.arange(32.0).reshape(8, 4)
+    assert r0["local"] == full[:4].tolist() and r1["local"] == full[4:].tolist()
+    assert "ckpt-0000000002.dcp unreadable on rank(s) [0, 1]; every rank tries older" in cps[0].stderr
+    # one line per rank naming the rank whose shard failed (not DCP's multi-rank traceback)
+    assert "ckpt-0000000002.dcp: DCP load failed on rank(s) [1]: RuntimeError" in cps[0].stderr
+    assert "Traceback" not in cps[0].stderr + cps[1].stderr

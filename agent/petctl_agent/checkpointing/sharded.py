@@ -194,8 +194,12 @@ def load_sharded(
 
     Raises:
         UnsafeCheckpointError: something in it needs a full unpickle and the caller did not opt in.
+        RuntimeError: DCP's load failed otherwise (a shard file missing or truncated, ...): DCP
+            raises it on every rank together, as a ``CheckpointException`` -- a ``BaseException``
+            that a caller's ``except Exception`` (the agreed fallback to an older step) would miss.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     if into is None:
         raise NeedsStateError(
@@ -210,11 +214,26 @@ def load_sharded(
         reader, planner = _safe_dcp(path, refused)
     try:
         dcp.load(into, storage_reader=efsrate.pace_dcp(reader), planner=planner, process_group=group)
-    except BaseException as e:  # DCP's CheckpointException is a BaseException
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         if refused:
             raise UnsafeCheckpointError(refused[0]) from None
         m = re.search(r"[^:;\n]* which a safe \(weights_only\) load refuses[^;\n]*", str(e))
         if m:  # refused on another rank: every rank fails with the same line
             raise UnsafeCheckpointError(m.group(0).strip()) from None
+        if isinstance(e, CheckpointException):
+            raise RuntimeError(f"{path.name}: {_dcp_failure(e)}") from e
         raise
     return into, int(CKPT_RE.match(path.name).group(1))
+
+
+def _dcp_failure(e: BaseException) -> str:
+    """One line for a ``CheckpointException`` (its ``str`` is every failed rank's traceback): the
+    failed ranks and the first one's exception, e.g. ``DCP load failed on rank(s) [1]:
+    RuntimeError: PytorchStreamReader failed reading zip archive: ...``."""
+    failures = getattr(e, "failures", None) or {}
+    ranks = sorted(failures)
+    first = failures[ranks[0]][0] if ranks else e
+    what = str(first).strip().splitlines()[0] if str(first).strip() else ""
+    if len(what) > 300:
+        what = what[:300] + "..."
+    return f"DCP load failed on rank(s) {ranks}: {type(first).__name__}: {what}"
