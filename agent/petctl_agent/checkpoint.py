@@ -204,6 +204,8 @@ def load_latest(
             (with ``agree``: on any rank -- then on every rank).
         UnsafeCheckpointError: (a ``ValueError``) a checkpoint holds a type outside torch's
             ``weights_only`` allow-list and unsafe loading is off; older ones are not tried.
+        OSError: (with ``agree``) a rank could not list the checkpoint directory (EFS: ``EIO``,
+            ``ESTALE``, ``EACCES``): the same one-line error, naming that rank, on every rank.
     """
     d = checkpoint_dir(directory)
     if map_location is None:
@@ -251,6 +253,28 @@ def _gather(obj: Any) -> list[Any]:
     return out
 
 
+def _gather_checked(what: str, fn: Callable[[], Any]) -> list[Any]:
+    """:func:`_gather` of ``fn()``: every rank's value, or the same error raised on every rank.
+
+    A rank whose ``fn`` raises (EFS: ``ESTALE``, ``EIO``, ``EACCES`` listing the directory) must
+    not raise before the gather: its peers would wait in it until ``PETCTL_CHECKPOINT_TIMEOUT``
+    (1800 s) if the script catches the error and goes on. It sends the error instead, and when any
+    rank sent one every rank raises the first: an ``OSError`` (that errno) naming the rank, or a
+    ``RuntimeError``.
+    """
+    try:
+        mine: tuple[Any, ...] = (None, None, fn())
+    except Exception as e:  # noqa: BLE001 - every error reaches every rank, not just this one
+        errno = e.errno if isinstance(e, OSError) else None
+        mine = (errno, f"rank {dist_rank()} could not {what} ({type(e).__name__}: {e})", None)
+    got = _gather(mine)
+    for errno, msg, _ in got:
+        if msg is not None:
+            line = f"petctl checkpoint: {msg}; resume raises this on every rank"
+            raise OSError(errno, line) if errno is not None else RuntimeError(line)
+    return [v for _, _, v in got]
+
+
 def _load_agreed(
     d: Path, map_location: Any, into: dict[str, Any] | None, unsafe_load: bool | None
 ) -> tuple[dict[str, Any], int] | None:
@@ -271,7 +295,9 @@ def _load_agreed(
     tried: set[int] = set()
     prev_bound: int | None = None
     for _ in range(_AGREE_ROUNDS):
-        seen = _gather((read_pointer(d), [(s, p.name) for s, p in list_checkpoints(d)]))
+        seen = _gather_checked(
+            f"list {d}", lambda: (read_pointer(d), [(s, p.name) for s, p in list_checkpoints(d)])
+        )
         pointers = [p for p, _ in seen if isinstance(p, dict) and "step" in p]
         bound = max((int(p["step"]) for p in pointers), default=None)
         if prev_bound is not None and (bound is None or bound <= prev_bound):
@@ -295,7 +321,7 @@ def _load_agreed(
             out, code, msg = None, 1, ""
             if path.name.endswith(".dcp"):
                 # DCP's load is collective: every rank enters it or none does
-                ready = _gather((path.is_dir(), into is None))
+                ready = _gather_checked(f"stat {path}", lambda p=path: (p.is_dir(), into is None))
                 if any(needs for _, needs in ready):
                     load_sharded(path, None, unsafe_load)  # raises NeedsStateError, before any collective
                 if not all(there for there, _ in ready):

@@ -206,3 +206,38 @@ def test_a_truncated_shard_of_the_newest_sharded_step_sends_every_rank_to_the_ol
     # one line per rank naming the rank whose shard failed (not DCP's multi-rank traceback)
     assert "ckpt-0000000002.dcp: DCP load failed on rank(s) [1]: RuntimeError" in cps[0].stderr
     assert "Traceback" not in cps[0].stderr + cps[1].stderr
+
+
+#: rank 1's listing of the checkpoint directory fails (an EFS client's EIO); the script catches
+#: what resume raises and goes on (here: a barrier on the default group, as training would)
+LIST_FAILS = """
+    import errno, time
+    from petctl_agent.checkpointing.files import write_file
+    if rank == 1:
+        def list_checkpoints(d):
+            raise OSError(errno.EIO, "Input/output error", str(d))
+        ckpt.list_checkpoints = list_checkpoints
+    t0 = time.monotonic()
+    try:
+        ckpt.resume()
+        out["err"] = None
+    except Exception as e:
+        out["err"] = [type(e).__name__, getattr(e, "errno", None), str(e)]
+    out["secs"] = time.monotonic() - t0
+    dist.barrier()
+"""
+
+
+def test_one_ranks_failed_listing_raises_on_every_rank_without_a_hang(tmp_path: Path) -> None:
+    """Rank 1 cannot list the directory (EIO): both ranks raise the same OSError naming rank 1, at
+    once (before: rank 1 raised before the first gather and went on into its barrier; rank 0 waited
+    in the gather until the checkpoint group's timeout -- 20 s here, 1800 s by default)."""
+    d = tmp_path / "ck"
+    ckpt.save({"w": torch.full((4,), 10.0)}, 10, d)
+    env = {"PETCTL_CHECKPOINT_DIR": str(d), "PETCTL_CHECKPOINT_TIMEOUT": "20"}
+    r0, r1 = (_result(cp) for cp in _run_ranks(tmp_path, LIST_FAILS, env=env, timeout=90))
+    assert r0["err"] == r1["err"], (r0, r1)
+    kind, eno, msg = r0["err"]
+    assert kind == "OSError" and eno == 5, r0
+    assert "rank 1 could not list" in msg and "Input/output error" in msg and "\n" not in msg, msg
+    assert r0["secs"] < 10 and r1["secs"] < 10, (r0, r1)
