@@ -31,6 +31,7 @@ import logging
 import time
 from typing import Any
 
+from petctl_agent.rendezvous import decide
 from petctl_agent.rendezvous.layout import key_name, latest_closed
 
 log = logging.getLogger("petctl_agent.rendezvous")
@@ -113,11 +114,22 @@ class FastLoss:
         with self._cond:
             if self._failure_round(now) != latest:
                 return frozenset(), None
+            after = self._window_lapse_after()
         others = [n for n in order if n != self.node_id and n in values]
-        lapsed, due = self._lapsed(latest + 1, others, values)
+        lapsed, due = self._lapsed(latest + 1, others, values, after)
         if lapsed:
             self._say_lapsed(latest, lapsed)
         return lapsed, due
+
+    def _window_lapse_after(self: Any) -> float | None:
+        """The silence that reads a lease lapsed in the open window (caller holds _cond): a stall
+        (a weak signal: a slow step, a checkpoint, open for most of a slow job's steps) rides
+        through a 3 s pause of another node's agent (``decide.stall_lapse_after``, 4.5 s); a
+        failure or the start-up: None, ``decide.lapsed``'s ``refresh + 1`` (2 s)."""
+        f = self._failed
+        if self._stalled is not None and f is not None and f[0] == self._stalled:
+            return decide.stall_lapse_after(self.cfg.refresh)
+        return None
 
     def _why_reading(self: Any) -> str:
         """What opened the lease-read window (caller need not hold _cond)."""
@@ -153,7 +165,8 @@ class FastLoss:
             if not w.items:
                 return 0.0  # the leader's key went meanwhile: _follow looks again
             value = next(iter(w.items.values()))[0]
-        lapsed, due = self._lapsed(rnum + 1, [leader], {leader: value})
+            after = self._window_lapse_after()
+        lapsed, due = self._lapsed(rnum + 1, [leader], {leader: value}, after)
         if not lapsed:
             return None if due is None else max(0.0, due - time.monotonic()) + 0.01
         with self._cond:
