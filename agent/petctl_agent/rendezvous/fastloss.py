@@ -15,7 +15,11 @@ lost during the start-up leaves them waiting at process-group init, not failing)
 stopped stepping (:meth:`FastLoss.workers_stalled`: a peer that vanished without a reset, as a
 real instance does, leaves their collectives hung, not failing; the agent's rule is in
 ``elastic/stall.py``) starts the reads: an agent or etcd paused 3 s while the workers train opens
-no round (their workers keep stepping; a stall meanwhile finds every lease kept alive). O(N) reads on one node per failure, none at steady state. The round that
+no round (their workers keep stepping; a stall's window reads a lease lapsed only after 4.5 s of
+silence, ``decide.stall_lapse_after``, so a 3 s pause of another agent meanwhile is ridden
+through; a failure's or the start-up's: 2 s). O(N) reads on one node per window (2-3 per lease
+in a stall's 7.5 s window: each read again when it could first lapse), none while the workers
+step; a job whose steps exceed 4/3 s opens a stall window each step. The round that
 follows has ``gone`` non-empty, so the survivors' restart is free; a worker crash with every
 lease kept alive opens nothing here, and the agent spends its restart budget as before. A node
 named gone that comes back (the same id: its agent stalled, it was not lost) is listed in the
