@@ -124,9 +124,13 @@ def test_lease_expiry_removes_its_keys(client: v3.Client) -> None:
     assert ttl == 2
     client.put("/t/exp/k", "v", lease=lid)
     assert client.time_to_live(lid, keys=True)[1] == ["/t/exp/k"]
+    left: list[int] = []
     while client.get("/t/exp/k") is not None:
         assert time.monotonic() - t0 < 10, "a lease of 2 s kept its key for 10 s without keepalives"
+        left.append(client.time_to_live(lid)[0])
         time.sleep(0.1)
+    # its last second reads 0 (the gateway's JSON omits a zero TTL): not -1, which is an ended lease
+    assert 0 in left and -1 not in left[: left.index(0)], left
     assert time.monotonic() - t0 >= 1.5  # removed by the lease's expiry (2 s after the grant), not at once
     assert client.time_to_live(lid)[0] == -1
     with pytest.raises(v3.LeaseNotFound):

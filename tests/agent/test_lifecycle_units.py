@@ -127,6 +127,54 @@ def test_our_sigterm_handler_is_put_back_after_torch_replaces_it() -> None:
         signal.signal(signal.SIGTERM, before)
 
 
+def _saving_worker(save_s: float) -> subprocess.Popen:
+    """A worker whose SIGTERM handler saves its own checkpoint for ``save_s`` and exits 0."""
+    code = (
+        "import signal, sys, time\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: (time.sleep({save_s}), sys.exit(0)))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+@pytest.mark.parametrize(("loss", "code"), [(False, 0), (True, KILL)], ids=["join", "loss"])
+def test_only_a_loss_bounds_the_workers_stop(monkeypatch, loss: bool, code: int) -> None:
+    """The SIGTERM sent before a membership restart's rendezvous arms LOSS_STOP_GRACE (then
+    SIGKILL) only for a loss or stalled workers (hung in a collective). A join keeps torch's
+    stop (30 s): a script whose SIGTERM handler saves its checkpoint (here 1.5 s, the grace
+    shrunk to 0.5 s) finishes it; it was SIGKILLed mid-save (a torn torch.save)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from petctl_agent.elastic import agent as agent_mod
+
+    monkeypatch.setattr(agent_mod, "LOSS_STOP_GRACE", 0.5)
+    torch_stopped: list[int | None] = []
+
+    def torch_stop(self, wg, *a, **k) -> None:  # noqa: ARG001  torch's close: SIGTERM, wait up to 30 s
+        torch_stopped.append(proc.poll())
+        proc.wait(30)
+
+    monkeypatch.setattr(LocalElasticAgent, "_stop_workers", torch_stop)
+    proc = _saving_worker(1.5)
+    try:
+        a = object.__new__(PetctlElasticAgent)
+        a._pcontext = SimpleNamespace(subprocess_handlers={0: SimpleNamespace(proc=proc)})
+        a._sigterm_at, a._stop_bounded = None, loss  # what _invoke_run sets for the change
+        a._sigterm_before_rendezvous()
+        time.sleep(0.8)  # the rendezvous: longer than the grace
+        a._stop_workers(SimpleNamespace())
+        assert proc.wait(5) == code, (loss, proc.returncode)
+        assert len(torch_stopped) == 1  # torch's stop ran after ours, as always
+        assert a._stop_bounded is False and a._sigterm_at is None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def _lifecycle(monkeypatch, imds_url: str, calls: list) -> Lifecycle:
     spec = JobSpec.from_dict({**BASE, "worker_group": "petctl-j-1-workers", "lifecycle_hook": "petctl-drain"})
     lifecycle = Lifecycle(spec, Imds(imds_url), Settings(imds_poll=0.1), "i-end")

@@ -3,6 +3,8 @@ what it sees, so every deadline is checked here without etcd or sleeps."""
 
 from __future__ import annotations
 
+import math
+
 from petctl_agent.rendezvous.decide import (
     CloseView,
     OpenView,
@@ -11,6 +13,7 @@ from petctl_agent.rendezvous.decide import (
     lapsed,
     open_round,
     rank_order,
+    stall_lapse_after,
 )
 
 LIVE = {"a": 10, "b": 11, "c": 12, "d": 13}
@@ -199,6 +202,73 @@ def test_a_longer_keepalive_interval_needs_a_longer_silence() -> None:
     assert not lapsed(3, 6, 0.1, refresh=2.0) and lapsed(2, 6, 0.1, refresh=2.0)
     assert not lapsed(2, 6, 0.6, refresh=2.0), "our own silence 0.6 s: 3 s is not 2.5 s more"
     assert lapse_recheck(5, 6, refresh=2.0) == 2.0
+
+
+def _reads(silence_at, window: float, after: float | None, poll: float = 0.25) -> list[tuple[float, int]]:
+    """The leader's reads of one lease in a lease-read window, as ``leader._lapsed`` times them
+    (the next at ``max(LAPSE_POLL, lapse_recheck)``), until the window ends or a read is lapsed:
+    [(t, remaining read)]. ``silence_at(t)``: etcd's silence of the lease at t (it reads
+    ``floor(6 - silence)``, whole seconds rounded down)."""
+    out: list[tuple[float, int]] = []
+    t = 0.0
+    while t <= window:
+        remaining = math.floor(6 - silence_at(t))
+        out.append((t, remaining))
+        if lapsed(remaining, 6, 0.1, after=after):
+            break
+        t += max(poll, lapse_recheck(remaining, 6, after=after))
+    return out
+
+
+def test_a_stall_window_rides_through_a_3s_pause_of_another_agent() -> None:
+    """A stall (no failure: a slow step, a checkpoint) opens a 7.5 s window for most of a slow
+    job's steps; a node whose agent pauses 3 s in it (GC, I/O) was read lapsed after 2 s of
+    silence: a round, every node restarted, the restart charged. The stall's threshold is
+    3 s + refresh + 0.5 s: the pause is ridden through, a vanished node still reads lapsed."""
+    after = stall_lapse_after(1.0)
+    assert after == 4.5
+    # the failure window's rule reads 3 left lapsed (> 2 s silent); the stall's does not
+    assert lapsed(3, 6, 0.1) and not lapsed(3, 6, 0.1, after=after)
+    assert not lapsed(1, 6, 0.1, after=after), "silent > 4 s: a 3 s pause begun just before a keepalive"
+    assert lapsed(0, 6, 0.1, after=after), "silent > 5 s: no 3 s pause explains it"
+    assert not lapsed(0, 6, 4.6, after=after), "our own silence still counts (etcd paused)"
+    for start in [i / 20 for i in range(60)]:  # when the pause begins in the window
+        for phase in [i / 10 for i in range(10)]:  # and where in its keepalive period
+
+            def paused(t: float, start: float = start, phase: float = phase) -> float:
+                last = math.floor(t - phase) + phase  # the last keepalive, every 1 s
+                if start <= t < start + 3.0:
+                    last = math.floor(start - phase) + phase  # none during the pause
+                return t - last + 0.05  # and a keepalive's trip to etcd
+
+            reads = _reads(paused, 7.5, after)
+            assert not lapsed(reads[-1][1], 6, 0.1, after=after), (start, phase, reads)
+            # the failure window's 2 s rule names it gone (what the stall window did)
+            assert lapsed(_reads(paused, 7.5, None)[-1][1], 6, 0.1), (start, phase)
+
+
+def test_a_stall_window_reads_a_kept_alive_lease_at_most_3_times() -> None:
+    """lapse_recheck times the next read at the first moment it could read lapsed: a kept-alive
+    lease (5 or 4 left) is read again in 4 or 3 s with the stall's threshold, so 2-3 reads in the
+    7.5 s window (the 2 s rule: every 0.25-1 s, 8-30). A vanished one still reads lapsed before
+    its TTL (6 s of silence) ends."""
+    after = stall_lapse_after(1.0)
+    for phase in [i / 10 for i in range(10)]:
+
+        def alive(t: float, phase: float = phase) -> float:
+            return t - (math.floor(t - phase) + phase) + 0.05
+
+        assert len(_reads(alive, 7.5, after)) <= 3, phase
+        assert len(_reads(alive, 7.5, None)) >= 8, phase
+        for silent0 in (1.0, 1.5, 2.0):  # the stall is seen 1-2 s after the loss
+
+            def gone(t: float, silent0: float = silent0) -> float:
+                return silent0 + t
+
+            reads = _reads(gone, 7.5, after)
+            assert lapsed(reads[-1][1], 6, 0.1, after=after), (silent0, reads)
+            assert silent0 + reads[-1][0] < 6.0, (silent0, reads)  # before the lease expires
+            assert len(reads) <= 6, reads  # near the threshold: every LAPSE_POLL, once
 
 
 def test_with_no_closed_round_the_order_comes_from_what_the_joins_remember() -> None:

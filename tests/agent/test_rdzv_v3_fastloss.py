@@ -180,20 +180,25 @@ def test_a_vanished_peer_is_seen_from_the_leases_of_a_stall(group: Callable[...,
     """A peer that vanishes without a reset (a real instance lost: no RST) fails nothing: the
     survivors' workers hang in a collective, their agents see no new step (elastic/stall.py) and
     call workers_stalled. The leader, or the node next in line when the leader vanished, reads
-    the leases and opens a round naming it gone, before its key expires (< 3.5 s; without the
-    stall: the lease expiry, test_workers_that_stepped_read_no_lease_on_a_loss)."""
+    the leases and opens a round naming it gone, before its key expires: silent > 4.5 s (the
+    stall's threshold rides through a 3 s pause of an agent, decide.stall_lapse_after), i.e. with
+    < 1 s of its 6 s TTL left: 3-4.3 s after a stall seen 1 s after the loss (without the stall:
+    the lease expiry, test_workers_that_stepped_read_no_lease_on_a_loss)."""
     g = group(2, 8, settle=SETTLE)
     order = _three(g)
     dead = order[who]
     survivors = [h for h in order if h is not dead]
     dead._crash()  # noqa: SLF001
+    t_crash = time.time()
     time.sleep(1.0)  # the agents' stall time for fast steps (STALL_MIN_S)
     for h in survivors:
         h.workers_stalled()
-    took = _gone_within(survivors, dead, 5.0)
+    took = _gone_within(survivors, dead, 8.0)
     print(f"vanish of rank {who}: a round named it gone {took} s after the stall")
-    assert took is not None and took < 3.5, took
-    assert v3.Client(g.endpoint).get(dead.node_key) is not None, "the lease expired: this measured the TTL"
+    assert took is not None and took < 4.8, took
+    # the lease read found it (not the expiry's delete, which names it gone too, ~1 s later)
+    read = [e for h in survivors for _, e in h.events if f"lease of {dead.node_id} not kept alive" in e]
+    assert read, (took, [(round(t - t_crash, 2), e) for h in survivors for t, e in h.events if t > t_crash])
     assert any("workers stalled in round 1" in e for h in survivors for _, e in h.events)
     res = g.rendezvous(*survivors, timeout=15)
     assert {i.world_size for i in res.values()} == {2}
@@ -226,6 +231,45 @@ def test_a_stall_with_every_peer_alive_opens_nothing_and_ends_at_the_next_step(
     assert g.counter.snapshot().get("timetolive", 0) == mid, "leases read after the workers stepped"
     assert not any("not kept alive" in e for h in order for _, e in h.events)
     assert all(h.pending_change() is None for h in order)
+
+
+def test_a_stall_window_reads_each_kept_alive_lease_at_most_3_times(group: Callable[..., Group]) -> None:
+    """A stall window lasts ttl + 1.5 s (7.5 s) and opens for most of a slow job's steps: the
+    leader reads each lease again only when it could first read lapsed (4.5 s of silence: in 3-4 s
+    for a kept-alive lease), so 2-3 reads per lease per window (at 0.25-1 s: 8-30), not O(N) per
+    second on etcd at steady state."""
+    g = group(2, 8, settle=SETTLE)
+    order = _three(g)
+    before = g.counter.snapshot().get("timetolive", 0)
+    for h in order:
+        h.workers_stalled()
+    time.sleep(8.5)  # the whole window, and past it
+    reads = g.counter.snapshot().get("timetolive", 0) - before
+    print(f"a stall window: {reads} LeaseTimeToLive for 2 leases")
+    assert 2 <= reads <= 2 * 3, reads
+    assert all(h.pending_change() is None and h.round == 1 for h in order)
+
+
+def test_a_3s_agent_pause_in_a_stall_window_opens_nothing(group: Callable[..., Group]) -> None:
+    """Issue 21: "Lease TTLs ride through a 3 s pause of an agent". The workers stalled (a long
+    checkpoint: a window opens) and meanwhile another node's agent pauses 3 s (GC, I/O: no
+    keepalive). With the failure window's 2 s rule the leader named it gone (a round: every node
+    restarted, and the restart charged when it came back); the stall's threshold rides through."""
+    g = group(2, 8, settle=SETTLE)
+    order = _three(g)
+    paused = order[2]
+    stalled = _stall(paused)
+    for h in order:
+        h.workers_stalled()
+    time.sleep(0.5)
+    stalled.set()
+    time.sleep(3.0)
+    stalled.clear()
+    time.sleep(4.5)  # the rest of the window
+    assert all(h.pending_change() is None and h.round == 1 for h in order), [
+        h.pending_change() for h in order
+    ]
+    assert not any("not kept alive" in e for h in order for _, e in h.events)
 
 
 def test_a_worker_crash_with_every_peer_alive_spends_the_budget(group: Callable[..., Group]) -> None:

@@ -43,8 +43,8 @@ from petctl_agent.settings import Settings
 
 log = logging.getLogger("petctl_agent.elastic")
 
-#: seconds from the SIGTERM of a membership restart to the SIGKILL of workers still running
-#: (torch's own stop waits 30 s): a process holding GiBs of state exits in 0.6 s/GiB idle, a few
+#: seconds from the SIGTERM of a restart for a loss (nodes named gone) or of stalled workers to
+#: the SIGKILL of workers still running (torch's own stop waits 30 s; a join keeps it): a process holding GiBs of state exits in 0.6 s/GiB idle, a few
 #: seconds on a busy box (tests/agent/test_failing_worker.py: 6 s); one hung in a collective
 #: whose Python SIGTERM handler cannot run never exits by itself
 LOSS_STOP_GRACE = 10.0
@@ -114,6 +114,7 @@ class PetctlElasticAgent(LocalElasticAgent):
         self._rendezvous_first = False
         self._rendezvoused = False
         self._stop_first = False  # ... and SIGTERMs the workers before it joins
+        self._stop_bounded = False  # ... for a loss or stalled workers: LOSS_STOP_GRACE
         self._failing_seen = False  # the current workers' failure note was acted on
         #: called right before each (re)start of the workers (node/agent.py: flush the log tailer)
         self.before_workers_start: Callable[[], None] | None = None
@@ -320,19 +321,29 @@ class PetctlElasticAgent(LocalElasticAgent):
             self._rendezvous_first = False
             if self._stop_first:
                 self._stop_first = False
-                self._signal_workers(signal.SIGTERM)
-                self._sigterm_at = time.monotonic()
+                self._sigterm_before_rendezvous()
             self._rendezvous(worker_group)
             self._rendezvoused = True
         super()._restart_workers(worker_group)
 
+    def _sigterm_before_rendezvous(self) -> None:
+        """SIGTERM our workers before joining the next round (they exit meanwhile); the stop is
+        bounded (:meth:`_stop_workers`) only for a loss (the change names nodes gone) or workers
+        that stalled (hung in a collective): a join, a drain, a re-join keep torch's 30 s, which
+        a script's own SIGTERM handler (saving a checkpoint) may need, and a rendezvous longer
+        than the grace must not SIGKILL them at once."""
+        self._signal_workers(signal.SIGTERM)
+        self._sigterm_at = time.monotonic() if self._stop_bounded else None
+        self._stop_bounded = False
+
     def _stop_workers(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> None:
-        """torch's stop (SIGTERM, then SIGKILL after 30 s), bounded after a membership change:
-        workers SIGTERMed before the rendezvous (:meth:`_restart_workers`) get ``LOSS_STOP_GRACE``
-        from that SIGTERM, then SIGKILL. A worker hung in a collective with a lost peer (no reset
-        on real AWS: gloo waits for its timeout, NCCL for its watchdog) whose script handles
-        SIGTERM in Python never runs the handler (the main thread is inside the C++ wait): it
-        held the restart for torch's 30 s."""
+        """torch's stop (SIGTERM, then SIGKILL after 30 s), bounded after a loss: workers
+        SIGTERMed before the rendezvous for a change that names nodes gone, or while they were
+        stalled (:meth:`_sigterm_before_rendezvous`), get ``LOSS_STOP_GRACE`` from that SIGTERM,
+        then SIGKILL. A worker hung in a collective with a lost peer (no reset on real AWS: gloo
+        waits for its timeout, NCCL for its watchdog) whose script handles SIGTERM in Python never
+        runs the handler (the main thread is inside the C++ wait): it held the restart for
+        torch's 30 s."""
         at, self._sigterm_at = self._sigterm_at, None
         if at is not None:
             while live_worker_pids(self._pcontext) and time.monotonic() - at < LOSS_STOP_GRACE:
@@ -441,6 +452,9 @@ class PetctlElasticAgent(LocalElasticAgent):
                     # the workers are stopped (SIGTERM) first and reaped after this node has
                     # joined the next round: a process holding GiBs of state takes seconds to exit
                     self._stop_first = True
+                    # bounded only for a loss (nodes named gone: no coordinated checkpoint) or
+                    # hung workers; a join keeps torch's stop (a script's SIGTERM checkpoint)
+                    self._stop_bounded = not can_sync or self.stall.stalled
                     self._rendezvous_first = True
                     self._free_restart(wg, change)
 

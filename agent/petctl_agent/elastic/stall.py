@@ -16,13 +16,15 @@ STALL_SAMPLES step times)``, capped at ``STALL_MAX_S``; nothing before two step 
 - ``STALL_FACTOR`` (3): a loaded box, a GC pause, a data loader hiccup make single steps
   up to ~2x the median; 3x passes those. A false stall costs only O(N) lease reads on one node
   (every lease kept alive: no round), so the rule may be eager.
-- ``STALL_MIN_S`` (1 s): a lease is read as lapsed only after ``refresh`` + 1 s (2 s) of
-  silence (``decide.lapsed``), so looking earlier than ~1 s after the loss gains nothing and
-  turns every scheduling hiccup of a 10 ms step into lease reads.
+- ``STALL_MIN_S`` (1 s): in a stall's window a lease is read as lapsed only after 4.5 s of
+  silence (``decide.stall_lapse_after``: it rides through a 3 s pause of another node's agent),
+  so looking earlier than ~1 s after the loss gains nothing and turns every scheduling hiccup of
+  a 10 ms step into lease reads.
 - ``STALL_MAX_S`` (4 s): the dead node's key is deleted at the TTL (6 s, plus etcd's expiry
-  sweep); a stall seen later than ~4 s would open the round no sooner than the expiry does.
-  Steps slower than 4/3 s are therefore read after 4 s of silence: one read per lease (and
-  their re-reads within the window), every lease kept alive, no round.
+  sweep) and its lease reads lapsed from ~5 s; a stall seen later would open the round no
+  sooner than the expiry does. Steps slower than 4/3 s are therefore read after 4 s of
+  silence: 2-3 reads per lease per window (``decide.lapse_recheck``), every lease kept alive
+  (an agent paused up to 3 s too), no round.
 - the median of the last ``STALL_SAMPLES`` (8): one slow step (a checkpoint) does not move it.
 """
 

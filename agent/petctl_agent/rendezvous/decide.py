@@ -5,6 +5,7 @@ tests/agent/test_rdzv_v3_decide.py; docs/rendezvous.md, "Closing a round", says 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -44,12 +45,29 @@ class CloseView:
     lapsed: frozenset[str] = frozenset()  #: registered, not joined, its lease not kept alive: dead
 
 
-def lapsed(remaining: int, granted: int, own_silence: float, refresh: float = 1.0) -> bool:
+#: the keepalive silence (s) a stall window's lease reads ride through: an agent or etcd paused
+#: this long (a GC, swap, I/O; issue 21: "Lease TTLs ride through a 3 s pause")
+RIDE_THROUGH = 3.0
+
+
+def stall_lapse_after(refresh: float = 1.0) -> float:
+    """The silence that reads a lease lapsed in a window opened by a *stall* (no failure: a weak
+    signal, open for most of a slow job's steps): a pause of ``RIDE_THROUGH`` s plus the
+    ``refresh`` the pause may have begun just before, plus 0.5 s margin: 4.5 s at refresh 1
+    (etcd's whole seconds make it read lapsed only with < 1 s of a 6 s TTL left). A failure or
+    the start-up window keeps ``refresh + 1`` (:func:`lapsed`'s default)."""
+    return RIDE_THROUGH + refresh + 0.5
+
+
+def lapsed(
+    remaining: int, granted: int, own_silence: float, refresh: float = 1.0, after: float | None = None
+) -> bool:
     """Whether a lease whose ``LeaseTimeToLive`` read ``remaining`` (of ``granted``) seconds was
     certainly not kept alive by its holder (which renews it every ``refresh``): etcd has heard
-    no keepalive of it for at least ``refresh + 1`` (2 s by default: a whole second past a
-    missed keepalive) and for ``refresh + 0.5`` longer than the leader's own lease
-    (``own_silence``: now - when the leader's last successful keepalive was sent).
+    no keepalive of it for at least ``after`` (default ``refresh + 1``, 2 s: a whole second past
+    a missed keepalive; a stall window passes :func:`stall_lapse_after`) and for ``refresh + 0.5``
+    longer than the leader's own lease (``own_silence``: now - when the leader's last successful
+    keepalive was sent).
 
     etcd rounds the remaining TTL *down* to whole seconds, so the silence is more than
     ``granted - remaining - 1``. The margin over our own silence keeps an etcd pause (SIGSTOP,
@@ -60,13 +78,19 @@ def lapsed(remaining: int, granted: int, own_silence: float, refresh: float = 1.
     if remaining < 0:
         return False
     silent = granted - remaining - 1
-    return silent >= max(refresh + 1.0, own_silence + refresh + 0.5)
+    need = refresh + 1.0 if after is None else after
+    return silent >= max(need, own_silence + refresh + 0.5)
 
 
-def lapse_recheck(remaining: int, granted: int, refresh: float = 1.0) -> float:
-    """When a lease read not lapsed can first read lapsed: its silence is at most
-    ``granted - remaining``, and it must reach ``refresh + 1``."""
-    return max(0.0, refresh + 1.0 - (granted - remaining))
+def lapse_recheck(remaining: int, granted: int, refresh: float = 1.0, after: float | None = None) -> float:
+    """When a lease read not lapsed can first read lapsed (by its silence, :func:`lapsed`'s
+    ``after``): a read must show at most ``R = floor(granted - 1 - after)`` s left; the lease has
+    at least ``remaining`` left now, so that is ``remaining - R - 1`` s away at the earliest
+    (0: it could already, only our own silence held it). A kept-alive lease (5 of 6 left) is read
+    again in 1 s at ``after`` 2, in 4 s at 4.5: 1-2 reads per lease in a 7.5 s stall window."""
+    need = refresh + 1.0 if after is None else after
+    most = math.floor(granted - 1 - need + 1e-9)
+    return float(max(0, remaining - most - 1))
 
 
 def close(v: CloseView) -> tuple[list[str] | None, float | None]:

@@ -604,9 +604,15 @@ class Client:
     def time_to_live(
         self, lease: int, keys: bool = False, timeout: float | None = None
     ) -> tuple[int, list[str]]:
-        """``(seconds left, keys attached)``; seconds left is -1 once the lease has ended."""
+        """``(seconds left, keys attached)``; seconds left is -1 once the lease has ended.
+
+        The gateway's JSON leaves zero fields out: a live lease with under 1 s left (and an
+        expired one not yet revoked, up to ~1.5 s) has no ``TTL``, only ``grantedTTL``; an ended
+        one answers ``TTL: -1`` and no ``grantedTTL``. Reading a missing TTL as -1 made the last
+        second of a lease read as ended (no lapse: ``decide.lapsed``)."""
         d = self.call("lease/timetolive", {"ID": str(lease), "keys": keys}, "timetolive", timeout)
-        return int(d.get("TTL", -1)), [_unb64(k).decode() for k in d.get("keys", [])]
+        ttl = d.get("TTL", 0 if "grantedTTL" in d else -1)
+        return int(ttl), [_unb64(k).decode() for k in d.get("keys", [])]
 
     def lease(self, ttl: int, on_lost: Callable[[Lease], None] | None = None, start: bool = True) -> Lease:
         """Grant a lease and (``start``) keep it alive from a background thread."""

@@ -15,7 +15,11 @@ lost during the start-up leaves them waiting at process-group init, not failing)
 stopped stepping (:meth:`FastLoss.workers_stalled`: a peer that vanished without a reset, as a
 real instance does, leaves their collectives hung, not failing; the agent's rule is in
 ``elastic/stall.py``) starts the reads: an agent or etcd paused 3 s while the workers train opens
-no round (their workers keep stepping; a stall meanwhile finds every lease kept alive). O(N) reads on one node per failure, none at steady state. The round that
+no round (their workers keep stepping; a stall's window reads a lease lapsed only after 4.5 s of
+silence, ``decide.stall_lapse_after``, so a 3 s pause of another agent meanwhile is ridden
+through; a failure's or the start-up's: 2 s). O(N) reads on one node per window (2-3 per lease
+in a stall's 7.5 s window: each read again when it could first lapse), none while the workers
+step; a job whose steps exceed 4/3 s opens a stall window each step. The round that
 follows has ``gone`` non-empty, so the survivors' restart is free; a worker crash with every
 lease kept alive opens nothing here, and the agent spends its restart budget as before. A node
 named gone that comes back (the same id: its agent stalled, it was not lost) is listed in the
@@ -31,6 +35,7 @@ import logging
 import time
 from typing import Any
 
+from petctl_agent.rendezvous import decide
 from petctl_agent.rendezvous.layout import key_name, latest_closed
 
 log = logging.getLogger("petctl_agent.rendezvous")
@@ -113,11 +118,22 @@ class FastLoss:
         with self._cond:
             if self._failure_round(now) != latest:
                 return frozenset(), None
+            after = self._window_lapse_after()
         others = [n for n in order if n != self.node_id and n in values]
-        lapsed, due = self._lapsed(latest + 1, others, values)
+        lapsed, due = self._lapsed(latest + 1, others, values, after)
         if lapsed:
             self._say_lapsed(latest, lapsed)
         return lapsed, due
+
+    def _window_lapse_after(self: Any) -> float | None:
+        """The silence that reads a lease lapsed in the open window (caller holds _cond): a stall
+        (a weak signal: a slow step, a checkpoint, open for most of a slow job's steps) rides
+        through a 3 s pause of another node's agent (``decide.stall_lapse_after``, 4.5 s); a
+        failure or the start-up: None, ``decide.lapsed``'s ``refresh + 1`` (2 s)."""
+        f = self._failed
+        if self._stalled is not None and f is not None and f[0] == self._stalled:
+            return decide.stall_lapse_after(self.cfg.refresh)
+        return None
 
     def _why_reading(self: Any) -> str:
         """What opened the lease-read window (caller need not hold _cond)."""
@@ -153,7 +169,8 @@ class FastLoss:
             if not w.items:
                 return 0.0  # the leader's key went meanwhile: _follow looks again
             value = next(iter(w.items.values()))[0]
-        lapsed, due = self._lapsed(rnum + 1, [leader], {leader: value})
+            after = self._window_lapse_after()
+        lapsed, due = self._lapsed(rnum + 1, [leader], {leader: value}, after)
         if not lapsed:
             return None if due is None else max(0.0, due - time.monotonic()) + 0.01
         with self._cond:

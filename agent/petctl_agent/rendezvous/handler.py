@@ -106,6 +106,7 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
         #: leader: (node, lease) -> when to read that lease again (inf: lapsed), for round _lapse_target
         self._lapse_memo: dict[tuple[str, int], float] = {}
         self._lapse_target: int | None = None
+        self._lapse_after: float | None = None  # the threshold the memo's times were set for
         #: (dead leader, latest closed round): not a candidate until a round closes (hard loss)
         self._lapsed_leader: tuple[str, int] | None = None
         #: follower: (round joining, since when): the leader's lease is read LAPSE_AFTER after it

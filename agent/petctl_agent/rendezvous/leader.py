@@ -378,11 +378,12 @@ class Leadership:
         return (kv.lease if kv is not None else 0), self.cfg.ttl
 
     def _lapsed(
-        self, target: int, nodes: list[str], values: dict[str, str]
+        self, target: int, nodes: list[str], values: dict[str, str], after: float | None = None
     ) -> tuple[frozenset[str], float | None]:
         """Of ``nodes`` (registered, not joined round ``target``), those whose lease is no longer
-        kept alive (:func:`.decide.lapsed`), and when to read the others again. One
-        LeaseTimeToLive per node and read, each lease read again no sooner than it could lapse."""
+        kept alive (:func:`.decide.lapsed`; ``after``: the silence that is a lapse, None for
+        ``refresh + 1``), and when to read the others again. One LeaseTimeToLive per node and
+        read, each lease read again no sooner than it could lapse (:func:`.decide.lapse_recheck`)."""
         own = self._lease
         if own is None:
             return frozenset(), None
@@ -391,6 +392,12 @@ class Leadership:
             if self._lapse_target != target:
                 memo.clear()  # (node, lease) -> when to read it again; inf: lapsed
                 self._lapse_target = target
+            if self._lapse_after != after:
+                # a stall window became a failure's (or a round's close): the next reads were
+                # timed for the other threshold; a lapse found stays one (the longer one or not)
+                for k in [k for k, v in memo.items() if v != math.inf]:
+                    del memo[k]
+                self._lapse_after = after
         out: set[str] = set()
         due: float | None = None
         for n in nodes:
@@ -407,12 +414,12 @@ class Leadership:
             remaining, _ = self._etcd.time_to_live(lease)
             t = time.monotonic()
             own_silence = t - (own.deadline - own.ttl)  # since our last successful keepalive was sent
-            if decide.lapsed(remaining, granted, own_silence, self.cfg.refresh):
+            if decide.lapsed(remaining, granted, own_silence, self.cfg.refresh, after):
                 memo[(n, lease)] = math.inf
                 out.add(n)
                 self._event(f"lease of {n} not kept alive ({remaining}s of {granted}s left): not waited for")
                 continue
-            at = t + max(LAPSE_POLL, decide.lapse_recheck(remaining, granted, self.cfg.refresh))
+            at = t + max(LAPSE_POLL, decide.lapse_recheck(remaining, granted, self.cfg.refresh, after))
             memo[(n, lease)] = at
             due = at if due is None else min(due, at)
         return frozenset(out), due
