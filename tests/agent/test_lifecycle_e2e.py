@@ -122,7 +122,10 @@ def test_leave_during_rendezvous_leaves_cleanly(make_cluster):
     for n in (a, b):
         done = _events(c, n, "rendezvous_done")
         assert done and done[-1]["nodes"] == 2, done
-    if not _events(c, n3, "rendezvous_done"):
+    # n3 was in a round if it says so, or if a round of a and b counted 3: the round can close with
+    # it the moment it joins and the SIGTERM land before its agent publishes rendezvous_done
+    counted = any(e["nodes"] == 3 for n in (a, b) for e in _events(c, n, "rendezvous_done"))
+    if not _events(c, n3, "rendezvous_done") and not counted:
         # n3 never joined a round: no round after the join counted it
         assert not _events(c, n3, "workers_started")
         for n in (a, b):
