@@ -424,16 +424,22 @@ class Run:
                     self._see(descendants(n.proc.pid))
 
     # ---- events ---------------------------------------------------------------------------
-    def kill_node(self, node: Node) -> float:
-        """SIGKILL the node's whole process tree (an instance vanishing); return the event time."""
+    def _signal_tree(self, node: Node, sig: signal.Signals) -> tuple[float, list[int]]:
+        """Send ``sig`` to the node's process group and to every process of its tree (a worker
+        may have left the group); return the event time and the pids signalled."""
         victims = descendants(node.proc.pid)
         self._see(victims)
         t = time.monotonic()
         try:
-            os.killpg(node.proc.pid, signal.SIGKILL)
+            os.killpg(node.proc.pid, sig)
         except ProcessLookupError:
             pass
-        kill_pids(victims)
+        kill_pids(victims, sig)
+        return t, victims
+
+    def kill_node(self, node: Node) -> float:
+        """SIGKILL the node's whole process tree (an instance vanishing); return the event time."""
+        t, _ = self._signal_tree(node, signal.SIGKILL)
         try:
             node.proc.wait(10)
         except subprocess.TimeoutExpired:
@@ -446,14 +452,7 @@ class Run:
         peers' sockets stay open and their collectives hang instead of failing; its lease is no
         longer kept alive. :meth:`kill_node` / :meth:`close` still end it (SIGKILL ends stopped
         processes). Returns the event time."""
-        victims = descendants(node.proc.pid)
-        self._see(victims)
-        t = time.monotonic()
-        try:
-            os.killpg(node.proc.pid, signal.SIGSTOP)
-        except ProcessLookupError:
-            pass
-        kill_pids(victims, signal.SIGSTOP)
+        t, victims = self._signal_tree(node, signal.SIGSTOP)
         late = [p for p in descendants(node.proc.pid) if p not in victims]  # forked meanwhile
         self._see(late)
         kill_pids(late, signal.SIGSTOP)

@@ -94,27 +94,34 @@ def test_a_hard_loss_is_rejoined_while_the_failing_worker_exits(make_cluster) ->
     assert os.path.exists(c.tmp)
 
 
-@pytest.mark.e2e
-def test_a_restart_for_a_membership_change_joins_the_round_while_the_workers_exit(make_cluster) -> None:
+def _freeze_a_peer(c, timeout: float) -> tuple:
+    """Two nodes at world 2; then b's whole tree is SIGSTOPped (an instance that stops answering:
+    no reset, the round names it gone) and a trains on alone. Returns a and a's rendezvous_done
+    and workers_started events after the freeze (b is killed at the end)."""
     from petctl.local.procs import descendants
 
-    c = make_cluster(job="slowterm", min_nodes=1, max_nodes=2, script=SLOW,
-                     script_args=["--exit-s", str(EXIT_S), "--on-sigterm"], spec_extra={"max_restarts": 0})  # fmt: skip
     a = c.add_node()
     b = c.add_node()
     c.wait(lambda: c.all_at_world([a, b], 2, 0, min_steps=10), 180, "world 2", alive=[a, b])
     t = c.now()
-    frozen = [b.proc.pid, *descendants(b.proc.pid)]
-    for pid in frozen:  # an instance that stops answering: no reset, its lease runs out (6 s)
+    for pid in [b.proc.pid, *descendants(b.proc.pid)]:
         os.kill(pid, signal.SIGSTOP)
     try:
-        c.wait(lambda: c.all_at_world([a], 1, t, min_steps=3), 90, "a alone after b froze", alive=[a])
+        c.wait(lambda: c.all_at_world([a], 1, t, min_steps=3), timeout, "a alone after b froze", alive=[a])
     finally:
         c.kill_hard(b)
     evs = (c.status(a.instance_id) or {}).get("events", [])
     rdzv = [e for e in evs if e["kind"] == "rendezvous_done" and e["t"] > t]
     started = [e for e in evs if e["kind"] == "workers_started" and e["t"] > t]
     assert rdzv and started, evs[-8:]
+    return a, rdzv, started
+
+
+@pytest.mark.e2e
+def test_a_restart_for_a_membership_change_joins_the_round_while_the_workers_exit(make_cluster) -> None:
+    c = make_cluster(job="slowterm", min_nodes=1, max_nodes=2, script=SLOW,
+                     script_args=["--exit-s", str(EXIT_S), "--on-sigterm"], spec_extra={"max_restarts": 0})  # fmt: skip
+    a, rdzv, started = _freeze_a_peer(c, 90)
     # joined the round first, then waited for the SIGTERMed worker's slow exit, then started
     assert started[0]["t"] - rdzv[0]["t"] > EXIT_S - 2.0, (rdzv[0], started[0])
     assert c.status(a.instance_id)["state"] == "RUNNING"
@@ -126,25 +133,11 @@ def test_a_worker_that_will_not_exit_is_killed_after_the_grace(make_cluster) -> 
     for the membership change, does not exit for 60 s (its handler is stuck, as a Python SIGTERM
     handler is behind a collective that never returns). The agent SIGKILLs it LOSS_STOP_GRACE
     (10 s) after its SIGTERM, not after torch's 30 s close timeout counted from the next SIGTERM."""
-    from petctl.local.procs import descendants
     from petctl_agent.elastic.agent import LOSS_STOP_GRACE
 
     c = make_cluster(job="stuckterm", min_nodes=1, max_nodes=2, script=SLOW,
                      script_args=["--exit-s", "60", "--on-sigterm"], spec_extra={"max_restarts": 0})  # fmt: skip
-    a = c.add_node()
-    b = c.add_node()
-    c.wait(lambda: c.all_at_world([a, b], 2, 0, min_steps=10), 180, "world 2", alive=[a, b])
-    t = c.now()
-    for pid in [b.proc.pid, *descendants(b.proc.pid)]:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        c.wait(lambda: c.all_at_world([a], 1, t, min_steps=3), 120, "a alone after b froze", alive=[a])
-    finally:
-        c.kill_hard(b)
-    evs = (c.status(a.instance_id) or {}).get("events", [])
-    rdzv = [e for e in evs if e["kind"] == "rendezvous_done" and e["t"] > t]
-    started = [e for e in evs if e["kind"] == "workers_started" and e["t"] > t]
-    assert rdzv and started, evs[-8:]
+    a, rdzv, started = _freeze_a_peer(c, 120)
     waited = started[0]["t"] - rdzv[0]["t"]
     assert waited < LOSS_STOP_GRACE + 8, f"the stuck worker held the restart {waited:.1f}s (torch: 30 s)"
     err = (a.agent_dir / "agent.err").read_text(errors="replace")

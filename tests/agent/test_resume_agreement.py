@@ -18,29 +18,39 @@ from test_checkpoint import _result, _run_ranks
 
 from petctl_agent import checkpoint as ckpt
 
+#: rank 0's first read of `latest` returns what it read, then ``publish()`` moves the pointer;
+#: the other ranks' first reads come after that (a barrier orders them)
+MOVE_ON_FIRST_READ = """
+    def move_on_first_read(publish):
+        real, first = ckpt.read_pointer, [True]
+        def read_pointer(dd):
+            if not first[0]:
+                return real(dd)
+            first[0] = False
+            if rank == 0:
+                p = real(dd)
+                publish()
+                dist.barrier()
+                return p
+            dist.barrier()
+            return real(dd)
+        ckpt.read_pointer = read_pointer
+"""
+
 #: rank 0 reads `latest` (step 10); then step 15 is published (the persister's write, here
 #: checkpoint's own writer on rank 0); then the other ranks read `latest` (step 15)
-MOVED = """
+MOVED = (
+    MOVE_ON_FIRST_READ
+    + """
     from pathlib import Path
     from petctl_agent.checkpointing.files import write_file
     d = Path(os.environ["PETCTL_CHECKPOINT_DIR"])
-    real, first = ckpt.read_pointer, [True]
-    def read_pointer(dd):
-        if not first[0]:
-            return real(dd)
-        first[0] = False
-        if rank == 0:
-            p = real(dd)
-            write_file({"w": torch.full((4,), 15.0)}, 15, d, 3)
-            dist.barrier()
-            return p
-        dist.barrier()
-        return real(dd)
-    ckpt.read_pointer = read_pointer
+    move_on_first_read(lambda: write_file({"w": torch.full((4,), 15.0)}, 15, d, 3))
     got = ckpt.resume()
     out["step"] = got[1]
     out["w"] = got[0]["w"].tolist()
 """
+)
 
 
 def test_a_pointer_moved_between_the_ranks_reads_every_rank_loads_one_step(tmp_path: Path) -> None:
@@ -113,41 +123,38 @@ def test_a_step_pruned_after_the_agreement_moves_every_rank_to_the_new_latest(tm
     assert all(r["w"] == [15.0] * 4 for r in res), res
 
 
-#: sharded (DCP) steps 1 and 2; `latest` put back at step 1 (step 2's publish not yet done); rank 0
-#: reads it, then publishes step 2 (what a sharded save's rank 0 does), then rank 1 reads it
-SHARDED_MOVED = """
-    import json
+#: the start of both sharded scripts: DCP checkpoints of steps 1 and 2, each rank its shard
+SHARDED_STEPS_1_2 = """
+    import os
     from pathlib import Path
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
-    from petctl_agent.checkpointing.files import write_pointer
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     d = Path(os.environ["PETCTL_CHECKPOINT_DIR"])
     full = torch.arange(32.0).reshape(8, 4)
     for s in (1, 2):
         ckpt.save({"model": {"w": distribute_tensor(full * s, mesh, [Shard(0)])}}, s, keep=3)
+"""
+
+#: sharded (DCP) steps 1 and 2; `latest` put back at step 1 (step 2's publish not yet done); rank 0
+#: reads it, then publishes step 2 (what a sharded save's rank 0 does), then rank 1 reads it
+SHARDED_MOVED = (
+    SHARDED_STEPS_1_2
+    + MOVE_ON_FIRST_READ
+    + """
+    import json
+    from petctl_agent.checkpointing.files import write_pointer
     step2 = json.loads((d / "latest").read_text())
     if rank == 0:
         write_pointer(d, {**step2, "file": "ckpt-0000000001.dcp", "step": 1})
     dist.barrier()
-    real, first = ckpt.read_pointer, [True]
-    def read_pointer(dd):
-        if not first[0]:
-            return real(dd)
-        first[0] = False
-        if rank == 0:
-            p = real(dd)
-            write_pointer(d, step2)
-            dist.barrier()
-            return p
-        dist.barrier()
-        return real(dd)
-    ckpt.read_pointer = read_pointer
+    move_on_first_read(lambda: write_pointer(d, step2))
     into = {"model": {"w": distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])}}
     state, step = ckpt.resume(into)
     out["step"] = step
     out["local"] = state["model"]["w"].to_local().tolist()
 """
+)
 
 
 def test_sharded_fallback_loads_one_step_on_every_rank(tmp_path: Path) -> None:
@@ -165,16 +172,9 @@ def test_sharded_fallback_loads_one_step_on_every_rank(tmp_path: Path) -> None:
 
 #: sharded (DCP) steps 1 and 2; then rank 0 truncates one shard file of step 2 (an EFS write cut
 #: short, a damaged copy): DCP's load of step 2 fails on every rank with its CheckpointException
-SHARDED_TRUNCATED = """
-    import os
-    from pathlib import Path
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    d = Path(os.environ["PETCTL_CHECKPOINT_DIR"])
-    full = torch.arange(32.0).reshape(8, 4)
-    for s in (1, 2):
-        ckpt.save({"model": {"w": distribute_tensor(full * s, mesh, [Shard(0)])}}, s, keep=3)
+SHARDED_TRUNCATED = (
+    SHARDED_STEPS_1_2
+    + """
     if rank == 0:
         shards = sorted((d / "ckpt-0000000002.dcp").glob("*.distcp"))
         out["shards"] = [p.name for p in shards]
@@ -185,6 +185,7 @@ SHARDED_TRUNCATED = """
     out["step"] = step
     out["local"] = state["model"]["w"].to_local().tolist()
 """
+)
 
 
 def test_a_truncated_shard_of_the_newest_sharded_step_sends_every_rank_to_the_older_one(
