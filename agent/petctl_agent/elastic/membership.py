@@ -54,7 +54,10 @@ class MembershipWatch:
         if mine is not None:
             # petctl-etcd: the round only. Its record holds no participant list (O(1): n, head,
             # master, nonce) and change() asks pending_change(), never a member set
-            before, self.round, self.members = self.round, mine.round, None
+            # a leave as the round closed cleared ``round`` (request_leave, another thread): the
+            # round we left is the one our peers counted us in
+            now = mine.round if mine.round is not None else mine.left_round
+            before, self.round, self.members = self.round, now, None
             loss = self._loss
             if loss is not None and self._loss_rounds > 0:
                 for r, rec in mine.records_since(before):
