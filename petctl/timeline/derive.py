@@ -48,9 +48,11 @@ def _left(
     marker: Marker,
 ) -> tuple[float, str | None]:
     """Mark each node of ``prev`` missing from ``rnd`` as drained or lost; a loss can move the stall back."""
-    lo, hi = prev["ready"], rnd["ready"]
+    hi = rnd["ready"]
     for iid in sorted(prev["instances"] - rnd["instances"], key=str):
         doc = docs.get(iid) or {}
+        # a node that left as ``prev`` closed drained before ``prev``'s workers were all started
+        lo = prev["left"].get(iid, prev["ready"])
         drain = next(
             (
                 e

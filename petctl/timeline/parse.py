@@ -38,7 +38,9 @@ def read_events(st: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def read_rounds(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rendezvous rounds that started workers, in time order.
+    """Rendezvous rounds that started workers, in time order. A round's ``instances``: the nodes
+    whose workers started in it, and any that left as it closed (``rendezvous_done`` with
+    ``leaving``: its peers counted it; ``left``: when).
 
     Rounds are keyed by (epoch, round): an etcd that lost its state numbers rounds from 0
     again, which starts a new epoch.
@@ -78,6 +80,7 @@ def read_rounds(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "nodes": None,
                 "rdzv_started": None,
                 "step_after": None,
+                "left": {},  # instance -> when it published the round it left as it closed
             },
         )
         if e["kind"] == "workers_started":
@@ -90,6 +93,11 @@ def read_rounds(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if step is not None:
                 loaded.setdefault((epoch, r), {})[e.get("instance_id")] = step
         else:
+            if e.get("leaving"):
+                # a leave came as this round closed with the node: its peers counted it (``nodes``)
+                # and it left before starting workers; it is in the round, and gone from the next
+                rec["instances"].add(e.get("instance_id"))
+                rec["left"][e.get("instance_id")] = e["t"]
             nodes = integer(e.get("nodes"))
             if nodes is not None:
                 rec["nodes"] = max(rec["nodes"] or 0, nodes)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from harness import Etcd, wait_for
@@ -386,3 +387,61 @@ def test_a_hard_loss_is_not_waited_for(group: Callable[..., Group], who: int) ->
     assert c.get(dead.node_key) is not None, (
         "the dead node's key expired: this measured the TTL, not the lapse"
     )
+
+
+def test_a_leave_as_the_round_closes_publishes_that_round_then_leaves(
+    group: Callable[..., Group], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A joiner SIGTERMed the moment its round closed (ci27c: at MAX a round closes as the last
+    node joins): its peers count it in that round, so its agent publishes ``rendezvous_done`` for
+    it (round, world size, ``leaving``) and its status says that round, then it leaves before any
+    worker starts. The SIGTERM lands at a chosen point: the handler has accepted the round and
+    torch's rendezvous (rank assignment) is still under way, so the watcher thread's
+    ``request_leave`` runs ``handler.leave()`` at once, which clears the handler's round. Was: the
+    agent raised ``LeftRendezvous`` with nothing published, so status and timeline never showed
+    the node in the round its peers counted."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from petctl_agent.cloud.status import NullStatusWriter, StatusPublisher
+    from petctl_agent.elastic.agent import PetctlElasticAgent
+    from petctl_agent.elastic.handlers import LeftRendezvous
+    from petctl_agent.elastic.membership import MembershipWatch
+    from petctl_agent.settings import Settings
+
+    g = group(2, 2)
+    peer, me = g.new(), g.new()
+    pub = StatusPublisher(NullStatusWriter(), "j", "i-me", "127.0.0.1")  # never started: doc only
+    a = object.__new__(PetctlElasticAgent)  # only what _rendezvous and request_leave read
+    a.pub, a.settings, a.leave_requested, a.leave_reason = pub, Settings(), threading.Event(), ""
+    a.watch = MembershipWatch(a.settings, pub, lambda: None, 60.0)
+    a.phase, a._rendezvoused, a._rdzv_reason = "init", False, "initial"  # noqa: SLF001
+    a.join_timeout, a.min_nodes, a.capacity_probe = 60.0, 2, lambda: None
+    wg = SimpleNamespace(
+        spec=SimpleNamespace(rdzv_handler=me), workers=[], group_rank=None, group_world_size=None
+    )
+    a._worker_group = wg  # noqa: SLF001
+
+    def torch_rendezvous(self: Any, wg: Any) -> None:  # torch's: the round, then the rank assignment
+        info = wg.spec.rdzv_handler.next_rendezvous()
+        t = threading.Thread(target=a.request_leave, args=("SIGTERM",))  # the watcher thread
+        t.start()
+        t.join(10)
+        assert me.round is None, "request_leave did not leave the handler: the case is not made"
+        wg.workers = [SimpleNamespace(world_size=info.world_size)]
+        wg.group_rank, wg.group_world_size = info.rank, info.world_size
+
+    monkeypatch.setattr(LocalElasticAgent, "_rendezvous", torch_rendezvous)
+    g.join(peer)
+    with pytest.raises(LeftRendezvous, match="as the round closed"):
+        a._rendezvous(wg)  # noqa: SLF001
+    counted = g.wait(peer)[peer]
+    assert counted.world_size == 2 and peer.round is not None  # the peer counted us
+    doc = pub.snapshot()
+    done = [e for e in doc["events"] if e["kind"] == "rendezvous_done"]
+    assert len(done) == 1, doc["events"]
+    assert done[0]["round"] == peer.round and done[0]["world_size"] == 2 and done[0]["nodes"] == 2, done
+    assert done[0]["leaving"] is True, done
+    assert doc["round"] == peer.round and doc["world_size"] == 2, doc
+    assert v3.Client(g.endpoint).get(me.node_key) is None, "it did not leave the rendezvous"

@@ -350,3 +350,53 @@ def test_event_letters_close_in_time_do_not_overlap(data):
     assert abs(x2 - x1) < 10 and abs(y2 - y1) >= 11
     # letters far apart stay on the first row
     assert {y for i, (_, y) in enumerate(marks) if i != 2} == {marks[0][1]}
+
+
+def test_a_node_that_left_as_its_round_closed_is_in_that_round() -> None:
+    """a and b train; n3 joins and is SIGTERMed as round 1 closes with it: a and b count 3 and start
+    at world 3, n3 publishes round 1 (``rendezvous_done`` with ``leaving``) and its ``drained``
+    before any worker of round 1 starts, and a and b go on at 2 in round 2. The timeline has n3 in
+    round 1 (its peers counted it: nodes 3, three instances), joining, and leaving as a drain before
+    round 2 (was: round 1 of 2 instances counting 3 nodes, n3 nowhere, round 2 "other")."""
+    gone = "new round opened (round 2; gone: n3)"
+    a = (
+        Agent(T, "i-a", "10.0.0.1")
+        .ev(0, "agent_started")
+        .rendezvous(1, 6, 7, rnd=0, world=2, started=T + 1)
+        .rendezvous(52, 55, 56, rnd=1, world=3, reason="1 node(s) waiting to join", left=0)
+        .rendezvous(60, 62, 63, rnd=2, world=2, reason=gone, left=1)
+    )
+    b = (
+        Agent(T, "i-b", "10.0.0.2")
+        .ev(0.5, "agent_started")
+        .rendezvous(1.5, 6, 7.5, rnd=0, world=2)
+        .rendezvous(52.5, 55, 56.5, rnd=1, world=3, reason=COORDINATED, left=0)
+        .rendezvous(60.5, 62, 63.5, rnd=2, world=2, reason=gone, left=1)
+    )
+    n3 = (
+        Agent(T, "i-n3", "10.0.0.3")
+        .ev(50, "agent_started")
+        .ev(51, "rendezvous_start", reason="initial", round=None)
+        .ev(55, "rendezvous_done", round=1, world_size=3, nodes=3, group_rank=2, started=T + 51, leaving=True)
+        .ev(55.1, "drained", clean=True, phase="rendezvous", round=1)
+    )
+    agents = [a.doc("RUNNING", 70, 100), b.doc("RUNNING", 70, 100), n3.doc("LEFT", 56, 0, reason="SIGTERM")]
+    events = sorted(
+        ({**e, "instance_id": x["instance_id"]} for x in agents for e in x["events"]), key=lambda e: e["t"]
+    )
+    st = {
+        "job": "demo",
+        "state": "RUNNING",
+        "last_step": 100,
+        "hosts": [],
+        "agents": agents,
+        "events": events,
+    }
+    data = timeline.build(st, now=T + 80)
+    rounds = {r["round"]: r for r in data["rounds"]}
+    assert sorted(rounds) == [0, 1, 2]
+    assert (rounds[1]["nodes"], rounds[1]["instances"]) == (3, ["i-a", "i-b", "i-n3"]), rounds[1]
+    assert rounds[1]["ready"] == T + 56.5  # n3 started no worker: the round is ready with a and b's
+    assert (rounds[2]["instances"], rounds[2]["causes"]) == (["i-a", "i-b"], ["drain"]), rounds[2]
+    marks = [(m["kind"], m["instance_id"], m["round"]) for m in data["events"] if m["instance_id"] == "i-n3"]
+    assert marks == [("join", "i-n3", 1), ("drain", "i-n3", 2)], marks

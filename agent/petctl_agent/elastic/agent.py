@@ -151,7 +151,7 @@ class PetctlElasticAgent(LocalElasticAgent):
         try:
             super().run(role)
         except LeftRendezvous as e:
-            self.pub.event("drained", clean=True, phase="rendezvous", note=str(e))
+            self.pub.event("drained", clean=True, phase="rendezvous", note=str(e), round=self.watch.round)
             return Outcome.DRAINED
         except RendezvousTimeoutError as e:
             self.fail_reason = (
@@ -222,17 +222,16 @@ class PetctlElasticAgent(LocalElasticAgent):
             retry=self.settings.enabled("RDZV_RETRY"),
             waiting=lambda reason: self.pub.update(reason=reason),
         )
-        if mine is not None and self.leave_requested.is_set():
-            # the round closed with us just as the leave came: leave it before any worker starts
-            mine.leave()
-            raise LeftRendezvous("asked to leave as the round closed")
-        self.pub.update(reason=None)
+        # the round closed with us: our peers count us in it. A leave that came meanwhile (a
+        # SIGTERM the moment the round closed) still publishes it, then leaves it before any
+        # worker starts: status and timeline show the round its peers counted
+        leaving = mine is not None and self.leave_requested.is_set()
         self.watch.started(handler)
         back = self.watch.take_charge()
-        if back:
+        if back and not leaving:  # a node that leaves spends nothing more here
             self._charge_false_loss(worker_group, back)
         world = worker_group.workers[0].world_size if worker_group.workers else None
-        self.pub.update(world_size=world, round=self.watch.round)
+        self.pub.update(reason=None, world_size=world, round=self.watch.round)
         self.pub.event(
             "rendezvous_done",
             round=self.watch.round,
@@ -242,7 +241,11 @@ class PetctlElasticAgent(LocalElasticAgent):
             reason=self._rdzv_reason,
             started=started,
             seconds=round(time.time() - started, 3),
+            **({"leaving": True} if leaving else {}),
         )
+        if leaving:
+            mine.leave()  # a no-op when request_leave left already (from the watcher thread)
+            raise LeftRendezvous("asked to leave as the round closed")
 
     def _charge_false_loss(self, wg: WorkerGroup, back: list[str]) -> None:
         """The last worker failure was restarted for free because nodes were named gone (their
@@ -438,10 +441,11 @@ class PetctlElasticAgent(LocalElasticAgent):
                 change, can_sync = self.watch.change()
                 if change:
                     log.info("re-rendezvous: %s", change)
-                    if self._starting or self.stall.stalled:
-                        # a round the start-up (or stall) lease reads opened: a node named gone
-                        # that comes back was stalled, not lost, and this restart is charged then
-                        self.watch.restart_for_a_loss()
+                    # a change that names nodes gone (the start-up, stall or failure lease reads, an
+                    # expiry): a named node that comes back was stalled, not lost, and this restart
+                    # is charged then. Decided from the round alone, as on every node: whether our
+                    # own stall watch had fired yet is a matter of sampling (budgets one apart)
+                    self.watch.restart_for_a_loss()
                     if can_sync and self.settings.enabled("SYNC_RESTART") and self.stops.workers_progressed():
                         self._rdzv_reason = change
                         done = self._coordinated_stop(wg, self.sync_timeout)

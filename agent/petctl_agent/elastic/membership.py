@@ -54,7 +54,10 @@ class MembershipWatch:
         if mine is not None:
             # petctl-etcd: the round only. Its record holds no participant list (O(1): n, head,
             # master, nonce) and change() asks pending_change(), never a member set
-            before, self.round, self.members = self.round, mine.round, None
+            # a leave as the round closed cleared ``round`` (request_leave, another thread): the
+            # round we left is the one our peers counted us in
+            now = mine.round if mine.round is not None else mine.left_round
+            before, self.round, self.members = self.round, now, None
             loss = self._loss
             if loss is not None and self._loss_rounds > 0:
                 for r, rec in mine.records_since(before):
@@ -158,10 +161,12 @@ class MembershipWatch:
 
     def restart_for_a_loss(self) -> None:
         """We restart for free because the pending change names nodes gone (a worker failure it
-        explained, or the start-up lease reads while our workers had not stepped): if every one
-        of them comes back (the same id) in the next round or the one after, none was lost, and
-        the restart is charged (:meth:`take_charge`). One that does not come back was really
-        lost, and explains the restart alone: free, whoever else came back."""
+        explained, or any change the agent's monitor loop restarts for: whichever node's start-up,
+        stall or failure lease reads opened it): if every one of them comes back (the same id) in
+        the next round or the one after, none was lost, and the restart is charged
+        (:meth:`take_charge`). One that does not come back was really lost, and explains the
+        restart alone: free, whoever else came back. The change is the same on every node, so
+        every node charges the same rounds. No change, or one that names nobody gone: nothing."""
         mine = ours(self.handler) if self.handler is not None else None
         ch = (mine.pending_change() or {}) if mine is not None else {}
         if ch.get("n_gone"):

@@ -96,6 +96,8 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
         self._joins: Watcher | None = None  # leader in a rendezvous: joins of the target round
         self._snap = MemberView()  # the last read of nodes/ (a non-leader's: membership.read_membership)
         self._round: int | None = None  # the round we run in (None while joining / before)
+        #: the round we ran in when we left (None: we left while joining, or never): ``left_round``
+        self._left_round: int | None = None
         self._record: dict[str, Any] | None = None
         self._last_record: dict[str, Any] | None = None  # survives etcd replacement: the head
         #: (seq, rank, etcd boot token) of the round we last ran in: put in our joins as ``prev``
@@ -259,6 +261,7 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
             if self._left:
                 return
             self._left = True
+            self._left_round = self._round
             self._round = self._target = None
             self._rereg.set()  # the keeper wakes and ends
             self._bump()
@@ -323,6 +326,13 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
     @property
     def record(self) -> dict[str, Any] | None:
         return self._record
+
+    @property
+    def left_round(self) -> int | None:
+        """The round we ran in when :meth:`leave` ran (``round`` is None from then on): the agent
+        publishes the round that closed with us as the leave came (its peers count us in it).
+        None: we left while joining, or have not left."""
+        return self._left_round
 
     def records_since(self, after: int | None) -> list[tuple[int, dict[str, Any]]]:
         """The records of the closed rounds newer than ``after`` up to ours, oldest first, that
