@@ -498,7 +498,23 @@ class Cluster:
                     )
             return pred()
 
-        return wait_for(check, timeout, what)
+        try:
+            return wait_for(check, timeout, what)
+        except TimeoutError as e:  # say where each node stood: a CI timeout is otherwise mute
+            raise TimeoutError(f"{e}\n{self.describe()}") from None
+
+    def describe(self, lines: int = 12) -> str:
+        """Each node's last step line (seconds since start, step, world) and its agent's last lines."""
+        out = []
+        for n in self.nodes.values():
+            last = n.steps[-1] if n.steps else None
+            try:
+                err = (n.agent_dir / "agent.err").read_text(errors="replace").splitlines()[-lines:]
+            except OSError as e:
+                err = [f"(agent.err: {e})"]
+            out.append(f"--- {n.instance_id} alive={n.alive()} steps={len(n.steps)} last={last}")
+            out.extend("    " + ln[:300] for ln in err)
+        return "\n".join(out)
 
     def max_step(self) -> int:
         return max((n.last_step() for n in self.nodes.values()), default=0)
