@@ -48,6 +48,7 @@ is shared; the lowest ``MemAvailable`` seen and the kernel's OOM kills (``/proc/
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import json
 import os
@@ -374,6 +375,7 @@ class MemWatcher:
         self.base_oom = oom_kills()
         self.min_available = mem_available_gib()
         self.stopped = ""  # why the run was stopped (MemAvailable under stop_below), or ''
+        self.interrupt = False  # set while the chain runs: a stop interrupts its waits (KeyboardInterrupt)
 
         self.peak: dict[str, float] = {
             "run_gib": 0.0,
@@ -414,6 +416,8 @@ class MemWatcher:
                 for n in list(self.run.nodes):
                     if n.alive():
                         self.run.kill_node(n)
+                if self.interrupt:  # the chain's waits end now, not at their timeouts
+                    _thread.interrupt_main()
 
     def close(self) -> dict[str, Any]:
         self._stop.set()
@@ -575,13 +579,19 @@ def run_one(
     mem = MemWatcher(run, shm, a.stop_below)
     note, t = "", time.monotonic()
     try:
+        mem.interrupt = True
         run.start()
         run_chain(run, n, a, rec)
+        mem.interrupt = False
     except Miss as e:
         note = str(e)
+    except KeyboardInterrupt:
+        if not mem.stopped:  # a user's ^C, not the memory stop
+            raise
     except Exception as e:  # noqa: BLE001 - a broken tool is a result too
         note = f"error: {type(e).__name__}: {e}"
     finally:
+        mem.interrupt = False
         if mem.stopped:
             note = f"{mem.stopped}; {note}" if note else mem.stopped
         ckpts = [(tt, kv) for nd in run.nodes for tt, w, kv in list(nd.marks) if w == "ckpt"]
