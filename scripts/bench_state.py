@@ -48,12 +48,12 @@ is shared; the lowest ``MemAvailable`` seen and the kernel's OOM kills (``/proc/
 
 from __future__ import annotations
 
-import _thread
 import argparse
 import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -362,6 +362,10 @@ def tree_bytes_gib(root: Path) -> float:
     return total / GIB
 
 
+class MemoryStop(Exception):
+    """Raised in the main thread when :class:`MemWatcher` stopped the run (MemAvailable too low)."""
+
+
 class MemWatcher:
     """The memory a chain holds, sampled every 0.25 s: the anonymous memory of every process the
     run started (``Pss_Anon``: shared pages split between their sharers) plus the nodes' memory
@@ -375,7 +379,10 @@ class MemWatcher:
         self.base_oom = oom_kills()
         self.min_available = mem_available_gib()
         self.stopped = ""  # why the run was stopped (MemAvailable under stop_below), or ''
-        self.interrupt = False  # set while the chain runs: a stop interrupts its waits (KeyboardInterrupt)
+        self.interrupt = False  # set while the chain runs: a stop interrupts its waits (MemoryStop)
+        # a real signal, not _thread.interrupt_main: SIGINT is ignored in a background job (nohup &),
+        # and then neither interrupts the main thread's sleep
+        self._old_handler = signal.signal(signal.SIGUSR1, self._on_stop)
 
         self.peak: dict[str, float] = {
             "run_gib": 0.0,
@@ -386,6 +393,10 @@ class MemWatcher:
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._loop, daemon=True)
         self._t.start()
+
+    def _on_stop(self, signum: int, frame: Any) -> None:
+        if self.interrupt:  # still in the chain (not in its cleanup)
+            raise MemoryStop()
 
     @staticmethod
     def _used() -> float:
@@ -417,11 +428,12 @@ class MemWatcher:
                     if n.alive():
                         self.run.kill_node(n)
                 if self.interrupt:  # the chain's waits end now, not at their timeouts
-                    _thread.interrupt_main()
+                    os.kill(os.getpid(), signal.SIGUSR1)
 
     def close(self) -> dict[str, Any]:
         self._stop.set()
         self._t.join(2)
+        signal.signal(signal.SIGUSR1, self._old_handler)
         out: dict[str, Any] = {k: round(v, 2) for k, v in self.peak.items()}
         oom = oom_kills()
         out["min_available_gib"] = round(self.min_available, 2)
@@ -585,9 +597,8 @@ def run_one(
         mem.interrupt = False
     except Miss as e:
         note = str(e)
-    except KeyboardInterrupt:
-        if not mem.stopped:  # a user's ^C, not the memory stop
-            raise
+    except MemoryStop:
+        pass  # mem.stopped says why
     except Exception as e:  # noqa: BLE001 - a broken tool is a result too
         note = f"error: {type(e).__name__}: {e}"
     finally:
