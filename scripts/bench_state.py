@@ -31,7 +31,15 @@ plain save) took on rank 0 at a periodic checkpoint.
 
 Memory: before each run the chain's need (N workers x state, + 2 x state per node for the
 snapshots' two slots, + one more state for a save's buffers, + 1 GiB) is checked against
-``MemAvailable``; a run that does not fit is skipped and reported, never started.
+``MemAvailable``; a run that does not fit is skipped and reported, never started. Except the
+snapshots of petctl-mem: the product itself admits a snapshot only while it fits in
+``MemAvailable`` less its reserve (``snapshot.fits``) and sends the rest to EFS, so a chain whose
+snapshots do not all fit runs when its workers and buffer do (``memory_model``: it says how many
+of the 2 x N slots the product would admit), and the tables say per checkpoint and restore
+whether memory or EFS served it. During a chain the run is stopped (its nodes SIGKILLed, the
+chain reported as aborted) if ``MemAvailable`` drops under ``--stop-below`` (2 GiB): the machine
+is shared; the lowest ``MemAvailable`` seen and the kernel's OOM kills (``/proc/vmstat``
+``oom_kill``) during the chain are recorded.
 
     python scripts/bench_state.py --sizes 0.1,1 --reps 3 --json state.json
     python scripts/bench_state.py --sizes 2 --nodes 2 --reps 1 --tools petctl-efs,petctl-mem
@@ -45,6 +53,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -114,6 +123,47 @@ def parse_nodes(value: str, sizes: list[float]) -> dict[float, int]:
 def memory_need(gib: float, nodes: int, snapshots: bool) -> float:
     """GiB a chain of ``nodes`` at ``gib`` per rank may hold at once (see the module doc)."""
     return nodes * gib * (3 if snapshots else 1) + gib + 1.0
+
+
+def snapshot_reserve_gib(mem_total_gib: float) -> float:
+    """The snapshot store's reserve (``snapshot.fits``): max(RESERVE_MIN, RESERVE_FRACTION x MemTotal)."""
+    from petctl_agent.checkpointing import snapshot
+
+    return max(snapshot.RESERVE_MIN / GIB, snapshot.RESERVE_FRACTION * mem_total_gib)
+
+
+def memory_model(gib: float, nodes: int, snapshots: bool, avail: float, reserve: float) -> dict[str, Any]:
+    """What a chain needs once the product's own memory rule is counted (``memory_need`` is the
+    whole need; every number GiB). ``base``: what the product does not govern -- the workers' state,
+    a save's buffer, 1 GiB of processes (``memory_need`` without snapshots): the chain is skipped
+    when that does not fit. ``need``: ``base`` plus the snapshot slots the product would admit:
+    ``snapshot.fits`` takes a slot only when its whole size plus ``reserve`` fits in
+    ``MemAvailable``, so with ``avail`` free at the start and the workers' state and processes in
+    place, ``slots`` of the 2 x ``nodes`` fit (the rest go to EFS: the product's fallback).
+    ``fallback``: fewer than all."""
+    base = memory_need(gib, nodes, False)
+    if not snapshots:
+        return {"base": base, "need": base, "slots": 0, "of_slots": 0, "fallback": False}
+    room = avail - nodes * gib - 1.0 - reserve  # what the snapshots may take before fits says no
+    of = 2 * nodes
+    slots = max(0, min(of, int(room // gib)))
+    return {"base": base, "need": base + slots * gib, "slots": slots, "of_slots": of, "fallback": slots < of}
+
+
+def oom_kills() -> int:
+    """The kernel's count of OOM kills since boot (``/proc/vmstat`` ``oom_kill``), -1 if unknown."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
+def mem_total_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
 
 
 def mem_available_gib() -> float:
@@ -235,10 +285,13 @@ def breakdown(records: list[dict[str, Any]]) -> str:
 
 
 def ckpt_table(records: list[dict[str, Any]]) -> str:
-    """The periodic checkpoint: what it blocked training for, and when it was on EFS."""
+    """The periodic checkpoint: what it blocked training for, when it was on EFS, and (when the
+    records say) how many memory served and how many EFS (snapshots off, or the product's fallback)."""
+    vias = any(r.get("ckpt_via") for r in records)
     lines = [
-        "| GiB | tool | blocks (median s) | s/GiB | max s | on EFS after (median s) | checkpoints |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| GiB | tool | blocks (median s) | s/GiB | max s | on EFS after (median s) | checkpoints |"
+        + (" served by memory / EFS | blocks via memory / via EFS (median s) |" if vias else ""),
+        "|---|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if vias else ""),
     ]
     keys = sorted({(r["gib"], r["tool"]) for r in records if r.get("ckpt_blocked")},
                   key=lambda k: (k[0], list(TOOLS).index(k[1])))  # fmt: skip
@@ -247,9 +300,17 @@ def ckpt_table(records: list[dict[str, Any]]) -> str:
         b = [x for r in rs for x in r.get("ckpt_blocked") or []]
         per = [x for r in rs for x in r.get("ckpt_persisted") or []]
         med = statistics.median(b)
-        lines.append(
+        line = (
             f"| {gib:g} | {tool} | {med:.3f} | {med / gib:.3f} | {max(b):.3f} | {_f(_med(per))} | {len(b)} |"
         )
+        if vias:
+            pairs = [(x, v) for r in rs for x, v in zip(r.get("ckpt_blocked") or [], r.get("ckpt_via") or [])]
+            by = {w: [x for x, v in pairs if v == w] for w in ("memory", "efs")}
+            line += (
+                f" {len(by['memory'])} / {len(by['efs'])} |"
+                f" {_f(_med(by['memory']), 3)} / {_f(_med(by['efs']), 3)} |"
+            )
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -301,6 +362,10 @@ def tree_bytes_gib(root: Path) -> float:
     return total / GIB
 
 
+class MemoryStop(Exception):
+    """Raised in the main thread when :class:`MemWatcher` stopped the run (MemAvailable too low)."""
+
+
 class MemWatcher:
     """The memory a chain holds, sampled every 0.25 s: the anonymous memory of every process the
     run started (``Pss_Anon``: shared pages split between their sharers) plus the nodes' memory
@@ -308,9 +373,17 @@ class MemWatcher:
     left out: the kernel reclaims it. Also the machine-wide ``MemTotal - MemAvailable`` rise from
     the chain's start (other sessions' work moves that one)."""
 
-    def __init__(self, run: Run, shm: Path | None) -> None:
-        self.run, self.shm = run, shm
+    def __init__(self, run: Run, shm: Path | None, stop_below: float = 0.0) -> None:
+        self.run, self.shm, self.stop_below = run, shm, stop_below
         self.base_used = self._used()
+        self.base_oom = oom_kills()
+        self.min_available = mem_available_gib()
+        self.stopped = ""  # why the run was stopped (MemAvailable under stop_below), or ''
+        self.interrupt = False  # set while the chain runs: a stop interrupts its waits (MemoryStop)
+        # a real signal, not _thread.interrupt_main: SIGINT is ignored in a background job (nohup &),
+        # and then neither interrupts the main thread's sleep
+        self._old_handler = signal.signal(signal.SIGUSR1, self._on_stop)
+
         self.peak: dict[str, float] = {
             "run_gib": 0.0,
             "anon_gib": 0.0,
@@ -320,6 +393,10 @@ class MemWatcher:
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._loop, daemon=True)
         self._t.start()
+
+    def _on_stop(self, signum: int, frame: Any) -> None:
+        if self.interrupt:  # still in the chain (not in its cleanup)
+            raise MemoryStop()
 
     @staticmethod
     def _used() -> float:
@@ -341,11 +418,27 @@ class MemWatcher:
             if anon + shm > self.peak["run_gib"]:
                 self.peak.update(run_gib=anon + shm, anon_gib=anon, shm_gib=shm)
             self.peak["system_rise_gib"] = max(self.peak["system_rise_gib"], self._used() - self.base_used)
+            avail = mem_available_gib()
+            self.min_available = min(self.min_available, avail)
+            if avail < self.stop_below and not self.stopped:
+                # the machine is shared: stop the run (every node's tree) before the kernel must
+                self.stopped = f"stopped: MemAvailable {avail:.2f} GiB < {self.stop_below:g} GiB"
+                print(f"# {self.stopped}", file=sys.stderr, flush=True)
+                for n in list(self.run.nodes):
+                    if n.alive():
+                        self.run.kill_node(n)
+                if self.interrupt:  # the chain's waits end now, not at their timeouts
+                    os.kill(os.getpid(), signal.SIGUSR1)
 
-    def close(self) -> dict[str, float]:
+    def close(self) -> dict[str, Any]:
         self._stop.set()
         self._t.join(2)
-        return {k: round(v, 2) for k, v in self.peak.items()}
+        signal.signal(signal.SIGUSR1, self._old_handler)
+        out: dict[str, Any] = {k: round(v, 2) for k, v in self.peak.items()}
+        oom = oom_kills()
+        out["min_available_gib"] = round(self.min_available, 2)
+        out["oom_kills"] = oom - self.base_oom if oom >= 0 and self.base_oom >= 0 else None
+        return out
 
 
 def marks_after(nodes: list[Node], t0: float, what: str) -> list[tuple[float, dict[str, str]]]:
@@ -478,22 +571,40 @@ def run_one(
     def rec(scenario: str, **kw: Any) -> None:
         out.append({"scenario": scenario, **base, "load": round(os.getloadavg()[0], 2), **kw})
 
-    need, avail = memory_need(gib, n, snapshots), mem_available_gib()
-    if need > avail - a.mem_margin:
+    avail = mem_available_gib()
+    model = memory_model(gib, n, snapshots, avail, snapshot_reserve_gib(mem_total_gib()))
+    need = model["need"]
+    # the whole need when it fits (0.1 and 1 GiB here, as before); else what the product does not
+    # govern (its snapshots fall back to EFS once MemAvailable less its reserve cannot hold them)
+    if memory_need(gib, n, snapshots) > avail - a.mem_margin and model["base"] > avail - a.mem_margin:
         note = f"skipped: needs ~{need:.1f} GiB, MemAvailable {avail:.1f} GiB (margin {a.mem_margin:g})"
         return [{"scenario": sc, **base, "seconds": None, "note": note} for sc in SCENARIOS]
+    if model["fallback"]:
+        print(
+            f"# {gib:g} GiB x {n} {tool}: ~{model['slots']} of {model['of_slots']} snapshot slots fit "
+            f"(MemAvailable {avail:.1f} GiB): the product sends the rest to EFS",
+            file=sys.stderr,
+            flush=True,
+        )
     run = Run(root / f"{tag}-{tool}-{rep}", cfg)
     watcher = LatestWatcher(run.ckpt_dir)
-    mem = MemWatcher(run, shm)
+    mem = MemWatcher(run, shm, a.stop_below)
     note, t = "", time.monotonic()
     try:
+        mem.interrupt = True
         run.start()
         run_chain(run, n, a, rec)
+        mem.interrupt = False
     except Miss as e:
         note = str(e)
+    except MemoryStop:
+        pass  # mem.stopped says why
     except Exception as e:  # noqa: BLE001 - a broken tool is a result too
         note = f"error: {type(e).__name__}: {e}"
     finally:
+        mem.interrupt = False
+        if mem.stopped:
+            note = f"{mem.stopped}; {note}" if note else mem.stopped
         ckpts = [(tt, kv) for nd in run.nodes for tt, w, kv in list(nd.marks) if w == "ckpt"]
         peak = mem.close()
         left = run.close()
@@ -501,6 +612,7 @@ def run_one(
         # --keep keeps the logs and status files, never the checkpoints (GiBs per run)
         shutil.rmtree(run.root / "efs" if a.keep else run.root, ignore_errors=True)
     blocked = [float(kv["blocked"]) for _, kv in ckpts]
+    via = [kv.get("via", "") for _, kv in ckpts]  # memory / efs (state_train.py), '' from older lines
     persisted = []
     for tt, kv in ckpts:
         s, b = int(kv["step"]), float(kv["blocked"])
@@ -522,8 +634,14 @@ def run_one(
                 r[k] = round(v, 3)
     if out:
         out[0]["ckpt_blocked"] = blocked
-        out[0]["ckpt_persisted"] = persisted
-        out[0]["mem_peak"] = peak | {"model_gib": round(memory_need(gib, n, snapshots), 2)}
+        out[0]["ckpt_steps"] = [int(kv["step"]) for _, kv in ckpts]
+        if any(via):
+            out[0]["ckpt_via"] = via
+        out[0]["mem_peak"] = peak | {
+            "model_gib": round(need, 2),
+            "model_full_gib": round(memory_need(gib, n, snapshots), 2),
+            "model_slots": f"{model['slots']}/{model['of_slots']}" if snapshots else "",
+        }
     return out
 
 
@@ -545,6 +663,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="EFS without AWS's throughput limits (default: the local cloud's emulation)")  # fmt: skip
     p.add_argument("--shm", default="/dev/shm", help="tmpfs for petctl-mem's snapshots")
     p.add_argument("--mem-margin", type=float, default=3.0, help="GiB of MemAvailable a run leaves free")
+    p.add_argument("--stop-below", type=float, default=2.0,
+                   help="stop a chain (SIGKILL its nodes) when MemAvailable drops under this many GiB")  # fmt: skip
     p.add_argument("--render", type=Path, help="only print the tables of an existing --json file")
     p.add_argument(
         "--keep", action="store_true", help="keep run directories (logs, not the checkpoints) under --workdir"
@@ -576,10 +696,13 @@ def mem_table(records: list[dict[str, Any]]) -> str:
                   key=lambda k: (k[0], list(TOOLS).index(k[2])))  # fmt: skip
     if not keys:
         return ""
+    # since stop 28: the lowest MemAvailable of the chain and the kernel's OOM kills during it
+    low = any("min_available_gib" in r.get("mem_peak", {}) for r in records)
     lines = [
         "| GiB/rank (nodes) | tool | peak held (max s over reps), GiB | of it anon | of it snapshots (tmpfs) "
-        "| per GiB of state per node | machine-wide rise, GiB | model (memory_need), GiB | chains |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| per GiB of state per node | machine-wide rise, GiB | model (memory_need), GiB | chains |"
+        + (" lowest MemAvailable, GiB | OOM kills |" if low else ""),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if low else ""),
     ]
     for gib, n, tool in keys:
         ps = [r["mem_peak"] for r in records if (r["gib"], r["nodes"], r["tool"]) == (gib, n, tool)
@@ -589,6 +712,12 @@ def mem_table(records: list[dict[str, Any]]) -> str:
             f"| {gib:g} ({n}) | {tool} | {top['run_gib']:.2f} | {top['anon_gib']:.2f} | {top['shm_gib']:.2f} "
             f"| {top['run_gib'] / (gib * n):.2f} | {max(p['system_rise_gib'] for p in ps):.2f} "
             f"| {top['model_gib']:.1f} | {len(ps)} |"
+            + (
+                f" {_f(min(p.get('min_available_gib', 99.0) for p in ps))} |"
+                f" {sum(p.get('oom_kills') or 0 for p in ps)} |"
+                if low
+                else ""
+            )
         )
     return "\n".join(lines)
 

@@ -21,7 +21,8 @@ torn, stale or partial state is caught (``state mismatch``, exit 3), never train
 Prints ``step=<n> world_size=<w> loss=<x>`` per step, and for the benchmark (rank 0)::
 
     bench: restored step=<s> seconds=<t> source=<memory|efs> gib=<g>
-    bench: ckpt step=<s> blocked=<t> gib=<g>          (periodic checkpoints: what training waited)
+    bench: ckpt step=<s> blocked=<t> gib=<g> via=<memory|efs>   (periodic checkpoints: what
+                                                       training waited, and what served it)
     bench: started seconds=<t>                         (process start -> first step can run)
 """
 
@@ -142,6 +143,29 @@ def spy_memory_restore() -> list[bool]:
     return hit
 
 
+def spy_memory_save() -> list[bool]:
+    """Note, per ``ckpt.step`` checkpoint, whether the agent's memory snapshots served it: wraps
+    ``petctl_agent.checkpointing.memory.save`` (``ckpt.step`` calls it first when snapshots are on;
+    False: some node's snapshot did not fit, or was unsupported, and every rank took the EFS path).
+    The list gets one bool per call; empty when that function is not there (its layout changed)."""
+    got: list[bool] = []
+    try:
+        from petctl_agent.checkpointing import memory
+    except ImportError:
+        return got
+    orig = getattr(memory, "save", None)
+    if orig is None:
+        return got
+
+    def save(*a, **kw):
+        ok = orig(*a, **kw)
+        got.append(bool(ok))
+        return ok
+
+    memory.save = save
+    return got
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     directory = os.environ.get("PETCTL_CHECKPOINT_DIR") or args.checkpoint_dir
@@ -162,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
-    hit = spy_memory_restore() if args.io == "helper" and os.environ.get("PETCTL_SNAPSHOT_DIR") else [False]
+    snapshots = args.io == "helper" and bool(os.environ.get("PETCTL_SNAPSHOT_DIR"))
+    hit = spy_memory_restore() if snapshots else [False]
+    # per checkpoint: memory or EFS (a snapshot that does not fit falls back to EFS, issue 20)
+    saved_to = spy_memory_save() if snapshots else []
     t = time.monotonic()
     restored = plain_load(directory) if args.io == "plain" else ckpt.resume(directory=directory)
     t_restore = time.monotonic() - t
@@ -190,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     # where a failure's time goes (bench_state.py): when this rank saw it, and when it began to exit
     atexit.register(lambda: print(f"bench: exiting mono={time.monotonic():.3f}", flush=True))
     try:
-        train(args, ddp, opt, model, ballast, keys, step, rank, world, directory, ckpt)
+        train(args, ddp, opt, model, ballast, keys, step, rank, world, directory, ckpt, saved_to)
     except BaseException:
         print(f"bench: raised mono={time.monotonic():.3f}", flush=True)
         raise
@@ -199,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train(args, ddp, opt, model, ballast, keys, step, rank, world, directory, ckpt) -> None:
+def train(args, ddp, opt, model, ballast, keys, step, rank, world, directory, ckpt, saved_to) -> None:
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(256, 32, generator=g), torch.randn(256, 1, generator=g)
     loss_fn = nn.MSELoss()
@@ -217,6 +244,7 @@ def train(args, ddp, opt, model, ballast, keys, step, rank, world, directory, ck
         print(f"step={step} world_size={world} loss={loss.item():.6f}", flush=True)
         last = step == args.total_steps
         t = time.monotonic()
+        n_saves = len(saved_to)
         if args.io == "plain":
             saved = args.checkpoint_every > 0 and (step % args.checkpoint_every == 0 or last)
             if saved:
@@ -235,9 +263,11 @@ def train(args, ddp, opt, model, ballast, keys, step, rank, world, directory, ck
                 world_size=world,
             )
         if saved and rank == 0 and not last:
+            blocked = time.monotonic() - t
+            # memory: every node's snapshot fit; efs: the EFS path (snapshots off, or a fallback)
+            via = "memory" if len(saved_to) > n_saves and saved_to[-1] else "efs"
             print(
-                f"bench: ckpt step={step} blocked={time.monotonic() - t:.3f} gib={args.state_gib:g}",
-                flush=True,
+                f"bench: ckpt step={step} blocked={blocked:.3f} gib={args.state_gib:g} via={via}", flush=True
             )
 
 

@@ -366,3 +366,37 @@ def test_sharded_state_saves_every_rank_shard_through_dcp(tmp_path: Path) -> Non
     into = {"model": {"w": torch.zeros(8, 4)}, "plain": torch.zeros(2), "n": 0}
     state, step = ckpt.resume(into, directory=d)
     assert step == 2 and torch.equal(state["model"]["w"], full)
+
+
+def test_a_save_streams_to_its_file_without_a_copy_of_the_state_in_memory(tmp_path: Path) -> None:
+    """The single-file save is where a memory snapshot that does not fit falls back to, i.e. when
+    the node is short of memory: it must not hold the state again. It serialized into a BytesIO
+    and copied that (getvalue): 2 x the state of Python memory (stop 28: at 4 GiB per rank,
+    MemAvailable 2.0 -> 0.9 GiB in 2 s). Python's allocator is what tracemalloc sees; the
+    tensors' own storage is not, so the peak is what the save adds."""
+    import hashlib
+    import tracemalloc
+
+    from petctl_agent.checkpointing.files import write_file
+
+    state = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(16)}  # 16 x 4 MiB = 64 MiB
+    tracemalloc.start()
+    try:
+        write_file(state, 7, tmp_path, keep=2)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 24 << 20, f"the save held {peak / 2**20:.0f} MiB of Python memory for 64 MiB of state"
+    # the same checkpoint as before: latest names it with the file's own sha256 and size, it loads,
+    # and no temp file is left
+    pointer = json.loads((tmp_path / "latest").read_text())
+    data = (tmp_path / "ckpt-0000000007.pt").read_bytes()
+    assert (pointer["sha256"], pointer["size"]) == (hashlib.sha256(data).hexdigest(), len(data))
+    got, step = ckpt.load_latest(tmp_path)
+    assert step == 7 and all(torch.equal(got[k], v) for k, v in state.items())
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+    # forward_only: latest names a newer step already: nothing written, latest kept, no temp file
+    write_file({"w": torch.zeros(4)}, 5, tmp_path, keep=2, forward_only=True)
+    assert json.loads((tmp_path / "latest").read_text())["step"] == 7
+    assert not (tmp_path / "ckpt-0000000005.pt").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []

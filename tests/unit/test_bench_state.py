@@ -125,3 +125,50 @@ def test_scenarios_filter(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         bs.parse_args(["--scenarios", "cold_start"])  # always runs: not a choice
     assert "--scenarios" in capsys.readouterr().err
+
+
+def test_memory_model_counts_the_snapshot_slots_the_product_would_admit() -> None:
+    # 0.1 and 1 GiB: every slot fits, the need is memory_need's whole need, as before
+    m = bs.memory_model(1, 3, True, avail=20.0, reserve=1.2)
+    assert (m["slots"], m["of_slots"], m["fallback"]) == (6, 6, False)
+    assert m["need"] == bs.memory_need(1, 3, snapshots=True)  # workers, 2 slots per node, buffer, 1 GiB
+    # 4 GiB x 2 nodes on this 24 GiB machine: workers 8 + 1 GiB of processes; 20 - 9 - 1.2 = 9.8
+    # GiB of room: 2 of the 4 slots fit (snapshot.fits takes a slot only whole), the rest is EFS
+    m = bs.memory_model(4, 2, True, avail=20.0, reserve=1.2)
+    assert (m["slots"], m["of_slots"], m["fallback"]) == (2, 4, True)
+    assert (m["base"], m["need"]) == (2 * 4 + 4 + 1, 2 * 4 + 4 + 1 + 2 * 4)
+    assert bs.memory_model(4, 2, True, avail=9.0, reserve=1.2)["slots"] == 0  # no room: never negative
+    assert bs.memory_model(4, 2, False, avail=20.0, reserve=1.2) == {
+        "base": 13.0, "need": 13.0, "slots": 0, "of_slots": 0, "fallback": False}  # fmt: skip
+    assert bs.snapshot_reserve_gib(24.0) == pytest.approx(1.2)  # 5 % of MemTotal (above 512 MiB)
+    assert bs.snapshot_reserve_gib(4.0) == 0.5
+
+
+def test_ckpt_table_says_what_served_each_checkpoint_and_mem_table_the_low_water() -> None:
+    recs = [
+        rec(
+            4.0,
+            "cold_start",
+            "petctl-mem",
+            1,
+            30.0,
+            ckpt_blocked=[2.0, 5.0, 6.0],
+            ckpt_via=["memory", "efs", "efs"],
+            mem_peak={
+                "run_gib": 16.0,
+                "anon_gib": 8.0,
+                "shm_gib": 8.0,
+                "system_rise_gib": 17.0,
+                "model_gib": 21.0,
+                "min_available_gib": 3.25,
+                "oom_kills": 0,
+            },
+        ),  # fmt: skip
+        rec(4.0, "cold_start", "petctl-efs", 1, 30.0, ckpt_blocked=[5.0]),
+    ]
+    ck = bs.ckpt_table(recs)
+    assert "| 4 | petctl-mem | 5.000 | 1.250 | 6.000 | — | 3 | 1 / 2 | 2.000 / 5.500 |" in ck
+    assert "| 4 | petctl-efs | 5.000 | 1.250 | 5.000 | — | 1 | 0 / 0 | — / — |" in ck
+    line = next(x for x in bs.mem_table(recs).splitlines() if "petctl-mem" in x)
+    assert line.endswith("| 21.0 | 1 | 3.25 | 0 |")
+    assert bs.oom_kills() >= 0  # /proc/vmstat's oom_kill on Linux

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent.checkpointing import efsrate
-from petctl_agent.checkpointing.atomic import atomic_write
+from petctl_agent.checkpointing.atomic import atomic_write, fsync_dir
 
 LATEST = "latest"
 CKPT_RE = re.compile(r"^ckpt-(\d{10})\.(pt|dcp)$")
@@ -66,8 +66,33 @@ def publish_lock(d: Path) -> Iterator[None]:
         os.close(fd)  # (closing releases the lock)
 
 
+class HashingFile:
+    """A write-only file object for ``torch.save`` that also sha256s what goes through it."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, b: Any) -> int:
+        self.sha.update(b)
+        n = self.f.write(b)
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def write_file(state: dict[str, Any], step: int, d: Path, keep: int, *, forward_only: bool = False) -> Path:
     """Write the single-file checkpoint of ``step``, point ``latest`` at it, prune (rank 0's job).
+
+    ``torch.save`` streams into a temp file next to it (sha256 and size taken on the way), fsync,
+    rename: no copy of the state in memory. This is the path a memory snapshot that does not fit
+    falls back to, i.e. when the node's memory is short: it once serialized into a ``BytesIO`` and
+    then copied that (``getvalue``), 2 x the state of transient memory (at 4 GiB per rank on 2
+    nodes sharing this machine: MemAvailable 2.0 -> 0.9 GiB in 2 s, stopped before the kernel's
+    OOM killer; docs/benchmarks.md, "Stop 28").
 
     ``forward_only``: when ``latest`` already names ``step`` or a newer one (the agent's persister
     got there first), write nothing: never replace the file ``latest`` names, never move it back.
@@ -75,26 +100,33 @@ def write_file(state: dict[str, Any], step: int, d: Path, keep: int, *, forward_
     import torch
 
     d.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    torch.save({"step": int(step), "state": state, "saved_at": time.time()}, buf)
-    data = buf.getvalue()
     name = f"ckpt-{int(step):010d}.pt"
     path = d / name
-    with publish_lock(d):
-        p = read_pointer(d) if forward_only else None
-        if p and int(p.get("step", -1)) >= int(step):
-            return d / str(p.get("file", name))
-        atomic_write(path, data)
-        write_pointer(
-            d,
-            {
-                "file": name,
-                "step": int(step),
-                "format": "torch",
-                "sha256": hashlib.sha256(data).hexdigest(),
-                "size": len(data),
-            },
-        )
+    tmp = d / f".{name}.{os.getpid()}.tmp"
+    try:
+        with efsrate.open(tmp, "wb") as f:
+            hf = HashingFile(f)
+            torch.save({"step": int(step), "state": state, "saved_at": time.time()}, hf)
+            f.flush()
+            os.fsync(f.fileno())
+        with publish_lock(d):
+            p = read_pointer(d) if forward_only else None
+            if p and int(p.get("step", -1)) >= int(step):
+                return d / str(p.get("file", name))
+            os.replace(tmp, path)
+            fsync_dir(d)
+            write_pointer(
+                d,
+                {
+                    "file": name,
+                    "step": int(step),
+                    "format": "torch",
+                    "sha256": hf.sha.hexdigest(),
+                    "size": hf.size,
+                },
+            )
+    finally:
+        tmp.unlink(missing_ok=True)
     prune(d, keep, name)
     return path
 

@@ -26,7 +26,6 @@ tests), and then persists itself (:class:`Persister`, the same loop as a thread)
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import mmap
 import os
@@ -41,7 +40,7 @@ from typing import Any
 from petctl_agent import filelocks
 from petctl_agent.checkpointing import efsrate
 from petctl_agent.checkpointing.atomic import atomic_write, fsync_dir
-from petctl_agent.checkpointing.files import prune, publish_lock, read_pointer, write_pointer
+from petctl_agent.checkpointing.files import HashingFile, prune, publish_lock, read_pointer, write_pointer
 from petctl_agent.checkpointing.snapshot import (
     Complete,
     SnapshotStore,
@@ -49,24 +48,6 @@ from petctl_agent.checkpointing.snapshot import (
     dtype_from_name,
     same_snapshot,
 )
-
-
-class _HashingFile:
-    """A write-only file object for ``torch.save`` that also sha256s what goes through it."""
-
-    def __init__(self, f: Any) -> None:
-        self.f = f
-        self.sha = hashlib.sha256()
-        self.size = 0
-
-    def write(self, b: Any) -> int:
-        self.sha.update(b)
-        n = self.f.write(b)
-        self.size += n
-        return n
-
-    def flush(self) -> None:
-        self.f.flush()
 
 
 def persist_newest(store: SnapshotStore, directory: Path, keep: int = 3) -> int | None:
@@ -123,7 +104,7 @@ def _persist_pinned(store: SnapshotStore, c: Complete, d: Path, keep: int) -> bo
                 tensors.append(torch.empty(m["shape"], dtype=dt))
         state = decode_structure(h["structure"], tensors)
         with efsrate.open(tmp, "wb") as f:
-            hf = _HashingFile(f)
+            hf = HashingFile(f)
             torch.save({"step": c.step, "state": state, "saved_at": time.time()}, hf)
             f.flush()
             os.fsync(f.fileno())
