@@ -400,3 +400,40 @@ def test_a_save_streams_to_its_file_without_a_copy_of_the_state_in_memory(tmp_pa
     assert json.loads((tmp_path / "latest").read_text())["step"] == 7
     assert not (tmp_path / "ckpt-0000000005.pt").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_a_load_reads_no_copy_of_the_file_and_still_checks_its_sha256(tmp_path: Path) -> None:
+    """A restore from EFS read the whole file into memory, hashed it, then built the tensors from
+    that copy: 2 x the state (and read, hash and copy one after the other; stop 28: 9.5-15.7 s for
+    4 GiB against torchrun's 3.1-6.1 s). Now torch.load reads the file while a thread hashes it:
+    Python memory stays at the hash's piece, and a file changed by one byte, or cut short, still
+    fails its sha256 (a ValueError naming the checksum, not what the unpickler made of it)."""
+    import tracemalloc
+
+    from petctl_agent.checkpointing.files import load_file, write_file
+
+    state = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(16)}  # 16 x 4 MiB = 64 MiB
+    path = write_file(state, 7, tmp_path, keep=2)
+    sha = json.loads((tmp_path / "latest").read_text())["sha256"]
+    tracemalloc.start()
+    try:
+        got, step = load_file(path, sha, "cpu")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert step == 7 and all(torch.equal(got[k], v) for k, v in state.items())
+    assert peak < 24 << 20, f"the load held {peak / 2**20:.0f} MiB of Python memory for 64 MiB of state"
+
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside a tensor's bytes: torch.load itself would not notice
+    bad = tmp_path / "flipped.pt"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        load_file(bad, sha, "cpu")
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(bytes(data[: len(data) // 3]))
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        load_file(cut, sha, "cpu")
+    # no sha256 known (a pointer without one): loaded as is
+    got, step = load_file(path, None, "cpu")
+    assert step == 7 and torch.equal(got["t3"], state["t3"])

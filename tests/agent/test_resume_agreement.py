@@ -66,14 +66,16 @@ def test_a_pointer_moved_between_the_ranks_reads_every_rank_loads_one_step(tmp_p
 #: the last rank's read of step 15's file returns one byte changed (an EFS client's bad read):
 #: its sha256 check fails on that rank only
 BAD_COPY = """
-    from petctl_agent.checkpointing import efsrate
-    real = efsrate.read_bytes
-    def read_bytes(path):
-        data = real(path)
+    import hashlib
+    from petctl_agent.checkpointing import files
+    real = files.file_sha256
+    def file_sha256(path):
         if rank == dist.get_world_size() - 1 and os.path.basename(str(path)) == "ckpt-0000000015.pt":
-            data = data[:-1] + bytes([data[-1] ^ 0xFF])
-        return data
-    efsrate.read_bytes = read_bytes
+            data = bytearray(open(path, "rb").read())
+            data[-1] ^= 0xFF
+            return hashlib.sha256(data).hexdigest()
+        return real(path)
+    files.file_sha256 = file_sha256
     got = ckpt.resume()
     out["step"] = got[1]
     out["w"] = got[0]["w"].tolist()

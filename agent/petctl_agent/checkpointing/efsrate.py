@@ -230,18 +230,6 @@ def open(path: str | os.PathLike, mode: str = "r", *args: Any, **kwargs: Any) ->
     return wrap(builtins.open(path, mode, *args, **kwargs), path, mode)
 
 
-def read_bytes(path: str | os.PathLike) -> bytes:
-    """``Path(path).read_bytes()``, paced when ``path`` is on the emulated EFS."""
-    p = _pacer(path, "read")
-    if p is not None:
-        p.op()
-    t0 = time.monotonic()
-    data = Path(path).read_bytes()
-    if p is not None:
-        p.pay(len(data), t0)
-    return data
-
-
 class _PacedFileSystem:
     """DCP's ``FileSystem`` with its streams paced (everything else is the wrapped one's)."""
 
