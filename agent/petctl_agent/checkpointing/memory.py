@@ -294,7 +294,7 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
     if not dist_on():
         if mine < 0 or mine < efs:
             return None
-        state = store.load(mine, map_location=map_location)
+        state = store.load(mine, map_location=map_location, check=store.prechecked())
         if state is None:
             return None
         report_restore("self", mine, newest.header["size"] if newest else 0, time.monotonic() - t0)
@@ -352,12 +352,14 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
                     state, nbytes, known, kept = _receive(agreed, src, sub, map_location, into)
                     source = "peer"
                 elif state is None:  # another holder: its own copy, meanwhile
-                    state = store.load(agreed, map_location=map_location)
+                    state = store.load(agreed, map_location=map_location, check=store.prechecked())
                 # the source's: its send and load (one pass); a receiver's: its slot's pages, the
                 # bytes and their crc32s (as they arrive); another holder's: its own load
                 mark("send" if me == src else "receive" if me in needers else "load")
             elif state is None:
-                state = store.load(agreed, map_location=map_location)
+                # its crc32s checked by the agent while this worker started, if that is still the
+                # very snapshot (SnapshotStore.verify); else here, in full
+                state = store.load(agreed, map_location=map_location, check=store.prechecked())
                 mark("load")
             # bit 0: this rank has the state; bit 1: it can serve it -- its node's store holds the
             # step (its own copy, or a peer's received into it) and that copy passed its checks.
