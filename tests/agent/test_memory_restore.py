@@ -992,3 +992,24 @@ def test_a_snapshot_changed_after_the_agents_verification_is_still_caught(tmp_pa
     assert all(r["w"] == [6.0] * 4 for r in res)
     assert [r["report"]["source"] for r in res] == ["peer", "self"]
     assert _crc_times(cps[0])  # node 0 checked its own copy (and found it changed)
+
+
+def test_a_source_the_agent_verified_sends_without_a_pass_and_the_newcomer_still_checks(
+    tmp_path: Path,
+) -> None:
+    """A join: node 0's step 6 passed its agent's check; rank 1 (a newcomer) holds nothing. The
+    source sends its bytes with no crc32 pass of its own (before: one per piece as they went; fails
+    here), the newcomer checks every piece as it arrives and keeps the step."""
+    efs = tmp_path / "efs"
+    ckpt.save({"w": torch.full((4,), 6.0)}, 6, efs)
+    n = 1 << 16
+    _snap(tmp_path / "n0", 6, n)
+    _agent_verifies(tmp_path / "n0")
+    (tmp_path / "n1").mkdir()
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "6", "TRACE_CRC": "1"}
+    cps = _ranks(tmp_path, [{**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}")} for r in (0, 1)])
+    res = [_res(cp) for cp in cps]
+    assert [r["start"] for r in res] == [7, 7]
+    assert all(r["w"] == [6.0] * 4 for r in res)
+    assert [r["report"]["source"] for r in res] == ["self", "peer"]
+    assert _crc_times(cps[0]) == [] and _crc_times(cps[1])

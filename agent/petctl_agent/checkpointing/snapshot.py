@@ -920,17 +920,20 @@ class SnapshotStore:
         the file through the filesystem moves its mtime (tmpfs: to the clock's tick)."""
 
         def check(header: dict[str, Any], mm: mmap.mmap | None) -> bool:
-            rec = self._verification(wait)
-            if rec is not None and all(rec.get(k) == header.get(k) for k in ("gen", "nonce", "header_crc")):
-                try:
-                    st = os.stat(self.data_path(str(rec.get("slot"))))
-                except (OSError, ValueError):
-                    st = None
-                if st is not None and _file_id(st) == rec.get("file"):
-                    return True
-            return _crcs_match(header, mm)
+            return self.covered(header, wait) or _crcs_match(header, mm)
 
         return check
+
+    def covered(self, header: dict[str, Any], wait: float = VERIFY_WAIT) -> bool:
+        """Did the agent's :meth:`verify` pass this very snapshot (the rule of :meth:`prechecked`)?"""
+        rec = self._verification(wait)
+        if rec is None or not all(rec.get(k) == header.get(k) for k in ("gen", "nonce", "header_crc")):
+            return False
+        try:
+            st = os.stat(self.data_path(str(rec.get("slot"))))
+        except (OSError, ValueError):
+            return False
+        return _file_id(st) == rec.get("file")
 
     def _verification(self, wait: float) -> dict[str, Any] | None:
         """The agent's verification record, once no verification is running (waited for at most
