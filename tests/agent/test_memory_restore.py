@@ -732,6 +732,10 @@ def test_agents_own_the_store_newcomer_restores_from_a_peer_store_freed_on_leave
     assert got[n3.instance_id]["source"] == "peer" and got[n3.instance_id]["bytes"] > 0, got
     assert got[a.instance_id]["source"] == "self" and got[b.instance_id]["source"] == "self", got
     assert len({e["step"] for e in got.values()}) == 1
+    # the survivors' agents checked their snapshot once their old workers were gone (stop 28);
+    # the newcomer's started its first workers: nothing to check
+    assert all((store[n.instance_id] / "replicated.verified.json").exists() for n in (a, b))
+    assert not (shm_base / "memrestore" / n3.instance_id / "replicated.verified.json").exists()
     c.terminate(b)
     assert wait_for(lambda: b.proc.poll() is not None, 60, "drained agent to exit") is not None
     assert b.proc.returncode == 0 and not store[b.instance_id].exists()

@@ -30,6 +30,9 @@ to twice its state's bytes in shared memory, three times while a spare stands by
 
 Never loaded: a slot without its header (torn), a header or tensor whose crc32 does not match, a
 data file of the wrong size, or a snapshot of another step than the one asked for (stale).
+The crc32 pass may run before the load, not in it: the agent checks the newest snapshot while the
+new workers start (:meth:`SnapshotStore.verify`, ``<name>.verified.json``) and a restore of that
+very snapshot, in the same unchanged file, skips its own pass (:meth:`SnapshotStore.prechecked`).
 
 Never OOM: before a write, the bytes the slot must grow by are checked against ``MemAvailable``
 (``/proc/meminfo``, or the test-only ``$PETCTL_SNAPSHOT_MEMINFO``; less a reserve) and the filesystem's free space (``os.statvfs``), then reserved
