@@ -81,6 +81,10 @@ class PetctlElasticAgent(LocalElasticAgent):
     expiry after the failure) restart for free.
     """
 
+    # class defaults too: a stop of an agent built without __init__ (tests) has them
+    after_workers_stopped: Callable[[], None] | None = None
+    _restarting = False
+
     def __init__(
         self,
         spec: Any,
