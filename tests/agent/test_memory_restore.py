@@ -732,6 +732,10 @@ def test_agents_own_the_store_newcomer_restores_from_a_peer_store_freed_on_leave
     assert got[n3.instance_id]["source"] == "peer" and got[n3.instance_id]["bytes"] > 0, got
     assert got[a.instance_id]["source"] == "self" and got[b.instance_id]["source"] == "self", got
     assert len({e["step"] for e in got.values()}) == 1
+    # the survivors' agents checked their snapshot once their old workers were gone (stop 28);
+    # the newcomer's started its first workers: nothing to check
+    assert all((store[n.instance_id] / "replicated.verified.json").exists() for n in (a, b))
+    assert not (shm_base / "memrestore" / n3.instance_id / "replicated.verified.json").exists()
     c.terminate(b)
     assert wait_for(lambda: b.proc.poll() is not None, 60, "drained agent to exit") is not None
     assert b.proc.returncode == 0 and not store[b.instance_id].exists()
@@ -914,3 +918,102 @@ def test_a_transfer_longer_than_the_peer_timeout_does_not_fail_the_holders_outsi
     assert [r["report"]["source"] for r in res] == ["self", "self", "peer"], res
     assert all(r["w"] == [6.0] * 4 for r in res)
     assert res[0]["report"]["seconds"] > 2  # the transfer outlasted one peer timeout
+
+
+# ------------------------------------------------------------------ the agent's verification (stop 28)
+
+
+def _agent_verifies(d: Path) -> None:
+    """What the agent runs once its old workers are gone (node/snapshots.py ``verify``)."""
+    subprocess.run(
+        [sys.executable, "-m", "petctl_agent.checkpointing.persist", "--verify", str(d), memory.NAME],
+        env={**os.environ, "PYTHONPATH": str(REPO / "agent")},
+        check=True,
+        timeout=60,
+    )
+    assert (d / f"{memory.NAME}.verified.json").exists()
+
+
+def test_a_restore_from_self_skips_the_crc32_pass_the_agent_already_made(tmp_path: Path) -> None:
+    """Both nodes hold step 6 (4 data tensors' worth of bytes traced by TRACE_CRC) and their agents
+    verified it while the workers started: the restore from self loads it without a crc32 pass of
+    its own (the code before made one on every rank: fails here). Nothing trains after it (TOTAL 6),
+    and EFS has step 6 too (no persist of it, whose own check would be traced)."""
+    efs = tmp_path / "efs"
+    ckpt.save({"w": torch.full((4,), 6.0)}, 6, efs)
+    n = 1 << 16  # 256 KiB: over TRACE_CRC's threshold (a header's crc32 is not traced)
+    for r in (0, 1):
+        _snap(tmp_path / f"n{r}", 6, n)
+        _agent_verifies(tmp_path / f"n{r}")
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "6", "TRACE_CRC": "1"}
+    cps = _ranks(tmp_path, [{**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}")} for r in (0, 1)])
+    res = [_res(cp) for cp in cps]
+    assert [r["start"] for r in res] == [7, 7]
+    assert all(r["w"] == [6.0] * 4 for r in res)
+    assert [r["report"]["source"] for r in res] == ["self", "self"]
+    assert [_crc_times(cp) for cp in cps] == [[], []]
+
+
+def test_a_snapshot_changed_after_the_agents_verification_is_still_caught(tmp_path: Path) -> None:
+    """Node 0's step-6 snapshot passed the agent's check, then a byte of it changed in place (a
+    write into the file): its restore must not trust the record -- it checks the bytes, finds the
+    crc32 wrong and gets the step from node 1, whose verified copy loads with no pass. Node 1's
+    record is for a snapshot rewritten afterwards through the store (a new generation, the same
+    step): checked in full, and it passes. EFS has step 6 too (no persist traced)."""
+    efs = tmp_path / "efs"
+    ckpt.save({"w": torch.full((4,), 6.0)}, 6, efs)
+    n = 1 << 16
+    for r in (0, 1):
+        _snap(tmp_path / f"n{r}", 6, n)
+        _agent_verifies(tmp_path / f"n{r}")
+    s0 = SnapshotStore(tmp_path / "n0", memory.NAME)
+    data = s0.data_path(s0.newest().slot)
+    before = data.stat().st_mtime_ns
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # tmpfs stamps to the clock's tick: let one pass
+        time.sleep(0.01)
+        probe = tmp_path / "tick"
+        probe.write_bytes(b"")
+        if probe.stat().st_mtime_ns > before:
+            break
+    with open(data, "r+b") as f:
+        f.seek(5)
+        b = f.read(1)
+        f.seek(5)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert data.stat().st_mtime_ns > before
+    # node 1: rewritten through the store after its record (slot b, then a again: a new generation)
+    s1 = SnapshotStore(tmp_path / "n1", memory.NAME)
+    rec = json.loads((tmp_path / "n1" / f"{memory.NAME}.verified.json").read_bytes())
+    for _ in range(2):
+        assert s1.write({"w": torch.full((n,), 6.0)}, 6, wait=True) == "ok"
+    s1.close()
+    assert s1.newest().slot == rec["slot"] and s1.newest().gen != rec["gen"]
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "6", "TRACE_CRC": "1"}
+    cps = _ranks(tmp_path, [{**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}")} for r in (0, 1)])
+    res = [_res(cp) for cp in cps]
+    assert [r["start"] for r in res] == [7, 7]
+    assert all(r["w"] == [6.0] * 4 for r in res)
+    assert [r["report"]["source"] for r in res] == ["peer", "self"]
+    assert _crc_times(cps[0])  # node 0 checked its own copy (and found it changed)
+
+
+def test_a_source_the_agent_verified_sends_without_a_pass_and_the_newcomer_still_checks(
+    tmp_path: Path,
+) -> None:
+    """A join: node 0's step 6 passed its agent's check; rank 1 (a newcomer) holds nothing. The
+    source sends its bytes with no crc32 pass of its own (before: one per piece as they went; fails
+    here), the newcomer checks every piece as it arrives and keeps the step."""
+    efs = tmp_path / "efs"
+    ckpt.save({"w": torch.full((4,), 6.0)}, 6, efs)
+    n = 1 << 16
+    _snap(tmp_path / "n0", 6, n)
+    _agent_verifies(tmp_path / "n0")
+    (tmp_path / "n1").mkdir()
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "6", "TRACE_CRC": "1"}
+    cps = _ranks(tmp_path, [{**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}")} for r in (0, 1)])
+    res = [_res(cp) for cp in cps]
+    assert [r["start"] for r in res] == [7, 7]
+    assert all(r["w"] == [6.0] * 4 for r in res)
+    assert [r["report"]["source"] for r in res] == ["self", "peer"]
+    assert _crc_times(cps[0]) == [] and _crc_times(cps[1])

@@ -7,11 +7,13 @@ killed are real processes killed with SIGKILL; the persisted checkpoint is read 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -1089,3 +1091,56 @@ def test_a_direct_write_forward_only_never_replaces_what_latest_names(tmp_path: 
     assert step == 8 and torch.equal(state["w"], torch.full((10,), 8.0))
     write_file({"w": torch.full((10,), 6.0)}, 6, efs, 3)  # the plain path keeps today's meaning
     assert ckpt.latest_step(efs) == 6
+
+
+def test_a_restore_trusts_the_agents_verification_only_for_that_very_snapshot(tmp_path: Path) -> None:
+    """``prechecked`` skips the crc32 pass for the snapshot ``verify`` passed (same generation,
+    nonce, header crc32, same unchanged file) and checks any other in full: a slot rewritten
+    through the store afterwards (a new generation, the same step, the same file reused in place)
+    is not covered by the record, so wrong bytes under its header fail."""
+    s = SnapshotStore(tmp_path, "replicated")
+    for v in (1.0, 2.0):
+        assert s.write({"w": torch.full((1024,), v)}, 6, wait=True) == "ok"
+    c = s.verify()
+    assert c is not None and c.step == 6 and c == s.newest()
+    wrong = bytearray(c.header["size"])  # zeros: no tensor's crc32 matches
+    mm = mmap.mmap(-1, len(wrong))
+    mm.write(bytes(wrong))
+    try:
+        assert s.prechecked()(c.header, mm) is True  # the verified snapshot: no pass
+        for v in (3.0, 4.0):  # the same slot again, in place: a new generation
+            assert s.write({"w": torch.full((1024,), v)}, 6, wait=True) == "ok"
+        n = s.newest()
+        assert n.slot == c.slot and n.gen != c.gen
+        assert s.prechecked()(n.header, mm) is False  # not the verified one: checked, fails
+        assert s.load(6, check=s.prechecked())["w"][0].item() == 4.0  # its real bytes pass
+        assert s.verify() == n and s.prechecked()(n.header, mm) is True
+    finally:
+        mm.close()
+        s.close()
+
+
+def test_a_restore_waits_for_a_verification_still_running(tmp_path: Path) -> None:
+    """While the agent's check holds the lock, a restore's ``prechecked`` waits for its verdict (then
+    trusts it) instead of making a second pass beside it; past ``wait`` it checks for itself."""
+    import fcntl
+
+    s = SnapshotStore(tmp_path, "replicated")
+    assert s.write({"w": torch.full((1024,), 1.0)}, 6, wait=True) == "ok"
+    assert s.verify() is not None
+    c = s.newest()
+    wrong = mmap.mmap(-1, c.header["size"])
+    fd = os.open(s.verify_lock_path(), os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a verification running
+    try:
+        t0 = time.monotonic()
+        assert s.prechecked(wait=0.3)(c.header, wrong) is False  # gave up waiting: its own pass
+        assert time.monotonic() - t0 >= 0.3
+        t = threading.Timer(0.3, lambda: fcntl.flock(fd, fcntl.LOCK_UN))  # the verification ends
+        t.start()
+        assert s.prechecked(wait=30)(c.header, wrong) is True
+        t.join()
+    finally:
+        os.close(fd)
+        wrong.close()
+        s.close()

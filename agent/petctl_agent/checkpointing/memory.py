@@ -294,7 +294,7 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
     if not dist_on():
         if mine < 0 or mine < efs:
             return None
-        state = store.load(mine, map_location=map_location)
+        state = store.load(mine, map_location=map_location, check=store.prechecked())
         if state is None:
             return None
         report_restore("self", mine, newest.header["size"] if newest else 0, time.monotonic() - t0)
@@ -352,12 +352,14 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
                     state, nbytes, known, kept = _receive(agreed, src, sub, map_location, into)
                     source = "peer"
                 elif state is None:  # another holder: its own copy, meanwhile
-                    state = store.load(agreed, map_location=map_location)
+                    state = store.load(agreed, map_location=map_location, check=store.prechecked())
                 # the source's: its send and load (one pass); a receiver's: its slot's pages, the
                 # bytes and their crc32s (as they arrive); another holder's: its own load
                 mark("send" if me == src else "receive" if me in needers else "load")
             elif state is None:
-                state = store.load(agreed, map_location=map_location)
+                # its crc32s checked by the agent while this worker started, if that is still the
+                # very snapshot (SnapshotStore.verify); else here, in full
+                state = store.load(agreed, map_location=map_location, check=store.prechecked())
                 mark("load")
             # bit 0: this rank has the state; bit 1: it can serve it -- its node's store holds the
             # step (its own copy, or a peer's received into it) and that copy passed its checks.
@@ -616,7 +618,8 @@ def _send(
 ) -> tuple[dict[str, Any] | None, int]:
     """Broadcast snapshot ``step``'s header and bytes and load it: the bytes go out of the very
     mapping the loaded tensors view (:meth:`SnapshotStore.load`), their crc32s computed as they
-    go, in place of the load's own pass. (The state, None when a check failed; the bytes sent.)
+    go, in place of the load's own pass (none when the agent's check covers that very snapshot:
+    :meth:`SnapshotStore.covered`). (The state, None when a check failed; the bytes sent.)
     A snapshot gone before it could be sent is announced as such (size -1): the receivers give
     up at once, never waiting out the timeout."""
     import torch
@@ -632,11 +635,14 @@ def _send(
         dist.broadcast(torch.tensor([len(header), size], dtype=torch.int64), src=src, group=group)
         sent[1] = True
         dist.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8), src=src, group=group)
-        crcs = _Crcs(h["tensors"])
+        # checked by the agent while this worker started (SnapshotStore.verify): no pass here;
+        # the receivers check every piece as it arrives either way
+        known = store.covered(h)
+        crcs = None if known else _Crcs(h["tensors"])
         if size:
             _stream(mm, size, src, group, crcs)
         sent[0] = size
-        return crcs.ok()
+        return known or (crcs is not None and crcs.ok())
 
     state = store.load(step, map_location=map_location, check=send)
     if not sent[1]:

@@ -302,6 +302,9 @@ def _die_with_parent() -> None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m petctl_agent.checkpointing.persist --serve SNAPSHOT_DIR NAME``: the agent's persister.
 
+    ``--verify SNAPSHOT_DIR NAME``: check the newest snapshot once and record it
+    (:meth:`SnapshotStore.verify`), then exit.
+
     ``SNAPSHOT_DIR NAME CHECKPOINT_DIR`` (without ``--serve``): poll and persist the newest snapshot.
     """
     ap = argparse.ArgumentParser(prog="petctl_agent.checkpointing.persist")
@@ -312,7 +315,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", type=int, default=int(os.environ.get("PETCTL_CHECKPOINT_KEEP", "3")))
     ap.add_argument("--poll", type=float, default=0.5)
     ap.add_argument("--once", action="store_true", help="persist the newest snapshot (if newer) and exit")
+    ap.add_argument(
+        "--verify", action="store_true", help="check the newest snapshot's crc32s and record it (the agent's)"
+    )
     a = ap.parse_args(argv)
+    if a.verify:
+        # the agent's, once its old workers are gone: the next restore from this node skips the pass
+        _die_with_parent()
+        t0 = time.monotonic()
+        c = SnapshotStore(a.snapshot_dir, a.name).verify()
+        what = f"step {c.step} (slot {c.slot}) checked" if c is not None else "nothing recorded"
+        print(f"petctl verify: {what} in {time.monotonic() - t0:.2f} s", file=sys.stderr, flush=True)
+        return 0
     if a.serve:
         _die_with_parent()
         return serve(Path(a.snapshot_dir), a.name)

@@ -30,6 +30,9 @@ to twice its state's bytes in shared memory, three times while a spare stands by
 
 Never loaded: a slot without its header (torn), a header or tensor whose crc32 does not match, a
 data file of the wrong size, or a snapshot of another step than the one asked for (stale).
+The crc32 pass may run before the load, not in it: the agent checks the newest snapshot while the
+new workers start (:meth:`SnapshotStore.verify`, ``<name>.verified.json``) and a restore of that
+very snapshot, in the same unchanged file, skips its own pass (:meth:`SnapshotStore.prechecked`).
 
 Never OOM: before a write, the bytes the slot must grow by are checked against ``MemAvailable``
 (``/proc/meminfo``, or the test-only ``$PETCTL_SNAPSHOT_MEMINFO``; less a reserve) and the filesystem's free space (``os.statvfs``), then reserved
@@ -50,6 +53,7 @@ import json
 import mmap
 import os
 import threading
+import time
 import weakref
 import zlib
 from collections import OrderedDict
@@ -68,6 +72,9 @@ RESERVE_MIN = 512 << 20
 RESERVE_FRACTION = 0.05
 
 OK = "ok"
+#: seconds a restore waits for the agent's verification of its snapshot still running (then it
+#: checks the bytes itself): that verification is the same pass, started earlier
+VERIFY_WAIT = 30.0
 
 
 class Unsupported(ValueError):
@@ -532,6 +539,23 @@ def _header_crc(header: dict[str, Any]) -> int:
     return zlib.crc32(json.dumps(body, sort_keys=True).encode())
 
 
+def _crcs_match(header: dict[str, Any], mm: mmap.mmap | None) -> bool:
+    """Do the mapped bytes match every tensor's crc32 in ``header``?"""
+    view = memoryview(mm) if mm is not None else memoryview(b"")
+    try:
+        return all(
+            zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]]) == m["crc32"] for m in header["tensors"]
+        )
+    finally:
+        view.release()
+
+
+def _file_id(st: os.stat_result) -> list[int]:
+    """What a verification record pins of a slot's data file: a write through the filesystem moves
+    the mtime, a replacement the inode."""
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
 def _same_layout(known: list[dict[str, Any]], metas: list[dict[str, Any]]) -> bool:
     keys = ("dtype", "shape", "offset", "nbytes")
     return len(known) == len(metas) and all(
@@ -823,6 +847,121 @@ class SnapshotStore:
                 view.release()
 
         return check
+
+    # -- the agent's verification (off a restore's critical path)
+
+    def verified_path(self) -> Path:
+        return self.dir / f"{self.name}.verified.json"
+
+    def verify_lock_path(self) -> Path:
+        return self.dir / f"{self.name}.verify.lock"
+
+    def verify(self) -> Complete | None:
+        """Check the newest complete snapshot's crc32s now, while nobody waits for it, and record
+        that it passed (``<name>.verified.json``: its slot, generation, nonce, header crc32 and the
+        data file's inode, size, mtime and ctime), so that a restore of that very snapshot
+        (:meth:`prechecked`) skips its own pass over the bytes. The agent runs it in a process of
+        its own (``persist --verify``) once its old workers are gone, while the new ones start.
+
+        Holds ``<name>.verify.lock`` exclusively meanwhile: a restore that comes while the check
+        runs waits for its verdict rather than make a second pass beside it. The record is removed
+        first and written only when every crc32 matched and the slot's header and file are still
+        the ones checked (a writer that started on the slot meanwhile removed its header first).
+        Returns the snapshot checked, or None (nothing complete, or it failed: no record)."""
+        lock = os.open(self.verify_lock_path(), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.verified_path().unlink(missing_ok=True)
+            c = self.newest()
+            if c is None:
+                return None
+            try:
+                fd = os.open(self.data_path(c.slot), os.O_RDONLY)
+            except OSError:
+                return None
+            try:
+                before = os.fstat(fd)
+                if before.st_size != c.header["size"]:
+                    return None
+                mm = (
+                    mmap.mmap(fd, before.st_size, mmap.MAP_SHARED, mmap.PROT_READ) if before.st_size else None
+                )
+                try:
+                    ok = _crcs_match(c.header, mm)
+                finally:
+                    if mm is not None:
+                        mm.close()
+                after = os.fstat(fd)
+            finally:
+                os.close(fd)
+            if (
+                not ok
+                or _file_id(before) != _file_id(after)
+                or not same_snapshot(self.read_header(c.slot), c)
+            ):
+                return None
+            h = c.header
+            record = {"slot": c.slot, "gen": h["gen"], "nonce": h["nonce"], "header_crc": h["header_crc"],
+                      "file": _file_id(after)}  # fmt: skip
+            path = self.verified_path()
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_bytes(json.dumps(record).encode())
+            os.replace(tmp, path)
+            return c
+        finally:
+            os.close(lock)
+
+    def prechecked(self, wait: float = VERIFY_WAIT) -> Callable[[dict[str, Any], mmap.mmap | None], bool]:
+        """A :meth:`load` ``check`` for a restore from this node's own memory: a snapshot that the
+        agent's :meth:`verify` passed -- the same header (generation, nonce, header crc32) in the
+        same, unchanged file (inode, size, mtime, ctime) -- is not checked again; any other is
+        checked in full, as without it. A verification still running is waited for (at most
+        ``wait`` s, then the load checks for itself): it is most of the way through the same pass.
+
+        Trusted as far as the store's protocol goes: every write through it removes the slot's
+        header before it changes a byte and puts back one of a new generation, and a write into
+        the file through the filesystem moves its mtime (tmpfs: to the clock's tick)."""
+
+        def check(header: dict[str, Any], mm: mmap.mmap | None) -> bool:
+            return self.covered(header, wait) or _crcs_match(header, mm)
+
+        return check
+
+    def covered(self, header: dict[str, Any], wait: float = VERIFY_WAIT) -> bool:
+        """Did the agent's :meth:`verify` pass this very snapshot (the rule of :meth:`prechecked`)?"""
+        rec = self._verification(wait)
+        if rec is None or not all(rec.get(k) == header.get(k) for k in ("gen", "nonce", "header_crc")):
+            return False
+        try:
+            st = os.stat(self.data_path(str(rec.get("slot"))))
+        except (OSError, ValueError):
+            return False
+        return _file_id(st) == rec.get("file")
+
+    def _verification(self, wait: float) -> dict[str, Any] | None:
+        """The agent's verification record, once no verification is running (waited for at most
+        ``wait`` s: then None); None when there is none."""
+        try:
+            fd = os.open(self.verify_lock_path(), os.O_RDONLY)
+        except OSError:
+            return None  # never verified
+        try:
+            deadline = time.monotonic() + wait
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        return None
+                    time.sleep(0.01)
+            try:
+                rec = json.loads(self.verified_path().read_bytes())
+            except (OSError, ValueError):
+                return None
+            return rec if isinstance(rec, dict) else None
+        finally:
+            os.close(fd)
 
     def _write(
         self,

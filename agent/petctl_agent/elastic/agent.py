@@ -81,6 +81,10 @@ class PetctlElasticAgent(LocalElasticAgent):
     expiry after the failure) restart for free.
     """
 
+    # class defaults too: a stop of an agent built without __init__ (tests) has them
+    after_workers_stopped: Callable[[], None] | None = None
+    _restarting = False
+
     def __init__(
         self,
         spec: Any,
@@ -118,6 +122,10 @@ class PetctlElasticAgent(LocalElasticAgent):
         self._failing_seen = False  # the current workers' failure note was acted on
         #: called right before each (re)start of the workers (node/agent.py: flush the log tailer)
         self.before_workers_start: Callable[[], None] | None = None
+        # called once the old workers are gone on the way to starting new ones (a restart, never a
+        # leave): the node's memory snapshot is checked meanwhile (node/snapshots.py, verify)
+        self.after_workers_stopped: Callable[[], None] | None = None
+        self._restarting = False
         self.drain_timeout = drain_timeout
         self.join_timeout = join_timeout_s(join_timeout, settings)
         self.watch = MembershipWatch(settings, publisher, self._last_step, self.join_timeout)
@@ -327,7 +335,11 @@ class PetctlElasticAgent(LocalElasticAgent):
                 self._sigterm_before_rendezvous()
             self._rendezvous(worker_group)
             self._rendezvoused = True
-        super()._restart_workers(worker_group)
+        self._restarting = True  # torch's restart: stop (after_workers_stopped), rendezvous, start
+        try:
+            super()._restart_workers(worker_group)
+        finally:
+            self._restarting = False
 
     def _sigterm_before_rendezvous(self) -> None:
         """SIGTERM our workers before joining the next round (they exit meanwhile); the stop is
@@ -358,6 +370,12 @@ class PetctlElasticAgent(LocalElasticAgent):
                 )
                 self._signal_workers(signal.SIGKILL)
         super()._stop_workers(worker_group, *args, **kwargs)
+        restarting, self._restarting = self._restarting, False
+        if restarting and self.after_workers_stopped is not None:
+            try:
+                self.after_workers_stopped()
+            except Exception as e:  # noqa: BLE001 - a speed-up only: the restore checks for itself
+                log.debug("after_workers_stopped: %s", e)
 
     def _signal_workers(self, sig: signal.Signals) -> None:
         """Send ``sig`` to our live workers without waiting (torch's close() sends the same and

@@ -404,6 +404,8 @@ class Agent:
             tailer.poll()
 
         agent.before_workers_start = before_workers_start
+        if self.snapshots is not None:
+            agent.after_workers_stopped = self.snapshots.verify
         threading.Thread(
             target=self.lifecycle.watch,
             args=(self._stop, self.request_leave),

@@ -91,6 +91,7 @@ class SnapshotArea:
         self._seen: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.verifier: subprocess.Popen[bytes] | None = None
 
     @classmethod
     def open(cls, base: str | os.PathLike, job: str, node: str, pub: Any = None) -> SnapshotArea | None:
@@ -130,19 +131,37 @@ class SnapshotArea:
         os.replace(tmp, self.dir / OWNER_LOCK)
         self._lock_fd = fd
 
-    def start(self) -> None:
+    @staticmethod
+    def _env() -> dict[str, str]:
         import petctl_agent
 
         root = str(Path(petctl_agent.__file__).resolve().parents[1])
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        return env
+
+    def start(self) -> None:
         self.persister = subprocess.Popen(
             [sys.executable, "-m", "petctl_agent.checkpointing.persist", "--serve", str(self.dir), NAME],
-            env=env,
+            env=self._env(),
             stdin=subprocess.DEVNULL,
         )
         self._thread = threading.Thread(target=self._watch, name="petctl-snapshots", daemon=True)
         self._thread.start()
+
+    def verify(self) -> None:
+        """The node's workers are gone and new ones are about to start: check the newest snapshot's
+        crc32s now, in a process of its own (``persist --verify``, dies with the agent), so that the
+        new workers' restore from this node skips that pass over the bytes (``SnapshotStore.verify``
+        and ``prechecked``; a restore that comes first waits for the verdict). Never blocks."""
+        v = self.verifier
+        if v is not None and v.poll() is None:
+            return  # one is running (nothing has written the store since: no worker runs)
+        self.verifier = subprocess.Popen(
+            [sys.executable, "-m", "petctl_agent.checkpointing.persist", "--verify", str(self.dir), NAME],
+            env=self._env(),
+            stdin=subprocess.DEVNULL,
+        )
 
     # ---- reports -> events
     def _watch(self) -> None:
@@ -180,6 +199,11 @@ class SnapshotArea:
     def close(self) -> None:
         """Stop the persister (its write in flight ends first, bounded), publish, remove the store."""
         self._stop.set()
+        v, self.verifier = self.verifier, None
+        if v is not None:
+            if v.poll() is None:
+                v.kill()  # only a record for the next restore, which no longer comes
+            v.wait()
         p, self.persister = self.persister, None
         if p is not None and p.poll() is None:
             p.terminate()
