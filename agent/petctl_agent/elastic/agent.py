@@ -459,11 +459,10 @@ class PetctlElasticAgent(LocalElasticAgent):
                 change, can_sync = self.watch.change()
                 if change:
                     log.info("re-rendezvous: %s", change)
-                    # a change that names nodes gone (the start-up, stall or failure lease reads, an
-                    # expiry): a named node that comes back was stalled, not lost, and this restart
-                    # is charged then. Decided from the round alone, as on every node: whether our
-                    # own stall watch had fired yet is a matter of sampling (budgets one apart)
-                    self.watch.restart_for_a_loss()
+                    if self._starting or self.stall.stalled:
+                        # a round the start-up (or stall) lease reads opened: a node named gone
+                        # that comes back was stalled, not lost, and this restart is charged then
+                        self.watch.restart_for_a_loss()
                     if can_sync and self.settings.enabled("SYNC_RESTART") and self.stops.workers_progressed():
                         self._rdzv_reason = change
                         done = self._coordinated_stop(wg, self.sync_timeout)

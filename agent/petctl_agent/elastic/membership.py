@@ -161,12 +161,10 @@ class MembershipWatch:
 
     def restart_for_a_loss(self) -> None:
         """We restart for free because the pending change names nodes gone (a worker failure it
-        explained, or any change the agent's monitor loop restarts for: whichever node's start-up,
-        stall or failure lease reads opened it): if every one of them comes back (the same id) in
-        the next round or the one after, none was lost, and the restart is charged
-        (:meth:`take_charge`). One that does not come back was really lost, and explains the
-        restart alone: free, whoever else came back. The change is the same on every node, so
-        every node charges the same rounds. No change, or one that names nobody gone: nothing."""
+        explained, or the start-up lease reads while our workers had not stepped): if every one
+        of them comes back (the same id) in the next round or the one after, none was lost, and
+        the restart is charged (:meth:`take_charge`). One that does not come back was really
+        lost, and explains the restart alone: free, whoever else came back."""
         mine = ours(self.handler) if self.handler is not None else None
         ch = (mine.pending_change() or {}) if mine is not None else {}
         if ch.get("n_gone"):
