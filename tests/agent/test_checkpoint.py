@@ -437,3 +437,77 @@ def test_a_load_reads_no_copy_of_the_file_and_still_checks_its_sha256(tmp_path: 
     # no sha256 known (a pointer without one): loaded as is
     got, step = load_file(path, None, "cpu")
     assert step == 7 and torch.equal(got["t3"], state["t3"])
+
+
+def test_two_writers_of_one_step_in_one_process_never_share_a_temp_file(tmp_path: Path, monkeypatch) -> None:
+    """Rank 0's save and a persister thread in the same worker may write the same step at once
+    (a snapshot that did not fit on another node; a wait for the persister that timed out). Their
+    temp files were named by pid: both wrote one inode, the first rename published a file the
+    other was still writing, the second rename failed (review, stop 28). Each writer now has a
+    temp file of its own: both return, and ``latest``'s sha256 is the published file's."""
+    import hashlib
+    import threading
+
+    from petctl_agent.checkpointing import files
+
+    real = files.HashingFile.write
+
+    def slow_write(self, b):  # every piece of torch.save's stream takes a moment: the two overlap
+        time.sleep(0.002)
+        return real(self, b)
+
+    monkeypatch.setattr(files.HashingFile, "write", slow_write)
+    state = {f"t{i}": torch.full((1 << 18,), float(i)) for i in range(8)}
+    errors: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            files.write_file(state, 5, tmp_path, keep=2)
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=save) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    pointer = json.loads((tmp_path / "latest").read_text())
+    data = (tmp_path / "ckpt-0000000005.pt").read_bytes()
+    assert (pointer["sha256"], pointer["size"]) == (hashlib.sha256(data).hexdigest(), len(data))
+    got, step = ckpt.load_latest(tmp_path)
+    assert step == 5 and torch.equal(got["t7"], state["t7"])
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_the_publish_lock_excludes_another_thread_of_the_same_process(tmp_path: Path) -> None:
+    """``publish_lock`` was a POSIX lock alone (``lockf``): a lock of the process, so a second
+    thread of the same process (the in-process persister beside rank 0's save) took it at once,
+    and ``latest`` could end up naming other bytes than its file's. It waits now."""
+    import threading
+
+    from petctl_agent.checkpointing.files import publish_lock
+
+    a_in, release, b_in = threading.Event(), threading.Event(), threading.Event()
+
+    def a() -> None:
+        with publish_lock(tmp_path):
+            a_in.set()
+            release.wait(60)
+
+    def b() -> None:
+        with publish_lock(tmp_path):
+            b_in.set()
+
+    ta = threading.Thread(target=a)
+    ta.start()
+    assert a_in.wait(30)
+    tb = threading.Thread(target=b)
+    tb.start()
+    try:
+        assert not b_in.wait(1.0), "a second thread took the publish lock while the first held it"
+    finally:
+        release.set()
+        ta.join(30)
+        tb.join(30)
+    assert b_in.is_set()

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -53,17 +54,32 @@ def read_pointer(d: Path) -> dict[str, Any] | None:
         return None
 
 
+_THREAD_LOCKS: dict[str, threading.Lock] = {}
+_THREAD_LOCKS_GUARD = threading.Lock()
+
+
+def _thread_lock(d: Path) -> threading.Lock:
+    key = os.path.realpath(d)
+    with _THREAD_LOCKS_GUARD:
+        return _THREAD_LOCKS.setdefault(key, threading.Lock())
+
+
 @contextlib.contextmanager
 def publish_lock(d: Path) -> Iterator[None]:
     """An exclusive POSIX lock on ``<d>/.persist.lock`` (fcntl byte-range locks work across NFS/EFS
     clients): held while a checkpoint file and ``latest`` are put in place, by the agent's persister
-    and by a rank 0 writing directly, so ``latest`` always names the bytes of the file it names."""
-    fd = os.open(d / ".persist.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # (closing releases the lock)
+    and by a rank 0 writing directly, so ``latest`` always names the bytes of the file it names.
+
+    A POSIX lock belongs to the process, not the thread: two threads of one process (rank 0's save
+    and the persister thread a worker runs when no agent serves its store) would both hold it, and
+    closing either's fd drops it for both. A thread lock per directory serializes them first."""
+    with _thread_lock(d):
+        fd = os.open(d / ".persist.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # (closing releases the lock)
 
 
 class HashingFile:
@@ -84,6 +100,15 @@ class HashingFile:
         self.f.flush()
 
 
+def open_temp(d: Path, name: str) -> tuple[Path, Any]:
+    """A new temp file in ``d`` for ``name``'s bytes (paced on the emulated EFS), open for writing:
+    unique (``mkstemp``), so that two writers of one step -- rank 0's save and a persister thread in
+    the same process, or processes with one pid on two hosts sharing EFS -- never write one inode.
+    Named ``.<name>.*.tmp``: :func:`prune` removes a dead writer's."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=d)
+    return Path(tmp), efsrate.wrap(os.fdopen(fd, "wb"), tmp, "wb")
+
+
 def write_file(state: dict[str, Any], step: int, d: Path, keep: int, *, forward_only: bool = False) -> Path:
     """Write the single-file checkpoint of ``step``, point ``latest`` at it, prune (rank 0's job).
 
@@ -102,9 +127,13 @@ def write_file(state: dict[str, Any], step: int, d: Path, keep: int, *, forward_
     d.mkdir(parents=True, exist_ok=True)
     name = f"ckpt-{int(step):010d}.pt"
     path = d / name
-    tmp = d / f".{name}.{os.getpid()}.tmp"
+    if forward_only:  # cheap first: a persister that got there already saves a whole write
+        p = read_pointer(d)
+        if p and int(p.get("step", -1)) >= int(step):
+            return d / str(p.get("file", name))
+    tmp, f = open_temp(d, name)
     try:
-        with efsrate.open(tmp, "wb") as f:
+        with f:
             hf = HashingFile(f)
             torch.save({"step": int(step), "state": state, "saved_at": time.time()}, hf)
             f.flush()

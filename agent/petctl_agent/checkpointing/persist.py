@@ -38,9 +38,15 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent import filelocks
-from petctl_agent.checkpointing import efsrate
 from petctl_agent.checkpointing.atomic import atomic_write, fsync_dir
-from petctl_agent.checkpointing.files import HashingFile, prune, publish_lock, read_pointer, write_pointer
+from petctl_agent.checkpointing.files import (
+    HashingFile,
+    open_temp,
+    prune,
+    publish_lock,
+    read_pointer,
+    write_pointer,
+)
 from petctl_agent.checkpointing.snapshot import (
     Complete,
     SnapshotStore,
@@ -87,7 +93,7 @@ def _persist_pinned(store: SnapshotStore, c: Complete, d: Path, keep: int) -> bo
         os.close(fd)
     d.mkdir(parents=True, exist_ok=True)
     name = f"ckpt-{c.step:010d}.pt"
-    tmp = d / f".{name}.{os.getpid()}.tmp"
+    tmp: Path | None = None
     view = memoryview(mm) if mm is not None else memoryview(b"")
     tensors: list[Any] = []
     state: Any = None
@@ -103,7 +109,8 @@ def _persist_pinned(store: SnapshotStore, c: Complete, d: Path, keep: int) -> bo
             else:
                 tensors.append(torch.empty(m["shape"], dtype=dt))
         state = decode_structure(h["structure"], tensors)
-        with efsrate.open(tmp, "wb") as f:
+        tmp, f = open_temp(d, name)
+        with f:
             hf = HashingFile(f)
             torch.save({"step": c.step, "state": state, "saved_at": time.time()}, hf)
             f.flush()
@@ -140,10 +147,8 @@ def _persist_pinned(store: SnapshotStore, c: Complete, d: Path, keep: int) -> bo
         view.release()
         if mm is not None:
             mm.close()
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
 
 
 class Persister:
