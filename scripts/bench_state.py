@@ -362,7 +362,7 @@ def tree_bytes_gib(root: Path) -> float:
     return total / GIB
 
 
-class MemoryStop(Exception):
+class MemoryStop(BaseException):  # no broad except swallows a stop
     """Raised in the main thread when :class:`MemWatcher` stopped the run (MemAvailable too low)."""
 
 

@@ -445,3 +445,30 @@ def test_a_leave_as_the_round_closes_publishes_that_round_then_leaves(
     assert done[0]["leaving"] is True, done
     assert doc["round"] == peer.round and doc["world_size"] == 2, doc
     assert v3.Client(g.endpoint).get(me.node_key) is None, "it did not leave the rendezvous"
+
+
+def test_a_leave_after_the_round_was_published_starts_no_worker(
+    group: Callable[..., Group], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The SIGTERM lands after ``_rendezvous`` looked at the leave request (the round published as
+    a plain one) and before the workers start (review, stop 28): the agent leaves there instead of
+    starting workers into a round its handler has left (they would hang in their init until the
+    drain timeout)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from petctl_agent.elastic.agent import PetctlElasticAgent
+    from petctl_agent.elastic.handlers import LeftRendezvous
+
+    g = group(1, 2)
+    me = g.new()
+    a = object.__new__(PetctlElasticAgent)  # only what _start_workers reads before it starts any
+    a.leave_requested = threading.Event()
+    a.leave_requested.set()
+    started: list[Any] = []
+    monkeypatch.setattr(LocalElasticAgent, "_start_workers", lambda self, wg: started.append(wg) or {})
+    wg = SimpleNamespace(spec=SimpleNamespace(rdzv_handler=me))
+    with pytest.raises(LeftRendezvous, match="before the workers started"):
+        a._start_workers(wg)  # noqa: SLF001
+    assert started == []

@@ -275,6 +275,12 @@ class PetctlElasticAgent(LocalElasticAgent):
         )
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        mine = ours(worker_group.spec.rdzv_handler)
+        if mine is not None and self.leave_requested.is_set():
+            # a leave that came after _rendezvous looked (the round already published): leave
+            # before any worker starts, not start them into a round this node's handler has left
+            mine.leave()
+            raise LeftRendezvous("asked to leave before the workers started")
         self.stops.workers_starting()
         self.stall.reset()
         self._failing_seen = False
