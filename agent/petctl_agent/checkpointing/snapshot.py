@@ -33,8 +33,11 @@ data file of the wrong size, or a snapshot of another step than the one asked fo
 
 Never OOM: before a write, the bytes the slot must grow by are checked against ``MemAvailable``
 (``/proc/meminfo``, or the test-only ``$PETCTL_SNAPSHOT_MEMINFO``; less a reserve) and the filesystem's free space (``os.statvfs``), then reserved
-with ``posix_fallocate`` (ENOSPC, not a SIGBUS on a full tmpfs). When they do not fit, the write
-returns ``"no-fit: ..."`` and touches nothing: the caller falls back to the EFS path.
+with ``posix_fallocate`` (ENOSPC, not a SIGBUS on a full tmpfs). The check counts every
+allocation still in flight on the machine's tmpfs, this process's and other processes' (the local
+cloud's nodes share one ``MemAvailable``): :class:`_Budget`, its ledger at the tmpfs's root. When
+they do not fit, the write returns ``"no-fit: ..."`` and touches nothing: the caller falls back to
+the EFS path.
 
 The crc32s are computed after the copy, in a background thread (zlib releases the GIL): the
 blocking part of :meth:`SnapshotStore.write` is the copy. :meth:`SnapshotStore.flush` waits for the
