@@ -169,3 +169,37 @@ def test_the_ledger_is_one_per_tmpfs_at_its_root(tmp_path: Path) -> None:
         assert snapshot.ledger_path(d, mounts=str(mounts)) == shm / snapshot.LEDGER
     other = shm.parent / "disk" / "store"
     assert snapshot.ledger_path(other, mounts=str(mounts)) == other / snapshot.LEDGER
+
+
+def test_a_ledger_held_too_long_is_a_no_fit_not_a_hang(tmp_path: Path, monkeypatch) -> None:
+    """A process stopped while it holds the ledger's flock (SIGSTOP, a debugger) must not hang
+    another node's checkpoint: past ``LEDGER_WAIT`` the reservation is refused (the step goes to
+    EFS), with the reason; once the lock is free again it is admitted."""
+    monkeypatch.setattr(snapshot, "LEDGER_WAIT", 0.2)
+    env = _machine(tmp_path, room=1.5)
+    meminfo = lambda: snapshot.read_meminfo(env[snapshot.MEMINFO_ENV])  # noqa: E731
+    budget = snapshot._Budget(tmp_path / "ledger")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path / "ledger"), str(tmp_path / "held")]
+    )
+    try:
+        _until(lambda: (tmp_path / "held").exists() or holder.poll() is not None, "the holder has the lock")
+        assert holder.poll() is None
+        r, why = budget.reserve(SIZE, tmp_path, meminfo)
+        assert r is None and "flock held" in why, why
+    finally:
+        holder.kill()
+        holder.wait()
+    r, why = budget.reserve(SIZE, tmp_path, meminfo)
+    assert r is not None, why
+    r.done()
+
+
+#: holds the ledger's flock until killed
+HOLDER = r"""
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+open(sys.argv[2], "w").close()
+time.sleep(600)
+"""

@@ -47,12 +47,14 @@ header. Torch is imported only to write or read.
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
 import itertools
 import json
 import mmap
 import os
 import threading
+import time
 import weakref
 import zlib
 from collections import OrderedDict
@@ -192,6 +194,25 @@ def _taken(e: dict[str, Any]) -> int:
     return 0
 
 
+#: seconds a reservation waits for the ledger's ``flock`` (others hold it for a read and a write,
+#: a fraction of a ms; a holder stopped with it, SIGSTOP or a debugger, must not hang a checkpoint:
+#: past this the write is a no-fit, the step goes to EFS)
+LEDGER_WAIT = 10.0
+
+
+def _lock_ledger(fd: int) -> None:
+    """The ledger's exclusive ``flock``, waiting at most :data:`LEDGER_WAIT` s (else OSError)."""
+    deadline = time.monotonic() + LEDGER_WAIT
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise OSError(errno.EWOULDBLOCK, f"its flock held for over {LEDGER_WAIT:.0f} s") from None
+            time.sleep(0.001)
+
+
 class _Budget:
     """The allocations in flight on one directory's tmpfs, so that checking ``fits`` and allocating
     the pages are one step, for every process of the machine.
@@ -261,7 +282,7 @@ class _Budget:
             return entries
         fd, token = opened
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # others hold it for a read and a write only: never long
+            _lock_ledger(fd)
             try:
                 raw = os.pread(fd, max(os.fstat(fd).st_size, 0), 0)
                 pid, start = _self()
@@ -293,7 +314,10 @@ class _Budget:
 
     def pending(self) -> int:
         """Bytes the allocations in flight on this tmpfs have yet to take (call with the lock held)."""
-        return self._own() + self._others(self._ledger())
+        try:
+            return self._own() + self._others(self._ledger())
+        except OSError:  # the ledger unreadable for now: this process's own, as before the ledger
+            return self._own()
 
     def fits(self, need: int, directory: Path, meminfo: Callable[[], dict[str, int]]) -> tuple[bool, str]:
         """``fits`` counting the allocations in flight, without reserving."""
