@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 from pathlib import Path
 
 
@@ -66,3 +67,38 @@ def held(path: str | os.PathLike) -> bool:
     finally:
         os.close(fd)
     return False
+
+
+def flock_within(fd: int, op: int, wait: float, poll: float) -> bool:
+    """Take ``flock(fd, op)`` (``LOCK_EX`` or ``LOCK_SH``), trying every ``poll`` s for at most
+    ``wait`` s: True once held, False if the wait ran out (a holder stopped with it must not hang
+    the caller)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, op | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(poll)
+
+
+def mount_of(path: str | os.PathLike, mounts: str = "/proc/mounts") -> tuple[str, str | None]:
+    """The mount point that holds ``path`` (an existing, resolved path) and its filesystem type
+    (the longest matching mount in ``mounts``); ("", None) when none is found or it is unreadable."""
+    p = str(path)
+    best, kind = "", None
+    try:
+        with open(mounts) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                inside = p == mnt or p.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        return "", None
+    return best, kind

@@ -57,7 +57,6 @@ import json
 import mmap
 import os
 import threading
-import time
 import weakref
 import zlib
 from collections import OrderedDict
@@ -143,19 +142,7 @@ def ledger_path(directory: Path, mounts: str = "/proc/mounts") -> Path:
     if os.environ.get(LEDGER_ENV):
         return Path(os.environ[LEDGER_ENV])
     p = Path(os.path.realpath(directory))
-    best, kind = "", None
-    try:
-        with open(mounts) as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mnt = parts[1].replace("\\040", " ")
-                inside = str(p) == mnt or str(p).startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) >= len(best):
-                    best, kind = mnt, parts[2]
-    except OSError:
-        pass
+    best, kind = filelocks.mount_of(p, mounts)
     return Path(best) / LEDGER if best and kind in _TMPFS else p / LEDGER
 
 
@@ -208,15 +195,8 @@ LEDGER_WAIT = 10.0
 
 def _lock_ledger(fd: int) -> None:
     """The ledger's exclusive ``flock``, waiting at most :data:`LEDGER_WAIT` s (else OSError)."""
-    deadline = time.monotonic() + LEDGER_WAIT
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise OSError(errno.EWOULDBLOCK, f"its flock held for over {LEDGER_WAIT:.0f} s") from None
-            time.sleep(0.001)
+    if not filelocks.flock_within(fd, fcntl.LOCK_EX, LEDGER_WAIT, 0.001):
+        raise OSError(errno.EWOULDBLOCK, f"its flock held for over {LEDGER_WAIT:.0f} s")
 
 
 class _Budget:
@@ -1201,15 +1181,8 @@ class SnapshotStore:
         except OSError:
             return None  # never verified
         try:
-            deadline = time.monotonic() + wait
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        return None
-                    time.sleep(0.01)
+            if not filelocks.flock_within(fd, fcntl.LOCK_SH, wait, 0.01):
+                return None
             try:
                 rec = json.loads(self.verified_path().read_bytes())
             except (OSError, ValueError):

@@ -55,20 +55,7 @@ def fs_type(path: Path, mounts: str = "/proc/mounts") -> str | None:
     while not p.exists() and p != p.parent:
         p = p.parent
     p = p.resolve()
-    best, kind = "", None
-    try:
-        with open(mounts) as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mnt = parts[1].replace("\\040", " ")
-                inside = str(p) == mnt or str(p).startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) >= len(best):
-                    best, kind = mnt, parts[2]
-    except OSError:
-        return None
-    return kind
+    return filelocks.mount_of(p, mounts)[1]
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
