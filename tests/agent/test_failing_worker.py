@@ -30,6 +30,12 @@ from petctl_agent.worker.forkserver import PRELOAD, run_script
 
 SLOW = Path(__file__).with_name("slow_exit_script.py")
 EXIT_S = 6.0
+#: ``--on-sigterm`` reports progress without ``ckpt.step``, so it never honours a join's drain file:
+#: the running node's coordinated stop waits its whole sync timeout (30 s here), the leader leaves
+#: that node out after its 10 s straggler window, and when b arrived after a had started training
+#: the two nodes took turns training alone (ci28c: 180 s without a round of 2). A short sync
+#: timeout keeps that stop inside the window; what these tests look at comes after world 2.
+NO_DRAIN_WAIT = {"PETCTL_AGENT_SYNC_TIMEOUT": "2"}
 
 
 def test_a_failing_worker_notes_its_failure_before_its_slow_exit(tmp_path: Path) -> None:
@@ -119,7 +125,7 @@ def _freeze_a_peer(c, timeout: float) -> tuple:
 
 @pytest.mark.e2e
 def test_a_restart_for_a_membership_change_joins_the_round_while_the_workers_exit(make_cluster) -> None:
-    c = make_cluster(job="slowterm", min_nodes=1, max_nodes=2, script=SLOW,
+    c = make_cluster(job="slowterm", min_nodes=1, max_nodes=2, script=SLOW, extra_env=NO_DRAIN_WAIT,
                      script_args=["--exit-s", str(EXIT_S), "--on-sigterm"], spec_extra={"max_restarts": 0})  # fmt: skip
     a, rdzv, started = _freeze_a_peer(c, 90)
     # joined the round first, then waited for the SIGTERMed worker's slow exit, then started
@@ -135,7 +141,7 @@ def test_a_worker_that_will_not_exit_is_killed_after_the_grace(make_cluster) -> 
     (10 s) after its SIGTERM, not after torch's 30 s close timeout counted from the next SIGTERM."""
     from petctl_agent.elastic.agent import LOSS_STOP_GRACE
 
-    c = make_cluster(job="stuckterm", min_nodes=1, max_nodes=2, script=SLOW,
+    c = make_cluster(job="stuckterm", min_nodes=1, max_nodes=2, script=SLOW, extra_env=NO_DRAIN_WAIT,
                      script_args=["--exit-s", "60", "--on-sigterm"], spec_extra={"max_restarts": 0})  # fmt: skip
     a, rdzv, started = _freeze_a_peer(c, 120)
     waited = started[0]["t"] - rdzv[0]["t"]
