@@ -297,6 +297,21 @@ class Etcd:
                 out.append(n["key"])
         return out
 
+    def pause(self, timeout: float = 10) -> None:
+        """SIGSTOP etcd and return once every one of its threads has stopped.
+
+        kill() returns once the signal is queued: the kernel wakes one thread to take it, and only
+        that thread stops the others. On a loaded box that thread can wait for a CPU while another
+        goes on serving requests (ci28: a range answered after the SIGSTOP).
+        """
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+        wait_for(lambda: all_threads_stopped(self.proc.pid), timeout, f"etcd {self.proc.pid} stopped", 0.01)
+
+    def resume(self) -> None:
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
     def stop(self, sig: int = signal.SIGKILL) -> None:
         if self.proc is not None and self.proc.poll() is None:
             try:
@@ -305,6 +320,23 @@ class Etcd:
                 pass
             self.proc.wait(15)
         self.proc = None
+
+
+def all_threads_stopped(pid: int) -> bool:
+    """True once every thread of ``pid`` is in the stopped state (T, or t when traced)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # a thread that exited
+        if state not in ("T", "t"):
+            return False
+    return True
 
 
 # ---- agents -----------------------------------------------------------------------------

@@ -40,8 +40,7 @@ def own_etcd(tmp_path: Path) -> Iterator[Etcd]:
     e = Etcd(tmp_path)
     e.start()
     yield e
-    if e.proc is not None:
-        os.killpg(e.proc.pid, signal.SIGCONT)
+    e.resume()
     e.stop()
 
 
@@ -271,8 +270,7 @@ def test_calls_fail_within_their_timeout_when_etcd_stops(own_etcd: Etcd) -> None
     c = v3.connect(own_etcd.endpoint, timeout=1.0)
     lease = c.lease(2)
     w = c.watch("/t/stop/", prefix=True)
-    assert own_etcd.proc is not None
-    os.killpg(own_etcd.proc.pid, signal.SIGSTOP)
+    own_etcd.pause()  # returns once every etcd thread has stopped, not when the signal is queued
     calls = {
         "range": lambda: c.range("/t/stop/", prefix=True),
         "put": lambda: c.put("/t/stop/k", "v"),
@@ -294,7 +292,7 @@ def test_calls_fail_within_their_timeout_when_etcd_stops(own_etcd: Etcd) -> None
     assert w.get(0.5) is None and time.monotonic() - t0 < 2.5  # a running watch: get is bounded
     # the kept-alive lease is reported lost once its deadline (last renewal + TTL) has passed
     assert lease.lost.wait(3.0)
-    os.killpg(own_etcd.proc.pid, signal.SIGCONT)
+    own_etcd.resume()
     assert c.put("/t/stop/k", "after").revision > 0  # the client recovers with etcd
     w.close()
     with pytest.raises(v3.Unavailable, match="watch closed"):

@@ -41,8 +41,15 @@ DAEMON_ENV = {
 }
 
 
-def wait_for(pred: Callable[[], Any], timeout: float = 30, what: str = "condition", poll: float = 0.1) -> Any:
-    """Poll ``pred`` until it returns something truthy; fail after ``timeout`` seconds."""
+def wait_for(
+    pred: Callable[[], Any],
+    timeout: float = 30,
+    what: str = "condition",
+    poll: float = 0.1,
+    describe: Callable[[], Any] | None = None,
+) -> Any:
+    """Poll ``pred`` until it returns something truthy; fail after ``timeout`` seconds, with
+    ``describe()`` (what the test saw last) in the message when given."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -50,7 +57,8 @@ def wait_for(pred: Callable[[], Any], timeout: float = 30, what: str = "conditio
         if last:
             return last
         time.sleep(poll)
-    pytest.fail(f"timed out after {timeout}s waiting for {what} (last value: {last!r})")
+    seen = f"; saw {describe()!r}" if describe is not None else ""
+    pytest.fail(f"timed out after {timeout}s waiting for {what} (last value: {last!r}){seen}")
 
 
 class Cloud:
