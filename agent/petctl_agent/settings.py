@@ -124,6 +124,17 @@ class Settings:
             and e.get("PETCTL_AGENT_SNAPSHOT_DIR", "/dev/shm/petctl") != "",
         )
 
+    def sync_timeout_for(self, drain_timeout: float) -> float:
+        """How long a membership change's coordinated stop waits for the workers' checkpoint:
+        ``$PETCTL_AGENT_SYNC_TIMEOUT``, else the drain timeout within [5, 30] s."""
+        return min(max(drain_timeout, 5.0), 30.0) if self.sync_timeout is None else self.sync_timeout
+
+    def stop_wait_for(self, drain_timeout: float) -> float:
+        """How long the rendezvous leader waits for a node of the previous round to stop its
+        workers and join: the sync timeout, plus the membership check that notices the round
+        (``membership_interval``) and the join itself (5 s margin)."""
+        return self.sync_timeout_for(drain_timeout) + self.membership_interval + 5.0
+
     def enabled(self, workaround: str) -> bool:
         """Is the torch workaround ``workaround`` on (not switched off)?"""
         if workaround not in WORKAROUNDS:

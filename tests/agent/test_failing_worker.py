@@ -31,10 +31,10 @@ from petctl_agent.worker.forkserver import PRELOAD, run_script
 SLOW = Path(__file__).with_name("slow_exit_script.py")
 EXIT_S = 6.0
 #: ``--on-sigterm`` reports progress without ``ckpt.step``, so it never honours a join's drain file:
-#: the running node's coordinated stop waits its whole sync timeout (30 s here), the leader leaves
-#: that node out after its 10 s straggler window, and when b arrived after a had started training
-#: the two nodes took turns training alone (ci28c: 180 s without a round of 2). A short sync
-#: timeout keeps that stop inside the window; what these tests look at comes after world 2.
+#: the running node's coordinated stop waits its whole sync timeout (30 s here) before its join.
+#: What these tests look at comes after world 2: a short sync timeout gets them there sooner.
+#: (Before the leader waited for a previous round's node that long, ci28c's two nodes took turns
+#: training alone for 180 s: test_a_running_node_whose_stop_outlasts_the_straggler_window_is_waited_for.)
 NO_DRAIN_WAIT = {"PETCTL_AGENT_SYNC_TIMEOUT": "2"}
 
 
@@ -149,3 +149,25 @@ def test_a_worker_that_will_not_exit_is_killed_after_the_grace(make_cluster) -> 
     err = (a.agent_dir / "agent.err").read_text(errors="replace")
     assert "after SIGTERM (hung in a collective?): SIGKILL" in err, err[-2000:]
     assert c.status(a.instance_id)["state"] == "RUNNING"
+
+
+@pytest.mark.e2e
+def test_a_running_node_whose_stop_outlasts_the_straggler_window_is_waited_for(make_cluster) -> None:
+    """a trains alone; b arrives. a's coordinated stop takes its whole sync timeout (14 s: the
+    script reports progress but never honours the drain file, as a first snapshot of GiBs can
+    take 11 s), longer than the leader's 10 s straggler window. The leader waits for a node of
+    the previous round as long as its stop may take: the next round has both, and b never
+    trains alone (before: b alone at world 1, then a alone, round after round: ci28c)."""
+    c = make_cluster(job="slowstop", min_nodes=1, max_nodes=2, script=SLOW,
+                     extra_env={"PETCTL_AGENT_SYNC_TIMEOUT": "14"},
+                     script_args=["--exit-s", "0.5", "--on-sigterm"], spec_extra={"max_restarts": 0})  # fmt: skip
+    a = c.add_node()
+    c.wait(lambda: c.all_at_world([a], 1, 0, min_steps=10), 120, "a training alone", alive=[a])
+    t = c.now()
+    b = c.add_node()
+    c.wait(lambda: c.all_at_world([a, b], 2, t, min_steps=5), 120, "a and b at world 2", alive=[a, b])
+    err = (a.agent_dir / "agent.err").read_text(errors="replace")
+    assert "did not stop at a checkpoint within 14s" in err, err[-2000:]  # the slow stop happened
+    assert not [s for s in b.steps if s[2] != 2], b.steps[:5]  # b's first round had a in it
+    first_b = min(ts for ts, _, _ in b.steps)
+    assert first_b - t > 10.0, first_b - t  # it waited past the straggler window for a

@@ -373,3 +373,25 @@ def test_more_gone_than_a_marker_lists_is_never_charged() -> None:
     listed = [f"n{i:02d}" for i in range(16)]
     marker = {"state": "open", "gone": listed, "n_gone": 17}
     assert not _charged(marker, [["a", *listed]], listed, 17)
+
+
+def test_a_node_of_the_previous_round_is_waited_for_as_long_as_its_stop_may_take() -> None:
+    # a and b ran round r; c is new. b's coordinated stop (a checkpoint of GiBs, or a script that
+    # does not honour the drain file: the agent's sync timeout, 30 s) outlasts the straggler
+    # window: left out at 10 s, it would join the next round and stop a and c again (ci28c:
+    # two nodes took turns training alone for 180 s).
+    v = dict(base=["a", "b"], live={"a": 1, "b": 2, "c": 3}, joined={"a", "c"}, stop_wait=36.0)
+    parts, again = close(view(now=110.0, **v))
+    assert parts is None and 25.9 < again < 26.1
+    assert close(view(now=136.0, **v)) == (["a", "c"], None)  # then left out, as a straggler is
+    # without stop_wait (torchrun with petctl-etcd: no coordinated stop) the straggler deadline
+    assert close(view(now=110.0, **{**v, "stop_wait": 0.0})) == (["a", "c"], None)
+    # a newcomer that registered and never joins still gets the straggler window only
+    v = dict(base=["a", "b"], live={"a": 1, "b": 2, "c": 3, "d": 4}, joined={"a", "b", "c"}, stop_wait=36.0)
+    assert close(view(now=110.0, **v)) == (["a", "b", "c"], None)
+    # a previous participant whose lease lapsed (a hard loss) is not waited for at all
+    v = dict(base=["a", "b"], live={"a": 1, "b": 2, "c": 3}, joined={"a", "c"}, stop_wait=36.0)
+    assert close(view(now=101.0, lapsed=frozenset({"b"}), **v)) == (["a", "c"], None)
+    # a stop_wait shorter than the straggler window does not shorten it
+    parts, again = close(view(now=105.0, **{**v, "stop_wait": 2.0}))
+    assert parts is None and 4.9 < again < 5.1

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from petctl_agent.rendezvous.config import Config
 from petctl_agent.settings import EtcdTls, Settings, env_float, env_int
 from petctl_agent.workarounds import WORKAROUNDS
 
@@ -72,3 +73,33 @@ def test_every_knob_is_documented() -> None:
         n for n in names if n not in doc and n.replace("_ATTEMPTS", "") + "` / `_ATTEMPTS" not in doc
     )
     assert not missing, f"settings not in docs/agent.md: {missing}"
+
+
+def test_the_leader_waits_for_a_running_node_as_long_as_its_coordinated_stop() -> None:
+    """The sync timeout (how long a membership change's stop waits for the workers' checkpoint)
+    and the rendezvous leader's wait for a node of the previous round come from one place: the
+    handler the agent builds waits the stop plus the membership check plus a 5 s margin."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+    from petctl_agent.elastic.handlers import create_rdzv_handler
+    from petctl_agent.rendezvous.registry import create_handler
+
+    s = Settings()
+    assert [s.sync_timeout_for(d) for d in (0, 12, 600)] == [5.0, 12.0, 30.0]
+    assert Settings(sync_timeout=2.0).sync_timeout_for(600) == 2.0
+    h = create_rdzv_handler(
+        "127.0.0.1:9", "r", 1, 2, "127.0.0.1", 60, backend="petctl-etcd", drain_timeout=600
+    )
+    assert h.cfg.stop_wait == 30.0 + 1.0 + 5.0 and h.cfg.straggler == 10.0
+    h = create_rdzv_handler(
+        "127.0.0.1:9", "r", 1, 2, "127.0.0.1", 60, backend="petctl-etcd",
+        settings=Settings(sync_timeout=2.0, membership_interval=0.5), drain_timeout=600,
+    )  # fmt: skip
+    assert h.cfg.stop_wait == 7.5  # shorter than the straggler window: the window applies
+    # torchrun's --rdzv-conf: no coordinated stop unless asked for (0: the straggler window)
+    params = RendezvousParameters("petctl-etcd", "127.0.0.1:9", "r", 1, 2, "127.0.0.1")
+    assert create_handler(params).cfg.stop_wait == 0.0
+    params = RendezvousParameters("petctl-etcd", "127.0.0.1:9", "r", 1, 2, "127.0.0.1", stop_wait="40")
+    assert create_handler(params).cfg.stop_wait == 40.0
+    with pytest.raises(ValueError, match="stop_wait"):
+        Config(stop_wait=-1)

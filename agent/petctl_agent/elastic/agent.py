@@ -142,9 +142,7 @@ class PetctlElasticAgent(LocalElasticAgent):
         self._restarts = 0
         self._starting = False  # our workers have not stepped yet (the start-up lease reads)
         self._free_restarts = 0
-        self.sync_timeout = (
-            min(max(drain_timeout, 5.0), 30.0) if settings.sync_timeout is None else settings.sync_timeout
-        )
+        self.sync_timeout = settings.sync_timeout_for(drain_timeout)
         # torch 2.5-2.8 install their own SIGTERM/SIGINT handler every time workers start
         # (PContext.start); ours turn SIGTERM into a drain. Remember them to put them back.
         self._own_signal_handlers: dict[int, Any] = {}

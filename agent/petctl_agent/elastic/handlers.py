@@ -107,12 +107,14 @@ def create_rdzv_handler(
     backend: str | None = None,
     expected_nodes: Callable[[], int | None] | None = None,
     settings: Settings = Settings(),
+    drain_timeout: float = 60.0,
 ) -> RendezvousHandler:
     """Build the rendezvous handler for ``backend`` (default :func:`rdzv_backend`: petctl-etcd).
 
     ``expected_nodes``: the worker group's desired capacity (a hint that turns a burst of
     joins into one round); only petctl-etcd uses it, and calls it at most once a second
-    from its control thread, so it must not block.
+    from its control thread, so it must not block. ``drain_timeout``: the job's; the leader
+    waits for a node of the previous round as long as that node's coordinated stop may take.
     """
     backend_name = backend or rdzv_backend("", settings.rdzv_backend)
     cfg = rendezvous_config(join_timeout, settings)
@@ -126,7 +128,11 @@ def create_rdzv_handler(
             min_nodes,
             max_nodes,
             local_addr,
-            config=Config(join_timeout=float(cfg["join_timeout"]), **tls),
+            config=Config(
+                join_timeout=float(cfg["join_timeout"]),
+                stop_wait=settings.stop_wait_for(drain_timeout),
+                **tls,
+            ),
             expected_nodes=expected_nodes,
         )
     if backend_name != "etcd-v2":

@@ -315,6 +315,7 @@ class Agent:
             if spec.worker_group
             else None,
             settings=self.settings,
+            drain_timeout=spec.drain_timeout,
         )
 
     def _worker_entrypoint(self, spec: JobSpec, script: Path) -> tuple[Any, tuple[str, ...], str]:

@@ -24,6 +24,8 @@ class Config:
       skipped when the size hint is met or no newcomer joined). ``join_window``: nodes that register later than this
       after the round opened are not waited for (they join the next round). ``straggler``: once
       MIN nodes joined, a registered node that has not joined within this is left out.
+      ``stop_wait``: a node of the previous round is waited for this long instead, when longer
+      (its workers stopping: the agent sets its sync timeout plus a margin; 0: ``straggler``).
     * ``hint_wait``, ``hint_max``: while running, newcomers that joined are batched while the
       size hint says more are coming: until none has joined for ``hint_wait`` (no more are
       coming soon), at most ``hint_max`` after the first of them. The running nodes train on.
@@ -52,6 +54,7 @@ class Config:
         record_ttl: float = 10.0,
         straggler: float = 10.0,
         join_window: float = 5.0,
+        stop_wait: float = 0.0,
         protocol: str = "http",
         cacert: str | None = None,
         cert: str | None = None,
@@ -63,7 +66,7 @@ class Config:
                 f"and refresh ({refresh}) at most half of it"
             )
         for name, v in (
-            ("settle", settle), ("straggler", straggler), ("join_window", join_window),
+            ("settle", settle), ("straggler", straggler), ("join_window", join_window), ("stop_wait", stop_wait),
             ("hint_wait", hint_wait), ("hint_max", hint_max),
         ):  # fmt: skip
             if v < 0:
@@ -90,6 +93,7 @@ class Config:
         self.record_ttl = max(2, int(record_ttl))
         self.straggler = straggler
         self.join_window = join_window
+        self.stop_wait = stop_wait
         self.protocol = protocol
         self.cacert = cacert or None
         self.cert = cert or None

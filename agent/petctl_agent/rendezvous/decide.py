@@ -42,6 +42,9 @@ class CloseView:
     settle: float = 0.5
     join_window: float = 5.0
     straggler: float = 10.0
+    #: how long a previous round's participant (alive, not joined) may take to stop its workers
+    #: and join: the agent's coordinated stop (sync timeout) plus its reaction; 0: ``straggler``
+    stop_wait: float = 0.0
     lapsed: frozenset[str] = frozenset()  #: registered, not joined, its lease not kept alive: dead
 
 
@@ -105,6 +108,11 @@ def close(v: CloseView) -> tuple[list[str] | None, float | None]:
       deadline, ``straggler`` after it registered or after the round opened, whichever is
       later; then it is left out (it joins the next round when it is ready). A node that
       registered more than ``join_window`` after the round opened is not waited for at all.
+    * A node of the previous round (``base``) is stopping its workers: it holds the round for
+      ``max(straggler, stop_wait)`` after the opening. A running node's coordinated stop (a
+      checkpoint of GiBs, a script that does not honour the drain file) can outlast the
+      straggler window; left out, it joins the next round and stops everyone again, and two
+      such nodes could take turns training alone forever.
     * A ``lapsed`` node (registered, not joined, and its lease no longer kept alive: a hard
       loss whose key has not expired yet) is not waited for either.
     """
@@ -125,13 +133,15 @@ def close(v: CloseView) -> tuple[list[str] | None, float | None]:
     due: list[float] = []
     if not hinted and not shrink and v.now < v.opened_at + v.settle:
         due.append(v.opened_at + v.settle)
+    was_in = set(v.base)
     for n in v.live:
         if n in joined or n in v.lapsed:
             continue
         at = v.seen_at.get(n, v.opened_at)
         if at > v.opened_at + v.join_window:
             continue  # registered after the round's one-shot window: the next round's
-        deadline = max(at, v.opened_at) + v.straggler
+        wait = max(v.straggler, v.stop_wait) if n in was_in else v.straggler
+        deadline = max(at, v.opened_at) + wait
         if v.now < deadline:
             due.append(deadline)
     if due:

@@ -445,6 +445,7 @@ class Leadership:
             now=now, opened_at=opened_at, live=live, seen_at=seen_at, joined=set(joins), base=base,
             min_nodes=self.min_nodes, max_nodes=self.max_nodes, expected=self._expected(),
             settle=self.cfg.settle, join_window=self.cfg.join_window, straggler=self.cfg.straggler,
+            stop_wait=self.cfg.stop_wait,
         )  # fmt: skip
         parts, again = decide.close(view)
         if parts is None and again is not None:
