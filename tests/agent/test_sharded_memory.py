@@ -391,6 +391,55 @@ def test_fit_is_decided_for_the_whole_node(tmp_path: Path) -> None:
     ]
 
 
+# 2 nodes, one machine (one ledger, one MemAvailable): both nodes' needs fit it together. Before
+# step 2 another allocation of this machine is in flight (a ledger entry of a live process: here
+# rank 0's own pid, as another store's): with it, the second node to reserve does not fit, so
+# step 2 goes to EFS; once it is done, step 3 to memory again.
+LEDGER_HOG = """
+from petctl_agent.checkpointing import snapshot
+from petctl_agent.checkpointing.snapshot import RESERVE_MIN
+ledger = os.environ["PETCTL_SNAPSHOT_LEDGER"]
+seen = []
+for s in range(1, 4):
+    train(s)
+    if s == 1:  # after the first step: Adam's state exists, the shard's bytes are what a save holds
+        own = sharded_memory._local_bytes(state())
+        fake = os.path.join(os.environ["REF_DIR"], f"meminfo-{rank}")
+        # the machine's room: 5x a shard's bytes; each node needs 2x (own + replica): both fit (4x)
+        with open(fake, "w") as f:
+            f.write(f"MemTotal: {(1 << 30) // 1024} kB\\nMemAvailable: {(RESERVE_MIN + 5 * own) // 1024} kB\\n")
+        sharded_memory.MEMINFO_PATH = fake
+    if s == 2 and rank == 0:
+        pid, start = snapshot._self()
+        with open(ledger, "a") as f:  # 2x a shard promised to another allocation, none of it taken
+            f.write(json.dumps({"pid": pid, "start": start, "id": "hog", "need": 2 * own, "fd": -1}) + "\\n")
+    dist.barrier()
+    ckpt.step(s, state, every=1)
+    sharded_memory.flush()
+    seen.append(sorted(os.listdir(os.path.join(os.environ["PETCTL_SNAPSHOT_DIR"], "sharded"))))
+    if s == 2 and rank == 0:
+        with open(ledger, "w") as f:  # the other allocation is done
+            pass
+    dist.barrier()
+out["seen"] = seen
+out["latest"] = ckpt.latest_step()
+"""
+
+
+def test_a_sharded_step_counts_the_machines_allocations_in_flight(tmp_path: Path) -> None:
+    """The sharded path's per-node decision reserves in the machine's ledger, as the replicated
+    path's writes do: an allocation of another store in flight (not yet in MemAvailable) makes a
+    step that fits MemAvailable alone go to EFS, never both into memory (never an OOM)."""
+    r0, r1 = _run(tmp_path, LEDGER_HOG, [0, 1], env={"PETCTL_SNAPSHOT_LEDGER": str(tmp_path / "ledger")})
+    a, b = _result(r0), _result(r1)
+    step1, step3 = ["ckpt-0000000001.dcp"], ["ckpt-0000000001.dcp", "ckpt-0000000003.dcp"]
+    assert a["seen"] == b["seen"] == [step1, step1, step3], (a["seen"], r0.stderr[-2000:])
+    assert "sharded snapshot of step 2 does not fit in memory (node of rank" in r0.stderr, r0.stderr[-2000:]
+    assert "step 1 does not fit" not in r0.stderr and "step 3 does not fit" not in r0.stderr
+    assert (tmp_path / "efs" / "ckpt-0000000002.dcp").is_dir() and a["latest"] == 3
+    assert (tmp_path / "ledger").read_text() == ""  # every reservation ended with its write
+
+
 # rank 1's EFS copy of step 2 fails (an I/O error on EFS, injected in its process only); the default
 # PETCTL_CHECKPOINT_TIMEOUT (30 min) stays: rank 0 must give step 2 up at once, the job go on
 COPY_FAILS = """

@@ -5,8 +5,11 @@ node's memory holds DCP step directories ``<snapshot dir>/sharded/ckpt-<step:010
 format as on EFS, so a restore is DCP's own load, resharding included. Save (collective, agreed step):
 
 1. each node decides once, on its lowest rank, whether the step fits in its memory
-   (``snapshot.fits``): the bytes of all its ranks' shards plus the replicas it will receive (the
-   node's ranks share one MemAvailable, so no rank decides alone); any node's "no" and every rank
+   (``snapshot.reserve``): the bytes of all its ranks' shards plus the replicas it will receive (the
+   node's ranks share one MemAvailable, so no rank decides alone), checked against the allocations
+   in flight in the machine's ledger and recorded there until the node's writes of the step are
+   done (the replicated path's writers, other jobs' nodes on one machine, see them); any node's
+   "no" and every rank
    takes the EFS path (``sharded.save_sharded``) with a warning. Older steps are dropped before the
    write (keeping the newest complete one and the one EFS is still copying);
 2. ``dcp.save`` into the node's step directory (no fsync: tmpfs) -- each rank writes its own
@@ -55,13 +58,14 @@ import threading
 import time
 import uuid
 import zlib
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from petctl_agent.checkpointing.atomic import fsync_dir
 from petctl_agent.checkpointing.files import CKPT_RE, prune, read_pointer, write_pointer
-from petctl_agent.checkpointing.snapshot import fits, read_meminfo
+from petctl_agent.checkpointing.snapshot import read_meminfo, reserve
 from petctl_agent.distributed import dist_on, dist_rank, dist_world
 
 SUBDIR = "sharded"
@@ -292,16 +296,13 @@ def save(state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: 
     caller writes to EFS as before). ``wait``: return only once ``latest`` names ``step``. A periodic
     save while the previous step's EFS copy is still running skips this step's EFS copy (memory only).
     """
-    global _pending
     root = memory_root()
     if root is None:
         return False
-    import torch.distributed.checkpoint as dcp
-
     if wait:
         flush()
     inflight = _settle()
-    rank, world = dist_rank(), dist_world()
+    rank = dist_rank()
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     stepdir = root / f"ckpt-{step:010d}.dcp"
     node = _node_key()
@@ -315,16 +316,51 @@ def save(state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: 
     )
     nodes = [i["node"] for i in info]
     leader = _leader(rank, nodes) == rank
-    # one decision per node (its lowest rank), on the node's whole need: the ranks share its memory
-    ok, why = fits(_node_needs(info, nodes)[node], root, _meminfo) if leader else (True, "")
-    verdicts = _gather_json({"ok": ok, "why": why})
-    if not all(v["ok"] for v in verdicts):
-        if rank == 0:
-            bad = "; ".join(f"node of rank {r}: {v['why']}" for r, v in enumerate(verdicts) if not v["ok"])
-            _say(f"sharded snapshot of step {step} does not fit in memory ({bad}); writing to EFS")
-        if _pending:
-            flush()  # the EFS path writes the directory this rank's copy may be writing to
-        return False
+    # one decision per node (its lowest rank), on the node's whole need: the ranks share its memory;
+    # reserved in the machine's ledger (at the snapshot dir: the tmpfs's root, or the dir itself)
+    # until this rank's writes and exchange are done (not across the EFS copy)
+    held_res, why = reserve(_node_needs(info, nodes)[node], root.parent, _meminfo) if leader else (None, "")
+    ok = held_res is not None or not leader
+    try:
+        verdicts = _gather_json({"ok": ok, "why": why})
+        if not all(v["ok"] for v in verdicts):
+            if rank == 0:
+                bad = "; ".join(
+                    f"node of rank {r}: {v['why']}" for r, v in enumerate(verdicts) if not v["ok"]
+                )
+                _say(f"sharded snapshot of step {step} does not fit in memory ({bad}); writing to EFS")
+            if _pending:
+                flush()  # the EFS path writes the directory this rank's copy may be writing to
+            return False
+        return _save_in_memory(
+            state, step, directory, keep, wait, root, stepdir, info, nodes, leader, inflight,
+            written=held_res.done if held_res is not None else lambda: None,
+        )  # fmt: skip
+    finally:
+        if held_res is not None:
+            held_res.done()
+
+
+def _save_in_memory(
+    state: dict[str, Any],
+    step: int,
+    directory: Path,
+    keep: int,
+    wait: bool,
+    root: Path,
+    stepdir: Path,
+    info: list[dict[str, Any]],
+    nodes: list[str],
+    leader: bool,
+    inflight: int | None,
+    written: Callable[[], None],
+) -> bool:
+    """:func:`save` once every node said the step fits: write, exchange replicas (then
+    ``written()``: the node's reservation ends), persist."""
+    global _pending
+    import torch.distributed.checkpoint as dcp
+
+    rank, world = dist_rank(), dist_world()
     save_id = info[0]["id"]
     busy = {int(i["busy"]) for i in info if i["busy"] is not None}
     copy = wait or not busy
@@ -348,6 +384,7 @@ def save(state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: 
         held.update(_exchange(stepdir, rank, nodes, everyone, leader))
         for src in set(held.values()) - {rank}:
             counts[src] = sum(n != ".metadata" for n in everyone[src])
+    written()
     ckpt_dir = Path(directory)
     if rank == 0 and not copy:
         _say(f"step {step}: kept in node memory only; step {min(busy)} is still being copied to {ckpt_dir}")

@@ -430,6 +430,16 @@ class _Reservation:
             self.fd = None
 
 
+def reserve(
+    need: int, directory: Path, meminfo: Callable[[], dict[str, int]] = read_meminfo
+) -> tuple[_Reservation | None, str]:
+    """Reserve ``need`` bytes about to be written under ``directory`` (a tmpfs) in the machine's
+    ledger, if they fit with every allocation in flight; else ``(None, why)``. The caller writes,
+    then calls ``done()`` (writers that do not ``attach`` a file are counted at ``need`` until then:
+    their own pages too, a conservative over-count for the write's duration)."""
+    return _budget(directory).reserve(need, directory, meminfo)
+
+
 _budgets: dict[str, _Budget] = {}
 _budgets_lock = threading.Lock()
 
