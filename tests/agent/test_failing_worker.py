@@ -169,5 +169,34 @@ def test_a_running_node_whose_stop_outlasts_the_straggler_window_is_waited_for(m
     err = (a.agent_dir / "agent.err").read_text(errors="replace")
     assert "did not stop at a checkpoint within 14s" in err, err[-2000:]  # the slow stop happened
     assert not [s for s in b.steps if s[2] != 2], b.steps[:5]  # b's first round had a in it
-    first_b = min(ts for ts, _, _ in b.steps)
-    assert first_b - t > 10.0, first_b - t  # it waited past the straggler window for a
+
+
+@pytest.mark.e2e
+def test_a_node_told_to_leave_during_its_stop_leaves_the_round_at_once(make_cluster) -> None:
+    """As above, a's stop takes its whole sync timeout; during it a is told to leave (a spot
+    notice, a scale-in). a will not join the round b opened: it leaves the rendezvous at once, and
+    b trains alone long before the leader's wait for a stopping node (stop_wait, 20 s here) or
+    a's drain (its script never honours the drain file: up to the drain timeout) would end."""
+    c = make_cluster(job="leavestop", min_nodes=1, max_nodes=2, script=SLOW,
+                     extra_env={"PETCTL_AGENT_SYNC_TIMEOUT": "14"},
+                     script_args=["--exit-s", "0.5", "--on-sigterm"], spec_extra={"max_restarts": 0})  # fmt: skip
+    a = c.add_node()
+    c.wait(lambda: c.all_at_world([a], 1, 0, min_steps=10), 120, "a training alone", alive=[a])
+    b = c.add_node()
+    err = a.agent_dir / "agent.err"
+    c.wait(
+        lambda: "re-rendezvous:" in err.read_text(errors="replace"),
+        90,
+        "a stopping for b's round",
+        alive=[a, b],
+    )
+    time.sleep(1.0)  # inside its 14 s stop
+    t = c.now()
+    c.terminate(a)
+    c.wait(lambda: c.all_at_world([b], 1, t, min_steps=3), 60, "b training alone", alive=[b])
+    first = min(ts for ts, _, w in b.steps if ts > t and w == 1)
+    # leaving at once: the round closes as soon as a's key is gone (b's restart: a few seconds);
+    # without it, not before stop_wait (20 s) after the round opened, i.e. > 12 s after the SIGTERM
+    assert first - t < 12.0, (first - t, err.read_text(errors="replace")[-2000:])
+    c.wait(lambda: not a.alive(), 120, "a's agent done")
+    assert (c.status(a.instance_id) or {}).get("state") in ("DRAINED", "LEFT"), c.status(a.instance_id)

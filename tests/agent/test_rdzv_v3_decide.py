@@ -392,6 +392,13 @@ def test_a_node_of_the_previous_round_is_waited_for_as_long_as_its_stop_may_take
     # a previous participant whose lease lapsed (a hard loss) is not waited for at all
     v = dict(base=["a", "b"], live={"a": 1, "b": 2, "c": 3}, joined={"a", "c"}, stop_wait=36.0)
     assert close(view(now=101.0, lapsed=frozenset({"b"}), **v)) == (["a", "c"], None)
+    # one that registered again meanwhile (its lease lapsed in a pause) is no newcomer: waited
+    # for past the join window, stop_wait after the opening or straggler after it came back
+    v = dict(base=["a", "b"], live={"a": 1, "b": 5, "c": 3}, joined={"a", "c"}, stop_wait=36.0)
+    seen = {"a": 90.0, "b": 130.0, "c": 90.0}  # b: 30 s after the opening, past join_window (5)
+    parts, again = close(view(now=131.0, seen_at=seen, **v))
+    assert parts is None and 8.9 < again < 9.1  # 130 + 10
+    assert close(view(now=140.0, seen_at=seen, **v)) == (["a", "c"], None)
     # a stop_wait shorter than the straggler window does not shorten it
     parts, again = close(view(now=105.0, **{**v, "stop_wait": 2.0}))
     assert parts is None and 4.9 < again < 5.1

@@ -329,6 +329,8 @@ def save(state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: 
                     f"node of rank {r}: {v['why']}" for r, v in enumerate(verdicts) if not v["ok"]
                 )
                 _say(f"sharded snapshot of step {step} does not fit in memory ({bad}); writing to EFS")
+            if held_res is not None:
+                held_res.done()  # before the flush's wait: nothing of ours is in flight
             if _pending:
                 flush()  # the EFS path writes the directory this rank's copy may be writing to
             return False

@@ -473,6 +473,12 @@ class PetctlElasticAgent(LocalElasticAgent):
                         if done is not None:
                             return done
                         if self.leave_requested.is_set():
+                            # a round is open and the others are stopping for it; this node will
+                            # not join it. Leave it now: its leader waits for a node of the last
+                            # round as long as a stop may take (stop_wait), a drain takes longer.
+                            # Our workers' checkpoint at the agreed step is in the old group,
+                            # whatever the membership says.
+                            self.leave_rendezvous()
                             return self._drain_and_leave(wg)
                     # the workers are stopped (SIGTERM) first and reaped after this node has
                     # joined the next round: a process holding GiBs of state takes seconds to exit

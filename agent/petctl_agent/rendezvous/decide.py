@@ -108,8 +108,9 @@ def close(v: CloseView) -> tuple[list[str] | None, float | None]:
       deadline, ``straggler`` after it registered or after the round opened, whichever is
       later; then it is left out (it joins the next round when it is ready). A node that
       registered more than ``join_window`` after the round opened is not waited for at all.
-    * A node of the previous round (``base``) is stopping its workers: it holds the round for
-      ``max(straggler, stop_wait)`` after the opening. A running node's coordinated stop (a
+    * A node of the previous round (``base``) is stopping its workers: it holds the round until
+      ``stop_wait`` after the opening, or its straggler deadline if later (one that registered
+      again meanwhile: ``straggler`` after that, join window or not). A running node's coordinated stop (a
       checkpoint of GiBs, a script that does not honour the drain file) can outlast the
       straggler window; left out, it joins the next round and stops everyone again, and two
       such nodes could take turns training alone forever.
@@ -138,10 +139,14 @@ def close(v: CloseView) -> tuple[list[str] | None, float | None]:
         if n in joined or n in v.lapsed:
             continue
         at = v.seen_at.get(n, v.opened_at)
-        if at > v.opened_at + v.join_window:
+        if n in was_in:
+            # stopping its workers; one that registered again meanwhile (its lease lapsed in a
+            # pause) is still the last round's node, not a newcomer: no join window for it
+            deadline = max(max(at, v.opened_at) + v.straggler, v.opened_at + v.stop_wait)
+        elif at > v.opened_at + v.join_window:
             continue  # registered after the round's one-shot window: the next round's
-        wait = max(v.straggler, v.stop_wait) if n in was_in else v.straggler
-        deadline = max(at, v.opened_at) + wait
+        else:
+            deadline = max(at, v.opened_at) + v.straggler
         if v.now < deadline:
             due.append(deadline)
     if due:
