@@ -65,7 +65,17 @@ def test_elastic_job_on_the_local_cloud(local_home, tmp_path):
     demo = Demo(
         total_steps=TOTAL, step_time=0.1, checkpoint_every=20, timeout=300, log=log, page_dir=str(tmp_path)
     )
-    final = demo.run(keep=True)
+    try:
+        final = demo.run(keep=True)
+    except Exception:
+        # a CI failure is otherwise mute: what the demo printed and every instance's last lines
+        print("\n".join(lines))
+        for f in sorted((local_home / "local" / "logs").glob("*.log")):
+            print(
+                f"==== {f.name} (last 80 lines)\n"
+                + "\n".join(f.read_text(errors="replace").splitlines()[-80:])
+            )
+        raise
     report = "\n".join(lines)
     # the quickstart ends with the timeline page: an SVG chart and the rounds
     page = (tmp_path / f"{demo.job}-timeline.html").read_text()
