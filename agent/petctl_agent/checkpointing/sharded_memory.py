@@ -386,6 +386,9 @@ def _save_in_memory(
         held.update(_exchange(stepdir, rank, nodes, everyone, leader))
         for src in set(held.values()) - {rank}:
             counts[src] = sum(n != ".metadata" for n in everyone[src])
+    # the node's files are written: its ranks' own (dcp.save ends collectively) and the replicas
+    # it received (each rank's ring target is the next node's lowest rank, its leader, when a
+    # node's ranks are numbered together, as torchrun numbers them): its reservation ends
     written()
     ckpt_dir = Path(directory)
     if rank == 0 and not copy:
