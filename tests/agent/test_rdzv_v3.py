@@ -247,7 +247,7 @@ def test_a_compacted_watch_reads_once_and_resumes(group: Callable[..., Group], e
     all_waiting([a, b], 5, "the newcomer after the compaction")
     res = g.rendezvous(a, b)
     res.update(g.wait(n))
-    assert {i.world_size for i in res.values()} == {3}
+    assert {i.world_size for i in res.values()} == {3} and raised[0] == 3
 
 
 def test_etcd_replaced_seen_by_its_boot_token(group: Callable[..., Group], tmp_path: Path) -> None:
@@ -472,3 +472,56 @@ def test_a_leave_after_the_round_was_published_starts_no_worker(
     with pytest.raises(LeftRendezvous, match="before the workers started"):
         a._start_workers(wg)  # noqa: SLF001
     assert started == []
+
+
+def _raising_first(real: Callable[..., Any], times: int) -> tuple[Callable[..., Any], list[int]]:
+    """``real``, except that its first ``times`` calls raise a ValueError (a bug, an answer we did
+    not foresee); returns the wrapper and a one-item list counting the raises."""
+    raised = [0]
+    lock = threading.Lock()
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            if raised[0] < times:
+                raised[0] += 1
+                raise ValueError("injected: not an etcd error")
+        return real(*args, **kwargs)
+
+    return wrapper, raised
+
+
+def test_an_unexpected_error_in_the_control_loop_does_not_stop_the_rendezvous(
+    group: Callable[..., Group], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leader's control loop caught only etcd's transient errors: anything else ended its
+    thread, the node stayed registered and kept alive, and no round it should close ever closed
+    (both nodes waiting until their join timeout). Now it is logged and the step retried."""
+    from petctl_agent.rendezvous import decide
+
+    close, raised = _raising_first(decide.close, 2)
+    monkeypatch.setattr(decide, "close", close)
+    g = group(2, 8)
+    a, b = g.new(), g.new()
+    res = g.rendezvous(a, b, timeout=15)
+    assert {i.world_size for i in res.values()} == {2} and raised[0] == 2
+
+
+def test_an_unexpected_error_in_a_watch_rereads_instead_of_ending_it(
+    group: Callable[..., Group], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A watch thread that died of an unexpected error left its copy frozen: the handler never
+    saw the round close. Now the watch reads again and goes on."""
+    from petctl_agent.rendezvous.watcher import Watcher
+
+    apply, raised = _raising_first(Watcher._apply, 3)
+    monkeypatch.setattr(Watcher, "_apply", apply)
+    g = group(2, 8)
+    a, b = g.new(), g.new()
+    res = g.rendezvous(a, b, timeout=15)
+    assert {i.world_size for i in res.values()} == {2} and raised[0] >= 1
+    c = g.new()  # a later change is seen too: the watches live on
+    g.join(c)
+    all_waiting([a, b], 3, "a newcomer after the errors")
+    res = g.rendezvous(a, b)
+    res.update(g.wait(c))
+    assert {i.world_size for i in res.values()} == {3} and raised[0] == 3

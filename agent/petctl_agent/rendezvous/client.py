@@ -3,6 +3,8 @@ as "etcd unreachable right now"."""
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any
 
 from petctl_agent.rendezvous import etcdv3 as v3
@@ -10,6 +12,22 @@ from petctl_agent.rendezvous import etcdv3 as v3
 #: errors that mean "etcd is unreachable or answered oddly right now" (retry; re-read afterwards).
 #: ``ClusterChanged`` is one: the handler also drops every view (see Membership._client_error).
 TRANSIENT = (v3.Unavailable, v3.ClusterChanged, v3.RequestFailed, v3.Compacted, OSError)
+
+
+_unexpected: dict[str, int] = {}
+_unexpected_lock = threading.Lock()
+
+
+def unexpected(log: logging.Logger, where: str) -> None:
+    """An exception no handler expects (a bug, an answer we did not foresee) in one of the
+    handler's threads (its control loop, its re-registration, a watch): log it and go on. A
+    thread that died of it would leave the node registered and kept alive but never leading,
+    re-registering or seeing a change: every round it should close would wait forever. Logged
+    with its traceback the first 3 times per place, then every 60th."""
+    with _unexpected_lock:
+        n = _unexpected[where] = _unexpected.get(where, 0) + 1
+    if n <= 3 or n % 60 == 0:
+        log.exception("unexpected error in the rendezvous %s (%d so far); retrying", where, n)
 
 
 class RequestCounter(v3.Stats):

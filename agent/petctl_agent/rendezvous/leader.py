@@ -20,7 +20,7 @@ from typing import Any
 
 from petctl_agent.rendezvous import decide
 from petctl_agent.rendezvous import etcdv3 as v3
-from petctl_agent.rendezvous.client import TRANSIENT
+from petctl_agent.rendezvous.client import TRANSIENT, unexpected
 from petctl_agent.rendezvous.layout import HEAD, Keys, head, key_name, latest_closed, loads
 from petctl_agent.rendezvous.membership import MemberView
 from petctl_agent.rendezvous.watcher import Watcher
@@ -169,6 +169,9 @@ class Leadership:
                 self._client_error(e)
                 log.debug("control step failed: %s", e)
                 wait = 0.2
+            except Exception:  # noqa: BLE001 - see unexpected()
+                unexpected(log, "control step")
+                wait = 1.0
 
     def _step(self, now: float) -> float | None:
         """One pass of the control loop; returns when to look again (None: on the next change)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from petctl_agent.rendezvous import etcdv3 as v3
-from petctl_agent.rendezvous.client import TRANSIENT
+from petctl_agent.rendezvous.client import TRANSIENT, unexpected
 from petctl_agent.rendezvous.config import BOOT_TOKEN_KEY
 from petctl_agent.rendezvous.layout import HEAD, Keys, head, key_name, latest_closed
 from petctl_agent.rendezvous.watcher import Watcher
@@ -231,3 +231,7 @@ class Membership:
                 log.info("re-register failed: %s", e)
                 self._rereg.set()
                 time.sleep(0.2)
+            except Exception:  # noqa: BLE001 - see client.unexpected()
+                unexpected(log, "re-registration")
+                self._rereg.set()
+                time.sleep(1.0)

@@ -9,7 +9,7 @@ import time
 from typing import Protocol
 
 from petctl_agent.rendezvous import etcdv3 as v3
-from petctl_agent.rendezvous.client import TRANSIENT
+from petctl_agent.rendezvous.client import TRANSIENT, unexpected
 from petctl_agent.rendezvous.config import BOOT_TOKEN_KEY
 from petctl_agent.rendezvous.layout import Item
 
@@ -118,6 +118,15 @@ class Watcher:
                     need_sync = True
                     time.sleep(backoff * (1 + random.random()))
                     backoff = min(backoff * 2, 0.5)  # at most 1 s with the jitter: see docs, a replaced etcd
+                except Exception:  # noqa: BLE001 - see client.unexpected(): read again, never die
+                    if self._stop:
+                        return
+                    unexpected(log, f"watch on {self.key}")
+                    with self.h._cond:
+                        self.connected = False
+                        self.h._bump()
+                    need_sync = True
+                    time.sleep(1.0)
         finally:
             if self._watch is not None:
                 self._watch.close()
