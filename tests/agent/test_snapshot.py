@@ -1144,3 +1144,147 @@ def test_a_restore_waits_for_a_verification_still_running(tmp_path: Path) -> Non
         os.close(fd)
         wrong.close()
         s.close()
+
+
+# -- the writer's seal: its own check stands once it is gone (no second pass at a restart)
+
+_SEALER = textwrap.dedent(
+    """
+    import os, sys, torch
+    from petctl_agent.checkpointing.snapshot import SnapshotStore
+    s = SnapshotStore(sys.argv[1], "replicated")
+    known = None
+    if sys.argv[2] == "lie":  # crc32s of another state of the same layout, given as known
+        assert s.write({"w": torch.full((1 << 18,), 9.0)}, 4, wait=True) == "ok"
+        known = s.newest().header["tensors"]
+    for step in (5, 6):
+        assert s.write({"w": torch.full((1 << 18,), float(step))}, step, wait=True, known=known) == "ok"
+    open(sys.argv[3], "w").close()
+    sys.stdin.read()  # alive until the test closes stdin
+    os._exit(0)
+    """
+)
+
+
+def _sealed_by_a_writer(d: Path, how: str = "checked") -> subprocess.Popen:
+    """A writer process that wrote steps 5 and 6 (``wait=True``) into ``d`` and stays alive until
+    its stdin is closed."""
+    ready = d.parent / f"{d.name}.ready"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "agent")}
+    p = subprocess.Popen(
+        [sys.executable, "-c", _SEALER, str(d), how, str(ready)], env=env, stdin=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert p.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    return p
+
+
+def _gone(p: subprocess.Popen) -> None:
+    p.stdin.close()
+    assert p.wait(30) == 0
+
+
+def _big_crcs(monkeypatch) -> list[int]:
+    """Record the size of every zlib.crc32 call over more than a header's bytes (a pass over data)."""
+    import zlib
+
+    real, calls = zlib.crc32, []
+
+    def crc32(data, value=0):
+        if len(data) > 65536:
+            calls.append(len(data))
+        return real(data, value)
+
+    monkeypatch.setattr(zlib, "crc32", crc32)
+    return calls
+
+
+def test_a_snapshot_its_writer_checked_needs_no_second_pass_once_the_writer_is_gone(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The writer computed the crc32s from the slot's own mapping and sealed the snapshot: while it
+    lives (it could still write through that mapping) a restore checks in full; once it is gone, a
+    restore, the agent's verification and the persister all take the seal: no pass over the bytes
+    (before: the agent's verify and the persister each made one, 2 x 1 GiB at a 1 GiB drain)."""
+    d = tmp_path / "shm"
+    p = _sealed_by_a_writer(d)
+    s = SnapshotStore(d, "replicated")
+    c = s.newest()
+    wrong = mmap.mmap(-1, c.header["size"])  # zeros: no crc32 matches
+    try:
+        assert c.step == 6
+        assert s.covered(c.header, wait=0) is False  # its writer is alive
+        assert s.prechecked(wait=0)(c.header, wrong) is False  # so it is checked: and fails
+        _gone(p)
+        assert s.covered(c.header, wait=0) is True
+        assert s.prechecked(wait=0)(c.header, wrong) is True  # the seal: no pass
+        assert s.sealed(c)
+        calls = _big_crcs(monkeypatch)
+        assert s.verify() == c
+        assert persist_newest(s, tmp_path / "efs") == 6
+        assert calls == [], calls  # neither the verification nor the persister read the bytes
+        state, step = ckpt.load_latest(tmp_path / "efs", map_location="cpu")
+        assert step == 6 and bool((state["w"] == 6.0).all())
+    finally:
+        wrong.close()
+        s.close()
+
+
+def test_a_sealed_snapshot_changed_afterwards_is_checked_again_and_never_loaded(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A write into the slot's file through the filesystem after the seal moves its mtime: the seal
+    no longer covers it, the verification and the persister check in full, and the changed bytes
+    fail their crc32s: never loaded, never persisted, no record."""
+    d = tmp_path / "shm"
+    _gone(_sealed_by_a_writer(d))
+    s = SnapshotStore(d, "replicated")
+    c = s.newest()
+    time.sleep(0.01)  # past the clock's tick
+    with open(s.data_path(c.slot), "r+b") as f:
+        os.pwrite(f.fileno(), b"\x7f" * 8, 64)
+    try:
+        assert s.covered(c.header, wait=0) is False
+        calls = _big_crcs(monkeypatch)
+        assert s.verify() is None and not s.verified_path().exists()
+        assert calls, "the verification made its pass"
+        assert s.load(6, check=s.prechecked(wait=0)) is None
+        assert persist_newest(s, tmp_path / "efs") is None  # torn: never persisted
+    finally:
+        s.close()
+
+
+def test_a_copy_under_given_crc32s_is_not_sealed(tmp_path: Path) -> None:
+    """``write(known=)`` takes a peer's crc32s without checking the copy against them: nothing
+    vouches for those bytes, so no seal. Given crc32s that do not match (another state's), the
+    snapshot fails its check on load even after its writer is gone."""
+    d = tmp_path / "shm"
+    _gone(_sealed_by_a_writer(d, "lie"))
+    s = SnapshotStore(d, "replicated")
+    try:
+        c = s.newest()
+        assert c.step == 6 and s.covered(c.header, wait=0) is False
+        assert s.load(6, check=s.prechecked(wait=0)) is None
+    finally:
+        s.close()
+
+
+def test_an_exited_writer_not_yet_reaped_is_gone() -> None:
+    """A zombie holds no mapping: its seal counts (the agent reaps its workers after the check)."""
+    from petctl_agent.checkpointing.snapshot import _alive, _started
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        started = _started(pid)
+        deadline = time.monotonic() + 10
+        while _alive(pid, started):
+            assert time.monotonic() < deadline, "a zombie counted as alive"
+            time.sleep(0.01)
+        assert _alive(os.getpid(), _started(os.getpid())) is True
+        assert _alive(os.getpid(), "0") is False  # a reused pid: another start time
+    finally:
+        os.waitpid(pid, 0)

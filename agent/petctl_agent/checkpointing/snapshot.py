@@ -33,6 +33,8 @@ data file of the wrong size, or a snapshot of another step than the one asked fo
 The crc32 pass may run before the load, not in it: the agent checks the newest snapshot while the
 new workers start (:meth:`SnapshotStore.verify`, ``<name>.verified.json``) and a restore of that
 very snapshot, in the same unchanged file, skips its own pass (:meth:`SnapshotStore.prechecked`).
+The writer records the same for the bytes it checked itself, sealed with its pid (:meth:`_seal`):
+once it is gone, neither the agent's check nor the persister makes that pass again.
 
 Never OOM: before a write, the bytes the slot must grow by are checked against ``MemAvailable``
 (``/proc/meminfo``, or the test-only ``$PETCTL_SNAPSHOT_MEMINFO``; less a reserve) and the filesystem's free space (``os.statvfs``), then reserved
@@ -155,6 +157,20 @@ def _started(pid: int) -> str | None:
         return None
     fields = stat[stat.rfind(b")") + 2 :].split()  # after the command name, which may hold spaces
     return fields[19].decode() if len(fields) > 19 else None
+
+
+def _alive(pid: int, started: str | None) -> bool:
+    """Is process ``pid`` (started at ``started``, :func:`_started`) still there and not a zombie
+    (one that exited but is not reaped yet holds no mappings)?"""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    if not fields or fields[0] in (b"Z", b"X"):
+        return False
+    return len(fields) <= 19 or fields[19].decode() == started
 
 
 _ids = itertools.count(1)
@@ -1116,8 +1132,10 @@ class SnapshotStore:
         lock = os.open(self.verify_lock_path(), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            self.verified_path().unlink(missing_ok=True)
             c = self.newest()
+            if c is not None and self._covers(self._record(), c.header):
+                return c  # its writer's seal (or an earlier verification) stands: no second pass
+            self.verified_path().unlink(missing_ok=True)
             if c is None:
                 return None
             try:
@@ -1145,13 +1163,7 @@ class SnapshotStore:
                 or not same_snapshot(self.read_header(c.slot), c)
             ):
                 return None
-            h = c.header
-            record = {"slot": c.slot, "gen": h["gen"], "nonce": h["nonce"], "header_crc": h["header_crc"],
-                      "file": _file_id(after)}  # fmt: skip
-            path = self.verified_path()
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_bytes(json.dumps(record).encode())
-            os.replace(tmp, path)
+            self._put_record(c.header, after)
             return c
         finally:
             os.close(lock)
@@ -1174,14 +1186,37 @@ class SnapshotStore:
 
     def covered(self, header: dict[str, Any], wait: float = VERIFY_WAIT) -> bool:
         """Did the agent's :meth:`verify` pass this very snapshot (the rule of :meth:`prechecked`)?"""
-        rec = self._verification(wait)
+        return self._covers(self._verification(wait), header)
+
+    def _covers(self, rec: dict[str, Any] | None, header: dict[str, Any]) -> bool:
+        """Does record ``rec`` vouch for ``header``'s snapshot: the same header, the same unchanged
+        file, and (a writer's seal) its writer gone?"""
         if rec is None or not all(rec.get(k) == header.get(k) for k in ("gen", "nonce", "header_crc")):
             return False
+        writer = rec.get("writer")
+        if writer is not None:
+            try:
+                if _alive(int(writer[0]), writer[1]):
+                    return False
+            except (TypeError, ValueError, IndexError):
+                return False
         try:
             st = os.stat(self.data_path(str(rec.get("slot"))))
         except (OSError, ValueError):
             return False
         return _file_id(st) == rec.get("file")
+
+    def sealed(self, c: Complete) -> bool:
+        """Is ``c`` covered by its writer's own seal (:meth:`_seal`), not by a verification pass?"""
+        rec = self._record()
+        return rec is not None and "writer" in rec and self._covers(rec, c.header)
+
+    def _record(self) -> dict[str, Any] | None:
+        try:
+            rec = json.loads(self.verified_path().read_bytes())
+        except (OSError, ValueError):
+            return None
+        return rec if isinstance(rec, dict) else None
 
     def _verification(self, wait: float) -> dict[str, Any] | None:
         """The agent's verification record, once no verification is running (waited for at most
@@ -1193,11 +1228,7 @@ class SnapshotStore:
         try:
             if not filelocks.flock_within(fd, fcntl.LOCK_SH, wait, 0.01):
                 return None
-            try:
-                rec = json.loads(self.verified_path().read_bytes())
-            except (OSError, ValueError):
-                return None
-            return rec if isinstance(rec, dict) else None
+            return self._record()
         finally:
             os.close(fd)
 
@@ -1344,14 +1375,19 @@ class SnapshotStore:
             "structure": structure,
         }
 
+        # the bytes are checked against the header's crc32s before it is written -- computed from
+        # the slot's own mapping, or checked as they arrived (a receive) -- so the writer seals it
+        # (:meth:`_seal`); not a copy of a peer's state whose crc32s were given (``write(known=)``)
+        seal = lazy or not any("crc32" in m for m in metas)
+
         def finish() -> None:
             try:
-                self._finish(mm, header)
+                self._finish(mm, header, seal)
             except BaseException as e:  # noqa: BLE001 - reported by flush()
                 self._error = e
 
         if wait or all("crc32" in m for m in metas):
-            self._finish(mm, header)
+            self._finish(mm, header, seal)
         else:
             self._pending = threading.Thread(target=finish, name="petctl-snapshot-crc", daemon=True)
             self._pending.start()
@@ -1586,7 +1622,7 @@ class SnapshotStore:
         if mm is not None:  # the writer mapped it meanwhile: its mapping stays
             _close_map(mm)
 
-    def _finish(self, mm: mmap.mmap | None, header: dict[str, Any]) -> None:
+    def _finish(self, mm: mmap.mmap | None, header: dict[str, Any], seal: bool = False) -> None:
         view = memoryview(mm) if mm is not None else memoryview(b"")
         try:
             for m in header["tensors"]:
@@ -1599,6 +1635,43 @@ class SnapshotStore:
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_bytes(json.dumps(header).encode())
         os.replace(tmp, path)  # tmpfs: no fsync; the rename is the commit
+        if seal:
+            self._seal(header)
+
+    def _seal(self, header: dict[str, Any]) -> None:
+        """The writer's own verification record of the snapshot it just wrote (as
+        :meth:`verify` writes one, plus the writer's pid and start time): its bytes matched the
+        header's crc32s when the header went in place. It covers a load (:meth:`covered`) only
+        once the writer is gone -- no live process then holds the writable mapping the bytes were
+        written through, and a write through the filesystem moves the file's mtime -- i.e. after
+        a stop or a failure, the very restarts the agent's :meth:`verify` is for: that pass (1 GiB:
+        0.3-0.8 s of a node's cores while its new workers start) and the persister's are then not
+        made. Skipped when a verification runs (it writes its own record)."""
+        try:
+            lock = os.open(self.verify_lock_path(), os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return
+        try:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return
+            try:
+                st = os.stat(self.data_path(header["slot"]))
+            except OSError:
+                return
+            if st.st_size == header["size"]:
+                self._put_record(header, st, writer=list(_self()))
+        finally:
+            os.close(lock)
+
+    def _put_record(self, h: dict[str, Any], st: os.stat_result, **extra: Any) -> None:
+        record = {"slot": h["slot"], "gen": h["gen"], "nonce": h["nonce"], "header_crc": h["header_crc"],
+                  "file": _file_id(st), **extra}  # fmt: skip
+        path = self.verified_path()
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(json.dumps(record).encode())
+        os.replace(tmp, path)
 
     def flush(self) -> None:
         """Wait until the last write's header is in place; raise what it failed with, if anything."""
