@@ -151,6 +151,17 @@ def test_a_worker_that_will_not_exit_is_killed_after_the_grace(make_cluster) -> 
     assert c.status(a.instance_id)["state"] == "RUNNING"
 
 
+def _a_alone_with_a_slow_stop(make_cluster, job: str):
+    """A cluster (1-2 nodes) whose script reports progress but never honours the drain file, so a
+    coordinated stop takes the whole sync timeout (14 s), and its node a training alone."""
+    c = make_cluster(job=job, min_nodes=1, max_nodes=2, script=SLOW,
+                     extra_env={"PETCTL_AGENT_SYNC_TIMEOUT": "14"},
+                     script_args=["--exit-s", "0.5", "--on-sigterm"], spec_extra={"max_restarts": 0})  # fmt: skip
+    a = c.add_node()
+    c.wait(lambda: c.all_at_world([a], 1, 0, min_steps=10), 120, "a training alone", alive=[a])
+    return c, a
+
+
 @pytest.mark.e2e
 def test_a_running_node_whose_stop_outlasts_the_straggler_window_is_waited_for(make_cluster) -> None:
     """a trains alone; b arrives. a's coordinated stop takes its whole sync timeout (14 s: the
@@ -158,11 +169,7 @@ def test_a_running_node_whose_stop_outlasts_the_straggler_window_is_waited_for(m
     take 11 s), longer than the leader's 10 s straggler window. The leader waits for a node of
     the previous round as long as its stop may take: the next round has both, and b never
     trains alone (before: b alone at world 1, then a alone, round after round: ci28c)."""
-    c = make_cluster(job="slowstop", min_nodes=1, max_nodes=2, script=SLOW,
-                     extra_env={"PETCTL_AGENT_SYNC_TIMEOUT": "14"},
-                     script_args=["--exit-s", "0.5", "--on-sigterm"], spec_extra={"max_restarts": 0})  # fmt: skip
-    a = c.add_node()
-    c.wait(lambda: c.all_at_world([a], 1, 0, min_steps=10), 120, "a training alone", alive=[a])
+    c, a = _a_alone_with_a_slow_stop(make_cluster, "slowstop")
     t = c.now()
     b = c.add_node()
     c.wait(lambda: c.all_at_world([a, b], 2, t, min_steps=5), 120, "a and b at world 2", alive=[a, b])
@@ -177,11 +184,7 @@ def test_a_node_told_to_leave_during_its_stop_leaves_the_round_at_once(make_clus
     notice, a scale-in). a will not join the round b opened: it leaves the rendezvous at once, and
     b trains alone long before the leader's wait for a stopping node (stop_wait, 20 s here) or
     a's drain (its script never honours the drain file: up to the drain timeout) would end."""
-    c = make_cluster(job="leavestop", min_nodes=1, max_nodes=2, script=SLOW,
-                     extra_env={"PETCTL_AGENT_SYNC_TIMEOUT": "14"},
-                     script_args=["--exit-s", "0.5", "--on-sigterm"], spec_extra={"max_restarts": 0})  # fmt: skip
-    a = c.add_node()
-    c.wait(lambda: c.all_at_world([a], 1, 0, min_steps=10), 120, "a training alone", alive=[a])
+    c, a = _a_alone_with_a_slow_stop(make_cluster, "leavestop")
     b = c.add_node()
     err = a.agent_dir / "agent.err"
     c.wait(
