@@ -75,6 +75,13 @@ RESTORE = textwrap.dedent(
                 t[0] += 1
             return Done() if async_op else w
         dist.broadcast = broadcast
+    sent, flows, real_sb = [0], set(), dist.broadcast  # data this rank sent as a source, over how many groups
+    def counting(t, src, group=None, **kw):
+        if dist.get_rank() == src and t.numel() * t.element_size() >= 65536:
+            sent[0] += t.numel() * t.element_size()
+            flows.add(id(group))
+        return real_sb(t, src, group=group, **kw)
+    dist.broadcast = counting
     t0 = time.monotonic()
     try:
         restored = ckpt.resume()
@@ -98,7 +105,9 @@ RESTORE = textwrap.dedent(
         ckpt.step(s, lambda: {"w": w.clone()}, every=0, last=s == total)
     rep = os.path.join(os.environ["PETCTL_SNAPSHOT_DIR"], "restore.json")
     report = json.load(open(rep)) if os.path.exists(rep) else None
-    print("RESULT " + json.dumps({"start": start, "w": w[:4].tolist(), "report": report, "at": at}), flush=True)
+    sums = {k: float(v.double().sum()) for k, v in restored[0].items()} if restored else None
+    print("RESULT " + json.dumps({"start": start, "w": w[:4].tolist(), "report": report, "at": at,
+                                  "sent": sent[0], "flows": len(flows), "sums": sums}), flush=True)
     """
 )
 
@@ -1022,3 +1031,114 @@ def test_a_source_the_agent_verified_sends_without_a_pass_and_the_newcomer_still
     assert all(r["w"] == [6.0] * 4 for r in res)
     assert [r["report"]["source"] for r in res] == ["self", "peer"]
     assert _crc_times(cps[0]) == [] and _crc_times(cps[1])
+
+
+# ------------------------------------------------------------------ striped transfers (stop 30)
+
+
+def _many(d: Path, step: int, salt: float = 0.0, k: int = 8, n: int = 1 << 16) -> int:
+    """Step ``step`` in ``d``: ``w`` (4 floats, as ``_snap``) and ``k`` tensors of ``n`` floats
+    (256 KiB each), values set by ``salt``. Returns the snapshot's size."""
+    s = SnapshotStore(d, memory.NAME)
+    state = {"w": torch.full((4,), float(step))}
+    state.update({f"x{i}": torch.full((n,), step * 100.0 + i + salt) for i in range(k)})
+    assert s.write(state, step, wait=True) == "ok"
+    size = s.newest().header["size"]
+    s.close()
+    return size
+
+
+def test_stripes_tile_the_snapshot_on_tensor_boundaries() -> None:
+    from petctl_agent.checkpointing.peer import stripes
+
+    metas = [{"offset": o, "nbytes": 100} for o in (0, 128, 256, 384)]
+    assert stripes(metas, 512, 2) == [(0, 256), (256, 256)]
+    assert stripes(metas, 512, 4) == [(0, 128), (128, 128), (256, 128), (384, 128)]
+    assert stripes(metas, 512, 8) == [(0, 128), (128, 128), (256, 128), (384, 128)] + [(512, 0)] * 4
+    assert stripes(metas, 512, 1) == [(0, 512)]
+    assert stripes([{"offset": 0, "nbytes": 1 << 30}], 1 << 30, 4) == [(0, 1 << 30)] + [(1 << 30, 0)] * 3
+    assert stripes([], 0, 3) == [(0, 0)] * 3
+    uneven = [{"offset": o, "nbytes": 64} for o in (0, 64, 128, 192, 256, 320, 384, 448, 512, 960)]
+    got = stripes(uneven, 1024, 3)
+    assert len(got) == 3 and got[0][0] == 0 and sum(n for _, n in got) == 1024
+    assert all(lo in {m["offset"] for m in uneven} for lo, n in got if n)
+
+
+def test_a_newcomer_takes_stripes_from_every_holder_of_the_same_snapshot_at_once(tmp_path: Path) -> None:
+    """Nodes 0 and 1 hold the same step 6 (9 tensors); node 2 holds nothing. Its restore comes in 4
+    stripes over 4 groups (4 flows), 2 from each holder, at once: each holder sends about half the
+    bytes (before: node 0 sent all of it over one group). The newcomer's state is the holders'."""
+    efs = tmp_path / "efs"
+    _efs_with_a_broken_step_4(efs)
+    size = [_many(tmp_path / f"n{r}", 6) for r in (0, 1)][0]
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "6", "PETCTL_SNAPSHOT_CHUNK": str(1 << 16)}
+    cps = _ranks(tmp_path, [{**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}")} for r in (0, 1, 2)])
+    res = [_res(cp) for cp in cps]
+    assert [r["report"]["source"] for r in res] == ["self", "self", "peer"], res
+    assert res[2]["sums"] == res[0]["sums"] == res[1]["sums"] and len(res[2]["sums"]) == 9
+    assert res[2]["sent"] == 0
+    assert [r["flows"] for r in res[:2]] == [2, 2], res
+    assert all(size // 4 <= r["sent"] <= size * 3 // 4 for r in res[:2]), (size, [r["sent"] for r in res])
+
+
+def test_only_holders_of_the_very_same_snapshot_serve_stripes(tmp_path: Path) -> None:
+    """Node 1 holds step 6 too, but other bytes (its crc32s differ): stitching its stripes to node
+    0's would make a state nobody had. Node 0 alone sends, over 4 flows (several flows from one
+    survivor lift AWS's per-flow cap as well); the newcomer gets node 0's state, node 1 keeps its own."""
+    efs = tmp_path / "efs"
+    _efs_with_a_broken_step_4(efs)
+    _many(tmp_path / "n0", 6)
+    _many(tmp_path / "n1", 6, salt=0.5)
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "6", "PETCTL_SNAPSHOT_CHUNK": str(1 << 16)}
+    cps = _ranks(tmp_path, [{**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}")} for r in (0, 1, 2)])
+    res = [_res(cp) for cp in cps]
+    assert [r["report"]["source"] for r in res] == ["self", "self", "peer"], res
+    assert res[2]["sums"] == res[0]["sums"] != res[1]["sums"]
+    assert res[1]["sent"] == 0 and res[0]["flows"] == 4, res
+
+
+def test_a_stripe_source_killed_mid_transfer_every_rank_exits_then_the_other_serves(tmp_path: Path) -> None:
+    """Node 1, the second holder, is SIGKILLed while it sends its stripes: every other rank stops
+    within the peer timeout with PeerRestoreError (no hang); the next round restores the newcomer
+    from node 0, still without EFS."""
+    efs = tmp_path / "efs"
+    _efs_with_a_broken_step_4(efs)
+    for r in (0, 1):
+        _many(tmp_path / f"n{r}", 6, n=1 << 18)  # 1 MiB tensors, sent in 64 KiB pieces
+    base = {
+        "PETCTL_CHECKPOINT_DIR": str(efs),
+        "TOTAL": "6",
+        "PETCTL_SNAPSHOT_PEER_TIMEOUT": "5",
+        "PETCTL_SNAPSHOT_CHUNK": str(1 << 16),
+    }
+    t0 = time.monotonic()
+    first = _ranks(
+        tmp_path,
+        [
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n0")},
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n1"), "KILL_SOURCE_AFTER": "12"},
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n2")},
+        ],
+    )
+    took = time.monotonic() - t0
+    assert first[1].returncode == -signal.SIGKILL, first[1].stderr[-2000:]
+    for cp in (first[0], first[2]):
+        assert cp.returncode == 3, cp.stdout[-2000:] + cp.stderr[-3000:]
+        assert "PEER_FAILED" in cp.stdout
+    assert took < 60, took
+    assert not (tmp_path / "n2" / f"{memory.NAME}.a.json").exists()  # nothing torn was kept
+    second = _ranks(tmp_path, [{**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}")} for r in (0, 2)])
+    res = [_res(cp) for cp in second]
+    assert [r["report"]["source"] for r in res] == ["self", "peer"]
+    assert res[1]["sums"] == res[0]["sums"] and res[0]["flows"] == 4
+
+
+def test_the_streams_setting_is_bounded_and_says_what_it_used(monkeypatch, capsys) -> None:
+    from petctl_agent.checkpointing.peer import streams
+
+    for raw, want in (("", 4), ("1", 1), ("16", 16), ("64", 16), ("0", 4), ("four", 4)):
+        monkeypatch.setenv("PETCTL_SNAPSHOT_STREAMS", raw)
+        assert streams() == want, raw
+    err = capsys.readouterr().err
+    assert "PETCTL_SNAPSHOT_STREAMS='64' is not a whole number from 1 to 16; using 16" in err
+    assert "'four'" in err and "'1'" not in err

@@ -16,9 +16,11 @@ by default; docs/agent.md, "Memory snapshots"). Then, for plain (not sharded) st
   some rank's node holds complete and that is not older than ``latest``:
 
   1. the node's own snapshot of that step (checked by step and crc32s);
-  2. else (no complete header of it on this node) a peer's: the lowest rank that holds one
-     broadcasts the snapshot's header and bytes over a gloo group of itself and the ranks that
-     need it (timeout ``PETCTL_SNAPSHOT_PEER_TIMEOUT``, default 60 s), straight out of the mapping
+  2. else (no complete header of it on this node) a peer's: the ranks that hold that very snapshot
+     send its bytes in stripes, each over a gloo group (a flow) of its own with the ranks that need
+     it, all at once (``checkpointing/peer.py``: several flows lift AWS's 5 Gbit/s single-flow
+     cap); the lowest holder sends the header (timeout ``PETCTL_SNAPSHOT_PEER_TIMEOUT``, default
+     60 s, per piece), each source straight out of the mapping
      its own restored tensors view, checking the crc32s as the pieces go (its load's one pass: the
      receivers never wait for the source's own load); the receivers check every crc32 as the
      pieces arrive. A holder whose own copy fails its check (the source's too: then with every
@@ -58,37 +60,22 @@ import json
 import os
 import sys
 import time
-import zlib
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from petctl_agent.checkpointing import persist
+from petctl_agent.checkpointing import peer, persist
 from petctl_agent.checkpointing.atomic import atomic_write
 from petctl_agent.checkpointing.drain import LEAVE, _local_drain_flag
 from petctl_agent.checkpointing.files import read_pointer
 from petctl_agent.checkpointing.persist import Persister
-from petctl_agent.checkpointing.snapshot import (
-    OK,
-    SnapshotStore,
-    _header_crc,
-    decode_structure,
-    dtype_from_name,
-)
+from petctl_agent.checkpointing.snapshot import OK, SnapshotStore
 from petctl_agent.distributed import dist_on, dist_rank
 
 NAME = "replicated"
 #: reports to the agent, in the store's directory (node/snapshots.py reads the same names)
 RESTORE_REPORT = "restore.json"
 FALLBACK_REPORT = "fallback.json"
-#: bytes per broadcast of a peer transfer (each one bounded by the group's timeout)
-CHUNK = 64 << 20
-
-
-def _chunk() -> int:
-    return int(os.environ.get("PETCTL_SNAPSHOT_CHUNK") or CHUNK)
-
-
 _persisters: dict[tuple[str, str], Persister] = {}
 _stores: dict[str, SnapshotStore] = {}
 
@@ -310,7 +297,8 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
         marks.append((what, time.monotonic()))
 
     group = dist.new_group(backend="gloo", timeout=timeout)  # every rank: the restore's own group
-    sub = end = None
+    plan: peer.Plan | None = None
+    end = None
     try:
         agreed = max(_all_gather(mine, group))
         mark("agree")  # mostly waiting for the last rank to get here (process start, init)
@@ -330,32 +318,45 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
         kept: tuple[bool, float] | None = None
         state = None
         me = dist.get_rank()
-        src = holders[0]  # the lowest holder by header; its bytes are checked as they go
+        srcs = [holders[0]]  # the lowest holder by header; its bytes are checked as they go
+        if needers:
+            # the stripes' sources (peer.py): the holders of that very snapshot, local rank
+            # first (nodes before ranks), taken in turn; as many stripes as every rank allows
+            mine = _held(store, agreed)
+            packed = _all_gather(
+                peer.digest(mine) << 10 | min(_local_rank(), 31) << 5 | peer.streams(), group
+            )
+            k = min(v & 31 for v in packed)
+            same = sorted(
+                (r for r in holders if packed[r] >> 10 == packed[holders[0]] >> 10),
+                key=lambda r: ((packed[r] >> 5) & 31, r),
+            )
+            srcs = [same[i % len(same)] for i in range(k)]
         for attempt in (1, 2):
             if needers:
                 if end is None:
                     # for the gather after the transfer, where the ranks outside it wait: each
                     # piece is bounded by the peer timeout, so the whole transfer by as many (one
                     # timeout there failed every rank on a transfer longer than 60 s)
-                    pieces = -(-(max(holds) - 1) // _chunk())
+                    pieces = -(-(max(holds) - 1) // peer.chunk())
                     end = dist.new_group(backend="gloo", timeout=timeout * (pieces + 3))
-                sub = dist.new_group(ranks=[src, *needers], backend="gloo", timeout=timeout)
+                plan = peer.Plan(srcs, needers, timeout)
                 mark("group")
-                if me == src:
+                if me in srcs:
                     # sent straight out of the mapping its own state views, the crc32s checked on
                     # the way: the receivers never wait for a load of the source's own
-                    loaded, n = _send(store, agreed, src, sub, map_location)
+                    loaded, n = peer.send(store, agreed, plan, me, map_location)
                     state = state if state is not None else loaded
                     nbytes = nbytes or n
                 elif me in needers:
                     into = store if _local_rank() == 0 else None  # the store's one writer on this node
-                    state, nbytes, known, kept = _receive(agreed, src, sub, map_location, into)
+                    state, nbytes, known, kept = peer.receive(agreed, plan, map_location, into)
                     source = "peer"
                 elif state is None:  # another holder: its own copy, meanwhile
                     state = store.load(agreed, map_location=map_location, check=store.prechecked())
-                # the source's: its send and load (one pass); a receiver's: its slot's pages, the
+                # a source's: its send and load (one pass); a receiver's: its slot's pages, the
                 # bytes and their crc32s (as they arrive); another holder's: its own load
-                mark("send" if me == src else "receive" if me in needers else "load")
+                mark("send" if me in srcs else "receive" if me in needers else "load")
             elif state is None:
                 # its crc32s checked by the agent while this worker started, if that is still the
                 # very snapshot (SnapshotStore.verify); else here, in full
@@ -371,17 +372,16 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
             oks = [v & 1 for v in flags]
             sources = [r for r, v in enumerate(flags) if v & 2]
             bad = [r for r, v in enumerate(oks) if not v]
-            # a receiver failing while its source's copy passed: the transfer itself (no room,
-            # bytes changed on the way): EFS, below. Else (a holder's own copy failed, the
+            # a receiver failing while every source's copy passed: the transfer itself (no room,
+            # bytes changed on the way): EFS, below. Else (a holder's own copy failed, a
             # source's included: then every receiver failed too) one more transfer to every
-            # rank that failed, from a rank whose copy passed
-            transfer_failed = bool(needers) and src not in bad and any(r in needers for r in bad)
+            # rank that failed, from a rank whose copy passed (one stream)
+            transfer_failed = bool(needers) and not set(srcs) & set(bad) and any(r in needers for r in bad)
             if not bad or attempt == 2 or not sources or transfer_failed:
                 break
-            for g in (sub,):
-                if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
-                    dist.destroy_process_group(g)
-            sub, src, needers = None, sources[0], bad
+            if plan is not None:
+                plan.destroy()
+            plan, srcs, needers = None, [sources[0]], bad
         ok = min(oks)
     except Exception as e:  # noqa: BLE001 - a dead peer breaks the group for every rank
         raise PeerRestoreError(
@@ -389,7 +389,9 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
             "exiting so the next round restores from a surviving copy or EFS"
         ) from e
     finally:
-        for g in (sub, end, group):
+        if plan is not None:
+            plan.destroy()
+        for g in (end, group):
             try:
                 if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
                     dist.destroy_process_group(g)
@@ -533,214 +535,21 @@ def _kick(
         _persister(store, directory, keep).kick()
 
 
-def _holds(store: SnapshotStore, step: int) -> bool:
-    """Does this node's store hold a complete snapshot of ``step`` (header intact, data file of its
-    size)? Cheap: its bytes are checked by whoever loads or sends them."""
+def _held(store: SnapshotStore, step: int) -> dict[str, Any] | None:
+    """The header of this node's complete snapshot of ``step`` (header intact, data file of its
+    size), or None. Cheap: its bytes are checked by whoever loads or sends them."""
     for c in store.complete():
         if c.step == step:
             try:
                 if os.stat(store.data_path(c.slot)).st_size == int(c.header["size"]):
-                    return True
+                    return c.header
             except OSError:
                 pass
-    return False
+    return None
 
 
-class _Crcs:
-    """Running crc32s of a snapshot's tensors, fed the bytes piece by piece in order."""
-
-    def __init__(self, tensors: list[dict[str, Any]]) -> None:
-        self.metas = sorted(tensors, key=lambda m: int(m["offset"]))
-        self.crc = [0] * len(self.metas)
-        self.first = 0  # the first tensor not yet wholly fed
-
-    def update(self, view: memoryview, off: int, n: int) -> None:
-        """Feed bytes ``[off, off + n)`` of the snapshot (``view`` is the whole snapshot's)."""
-        end = off + n
-        for i in range(self.first, len(self.metas)):
-            m = self.metas[i]
-            lo, hi = int(m["offset"]), int(m["offset"]) + int(m["nbytes"])
-            if lo >= end:
-                break
-            a, b = max(lo, off), min(hi, end)
-            if a < b:
-                self.crc[i] = zlib.crc32(view[a:b], self.crc[i])
-            if hi <= end:
-                self.first = i + 1
-
-    def ok(self) -> bool:
-        return all(c == int(m["crc32"]) for c, m in zip(self.crc, self.metas))
-
-
-def _stream(buf: Any, size: int, src: int, group: Any, crcs: _Crcs | None, reserve: Any = None) -> bool:
-    """Broadcast (from ``src``) or receive ``size`` bytes of ``buf`` (a uint8 tensor, or a buffer
-    ``torch.frombuffer`` takes) in :func:`_chunk` pieces, the next piece in flight while the last
-    one's crc32s are computed (``crcs``; gloo and zlib both release the GIL). ``reserve(off, n)``
-    (a receiver's slot) allocates a piece's pages just before it arrives. False when ``reserve``
-    failed (the rest was received into a scratch buffer, to keep the group in step)."""
-    import torch
-    import torch.distributed as dist
-
-    chunk = _chunk()
-    whole = buf if isinstance(buf, torch.Tensor) else None
-    view = memoryview(whole.numpy()) if whole is not None else memoryview(buf)
-    scratch = None
-    prev: tuple[int, int] | None = None
-    try:
-        for off in range(0, size, chunk):
-            n = min(chunk, size - off)
-            if reserve is not None and scratch is None:
-                try:
-                    reserve(off, n)
-                except OSError:
-                    scratch = torch.empty(chunk, dtype=torch.uint8)
-            if scratch is not None:
-                piece = scratch[:n]
-            elif whole is not None:
-                piece = whole[off : off + n]
-            else:
-                piece = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=off)
-            work = dist.broadcast(piece, src=src, group=group, async_op=True)
-            if prev is not None and crcs is not None:
-                crcs.update(view, *prev)
-            work.wait()
-            del piece, work  # a mapping cannot close while a tensor exports it
-            prev = (off, n) if scratch is None else None
-        if prev is not None and crcs is not None:
-            crcs.update(view, *prev)
-    finally:
-        view.release()
-    return scratch is None
-
-
-def _send(
-    store: SnapshotStore, step: int, src: int, group: Any, map_location: Any
-) -> tuple[dict[str, Any] | None, int]:
-    """Broadcast snapshot ``step``'s header and bytes and load it: the bytes go out of the very
-    mapping the loaded tensors view (:meth:`SnapshotStore.load`), their crc32s computed as they
-    go, in place of the load's own pass (none when the agent's check covers that very snapshot:
-    :meth:`SnapshotStore.covered`). (The state, None when a check failed; the bytes sent.)
-    A snapshot gone before it could be sent is announced as such (size -1): the receivers give
-    up at once, never waiting out the timeout."""
-    import torch
-    import torch.distributed as dist
-
-    sent = [0, False]
-
-    def send(h: dict[str, Any], mm: Any) -> bool:
-        if sent[1]:
-            return False  # a second slot of the same step: the receivers have had the first
-        header = json.dumps(h).encode()
-        size = int(h["size"])
-        dist.broadcast(torch.tensor([len(header), size], dtype=torch.int64), src=src, group=group)
-        sent[1] = True
-        dist.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8), src=src, group=group)
-        # checked by the agent while this worker started (SnapshotStore.verify): no pass here;
-        # the receivers check every piece as it arrives either way
-        known = store.covered(h)
-        crcs = None if known else _Crcs(h["tensors"])
-        if size:
-            _stream(mm, size, src, group, crcs)
-        sent[0] = size
-        return known or (crcs is not None and crcs.ok())
-
-    state = store.load(step, map_location=map_location, check=send)
-    if not sent[1]:
-        dist.broadcast(torch.tensor([-1, -1], dtype=torch.int64), src=src, group=group)
-    return state, int(sent[0])
-
-
-class _Torn(Exception):
-    """A peer's bytes did not match its header's crc32s (or could not be stored): not kept."""
-
-
-def _peer_header(hbuf: Any, step: int, size: int) -> dict[str, Any] | None:
-    """The peer's header if it parses, its own crc32 matches and it is of ``step`` and ``size``."""
-    try:
-        h = json.loads(bytes(hbuf.numpy()))
-    except ValueError:
-        return None
-    if not isinstance(h, dict) or h.get("header_crc") != _header_crc(h):
-        return None
-    if int(h.get("step", -1)) != step or int(h.get("size", -1)) != size:
-        return None
-    return h
-
-
-def _receive(
-    step: int, src: int, group: Any, map_location: Any, store: SnapshotStore | None = None
-) -> tuple[dict[str, Any] | None, int, list[dict[str, Any]] | None, tuple[bool, float] | None]:
-    """Receive a peer's snapshot; the state if its step and every crc32 check, else None; its
-    size; its header's ``tensors`` (layout and crc32s, checked); whether it was kept in ``store``.
-
-    The crc32s are checked as the bytes arrive (:func:`_stream`), not in a pass of their own.
-    ``store`` (this node's, given to its local rank 0): the bytes arrive straight in a slot of it
-    (:meth:`SnapshotStore.receive`, its pages allocated piece by piece as they arrive) and the
-    state is loaded from there (on the CPU views of the slot, lent; its crc32s already checked):
-    the node keeps the step with no copy of its own, and no second buffer. Bytes that fail their
-    check never get a header (never loaded, not kept). Kept is then ``(True, 0.0)``;
-    ``(False, 0.0)`` when the store has no room (the bytes then go into a buffer, as without a
-    store); None without a store (the caller keeps it).
-    """
-    import torch
-    import torch.distributed as dist
-
-    sizes = torch.zeros(2, dtype=torch.int64)
-    dist.broadcast(sizes, src=src, group=group)
-    hlen, size = int(sizes[0]), int(sizes[1])
-    if size < 0:  # the source's snapshot went before it could send it
-        return None, 0, None, None
-    hbuf = torch.empty(hlen, dtype=torch.uint8)
-    dist.broadcast(hbuf, src=src, group=group)
-    h = _peer_header(hbuf, step, size)
-    kept: tuple[bool, float] | None = None
-    if h is not None and store is not None:
-
-        def fill(mm: Any, reserve: Any) -> None:
-            crcs = _Crcs(h["tensors"])
-            whole = _stream(mm, size, src, group, crcs, reserve) if size else True
-            if not (whole and crcs.ok()):
-                raise _Torn("no room" if not whole else "crc32 mismatch")
-
-        try:
-            why = store.receive(h, fill)
-        except _Torn as e:  # the slot stays torn (no header): never loaded
-            print(f"petctl checkpoint: step {step} from a peer not loaded ({e})", file=sys.stderr)
-            return None, size, None, None
-        if why == OK:
-            state = store.load(step, map_location=map_location, check=store.verified())
-            if state is None:
-                return None, size, None, None
-            return state, size, h["tensors"], (True, 0.0)
-        print(
-            f"petctl checkpoint: step {step}, restored from a peer, not kept in this node's memory ({why})",
-            file=sys.stderr,
-        )
-        kept = (False, 0.0)  # fill() was not called: the bytes go into a buffer below
-    if h is None:  # received and dropped, a piece at a time, to keep the group in step
-        _stream(torch.empty(min(size, _chunk()), dtype=torch.uint8), size, src, group, None, _no_room)
-        return None, size, None, kept
-    blob = torch.empty(size, dtype=torch.uint8)
-    crcs = _Crcs(h["tensors"])
-    _stream(blob, size, src, group, crcs)
-    if not crcs.ok():
-        return None, size, None, kept
-    out = []
-    for m in h["tensors"]:
-        dt = dtype_from_name(m["dtype"])
-        if not m["nbytes"]:
-            out.append(torch.empty(m["shape"], dtype=dt, device=map_location))
-            continue
-        # on the CPU a view of the received buffer (no second copy); else a copy to the device
-        out.append(
-            blob[m["offset"] : m["offset"] + m["nbytes"]].view(dt).reshape(m["shape"]).to(map_location)
-        )
-    return decode_structure(h["structure"], out), size, h["tensors"], kept
-
-
-def _no_room(off: int, n: int) -> None:
-    """A ``reserve`` that always fails: :func:`_stream` receives into its scratch piece."""
-    raise OSError("dropped")
+def _holds(store: SnapshotStore, step: int) -> bool:
+    return _held(store, step) is not None
 
 
 def close_persisters() -> None:

@@ -1,0 +1,407 @@
+"""A memory snapshot's trip over the network, from the ranks whose nodes hold it to the ranks that
+need it (``memory.resume``, step 2 of its restore order).
+
+**Striped over several flows.** The snapshot's bytes are cut, on tensor boundaries, into up to
+``PETCTL_SNAPSHOT_STREAMS`` (default 4) stripes of about equal size. Each stripe goes over a gloo
+group of its own -- its own TCP connection, i.e. its own flow -- from one holder, the holders
+taken in turn (local rank first, so that the stripes spread over nodes before ranks), all
+stripes at once. Only holders whose copy is the very same snapshot (its size and every tensor's
+offset, size and crc32: :func:`digest`) serve stripes of one transfer. Why: AWS caps a single
+flow (a 5-tuple) between two instances at 5 Gbps outside a cluster placement group, 10 Gbps
+inside one (25 Gbps with ENA Express), while a GPU instance's network carries 100-3,200 Gbps over
+many flows ("Amazon EC2 instance network bandwidth", EC2 User Guide). One stream moves at best
+0.58 GiB/s there: 1.7 s for 1 GiB, 6.9 s for 4 GiB, whatever the instance. Several flows, from one
+survivor or from several, lift that cap; the receiver's node takes them all at once.
+
+**What goes over each group.** The first stripe's group carries, first, the sizes (header length,
+snapshot size; -1: the source's snapshot went before it could send it) and the header, from the
+first stripe's source. Then every stripe's group carries its range ``(offset, bytes)`` (``-1``:
+that source has nothing to send) and its bytes in :data:`CHUNK` pieces, each bounded by the
+group's timeout. A receiver checks the first header (its own crc32, step, size), then every
+tensor's crc32 as its stripe arrives (:class:`_Crcs`, per stripe), and that the stripes tile the
+snapshot exactly; anything else is torn (never loaded, never kept). A receiver with nothing to
+receive into still takes every piece (into a scratch buffer), to keep each group in step.
+A source checks its own copy as it sends its stripes (and the rest of its copy after them),
+unless the agent's verification or the writer's seal covers it (``SnapshotStore.covered``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+from petctl_agent.checkpointing.snapshot import (
+    OK,
+    SnapshotStore,
+    _crcs_match,
+    _header_crc,
+    decode_structure,
+    dtype_from_name,
+)
+
+#: bytes per broadcast of a peer transfer (each one bounded by the group's timeout)
+CHUNK = 64 << 20
+#: stripes (flows) per transfer, at most
+STREAMS = 4
+MAX_STREAMS = 16
+
+
+def chunk() -> int:
+    return int(os.environ.get("PETCTL_SNAPSHOT_CHUNK") or CHUNK)
+
+
+def streams() -> int:
+    """``PETCTL_SNAPSHOT_STREAMS`` (1-16; default 4): the flows a transfer uses at most."""
+    raw = os.environ.get("PETCTL_SNAPSHOT_STREAMS") or str(STREAMS)
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_STREAMS:
+        print(
+            f"petctl checkpoint: PETCTL_SNAPSHOT_STREAMS={raw!r} is not a whole number from 1 to {MAX_STREAMS}; "
+            f"using {STREAMS if n < 1 else MAX_STREAMS}",
+            file=sys.stderr,
+        )
+        n = STREAMS if n < 1 else MAX_STREAMS
+    return n
+
+
+def digest(header: dict[str, Any] | None) -> int:
+    """A 31-bit fingerprint of a snapshot's content as its header states it (size, and every
+    tensor's offset, size and crc32; 0: none). Two holders with the same digest hold the same
+    bytes, so their stripes fit together."""
+    if header is None:
+        return 0
+    body = [
+        int(header["size"]),
+        [[int(m["offset"]), int(m["nbytes"]), int(m["crc32"])] for m in header["tensors"]],
+    ]
+    return (zlib.crc32(json.dumps(body).encode()) & 0x7FFFFFFF) or 1
+
+
+def stripes(tensors: list[dict[str, Any]], size: int, k: int) -> list[tuple[int, int]]:
+    """Exactly ``k`` ranges ``(offset, bytes)`` tiling ``[0, size)``, cut only where a tensor starts,
+    each about ``size / k`` (the last ones empty when there are fewer tensors than ``k``)."""
+    starts = sorted({int(m["offset"]) for m in tensors if int(m["nbytes"]) and 0 < int(m["offset"]) < size})
+    cuts = [0]
+    for i in range(1, k):
+        target = size * i // k
+        nxt = next((s for s in starts if s >= target and s > cuts[-1]), None)
+        if nxt is None:
+            break
+        cuts.append(nxt)
+    cuts.append(size)
+    out = [(a, b - a) for a, b in zip(cuts, cuts[1:])]
+    return out + [(size, 0)] * (k - len(out))
+
+
+def in_stripe(tensors: list[dict[str, Any]], lo: int, n: int) -> list[dict[str, Any]]:
+    return [m for m in tensors if lo <= int(m["offset"]) < lo + n]
+
+
+class _Crcs:
+    """Running crc32s of a snapshot's tensors, fed the bytes piece by piece in order."""
+
+    def __init__(self, tensors: list[dict[str, Any]]) -> None:
+        self.metas = sorted(tensors, key=lambda m: int(m["offset"]))
+        self.crc = [0] * len(self.metas)
+        self.first = 0  # the first tensor not yet wholly fed
+
+    def update(self, view: memoryview, off: int, n: int) -> None:
+        """Feed bytes ``[off, off + n)`` of the snapshot (``view`` is the whole snapshot's)."""
+        end = off + n
+        for i in range(self.first, len(self.metas)):
+            m = self.metas[i]
+            lo, hi = int(m["offset"]), int(m["offset"]) + int(m["nbytes"])
+            if lo >= end:
+                break
+            a, b = max(lo, off), min(hi, end)
+            if a < b:
+                self.crc[i] = zlib.crc32(view[a:b], self.crc[i])
+            if hi <= end:
+                self.first = i + 1
+
+    def ok(self) -> bool:
+        return all(c == int(m["crc32"]) for c, m in zip(self.crc, self.metas))
+
+
+def _stream(buf: Any, lo: int, n: int, src: int, group: Any, crcs: _Crcs | None, reserve: Any = None) -> bool:
+    """Broadcast (from ``src``) or receive bytes ``[lo, lo + n)`` of ``buf`` (a uint8 tensor, or a
+    buffer ``torch.frombuffer`` takes; None: a scratch piece, the bytes dropped) in :func:`chunk`
+    pieces, the next piece in flight while the last one's crc32s are computed (``crcs``; gloo and
+    zlib both release the GIL). ``reserve(off, n)`` (a receiver's slot) allocates a piece's pages
+    just before it arrives. False when ``reserve`` failed (the rest was received into a scratch
+    buffer, to keep the group in step) or there was no ``buf``."""
+    import torch
+    import torch.distributed as dist
+
+    size = chunk()
+    whole = buf if isinstance(buf, torch.Tensor) else None
+    view = None if buf is None else memoryview(whole.numpy()) if whole is not None else memoryview(buf)
+    scratch = torch.empty(min(size, n), dtype=torch.uint8) if buf is None else None
+    prev: tuple[int, int] | None = None
+    try:
+        for off in range(lo, lo + n, size):
+            k = min(size, lo + n - off)
+            if reserve is not None and scratch is None:
+                try:
+                    reserve(off, k)
+                except OSError:
+                    scratch = torch.empty(min(size, n), dtype=torch.uint8)
+            if scratch is not None:
+                piece = scratch[:k]
+            elif whole is not None:
+                piece = whole[off : off + k]
+            else:
+                piece = torch.frombuffer(buf, dtype=torch.uint8, count=k, offset=off)
+            work = dist.broadcast(piece, src=src, group=group, async_op=True)
+            if prev is not None and crcs is not None:
+                crcs.update(view, *prev)
+            work.wait()
+            del piece, work  # a mapping cannot close while a tensor exports it
+            prev = (off, k) if scratch is None else None
+        if prev is not None and crcs is not None:
+            crcs.update(view, *prev)
+    finally:
+        if view is not None:
+            view.release()
+    return scratch is None
+
+
+def _together(fns: list[Callable[[], Any]]) -> list[Any]:
+    """Run ``fns`` at once (threads; gloo and zlib release the GIL); their results, in order. The
+    first exception is raised once all have ended (each piece is bounded by its group's timeout)."""
+    if len(fns) == 1:
+        return [fns[0]()]
+    out: list[Any] = [None] * len(fns)
+    errs: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
+            errs.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"petctl-stripe-{i}") for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errs:
+        raise errs[0]
+    return out
+
+
+class Plan:
+    """Who sends which stripe, over which group: ``srcs[i]`` sends stripe ``i`` over ``groups[i]``
+    (a gloo group of ``srcs[i]`` and every receiver). Made by every rank, the same way
+    (``dist.new_group`` is collective)."""
+
+    def __init__(self, srcs: list[int], needers: list[int], timeout: Any) -> None:
+        import torch.distributed as dist
+
+        self.srcs = srcs
+        self.groups = [
+            dist.new_group(ranks=sorted({s, *needers}), backend="gloo", timeout=timeout) for s in srcs
+        ]
+
+    def destroy(self) -> None:
+        import torch.distributed as dist
+
+        for g in self.groups:
+            try:
+                if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
+                    dist.destroy_process_group(g)
+            except Exception:  # noqa: BLE001 - a broken group may not tear down cleanly
+                pass
+        self.groups = []
+
+
+def _flag(lo: int, n: int, src: int, group: Any) -> tuple[int, int]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([lo, n], dtype=torch.int64)
+    dist.broadcast(t, src=src, group=group)
+    return int(t[0]), int(t[1])
+
+
+def send(
+    store: SnapshotStore, step: int, plan: Plan, me: int, map_location: Any
+) -> tuple[dict[str, Any] | None, int]:
+    """Send this rank's stripes of snapshot ``step`` (the header too, if it sends the first) and
+    load it: the bytes go out of the very mapping the loaded tensors view, their crc32s computed
+    on the way, then the rest of the copy's (none when the agent's check or the writer's seal
+    covers that very snapshot: ``SnapshotStore.covered``). (The state, None when a check failed;
+    the bytes sent.) A snapshot gone before it could be sent is announced as such: the receivers
+    give up at once, never waiting out the timeout."""
+    import torch
+    import torch.distributed as dist
+
+    mine = [i for i, s in enumerate(plan.srcs) if s == me]
+    lead = bool(mine) and mine[0] == 0
+    sent = [0, False]
+
+    def check(h: dict[str, Any], mm: Any) -> bool:
+        if sent[1]:
+            return False  # a second slot of the same step: the receivers have had the first
+        sent[1] = True
+        size = int(h["size"])
+        if lead:
+            header = json.dumps(h).encode()
+            dist.broadcast(torch.tensor([len(header), size], dtype=torch.int64), src=me, group=plan.groups[0])
+            dist.broadcast(
+                torch.frombuffer(bytearray(header), dtype=torch.uint8), src=me, group=plan.groups[0]
+            )
+        known = store.covered(h)
+        bounds = stripes(h["tensors"], size, len(plan.srcs))
+        crcs = {i: None if known else _Crcs(in_stripe(h["tensors"], *bounds[i])) for i in mine}
+
+        def one(i: int) -> None:
+            lo, n = bounds[i]
+            _flag(lo, n, me, plan.groups[i])
+            if n:
+                _stream(mm, lo, n, me, plan.groups[i], crcs[i])
+
+        _together([lambda i=i: one(i) for i in mine])
+        sent[0] = sum(bounds[i][1] for i in mine)
+        if known:
+            return True
+        if not all(c is not None and c.ok() for c in crcs.values()):
+            return False
+        rest = [
+            m
+            for m in h["tensors"]
+            if not any(lo <= int(m["offset"]) < lo + n for lo, n in (bounds[i] for i in mine))
+        ]
+        return _crcs_match({"tensors": rest}, mm)
+
+    state = store.load(step, map_location=map_location, check=check)
+    if not sent[1]:  # nothing to send from: said at once, on every group it serves
+        if lead:
+            dist.broadcast(torch.tensor([-1, -1], dtype=torch.int64), src=me, group=plan.groups[0])
+        for i in mine:
+            _flag(-1, -1, me, plan.groups[i])
+    return state, int(sent[0])
+
+
+class _Torn(Exception):
+    """A peer's bytes did not match its header's crc32s (or could not be stored): not kept."""
+
+
+def _peer_header(hbuf: Any, step: int, size: int) -> dict[str, Any] | None:
+    """The peer's header if it parses, its own crc32 matches and it is of ``step`` and ``size``."""
+    try:
+        h = json.loads(bytes(hbuf.numpy()))
+    except ValueError:
+        return None
+    if not isinstance(h, dict) or h.get("header_crc") != _header_crc(h):
+        return None
+    if int(h.get("step", -1)) != step or int(h.get("size", -1)) != size:
+        return None
+    return h
+
+
+def _pull_all(plan: Plan, into: Any, size: int, h: dict[str, Any] | None, reserve: Any = None) -> str:
+    """Receive every stripe at once into ``into`` (None: dropped, a piece at a time). ``""`` when
+    every stripe arrived whole, its tensors' crc32s matched ``h``'s and the stripes tile
+    ``[0, size)``; else what went wrong."""
+
+    def one(i: int) -> tuple[int, int, str]:
+        src, group = plan.srcs[i], plan.groups[i]
+        lo, n = _flag(0, 0, src, group)
+        if lo < 0:
+            return lo, 0, "a stripe's source had nothing to send"
+        if n <= 0:
+            return lo, 0, ""
+        fits = into is not None and h is not None and lo + n <= size
+        crcs = _Crcs(in_stripe(h["tensors"], lo, n)) if fits else None
+        whole = _stream(into if fits else None, lo, n, src, group, crcs, reserve if fits else None)
+        if not fits:
+            return lo, n, "dropped"
+        return lo, n, "no room" if not whole else "" if crcs is not None and crcs.ok() else "crc32 mismatch"
+
+    got = _together([lambda i=i: one(i) for i in range(len(plan.srcs))])
+    bad = sorted({why for _, _, why in got if why})
+    if bad:
+        return ", ".join(bad)
+    at = 0
+    for lo, n, _ in sorted((g for g in got if g[1]), key=lambda g: g[0]):
+        if lo != at:
+            return "the stripes do not tile the snapshot"
+        at = lo + n
+    return "" if at == size else "the stripes do not tile the snapshot"
+
+
+def receive(
+    step: int, plan: Plan, map_location: Any, store: SnapshotStore | None = None
+) -> tuple[dict[str, Any] | None, int, list[dict[str, Any]] | None, tuple[bool, float] | None]:
+    """Receive a peer's snapshot; the state if its step and every crc32 check, else None; its
+    size; its header's ``tensors`` (layout and crc32s, checked); whether it was kept in ``store``.
+
+    The crc32s are checked as the bytes arrive, stripe by stripe, not in a pass of their own.
+    ``store`` (this node's, given to its local rank 0): the bytes arrive straight in a slot of it
+    (:meth:`SnapshotStore.receive`, its pages allocated piece by piece as they arrive) and the
+    state is loaded from there (on the CPU views of the slot, lent; its crc32s already checked):
+    the node keeps the step with no copy of its own, and no second buffer. Bytes that fail their
+    check never get a header (never loaded, not kept). Kept is then ``(True, 0.0)``;
+    ``(False, 0.0)`` when the store has no room (the bytes then go into a buffer, as without a
+    store); None without a store (the caller keeps it).
+    """
+    import torch
+    import torch.distributed as dist
+
+    sizes = torch.zeros(2, dtype=torch.int64)
+    dist.broadcast(sizes, src=plan.srcs[0], group=plan.groups[0])
+    hlen, size = int(sizes[0]), int(sizes[1])
+    h = None
+    if size >= 0:
+        hbuf = torch.empty(hlen, dtype=torch.uint8)
+        dist.broadcast(hbuf, src=plan.srcs[0], group=plan.groups[0])
+        h = _peer_header(hbuf, step, size)
+    kept: tuple[bool, float] | None = None
+    if h is not None and store is not None:
+
+        def fill(mm: Any, reserve: Any) -> None:
+            why = _pull_all(plan, mm, size, h, reserve)
+            if why:
+                raise _Torn(why)
+
+        try:
+            why = store.receive(h, fill)
+        except _Torn as e:  # the slot stays torn (no header): never loaded
+            print(f"petctl checkpoint: step {step} from a peer not loaded ({e})", file=sys.stderr)
+            return None, size, None, None
+        if why == OK:
+            state = store.load(step, map_location=map_location, check=store.verified())
+            if state is None:
+                return None, size, None, None
+            return state, size, h["tensors"], (True, 0.0)
+        print(
+            f"petctl checkpoint: step {step}, restored from a peer, not kept in this node's memory ({why})",
+            file=sys.stderr,
+        )
+        kept = (False, 0.0)  # fill() was not called: the bytes go into a buffer below
+    if h is None:  # every stripe received and dropped, to keep the groups in step
+        _pull_all(plan, None, max(size, 0), None)
+        return None, max(size, 0), None, kept
+    blob = torch.empty(size, dtype=torch.uint8)
+    if _pull_all(plan, blob, size, h):
+        return None, size, None, kept
+    out = []
+    for m in h["tensors"]:
+        dt = dtype_from_name(m["dtype"])
+        if not m["nbytes"]:
+            out.append(torch.empty(m["shape"], dtype=dt, device=map_location))
+            continue
+        # on the CPU a view of the received buffer (no second copy); else a copy to the device
+        out.append(
+            blob[m["offset"] : m["offset"] + m["nbytes"]].view(dt).reshape(m["shape"]).to(map_location)
+        )
+    return decode_structure(h["structure"], out), size, h["tensors"], kept
