@@ -55,7 +55,6 @@ import platform
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -65,7 +64,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_elastic import Miss, measure, steady  # noqa: E402
-from benchlib import REPO, Node, Run, RunConfig, poll  # noqa: E402
+from benchlib import REPO, Node, Run, RunConfig, cap_flows, poll, reexec_in_netns  # noqa: E402
 
 STATE_SCRIPT = REPO / "scripts" / "state_train.py"
 #: tool -> (benchlib tool, memory snapshots on, the script's --io)
@@ -672,6 +671,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--netns", choices=("auto", "on", "off"), default="auto",
                    help="run inside a private loopback-only network namespace (unshare --net)")  # fmt: skip
+    p.add_argument("--flow-cap", type=float, default=5.0,
+                   help="Gbit/s per TCP flow on the namespace's loopback (AWS's single-flow limit outside a "
+                        "cluster placement group: 5; 0: none); only inside the bench's own network namespace")  # fmt: skip
     a = p.parse_args(argv)
     try:
         a.size_list = parse_sizes(a.sizes)
@@ -728,17 +730,6 @@ def render(doc: dict[str, Any]) -> str:
     return "\n\n".join(x for x in parts if x)
 
 
-def _reexec_in_netns(argv: list[str]) -> int | None:
-    unshare, ip = shutil.which("unshare"), shutil.which("ip")
-    if not unshare or not ip or os.environ.get("BENCH_IN_NETNS"):
-        return None
-    if subprocess.run([unshare, "--net", "true"], capture_output=True).returncode != 0:
-        return None
-    cmd = [unshare, "--net", "--", "sh", "-c", f'{ip} link set lo up && exec "$@"', "sh",
-           sys.executable, os.path.abspath(__file__), *argv]  # fmt: skip
-    return subprocess.call(cmd, env={**os.environ, "BENCH_IN_NETNS": "1"})
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parse_args(argv)
@@ -746,12 +737,23 @@ def main(argv: list[str] | None = None) -> int:
         print(render(json.loads(a.render.read_text())))
         return 0
     if a.netns != "off" and not os.environ.get("BENCH_IN_NETNS"):
-        rc = _reexec_in_netns(argv)
+        rc = reexec_in_netns(__file__, argv)
         if rc is not None:
             return rc
         if a.netns == "on":
             print("cannot create a network namespace (unshare --net)", file=sys.stderr)
             return 2
+    flow_cap = None
+    if a.flow_cap > 0:
+        why = (
+            cap_flows(a.flow_cap)
+            if os.environ.get("BENCH_IN_NETNS")
+            else "not in a network namespace of its own"
+        )
+        if why:
+            print(f"# per-flow cap of {a.flow_cap:g} Gbit/s not applied: {why}", file=sys.stderr, flush=True)
+        else:
+            flow_cap = a.flow_cap
     root = a.workdir or Path(tempfile.mkdtemp(prefix="bench-state-"))
     root.mkdir(parents=True, exist_ok=True)
     records: list[dict[str, Any]] = []
@@ -764,7 +766,8 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python scripts/bench_state.py " + " ".join(argv), "complete": complete,
             "started": started, "wall_s": round(time.time() - started, 1),
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                        "netns": bool(os.environ.get("BENCH_IN_NETNS")), "mem_total_gib": round(
+                        "netns": bool(os.environ.get("BENCH_IN_NETNS")), "flow_cap_gbit": flow_cap,
+                        "mem_total_gib": round(
                             os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB, 1)},
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()
                        if k != "node_map"} | {"node_map": {str(k): v for k, v in a.node_map.items()}},

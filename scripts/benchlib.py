@@ -601,3 +601,66 @@ class Run:
         """Free a gone node's memory snapshots (its instance, and so its RAM, is gone on AWS)."""
         if self.cfg.snapshot_root:
             shutil.rmtree(Path(self.cfg.snapshot_root) / node.name, ignore_errors=True)
+
+
+#: classic BPF for tc's ``bpf`` classifier (``bytecode``, opcode jt jf k): a TCP packet goes to class
+#: 1:(0x100 + ((sport ^ dport) & 255)) (its flow's bucket: both directions of a flow in one), any
+#: other to the default. Offsets from the Ethernet header (loopback keeps one): IP at 14, its
+#: protocol at 23, the ports after its IHL.
+_FLOW_BPF = [
+    (0x30, 0, 0, 23),  # ldb [23]: IP protocol
+    (0x15, 1, 0, 6),  # jeq #6 (TCP): skip the next
+    (0x06, 0, 0, 0xFFFFFFFF),  # ret #-1: the filter's default class
+    (0xB1, 0, 0, 14),  # ldx 4*([14]&0xf): the IP header's length
+    (0x48, 0, 0, 14),  # ldh [x+14]: source port
+    (0x02, 0, 0, 0),  # st M[0]
+    (0x48, 0, 0, 16),  # ldh [x+16]: destination port
+    (0x61, 0, 0, 0),  # ldx M[0]
+    (0xAC, 0, 0, 0),  # xor x
+    (0x54, 0, 0, 255),  # and #255
+    (0x04, 0, 0, 0x10100),  # add #1:0x100
+    (0x16, 0, 0, 0),  # ret a
+]
+
+
+def cap_flows(gbit: float) -> str:
+    """Cap every TCP flow on this (private) loopback at ``gbit`` Gbit/s, as AWS caps a single flow
+    between two instances (5 Gbit/s outside a cluster placement group, 10 inside: "Amazon EC2
+    instance network bandwidth"): htb, one class per flow bucket (256, by a hash of the ports;
+    two flows share a bucket's cap with probability ~2% for 4 flows), chosen by a BPF classifier.
+    Only ever called inside the bench's own network namespace. "" when applied, else why not."""
+    tc = shutil.which("tc")
+    if not tc:
+        return "no tc"
+    rate = int(gbit * 1e9)
+    r2q = max(1, rate // 8 // 60000)  # htb's quantum (rate / r2q) near 60 kB
+    lines = [
+        f"qdisc add dev lo root handle 1: htb default 1 r2q {r2q}",
+        "class add dev lo parent 1: classid 1:1 htb rate 400gbit",
+    ]
+    lines += [f"class add dev lo parent 1: classid 1:{0x100 + i:x} htb rate {rate}bit ceil {rate}bit burst 256k cburst 256k"
+              for i in range(256)]  # fmt: skip
+    code = ",".join(" ".join(str(x) for x in ins) for ins in _FLOW_BPF)
+    lines.append(
+        f'filter add dev lo parent 1: protocol ip prio 1 bpf bytecode "{len(_FLOW_BPF)},{code}" classid 1:1'
+    )
+    r = subprocess.run(
+        [tc, "-force", "-batch", "-"], input="\n".join(lines) + "\n", capture_output=True, text=True
+    )
+    if r.returncode != 0:
+        subprocess.run([tc, "qdisc", "del", "dev", "lo", "root"], capture_output=True)
+        return (r.stderr.strip().splitlines() or ["tc failed"])[-1]
+    return ""
+
+
+def reexec_in_netns(script: str, argv: list[str]) -> int | None:
+    """Run ``script argv`` again inside a private, loopback-only network namespace (``unshare --net``,
+    ``BENCH_IN_NETNS`` set); its exit code, or None when that is not possible (or already in one)."""
+    unshare, ip = shutil.which("unshare"), shutil.which("ip")
+    if not unshare or not ip or os.environ.get("BENCH_IN_NETNS"):
+        return None
+    if subprocess.run([unshare, "--net", "true"], capture_output=True).returncode != 0:
+        return None
+    cmd = [unshare, "--net", "--", "sh", "-c", f'{ip} link set lo up && exec "$@"', "sh",
+           sys.executable, os.path.abspath(script), *argv]  # fmt: skip
+    return subprocess.call(cmd, env={**os.environ, "BENCH_IN_NETNS": "1"})
