@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         write_snapshots([root / f"n{r}" for r in range(a.holders)], a.gib, a.tensors)
         for cap in caps:
-            subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
+            if os.environ.get("BENCH_IN_NETNS"):  # our own namespace's loopback only, never the host's
+                subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
             why = (
                 ""
                 if cap <= 0

@@ -1271,20 +1271,27 @@ def test_a_copy_under_given_crc32s_is_not_sealed(tmp_path: Path) -> None:
         s.close()
 
 
-def test_an_exited_writer_not_yet_reaped_is_gone() -> None:
-    """A zombie holds no mapping: its seal counts (the agent reaps its workers after the check)."""
-    from petctl_agent.checkpointing.snapshot import _alive, _started
+def test_an_exited_writer_not_yet_reaped_is_gone_and_only_a_sure_answer_counts() -> None:
+    """A zombie holds no mapping: its seal counts (the agent reaps its workers after the check).
+    Only a sure "gone" counts: an unknown start time or another pid namespace count as alive."""
+    from petctl_agent.checkpointing.snapshot import _alive, _pidns, _started
 
+    ns = _pidns()
+    assert ns is not None
     pid = os.fork()
     if pid == 0:
         os._exit(0)
     try:
         started = _started(pid)
         deadline = time.monotonic() + 10
-        while _alive(pid, started):
+        while _alive(pid, started, ns):
             assert time.monotonic() < deadline, "a zombie counted as alive"
             time.sleep(0.01)
-        assert _alive(os.getpid(), _started(os.getpid())) is True
-        assert _alive(os.getpid(), "0") is False  # a reused pid: another start time
+        assert _alive(pid, None, ns) is True  # its start time unknown: cannot tell
+        assert _alive(pid, started, ns + 1) is True  # another pid namespace's pid: cannot tell
+        assert _alive(pid, started, None) is True
+        assert _alive(os.getpid(), _started(os.getpid()), ns) is True
+        assert _alive(os.getpid(), "0", ns) is False  # a reused pid: another start time
     finally:
         os.waitpid(pid, 0)
+    assert _alive(pid, started, ns) is False  # reaped

@@ -19,7 +19,7 @@ by default; docs/agent.md, "Memory snapshots"). Then, for plain (not sharded) st
   2. else (no complete header of it on this node) a peer's: the ranks that hold that very snapshot
      send its bytes in stripes, each over a gloo group (a flow) of its own with the ranks that need
      it, all at once (``checkpointing/peer.py``: several flows lift AWS's 5 Gbit/s single-flow
-     cap); the lowest holder sends the header (timeout ``PETCTL_SNAPSHOT_PEER_TIMEOUT``, default
+     cap); the first source sends the header (timeout ``PETCTL_SNAPSHOT_PEER_TIMEOUT``, default
      60 s, per piece), each source straight out of the mapping
      its own restored tensors view, checking the crc32s as the pieces go (its load's one pass: the
      receivers never wait for the source's own load); the receivers check every crc32 as the
@@ -318,13 +318,13 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
         kept: tuple[bool, float] | None = None
         state = None
         me = dist.get_rank()
-        srcs = [holders[0]]  # the lowest holder by header; its bytes are checked as they go
+        srcs = [holders[0]]  # the first source sends the header; its bytes are checked as they go
         if needers:
             # the stripes' sources (peer.py): the holders of that very snapshot, local rank
             # first (nodes before ranks), taken in turn; as many stripes as every rank allows
-            mine = _held(store, agreed)
+            held = _held(store, agreed)
             packed = _all_gather(
-                peer.digest(mine) << 10 | min(_local_rank(), 31) << 5 | peer.streams(), group
+                peer.digest(held) << 10 | min(_local_rank(), 31) << 5 | peer.streams(), group
             )
             k = min(v & 31 for v in packed)
             same = sorted(
@@ -365,7 +365,7 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
             # bit 0: this rank has the state; bit 1: it can serve it -- its node's store holds the
             # step (its own copy, or a peer's received into it) and that copy passed its checks.
             # A receiver whose node could not keep the step (a plain buffer) is no source: its
-            # `_send` would announce nothing, its persister would ignore a request for the step
+            # `peer.send` would announce nothing, its persister would ignore a request for the step
             serves = state is not None and (source == "self" or bool(kept and kept[0]))
             flags = _all_gather(int(state is not None) | int(serves) << 1, end or group)
             mark("end")

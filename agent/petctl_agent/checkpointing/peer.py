@@ -87,7 +87,8 @@ def digest(header: dict[str, Any] | None) -> int:
 
 def stripes(tensors: list[dict[str, Any]], size: int, k: int) -> list[tuple[int, int]]:
     """Exactly ``k`` ranges ``(offset, bytes)`` tiling ``[0, size)``, cut only where a tensor starts,
-    each about ``size / k`` (the last ones empty when there are fewer tensors than ``k``)."""
+    at the first start at or past each ``size * i / k`` (so about equal where the tensors allow;
+    a tensor of half the state makes at most two useful stripes); empty ones last."""
     starts = sorted({int(m["offset"]) for m in tensors if int(m["nbytes"]) and 0 < int(m["offset"]) < size})
     cuts = [0]
     for i in range(1, k):
@@ -207,9 +208,15 @@ class Plan:
         import torch.distributed as dist
 
         self.srcs = srcs
-        self.groups = [
-            dist.new_group(ranks=sorted({s, *needers}), backend="gloo", timeout=timeout) for s in srcs
-        ]
+        self.groups: list[Any] = []
+        try:
+            for s in srcs:
+                self.groups.append(
+                    dist.new_group(ranks=sorted({s, *needers}), backend="gloo", timeout=timeout)
+                )
+        except BaseException:
+            self.destroy()
+            raise
 
     def destroy(self) -> None:
         import torch.distributed as dist
@@ -269,18 +276,18 @@ def send(
             if n:
                 _stream(mm, lo, n, me, plan.groups[i], crcs[i])
 
-        _together([lambda i=i: one(i) for i in mine])
-        sent[0] = sum(bounds[i][1] for i in mine)
+        # the rest of its own copy (the other stripes' tensors) is checked meanwhile, not after:
+        # every rank waits for the sources at the end of the restore
+        ours = [bounds[i] for i in mine]
+        rest = [m for m in h["tensors"] if not any(lo <= int(m["offset"]) < lo + n for lo, n in ours)]
+        fns: list[Callable[[], Any]] = [lambda i=i: one(i) for i in mine]
+        if not known:
+            fns.append(lambda: _crcs_match({"tensors": rest}, mm))
+        done = _together(fns)
+        sent[0] = sum(n for _, n in ours)
         if known:
             return True
-        if not all(c is not None and c.ok() for c in crcs.values()):
-            return False
-        rest = [
-            m
-            for m in h["tensors"]
-            if not any(lo <= int(m["offset"]) < lo + n for lo, n in (bounds[i] for i in mine))
-        ]
-        return _crcs_match({"tensors": rest}, mm)
+        return all(c is not None and c.ok() for c in crcs.values()) and bool(done[-1])
 
     state = store.load(step, map_location=map_location, check=check)
     if not sent[1]:  # nothing to send from: said at once, on every group it serves

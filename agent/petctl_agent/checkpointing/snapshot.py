@@ -80,6 +80,8 @@ OK = "ok"
 #: seconds a restore waits for the agent's verification of its snapshot still running (then it
 #: checks the bytes itself): that verification is the same pass, started earlier
 VERIFY_WAIT = 30.0
+#: seconds a writer waits for the verification lock to seal what it wrote (else it does not)
+SEAL_WAIT = 1.0
 
 
 class Unsupported(ValueError):
@@ -159,14 +161,28 @@ def _started(pid: int) -> str | None:
     return fields[19].decode() if len(fields) > 19 else None
 
 
-def _alive(pid: int, started: str | None) -> bool:
-    """Is process ``pid`` (started at ``started``, :func:`_started`) still there and not a zombie
-    (one that exited but is not reaped yet holds no mappings)?"""
+def _pidns() -> int | None:
+    """This process's pid namespace (the inode of ``/proc/self/ns/pid``), None when unreadable."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _alive(pid: int, started: str | None, pidns: int | None = None) -> bool:
+    """Might process ``pid`` (started at ``started``, :func:`_started`, in pid namespace ``pidns``)
+    still be there, and not a zombie (one that exited but is not reaped yet holds no mappings)?
+    Only a positive answer that it is gone counts as gone: a pid of another pid namespace (or an
+    unknown one), an unknown start time, or a ``/proc`` that cannot be read all count as alive."""
+    if started is None or pidns is None or pidns != _pidns():
+        return True
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-    except OSError:
+    except FileNotFoundError:
         return False
+    except OSError:
+        return True
     fields = stat[stat.rfind(b")") + 2 :].split()
     if not fields or fields[0] in (b"Z", b"X"):
         return False
@@ -1185,7 +1201,8 @@ class SnapshotStore:
         return check
 
     def covered(self, header: dict[str, Any], wait: float = VERIFY_WAIT) -> bool:
-        """Did the agent's :meth:`verify` pass this very snapshot (the rule of :meth:`prechecked`)?"""
+        """Did the agent's :meth:`verify` pass this very snapshot, or its writer seal it and is gone
+        (the rule of :meth:`prechecked`)?"""
         return self._covers(self._verification(wait), header)
 
     def _covers(self, rec: dict[str, Any] | None, header: dict[str, Any]) -> bool:
@@ -1196,7 +1213,7 @@ class SnapshotStore:
         writer = rec.get("writer")
         if writer is not None:
             try:
-                if _alive(int(writer[0]), writer[1]):
+                if _alive(int(writer[0]), writer[1], writer[2]):
                     return False
             except (TypeError, ValueError, IndexError):
                 return False
@@ -1646,22 +1663,22 @@ class SnapshotStore:
         written through, and a write through the filesystem moves the file's mtime -- i.e. after
         a stop or a failure, the very restarts the agent's :meth:`verify` is for: that pass (1 GiB:
         0.3-0.8 s of a node's cores while its new workers start) and the persister's are then not
-        made. Skipped when a verification runs (it writes its own record)."""
+        made. The lock is waited for at most :data:`SEAL_WAIT` (a reader holds it for a record's
+        read; a verification for a whole pass, and writes its own record): past it, no seal, and
+        the agent's check makes its pass as before."""
         try:
             lock = os.open(self.verify_lock_path(), os.O_RDWR | os.O_CREAT, 0o600)
         except OSError:
             return
         try:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
+            if not filelocks.flock_within(lock, fcntl.LOCK_EX, SEAL_WAIT, 0.005):
                 return
             try:
                 st = os.stat(self.data_path(header["slot"]))
             except OSError:
                 return
             if st.st_size == header["size"]:
-                self._put_record(header, st, writer=list(_self()))
+                self._put_record(header, st, writer=[*_self(), _pidns()])
         finally:
             os.close(lock)
 
@@ -1697,7 +1714,7 @@ class SnapshotStore:
 
         ``check(header, mm)``, if given, replaces the crc32 pass over the mapped bytes: True when
         every tensor's bytes match the header's crc32s, computed otherwise (a peer restore's
-        source checks them while it sends them, :func:`memory._send`; a receiver while they
+        source checks them while it sends them, :func:`peer.send`; a receiver while they
         arrive, :meth:`verified`). Called at most once, on the mapping the tensors will view.
 
         On the CPU the tensors are views of a private (copy-on-write) mapping of the slot's file,
