@@ -15,6 +15,9 @@ For each size (GiB of fp32 state, one tensor per 64 MiB) it times, medians of ``
   ``--interval`` s after the one before: a new store on the held slots, a restore whose tensors
   the script keeps (its slot lent: the write to it needs a new file), then the two writes;
 - ``snap_total``: the copy plus the crc32s and the header (``flush``);
+- ``snap_stop_1thr`` / ``snap_stop_nthr``: a coordinated stop's snapshot (``write(wait=True)``:
+  the copy, then the crc32s at once, the header), the crc32s on one thread / on
+  ``checkpointing.crcs.threads()`` threads (since stop 30);
 - ``snap_load`` vs ``efs_load``: restore from the snapshot vs ``files.load_file`` (sha256 + torch.load);
 - ``persist``: the background write of the snapshot to ``--efs`` (``persist_newest``).
 
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -82,6 +86,8 @@ def bench(gib: float, reps: int, shm_root: Path, efs_root: Path, interval: float
             "snap_total",
             "snap_load",
             "persist",
+            "snap_stop_1thr",
+            "snap_stop_nthr",
         )
     }
     try:
@@ -110,6 +116,13 @@ def bench(gib: float, reps: int, shm_root: Path, efs_root: Path, interval: float
             r["snap_total"].append(time.perf_counter() - t0)
             r["snap_load"].append(_t(store.load, step))
             r["persist"].append(_t(persist_newest, store, efs, 1))
+            # a coordinated stop's snapshot (waited for: copy, crc32s, header) on one thread and on
+            # the default number (crcs.threads(): the CPUs, at most 8), back to back
+            for key, n in (("snap_stop_1thr", "1"), ("snap_stop_nthr", "")):
+                step += 1
+                os.environ["PETCTL_CRC_THREADS"] = n
+                r[key].append(_t(lambda s=step: store.write(state, s, wait=True)))
+            os.environ.pop("PETCTL_CRC_THREADS", None)
         for _ in range(reps):  # a worker restart: a new store, a restore kept as training state
             store.close()
             store = SnapshotStore(shm, "r")
@@ -206,6 +219,8 @@ def main() -> None:
         "snap_restart",
         "snap_block",
         "snap_total",
+        "snap_stop_1thr",
+        "snap_stop_nthr",
         "block_s_per_gib",
         "restart_s_per_gib",
         "efs_load",

@@ -1295,3 +1295,25 @@ def test_an_exited_writer_not_yet_reaped_is_gone_and_only_a_sure_answer_counts()
     finally:
         os.waitpid(pid, 0)
     assert _alive(pid, started, ns) is False  # reaped
+
+
+def test_a_waited_write_checksums_on_several_threads_to_the_same_header(tmp_path: Path, monkeypatch) -> None:
+    """A write that is waited for (a coordinated stop) computes its crc32s on several threads, in
+    pieces joined with crc32_combine: the header is the one a single thread would write, and the
+    snapshot loads (its bytes checked against it)."""
+    from petctl_agent.checkpointing import crcs
+
+    monkeypatch.setattr(crcs, "PIECE", 1 << 16)  # many pieces per tensor
+    monkeypatch.setenv("PETCTL_CRC_THREADS", "4")
+    state = _mixed_state() | {"big": torch.randn(300_000), "odd": torch.randn(12_345)}
+    one, many = SnapshotStore(tmp_path / "one", "r"), SnapshotStore(tmp_path / "many", "r")
+    try:
+        assert one.write(state, 3) == "ok"  # the background thread: one thread, whole tensors
+        one.flush()
+        assert many.write(state, 3, wait=True) == "ok"
+        a, b = one.newest().header["tensors"], many.newest().header["tensors"]
+        assert [m["crc32"] for m in a] == [m["crc32"] for m in b] and len(a) > 20
+        assert _same(state, many.load(3))
+    finally:
+        one.close()
+        many.close()

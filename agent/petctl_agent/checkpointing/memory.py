@@ -220,7 +220,8 @@ def save(
     store = _store(sdir)
     why = ""
     if _local_rank() == 0:
-        why = store.write(state, step, world_size=1, rank=0)
+        # a stop or the last step waits for the header anyway: its crc32s then on several cores
+        why = store.write(state, step, world_size=1, rank=0, wait=wait or complete)
     ok = why in ("", OK)
     flags = [int(ok)]
     if wait and leaving:

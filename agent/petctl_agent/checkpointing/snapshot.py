@@ -46,7 +46,9 @@ the EFS path.
 
 The crc32s are computed after the copy, in a background thread (zlib releases the GIL): the
 blocking part of :meth:`SnapshotStore.write` is the copy. :meth:`SnapshotStore.flush` waits for the
-header. Torch is imported only to write or read.
+header. A write that is waited for (``wait``: a coordinated stop, the last step) computes them at
+once on up to 8 threads instead (``checkpointing/crcs.py``, pieces joined with crc32_combine).
+Torch is imported only to write or read.
 """
 
 from __future__ import annotations
@@ -167,6 +169,12 @@ def _pidns() -> int | None:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return None
+
+
+def crcs_threads() -> int:
+    from petctl_agent.checkpointing import crcs
+
+    return crcs.threads()
 
 
 def _alive(pid: int, started: str | None, pidns: int | None = None) -> bool:
@@ -1404,7 +1412,8 @@ class SnapshotStore:
                 self._error = e
 
         if wait or all("crc32" in m for m in metas):
-            self._finish(mm, header, seal)
+            # waited for (a coordinated stop, the last step): on every core the node lends it
+            self._finish(mm, header, seal, crcs_threads() if wait else 1)
         else:
             self._pending = threading.Thread(target=finish, name="petctl-snapshot-crc", daemon=True)
             self._pending.start()
@@ -1639,12 +1648,18 @@ class SnapshotStore:
         if mm is not None:  # the writer mapped it meanwhile: its mapping stays
             _close_map(mm)
 
-    def _finish(self, mm: mmap.mmap | None, header: dict[str, Any], seal: bool = False) -> None:
+    def _finish(
+        self, mm: mmap.mmap | None, header: dict[str, Any], seal: bool = False, nthreads: int = 1
+    ) -> None:
+        """The crc32s not known yet (``nthreads`` threads: a write waited for), then the header."""
+        from petctl_agent.checkpointing import crcs
+
         view = memoryview(mm) if mm is not None else memoryview(b"")
         try:
-            for m in header["tensors"]:
-                if "crc32" not in m:  # known already when the caller gave them (write(crcs=...))
-                    m["crc32"] = zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]])
+            # known already when the caller gave them (write(known=...)): not computed again
+            todo = [m for m in header["tensors"] if "crc32" not in m]
+            for m, c in zip(todo, crcs.tensor_crcs(view, todo, nthreads)):
+                m["crc32"] = c
         finally:
             view.release()
         header["header_crc"] = _header_crc(header)
