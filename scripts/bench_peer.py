@@ -38,12 +38,15 @@ WORKER = """
 import json, os, sys, time
 from petctl_agent.distributed import init_process_group
 from petctl_agent.checkpointing import memory
+from petctl_agent.worker.forkserver import keep_destroyed_groups_alive
 from pathlib import Path
+keep_destroyed_groups_alive()  # as the agent's workers (worker/forkserver.py: torch's gloo exit race)
 init_process_group()
 t0 = time.monotonic()
 got = memory.resume(Path(os.environ["PETCTL_CHECKPOINT_DIR"]), "cpu")
 took = time.monotonic() - t0
 print("RESULT " + json.dumps({"step": got[1] if got else None, "seconds": took}), flush=True)
+os._exit(0)  # as a forkserver worker leaves: the groups are never destructed
 """
 
 
