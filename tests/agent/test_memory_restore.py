@@ -75,6 +75,14 @@ RESTORE = textwrap.dedent(
                 t[0] += 1
             return Done() if async_op else w
         dist.broadcast = broadcast
+    if os.environ.get("VANISH_BEFORE_SEND"):  # this node's snapshot file is cut short just before it sends
+        from petctl_agent.checkpointing import peer
+        real_send = peer.send
+        def send(store, *a, **kw):
+            for c in store.complete():
+                os.truncate(store.data_path(c.slot), 0)
+            return real_send(store, *a, **kw)
+        peer.send = send
     sent, flows, real_sb = [0], set(), dist.broadcast  # data this rank sent as a source, over how many groups
     def counting(t, src, group=None, **kw):
         if dist.get_rank() == src and t.numel() * t.element_size() >= 65536:
@@ -340,6 +348,17 @@ def test_a_piece_that_arrives_changed_is_never_loaded_nor_kept_and_efs_answers(t
     assert "step 6 from a peer not loaded (crc32 mismatch)" in cps[1].stderr
 
 
+def _killed_mid_transfer(first: list[subprocess.CompletedProcess], killed: int, took: float) -> None:
+    """Rank ``killed`` died of its SIGKILL mid-transfer; every other rank stopped with
+    PeerRestoreError (exit 3), all within the peer timeout's bound (no hang)."""
+    assert first[killed].returncode == -signal.SIGKILL, first[killed].stderr[-2000:]
+    for r, cp in enumerate(first):
+        if r != killed:
+            assert cp.returncode == 3, cp.stdout[-2000:] + cp.stderr[-3000:]
+            assert "PEER_FAILED" in cp.stdout and "restore from a peer's memory failed" in cp.stdout
+    assert took < 60, took
+
+
 def test_source_killed_mid_transfer_every_rank_exits_then_next_source_serves(tmp_path: Path) -> None:
     """The source (rank 0) is SIGKILLed in the middle of a multi-chunk broadcast: the others stop
     within the peer timeout (no hang) with PeerRestoreError; the next round, without the dead
@@ -363,12 +382,7 @@ def test_source_killed_mid_transfer_every_rank_exits_then_next_source_serves(tmp
             for r in (0, 1, 2)
         ],
     )
-    took = time.monotonic() - t0
-    assert first[0].returncode == -signal.SIGKILL, first[0].stderr[-2000:]
-    for cp in first[1:]:
-        assert cp.returncode == 3, cp.stdout[-2000:] + cp.stderr[-3000:]
-        assert "PEER_FAILED" in cp.stdout and "restore from a peer's memory failed" in cp.stdout
-    assert took < 60, took
+    _killed_mid_transfer(first, 0, time.monotonic() - t0)
     # the next round: node 1 (now rank 0) and the newcomer node 2 (rank 1)
     second = _ranks(tmp_path, [{**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}")} for r in (1, 2)])
     res = [_res(cp) for cp in second]
@@ -1121,12 +1135,7 @@ def test_a_stripe_source_killed_mid_transfer_every_rank_exits_then_the_other_ser
             {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n2")},
         ],
     )
-    took = time.monotonic() - t0
-    assert first[1].returncode == -signal.SIGKILL, first[1].stderr[-2000:]
-    for cp in (first[0], first[2]):
-        assert cp.returncode == 3, cp.stdout[-2000:] + cp.stderr[-3000:]
-        assert "PEER_FAILED" in cp.stdout
-    assert took < 60, took
+    _killed_mid_transfer(first, 1, time.monotonic() - t0)
     assert not (tmp_path / "n2" / f"{memory.NAME}.a.json").exists()  # nothing torn was kept
     second = _ranks(tmp_path, [{**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}")} for r in (0, 2)])
     res = [_res(cp) for cp in second]
@@ -1143,3 +1152,29 @@ def test_the_streams_setting_is_bounded_and_says_what_it_used(monkeypatch, capsy
     err = capsys.readouterr().err
     assert "PETCTL_SNAPSHOT_STREAMS='64' is not a whole number from 1 to 16; using 16" in err
     assert "'four'" in err and "'1'" not in err
+
+
+def test_a_stripe_source_whose_copy_went_says_so_and_the_step_comes_from_the_other(tmp_path: Path) -> None:
+    """Node 1 held step 6 when the ranks compared, but its file is gone by the time it sends its
+    stripes: it announces that on each of its groups (no receiver waits out a timeout), the
+    newcomer's receive fails its tiling, and one more transfer from node 0 serves both node 1 and
+    the newcomer: every rank restores node 0's step 6, without EFS."""
+    efs = tmp_path / "efs"
+    _efs_with_a_broken_step_4(efs)
+    for r in (0, 1):
+        _many(tmp_path / f"n{r}", 6)
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "6", "PETCTL_SNAPSHOT_CHUNK": str(1 << 16)}
+    t0 = time.monotonic()
+    cps = _ranks(
+        tmp_path,
+        [
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n0")},
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n1"), "VANISH_BEFORE_SEND": "1"},
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n2")},
+        ],
+    )
+    res = [_res(cp) for cp in cps]
+    assert time.monotonic() - t0 < 30  # never waited out the 10 s peer timeout per piece
+    assert [r["report"]["source"] for r in res] == ["self", "peer", "peer"], res
+    assert res[0]["sums"] == res[1]["sums"] == res[2]["sums"] and len(res[0]["sums"]) == 9
+    assert "not loaded (a stripe's source had nothing to send)" in cps[2].stderr, cps[2].stderr[-2000:]
