@@ -84,10 +84,13 @@ RESTORE = textwrap.dedent(
             return real_send(store, *a, **kw)
         peer.send = send
     sent, flows, real_sb = [0], set(), dist.broadcast  # data this rank sent as a source, over how many groups
+    got = [0]  # and data it received
     def counting(t, src, group=None, **kw):
         if dist.get_rank() == src and t.numel() * t.element_size() >= 65536:
             sent[0] += t.numel() * t.element_size()
             flows.add(id(group))
+        elif t.numel() * t.element_size() >= 65536:
+            got[0] += t.numel() * t.element_size()
         return real_sb(t, src, group=group, **kw)
     dist.broadcast = counting
     t0 = time.monotonic()
@@ -115,7 +118,7 @@ RESTORE = textwrap.dedent(
     report = json.load(open(rep)) if os.path.exists(rep) else None
     sums = {k: float(v.double().sum()) for k, v in restored[0].items()} if restored else None
     print("RESULT " + json.dumps({"start": start, "w": w[:4].tolist(), "report": report, "at": at,
-                                  "sent": sent[0], "flows": len(flows), "sums": sums}), flush=True)
+                                  "sent": sent[0], "flows": len(flows), "sums": sums, "got": got[0]}), flush=True)
     """
 )
 
@@ -1178,3 +1181,57 @@ def test_a_stripe_source_whose_copy_went_says_so_and_the_step_comes_from_the_oth
     assert [r["report"]["source"] for r in res] == ["self", "peer", "peer"], res
     assert res[0]["sums"] == res[1]["sums"] == res[2]["sums"] and len(res[0]["sums"]) == 9
     assert "not loaded (a stripe's source had nothing to send)" in cps[2].stderr, cps[2].stderr[-2000:]
+
+
+def test_one_rank_per_node_takes_the_bytes_off_the_network_and_its_node_loads_that_copy(
+    tmp_path: Path,
+) -> None:
+    """Two nodes of two ranks each (ranks sharing a store share a node): node A holds step 6, node
+    B nothing. Only B's local rank 0 receives the snapshot over the network, into B's store; B's
+    local rank 1 loads that copy (before: both received it, and the broadcast among them sent
+    the source's bytes twice). Every rank has A's state."""
+    efs = tmp_path / "efs"
+    _efs_with_a_broken_step_4(efs)
+    size = _many(tmp_path / "A", 6)
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "6", "PETCTL_SNAPSHOT_CHUNK": str(1 << 16)}
+    ranks = [("A", 0), ("A", 1), ("B", 0), ("B", 1)]
+    cps = _ranks(
+        tmp_path,
+        [{**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / n), "LOCAL_RANK": str(lr)} for n, lr in ranks],
+    )
+    res = [_res(cp) for cp in cps]
+    assert res[0]["sums"] == res[1]["sums"] == res[2]["sums"] == res[3]["sums"] and len(res[3]["sums"]) == 9
+    assert res[2]["got"] >= size - (1 << 16) and res[3]["got"] == 0, [
+        r["got"] for r in res
+    ]  # (w: under the count)
+    assert res[2]["report"]["source"] == "peer"  # B's report (its local rank 0's)
+    assert "restored step 6 from peer" in cps[3].stderr, cps[3].stderr[-2000:]
+    assert sum(r["sent"] for r in res[:2]) < 2 * size  # A sent the bytes once, not once per B rank
+
+
+def test_when_a_nodes_receiver_cannot_keep_the_step_its_other_ranks_receive_it_themselves(
+    tmp_path: Path,
+) -> None:
+    """As above, but node B has no memory to spare (PETCTL_SNAPSHOT_MEMINFO): its local rank 0
+    receives into a plain buffer and keeps nothing, so there is no copy for its local rank 1 to
+    load; that rank gets the step in one more transfer, over the network. Every rank has A's
+    state, none reads EFS."""
+    efs = tmp_path / "efs"
+    _efs_with_a_broken_step_4(efs)
+    size = _many(tmp_path / "A", 6)
+    full = tmp_path / "meminfo-full"
+    full.write_text("MemTotal:       8388608 kB\nMemAvailable:          0 kB\n")
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "6", "PETCTL_SNAPSHOT_CHUNK": str(1 << 16)}
+    b = {"PETCTL_SNAPSHOT_MEMINFO": str(full)}
+    ranks = [("A", 0, {}), ("A", 1, {}), ("B", 0, b), ("B", 1, b)]
+    cps = _ranks(
+        tmp_path,
+        [
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / n), "LOCAL_RANK": str(lr), **x}
+            for n, lr, x in ranks
+        ],
+    )
+    res = [_res(cp) for cp in cps]
+    assert res[0]["sums"] == res[1]["sums"] == res[2]["sums"] == res[3]["sums"] and len(res[3]["sums"]) == 9
+    assert [r["got"] >= size - (1 << 16) for r in res] == [False, False, True, True], [r["got"] for r in res]
+    assert "not kept in this node's memory" in cps[2].stderr, cps[2].stderr[-2000:]

@@ -20,7 +20,8 @@ by default; docs/agent.md, "Memory snapshots"). Then, for plain (not sharded) st
      send its bytes in stripes, each over a gloo group (a flow) of its own with the ranks that need
      it, all at once (``checkpointing/peer.py``: several flows lift AWS's 5 Gbit/s single-flow
      cap); the first source sends the header (timeout ``PETCTL_SNAPSHOT_PEER_TIMEOUT``, default
-     60 s, per piece), each source straight out of the mapping
+     60 s, per piece) to one rank per node (the node's other ranks load the copy it received into
+     the node's store), each source straight out of the mapping
      its own restored tensors view, checking the crc32s as the pieces go (its load's one pass: the
      receivers never wait for the source's own load); the receivers check every crc32 as the
      pieces arrive. A holder whose own copy fails its check (the source's too: then with every
@@ -58,8 +59,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
+import zlib
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -320,6 +323,7 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
         state = None
         me = dist.get_rank()
         srcs = [holders[0]]  # the first source sends the header; its bytes are checked as they go
+        receivers, followers, mine_receiver = needers, [], -1
         if needers:
             # the stripes' sources (peer.py): the holders of that very snapshot, local rank
             # first (nodes before ranks), taken in turn; as many stripes as every rank allows
@@ -333,6 +337,17 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
                 key=lambda r: ((packed[r] >> 5) & 31, r),
             )
             srcs = [same[i % len(same)] for i in range(k)]
+            # one receiver per node (the ranks sharing this store): its lowest local rank takes
+            # the bytes over the network into the node's store, the node's other ranks (followers)
+            # then load that copy -- a node of 8 GPUs takes 1 GiB off the network, not 8 (a
+            # binomial broadcast among them would also send the source's bytes several times)
+            nodes = _all_gather(_node_key(sdir) << 5 | min(_local_rank(), 31), group)
+            first: dict[int, int] = {}
+            for r in sorted(needers, key=lambda r: (nodes[r] & 31, r)):
+                first.setdefault(nodes[r] >> 5, r)
+            receivers = sorted(first.values())
+            followers = [r for r in needers if r not in first.values()]
+            mine_receiver = first.get(nodes[me] >> 5, -1)
         for attempt in (1, 2):
             if needers:
                 if end is None:
@@ -341,7 +356,7 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
                     # timeout there failed every rank on a transfer longer than 60 s)
                     pieces = -(-(max(holds) - 1) // peer.chunk())
                     end = dist.new_group(backend="gloo", timeout=timeout * (pieces + 3))
-                plan = peer.Plan(srcs, needers, timeout)
+                plan = peer.Plan(srcs, receivers, timeout)
                 mark("group")
                 if me in srcs:
                     # sent straight out of the mapping its own state views, the crc32s checked on
@@ -349,15 +364,25 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
                     loaded, n = peer.send(store, agreed, plan, me, map_location)
                     state = state if state is not None else loaded
                     nbytes = nbytes or n
-                elif me in needers:
+                elif me in receivers:
                     into = store if _local_rank() == 0 else None  # the store's one writer on this node
                     state, nbytes, known, kept = peer.receive(agreed, plan, map_location, into)
                     source = "peer"
-                elif state is None:  # another holder: its own copy, meanwhile
+                elif state is None and me not in followers:  # another holder: its own copy, meanwhile
                     state = store.load(agreed, map_location=map_location, check=store.prechecked())
                 # a source's: its send and load (one pass); a receiver's: its slot's pages, the
                 # bytes and their crc32s (as they arrive); another holder's: its own load
-                mark("send" if me in srcs else "receive" if me in needers else "load")
+                mark("send" if me in srcs else "receive" if me in receivers else "load")
+                if followers:
+                    # which receivers' nodes now hold the step: their followers load that copy
+                    # (checked in full: its writer, the receiver, lives on)
+                    took = _all_gather(int(bool(kept and kept[0])), end)
+                    if me in followers:
+                        source = "peer"
+                        if mine_receiver >= 0 and took[mine_receiver]:
+                            state = store.load(agreed, map_location=map_location, check=store.prechecked())
+                            kept = (state is not None, 0.0)
+                        mark("load")
             elif state is None:
                 # its crc32s checked by the agent while this worker started, if that is still the
                 # very snapshot (SnapshotStore.verify); else here, in full
@@ -377,12 +402,14 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
             # bytes changed on the way): EFS, below. Else (a holder's own copy failed, a
             # source's included: then every receiver failed too) one more transfer to every
             # rank that failed, from a rank whose copy passed (one stream)
-            transfer_failed = bool(needers) and not set(srcs) & set(bad) and any(r in needers for r in bad)
+            transfer_failed = bool(needers) and not set(srcs) & set(bad) and any(r in receivers for r in bad)
             if not bad or attempt == 2 or not sources or transfer_failed:
                 break
             if plan is not None:
                 plan.destroy()
-            plan, srcs, needers = None, [sources[0]], bad
+            # every rank that failed (a follower whose node's receiver kept nothing included)
+            # receives over the network itself this time
+            plan, srcs, needers, receivers, followers = None, [sources[0]], bad, bad, []
         ok = min(oks)
     except Exception as e:  # noqa: BLE001 - a dead peer breaks the group for every rank
         raise PeerRestoreError(
@@ -547,6 +574,11 @@ def _held(store: SnapshotStore, step: int) -> dict[str, Any] | None:
             except OSError:
                 pass
     return None
+
+
+def _node_key(sdir: Path) -> int:
+    """A 31-bit key of this rank's node: the host and its store (the ranks of one node share it)."""
+    return zlib.crc32(f"{socket.gethostname()}:{os.path.realpath(sdir)}".encode()) & 0x7FFFFFFF
 
 
 def _holds(store: SnapshotStore, step: int) -> bool:
