@@ -1235,3 +1235,6 @@ def test_when_a_nodes_receiver_cannot_keep_the_step_its_other_ranks_receive_it_t
     assert res[0]["sums"] == res[1]["sums"] == res[2]["sums"] == res[3]["sums"] and len(res[3]["sums"]) == 9
     assert [r["got"] >= size - (1 << 16) for r in res] == [False, False, True, True], [r["got"] for r in res]
     assert "not kept in this node's memory" in cps[2].stderr, cps[2].stderr[-2000:]
+    # B1 waited for its node's receiver, then received itself in the second transfer
+    line = next(x for x in cps[3].stderr.splitlines() if "restored step 6" in x)
+    assert line.count("group") == 2 and "wait" in line and "receive" in line, line

@@ -57,12 +57,12 @@ Each node's local rank 0 writes what its restore used to ``restore.json`` in the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
 import sys
 import time
-import zlib
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -345,9 +345,12 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
             first: dict[int, int] = {}
             for r in sorted(needers, key=lambda r: (nodes[r] & 31, r)):
                 first.setdefault(nodes[r] >> 5, r)
-            receivers = sorted(first.values())
-            followers = [r for r in needers if r not in first.values()]
-            mine_receiver = first.get(nodes[me] >> 5, -1)
+            # only a local rank 0 writes its node's store: a node whose lowest needer is not one
+            # (LOCAL_RANK unset) has every needer receive for itself, as before
+            lead = {k: r for k, r in first.items() if nodes[r] & 31 == 0}
+            followers = [r for r in needers if nodes[r] >> 5 in lead and r != lead[nodes[r] >> 5]]
+            receivers = [r for r in needers if r not in followers]
+            mine_receiver = lead.get(nodes[me] >> 5, -1)
         for attempt in (1, 2):
             if needers:
                 if end is None:
@@ -372,17 +375,19 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
                     state = store.load(agreed, map_location=map_location, check=store.prechecked())
                 # a source's: its send and load (one pass); a receiver's: its slot's pages, the
                 # bytes and their crc32s (as they arrive); another holder's: its own load
-                mark("send" if me in srcs else "receive" if me in receivers else "load")
+                if me not in followers:
+                    mark("send" if me in srcs else "receive" if me in receivers else "load")
                 if followers:
                     # which receivers' nodes now hold the step: their followers load that copy
                     # (checked in full: its writer, the receiver, lives on)
                     took = _all_gather(int(bool(kept and kept[0])), end)
                     if me in followers:
                         source = "peer"
+                        mark("wait")  # for its node's receiver
                         if mine_receiver >= 0 and took[mine_receiver]:
                             state = store.load(agreed, map_location=map_location, check=store.prechecked())
                             kept = (state is not None, 0.0)
-                        mark("load")
+                            mark("load")
             elif state is None:
                 # its crc32s checked by the agent while this worker started, if that is still the
                 # very snapshot (SnapshotStore.verify); else here, in full
@@ -577,8 +582,11 @@ def _held(store: SnapshotStore, step: int) -> dict[str, Any] | None:
 
 
 def _node_key(sdir: Path) -> int:
-    """A 31-bit key of this rank's node: the host and its store (the ranks of one node share it)."""
-    return zlib.crc32(f"{socket.gethostname()}:{os.path.realpath(sdir)}".encode()) & 0x7FFFFFFF
+    """A 56-bit key of this rank's node: the host and its store (the ranks of one node share it).
+    (A collision would only make a rank wait for another node's receiver, then get the step in
+    the retry: its own store lacks it.)"""
+    name = f"{socket.gethostname()}:{os.path.realpath(sdir)}".encode()
+    return int.from_bytes(hashlib.blake2b(name, digest_size=7).digest(), "big")
 
 
 def _holds(store: SnapshotStore, step: int) -> bool:
