@@ -60,7 +60,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -72,7 +71,7 @@ from petctl_agent.checkpointing.atomic import atomic_write
 from petctl_agent.checkpointing.drain import LEAVE, _local_drain_flag
 from petctl_agent.checkpointing.files import read_pointer
 from petctl_agent.checkpointing.persist import Persister
-from petctl_agent.checkpointing.snapshot import OK, SnapshotStore
+from petctl_agent.checkpointing.snapshot import OK, SnapshotStore, node_name
 from petctl_agent.distributed import dist_on, dist_rank
 
 NAME = "replicated"
@@ -585,8 +584,7 @@ def _node_key(sdir: Path) -> int:
     """A 56-bit key of this rank's node: the host and its store (the ranks of one node share it).
     (A collision would only make a rank wait for another node's receiver, then get the step in
     the retry: its own store lacks it.)"""
-    name = f"{socket.gethostname()}:{os.path.realpath(sdir)}".encode()
-    return int.from_bytes(hashlib.blake2b(name, digest_size=7).digest(), "big")
+    return int.from_bytes(hashlib.blake2b(node_name(sdir).encode(), digest_size=7).digest(), "big")
 
 
 def _holds(store: SnapshotStore, step: int) -> bool:

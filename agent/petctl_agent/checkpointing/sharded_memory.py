@@ -52,7 +52,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import sys
 import threading
 import time
@@ -65,7 +64,7 @@ from typing import Any
 
 from petctl_agent.checkpointing.atomic import fsync_dir
 from petctl_agent.checkpointing.files import CKPT_RE, prune, read_pointer, write_pointer
-from petctl_agent.checkpointing.snapshot import read_meminfo, reserve
+from petctl_agent.checkpointing.snapshot import node_name, read_meminfo, reserve
 from petctl_agent.distributed import dist_on, dist_rank, dist_world
 
 SUBDIR = "sharded"
@@ -101,7 +100,7 @@ def _meminfo() -> dict[str, int]:
 
 
 def _node_key() -> str:
-    return f"{socket.gethostname()}|{os.path.realpath(os.environ.get('PETCTL_SNAPSHOT_DIR', ''))}"
+    return node_name(os.environ.get("PETCTL_SNAPSHOT_DIR", ""))
 
 
 def _say(msg: str) -> None:

@@ -60,6 +60,7 @@ import itertools
 import json
 import mmap
 import os
+import socket
 import threading
 import weakref
 import zlib
@@ -175,6 +176,13 @@ def crcs_threads() -> int:
     from petctl_agent.checkpointing import crcs
 
     return crcs.threads()
+
+
+def node_name(directory: str | os.PathLike) -> str:
+    """Which node a store is on, as the ranks compare it: the host and the store's real path (the
+    ranks of one node share their store; the local cloud's instances on one machine each have
+    their own)."""
+    return f"{socket.gethostname()}|{os.path.realpath(directory)}"
 
 
 def _alive(pid: int, started: str | None, pidns: int | None = None) -> bool:
