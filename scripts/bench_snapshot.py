@@ -14,14 +14,16 @@ For each size (GiB of fp32 state, one tensor per 64 MiB) it times, medians of ``
 - ``snap_restart``: the worse of the first two checkpoints after a worker restart, each
   ``--interval`` s after the one before: a new store on the held slots, a restore whose tensors
   the script keeps (its slot lent: the write to it needs a new file), then the two writes;
-- ``snap_total``: the copy plus the crc32s and the header (``flush``);
+- ``snap_total``: the copy plus the CRCs and the header (``flush``);
 - ``snap_stop_1thr`` / ``snap_stop_nthr``: a coordinated stop's snapshot (``write(wait=True)``:
-  the copy, then the crc32s at once, the header), the crc32s on one thread / on
+  the copy, then the CRCs at once, the header), the CRCs on one thread / on
   ``checkpointing.crcs.threads()`` threads (since stop 30);
 - ``snap_load`` vs ``efs_load``: restore from the snapshot vs ``files.load_file`` (sha256 + torch.load);
 - ``persist``: the background write of the snapshot to ``--efs`` (``persist_newest``).
 
 ``--floor``: only the pieces, s/GiB: the memcpy floor (anonymous memory, 1 and all threads),
+the checksum on one thread (``crc_zlib_crc32``: zlib's crc32, the memory path's until stop 31;
+``crc_crc32c``: :func:`checkpointing.crcs.crc`, CRC-32C in hardware),
 ``posix_fallocate``, ``MAP_POPULATE`` vs ``madvise(MADV_POPULATE_WRITE)`` (the store's, GIL
 released) vs the copy's own page faults, and the copy into mapped pages.
 
@@ -41,10 +43,12 @@ import shutil
 import statistics
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import torch
 
+from petctl_agent.checkpointing import crcs
 from petctl_agent.checkpointing.files import load_file, read_pointer, write_file
 from petctl_agent.checkpointing.persist import persist_newest
 from petctl_agent.checkpointing.snapshot import SnapshotStore
@@ -116,7 +120,7 @@ def bench(gib: float, reps: int, shm_root: Path, efs_root: Path, interval: float
             r["snap_total"].append(time.perf_counter() - t0)
             r["snap_load"].append(_t(store.load, step))
             r["persist"].append(_t(persist_newest, store, efs, 1))
-            # a coordinated stop's snapshot (waited for: copy, crc32s, header) on one thread and on
+            # a coordinated stop's snapshot (waited for: copy, CRCs, header) on one thread and on
             # the default number (crcs.threads(): the CPUs, at most 8), back to back
             for key, n in (("snap_stop_1thr", "1"), ("snap_stop_nthr", "")):
                 step += 1
@@ -171,6 +175,11 @@ def floor(gib: float, reps: int, shm_root: Path) -> dict[str, float]:
                 torch.set_num_threads(k)
                 r.setdefault(f"memcpy_anon_{k}thr", []).append(_t(anon.copy_, src))
             torch.set_num_threads(threads)
+            # the checksum, one thread: zlib's crc32 (before stop 31) vs crcs.crc (CRC-32C, awscrt)
+            view = memoryview(anon.numpy())
+            r.setdefault("crc_zlib_crc32", []).append(_t(zlib.crc32, view))
+            r.setdefault("crc_crc32c", []).append(_t(crcs.crc, view))
+            view.release()
             for how in ("map_populate", "madvise_populate_ctypes", "copy_faults"):
                 fd = os.open(d / how, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
                 os.ftruncate(fd, n)

@@ -45,15 +45,15 @@ RESTORE = textwrap.dedent(
             sent[0] += 1
             return real(t, src, group=group, **kw)
         dist.broadcast = broadcast
-    if os.environ.get("TRACE_CRC"):  # when each crc32 of a piece of data ran (SLOW_CRC: and slowly)
-        import zlib
-        real_crc, slow = zlib.crc32, float(os.environ.get("SLOW_CRC") or 0)
-        def crc32(data, value=0):
+    if os.environ.get("TRACE_CRC"):  # when each CRC of a piece of data ran (SLOW_CRC: and slowly)
+        from petctl_agent.checkpointing import crcs
+        real_crc, slow = crcs.crc, float(os.environ.get("SLOW_CRC") or 0)
+        def crc(data, value=0):
             if memoryview(data).nbytes >= 65536:  # not a header's
                 time.sleep(slow)
                 print("TRACE crc %.6f" % time.time(), flush=True)
             return real_crc(data, value)
-        zlib.crc32 = crc32
+        crcs.crc = crc
     if os.environ.get("FAIL_FALLOCATE_AFTER"):  # the node's tmpfs fills up mid-receive (ENOSPC)
         import errno
         real_fa, calls = os.posix_fallocate, [0]
@@ -208,7 +208,7 @@ def test_newcomer_restores_from_a_survivor_without_reading_efs(tmp_path: Path) -
 
 
 def test_torn_snapshot_is_never_loaded_and_efs_answers(tmp_path: Path) -> None:
-    """Restore order, EFS last: node 0's step-6 snapshot has a flipped byte (its crc32 fails),
+    """Restore order, EFS last: node 0's step-6 snapshot has a flipped byte (its CRC fails),
     node 1 holds only step 5 (stale: not the agreed step): nobody loads memory, all load EFS."""
     efs = tmp_path / "efs"
     ckpt.save({"w": torch.full((4,), 4.0)}, 4, efs)
@@ -236,9 +236,9 @@ def test_the_source_sends_while_it_checks_its_own_copy_and_the_newcomer_checks_a
     tmp_path: Path,
 ) -> None:
     """A newcomer never waits for the source's own load: the source sends its snapshot out of the
-    mapping its restored tensors view, checking the crc32s piece by piece as the pieces go, and
+    mapping its restored tensors view, checking the CRCs piece by piece as the pieces go, and
     the newcomer checks each piece as it arrives (no pass of its own afterwards). With the
-    source's crc32 made slow (0.3 s a piece), the newcomer has checked its first piece before the
+    source's CRC made slow (0.3 s a piece), the newcomer has checked its first piece before the
     source has checked its last. (Stop 25-26 at 1 GiB: the source's load, 0.5-1.3 s, came first;
     the newcomer waited, then checked the whole state again after the transfer.)"""
     efs = tmp_path / "efs"
@@ -328,7 +328,7 @@ def test_a_receive_that_runs_out_of_room_mid_way_frees_it_and_efs_answers(tmp_pa
 
 def test_a_piece_that_arrives_changed_is_never_loaded_nor_kept_and_efs_answers(tmp_path: Path) -> None:
     """Checked as it arrives: a newcomer whose first data piece arrives with one byte changed
-    finds its crc32 wrong, writes no header for it (the slot stays torn: never loaded, not
+    finds its CRC wrong, writes no header for it (the slot stays torn: never loaded, not
     kept), and every rank loads EFS (the group agrees on it: no hang, the same step everywhere),
     where the holder, whose own copy passed its checks, put the agreed step first."""
     efs = tmp_path / "efs"
@@ -348,7 +348,7 @@ def test_a_piece_that_arrives_changed_is_never_loaded_nor_kept_and_efs_answers(t
     assert [r["start"] for r in res] == [7, 7]
     assert all(r["w"] == [6.0] * 4 for r in res)
     assert [r["report"]["source"] for r in res] == ["efs", "efs"]
-    assert "step 6 from a peer not loaded (crc32 mismatch)" in cps[1].stderr
+    assert "step 6 from a peer not loaded (CRC mismatch)" in cps[1].stderr
 
 
 def _killed_mid_transfer(first: list[subprocess.CompletedProcess], killed: int, took: float) -> None:
@@ -413,7 +413,7 @@ def test_a_rank_restored_from_a_peer_keeps_the_step_so_its_next_restart_restores
     assert first[1]["report"]["kept_seconds"] >= 0
     kept = SnapshotStore(tmp_path / "n1", memory.NAME)
     assert kept.newest() is not None and kept.newest().step == 6  # complete: the header is in place
-    assert torch.equal(kept.load(6)["w"], torch.full((n,), 6.0))  # every crc32 checks
+    assert torch.equal(kept.load(6)["w"], torch.full((n,), 6.0))  # every CRC checks
     # node 0 is gone; node 1 (now rank 0) and a newcomer, node 2
     second = _ranks(
         tmp_path, [{**base, "TOTAL": "7", "PETCTL_SNAPSHOT_DIR": str(tmp_path / f"n{r}")} for r in (1, 2)]
@@ -861,7 +861,7 @@ def test_store_freed_at_job_end(make_cluster, shm_base: Path) -> None:
 
 
 def _corrupt(d: Path, step: int, n: int) -> None:
-    """A complete snapshot of ``step`` in ``d`` whose data has one byte flipped (its crc32 fails)."""
+    """A complete snapshot of ``step`` in ``d`` whose data has one byte flipped (its CRC fails)."""
     s = _snap(d, step, n)
     data = s.data_path(s.newest().slot)
     raw = bytearray(data.read_bytes())
@@ -921,7 +921,7 @@ def test_a_source_whose_own_copy_is_corrupt_is_replaced_by_another_holder(tmp_pa
 def test_a_transfer_longer_than_the_peer_timeout_does_not_fail_the_holders_outside_it(
     tmp_path: Path,
 ) -> None:
-    """Rank 0 sends step 6 to rank 2 (a newcomer) in 4 pieces, its crc32 made slow (1 s a piece),
+    """Rank 0 sends step 6 to rank 2 (a newcomer) in 4 pieces, its CRC made slow (1 s a piece),
     with PETCTL_SNAPSHOT_PEER_TIMEOUT 2 s: every piece arrives within the timeout, the whole
     transfer does not. Rank 1, a holder outside the transfer, waits for it at the end; that wait
     is bounded per piece too (before: one peer timeout, so it raised PeerRestoreError after 2 s
@@ -968,12 +968,12 @@ def _agent_verifies(d: Path) -> None:
 
 def test_a_restore_from_self_skips_the_crc32_pass_the_agent_already_made(tmp_path: Path) -> None:
     """Both nodes hold step 6 (4 data tensors' worth of bytes traced by TRACE_CRC) and their agents
-    verified it while the workers started: the restore from self loads it without a crc32 pass of
+    verified it while the workers started: the restore from self loads it without a CRC pass of
     its own (the code before made one on every rank: fails here). Nothing trains after it (TOTAL 6),
     and EFS has step 6 too (no persist of it, whose own check would be traced)."""
     efs = tmp_path / "efs"
     ckpt.save({"w": torch.full((4,), 6.0)}, 6, efs)
-    n = 1 << 16  # 256 KiB: over TRACE_CRC's threshold (a header's crc32 is not traced)
+    n = 1 << 16  # 256 KiB: over TRACE_CRC's threshold (a header's CRC is not traced)
     for r in (0, 1):
         _snap(tmp_path / f"n{r}", 6, n)
         _agent_verifies(tmp_path / f"n{r}")
@@ -989,7 +989,7 @@ def test_a_restore_from_self_skips_the_crc32_pass_the_agent_already_made(tmp_pat
 def test_a_snapshot_changed_after_the_agents_verification_is_still_caught(tmp_path: Path) -> None:
     """Node 0's step-6 snapshot passed the agent's check, then a byte of it changed in place (a
     write into the file): its restore must not trust the record -- it checks the bytes, finds the
-    crc32 wrong and gets the step from node 1, whose verified copy loads with no pass. Node 1's
+    CRC wrong and gets the step from node 1, whose verified copy loads with no pass. Node 1's
     record is for a snapshot rewritten afterwards through the store (a new generation, the same
     step): checked in full, and it passes. EFS has step 6 too (no persist traced)."""
     efs = tmp_path / "efs"
@@ -1034,7 +1034,7 @@ def test_a_source_the_agent_verified_sends_without_a_pass_and_the_newcomer_still
     tmp_path: Path,
 ) -> None:
     """A join: node 0's step 6 passed its agent's check; rank 1 (a newcomer) holds nothing. The
-    source sends its bytes with no crc32 pass of its own (before: one per piece as they went; fails
+    source sends its bytes with no CRC pass of its own (before: one per piece as they went; fails
     here), the newcomer checks every piece as it arrives and keeps the step."""
     efs = tmp_path / "efs"
     ckpt.save({"w": torch.full((4,), 6.0)}, 6, efs)
@@ -1100,7 +1100,7 @@ def test_a_newcomer_takes_stripes_from_every_holder_of_the_same_snapshot_at_once
 
 
 def test_only_holders_of_the_very_same_snapshot_serve_stripes(tmp_path: Path) -> None:
-    """Node 1 holds step 6 too, but other bytes (its crc32s differ): stitching its stripes to node
+    """Node 1 holds step 6 too, but other bytes (its CRCs differ): stitching its stripes to node
     0's would make a state nobody had. Node 0 alone sends, over 4 flows (several flows from one
     survivor lift AWS's per-flow cap as well); the newcomer gets node 0's state, node 1 keeps its own."""
     efs = tmp_path / "efs"

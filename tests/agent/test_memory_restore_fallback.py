@@ -23,7 +23,7 @@ from petctl_agent.node import snapshots
 from petctl_agent.node.snapshots import SnapshotArea
 
 #: the receiving ranks see one byte of the snapshot's data flipped in transit (after the header):
-#: their crc32 check fails, so the restore from memory fails on every rank (the group agrees)
+#: their CRC check fails, so the restore from memory fails on every rank (the group agrees)
 CORRUPT = """
 import torch, torch.distributed as dist
 _real, _seen = dist.broadcast, [0]

@@ -271,7 +271,7 @@ def test_torn_memory_shard_is_never_loaded(trained: Path, tmp_path: Path) -> Non
     shutil.rmtree(t / "node1")
     own = t / "node0" / "sharded" / "ckpt-0000000004.dcp" / "__0_0.distcp"
     raw = bytearray(own.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF  # same size, one byte off: only the crc32 tells
+    raw[len(raw) // 2] ^= 0xFF  # same size, one byte off: only the CRC tells
     own.write_bytes(bytes(raw))
     shutil.rmtree(t / "efs")
     (t / "efs.at2").rename(t / "efs")

@@ -155,9 +155,9 @@ def test_no_fit_falls_back_and_touches_nothing(tmp_path: Path) -> None:
 
 
 def test_a_copy_with_known_crc32s_is_complete_at_once_and_checked_on_load(tmp_path: Path) -> None:
-    """What a rank restored from a peer keeps: the peer header's crc32s are taken when the layout
+    """What a rank restored from a peer keeps: the peer header's CRCs are taken when the layout
     matches (the header is in place when write returns, no background pass); a layout that does
-    not match is ignored (crc32s computed); a wrong crc32 makes the snapshot fail its load."""
+    not match is ignored (CRCs computed); a wrong CRC makes the snapshot fail its load."""
     state = _mixed_state()
     src = SnapshotStore(tmp_path / "src", "r")
     assert src.write(state, 5, wait=True) == "ok"
@@ -165,15 +165,15 @@ def test_a_copy_with_known_crc32s_is_complete_at_once_and_checked_on_load(tmp_pa
     dst = SnapshotStore(tmp_path / "dst", "r")
     assert dst.write(state, 5, known=known) == "ok"
     assert dst._pending is None  # no checksum thread: complete on return
-    assert dst.newest().step == 5 and [m["crc32"] for m in dst.newest().header["tensors"]] == [
-        m["crc32"] for m in known
+    assert dst.newest().step == 5 and [m["crc32c"] for m in dst.newest().header["tensors"]] == [
+        m["crc32c"] for m in known
     ]
     assert _same(dst.load(5), state)
     other = SnapshotStore(tmp_path / "other", "r")
     assert other.write({"w": torch.ones(3)}, 5, known=known) == "ok"  # not this layout: computed
     other.flush()
     assert torch.equal(other.load(5)["w"], torch.ones(3))
-    bad = [{**m, "crc32": m["crc32"] ^ 1} for m in src.newest().header["tensors"]]
+    bad = [{**m, "crc32c": m["crc32c"] ^ 1} for m in src.newest().header["tensors"]]
     liar = SnapshotStore(tmp_path / "liar", "r")
     assert liar.write(state, 5, known=bad) == "ok"
     assert liar.newest().step == 5 and liar.load(5) is None  # never loaded
@@ -525,7 +525,7 @@ def test_a_peers_snapshot_received_into_a_slot_is_complete_at_once_and_checked_o
     tmp_path: Path,
 ) -> None:
     """SnapshotStore.receive: what a newcomer's local rank 0 does with a peer's transfer -- the
-    bytes go straight into a slot (no buffer, no copy), the peer's header gives the crc32s, a load
+    bytes go straight into a slot (no buffer, no copy), the peer's header gives the CRCs, a load
     checks them. Wrong bytes: never loaded. A fill that fails mid-way (the peer died): the slot is
     torn, the snapshot the store held stays whole. The new file's pages are allocated piece by
     piece as the fill reserves them, not all before the first byte arrives (the peer would wait
@@ -558,13 +558,13 @@ def test_a_peers_snapshot_received_into_a_slot_is_complete_at_once_and_checked_o
     assert blocks[0] == 0 and blocks[1] > 0 and blocks[1] < len(raw)  # allocated as it arrived
     assert dst.data_path(dst.newest().slot).stat().st_blocks * 512 >= len(raw)
     assert _same(dst.load(5), state)
-    # what the receive wrote (its fill checked the bytes) loads without a second crc32 pass
+    # what the receive wrote (its fill checked the bytes) loads without a second CRC pass
     assert _same(dst.load(5, check=dst.verified()), state)
     bad = SnapshotStore(tmp_path / "bad", "r")
     flipped = bytearray(raw)
     flipped[0] ^= 0xFF
     assert bad.receive(c.header, fill_with(bytes(flipped))) == "ok"
-    assert bad.load(5) is None  # the crc32 check on load
+    assert bad.load(5) is None  # the CRC check on load
     held = SnapshotStore(tmp_path / "held", "r")
     assert held.write({"w": torch.ones(3)}, 4, wait=True) == "ok"
 
@@ -1094,8 +1094,8 @@ def test_a_direct_write_forward_only_never_replaces_what_latest_names(tmp_path: 
 
 
 def test_a_restore_trusts_the_agents_verification_only_for_that_very_snapshot(tmp_path: Path) -> None:
-    """``prechecked`` skips the crc32 pass for the snapshot ``verify`` passed (same generation,
-    nonce, header crc32, same unchanged file) and checks any other in full: a slot rewritten
+    """``prechecked`` skips the CRC pass for the snapshot ``verify`` passed (same generation,
+    nonce, header CRC, same unchanged file) and checks any other in full: a slot rewritten
     through the store afterwards (a new generation, the same step, the same file reused in place)
     is not covered by the record, so wrong bytes under its header fail."""
     s = SnapshotStore(tmp_path, "replicated")
@@ -1103,7 +1103,7 @@ def test_a_restore_trusts_the_agents_verification_only_for_that_very_snapshot(tm
         assert s.write({"w": torch.full((1024,), v)}, 6, wait=True) == "ok"
     c = s.verify()
     assert c is not None and c.step == 6 and c == s.newest()
-    wrong = bytearray(c.header["size"])  # zeros: no tensor's crc32 matches
+    wrong = bytearray(c.header["size"])  # zeros: no tensor's CRC matches
     mm = mmap.mmap(-1, len(wrong))
     mm.write(bytes(wrong))
     try:
@@ -1154,7 +1154,7 @@ _SEALER = textwrap.dedent(
     from petctl_agent.checkpointing.snapshot import SnapshotStore
     s = SnapshotStore(sys.argv[1], "replicated")
     known = None
-    if sys.argv[2] == "lie":  # crc32s of another state of the same layout, given as known
+    if sys.argv[2] == "lie":  # CRCs of another state of the same layout, given as known
         assert s.write({"w": torch.full((1 << 18,), 9.0)}, 4, wait=True) == "ok"
         known = s.newest().header["tensors"]
     for step in (5, 6):
@@ -1187,24 +1187,24 @@ def _gone(p: subprocess.Popen) -> None:
 
 
 def _big_crcs(monkeypatch) -> list[int]:
-    """Record the size of every zlib.crc32 call over more than a header's bytes (a pass over data)."""
-    import zlib
+    """Record the size of every CRC call over more than a header's bytes (a pass over data)."""
+    from petctl_agent.checkpointing import crcs
 
-    real, calls = zlib.crc32, []
+    real, calls = crcs.crc, []
 
-    def crc32(data, value=0):
+    def crc(data, value=0):
         if len(data) > 65536:
             calls.append(len(data))
         return real(data, value)
 
-    monkeypatch.setattr(zlib, "crc32", crc32)
+    monkeypatch.setattr(crcs, "crc", crc)
     return calls
 
 
 def test_a_snapshot_its_writer_checked_needs_no_second_pass_once_the_writer_is_gone(
     tmp_path: Path, monkeypatch
 ) -> None:
-    """The writer computed the crc32s from the slot's own mapping and sealed the snapshot: while it
+    """The writer computed the CRCs from the slot's own mapping and sealed the snapshot: while it
     lives (it could still write through that mapping) a restore checks in full; once it is gone, a
     restore, the agent's verification and the persister all take the seal: no pass over the bytes
     (before: the agent's verify and the persister each made one, 2 x 1 GiB at a 1 GiB drain)."""
@@ -1212,7 +1212,7 @@ def test_a_snapshot_its_writer_checked_needs_no_second_pass_once_the_writer_is_g
     p = _sealed_by_a_writer(d)
     s = SnapshotStore(d, "replicated")
     c = s.newest()
-    wrong = mmap.mmap(-1, c.header["size"])  # zeros: no crc32 matches
+    wrong = mmap.mmap(-1, c.header["size"])  # zeros: no CRC matches
     try:
         assert c.step == 6
         assert s.covered(c.header, wait=0) is False  # its writer is alive
@@ -1237,7 +1237,7 @@ def test_a_sealed_snapshot_changed_afterwards_is_checked_again_and_never_loaded(
 ) -> None:
     """A write into the slot's file through the filesystem after the seal moves its mtime: the seal
     no longer covers it, the verification and the persister check in full, and the changed bytes
-    fail their crc32s: never loaded, never persisted, no record."""
+    fail their CRCs: never loaded, never persisted, no record."""
     d = tmp_path / "shm"
     _gone(_sealed_by_a_writer(d))
     s = SnapshotStore(d, "replicated")
@@ -1257,8 +1257,8 @@ def test_a_sealed_snapshot_changed_afterwards_is_checked_again_and_never_loaded(
 
 
 def test_a_copy_under_given_crc32s_is_not_sealed(tmp_path: Path) -> None:
-    """``write(known=)`` takes a peer's crc32s without checking the copy against them: nothing
-    vouches for those bytes, so no seal. Given crc32s that do not match (another state's), the
+    """``write(known=)`` takes a peer's CRCs without checking the copy against them: nothing
+    vouches for those bytes, so no seal. Given CRCs that do not match (another state's), the
     snapshot fails its check on load even after its writer is gone."""
     d = tmp_path / "shm"
     _gone(_sealed_by_a_writer(d, "lie"))
@@ -1298,7 +1298,7 @@ def test_an_exited_writer_not_yet_reaped_is_gone_and_only_a_sure_answer_counts()
 
 
 def test_a_waited_write_checksums_on_several_threads_to_the_same_header(tmp_path: Path, monkeypatch) -> None:
-    """A write that is waited for (a coordinated stop) computes its crc32s on several threads, in
+    """A write that is waited for (a coordinated stop) computes its CRCs on several threads, in
     pieces joined with crc32_combine: the header is the one a single thread would write, and the
     snapshot loads (its bytes checked against it)."""
     from petctl_agent.checkpointing import crcs
@@ -1312,7 +1312,7 @@ def test_a_waited_write_checksums_on_several_threads_to_the_same_header(tmp_path
         one.flush()
         assert many.write(state, 3, wait=True) == "ok"
         a, b = one.newest().header["tensors"], many.newest().header["tensors"]
-        assert [m["crc32"] for m in a] == [m["crc32"] for m in b] and len(a) > 20
+        assert [m["crc32c"] for m in a] == [m["crc32c"] for m in b] and len(a) > 20
         assert _same(state, many.load(3))
     finally:
         one.close()

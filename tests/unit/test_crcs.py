@@ -1,26 +1,58 @@
-"""crc32s on several threads (checkpointing/crcs.py): the same numbers ``zlib.crc32`` gives."""
+"""The memory path's checksum (checkpointing/crcs.py): CRC-32C, the same numbers on several threads."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import random
-import zlib
 
 import pytest
 
 from petctl_agent.checkpointing import crcs
 
 
+def _crc32c_bitwise(data: bytes) -> int:
+    """CRC-32C by its definition (reflected 0x82F63B78, init and final xor all ones): a yardstick
+    that shares no code with the library."""
+    c = 0xFFFFFFFF
+    for b in data:
+        c ^= b
+        for _ in range(8):
+            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
+    return c ^ 0xFFFFFFFF
+
+
+def test_crc_is_crc32c() -> None:
+    assert crcs.crc(b"123456789") == 0xE3069283  # the catalogue's check value for CRC-32C
+    assert crcs.crc(b"") == 0
+    data = random.Random(1).randbytes(4099)
+    assert crcs.crc(data) == _crc32c_bitwise(data)
+    assert crcs.crc(data[1000:], crcs.crc(data[:1000])) == crcs.crc(data)  # continues a running value
+
+
+def test_crc_takes_a_view_of_a_shared_mapping() -> None:
+    """What the snapshot code hands it: a slice of a memoryview of a writable mmap."""
+    data = random.Random(2).randbytes(1 << 20)
+    mm = mmap.mmap(-1, len(data))
+    mm[:] = data
+    view = memoryview(mm)
+    try:
+        assert crcs.crc(view[5 : 5 + 70_000]) == crcs.crc(data[5 : 5 + 70_000])
+    finally:
+        view.release()
+        mm.close()
+
+
 @pytest.mark.parametrize("cut", [0, 1, 7, 4096, 100_000, 1 << 20])
-def test_combine_is_the_crc32_of_the_concatenation(cut: int) -> None:
+def test_combine_is_the_crc_of_the_concatenation(cut: int) -> None:
     data = random.Random(cut).randbytes((1 << 20) + 333)
     a, b = data[:cut], data[cut:]
-    assert crcs.combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(data)
-    assert crcs.combine(zlib.crc32(data), 0, 0) == zlib.crc32(data)
+    assert crcs.combine(crcs.crc(a), crcs.crc(b), len(b)) == crcs.crc(data)
+    assert crcs.combine(crcs.crc(data), 0, 0) == crcs.crc(data)
 
 
 @pytest.mark.parametrize("nthreads", [1, 2, 5])
-def test_tensor_crcs_match_zlib_across_pieces_and_threads(monkeypatch, nthreads: int) -> None:
+def test_tensor_crcs_match_one_pass_across_pieces_and_threads(monkeypatch, nthreads: int) -> None:
     monkeypatch.setattr(crcs, "PIECE", 1000)  # tensors of many pieces, joined with combine
     data = random.Random(nthreads).randbytes(20_000)
     metas = [
@@ -31,8 +63,8 @@ def test_tensor_crcs_match_zlib_across_pieces_and_threads(monkeypatch, nthreads:
         {"offset": 9856, "nbytes": 10_000},  # ten pieces
         {"offset": 19_904, "nbytes": 96},
     ]
+    want = [_crc32c_bitwise(data[m["offset"] : m["offset"] + m["nbytes"]]) for m in metas]
     view = memoryview(data)
-    want = [zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]]) for m in metas]
     assert crcs.tensor_crcs(view, metas, nthreads) == want
     assert crcs.tensor_crcs(view, [], nthreads) == []
 

@@ -1,26 +1,40 @@
-"""crc32s of a snapshot's tensors on several cores at once.
+"""The checksum of every byte the memory path keeps or moves: CRC-32C, on several cores at once.
 
-A coordinated stop (a drain, a join, the last step) blocks every rank until its node's snapshot
-header is in place, and the header needs every tensor's crc32: one pass over the state, 0.17 s
-per GiB on one core here (``zlib.crc32``), 0.7 s for 4 GiB -- on a GPU node, where the copy to
-pinned host memory takes 0.02 s per GiB (docs/agent.md, "GPUs and NCCL"), the largest part of
-the stop. ``zlib.crc32`` releases the GIL, so pieces of the bytes are checksummed in threads, and
-the pieces of one tensor are joined with :func:`combine` (zlib's ``crc32_combine``: the crc32 of
-``A + B`` from those of ``A`` and ``B`` and ``len(B)``; Python's ``zlib`` does not expose it).
+Every snapshot byte is checksummed at least once on a membership change's path: the writer's
+header (a drain, a join, the last step wait for it), a peer transfer's receiver and source, the
+persister's check before EFS, the sharded path's markers. That was ``zlib.crc32``: 2.1 GiB/s on
+one core here (zlib 1.2.13's table-driven loop), so on two cores shared by three nodes a 1 GiB
+drain spent most of its stop in crc32 passes. :func:`crc` is CRC-32C (Castagnoli) from
+``awscrt.checksums`` (AWS's common runtime, the library boto3's own ``[crt]`` extra installs for
+S3's CRC32C checksums): SSE4.2/PCLMUL or ARMv8 CRC instructions, 10 GiB/s on one core here, the
+GIL released (``scripts/bench_snapshot.py``'s ``crc_*`` rows). Same 32 bits of detection, a
+stronger polynomial for the same length.
+
+A waited write still spreads its pass over threads: pieces of the bytes are checksummed at once
+and the pieces of one tensor joined with :func:`combine` (zlib's ``crc32_combine`` algorithm,
+which holds for any reflected CRC whose init and final xor are all ones: CRC-32C's).
 """
 
 from __future__ import annotations
 
 import os
 import threading
-import zlib
 from typing import Any
+
+from awscrt import checksums
 
 #: bytes per piece a thread checksums (a tensor of fewer is one piece)
 PIECE = 32 << 20
 #: threads at most (a node's cores are shared with its other ranks)
 MAX_THREADS = 8
-_POLY = 0xEDB88320
+#: CRC-32C's polynomial, reflected (Castagnoli)
+_POLY = 0x82F63B78
+
+
+def crc(data: Any, value: int = 0) -> int:
+    """CRC-32C of ``data`` (any bytes-like: bytes, a memoryview of a mapping), continuing ``value``
+    (the CRC-32C of the bytes before it). Releases the GIL."""
+    return checksums.crc32c(data, value)
 
 
 def _times(mat: list[int], vec: int) -> int:
@@ -38,7 +52,7 @@ def _square(mat: list[int]) -> list[int]:
 
 
 def _operator(nbytes: int) -> list[int]:
-    """The GF(2) matrix that appends ``nbytes`` zero bytes to a crc32 (zlib's ``crc32_combine``)."""
+    """The GF(2) matrix that appends ``nbytes`` zero bytes to a CRC-32C (zlib's ``crc32_combine``)."""
     op = [_POLY] + [1 << n for n in range(31)]  # one zero bit
     op = _square(_square(op))  # four zero bits
     result: list[int] | None = None
@@ -58,7 +72,7 @@ _ops_lock = threading.Lock()
 
 
 def combine(crc1: int, crc2: int, len2: int) -> int:
-    """crc32 of ``A + B`` given ``crc1 = crc32(A)``, ``crc2 = crc32(B)``, ``len2 = len(B)``."""
+    """CRC-32C of ``A + B`` given ``crc1 = crc(A)``, ``crc2 = crc(B)``, ``len2 = len(B)``."""
     if len2 <= 0:
         return crc1
     with _ops_lock:
@@ -82,7 +96,7 @@ def threads() -> int:
 
 
 def tensor_crcs(view: memoryview, metas: list[dict[str, Any]], nthreads: int | None = None) -> list[int]:
-    """The crc32 of each tensor's bytes ``view[offset : offset + nbytes]``, computed in up to
+    """The CRC-32C of each tensor's bytes ``view[offset : offset + nbytes]``, computed in up to
     ``nthreads`` threads (default :func:`threads`) over :data:`PIECE`-byte pieces."""
     n = threads() if nthreads is None else max(1, nthreads)
     pieces: list[tuple[int, int, int]] = []  # (tensor, start, length)
@@ -91,7 +105,7 @@ def tensor_crcs(view: memoryview, metas: list[dict[str, Any]], nthreads: int | N
         for a in range(off, off + size, PIECE):
             pieces.append((i, a, min(PIECE, off + size - a)))
     if n == 1 or len(pieces) < 2:
-        return [zlib.crc32(view[int(m["offset"]) : int(m["offset"]) + int(m["nbytes"])]) for m in metas]
+        return [crc(view[int(m["offset"]) : int(m["offset"]) + int(m["nbytes"])]) for m in metas]
     got: list[int] = [0] * len(pieces)
     nxt = [0]
     lock = threading.Lock()
@@ -106,7 +120,7 @@ def tensor_crcs(view: memoryview, metas: list[dict[str, Any]], nthreads: int | N
                 if k >= len(pieces):
                     return
                 _, a, ln = pieces[k]
-                got[k] = zlib.crc32(view[a : a + ln])
+                got[k] = crc(view[a : a + ln])
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             errs.append(e)
 
@@ -122,4 +136,4 @@ def tensor_crcs(view: memoryview, metas: list[dict[str, Any]], nthreads: int | N
     for (i, _, ln), c in zip(pieces, got):
         prev = out[i]
         out[i] = c if prev is None else combine(prev, c, ln)  # only a tensor's later pieces combine
-    return [0 if c is None else c for c in out]  # None: an empty tensor (crc32 of no bytes)
+    return [0 if c is None else c for c in out]  # None: an empty tensor (CRC of no bytes: 0)

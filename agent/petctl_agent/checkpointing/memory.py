@@ -15,15 +15,15 @@ by default; docs/agent.md, "Memory snapshots"). Then, for plain (not sharded) st
 - resume: the restore comes from the nearest copy of the *agreed step* -- the newest step that
   some rank's node holds complete and that is not older than ``latest``:
 
-  1. the node's own snapshot of that step (checked by step and crc32s);
+  1. the node's own snapshot of that step (checked by step and CRCs);
   2. else (no complete header of it on this node) a peer's: the ranks that hold that very snapshot
      send its bytes in stripes, each over a gloo group (a flow) of its own with the ranks that need
      it, all at once (``checkpointing/peer.py``: several flows lift AWS's 5 Gbit/s single-flow
      cap); the first source sends the header (timeout ``PETCTL_SNAPSHOT_PEER_TIMEOUT``, default
      60 s, per piece) to one rank per node (the node's other ranks load the copy it received into
      the node's store), each source straight out of the mapping
-     its own restored tensors view, checking the crc32s as the pieces go (its load's one pass: the
-     receivers never wait for the source's own load); the receivers check every crc32 as the
+     its own restored tensors view, checking the CRCs as the pieces go (its load's one pass: the
+     receivers never wait for the source's own load); the receivers check every CRC as the
      pieces arrive. A holder whose own copy fails its check (the source's too: then with every
      receiver) gets it the same way, once more, from a rank whose store holds the step and whose
      copy passed;
@@ -42,7 +42,7 @@ by default; docs/agent.md, "Memory snapshots"). Then, for plain (not sharded) st
 
 A node restored from a peer keeps the step: its local rank 0 receives the peer's bytes straight
 into a slot of its own store, its pages allocated piece by piece as they arrive (the peer header's
-crc32s, checked on arrival, are taken, so it is complete at once; no room: a buffer, not kept), so a later restart of that node
+CRCs, checked on arrival, are taken, so it is complete at once; no room: a buffer, not kept), so a later restart of that node
 restores from itself. On the CPU the restored tensors are views of the snapshot's file, not copies
 (``SnapshotStore.load``), and local rank 0 then has the store make the files its next writes will
 need new in the background (``SnapshotStore.prepare_spares``). Rank 0 hands a restored step newer than
@@ -222,7 +222,7 @@ def save(
     store = _store(sdir)
     why = ""
     if _local_rank() == 0:
-        # a stop or the last step waits for the header anyway: its crc32s then on several cores
+        # a stop or the last step waits for the header anyway: its CRCs then on several cores
         why = store.write(state, step, world_size=1, rank=0, wait=wait or complete)
     ok = why in ("", OK)
     flags = [int(ok)]
@@ -361,7 +361,7 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
                 plan = peer.Plan(srcs, receivers, timeout)
                 mark("group")
                 if me in srcs:
-                    # sent straight out of the mapping its own state views, the crc32s checked on
+                    # sent straight out of the mapping its own state views, the CRCs checked on
                     # the way: the receivers never wait for a load of the source's own
                     loaded, n = peer.send(store, agreed, plan, me, map_location)
                     state = state if state is not None else loaded
@@ -373,7 +373,7 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
                 elif state is None and me not in followers:  # another holder: its own copy, meanwhile
                     state = store.load(agreed, map_location=map_location, check=store.prechecked())
                 # a source's: its send and load (one pass); a receiver's: its slot's pages, the
-                # bytes and their crc32s (as they arrive); another holder's: its own load
+                # bytes and their CRCs (as they arrive); another holder's: its own load
                 if me not in followers:
                     mark("send" if me in srcs else "receive" if me in receivers else "load")
                 if followers:
@@ -388,7 +388,7 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
                             kept = (state is not None, 0.0)
                             mark("load")
             elif state is None:
-                # its crc32s checked by the agent while this worker started, if that is still the
+                # its CRCs checked by the agent while this worker started, if that is still the
                 # very snapshot (SnapshotStore.verify); else here, in full
                 state = store.load(agreed, map_location=map_location, check=store.prechecked())
                 mark("load")
@@ -528,7 +528,7 @@ def _keep(
 ) -> tuple[bool, float]:
     """Write a peer's snapshot, received and checked, into this node's own store, so that a later
     restart of this node restores from itself (not a second trip over the network, or EFS when the
-    source is gone by then). Blocks only for the copy: the crc32s came with the snapshot, so the
+    source is gone by then). Blocks only for the copy: the CRCs came with the snapshot, so the
     header goes in place at once. (True when kept, the seconds it took.)"""
     t = time.monotonic()
     try:

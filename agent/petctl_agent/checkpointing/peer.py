@@ -6,7 +6,7 @@ need it (``memory.resume``, step 2 of its restore order).
 group of its own -- its own TCP connection, i.e. its own flow -- from one holder, the holders
 taken in turn (local rank first, so that the stripes spread over nodes before ranks), all
 stripes at once. Only holders whose copy is the very same snapshot (its size and every tensor's
-offset, size and crc32: :func:`digest`) serve stripes of one transfer. Why: AWS caps a single
+offset, size and CRC: :func:`digest`) serve stripes of one transfer. Why: AWS caps a single
 flow (a 5-tuple) between two instances at 5 Gbps outside a cluster placement group, 10 Gbps
 inside one (25 Gbps with ENA Express), while a GPU instance's network carries 100-3,200 Gbps over
 many flows ("Amazon EC2 instance network bandwidth", EC2 User Guide). One stream moves at best
@@ -17,8 +17,8 @@ survivor or from several, lift that cap; the receiver's node takes them all at o
 snapshot size; -1: the source's snapshot went before it could send it) and the header, from the
 first stripe's source. Then every stripe's group carries its range ``(offset, bytes)`` (``-1``:
 that source has nothing to send) and its bytes in :data:`CHUNK` pieces, each bounded by the
-group's timeout. A receiver checks the first header (its own crc32, step, size), then every
-tensor's crc32 as its stripe arrives (:class:`_Crcs`, per stripe), and that the stripes tile the
+group's timeout. A receiver checks the first header (its own CRC, step, size), then every
+tensor's CRC as its stripe arrives (:class:`_Crcs`, per stripe), and that the stripes tile the
 snapshot exactly; anything else is torn (never loaded, never kept). A receiver with nothing to
 receive into still takes every piece (into a scratch buffer), to keep each group in step.
 A source checks its own copy as it sends its stripes (and the rest of its copy after them),
@@ -31,10 +31,10 @@ import json
 import os
 import sys
 import threading
-import zlib
 from collections.abc import Callable
 from typing import Any
 
+from petctl_agent.checkpointing import crcs
 from petctl_agent.checkpointing.snapshot import (
     OK,
     SnapshotStore,
@@ -74,15 +74,15 @@ def streams() -> int:
 
 def digest(header: dict[str, Any] | None) -> int:
     """A 31-bit fingerprint of a snapshot's content as its header states it (size, and every
-    tensor's offset, size and crc32; 0: none). Two holders with the same digest hold the same
+    tensor's offset, size and CRC; 0: none). Two holders with the same digest hold the same
     bytes, so their stripes fit together."""
     if header is None:
         return 0
     body = [
         int(header["size"]),
-        [[int(m["offset"]), int(m["nbytes"]), int(m["crc32"])] for m in header["tensors"]],
+        [[int(m["offset"]), int(m["nbytes"]), int(m["crc32c"])] for m in header["tensors"]],
     ]
-    return (zlib.crc32(json.dumps(body).encode()) & 0x7FFFFFFF) or 1
+    return (crcs.crc(json.dumps(body).encode()) & 0x7FFFFFFF) or 1
 
 
 def stripes(tensors: list[dict[str, Any]], size: int, k: int) -> list[tuple[int, int]]:
@@ -107,7 +107,7 @@ def in_stripe(tensors: list[dict[str, Any]], lo: int, n: int) -> list[dict[str, 
 
 
 class _Crcs:
-    """Running crc32s of a snapshot's tensors, fed the bytes piece by piece in order."""
+    """Running CRCs of a snapshot's tensors, fed the bytes piece by piece in order."""
 
     def __init__(self, tensors: list[dict[str, Any]]) -> None:
         self.metas = sorted(tensors, key=lambda m: int(m["offset"]))
@@ -124,19 +124,19 @@ class _Crcs:
                 break
             a, b = max(lo, off), min(hi, end)
             if a < b:
-                self.crc[i] = zlib.crc32(view[a:b], self.crc[i])
+                self.crc[i] = crcs.crc(view[a:b], self.crc[i])
             if hi <= end:
                 self.first = i + 1
 
     def ok(self) -> bool:
-        return all(c == int(m["crc32"]) for c, m in zip(self.crc, self.metas))
+        return all(c == int(m["crc32c"]) for c, m in zip(self.crc, self.metas))
 
 
-def _stream(buf: Any, lo: int, n: int, src: int, group: Any, crcs: _Crcs | None, reserve: Any = None) -> bool:
+def _stream(buf: Any, lo: int, n: int, src: int, group: Any, sums: _Crcs | None, reserve: Any = None) -> bool:
     """Broadcast (from ``src``) or receive bytes ``[lo, lo + n)`` of ``buf`` (a uint8 tensor, or a
     buffer ``torch.frombuffer`` takes; None: a scratch piece, the bytes dropped) in :func:`chunk`
-    pieces, the next piece in flight while the last one's crc32s are computed (``crcs``; gloo and
-    zlib both release the GIL). ``reserve(off, n)`` (a receiver's slot) allocates a piece's pages
+    pieces, the next piece in flight while the last one's CRCs are computed (``sums``; gloo and
+    awscrt both release the GIL). ``reserve(off, n)`` (a receiver's slot) allocates a piece's pages
     just before it arrives. False when ``reserve`` failed (the rest was received into a scratch
     buffer, to keep the group in step) or there was no ``buf``."""
     import torch
@@ -162,13 +162,13 @@ def _stream(buf: Any, lo: int, n: int, src: int, group: Any, crcs: _Crcs | None,
             else:
                 piece = torch.frombuffer(buf, dtype=torch.uint8, count=k, offset=off)
             work = dist.broadcast(piece, src=src, group=group, async_op=True)
-            if prev is not None and crcs is not None:
-                crcs.update(view, *prev)
+            if prev is not None and sums is not None:
+                sums.update(view, *prev)
             work.wait()
             del piece, work  # a mapping cannot close while a tensor exports it
             prev = (off, k) if scratch is None else None
-        if prev is not None and crcs is not None:
-            crcs.update(view, *prev)
+        if prev is not None and sums is not None:
+            sums.update(view, *prev)
     finally:
         if view is not None:
             view.release()
@@ -176,7 +176,7 @@ def _stream(buf: Any, lo: int, n: int, src: int, group: Any, crcs: _Crcs | None,
 
 
 def _together(fns: list[Callable[[], Any]]) -> list[Any]:
-    """Run ``fns`` at once (threads; gloo and zlib release the GIL); their results, in order. The
+    """Run ``fns`` at once (threads; gloo and awscrt release the GIL); their results, in order. The
     first exception is raised once all have ended (each piece is bounded by its group's timeout)."""
     if len(fns) == 1:
         return [fns[0]()]
@@ -243,7 +243,7 @@ def send(
     store: SnapshotStore, step: int, plan: Plan, me: int, map_location: Any
 ) -> tuple[dict[str, Any] | None, int]:
     """Send this rank's stripes of snapshot ``step`` (the header too, if it sends the first) and
-    load it: the bytes go out of the very mapping the loaded tensors view, their crc32s computed
+    load it: the bytes go out of the very mapping the loaded tensors view, their CRCs computed
     on the way, then the rest of the copy's (none when the agent's check or the writer's seal
     covers that very snapshot: ``SnapshotStore.covered``). (The state, None when a check failed;
     the bytes sent.) A snapshot gone before it could be sent is announced as such: the receivers
@@ -268,13 +268,13 @@ def send(
             )
         known = store.covered(h)
         bounds = stripes(h["tensors"], size, len(plan.srcs))
-        crcs = {i: None if known else _Crcs(in_stripe(h["tensors"], *bounds[i])) for i in mine}
+        sums = {i: None if known else _Crcs(in_stripe(h["tensors"], *bounds[i])) for i in mine}
 
         def one(i: int) -> None:
             lo, n = bounds[i]
             _flag(lo, n, me, plan.groups[i])
             if n:
-                _stream(mm, lo, n, me, plan.groups[i], crcs[i])
+                _stream(mm, lo, n, me, plan.groups[i], sums[i])
 
         # the rest of its own copy (the other stripes' tensors) is checked meanwhile, not after:
         # every rank waits for the sources at the end of the restore
@@ -287,7 +287,7 @@ def send(
         sent[0] = sum(n for _, n in ours)
         if known:
             return True
-        return all(c is not None and c.ok() for c in crcs.values()) and bool(done[-1])
+        return all(c is not None and c.ok() for c in sums.values()) and bool(done[-1])
 
     state = store.load(step, map_location=map_location, check=check)
     if not sent[1]:  # nothing to send from: said at once, on every group it serves
@@ -299,11 +299,11 @@ def send(
 
 
 class _Torn(Exception):
-    """A peer's bytes did not match its header's crc32s (or could not be stored): not kept."""
+    """A peer's bytes did not match its header's CRCs (or could not be stored): not kept."""
 
 
 def _peer_header(hbuf: Any, step: int, size: int) -> dict[str, Any] | None:
-    """The peer's header if it parses, its own crc32 matches and it is of ``step`` and ``size``."""
+    """The peer's header if it parses, its own CRC matches and it is of ``step`` and ``size``."""
     try:
         h = json.loads(bytes(hbuf.numpy()))
     except ValueError:
@@ -317,7 +317,7 @@ def _peer_header(hbuf: Any, step: int, size: int) -> dict[str, Any] | None:
 
 def _pull_all(plan: Plan, into: Any, size: int, h: dict[str, Any] | None, reserve: Any = None) -> str:
     """Receive every stripe at once into ``into`` (None: dropped, a piece at a time). ``""`` when
-    every stripe arrived whole, its tensors' crc32s matched ``h``'s and the stripes tile
+    every stripe arrived whole, its tensors' CRCs matched ``h``'s and the stripes tile
     ``[0, size)``; else what went wrong."""
 
     def one(i: int) -> tuple[int, int, str]:
@@ -328,11 +328,11 @@ def _pull_all(plan: Plan, into: Any, size: int, h: dict[str, Any] | None, reserv
         if n <= 0:
             return lo, 0, ""
         fits = into is not None and h is not None and lo + n <= size
-        crcs = _Crcs(in_stripe(h["tensors"], lo, n)) if fits else None
-        whole = _stream(into if fits else None, lo, n, src, group, crcs, reserve if fits else None)
+        sums = _Crcs(in_stripe(h["tensors"], lo, n)) if fits else None
+        whole = _stream(into if fits else None, lo, n, src, group, sums, reserve if fits else None)
         if not fits:
             return lo, n, "dropped"
-        return lo, n, "no room" if not whole else "" if crcs is not None and crcs.ok() else "crc32 mismatch"
+        return lo, n, "no room" if not whole else "" if sums is not None and sums.ok() else "CRC mismatch"
 
     got = _together([lambda i=i: one(i) for i in range(len(plan.srcs))])
     bad = sorted({why for _, _, why in got if why})
@@ -349,13 +349,13 @@ def _pull_all(plan: Plan, into: Any, size: int, h: dict[str, Any] | None, reserv
 def receive(
     step: int, plan: Plan, map_location: Any, store: SnapshotStore | None = None
 ) -> tuple[dict[str, Any] | None, int, list[dict[str, Any]] | None, tuple[bool, float] | None]:
-    """Receive a peer's snapshot; the state if its step and every crc32 check, else None; its
-    size; its header's ``tensors`` (layout and crc32s, checked); whether it was kept in ``store``.
+    """Receive a peer's snapshot; the state if its step and every CRC check, else None; its
+    size; its header's ``tensors`` (layout and CRCs, checked); whether it was kept in ``store``.
 
-    The crc32s are checked as the bytes arrive, stripe by stripe, not in a pass of their own.
+    The CRCs are checked as the bytes arrive, stripe by stripe, not in a pass of their own.
     ``store`` (this node's, given to its local rank 0): the bytes arrive straight in a slot of it
     (:meth:`SnapshotStore.receive`, its pages allocated piece by piece as they arrive) and the
-    state is loaded from there (on the CPU views of the slot, lent; its crc32s already checked):
+    state is loaded from there (on the CPU views of the slot, lent; its CRCs already checked):
     the node keeps the step with no copy of its own, and no second buffer. Bytes that fail their
     check never get a header (never loaded, not kept). Kept is then ``(True, 0.0)``;
     ``(False, 0.0)`` when the store has no room (the bytes then go into a buffer, as without a

@@ -1,7 +1,7 @@
 """Background persistence: a memory snapshot written to the checkpoint directory in today's format.
 
 :func:`persist_newest` takes the newest complete snapshot of a name (``checkpointing/snapshot.py``),
-checks its crc32s, writes it as ``ckpt-<step:010d>.pt`` (``torch.save`` of ``{"step", "state",
+checks its CRCs, writes it as ``ckpt-<step:010d>.pt`` (``torch.save`` of ``{"step", "state",
 "saved_at"}``, what :func:`petctl_agent.checkpointing.files.load_file` reads) into a temp file,
 fsyncs it, and only then renames it and replaces ``latest`` (with its sha256 and size) -- today's
 atomic ``latest`` semantics. The tensors are read straight out of the snapshot's ``mmap`` (no
@@ -33,11 +33,11 @@ import signal
 import sys
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
 from petctl_agent import filelocks
+from petctl_agent.checkpointing import crcs
 from petctl_agent.checkpointing.atomic import atomic_write, fsync_dir
 from petctl_agent.checkpointing.files import (
     HashingFile,
@@ -111,7 +111,7 @@ def _persist_pinned(store: SnapshotStore, c: Complete, d: Path, keep: int) -> bo
                 sealed, unchecked = store.covered(h, wait=0), 0
             if not sealed:
                 unchecked += int(m["nbytes"])
-                if zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]]) != m["crc32"]:
+                if crcs.crc(view[m["offset"] : m["offset"] + m["nbytes"]]) != m["crc32c"]:
                     return False  # torn or overwritten: never persisted
             dt = dtype_from_name(m["dtype"])
             if m["nbytes"]:
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--poll", type=float, default=0.5)
     ap.add_argument("--once", action="store_true", help="persist the newest snapshot (if newer) and exit")
     ap.add_argument(
-        "--verify", action="store_true", help="check the newest snapshot's crc32s and record it (the agent's)"
+        "--verify", action="store_true", help="check the newest snapshot's CRCs and record it (the agent's)"
     )
     a = ap.parse_args(argv)
     if a.verify:

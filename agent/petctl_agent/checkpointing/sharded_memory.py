@@ -17,8 +17,8 @@ format as on EFS, so a restore is DCP's own load, resharding included. Save (col
 3. with two nodes or more: rank 0 broadcasts ``.metadata`` to every node, and rank ``r`` sends its
    files to the next rank after ``r`` (cyclically) on another node, over the checkpoint's gloo group
    -- the ring replica: every shard lives in two nodes' memory;
-4. training goes on; a thread per rank then computes the crc32 of every file the rank holds and
-   writes ``petctl-rank-<r>.json`` last (step, save id, world size, each file's owner, size, crc32):
+4. training goes on; a thread per rank then computes the CRC of every file the rank holds and
+   writes ``petctl-rank-<r>.json`` last (step, save id, world size, each file's owner, size, CRC):
    the completion marker. It then copies the rank's own files to ``<checkpoint dir>/.ckpt-<step>.dcp.
    <save id>.tmp/`` with fsync and drops a ``.done-<r>`` file there; rank 0's thread waits until all
    ranks' ``.done`` files are there, renames the directory to ``ckpt-<step>.dcp`` and replaces
@@ -30,11 +30,11 @@ format as on EFS, so a restore is DCP's own load, resharding included. Save (col
    replicated path does).
 
 Resume (collective, :func:`resume`): every rank reports what its node's memory holds (steps, save
-ids, files whose crc32 matches its marker: a torn or stale file is never offered); every rank then
+ids, files whose CRC matches its marker: a torn or stale file is never offered); every rank then
 computes the same plan: the newest step, not older than EFS's ``latest``, whose files the survivors
 together hold. Files a node lacks are fetched from a holder over the gloo group (bounded by
 ``PETCTL_SHARD_FETCH_TIMEOUT``, default 300 s; a closed connection fails at once), checked against
-the crc32 and renamed into place; then DCP loads at the new world size from the node's directory.
+the CRC and renamed into place; then DCP loads at the new world size from the node's directory.
 When memory does not cover the newest step, the job goes back to EFS's ``latest`` and rank 0
 says which step (stderr: ``petctl checkpoint: ... going back to step N``); :data:`last_restore`
 holds the same for the caller. Any rank's failure makes every rank use EFS; a peer lost mid-transfer
@@ -56,12 +56,12 @@ import sys
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from petctl_agent.checkpointing import crcs
 from petctl_agent.checkpointing.atomic import fsync_dir
 from petctl_agent.checkpointing.files import CKPT_RE, prune, read_pointer, write_pointer
 from petctl_agent.checkpointing.snapshot import node_name, read_meminfo, reserve
@@ -154,7 +154,7 @@ def _crc_file(path: Path) -> int:
     crc = 0
     with open(path, "rb", buffering=0) as f:
         while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
+            crc = crcs.crc(chunk, crc)
     return crc
 
 
@@ -241,7 +241,7 @@ def _steps(root: Path) -> list[tuple[int, Path]]:
 
 
 class _Persist:
-    """One save's background work: crc32s + marker (``marked`` set after), then maybe the EFS copy."""
+    """One save's background work: CRCs + marker (``marked`` set after), then maybe the EFS copy."""
 
     def __init__(self, step: int, copy: bool, run: Any) -> None:
         self.step = step
@@ -251,7 +251,7 @@ class _Persist:
 
 
 def flush() -> None:
-    """Wait for all of this rank's background work (crc32s, markers, EFS copy); report its errors."""
+    """Wait for all of this rank's background work (CRCs, markers, EFS copy); report its errors."""
     global _pending
     jobs, _pending = _pending, []
     for j in jobs:
@@ -478,11 +478,11 @@ def _finish(
     keep: int,
     job: _Persist,
 ) -> None:
-    """The background part: crc32s and the marker (memory complete), then this rank's files to EFS."""
+    """The background part: CRCs and the marker (memory complete), then this rank's files to EFS."""
     files = {}
     for n, owner in sorted(held.items()):
         p = stepdir / n
-        files[n] = {"owner": owner, "size": p.stat().st_size, "crc32": _crc_file(p)}
+        files[n] = {"owner": owner, "size": p.stat().st_size, "crc32c": _crc_file(p)}
     marker = {
         "format": MARKER_FMT,
         "step": step,
@@ -575,7 +575,7 @@ def _copy_own(stepdir: Path, rank: int, held: dict[str, int], out: Path) -> None
 def _inventory(root: Path) -> dict[str, Any]:
     """What this node's memory holds, checked: ``{step: {"id", "world", "files": {name: [owner, size, crc]}}}``.
 
-    A file is offered only when a marker names it and its size and crc32 match (torn or rewritten:
+    A file is offered only when a marker names it and its size and CRC match (torn or rewritten:
     left out); markers of one step with different save ids: the step is left out (stale mix).
     """
     out: dict[str, Any] = {}
@@ -590,12 +590,14 @@ def _inventory(root: Path) -> dict[str, Any]:
             counts.update(m.get("counts", {}))
             for n, f in m.get("files", {}).items():
                 fp = p / n
+                if not isinstance(f.get("crc32c"), int):  # a marker of an older format: not offered
+                    continue
                 try:
-                    if fp.stat().st_size != f["size"] or _crc_file(fp) != f["crc32"]:
+                    if fp.stat().st_size != f["size"] or _crc_file(fp) != f["crc32c"]:
                         continue
                 except OSError:
                     continue
-                files[n] = [int(f["owner"]), int(f["size"]), int(f["crc32"])]
+                files[n] = [int(f["owner"]), int(f["size"]), int(f["crc32c"])]
         if files:
             out[str(s)] = {
                 "id": ids.pop(),
@@ -836,8 +838,8 @@ def _fetch(
         w.wait(_fetch_timeout())
     got = 0
     for n, src, size, crc, buf in recvs:
-        if zlib.crc32(memoryview(buf.numpy())) != crc:
-            raise OSError(f"{n} from rank {src}: crc32 mismatch")
+        if crcs.crc(memoryview(buf.numpy())) != crc:
+            raise OSError(f"{n} from rank {src}: CRC mismatch")
         _write_atomic(stepdir / n, buf)
         got += size
     return got

@@ -9,7 +9,7 @@ owned by the agent, docs/agent.md "Memory snapshots"):
 - ``<name>.<slot>.json``: the header, written last (temp file + ``os.replace``): its presence is the
   "complete" marker. It holds the step, world size and rank, a generation number, the state's
   structure (dicts/lists/tuples/numbers/strings, tensors as references), each tensor's dtype, shape,
-  offset and crc32, and a crc32 of the header itself.
+  offset and CRC-32C (``crc32c``; :mod:`.crcs`), and a CRC-32C of the header itself.
 
 Two slots (``a``, ``b``) per name: a write goes into the slot that does *not* hold the newest
 complete snapshot, after removing that slot's header, so a writer killed at any point leaves the
@@ -28,9 +28,9 @@ mapped slot 0.05 s (docs/benchmarks.md, "Memory snapshots"). What a write would 
 -- a background thread does beforehand (:meth:`SnapshotStore.prepare_spares`). So a name costs up
 to twice its state's bytes in shared memory, three times while a spare stands by.
 
-Never loaded: a slot without its header (torn), a header or tensor whose crc32 does not match, a
+Never loaded: a slot without its header (torn), a header or tensor whose CRC does not match, a
 data file of the wrong size, or a snapshot of another step than the one asked for (stale).
-The crc32 pass may run before the load, not in it: the agent checks the newest snapshot while the
+The CRC pass may run before the load, not in it: the agent checks the newest snapshot while the
 new workers start (:meth:`SnapshotStore.verify`, ``<name>.verified.json``) and a restore of that
 very snapshot, in the same unchanged file, skips its own pass (:meth:`SnapshotStore.prechecked`).
 The writer records the same for the bytes it checked itself, sealed with its pid (:meth:`_seal`):
@@ -44,7 +44,7 @@ cloud's nodes share one ``MemAvailable``): :class:`_Budget`, its ledger at the t
 they do not fit, the write returns ``"no-fit: ..."`` and touches nothing: the caller falls back to
 the EFS path.
 
-The crc32s are computed after the copy, in a background thread (zlib releases the GIL): the
+The CRCs are computed after the copy, in a background thread (awscrt releases the GIL): the
 blocking part of :meth:`SnapshotStore.write` is the copy. :meth:`SnapshotStore.flush` waits for the
 header. A write that is waited for (``wait``: a coordinated stop, the last step) computes them at
 once on up to 8 threads instead (``checkpointing/crcs.py``, pieces joined with crc32_combine).
@@ -63,7 +63,6 @@ import os
 import socket
 import threading
 import weakref
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,8 +70,9 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent import filelocks
+from petctl_agent.checkpointing import crcs
 
-FORMAT = "petctl-snapshot-1"
+FORMAT = "petctl-snapshot-2"
 SLOTS = ("a", "b")
 ALIGN = 64
 #: kept free of MemAvailable besides the snapshot: at least this, or RESERVE_FRACTION of MemTotal
@@ -173,8 +173,6 @@ def _pidns() -> int | None:
 
 
 def crcs_threads() -> int:
-    from petctl_agent.checkpointing import crcs
-
     return crcs.threads()
 
 
@@ -829,15 +827,15 @@ def dtype_from_name(name: str) -> Any:
 
 def _header_crc(header: dict[str, Any]) -> int:
     body = {k: v for k, v in header.items() if k != "header_crc"}
-    return zlib.crc32(json.dumps(body, sort_keys=True).encode())
+    return crcs.crc(json.dumps(body, sort_keys=True).encode())
 
 
 def _crcs_match(header: dict[str, Any], mm: mmap.mmap | None) -> bool:
-    """Do the mapped bytes match every tensor's crc32 in ``header``?"""
+    """Do the mapped bytes match every tensor's CRC in ``header``?"""
     view = memoryview(mm) if mm is not None else memoryview(b"")
     try:
         return all(
-            zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]]) == m["crc32"] for m in header["tensors"]
+            crcs.crc(view[m["offset"] : m["offset"] + m["nbytes"]]) == m["crc32c"] for m in header["tensors"]
         )
     finally:
         view.release()
@@ -852,7 +850,7 @@ def _file_id(st: os.stat_result) -> list[int]:
 def _same_layout(known: list[dict[str, Any]], metas: list[dict[str, Any]]) -> bool:
     keys = ("dtype", "shape", "offset", "nbytes")
     return len(known) == len(metas) and all(
-        isinstance(k.get("crc32"), int) and all(k.get(x) == m[x] for x in keys) for k, m in zip(known, metas)
+        isinstance(k.get("crc32c"), int) and all(k.get(x) == m[x] for x in keys) for k, m in zip(known, metas)
     )
 
 
@@ -985,7 +983,7 @@ class SnapshotStore:
         _close(self._claims.pop(fd))
 
     def read_header(self, slot: str) -> dict[str, Any] | None:
-        """The slot's header if present and intact (its own crc32 matches), else None."""
+        """The slot's header if present and intact (its own CRC matches), else None."""
         try:
             h = json.loads(self.header_path(slot).read_bytes())
         except (OSError, ValueError):
@@ -1023,10 +1021,10 @@ class SnapshotStore:
         and the header follow in a background thread unless ``wait``. Anything but ``"ok"``
         leaves the existing snapshots as they were: use the EFS path.
 
-        ``known``: the ``tensors`` of a header whose crc32s are already known (a peer's snapshot
+        ``known``: the ``tensors`` of a header whose CRCs are already known (a peer's snapshot
         of this very state, checked on receipt): when their layout (dtype, shape, offset, bytes)
-        is the one this write makes, their crc32s are taken and the header goes in place at once,
-        no checksum pass. Otherwise they are ignored. (A wrong crc32 would only make the snapshot
+        is the one this write makes, their CRCs are taken and the header goes in place at once,
+        no checksum pass. Otherwise they are ignored. (A wrong CRC would only make the snapshot
         fail its check on load, as a torn one does: never loaded.)
         """
         self.flush()  # the previous write's header first: its slot is the one we keep
@@ -1044,7 +1042,7 @@ class SnapshotStore:
         size = off
         if known is not None and _same_layout(known, metas):
             for m, k in zip(metas, known):
-                m["crc32"] = int(k["crc32"])
+                m["crc32c"] = int(k["crc32c"])
 
         def fill(mm: mmap.mmap | None) -> None:
             import torch
@@ -1073,8 +1071,8 @@ class SnapshotStore:
         """Write a peer's snapshot straight into the older slot: ``fill(mm, reserve)`` puts its
         bytes into the slot's mapping (e.g. received over the network into views of it), calling
         ``reserve(offset, n)`` before it writes bytes ``[offset, offset + n)``; ``header`` (the
-        peer's, its own crc32 checked by the caller) gives the step, the structure and the tensors'
-        layout and crc32s, so the header goes in place at once, without a checksum pass: ``fill``
+        peer's, its own CRC checked by the caller) gives the step, the structure and the tensors'
+        layout and CRCs, so the header goes in place at once, without a checksum pass: ``fill``
         checks the bytes as they arrive and raises when they do not match (no header then).
 
         A new file's pages are not allocated up front (tmpfs allocation costs 0.5-1.3 s/GiB here,
@@ -1093,7 +1091,7 @@ class SnapshotStore:
         size = int(header["size"])
         metas = []
         for m in header["tensors"]:
-            meta = {k: m[k] for k in ("dtype", "shape", "offset", "nbytes", "crc32")}
+            meta = {k: m[k] for k in ("dtype", "shape", "offset", "nbytes", "crc32c")}
             if not (0 <= int(meta["offset"]) and int(meta["offset"]) + int(meta["nbytes"]) <= size):
                 return f"unsupported: tensor at {meta['offset']}+{meta['nbytes']} outside {size} bytes"
             metas.append(meta)
@@ -1122,7 +1120,7 @@ class SnapshotStore:
 
     def verified(self) -> Callable[[dict[str, Any], mmap.mmap | None], bool]:
         """A :meth:`load` ``check`` for the snapshot the last :meth:`receive` wrote: its bytes were
-        checked against the crc32s as they arrived, so a load of that very snapshot (same
+        checked against the CRCs as they arrived, so a load of that very snapshot (same
         generation and nonce; this process is the store's one writer) skips the second pass over
         them. Any other snapshot is checked in full."""
         got = self._received
@@ -1133,7 +1131,7 @@ class SnapshotStore:
             view = memoryview(mm) if mm is not None else memoryview(b"")
             try:
                 return all(
-                    zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]]) == m["crc32"]
+                    crcs.crc(view[m["offset"] : m["offset"] + m["nbytes"]]) == m["crc32c"]
                     for m in header["tensors"]
                 )
             finally:
@@ -1150,15 +1148,15 @@ class SnapshotStore:
         return self.dir / f"{self.name}.verify.lock"
 
     def verify(self) -> Complete | None:
-        """Check the newest complete snapshot's crc32s now, while nobody waits for it, and record
-        that it passed (``<name>.verified.json``: its slot, generation, nonce, header crc32 and the
+        """Check the newest complete snapshot's CRCs now, while nobody waits for it, and record
+        that it passed (``<name>.verified.json``: its slot, generation, nonce, header CRC and the
         data file's inode, size, mtime and ctime), so that a restore of that very snapshot
         (:meth:`prechecked`) skips its own pass over the bytes. The agent runs it in a process of
         its own (``persist --verify``) once its old workers are gone, while the new ones start.
 
         Holds ``<name>.verify.lock`` exclusively meanwhile: a restore that comes while the check
         runs waits for its verdict rather than make a second pass beside it. The record is removed
-        first and written only when every crc32 matched and the slot's header and file are still
+        first and written only when every CRC matched and the slot's header and file are still
         the ones checked (a writer that started on the slot meanwhile removed its header first).
         Returns the snapshot checked, or None (nothing complete, or it failed: no record)."""
         lock = os.open(self.verify_lock_path(), os.O_RDWR | os.O_CREAT, 0o600)
@@ -1202,7 +1200,7 @@ class SnapshotStore:
 
     def prechecked(self, wait: float = VERIFY_WAIT) -> Callable[[dict[str, Any], mmap.mmap | None], bool]:
         """A :meth:`load` ``check`` for a restore from this node's own memory: a snapshot that the
-        agent's :meth:`verify` passed -- the same header (generation, nonce, header crc32) in the
+        agent's :meth:`verify` passed -- the same header (generation, nonce, header CRC) in the
         same, unchanged file (inode, size, mtime, ctime) -- is not checked again; any other is
         checked in full, as without it. A verification still running is waited for (at most
         ``wait`` s, then the load checks for itself): it is most of the way through the same pass.
@@ -1408,10 +1406,10 @@ class SnapshotStore:
             "structure": structure,
         }
 
-        # the bytes are checked against the header's crc32s before it is written -- computed from
+        # the bytes are checked against the header's CRCs before it is written -- computed from
         # the slot's own mapping, or checked as they arrived (a receive) -- so the writer seals it
-        # (:meth:`_seal`); not a copy of a peer's state whose crc32s were given (``write(known=)``)
-        seal = lazy or not any("crc32" in m for m in metas)
+        # (:meth:`_seal`); not a copy of a peer's state whose CRCs were given (``write(known=)``)
+        seal = lazy or not any("crc32c" in m for m in metas)
 
         def finish() -> None:
             try:
@@ -1419,7 +1417,7 @@ class SnapshotStore:
             except BaseException as e:  # noqa: BLE001 - reported by flush()
                 self._error = e
 
-        if wait or all("crc32" in m for m in metas):
+        if wait or all("crc32c" in m for m in metas):
             # waited for (a coordinated stop, the last step): on every core the node lends it
             self._finish(mm, header, seal, crcs_threads() if wait else 1)
         else:
@@ -1659,15 +1657,13 @@ class SnapshotStore:
     def _finish(
         self, mm: mmap.mmap | None, header: dict[str, Any], seal: bool = False, nthreads: int = 1
     ) -> None:
-        """The crc32s not known yet (``nthreads`` threads: a write waited for), then the header."""
-        from petctl_agent.checkpointing import crcs
-
+        """The CRCs not known yet (``nthreads`` threads: a write waited for), then the header."""
         view = memoryview(mm) if mm is not None else memoryview(b"")
         try:
             # known already when the caller gave them (write(known=...)): not computed again
-            todo = [m for m in header["tensors"] if "crc32" not in m]
+            todo = [m for m in header["tensors"] if "crc32c" not in m]
             for m, c in zip(todo, crcs.tensor_crcs(view, todo, nthreads)):
-                m["crc32"] = c
+                m["crc32c"] = c
         finally:
             view.release()
         header["header_crc"] = _header_crc(header)
@@ -1681,7 +1677,7 @@ class SnapshotStore:
     def _seal(self, header: dict[str, Any]) -> None:
         """The writer's own verification record of the snapshot it just wrote (as
         :meth:`verify` writes one, plus the writer's pid and start time): its bytes matched the
-        header's crc32s when the header went in place. It covers a load (:meth:`covered`) only
+        header's CRCs when the header went in place. It covers a load (:meth:`covered`) only
         once the writer is gone -- no live process then holds the writable mapping the bytes were
         written through, and a write through the filesystem moves the file's mtime -- i.e. after
         a stop or a failure, the very restarts the agent's :meth:`verify` is for: that pass (1 GiB:
@@ -1735,8 +1731,8 @@ class SnapshotStore:
     ) -> dict[str, Any] | None:
         """The state of snapshot ``step`` (checked), or None when there is no valid one.
 
-        ``check(header, mm)``, if given, replaces the crc32 pass over the mapped bytes: True when
-        every tensor's bytes match the header's crc32s, computed otherwise (a peer restore's
+        ``check(header, mm)``, if given, replaces the CRC pass over the mapped bytes: True when
+        every tensor's bytes match the header's CRCs, computed otherwise (a peer restore's
         source checks them while it sends them, :func:`peer.send`; a receiver while they
         arrive, :meth:`verified`). Called at most once, on the mapping the tensors will view.
 
@@ -1802,7 +1798,7 @@ class SnapshotStore:
                 if not check(h, mm):
                     return None
             elif any(
-                zlib.crc32(view[m["offset"] : m["offset"] + m["nbytes"]]) != m["crc32"] for m in h["tensors"]
+                crcs.crc(view[m["offset"] : m["offset"] + m["nbytes"]]) != m["crc32c"] for m in h["tensors"]
             ):
                 return None
             for m in h["tensors"]:

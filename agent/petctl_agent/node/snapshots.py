@@ -138,7 +138,7 @@ class SnapshotArea:
 
     def verify(self) -> None:
         """The node's workers are gone and new ones are about to start: check the newest snapshot's
-        crc32s now, in a process of its own (``persist --verify``, dies with the agent), so that the
+        CRCs now, in a process of its own (``persist --verify``, dies with the agent), so that the
         new workers' restore from this node skips that pass over the bytes (``SnapshotStore.verify``
         and ``prechecked``; a restore that comes first waits for the verdict). Never blocks."""
         v = self.verifier
