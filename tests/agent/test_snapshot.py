@@ -987,6 +987,35 @@ def test_a_drain_waits_for_efs_only_when_no_survivor_with_a_persister_stays(
     assert efsrate.ENV in pace
 
 
+@pytest.mark.parametrize(
+    ("raw", "step", "warned"), [(None, 10, False), ("0", 0, False), ("3", 3, False), ("x", 10, True)]
+)
+def test_the_persister_runs_behind_training_on_the_cpu(
+    tmp_path: Path, raw: str | None, step: int, warned: bool
+) -> None:
+    """The agent's persister (``persist --serve``) raises its niceness by ``PETCTL_PERSIST_NICE``
+    (default 10) before it serves, so its EFS copies yield the cores to a drain's new workers and
+    to training; a bad value says so in one line and keeps the default."""
+    from petctl_agent.checkpointing import persist
+
+    env = {k: v for k, v in os.environ.items() if k != "PETCTL_PERSIST_NICE"}
+    env["PYTHONPATH"] = str(REPO / "agent")
+    if raw is not None:
+        env["PETCTL_PERSIST_NICE"] = raw
+    cmd = [sys.executable, "-m", "petctl_agent.checkpointing.persist", "--serve", str(tmp_path), "replicated"]
+    server = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not persist.served(tmp_path):  # it holds the store's lock once it serves
+            assert server.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        assert os.getpriority(os.PRIO_PROCESS, server.pid) == min(19, os.nice(0) + step)
+    finally:
+        server.terminate()
+        _, err = server.communicate(timeout=60)
+    assert ("PETCTL_PERSIST_NICE='x' is not a whole number from 0 to 19; using 10" in err) == warned, err
+
+
 def test_a_stopping_persister_still_serves_the_request_already_made(tmp_path: Path) -> None:
     import threading
 

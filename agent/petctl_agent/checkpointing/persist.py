@@ -306,6 +306,39 @@ def _report(sdir: Path, body: dict[str, Any]) -> None:
         pass  # the store is being removed (the node leaves)
 
 
+#: the persister's CPU niceness by default (``PETCTL_PERSIST_NICE``, 0-19; 0: as the agent)
+PERSIST_NICE = 10
+
+
+def _yield_cpu() -> int:
+    """Raise this process's niceness by ``PETCTL_PERSIST_NICE`` (default 10) and return that step.
+
+    The persister's work is background work: a checkpoint's copy to EFS (``torch.save`` from the
+    mapping, its CRC pass, the page cache), often a whole GiB at once. It starts exactly when a
+    drain's new workers start and runs while training steps, on the same cores. At nice 10 the
+    scheduler gives it about a tenth of a core that the workers want (CFS weights 110 vs 1024) and
+    every idle cycle, so it is never starved, only put behind. Threads it starts inherit it. The
+    agent's ``--verify`` pass is not lowered: a restore from self may wait for it."""
+    raw = os.environ.get("PETCTL_PERSIST_NICE") or str(PERSIST_NICE)
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 19:
+        print(
+            f"petctl persist: PETCTL_PERSIST_NICE={raw!r} is not a whole number from 0 to 19; using {PERSIST_NICE}",
+            file=sys.stderr,
+            flush=True,
+        )
+        n = PERSIST_NICE
+    if n:
+        try:
+            os.nice(n)
+        except OSError:
+            pass  # a priority we may not lower further is fine: it is only a courtesy
+    return n
+
+
 def _die_with_parent() -> None:
     """SIGTERM when the agent dies (Linux ``PR_SET_PDEATHSIG``): a store is never served orphaned."""
     try:
@@ -348,9 +381,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.serve:
         _die_with_parent()
+        _yield_cpu()
         return serve(Path(a.snapshot_dir), a.name)
     if not a.checkpoint_dir:
         ap.error("CHECKPOINT_DIR is needed without --serve")
+    _yield_cpu()
     store = SnapshotStore(a.snapshot_dir, a.name)
     d = Path(a.checkpoint_dir)
     while True:
