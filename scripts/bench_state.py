@@ -257,7 +257,7 @@ def target(gib: float, scenario: str) -> float | None:
 
 
 BREAKDOWN = ("drain_requested", "last_old_step", "workers_failed", "rendezvous_start", "rendezvous_done",
-             "workers_started", "ready", "first_step")  # fmt: skip
+             "workers_started", "worker_begun", "worker_grouped", "ready", "first_step")  # fmt: skip
 
 
 def breakdown(records: list[dict[str, Any]]) -> str:
@@ -471,7 +471,9 @@ def add_marks(run: Run, r: dict[str, Any], old: list[Node], nodes: list[Node], w
         ph["restore_agent"] = max(float(e.get("seconds") or 0) for e in evs)
     # state_train.py's own account of a failure: when the slowest rank saw it (its collective
     # raised) and began to exit; the agents' workers_failed follows once the process is gone
-    for what in ("raised", "exiting"):
+    # and of a start: when the slowest new rank's script began (its first line: the fork from the
+    # forkserver and runpy before it) and had its process group and DDP (before its restore)
+    for what in ("raised", "exiting", "begun", "grouped"):
         ms = [float(kv["mono"]) for _, kv in marks_after(nodes, since, what) if "mono" in kv]
         if ms:
             ph[f"worker_{what}"] = round(max(ms) - origin, 3)

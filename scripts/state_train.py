@@ -24,6 +24,8 @@ Prints ``step=<n> world_size=<w> loss=<x>`` per step, and for the benchmark (ran
     bench: ckpt step=<s> blocked=<t> gib=<g> via=<memory|efs>   (periodic checkpoints: what
                                                        training waited, and what served it)
     bench: started seconds=<t>                         (process start -> first step can run)
+    bench: begun mono=<t> / grouped mono=<t>           (the script's first line; its process group
+                                                       and DDP made: where a start's time goes)
 """
 
 from __future__ import annotations
@@ -175,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" not in os.environ:
         print("run under petctl-agent or torchrun (RANK/WORLD_SIZE unset)", file=sys.stderr)
         return 2
+    print(f"bench: begun mono={T_START:.3f}", flush=True)
     from petctl_agent import checkpoint as ckpt
     from petctl_agent.distributed import init_process_group
 
@@ -184,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(1)
     model = nn.Linear(32, 1)
     ddp = nn.parallel.DistributedDataParallel(model)
+    print(f"bench: grouped mono={time.monotonic():.3f}", flush=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     snapshots = args.io == "helper" and bool(os.environ.get("PETCTL_SNAPSHOT_DIR"))

@@ -375,6 +375,30 @@ def test_closed_rendezvous_and_registry(group: Callable[..., Group], etcd_server
     other.leave()
 
 
+def test_wake_ends_a_wait_for_change_at_once(etcd_server: Etcd) -> None:
+    """The agent's loop waits in ``wait_for_change`` between its looks at the workers; a worker
+    that exits wakes it (``elastic/exitwatch.py`` calls ``wake``) instead of the wait running out.
+    Nothing changes in the round here, so only the wake can end a 300 s wait within the join."""
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    run_id = f"wake-{uuid.uuid4().hex[:8]}"
+    params = RendezvousParameters(BACKEND, etcd_server.endpoint, run_id, 1, 1, "127.0.0.1", settle=0.1)
+    h = get_rendezvous_handler(params)
+    try:
+        assert h.next_rendezvous().world_size == 1
+        assert h.wait_for_change(0.05) is None  # a round with no change: the wait runs out
+        out: list[Any] = []
+        t = threading.Thread(target=lambda: out.append(h.wait_for_change(300)), daemon=True)
+        t.start()
+        h.wake()
+        t.join(60)
+        assert not t.is_alive() and out == [None]
+        h.wake()  # a wake while nobody waits ends the next wait, once
+        assert h.wait_for_change(300) is None
+    finally:
+        h.shutdown()
+
+
 def test_requests_per_round_grow_linearly(group: Callable[..., Group]) -> None:
     per_node = {}
     for n in (4, 12):

@@ -33,6 +33,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, Rend
 
 from petctl_agent.cloud.status import StatusPublisher
 from petctl_agent.elastic.decisions import classify_exits
+from petctl_agent.elastic.exitwatch import ExitWatch
 from petctl_agent.elastic.handlers import LeftRendezvous, guard_join, join_timeout_s, leave_round, ours
 from petctl_agent.elastic.joining import join_round
 from petctl_agent.elastic.membership import MembershipWatch
@@ -126,6 +127,9 @@ class PetctlElasticAgent(LocalElasticAgent):
         # leave): the node's memory snapshot is checked meanwhile (node/snapshots.py, verify)
         self.after_workers_stopped: Callable[[], None] | None = None
         self._restarting = False
+        #: the loop's wait ends the moment a worker exits, not at its next look (exitwatch.py)
+        self._exited = threading.Event()
+        self._exit_watch = ExitWatch(self._wake_loop)
         self.drain_timeout = drain_timeout
         self.join_timeout = join_timeout_s(join_timeout, settings)
         self.watch = MembershipWatch(settings, publisher, self._last_step, self.join_timeout)
@@ -316,7 +320,16 @@ class PetctlElasticAgent(LocalElasticAgent):
             # not failing: the leader reads the leases (fastloss.py) as after a failure
             mine.workers_starting()
             self._starting = True
+        self._exited.clear()
+        self._exit_watch.watch(live_worker_pids(self._pcontext))
         return pids
+
+    def _wake_loop(self) -> None:
+        """A worker exited (ExitWatch's thread): the loop looks at the workers now."""
+        self._exited.set()
+        mine = ours(self._worker_group.spec.rdzv_handler)
+        if mine is not None:
+            mine.wake()
 
     def _restore_signal_handlers(self) -> None:
         """Put our SIGTERM/SIGINT handlers back if torch replaced them while starting workers."""
@@ -424,7 +437,8 @@ class PetctlElasticAgent(LocalElasticAgent):
                 mine.wait_for_change(wg.spec.monitor_interval)
                 next_check = 0.0
             else:
-                time.sleep(wg.spec.monitor_interval)
+                self._exited.wait(wg.spec.monitor_interval)
+            self._exited.clear()
             if self.leave_requested.is_set():
                 return self._drain_and_leave(wg)
             result = self._monitor_workers(wg)

@@ -75,6 +75,7 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
         self._version = 0
         self._stopping = False
         self._left = False
+        self._woken = False  # wake(): a wait_for_change returns at once
         ep = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
         #: one v3 client for every thread of this handler (each thread keeps its own connection)
         try:
@@ -228,9 +229,17 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
             while True:
                 ch = self.pending_change()
                 left = deadline - time.monotonic()
-                if ch is not None or self._left or left <= 0:
+                if ch is not None or self._left or left <= 0 or self._woken:
+                    self._woken = False
                     return ch
                 self._cond.wait(left)
+
+    def wake(self) -> None:
+        """End the :meth:`wait_for_change` under way (or the next one) now: the agent has
+        something else to look at (a worker exited: ``elastic/exitwatch.py``)."""
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting for the next round, plus participants gone; >0 means re-rendezvous now.
