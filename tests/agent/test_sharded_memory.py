@@ -510,3 +510,29 @@ def test_periodic_saves_do_not_wait_for_a_slow_efs_copy(tmp_path: Path) -> None:
     assert "ckpt-0000000002.dcp" not in a["efs"]  # skipped: step 1 was still being copied
     assert "step 2: kept in node memory only; step 1 is still being copied" in c0.stderr
     assert max(a["held"] + b["held"]) <= 3  # the copied step, the newest complete one, the new one
+
+
+def test_a_marker_of_the_zlib_era_is_not_offered(tmp_path: Path) -> None:
+    """A node's memory can hold a sharded step across an agent upgrade: a ``petctl-sharded-1``
+    marker (zlib crc32s under ``crc32``) vouches for nothing the CRC-32C code offers a peer or
+    loads; the same file under a marker of today's format is offered."""
+    import zlib
+
+    from petctl_agent.checkpointing import crcs, sharded_memory
+
+    stepdir = tmp_path / "ckpt-0000000004.dcp"
+    stepdir.mkdir()
+    data = bytes(range(256)) * 64
+    (stepdir / "__0_0.distcp").write_bytes(data)
+
+    def marker(fmt: str, key: str, crc: int) -> None:
+        body = {"format": fmt, "step": 4, "id": "s1", "world_size": 1, "rank": 0, "counts": {"0": 1},
+                "files": {"__0_0.distcp": {"owner": 0, "size": len(data), key: crc}}}  # fmt: skip
+        (stepdir / "petctl-rank-0.json").write_text(json.dumps(body))
+
+    marker("petctl-sharded-1", "crc32", zlib.crc32(data))
+    assert sharded_memory._inventory(tmp_path) == {}
+    marker(sharded_memory.MARKER_FMT, "crc32c", crcs.crc(data))
+    assert sharded_memory._inventory(tmp_path)["4"]["files"] == {
+        "__0_0.distcp": [0, len(data), crcs.crc(data)]
+    }

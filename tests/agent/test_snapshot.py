@@ -1285,6 +1285,32 @@ def test_a_sealed_snapshot_changed_afterwards_is_checked_again_and_never_loaded(
         s.close()
 
 
+def test_a_header_of_the_zlib_era_is_never_loaded(tmp_path: Path) -> None:
+    """Snapshots before stop 31 (``petctl-snapshot-1``) held zlib crc32s under ``crc32``; the code
+    of CRC-32C loads none of them (the restore goes to a peer or EFS), even one whole and
+    consistent by its own rules -- a node's memory can hold one across an upgrade of the agent."""
+    import zlib
+
+    store = SnapshotStore(tmp_path, "r")
+    state = {"w": torch.arange(4096, dtype=torch.float32)}
+    assert store.write(state, 5, wait=True) == "ok"
+    c = store.newest()
+    assert c is not None and c.step == 5
+    old = json.loads(store.header_path(c.slot).read_text())
+    data = store.data_path(c.slot).read_bytes()
+    old["format"] = "petctl-snapshot-1"
+    for m in old["tensors"]:
+        m["crc32"] = zlib.crc32(data[m["offset"] : m["offset"] + m["nbytes"]])
+        del m["crc32c"]
+    old["header_crc"] = zlib.crc32(
+        json.dumps({k: v for k, v in old.items() if k != "header_crc"}, sort_keys=True).encode()
+    )
+    store.close()
+    store.header_path(c.slot).write_text(json.dumps(old))
+    fresh = SnapshotStore(tmp_path, "r")
+    assert fresh.newest() is None and fresh.load(5) is None
+
+
 def test_a_copy_under_given_crc32s_is_not_sealed(tmp_path: Path) -> None:
     """``write(known=)`` takes a peer's CRCs without checking the copy against them: nothing
     vouches for those bytes, so no seal. Given CRCs that do not match (another state's), the

@@ -1,5 +1,5 @@
-"""ExitWatch (elastic/exitwatch.py): the agent's loop is woken when a worker process exits, not
-before, and never by a watch that a newer one replaced."""
+"""ExitWatch (elastic/exitwatch.py): the agent's loop is woken when a worker has exited and torch
+can see it, not before, and never by a watch that a newer one replaced or stopped."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from petctl_agent.elastic.exitwatch import ExitWatch
+from petctl_agent.elastic.exitwatch import ExitWatch, exit_fds
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no pidfd_open on this platform")
 
@@ -19,6 +20,11 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no pidfd_
 def _waiter() -> subprocess.Popen[bytes]:
     """A process that lives until its stdin closes."""
     return subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+
+
+def _subprocesses(*procs: subprocess.Popen[bytes]) -> SimpleNamespace:
+    """What torch's SubprocessContext offers: ``subprocess_handlers`` with a ``proc`` each."""
+    return SimpleNamespace(subprocess_handlers={i: SimpleNamespace(proc=p) for i, p in enumerate(procs)})
 
 
 def _watch_threads() -> list[threading.Thread]:
@@ -37,9 +43,9 @@ def test_a_wake_comes_when_a_worker_exits_and_not_before() -> None:
     w = ExitWatch(woke.set)
     a, b = _waiter(), _waiter()
     try:
-        assert w.watch([a.pid, b.pid])
+        assert w.watch(exit_fds(_subprocesses(a, b)))
         assert not woke.wait(0.3)  # both alive
-        b.stdin.close()  # one of them exits (not reaped yet: a zombie is exited)
+        b.stdin.close()  # one of them exits
         assert woke.wait(60)
         assert b.wait(10) == 0 and a.poll() is None
     finally:
@@ -53,8 +59,8 @@ def test_a_replaced_or_stopped_watch_never_wakes() -> None:
     w = ExitWatch(woke.set)
     old, new = _waiter(), _waiter()
     try:
-        assert w.watch([old.pid])
-        assert w.watch([new.pid])  # the next generation of workers: the old watch ends
+        assert w.watch(exit_fds(_subprocesses(old)))
+        assert w.watch(exit_fds(_subprocesses(new)))  # the next generation of workers: the old watch ends
         old.stdin.close()
         old.wait(10)
         assert not woke.wait(0.3)
@@ -74,7 +80,8 @@ def test_nothing_to_watch() -> None:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait(30)
     w = ExitWatch(lambda: None)
-    assert not w.watch([p.pid])  # reaped: no pidfd (ESRCH)
+    assert exit_fds(_subprocesses(p)) == []  # reaped: nothing to wait for
+    assert exit_fds(SimpleNamespace()) == []
     assert not w.watch([])
     assert not _watch_threads()
     w.stop()  # nothing running: a no-op

@@ -68,7 +68,7 @@ from petctl_agent.checkpointing.snapshot import node_name, read_meminfo, reserve
 from petctl_agent.distributed import dist_on, dist_rank, dist_world
 
 SUBDIR = "sharded"
-MARKER_FMT = "petctl-sharded-1"
+MARKER_FMT = "petctl-sharded-2"  # -2: CRC-32C (``crc32c``; -1 held zlib crc32s, never read now)
 _MARKER_RE = re.compile(r"^petctl-rank-(\d+)\.json$")
 _CHUNK = 8 << 20
 
@@ -590,7 +590,7 @@ def _inventory(root: Path) -> dict[str, Any]:
             counts.update(m.get("counts", {}))
             for n, f in m.get("files", {}).items():
                 fp = p / n
-                if not isinstance(f.get("crc32c"), int):  # a marker of an older format: not offered
+                if not isinstance(f.get("crc32c"), int):  # a malformed marker: not offered
                     continue
                 try:
                     if fp.stat().st_size != f["size"] or _crc_file(fp) != f["crc32c"]:

@@ -33,7 +33,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, Rend
 
 from petctl_agent.cloud.status import StatusPublisher
 from petctl_agent.elastic.decisions import classify_exits
-from petctl_agent.elastic.exitwatch import ExitWatch
+from petctl_agent.elastic.exitwatch import ExitWatch, exit_fds
 from petctl_agent.elastic.handlers import LeftRendezvous, guard_join, join_timeout_s, leave_round, ours
 from petctl_agent.elastic.joining import join_round
 from petctl_agent.elastic.membership import MembershipWatch
@@ -321,7 +321,10 @@ class PetctlElasticAgent(LocalElasticAgent):
             mine.workers_starting()
             self._starting = True
         self._exited.clear()
-        self._exit_watch.watch(live_worker_pids(self._pcontext))
+        try:
+            self._exit_watch.watch(exit_fds(self._pcontext))
+        except Exception as e:  # noqa: BLE001 - a speed-up only: the loop polls anyway
+            log.debug("exit watch: %s", e)
         return pids
 
     def _wake_loop(self) -> None:

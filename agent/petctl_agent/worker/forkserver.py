@@ -75,7 +75,7 @@ PRELOAD = [
     "petctl_agent.worker.forkserver",
     # the checkpoint helper and its memory path (awscrt included): 0.07 s of imports on an idle
     # core that every restarted worker paid again, on the busiest cores of a membership change.
-    # It reads no environment and starts no thread at import (tests/agent/test_forkserver.py).
+    # It reads no environment and starts no thread at import (tests/unit/test_forkserver_preload.py).
     "petctl_agent.checkpoint",
 ]
 
