@@ -172,10 +172,6 @@ def _pidns() -> int | None:
         return None
 
 
-def crcs_threads() -> int:
-    return crcs.threads()
-
-
 def node_name(directory: str | os.PathLike) -> str:
     """Which node a store is on, as the ranks compare it: the host and the store's real path (the
     ranks of one node share their store; the local cloud's instances on one machine each have
@@ -1419,7 +1415,7 @@ class SnapshotStore:
 
         if wait or all("crc32c" in m for m in metas):
             # waited for (a coordinated stop, the last step): on every core the node lends it
-            self._finish(mm, header, seal, crcs_threads() if wait else 1)
+            self._finish(mm, header, seal, crcs.threads() if wait else 1)
         else:
             self._pending = threading.Thread(target=finish, name="petctl-snapshot-crc", daemon=True)
             self._pending.start()
