@@ -32,20 +32,29 @@ STEP_RE = re.compile(r"\] step=(\d+) world_size=(\d+) loss=")
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free now, for a server started a moment later.
 
     Taken below the kernel's ephemeral range (``ip_local_port_range``, 32768+ on Linux): a port
     from that range can be handed to any outgoing connection (the workers', the agents') between
     this check and the server's bind, and etcd then died with "address already in use" (CI).
+
+    Free on the wildcard address too: a server that binds it (torch's ``TCPStore`` in a plain
+    ``env://`` worker) fails on a port that a local-cloud node holds on its own 127.x.y.z, which a
+    check on 127.0.0.1 alone does not see (CI: EADDRINUSE in test_forkserver_exit).
     """
     for _ in range(100):
         port = random.randint(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
+        if _bindable(host, port) and _bindable("::" if ":" in host else "", port):
             return port
     with socket.socket() as s:
         s.bind((host, 0))

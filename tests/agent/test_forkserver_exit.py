@@ -77,6 +77,10 @@ def test_forkserver_restarts_exit_without_hanging(tmp_path: Path) -> None:
     for i in range(RUNS):
         for mode in ("plain", "tutorial"):
             problem = _run_once(i, mode, tmp_path / f"{mode}{i}")
+            if problem and "EADDRINUSE" in problem:
+                # another test process bound the port between free_port() and rank 0's bind: not
+                # what this test is about, so once more on a fresh port (twice in a row still fails)
+                problem = _run_once(i, mode, tmp_path / f"{mode}{i}-again")
             if problem:
                 problems.append(problem)
     elapsed = time.monotonic() - started

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from petctl_agent.rendezvous import joining
 
 
@@ -47,3 +49,37 @@ def test_a_taken_port_is_never_returned(monkeypatch):
         assert len(calls) >= 3  # the taken port was tried, and refused, twice
     finally:
         taken.close()
+
+
+def _pick_held_first(monkeypatch, module, held: int) -> list[int]:
+    real = module.random.randint
+    calls: list[int] = []
+
+    def pick(a: int, b: int) -> int:
+        calls.append(1)
+        return held if len(calls) == 1 else real(a, b)
+
+    monkeypatch.setattr(module.random, "randint", pick)
+    return calls
+
+
+def test_a_port_held_on_another_loopback_address_is_not_returned(monkeypatch):
+    # A local-cloud node holds its store on its own 127.x.y.z; a worker's TCPStore that listens on
+    # the wildcard fails on that port (EADDRINUSE), though 127.0.0.1 alone is free (CI, stop 31).
+    import harness
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.2", 0))
+        held = taken.getsockname()[1]
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", held))  # the old check passed: 127.0.0.1 is free
+        with pytest.raises(OSError):
+            with socket.socket() as wild:
+                wild.bind(("", held))  # ... but the wildcard bind a plain worker makes fails
+        calls = _pick_held_first(monkeypatch, joining, held)
+        assert joining._free_port("127.0.0.1") != held
+        assert len(calls) >= 2
+        monkeypatch.undo()
+        calls = _pick_held_first(monkeypatch, harness, held)
+        assert harness.free_port() != held
+        assert len(calls) >= 2

@@ -45,6 +45,15 @@ def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
         return 32768  # Linux's default
 
 
+def _bindable(family: socket.AddressFamily, host: str, port: int) -> bool:
+    with socket.socket(family) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 def _free_port(addr: str | None) -> int:
     """A port for rank 0's store, free now and still free when its worker binds it seconds later.
 
@@ -52,18 +61,20 @@ def _free_port(addr: str | None) -> int:
     binding port 0 gives) can be handed to any outgoing connection on the node (the agents' etcd
     calls, the workers' gloo/NCCL links) before rank 0's worker binds it, and that costs a restart.
     No outgoing connection gets a port below the range. Port 0 only if the band is full.
+
+    The port must be free on the wildcard address as well as on ``addr``: a script that calls
+    ``init_process_group()`` itself has torch's ``TCPStore`` listen on the wildcard, which fails on a
+    port that anything on the node holds on any one address (in the local cloud, another node's
+    127.x.y.z).
     """
     high = _ephemeral_low() - 1
     low = max(1024, high - 12000)
     for host in ([addr] if addr else []) + [""]:
         family = socket.AF_INET6 if host and ":" in host else socket.AF_INET
+        wildcard = "::" if family == socket.AF_INET6 else ""
         for _ in range(64):
             port = random.randint(low, high)
-            with socket.socket(family) as s:
-                try:
-                    s.bind((host, port))
-                except OSError:
-                    continue
+            if _bindable(family, host, port) and (host == wildcard or _bindable(family, wildcard, port)):
                 return port
         try:
             with socket.socket(family) as s:
