@@ -70,7 +70,7 @@ ROOM_MAY_IMPORT = {
     "cloud": {"contracts"},
     "rendezvous": {"contracts"},
     "elastic": {"contracts", "cloud", "rendezvous"},
-    "worker": {"contracts", "elastic"},
+    "worker": {"contracts", "distributed", "elastic"},
     "node": {"contracts", "cloud", "rendezvous", "elastic", "worker"},
     "main": {"contracts", "cloud", "elastic", "node"},
 }

@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -157,6 +158,8 @@ def init_process_group(backend: str | None = None, timeout_s: float | None = Non
         sock.bind((addr, master_port))
         sock.listen(512)
         store_kwargs["master_listen_fd"] = sock.detach()
+    else:
+        await_listener(master_addr, master_port, timeout.total_seconds())
     store = dist.TCPStore(master_addr, master_port, world, rank == 0, timeout=timeout, **store_kwargs)
     if plan.backend == "gloo":
         # (NCCL rejects gloo options: only for a pure gloo group.)
@@ -165,6 +168,28 @@ def init_process_group(backend: str | None = None, timeout_s: float | None = Non
         kwargs["pg_options"] = pg_options
     dist.init_process_group(plan.backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)
     return plan.backend
+
+
+def await_listener(addr: str, port: int, timeout_s: float) -> bool:
+    """Wait until ``addr:port`` accepts a connection (rank 0's store listens); False at the deadline.
+
+    torch's ``TCPStore`` client meets a refused connection with an exponential backoff with
+    jitter: a rank that starts before rank 0's store listens connects up to 1.3 s after it does
+    (measured, torch 2.13 CPU). After a membership change every rank starts at once, so one often
+    does; this poll (10 ms apart) lets the client's own first connect succeed. Its probe closes
+    without a byte, which the store's server drops. At the deadline the client's own
+    timeout and error take over."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection(
+                (addr, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))
+            ):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
 
 
 def dist_on() -> bool:

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib
 import json
 import os
 import runpy
@@ -114,6 +115,39 @@ def keep_destroyed_groups_alive() -> bool:
     return True
 
 
+def connect_when_listening() -> bool:
+    """Make torch's ``env://`` store client (a plain script's ``init_process_group()``) wait until
+    rank 0's store listens before it connects (idempotent). Returns whether the wrapper is installed.
+
+    torch's client meets a refused connection with an exponential backoff with jitter, so a rank
+    that starts before rank 0's store listens -- after a membership change every rank starts at
+    once -- connected up to 1.3 s after it did (``scripts/bench_store_connect.py``). The helper's
+    own ``init_process_group`` waits the same way (``distributed.await_listener``); this gives a
+    script that calls torch's its 10 ms poll too. Wraps the private
+    ``torch.distributed.rendezvous._create_c10d_store``; a torch without it keeps its backoff."""
+    try:
+        rdzv = importlib.import_module("torch.distributed.rendezvous")
+    except Exception:  # noqa: BLE001 - torch without distributed: nothing to do
+        return False
+    real = getattr(rdzv, "_create_c10d_store", None)
+    if real is None:
+        return False
+    if getattr(real, "_petctl_waits", False):
+        return True
+    from petctl_agent.distributed import await_listener
+
+    @functools.wraps(real)
+    def _create_c10d_store(hostname, port, rank, world_size, timeout, *args, **kwargs):  # noqa: ANN001, ANN202
+        seconds = getattr(timeout, "total_seconds", None)
+        if int(rank) != 0 and seconds is not None:
+            await_listener(hostname, int(port), seconds())
+        return real(hostname, port, rank, world_size, timeout, *args, **kwargs)
+
+    _create_c10d_store._petctl_waits = True  # type: ignore[attr-defined]
+    rdzv._create_c10d_store = _create_c10d_store
+    return True
+
+
 def _ready() -> None:
     """A no-op child: forking it proves the forkserver has finished its imports."""
 
@@ -164,6 +198,7 @@ def run_script(script: str, *args: str) -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)
     if os.environ.get("PETCTL_AGENT_NO_PG_KEEPALIVE", "") != "1":
         keep_destroyed_groups_alive()
+    connect_when_listening()
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
