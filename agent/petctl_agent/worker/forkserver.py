@@ -198,7 +198,8 @@ def run_script(script: str, *args: str) -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)
     if os.environ.get("PETCTL_AGENT_NO_PG_KEEPALIVE", "") != "1":
         keep_destroyed_groups_alive()
-    connect_when_listening()
+    if os.environ.get("PETCTL_AGENT_NO_STORE_CONNECT", "") != "1":
+        connect_when_listening()
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
