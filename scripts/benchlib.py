@@ -42,6 +42,19 @@ SCRIPTS = (SCRIPT.name, "state_train.py")
 STEP_RE = re.compile(r"step=(\d+) world_size=(\d+) loss=")
 #: the training script's own lines for the benchmark (``bench: <what> k=v ...``)
 MARK_RE = re.compile(r"bench: (\w+) (.*)$")
+MONO_RE = re.compile(r" mono=(\d+\.\d+)")
+
+
+def _mono(line: str, arrived: float) -> float:
+    """When ``line`` was printed: its ``mono=`` (the printer's ``time.monotonic()``) if it has one
+    that is not after its arrival, else its arrival."""
+    m = MONO_RE.search(line)
+    if m is None:
+        return arrived
+    t = float(m.group(1))
+    return t if t <= arrived else arrived
+
+
 TOOLS = ("petctl", "petctl-etcd-v2", "torchrun-etcd", "torchrun-etcd-v2")
 #: petctl tools -> the job spec's rdzv_backend (petctl-etcd is the agent's default)
 PETCTL_BACKENDS = {"petctl": "petctl-etcd", "petctl-etcd-v2": "etcd-v2"}
@@ -408,14 +421,17 @@ class Run:
                 line = raw.decode(errors="replace").rstrip("\n")
                 node.nlines += 1
                 log.write(f"{t:.3f} {line}\n")
+                # a line that says when it was printed (state_train.py: mono=, the worker's
+                # time.monotonic(), the same clock) is timed by that, not by its arrival here: a
+                # worker's line reaches the agent's stdout only at its log tailer's next poll (0.2 s)
                 m = STEP_RE.search(line)
                 if m:
-                    node.steps.append((t, int(m.group(1)), int(m.group(2))))
+                    node.steps.append((_mono(line, t), int(m.group(1)), int(m.group(2))))
                     continue
                 m = MARK_RE.search(line)
                 if m:
                     kv = dict(x.split("=", 1) for x in m.group(2).split() if "=" in x)
-                    node.marks.append((t, m.group(1), kv))
+                    node.marks.append((_mono(line, t), m.group(1), kv))
 
     def _sample_pids(self) -> None:
         while not self._stop.wait(0.25):

@@ -18,12 +18,14 @@ torn, stale or partial state is caught (``state mismatch``, exit 3), never train
   then a ``latest`` JSON pointer the same way; every rank ``torch.load`` s it back at start.
   Periodic checkpoints only (torchrun has no drain protocol).
 
-Prints ``step=<n> world_size=<w> loss=<x>`` per step, and for the benchmark (rank 0)::
+Prints ``step=<n> world_size=<w> loss=<x> mono=<t>`` per step (``mono``: ``time.monotonic()``
+when it ended, so the benchmark times steps exactly, not when the agent's log tailer forwarded
+the line, up to 0.2 s later), and for the benchmark (rank 0)::
 
     bench: restored step=<s> seconds=<t> source=<memory|efs> gib=<g>
     bench: ckpt step=<s> blocked=<t> gib=<g> via=<memory|efs>   (periodic checkpoints: what
                                                        training waited, and what served it)
-    bench: started seconds=<t>                         (process start -> first step can run)
+    bench: started seconds=<t> mono=<t>                (process start -> first step can run)
     bench: begun mono=<t> / grouped mono=<t>           (the script's first line; its process group
                                                        and DDP made: where a start's time goes)
 """
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         ballast = make_ballast(args.state_gib)
-    print(f"bench: started seconds={time.monotonic() - T_START:.3f}", flush=True)
+    print(f"bench: started seconds={time.monotonic() - T_START:.3f} mono={time.monotonic():.3f}", flush=True)
 
     keys = list(ballast)
     # where a failure's time goes (bench_state.py): when this rank saw it, and when it began to exit
@@ -245,7 +247,10 @@ def train(args, ddp, opt, model, ballast, keys, step, rank, world, directory, ck
             ballast[k][0] = float(step)
         if args.step_time > 0:
             time.sleep(args.step_time)
-        print(f"step={step} world_size={world} loss={loss.item():.6f}", flush=True)
+        # mono: when the step ended, for bench_state.py (the agent's log tailer polls every 0.2 s)
+        print(
+            f"step={step} world_size={world} loss={loss.item():.6f} mono={time.monotonic():.3f}", flush=True
+        )
         last = step == args.total_steps
         t = time.monotonic()
         n_saves = len(saved_to)

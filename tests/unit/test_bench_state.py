@@ -172,3 +172,13 @@ def test_ckpt_table_says_what_served_each_checkpoint_and_mem_table_the_low_water
     line = next(x for x in bs.mem_table(recs).splitlines() if "petctl-mem" in x)
     assert line.endswith("| 21.0 | 1 | 3.25 | 0 |")
     assert bs.oom_kills() >= 0  # /proc/vmstat's oom_kill on Linux
+
+
+def test_a_line_is_timed_when_it_was_printed_not_when_the_tailer_forwarded_it() -> None:
+    import benchlib
+
+    line = "[i-n2 attempt_0/rank0/out] step=138 world_size=3 loss=0.735338 mono=33878.012"
+    assert benchlib.STEP_RE.search(line) is not None  # the step parser still reads it
+    assert benchlib._mono(line, 33878.170) == 33878.012  # printed, not forwarded 0.16 s later
+    assert benchlib._mono("[x] step=3 world_size=2 loss=1.0", 50.0) == 50.0  # no mono: arrival
+    assert benchlib._mono("bench: started seconds=0.2 mono=99.5", 50.0) == 50.0  # never after arrival
