@@ -329,31 +329,3 @@ def test_a_restarted_workers_slots_are_mapped_in_the_background(tmp_path: Path) 
     assert bool((got["w"] == 2.0).all())
     store.close()
     del got
-
-
-def test_the_spare_thread_runs_behind_training(tmp_path: Path, monkeypatch) -> None:
-    """The spare thread allocates and maps a whole state right after a restore, while the
-    restarted ranks take their first steps: it lowers its own niceness (per thread on Linux), and
-    the process's other threads -- training -- keep theirs."""
-    store = SnapshotStore(tmp_path, "r")
-    store.write({"w": torch.full((N,), 1.0)}, 1, wait=True)
-    store.write({"w": torch.full((N,), 2.0)}, 2, wait=True)
-    store.close()
-    store = SnapshotStore(tmp_path, "r")
-    got = store.load(2)  # lends slot b: its spare is due
-    seen: list[int] = []
-    real = snapshot.SnapshotStore._make_spare
-
-    def spy(self, slot: str, size: int) -> None:  # noqa: ANN001
-        seen.append(os.getpriority(os.PRIO_PROCESS, 0))  # this thread's niceness (Linux)
-        real(self, slot, size)
-
-    monkeypatch.setattr(snapshot.SnapshotStore, "_make_spare", spy)
-    before = os.getpriority(os.PRIO_PROCESS, 0)
-    store.prepare_spares(store.newest().header["size"])
-    store._spares.join(30)
-    assert seen and all(p == min(19, before + snapshot.SPARE_NICE) for p in seen), (before, seen)
-    assert os.getpriority(os.PRIO_PROCESS, 0) == before  # the calling thread is untouched
-    assert store.spare_path("b").exists()
-    del got
-    store.close()

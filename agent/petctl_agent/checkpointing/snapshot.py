@@ -79,12 +79,6 @@ ALIGN = 64
 RESERVE_MIN = 512 << 20
 RESERVE_FRACTION = 0.05
 
-#: niceness steps the spare thread (``prepare_spares``) lowers itself by: it allocates and maps a
-#: whole state's pages right after a restore, while the restarted ranks take their first steps
-#: on the same cores. It runs behind them (CFS weight 110 vs 1024), never starved; a write that
-#: finds its spare unready does the rest itself, never waiting for the thread.
-SPARE_NICE = 10
-
 OK = "ok"
 #: seconds a restore waits for the agent's verification of its snapshot still running (then it
 #: checks the bytes itself): that verification is the same pass, started earlier
@@ -666,15 +660,6 @@ def _madvise(mm: mmap.mmap, advice: int) -> None:
     finally:
         del anchor  # the mapping's buffer export: the mmap could not close while it lived
     libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(len(mm)), advice)
-
-
-def _lower_this_thread(step: int) -> None:
-    """Raise the calling thread's niceness by ``step`` (Linux: niceness is per thread, so the
-    process's other threads -- training -- keep theirs). Best effort."""
-    try:
-        os.nice(step)
-    except OSError:
-        pass
 
 
 def _populate(mm: mmap.mmap) -> None:
@@ -1564,7 +1549,6 @@ class SnapshotStore:
         order = sorted(SLOTS, key=lambda sl: newest is not None and sl == newest.slot)
 
         def make() -> None:
-            _lower_this_thread(SPARE_NICE)
             for slot in order:
                 try:
                     self._make_spare(slot, size)
