@@ -158,7 +158,7 @@ def init_process_group(backend: str | None = None, timeout_s: float | None = Non
         sock.bind((addr, master_port))
         sock.listen(512)
         store_kwargs["master_listen_fd"] = sock.detach()
-    else:
+    elif rank != 0:
         await_listener(master_addr, master_port, timeout.total_seconds())
     store = dist.TCPStore(master_addr, master_port, world, rank == 0, timeout=timeout, **store_kwargs)
     if plan.backend == "gloo":
@@ -170,21 +170,33 @@ def init_process_group(backend: str | None = None, timeout_s: float | None = Non
     return plan.backend
 
 
+#: the longest a rank polls for rank 0's store before torch's own client (and its timeout) takes
+#: over: the poll must not add a second whole timeout to a start whose rank 0 never comes
+AWAIT_LISTENER_MAX = 60.0
+
+
 def await_listener(addr: str, port: int, timeout_s: float) -> bool:
-    """Wait until ``addr:port`` accepts a connection (rank 0's store listens); False at the deadline.
+    """Wait until ``addr:port`` accepts a connection (rank 0's store listens); False when it did not
+    within ``min(timeout_s, AWAIT_LISTENER_MAX)`` or the name does not resolve.
 
     torch's ``TCPStore`` client meets a refused connection with an exponential backoff with
-    jitter: a rank that starts before rank 0's store listens connects up to 1.3 s after it does
-    (measured, torch 2.13 CPU). After a membership change every rank starts at once, so one often
-    does; this poll (10 ms apart) lets the client's own first connect succeed. Its probe closes
-    without a byte, which the store's server drops. At the deadline the client's own
-    timeout and error take over."""
-    deadline = time.monotonic() + timeout_s
+    jitter: a rank that starts before rank 0's store listens connected 0.36-0.56 s (median) after
+    it did, up to 0.67 s (``scripts/bench_store_connect.py``). After a membership change every
+    rank starts at once, so one often does; this poll (10 ms apart) lets the client's own first
+    connect succeed. Its probe closes without a byte, which the store's server drops (a worker is
+    counted by the client's ``add`` on the init key, which a probe never sends). The name is
+    resolved once, not at every poll (a VPC's resolver limits packets per interface). After it,
+    the client's own timeout and error take over, as without it."""
+    deadline = time.monotonic() + min(timeout_s, AWAIT_LISTENER_MAX)
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    except (OSError, IndexError):
+        return False
     while True:
         try:
-            with socket.create_connection(
-                (addr, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))
-            ):
+            with socket.socket(family, kind, proto) as s:
+                s.settimeout(max(0.1, min(5.0, deadline - time.monotonic())))
+                s.connect(sockaddr)
                 return True
         except OSError:
             if time.monotonic() >= deadline:

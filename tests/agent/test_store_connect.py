@@ -30,8 +30,8 @@ def test_the_wait_returns_once_something_listens_and_not_before():
     def listen_later() -> None:
         time.sleep(0.3)
         srv.bind(("127.0.0.1", port))
+        listening.set()  # before listen(): no connect can succeed before it, so no race with the assert
         srv.listen(8)
-        listening.set()
 
     t = threading.Thread(target=listen_later)
     t.start()
@@ -48,6 +48,40 @@ def test_the_wait_gives_up_at_its_deadline():
     t0 = time.monotonic()
     assert not await_listener("127.0.0.1", port, 0.3)
     assert time.monotonic() - t0 >= 0.3
+
+
+def test_the_wait_is_bounded_apart_from_the_stores_timeout(monkeypatch):
+    # a rank 0 that never comes: the poll gives up at AWAIT_LISTENER_MAX, not after a whole store
+    # timeout on top of the client's own; a name that does not resolve is not polled at all
+    from petctl_agent import distributed
+
+    monkeypatch.setattr(distributed, "AWAIT_LISTENER_MAX", 0.3)
+    t0 = time.monotonic()
+    assert not distributed.await_listener("127.0.0.1", free_port(), 1800)
+    assert time.monotonic() - t0 < 30
+    assert not distributed.await_listener("no-such-host.invalid", free_port(), 1800)
+
+
+def test_rank_zero_never_waits_for_its_own_store(monkeypatch):
+    """Rank 0 whose MASTER_ADDR is written otherwise than its node address (a name) makes its store
+    without a pre-bound socket; it must not poll its own port, which nothing listens on yet."""
+    dist = pytest.importorskip("torch.distributed")
+    from petctl_agent import distributed
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(distributed, "await_listener", lambda *a: calls.append(a) or True)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("PETCTL_LOCAL_ADDR", "127.0.0.1")
+    distributed.init_process_group("gloo", timeout_s=30)
+    try:
+        assert dist.get_world_size() == 1
+    finally:
+        dist.destroy_process_group()
+    assert calls == []
 
 
 def test_the_probe_leaves_the_store_usable():
@@ -91,12 +125,19 @@ def test_a_rank_that_starts_first_joins_rank_zero_that_starts_late():
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, 1.0 if r == 0 else 0.0, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = sorted(q.get(timeout=90) for _ in procs)
-    for p in procs:
-        p.join(30)
+    procs = [
+        ctx.Process(target=_rank, args=(r, port, 1.0 if r == 0 else 0.0, q), daemon=True) for r in range(2)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        got = sorted(q.get(timeout=90) for _ in procs)
+        for p in procs:
+            p.join(30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
     assert got == [(0, [3.0, 3.0]), (1, [3.0, 3.0])]
     assert [p.exitcode for p in procs] == [0, 0]
 

@@ -67,6 +67,8 @@ import signal
 import sys
 import time
 
+from petctl_agent.workarounds import switched_off
+
 PRELOAD = [
     "torch",
     "torch.distributed",
@@ -198,7 +200,7 @@ def run_script(script: str, *args: str) -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)
     if os.environ.get("PETCTL_AGENT_NO_PG_KEEPALIVE", "") != "1":
         keep_destroyed_groups_alive()
-    if os.environ.get("PETCTL_AGENT_NO_STORE_CONNECT", "") != "1":
+    if not switched_off("STORE_CONNECT", os.environ):
         connect_when_listening()
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
