@@ -189,19 +189,24 @@ def await_listener(addr: str, port: int, timeout_s: float) -> bool:
     the client's own timeout and error take over, as without it."""
     deadline = time.monotonic() + min(timeout_s, AWAIT_LISTENER_MAX)
     try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
-    except (OSError, IndexError):
+        # every address of the name, as torch's client tries them (localhost: ::1, then 127.0.0.1)
+        targets = [
+            (f, k, p, sa) for f, k, p, _, sa in socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+        ]
+    except OSError:
         return False
     while True:
-        try:
-            with socket.socket(family, kind, proto) as s:
-                s.settimeout(max(0.1, min(5.0, deadline - time.monotonic())))
-                s.connect(sockaddr)
-                return True
-        except OSError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01)
+        for family, kind, proto, sockaddr in targets:
+            try:
+                with socket.socket(family, kind, proto) as s:
+                    s.settimeout(max(0.1, min(5.0, deadline - time.monotonic())))
+                    s.connect(sockaddr)
+                    return True
+            except OSError:
+                pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
 
 
 def dist_on() -> bool:

@@ -43,6 +43,19 @@ def test_the_wait_returns_once_something_listens_and_not_before():
         srv.close()
 
 
+def test_the_wait_tries_every_address_of_a_name(monkeypatch):
+    # a name may resolve to ::1 first (localhost on many hosts) while the store listens on IPv4
+    # only: the wait must try every address, as torch's client does, not poll the first for 60 s
+    port = free_port()
+    v4 = socket.getaddrinfo("127.0.0.1", port, type=socket.SOCK_STREAM)
+    v6 = [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0))]
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: v6 + v4)
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", port))
+        srv.listen(8)
+        assert await_listener("a-name", port, 2)
+
+
 def test_the_wait_gives_up_at_its_deadline():
     port = free_port()  # nothing listens there
     t0 = time.monotonic()
