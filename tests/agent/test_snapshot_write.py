@@ -329,3 +329,40 @@ def test_a_restarted_workers_slots_are_mapped_in_the_background(tmp_path: Path) 
     assert bool((got["w"] == 2.0).all())
     store.close()
     del got
+
+
+def test_a_restore_makes_its_spares_after_the_first_step_not_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stop 33: right after a membership change every node restores at once and each allocates a
+    new file of the state's size (a lent slot's replacement; a newcomer's second slot). Made beside
+    the first step, that kernel work stalled it, and with it every rank's first collective. Now
+    ``ckpt.resume`` leaves the spares due and the first ``ckpt.step`` after it starts them: the
+    next checkpoint still finds its file made."""
+    from petctl_agent import checkpoint as ckpt
+    from petctl_agent.checkpointing import memory
+
+    sdir, cdir = tmp_path / "snap", tmp_path / "ckpt"
+    monkeypatch.setenv("PETCTL_SNAPSHOT_DIR", str(sdir))
+    monkeypatch.setenv("PETCTL_PROGRESS_FILE", str(tmp_path / "progress.json"))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    try:
+        for s in (1, 2):  # slots a and b, each persisted to the checkpoint directory
+            ckpt.step(s, lambda s=s: {"w": torch.full((N,), float(s))}, every=1, directory=cdir, last=True)
+        memory.close_persisters()  # a restarted worker: a new store in a new process
+        got = ckpt.resume(directory=cdir)
+        assert got is not None and got[1] == 2 and bool((got[0]["w"] == 2.0).all())
+        store = memory._store(sdir)
+        time.sleep(0.2)
+        assert store._spares is None and not list(sdir.glob("*.spare")), "spares made beside the first step"
+        assert not ckpt.step(3, lambda: {}, every=0, directory=cdir)  # the first step: no checkpoint
+        assert store._spares is not None
+        store._spares.join(30)
+        assert store.spare_path("b").exists()  # slot b is lent to the restored tensors: its new file
+        ino = store.spare_path("b").stat().st_ino
+        ckpt.step(4, lambda: {"w": torch.full((N,), 4.0)}, every=1, directory=cdir, last=True)  # slot a
+        ckpt.step(5, lambda: {"w": torch.full((N,), 5.0)}, every=1, directory=cdir, last=True)  # b: the spare
+        assert store.data_path("b").stat().st_ino == ino
+        assert bool((got[0]["w"] == 2.0).all())
+    finally:
+        memory.close_persisters()

@@ -45,7 +45,8 @@ into a slot of its own store, its pages allocated piece by piece as they arrive 
 CRCs, checked on arrival, are taken, so it is complete at once; no room: a buffer, not kept), so a later restart of that node
 restores from itself. On the CPU the restored tensors are views of the snapshot's file, not copies
 (``SnapshotStore.load``), and local rank 0 then has the store make the files its next writes will
-need new in the background (``SnapshotStore.prepare_spares``). Rank 0 hands a restored step newer than
+need new in the background (``SnapshotStore.prepare_spares``), once the first step after the restore
+is done (``ckpt.step``: not beside it, where every node's allocation would slow the first step). Rank 0 hands a restored step newer than
 ``latest`` to its node's persister; when its node could not keep it (no room), it writes the step to
 EFS itself, the old way: EFS, the source of truth for a restart of the whole job, never lags by more
 than one persist.
@@ -80,6 +81,8 @@ RESTORE_REPORT = "restore.json"
 FALLBACK_REPORT = "fallback.json"
 _persisters: dict[tuple[str, str], Persister] = {}
 _stores: dict[str, SnapshotStore] = {}
+# (store, size): the spares a restore left for after the first step (start_due_spares)
+_due_spares: list[tuple[SnapshotStore, int]] = []
 
 
 class PeerRestoreError(RuntimeError):
@@ -288,7 +291,7 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
         if state is None:
             return None
         report_restore("self", mine, newest.header["size"] if newest else 0, time.monotonic() - t0)
-        store.prepare_spares(_snapshot_size(store, mine))
+        _spares_after_first_step(store, _snapshot_size(store, mine))
         _kick(store, directory, mine, efs, state, held=True)
         return state, mine
     import torch.distributed as dist
@@ -459,10 +462,31 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
     )
     if _local_rank() == 0 and held:
         # the next writes' new files (the lent slot's, a newcomer's second slot) made meanwhile
-        store.prepare_spares(_snapshot_size(store, agreed))
+        _spares_after_first_step(store, _snapshot_size(store, agreed))
     if dist_rank() == 0:
         _kick(store, directory, agreed, efs, state, held=held)
     return state, agreed
+
+
+def _spares_after_first_step(store: SnapshotStore, size: int) -> None:
+    """The spares (``SnapshotStore.prepare_spares``) a restore leaves due, started by
+    :func:`start_due_spares` once the first step after it is done (``ckpt.step``), not beside it.
+
+    After a membership change every node restores at once, and each then allocates (and zeroes)
+    one or two new files of the state's size: a lent slot's replacement, a newcomer's second slot.
+    Started beside the first step, that kernel work competes with it and stalls every rank's
+    first collective (the job's slowest rank sets the pace). The next write needs them only at the
+    next checkpoint, steps later; one that comes first allocates its own file, as without a spare.
+    """
+    if size > 0:
+        _due_spares.append((store, size))
+
+
+def start_due_spares() -> None:
+    """Start the spares a restore left due (:func:`_spares_after_first_step`); cheap when none are."""
+    while _due_spares:
+        store, size = _due_spares.pop()
+        store.prepare_spares(size)
 
 
 def _efs_wait_timeout() -> float:
@@ -593,6 +617,7 @@ def _holds(store: SnapshotStore, step: int) -> bool:
 
 def close_persisters() -> None:
     """Stop this process's persister threads and forget its stores (tests; a worker just exits)."""
+    _due_spares.clear()
     while _persisters:
         _, p = _persisters.popitem()
         p.close()
