@@ -263,8 +263,10 @@ BREAKDOWN = ("drain_requested", "last_old_step", "workers_failed", "rendezvous_s
 def breakdown(records: list[dict[str, Any]]) -> str:
     """Where the time went: median seconds from the event to each phase (the latest node's)."""
     lines = [
-        "| GiB | scenario | tool | " + " | ".join(BREAKDOWN) + " | restore s (source) | reps |",
-        "|---|---|---|" + "---:|" * len(BREAKDOWN) + "---|---:|",
+        "| GiB | scenario | tool | "
+        + " | ".join(BREAKDOWN)
+        + " | 5 more steps s | restore s (source) | reps |",
+        "|---|---|---|" + "---:|" * (len(BREAKDOWN) + 1) + "---|---:|",
     ]
     keys = sorted({(r["gib"], r["scenario"], r["tool"]) for r in records if r.get("phases")},
                   key=lambda k: (k[0], SCENARIOS.index(k[1]), list(TOOLS).index(k[2])))  # fmt: skip
@@ -272,6 +274,7 @@ def breakdown(records: list[dict[str, Any]]) -> str:
         phs = [r["phases"] for r in records if (r["gib"], r["scenario"], r["tool"]) == (gib, sc, tool)
                and r.get("phases")]  # fmt: skip
         cells = [_f(_med([p.get(c) for p in phs])) for c in BREAKDOWN]
+        cells.append(_f(_med([p.get("five_more_steps") for p in phs])))
         rest = _med([p.get("restore") for p in phs])
         srcs = sorted({s for p in phs for s in p.get("sources", [])})
         lines.append(
@@ -440,6 +443,9 @@ class MemWatcher:
         return out
 
 
+FIVE = 5  # steps after the first at the new size: ``five_more_steps``
+
+
 def marks_after(nodes: list[Node], t0: float, what: str) -> list[tuple[float, dict[str, str]]]:
     return [(t, kv) for n in nodes for t, w, kv in list(n.marks) if w == what and t > t0]
 
@@ -487,6 +493,15 @@ def add_marks(run: Run, r: dict[str, Any], old: list[Node], nodes: list[Node], w
         if lasts:
             ph["last_old_step"] = round(max(lasts) - origin, 3)
         ph["first_step"] = round(max(f[0][0] for f in firsts) - origin, 3)
+
+    # what the steps right after it took: work moved off the stall (a restore's spares) shows here
+    def after() -> list[list[tuple[float, int, int]]] | None:
+        got = [n.steps_after(origin, world) for n in nodes]
+        return got if all(len(f) > FIVE for f in got) else None
+
+    more = poll(after, 5.0, 0.1)
+    if more:
+        ph["five_more_steps"] = round(max(f[FIVE][0] for f in more) - max(f[0][0] for f in more), 3)
     return r
 
 
