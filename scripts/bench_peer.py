@@ -12,6 +12,13 @@ receiver's transfer time, its rate and the ratio to one stream.
 
     python scripts/bench_peer.py                                  # 0.25 GiB, 1 and 4 streams, caps 5 and 1 Gbit/s
     python scripts/bench_peer.py --gib 1 --holders 2 --reps 3 --json out.json
+    python scripts/bench_peer.py --gib 1 --holders 2 --transports gloo,fetch --streams 4 --flow-caps 5
+
+``--transports``: ``gloo`` (the workers' restore, above) and/or ``fetch`` (stop 33: the joining
+node's agent fetching the holders' snapshots from their agents' servers as the round closes,
+``checkpointing/fetch.py``; each holder's server a process of its own, the fetch the agent's own
+process, timed from its start to its exit -- the interpreter's start included -- and by its own
+account, ``fetched.json``).
 
 On a 2-core box the receiver's CPU (the copy into its slot, the crc32s) binds near 5 Gbit/s, so
 at AWS's own 5 Gbit/s cap one stream and four take the same time here; a lower cap (1 Gbit/s:
@@ -116,6 +123,42 @@ def one(root: Path, holders: int, streams: int) -> dict:
     return {"seconds": out[-1]["seconds"], "restore": rep, "source": rep.get("source")}
 
 
+SERVER = """
+import sys, time
+from petctl_agent.checkpointing.fetch import Server
+from petctl_agent.checkpointing.snapshot import SnapshotStore
+srv = Server(SnapshotStore(sys.argv[1], "replicated"), "127.0.0.1").start()
+print(srv.port, flush=True)
+time.sleep(86400)
+"""
+
+
+def serve(dirs: list[Path]) -> tuple[list[subprocess.Popen], list[str]]:
+    """One snapshot server per holder (as its agent's persister runs it); their HOST:PORTs."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "agent")}
+    procs = [subprocess.Popen([sys.executable, "-c", SERVER, str(d)], env=env, stdout=subprocess.PIPE, text=True)
+             for d in dirs]  # fmt: skip
+    return procs, [f"127.0.0.1:{p.stdout.readline().strip()}" for p in procs]
+
+
+def one_fetch(root: Path, srcs: list[str], streams: int) -> dict:
+    newcomer = root / f"new-fetch-{streams}-{time.time_ns()}"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PETCTL_SNAPSHOT_STREAMS": str(streams)}
+    t0 = time.monotonic()
+    subprocess.run(
+        [sys.executable, "-m", "petctl_agent.checkpointing.fetch", str(newcomer), "replicated", *srcs],
+        env=env, check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    took = time.monotonic() - t0
+    rep = json.loads((newcomer / "fetched.json").read_text())
+    if rep.get("status") != "ok":
+        raise RuntimeError(f"fetch: {rep}")
+    for f in newcomer.iterdir():
+        f.unlink()
+    newcomer.rmdir()
+    return {"seconds": took, "fetch_seconds": rep["seconds"], "restore": rep, "source": "prefetch"}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -127,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", default="1,4", help="PETCTL_SNAPSHOT_STREAMS values, side by side")
     p.add_argument("--flow-caps", default="5,1", help="Gbit/s per TCP flow (0: none), one namespace run each")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument(
+        "--transports", default="gloo", help="gloo (the workers' restore) and/or fetch (the agents')"
+    )
     p.add_argument("--json", type=Path)
     p.add_argument("--shm", default="/dev/shm")
     a = p.parse_args(argv)
@@ -137,10 +183,15 @@ def main(argv: list[str] | None = None) -> int:
         print("cannot create a network namespace (unshare --net): no per-flow cap", file=sys.stderr)
     caps = [float(x) for x in a.flow_caps.split(",")]
     streams = [int(x) for x in a.streams.split(",")]
+    transports = a.transports.split(",")
     rows = []
+    servers: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory(prefix="bench-peer-", dir=a.shm) as tmp:
         root = Path(tmp)
         write_snapshots([root / f"n{r}" for r in range(a.holders)], a.gib, a.tensors)
+        srcs: list[str] = []
+        if "fetch" in transports:
+            servers, srcs = serve([root / f"n{r}" for r in range(a.holders)])
         for cap in caps:
             if os.environ.get("BENCH_IN_NETNS"):  # our own namespace's loopback only, never the host's
                 subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
@@ -155,28 +206,46 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"# per-flow cap {cap:g} Gbit/s not applied: {why}", file=sys.stderr)
             for rep in range(1, a.reps + 1):
                 for st in streams:  # interleaved: one rep of each, then the next
-                    r = one(root, a.holders, st)
-                    rows.append({"flow_cap_gbit": cap, "applied": not why, "streams": st, "rep": rep, **r})
-                    print(
-                        f"# cap {cap:g} streams {st} rep {rep}: {r['seconds']:.2f} s ({r['source']})",
-                        file=sys.stderr,
-                    )
+                    for tr in transports:
+                        r = one(root, a.holders, st) if tr == "gloo" else one_fetch(root, srcs, st)
+                        rows.append({"flow_cap_gbit": cap, "applied": not why, "streams": st, "transport": tr,
+                                     "rep": rep, **r})  # fmt: skip
+                        print(
+                            f"# cap {cap:g} {tr} streams {st} rep {rep}: {r['seconds']:.2f} s ({r['source']})",
+                            file=sys.stderr,
+                        )
+        for srv in servers:
+            srv.kill()
+            srv.wait()
     print(
         f"\n{a.gib:g} GiB per rank, {a.holders} holder(s) -> 1 newcomer, {a.tensors} tensors, {os.cpu_count()} CPUs\n"
     )
-    print("| per-flow cap | streams | transfer s (median of reps) | GiB/s | vs 1 stream |")
-    print("|---|---:|---:|---:|---:|")
+    print(
+        "| per-flow cap | transport | streams | transfer s (median of reps) | GiB/s | vs the first row of its cap |"
+    )
+    print("|---|---|---:|---:|---:|---:|")
     summary = []
     for cap in caps:
         base = None
-        for st in streams:
-            xs = [r["seconds"] for r in rows if r["streams"] == st and r["flow_cap_gbit"] == cap]
-            med = statistics.median(xs)
-            base = base or med
-            summary.append({"flow_cap_gbit": cap, "streams": st, "median_s": round(med, 3), "reps": xs})
-            applied = all(r["applied"] for r in rows if r["flow_cap_gbit"] == cap)
-            cap_s = (f"{cap:g} Gbit/s" if applied else f"{cap:g} Gbit/s (NOT applied)") if cap > 0 else "none"
-            print(f"| {cap_s} | {st} | {med:.2f} | {a.gib / med:.2f} | {base / med:.2f}x |")
+        for tr in transports:
+            for st in streams:
+                rs = [
+                    r
+                    for r in rows
+                    if r["streams"] == st and r["flow_cap_gbit"] == cap and r["transport"] == tr
+                ]
+                xs = [r["seconds"] for r in rs]
+                med = statistics.median(xs)
+                base = base or med
+                own = [r["fetch_seconds"] for r in rs if "fetch_seconds" in r]
+                summary.append({"flow_cap_gbit": cap, "transport": tr, "streams": st, "median_s": round(med, 3),
+                                "reps": xs, **({"fetch_own_median_s": statistics.median(own)} if own else {})})  # fmt: skip
+                applied = all(r["applied"] for r in rows if r["flow_cap_gbit"] == cap)
+                cap_s = (
+                    (f"{cap:g} Gbit/s" if applied else f"{cap:g} Gbit/s (NOT applied)") if cap > 0 else "none"
+                )
+                extra = f" (its own account {statistics.median(own):.2f})" if own else ""
+                print(f"| {cap_s} | {tr} | {st} | {med:.2f}{extra} | {a.gib / med:.2f} | {base / med:.2f}x |")
     if a.json:
         a.json.write_text(json.dumps({"command": "python scripts/bench_peer.py " + " ".join(argv), "cpus": os.cpu_count(),
                                       "summary": summary, "rows": rows}, indent=1))  # fmt: skip

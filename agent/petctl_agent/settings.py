@@ -86,6 +86,8 @@ class Settings:
     #: <job>/<instance-id>; on by default, PETCTL_AGENT_NO_SNAPSHOTS=1 (or an empty dir) turns them off
     snapshot_dir: str = "/dev/shm/petctl"  # PETCTL_AGENT_SNAPSHOT_DIR
     snapshots: bool = True  # PETCTL_AGENT_NO_SNAPSHOTS=1 turns them off
+    #: a joining node fetches its peers' newest snapshot agent to agent as the round closes
+    snapshot_fetch: bool = True  # PETCTL_AGENT_NO_SNAPSHOT_FETCH=1 turns it off (the restore's gloo path)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -122,6 +124,7 @@ class Settings:
             snapshot_dir=e.get("PETCTL_AGENT_SNAPSHOT_DIR", "/dev/shm/petctl"),
             snapshots=e.get("PETCTL_AGENT_NO_SNAPSHOTS", "") != "1"
             and e.get("PETCTL_AGENT_SNAPSHOT_DIR", "/dev/shm/petctl") != "",
+            snapshot_fetch=e.get("PETCTL_AGENT_NO_SNAPSHOT_FETCH", "") != "1",
         )
 
     def sync_timeout_for(self, drain_timeout: float) -> float:

@@ -721,19 +721,27 @@ def test_the_agent_passes_a_restores_sources_on_in_its_event(tmp_path: Path) -> 
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("fetch", [True, False], ids=["agent-fetch", "gloo"])
 def test_agents_own_the_store_newcomer_restores_from_a_peer_store_freed_on_leave(
-    make_cluster, shm_base: Path
+    make_cluster, shm_base: Path, fetch: bool
 ) -> None:
     """Real agents (petctl-etcd), real workers: a join is restored from the survivors' memory
-    (events self/peer in status), a drained node's store is gone once it left, and so are the others'."""
+    (events self/peer in status), a drained node's store is gone once it left, and so are the others'.
+
+    The newcomer's copy comes from its agent's fetch as the round closed (``prefetch``: the
+    survivors' persisters served it, checkpointing/fetch.py), or, with that switched off
+    (``PETCTL_AGENT_NO_SNAPSHOT_FETCH=1``), from its workers' restore over gloo (``peer``)."""
     from harness import wait_for
 
+    env = {"PETCTL_COLLECTIVE_TIMEOUT": "30", "PETCTL_AGENT_SNAPSHOT_DIR": str(shm_base)}
+    if not fetch:
+        env["PETCTL_AGENT_NO_SNAPSHOT_FETCH"] = "1"
     c = make_cluster(
         job="memrestore",
         min_nodes=2,
         max_nodes=3,
         script_args=["--total-steps", "100000", "--step-time", "0.05", "--checkpoint-every", "20"],
-        extra_env={"PETCTL_COLLECTIVE_TIMEOUT": "30", "PETCTL_AGENT_SNAPSHOT_DIR": str(shm_base)},
+        extra_env=env,
     )
     a, b = c.add_node(), c.add_node()
     c.wait(lambda: c.all_at_world([a, b], 2, 0, min_steps=3), 120, "2 nodes stepping", alive=[a, b])
@@ -755,7 +763,14 @@ def test_agents_own_the_store_newcomer_restores_from_a_peer_store_freed_on_leave
         n.instance_id: c.wait(lambda n=n: restored(n), 30, "restore events", alive=[a, b, n3])
         for n in (a, b, n3)
     }
-    assert got[n3.instance_id]["source"] == "peer" and got[n3.instance_id]["bytes"] > 0, got
+    assert got[n3.instance_id]["source"] == ("prefetch" if fetch else "peer"), got
+    assert got[n3.instance_id]["bytes"] > 0, got
+    fetched = shm_base / "memrestore" / n3.instance_id / "fetched.json"
+    if fetch:  # the agent's fetch: one process, the bytes from both survivors' servers
+        f = json.loads(fetched.read_text())
+        assert f["status"] == "ok" and f["step"] == got[n3.instance_id]["step"] and f["holders"] == 2, f
+    else:
+        assert not fetched.exists()
     assert got[a.instance_id]["source"] == "self" and got[b.instance_id]["source"] == "self", got
     assert len({e["step"] for e in got.values()}) == 1
     # the survivors' snapshots are vouched for once their old workers were gone (stop 28: the

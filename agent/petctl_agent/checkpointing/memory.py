@@ -67,7 +67,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from petctl_agent.checkpointing import peer, persist
+from petctl_agent.checkpointing import fetch, peer, persist
 from petctl_agent.checkpointing.atomic import atomic_write
 from petctl_agent.checkpointing.drain import LEAVE, _local_drain_flag
 from petctl_agent.checkpointing.files import read_pointer
@@ -279,6 +279,8 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
     if sdir is None:
         return None
     t0 = time.monotonic()
+    # a node that joins: its agent's fetch of the peers' newest snapshot ends first (fetch.py)
+    waited = fetch.wait_for_fetch(sdir, _peer_timeout())
     store = _store(sdir)
     newest = store.newest()
     mine = newest.step if newest is not None else -1
@@ -449,8 +451,12 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
             held = True  # local rank 0 keeps it (global rank 0 is local rank 0 under torchrun)
     if source == "self":
         nbytes = newest.header["size"] if newest is not None and newest.step == agreed else 0
+        if nbytes and fetch.fetched(sdir, newest.header):
+            source = "prefetch"  # from a peer, by this node's agent as the round closed (fetch.py)
     report_restore(source, agreed, nbytes, time.monotonic() - t0, **extra)
-    last, parts = t0, []
+    last, parts = t0, [f"fetch wait {waited:.2f}"] if waited >= 0.005 else []
+    if parts:
+        last += waited
     for what, t in marks:
         parts.append(f"{what} {t - last:.2f}")
         last = t

@@ -339,6 +339,25 @@ def _yield_cpu() -> int:
     return n
 
 
+def _start_server(sdir: Path, name: str) -> Any:
+    """This node's snapshot server for peers that fetch (``fetch.py``) on
+    ``PETCTL_SNAPSHOT_SERVE_ADDR`` (the agent's node address); None when unset or it cannot listen."""
+    addr = os.environ.get("PETCTL_SNAPSHOT_SERVE_ADDR")
+    if not addr:
+        return None
+    from petctl_agent.checkpointing.fetch import Server
+
+    try:
+        return Server(SnapshotStore(sdir, name), addr).start()
+    except OSError as e:
+        print(
+            f"petctl persist: no snapshot server on {addr} ({e}); peers restore over gloo",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+
+
 def _die_with_parent() -> None:
     """SIGTERM when the agent dies (Linux ``PR_SET_PDEATHSIG``): a store is never served orphaned."""
     try:
@@ -381,8 +400,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.serve:
         _die_with_parent()
+        # before _yield_cpu: its threads keep the agent's priority (niceness is per thread on
+        # Linux, inherited by the threads a thread starts): a newcomer's fetch is on the job's path
+        server = _start_server(Path(a.snapshot_dir), a.name)
         _yield_cpu()
-        return serve(Path(a.snapshot_dir), a.name)
+        try:
+            return serve(Path(a.snapshot_dir), a.name)
+        finally:
+            if server is not None:
+                server.close()
     if not a.checkpoint_dir:
         ap.error("CHECKPOINT_DIR is needed without --serve")
     _yield_cpu()

@@ -126,6 +126,9 @@ class PetctlElasticAgent(LocalElasticAgent):
         # called once the old workers are gone on the way to starting new ones (a restart, never a
         # leave): the node's memory snapshot is checked meanwhile (node/snapshots.py, verify)
         self.after_workers_stopped: Callable[[], None] | None = None
+        #: called with (round store, group rank, group world size) once a round closed with us, before
+        #: its workers start (node/snapshots.py, after_round: a joining node's snapshot fetch)
+        self.after_round: Callable[[Any, int, int], None] | None = None
         self._restarting = False
         #: the loop's wait ends the moment a worker exits, not at its next look (exitwatch.py)
         self._exited = threading.Event()
@@ -287,6 +290,11 @@ class PetctlElasticAgent(LocalElasticAgent):
         self.stall.reset()
         self._failing_seen = False
         self._rendezvoused = False  # consumed by now; never skip a later round's rendezvous
+        if self.after_round is not None:
+            try:
+                self.after_round(worker_group.store, worker_group.group_rank, worker_group.group_world_size)
+            except Exception as e:  # noqa: BLE001 - a speed-up only: the restore's own path remains
+                log.debug("after_round: %s", e)
         if self.before_workers_start is not None:
             # torch rmtree()s and re-creates attempt_<n>/ when the restart count is unchanged:
             # read the last lines of the workers that just stopped before they are deleted

@@ -231,7 +231,11 @@ class Agent:
         nproc = spec.resolved_nproc()
         if self.settings.snapshots and self.snapshots is None:
             self.snapshots = SnapshotArea.open(
-                self.settings.snapshot_dir, spec.job_name, self.instance_id, self.pub
+                self.settings.snapshot_dir,
+                spec.job_name,
+                self.instance_id,
+                self.pub,
+                serve_addr=self.local_addr if self.settings.snapshot_fetch else None,
             )
         export_worker_env(
             os.environ,
@@ -407,6 +411,7 @@ class Agent:
         agent.before_workers_start = before_workers_start
         if self.snapshots is not None:
             agent.after_workers_stopped = self.snapshots.verify
+            agent.after_round = self.snapshots.after_round
         threading.Thread(
             target=self.lifecycle.watch,
             args=(self._stop, self.request_leave),

@@ -13,6 +13,10 @@ directory per node, so several local-cloud "instances" on one machine never shar
   ``self``/``peer``/``efs``, step, bytes, seconds), ``snapshot_fallback`` (``fallback.json``: the
   node's memory could not hold a snapshot, the step went to EFS the slow way) and
   ``snapshot_persist_failed`` (``persist.json`` with an error);
+- serves the store to peers (the persister's thread, on this node's address) and, when a round
+  closes and this node holds no snapshot (it joins), fetches the peers' newest into it while its
+  workers start (:meth:`SnapshotArea.after_round`; ``checkpointing/fetch.py``); its workers'
+  restore waits for that fetch (``fetch.lock``), then finds the step at home;
 - at the end stops the persister (SIGTERM: the write in flight ends first, at most
   :data:`STOP_WAIT` s) and removes the directory.
 
@@ -29,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +49,18 @@ PERSIST_STATE = "persist.json"
 #: optional fields of ``restore.json`` passed on in ``snapshot_restored``: a peer's copy kept in
 #: this node's store (seconds), and the sharded path's per-shard sources and the step gone back to
 RESTORE_EXTRAS = ("kept_seconds", "shards", "newest", "back_to")
+#: the persister's snapshot server's address, and the lock held while a fetch fills the store
+#: (``checkpointing/fetch.py``'s ``SERVE_FILE`` and ``FETCH_LOCK``)
+SERVE_FILE = "serve.json"
+FETCH_LOCK = "fetch.lock"
+#: the round store's key of a node's snapshot server (``<KEY><group rank>``: ``host:port``, or empty)
+SERVER_KEY = "petctl/snapshot_server/"
+#: peers a fetch asks for their newest snapshot (the next group ranks after ours): enough sources
+#: for every stripe, without asking hundreds of nodes
+FETCH_PEERS = 8
+#: seconds a fetch waits for the peers' servers to appear in the round store (they publish them as
+#: the round closes for them too); past it, those that did
+SERVERS_WAIT = 2.0
 #: seconds the persister gets to finish a write in flight when the node leaves
 STOP_WAIT = 60.0
 TMPFS_TYPES = ("tmpfs",)
@@ -69,10 +86,15 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 class SnapshotArea:
     """One node's store: the directory, its owner lock, the persister and the report watcher."""
 
-    def __init__(self, directory: Path, pub: Any = None, poll: float = 0.5) -> None:
+    def __init__(
+        self, directory: Path, pub: Any = None, poll: float = 0.5, serve_addr: str | None = None
+    ) -> None:
         self.dir = Path(directory)
         self.pub = pub
         self.poll = poll
+        #: this node's address for its snapshot server; None: no server, no fetch (peers use gloo)
+        self.serve_addr = serve_addr
+        self.fetcher: subprocess.Popen[bytes] | None = None
         self._lock_fd: int | None = None
         self.persister: subprocess.Popen[bytes] | None = None
         self._seen: dict[str, float] = {}
@@ -81,7 +103,9 @@ class SnapshotArea:
         self.verifier: subprocess.Popen[bytes] | None = None
 
     @classmethod
-    def open(cls, base: str | os.PathLike, job: str, node: str, pub: Any = None) -> SnapshotArea | None:
+    def open(
+        cls, base: str | os.PathLike, job: str, node: str, pub: Any = None, serve_addr: str | None = None
+    ) -> SnapshotArea | None:
         """Make the node's store and start its persister; None (and a ``snapshot_off`` event) when
         ``base`` is not on a tmpfs or cannot be made."""
         base = Path(base)
@@ -91,7 +115,7 @@ class SnapshotArea:
             why = f"{base} is on {kind or 'an unknown filesystem'}, not a tmpfs: memory snapshots off, checkpoints go to EFS"
         else:
             try:
-                area = cls(base / job / node, pub)
+                area = cls(base / job / node, pub, serve_addr=serve_addr)
                 area._make()
                 area.start()
                 return area
@@ -128,9 +152,12 @@ class SnapshotArea:
         return env
 
     def start(self) -> None:
+        env = self._env()
+        if self.serve_addr:
+            env["PETCTL_SNAPSHOT_SERVE_ADDR"] = self.serve_addr
         self.persister = subprocess.Popen(
             [sys.executable, "-m", "petctl_agent.checkpointing.persist", "--serve", str(self.dir), NAME],
-            env=self._env(),
+            env=env,
             stdin=subprocess.DEVNULL,
         )
         self._thread = threading.Thread(target=self._watch, name="petctl-snapshots", daemon=True)
@@ -149,6 +176,66 @@ class SnapshotArea:
             env=self._env(),
             stdin=subprocess.DEVNULL,
         )
+
+    def after_round(self, store: Any, rank: int, world: int) -> None:
+        """A round closed (``store``: its rendezvous store; ``rank`` of ``world``: this node's group
+        rank): publish this node's snapshot server there, and when this node holds no snapshot (it
+        joins) and a peer may, start fetching the peers' newest into the store now, holding
+        ``fetch.lock`` for it (the workers' restore waits for it). Never blocks on the peers: the
+        servers are gathered and the fetch started in a thread; never raises."""
+        srv = _read_json(self.dir / SERVE_FILE) if self.serve_addr else None
+        me = f"{srv['addr']}:{srv['port']}" if srv and srv.get("port") else ""
+        try:
+            store.set(f"{SERVER_KEY}{rank}", me)
+        except Exception as e:  # noqa: BLE001 - a speed-up only: the restore's own path remains
+            log.debug("publishing the snapshot server: %s", e)
+        if not me or world < 2 or any((self.dir / f"{NAME}.{s}.json").exists() for s in ("a", "b")):
+            return
+        f = self.fetcher
+        if f is not None and f.poll() is None:
+            return  # the last round's fetch is still under way (its lock too)
+        try:
+            fd = filelocks.hold(self.dir / FETCH_LOCK)
+        except OSError as e:
+            log.debug("fetch lock: %s", e)
+            return
+        peers = [(rank + i) % world for i in range(1, min(world, FETCH_PEERS + 1))]
+        threading.Thread(
+            target=self._fetch, args=(store, peers, fd), name="petctl-snapshot-fetch", daemon=True
+        ).start()
+
+    def _fetch(self, store: Any, peers: list[int], fd: int) -> None:
+        """Gather the peers' servers (at most :data:`SERVERS_WAIT` s), then start the fetch process,
+        which takes over the lock (the same open file) until it exits."""
+        try:
+            keys = [f"{SERVER_KEY}{r}" for r in peers]
+            got: dict[str, str] = {}
+            t0 = time.monotonic()
+            while len(got) < len(keys):
+                for k in keys:
+                    if k not in got and store.check([k]):
+                        got[k] = store.get(k).decode()
+                # every server published, or some and the others late: those that did
+                if (
+                    len(got) == len(keys)
+                    or time.monotonic() - t0 > SERVERS_WAIT
+                    or (got and time.monotonic() - t0 > 0.3)
+                ):
+                    break
+                time.sleep(0.02)
+            srcs = [v for v in got.values() if v]
+            if not srcs:
+                return
+            self.fetcher = subprocess.Popen(
+                [sys.executable, "-m", "petctl_agent.checkpointing.fetch", str(self.dir), NAME, *srcs],
+                env=self._env(),
+                stdin=subprocess.DEVNULL,
+                pass_fds=(fd,),
+            )
+        except Exception as e:  # noqa: BLE001 - a speed-up only: the restore's own path remains
+            log.warning("fetching the peers' snapshot did not start (%s): the restore gets it over gloo", e)
+        finally:
+            os.close(fd)  # the fetch process holds the lock now (or nobody: the workers go on)
 
     # ---- reports -> events
     def _watch(self) -> None:
@@ -186,6 +273,11 @@ class SnapshotArea:
     def close(self) -> None:
         """Stop the persister (its write in flight ends first, bounded), publish, remove the store."""
         self._stop.set()
+        f, self.fetcher = self.fetcher, None
+        if f is not None:
+            if f.poll() is None:
+                f.kill()  # the store it fills is removed now
+            f.wait()
         v, self.verifier = self.verifier, None
         if v is not None:
             if v.poll() is None:
