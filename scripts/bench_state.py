@@ -576,7 +576,8 @@ def run_one(
     cfg = RunConfig(
         tool=base_tool, min_nodes=n - 1, max_nodes=n, step_time=a.step_time,
         checkpoint_every=a.checkpoint_every, job="state", script=STATE_SCRIPT,
-        extra_args=["--state-gib", f"{gib:g}", "--io", io], drain_timeout=a.timeout,
+        extra_args=["--state-gib", f"{gib:g}", "--io", io, "--start-delay", f"{a.start_delay:g}"],
+        drain_timeout=a.timeout,
         snapshot_root=str(shm) if shm else "", efs_limits=not a.no_efs_limits,
         # memory snapshots are on by default in the agent: the EFS path turns them off
         env={} if snapshots or base_tool != "petctl" else {"PETCTL_AGENT_NO_SNAPSHOTS": "1"},
@@ -674,6 +675,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=120, help="bound of every wait after an event, seconds")
     p.add_argument("--start-timeout", type=float, default=180, help="bound of a cold start, seconds")
     p.add_argument("--step-time", type=float, default=0.05, help="extra sleep per training step")
+    p.add_argument(
+        "--start-delay", type=float, default=0.0,
+        help="seconds every worker sleeps before its process group, at every start: a GPU worker's "
+        "CUDA and NCCL set-up or a model's build, which this CPU box does not have (an emulation)",
+    )  # fmt: skip
     p.add_argument("--checkpoint-every", type=int, default=20, help="checkpoint interval in steps")
     p.add_argument("--no-efs-limits", action="store_true",
                    help="EFS without AWS's throughput limits (default: the local cloud's emulation)")  # fmt: skip

@@ -56,6 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=20)
     p.add_argument("--checkpoint-dir", default=None, help="used when PETCTL_CHECKPOINT_DIR is unset")
     p.add_argument("--io", choices=("helper", "plain"), default="helper")
+    p.add_argument(
+        "--start-delay", type=float, default=0.0,
+        help="sleep this long before the process group, at every start (bench_state.py --start-delay: "
+        "emulates a GPU worker's CUDA/NCCL set-up or a model's build)",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -184,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     from petctl_agent.distributed import init_process_group
 
     torch.set_num_threads(1)
+    if args.start_delay > 0:
+        time.sleep(args.start_delay)
     init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1)
