@@ -664,8 +664,9 @@ def test_resume_prefers_own_snapshot_else_efs(snap_env) -> None:
 
 def test_a_resume_from_memory_prepares_the_file_its_lent_slot_will_need(snap_env) -> None:
     """ckpt.resume from the node's own memory lends the slot (the tensors are views of it) and has
-    the store make that slot's next file in the background; the checkpoint that comes to the slot
-    takes it. The restored tensors never change."""
+    the store make that slot's next file in the background, once the first step after it is done
+    (stop 33: not beside it); the checkpoint that comes to the slot takes it. The restored tensors
+    never change."""
     from petctl_agent.checkpointing import memory
 
     shm, efs = snap_env
@@ -676,6 +677,8 @@ def test_a_resume_from_memory_prepares_the_file_its_lent_slot_will_need(snap_env
     assert step == 4
     store = memory._stores[str(shm)]
     lent = store.newest().slot
+    assert store._spares is None  # not beside the first step
+    ckpt.step(5, lambda: {}, every=2)  # the first step after the restore: no checkpoint
     store._spares.join()
     spare = store.spare_path(lent)
     assert spare.exists()
