@@ -127,27 +127,28 @@ SERVER = """
 import sys, time
 from petctl_agent.checkpointing.fetch import Server
 from petctl_agent.checkpointing.snapshot import SnapshotStore
-srv = Server(SnapshotStore(sys.argv[1], "replicated"), "127.0.0.1").start()
+srv = Server(SnapshotStore(sys.argv[1], "replicated"), "127.0.0.1", "bench").start()
 print(srv.port, flush=True)
 time.sleep(86400)
 """
 
 
-def serve(dirs: list[Path]) -> tuple[list[subprocess.Popen], list[str]]:
-    """One snapshot server per holder (as its agent's persister runs it); their HOST:PORTs."""
+def serve(dirs: list[Path]) -> tuple[list[subprocess.Popen], list[dict]]:
+    """One snapshot server per holder (as its agent's persister runs it); the fetch's sources."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "agent")}
     procs = [subprocess.Popen([sys.executable, "-c", SERVER, str(d)], env=env, stdout=subprocess.PIPE, text=True)
              for d in dirs]  # fmt: skip
-    return procs, [f"127.0.0.1:{p.stdout.readline().strip()}" for p in procs]
+    return procs, [{"addr": "127.0.0.1", "port": int(p.stdout.readline()), "token": "bench"} for p in procs]
 
 
-def one_fetch(root: Path, srcs: list[str], streams: int) -> dict:
+def one_fetch(root: Path, srcs: list[dict], streams: int) -> dict:
     newcomer = root / f"new-fetch-{streams}-{time.time_ns()}"
+    newcomer.mkdir(mode=0o700)  # the agent's store, made before its workers start
     env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PETCTL_SNAPSHOT_STREAMS": str(streams)}
     t0 = time.monotonic()
     subprocess.run(
-        [sys.executable, "-m", "petctl_agent.checkpointing.fetch", str(newcomer), "replicated", *srcs],
-        env=env, check=True, capture_output=True, timeout=600,
+        [sys.executable, "-m", "petctl_agent.checkpointing.fetch", str(newcomer), "replicated", "--deadline", "600"],
+        input=json.dumps(srcs).encode(), env=env, check=True, capture_output=True, timeout=600,
     )  # fmt: skip
     took = time.monotonic() - t0
     rep = json.loads((newcomer / "fetched.json").read_text())
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-peer-", dir=a.shm) as tmp:
         root = Path(tmp)
         write_snapshots([root / f"n{r}" for r in range(a.holders)], a.gib, a.tensors)
-        srcs: list[str] = []
+        srcs: list[dict] = []
         if "fetch" in transports:
             servers, srcs = serve([root / f"n{r}" for r in range(a.holders)])
         for cap in caps:

@@ -437,7 +437,6 @@ def step(
         True if a checkpoint was saved.
     """
     report_progress(step, world_size if world_size is not None else dist_world())
-    memory.start_due_spares()  # a restore's spares: after its first step, not beside it
     saved = False
     if should_checkpoint(step, every) or last:
         # with memory snapshots on, training goes on while EFS is written, except at the last step
@@ -449,4 +448,7 @@ def step(
         saved = True
     if drain_requested() and not last:
         exit_for_drain()
+    # a restore's spares: after its first step and any save it made (not beside them), and never
+    # on a node that drains (it just left)
+    memory.start_due_spares()
     return saved

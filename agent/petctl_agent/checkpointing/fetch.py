@@ -8,7 +8,8 @@ are complete (and sealed: their writers exited) before the round even opens. So:
 - **Every node serves its store** (:class:`Server`), a thread of the agent's persister process
   (``persist --serve``) started before that process lowers its priority, listening on the node's
   own address (``PETCTL_SNAPSHOT_SERVE_ADDR``; never a wildcard) on a port the kernel picks,
-  written to ``serve.json`` in the store. Two requests: ``header`` (the newest complete
+  written to ``serve.json`` in the store; a request must carry the agent's token
+  (``PETCTL_SNAPSHOT_SERVE_TOKEN``, published with the address in the round's store). Two requests: ``header`` (the newest complete
   snapshot's header) and ``range`` (bytes of the snapshot named by its ``gen`` and ``nonce``,
   sent with ``sendfile`` while the slot is pinned against the writer, as the persister pins it; the
   snapshot named by its step and :func:`peer.digest`, so stripes of one step come from any holder).
@@ -26,6 +27,9 @@ are complete (and sealed: their writers exited) before the round even opens. So:
   peer died mid-transfer, a torn stripe, no room) leaves no header, and the restore's own path
   (a peer over gloo, then EFS) serves as before. A fetch never makes a restore wrong, only early.
 
+Bounds: the whole fetch has a deadline (the agent's: 3/4 of the workers' wait, and it kills the
+process 5 s past it); a server serves 64 connections at once and one range for at most 100 s.
+
 Wire format: each message is an 8-byte big-endian length, then that many bytes (a request's
 JSON, a header's JSON: ``null`` when none). A range's answer is an 8-byte signed length (``-1``:
 that snapshot is gone), then the bytes.
@@ -34,6 +38,7 @@ that snapshot is gone), then the bytes.
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import os
 import socket
@@ -57,6 +62,13 @@ PIECE = 16 << 20
 #: seconds: a connect, and any one send or receive, before a peer counts as gone
 CONNECT_TIMEOUT = 2.0
 IO_TIMEOUT = 20.0
+#: a server's bounds: connections served at once (a joining node opens one per stripe), seconds
+#: one range may take (1 GiB at 10 MiB/s), bytes per sendfile between two looks at that deadline
+MAX_CONNECTIONS = 64
+RANGE_DEADLINE = 100.0
+SEND_PIECE = 16 << 20
+#: addresses a server never listens on (every interface of the node)
+WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 
 
 class Torn(Exception):
@@ -93,8 +105,12 @@ def _recv(sock: socket.socket, limit: int = 64 << 20) -> Any:
 class Server:
     """Serve this node's store to peers that fetch (see the module docstring)."""
 
-    def __init__(self, store: SnapshotStore, host: str) -> None:
+    def __init__(self, store: SnapshotStore, host: str, token: str = "") -> None:
+        if host in WILDCARDS:
+            raise ValueError(f"the snapshot server listens on the node's own address, never {host!r}")
         self.store = store
+        self.token = token
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.create_server((host, 0), family=family)
         self.addr, self.port = host, self.sock.getsockname()[1]
@@ -110,6 +126,10 @@ class Server:
 
     def close(self) -> None:
         try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        except OSError:
+            pass
+        try:
             self.sock.close()
         except OSError:
             pass
@@ -120,6 +140,9 @@ class Server:
                 conn, _ = self.sock.accept()
             except OSError:
                 return  # closed
+            if not self._slots.acquire(blocking=False):
+                conn.close()  # as many peers as a job's newcomers need, not one thread per caller
+                continue
             threading.Thread(
                 target=self._serve, args=(conn,), name="petctl-snapshot-send", daemon=True
             ).start()
@@ -133,6 +156,10 @@ class Server:
                         req = _recv(conn, 1 << 16)
                     except Torn:
                         return  # the peer is done
+                    if not isinstance(req, dict) or not hmac.compare_digest(
+                        str(req.get("token", "")), self.token
+                    ):
+                        return  # not one of the job's agents (the token is in the round's store)
                     if req.get("op") == "header":
                         c = self.store.newest()
                         _send(conn, c.header if c is not None else None)
@@ -140,8 +167,10 @@ class Server:
                         self._range(conn, req)
                     else:
                         return
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 return  # a peer that went, or spoke nonsense: its fetch fails over, never ours
+            finally:
+                self._slots.release()
 
     def _range(self, conn: socket.socket, req: dict[str, Any]) -> None:
         # by its step and content (its digest): the holders of one step hold it under their own
@@ -160,22 +189,33 @@ class Server:
                     conn.sendall(struct.pack(">q", -1))
                     return
                 conn.sendall(struct.pack(">q", n))
-                if n:
-                    conn.sendfile(f, lo, n)
+                # in pieces, under one deadline: a reader that trickles never holds the pin long
+                end = time.monotonic() + RANGE_DEADLINE
+                for off in range(lo, lo + n, SEND_PIECE):
+                    if time.monotonic() > end:
+                        return  # the connection closes: the reader's stripe is torn
+                    conn.sendfile(f, off, min(SEND_PIECE, lo + n - off))
         finally:
             os.close(pin)  # unpinned: the writer may take the slot again
 
 
-def _connect(src: tuple[str, int]) -> socket.socket:
-    s = socket.create_connection(src, timeout=CONNECT_TIMEOUT)
-    s.settimeout(IO_TIMEOUT)
+#: a peer's server: host, port, and the token its requests must carry
+Source = tuple[str, int, str]
+
+
+def _connect(src: Source, deadline: float | None = None) -> socket.socket:
+    left = IO_TIMEOUT if deadline is None else deadline - time.monotonic()
+    if left <= 0:
+        raise Torn("out of time")
+    s = socket.create_connection(src[:2], timeout=min(CONNECT_TIMEOUT, left))
+    s.settimeout(min(IO_TIMEOUT, left))
     return s
 
 
-def _header_of(src: tuple[str, int]) -> dict[str, Any] | None:
+def _header_of(src: Source, deadline: float | None = None) -> dict[str, Any] | None:
     try:
-        with _connect(src) as s:
-            _send(s, {"op": "header"})
+        with _connect(src, deadline) as s:
+            _send(s, {"op": "header", "token": src[2]})
             h = _recv(s)
     except (OSError, ValueError, Torn):
         return None
@@ -185,8 +225,8 @@ def _header_of(src: tuple[str, int]) -> dict[str, Any] | None:
 
 
 def choose(
-    heads: list[tuple[tuple[str, int], dict[str, Any] | None]],
-) -> tuple[dict[str, Any], list[tuple[str, int]]] | None:
+    heads: list[tuple[Source, dict[str, Any] | None]],
+) -> tuple[dict[str, Any], list[Source]] | None:
     """The newest step the peers hold, and its holders: of that step, the copy (its
     :func:`peer.digest`) the most of them hold, so every stripe comes from the very same bytes;
     None when no peer answered with a snapshot."""
@@ -194,7 +234,7 @@ def choose(
     if not got:
         return None
     step = max(int(h["step"]) for _, h in got)
-    by: dict[int, list[tuple[tuple[str, int], dict[str, Any]]]] = {}
+    by: dict[int, list[tuple[Source, dict[str, Any]]]] = {}
     for src, h in got:
         if int(h["step"]) == step:
             by.setdefault(peer.digest(h), []).append((src, h))
@@ -202,24 +242,31 @@ def choose(
     return best[0][1], [src for src, _ in best]
 
 
-def _stripe(src: tuple[str, int], h: dict[str, Any], view: memoryview, lo: int, n: int, reserve: Any) -> None:
+def _stripe(
+    src: Source, h: dict[str, Any], view: memoryview, lo: int, n: int, reserve: Any, deadline: float
+) -> None:
     sums = peer._Crcs(peer.in_stripe(h["tensors"], lo, n))
-    with _connect(src) as s:
-        _send(s, {"op": "range", "step": int(h["step"]), "digest": peer.digest(h), "lo": lo, "n": n})
+    with _connect(src, deadline) as s:
+        _send(s, {"op": "range", "token": src[2], "step": int(h["step"]), "digest": peer.digest(h),
+                  "lo": lo, "n": n})  # fmt: skip
         (got,) = struct.unpack(">q", _exactly(s, 8))
         if got != n:
             raise Torn(f"{src[0]}:{src[1]} no longer holds step {h['step']}")
         prev = None
         for off in range(lo, lo + n, PIECE):
+            if time.monotonic() > deadline:
+                raise Torn(f"out of time at byte {off} of {lo}+{n}")
             k = min(PIECE, lo + n - off)
             reserve(off, k)
             # the previous piece's CRCs while this one arrives (the kernel copies, the GIL is free)
             t = threading.Thread(target=sums.update, args=(view, *prev)) if prev is not None else None
             if t is not None:
                 t.start()
-            _into(s, view[off : off + k])
-            if t is not None:
-                t.join()
+            try:
+                _into(s, view[off : off + k])
+            finally:
+                if t is not None:
+                    t.join()  # never left running over a view the caller then releases
             prev = (off, k)
         if prev is not None:
             sums.update(view, *prev)
@@ -228,20 +275,25 @@ def _stripe(src: tuple[str, int], h: dict[str, Any], view: memoryview, lo: int, 
 
 
 def fetch(
-    sdir: Path, name: str, sources: list[tuple[str, int]], streams: int | None = None
+    sdir: Path, name: str, sources: list[Source], streams: int | None = None, deadline_s: float = 45.0
 ) -> dict[str, Any]:
-    """Fetch the peers' newest snapshot into this node's store (see the module docstring).
+    """Fetch the peers' newest snapshot into this node's store (see the module docstring), within
+    ``deadline_s`` seconds (past it, whatever is under way is torn: nothing kept).
 
     Returns what happened (also written to ``fetched.json``): ``status`` ``ok`` (with ``step``,
     ``bytes``, ``seconds``, ``holders``), ``have`` (this store holds that step or a newer one),
-    ``none`` (no peer answered with a snapshot), ``no-fit: ...`` or ``torn: ...`` (nothing kept).
+    ``none`` (no peer answered with a snapshot), ``no store`` (the directory is gone: the node
+    left), ``no-fit: ...`` or ``torn: ...`` (nothing kept).
     """
     t0 = time.monotonic()
+    deadline = t0 + deadline_s
+    if not Path(sdir).is_dir():
+        return {"status": "no store"}  # freed by its agent meanwhile: never made again here
     store = SnapshotStore(sdir, name)
     heads: list[Any] = [None] * len(sources)
 
     def ask(i: int) -> None:
-        heads[i] = (sources[i], _header_of(sources[i]))
+        heads[i] = (sources[i], _header_of(sources[i], deadline))
 
     peer._together([lambda i=i: ask(i) for i in range(len(sources))])
     picked = choose(heads)
@@ -260,7 +312,9 @@ def fetch(
                 try:
                     peer._together(
                         [
-                            lambda i=i, r=r: _stripe(holders[i % len(holders)], h, view, *r, reserve)
+                            lambda i=i, r=r: _stripe(
+                                holders[i % len(holders)], h, view, *r, reserve, deadline
+                            )
                             for i, r in enumerate(ranges)
                         ]  # fmt: skip
                     )
@@ -322,21 +376,34 @@ def wait_for_fetch(sdir: Path, timeout: float) -> float:
     return time.monotonic() - t0
 
 
+def _die_with_parent() -> None:
+    """SIGTERM when the agent dies (Linux ``PR_SET_PDEATHSIG``): a fetch never fills a store that
+    nobody owns any more."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m petctl_agent.checkpointing.fetch SNAPSHOT_DIR NAME HOST:PORT...``: the agent's
-    fetch for a node that joins (exits 0 whatever the outcome: the restore's own path is the
-    fallback; ``fetched.json`` and one stderr line say what happened)."""
+    """``python -m petctl_agent.checkpointing.fetch SNAPSHOT_DIR NAME [--deadline S] < SOURCES``: the
+    agent's fetch for a node that joins. SOURCES, on stdin (the tokens are never on a command line):
+    a JSON list of ``{"addr", "port", "token"}``. Exits 0 whatever the outcome (the restore's own
+    path is the fallback; ``fetched.json`` and one stderr line say what happened)."""
+    _die_with_parent()
     ap = argparse.ArgumentParser(prog="petctl_agent.checkpointing.fetch")
     ap.add_argument("snapshot_dir")
     ap.add_argument("name")
-    ap.add_argument("sources", nargs="+", help="the peers' snapshot servers, HOST:PORT")
+    ap.add_argument("--deadline", type=float, default=45.0, help="seconds the whole fetch may take")
     a = ap.parse_args(argv)
-    srcs = []
-    for s in a.sources:
-        host, _, port = s.rpartition(":")
-        srcs.append((host.strip("[]"), int(port)))
     try:
-        out = fetch(Path(a.snapshot_dir), a.name, srcs)
+        srcs = [
+            (str(s["addr"]), int(s["port"]), str(s.get("token", ""))) for s in json.loads(sys.stdin.read())
+        ]
+        out = fetch(Path(a.snapshot_dir), a.name, srcs, deadline_s=a.deadline)
     except Exception as e:  # noqa: BLE001 - never fatal: the workers' restore has its own path
         out = {"status": f"error: {type(e).__name__}: {e}"}
     print(f"petctl fetch: {json.dumps(out)}", file=sys.stderr, flush=True)

@@ -348,8 +348,10 @@ def _start_server(sdir: Path, name: str) -> Any:
     from petctl_agent.checkpointing.fetch import Server
 
     try:
-        return Server(SnapshotStore(sdir, name), addr).start()
-    except OSError as e:
+        return Server(
+            SnapshotStore(sdir, name), addr, os.environ.get("PETCTL_SNAPSHOT_SERVE_TOKEN", "")
+        ).start()
+    except (OSError, ValueError) as e:
         print(
             f"petctl persist: no snapshot server on {addr} ({e}); peers restore over gloo",
             file=sys.stderr,

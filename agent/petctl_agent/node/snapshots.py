@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -61,6 +62,18 @@ FETCH_PEERS = 8
 #: seconds a fetch waits for the peers' servers to appear in the round store (they publish them as
 #: the round closes for them too); past it, those that did
 SERVERS_WAIT = 2.0
+
+
+def fetch_deadline() -> float:
+    """Seconds a fetch may take: 3/4 of the workers' wait for it (``PETCTL_SNAPSHOT_PEER_TIMEOUT``,
+    60 s: the restore's own bound), so that it is over, or killed, before they stop waiting."""
+    try:
+        wait = float(os.environ.get("PETCTL_SNAPSHOT_PEER_TIMEOUT") or 60)
+    except ValueError:
+        wait = 60.0
+    return max(1.0, 0.75 * wait)
+
+
 #: seconds the persister gets to finish a write in flight when the node leaves
 STOP_WAIT = 60.0
 TMPFS_TYPES = ("tmpfs",)
@@ -94,7 +107,11 @@ class SnapshotArea:
         self.poll = poll
         #: this node's address for its snapshot server; None: no server, no fetch (peers use gloo)
         self.serve_addr = serve_addr
+        #: what a peer's request must carry (published in the round's store, which only the job's
+        #: agents read: etcd with client certificates on AWS)
+        self.token = secrets.token_hex(16)
         self.fetcher: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()  # the fetch's start against close()
         self._lock_fd: int | None = None
         self.persister: subprocess.Popen[bytes] | None = None
         self._seen: dict[str, float] = {}
@@ -155,6 +172,7 @@ class SnapshotArea:
         env = self._env()
         if self.serve_addr:
             env["PETCTL_SNAPSHOT_SERVE_ADDR"] = self.serve_addr
+            env["PETCTL_SNAPSHOT_SERVE_TOKEN"] = self.token
         self.persister = subprocess.Popen(
             [sys.executable, "-m", "petctl_agent.checkpointing.persist", "--serve", str(self.dir), NAME],
             env=env,
@@ -177,27 +195,34 @@ class SnapshotArea:
             stdin=subprocess.DEVNULL,
         )
 
+    def _newest_step(self) -> int:
+        """The newest step this node's store holds a header of (-1: none); cheap, unchecked: only
+        whether a joining peer should bother to fetch (the fetch checks everything itself)."""
+        steps = [h.get("step") for s in ("a", "b") if (h := _read_json(self.dir / f"{NAME}.{s}.json"))]
+        return max((int(s) for s in steps if isinstance(s, int)), default=-1)
+
     def after_round(self, store: Any, rank: int, world: int) -> None:
         """A round closed (``store``: its rendezvous store; ``rank`` of ``world``: this node's group
-        rank): publish this node's snapshot server there, and when this node holds no snapshot (it
-        joins) and a peer may, start fetching the peers' newest into the store now, holding
-        ``fetch.lock`` for it (the workers' restore waits for it). Never blocks on the peers: the
-        servers are gathered and the fetch started in a thread; never raises."""
+        rank): publish this node's snapshot server there (address, token, newest step), and when
+        this node holds no snapshot (it joins), start fetching the peers' newest into the store now,
+        holding ``fetch.lock`` for it (the workers' restore waits for it). Never blocks: the servers
+        are gathered and the fetch started and bounded in a thread; never raises."""
         srv = _read_json(self.dir / SERVE_FILE) if self.serve_addr else None
-        me = f"{srv['addr']}:{srv['port']}" if srv and srv.get("port") else ""
+        mine = self._newest_step()
+        me = (
+            json.dumps({"addr": srv["addr"], "port": srv["port"], "token": self.token, "step": mine})
+            if srv and srv.get("port")
+            else ""
+        )
         try:
             store.set(f"{SERVER_KEY}{rank}", me)
         except Exception as e:  # noqa: BLE001 - a speed-up only: the restore's own path remains
             log.debug("publishing the snapshot server: %s", e)
-        if not me or world < 2 or any((self.dir / f"{NAME}.{s}.json").exists() for s in ("a", "b")):
+        if not me or world < 2 or mine >= 0:
             return
-        f = self.fetcher
-        if f is not None and f.poll() is None:
-            return  # the last round's fetch is still under way (its lock too)
-        try:
-            fd = filelocks.hold(self.dir / FETCH_LOCK)
-        except OSError as e:
-            log.debug("fetch lock: %s", e)
+        # non-blocking: a fetch still under way (the last round's) holds it, and its workers wait
+        fd = filelocks.try_hold(self.dir / FETCH_LOCK)
+        if fd is None:
             return
         peers = [(rank + i) % world for i in range(1, min(world, FETCH_PEERS + 1))]
         threading.Thread(
@@ -205,8 +230,11 @@ class SnapshotArea:
         ).start()
 
     def _fetch(self, store: Any, peers: list[int], fd: int) -> None:
-        """Gather the peers' servers (at most :data:`SERVERS_WAIT` s), then start the fetch process,
-        which takes over the lock (the same open file) until it exits."""
+        """Gather the peers' servers (at most :data:`SERVERS_WAIT` s); if one holds a step, start
+        the fetch process, which takes over the lock (the same open file) until it exits, and kill
+        it past its deadline, so it never outlives the workers' wait for it (which then restore
+        over gloo, writing the store themselves: two writers of one store never run at once)."""
+        proc = None
         try:
             keys = [f"{SERVER_KEY}{r}" for r in peers]
             got: dict[str, str] = {}
@@ -223,19 +251,47 @@ class SnapshotArea:
                 ):
                     break
                 time.sleep(0.02)
-            srcs = [v for v in got.values() if v]
+            srcs = []
+            for v in got.values():
+                try:
+                    s = json.loads(v) if v else None
+                except ValueError:
+                    s = None
+                if isinstance(s, dict) and int(s.get("step", -1)) >= 0:
+                    srcs.append(s)
             if not srcs:
-                return
-            self.fetcher = subprocess.Popen(
-                [sys.executable, "-m", "petctl_agent.checkpointing.fetch", str(self.dir), NAME, *srcs],
-                env=self._env(),
-                stdin=subprocess.DEVNULL,
-                pass_fds=(fd,),
-            )
+                return  # nobody holds a step (a cold start, sharded state): nothing to wait for
+            deadline = fetch_deadline()
+            with self._lock:
+                if self._stop.is_set():
+                    return  # the store is being freed: never fill it again
+                proc = self.fetcher = subprocess.Popen(
+                    [sys.executable, "-m", "petctl_agent.checkpointing.fetch", str(self.dir), NAME,
+                     "--deadline", f"{deadline:g}"],
+                    env=self._env(),
+                    stdin=subprocess.PIPE,
+                    pass_fds=(fd,),
+                )  # fmt: skip
+            os.close(fd)  # the fetch process holds the lock now
+            fd = -1
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(srcs).encode())  # the tokens never on a command line
+            proc.stdin.close()
+            try:
+                proc.wait(deadline + 5)
+            except subprocess.TimeoutExpired:
+                log.warning(
+                    "the snapshot fetch ran past %.0f s: killed (the restore gets it over gloo)", deadline
+                )
+                proc.kill()
+                proc.wait()
         except Exception as e:  # noqa: BLE001 - a speed-up only: the restore's own path remains
-            log.warning("fetching the peers' snapshot did not start (%s): the restore gets it over gloo", e)
+            log.warning("fetching the peers' snapshot failed (%s): the restore gets it over gloo", e)
+            if proc is not None and proc.poll() is None:
+                proc.kill()
         finally:
-            os.close(fd)  # the fetch process holds the lock now (or nobody: the workers go on)
+            if fd >= 0:
+                os.close(fd)  # nobody fetches: the workers go on
 
     # ---- reports -> events
     def _watch(self) -> None:
@@ -272,8 +328,9 @@ class SnapshotArea:
     # ---- the end
     def close(self) -> None:
         """Stop the persister (its write in flight ends first, bounded), publish, remove the store."""
-        self._stop.set()
-        f, self.fetcher = self.fetcher, None
+        with self._lock:  # no fetch starts after this
+            self._stop.set()
+            f, self.fetcher = self.fetcher, None
         if f is not None:
             if f.poll() is None:
                 f.kill()  # the store it fills is removed now
