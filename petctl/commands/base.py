@@ -19,6 +19,17 @@ from petctl.errors import ConfigError
 )
 @click.option("--vpc-cidr", default=None, help="VPC CIDR block [default: profile, else 10.0.0.0/16].")
 @click.option("--efs-id", default=None, help="Use this existing EFS file system instead of creating one.")
+@click.option(
+    "--efs-apply-policy",
+    is_flag=True,
+    help="With --efs-id: add petctl's Deny statements to a file system policy that allows mounts "
+    "without an access point (refused otherwise).",
+)
+@click.option(
+    "--efs-backup/--no-efs-backup",
+    default=None,
+    help="AWS Backup's daily backups of the file system petctl creates [default: as before, else off].",
+)
 @click.option("--s3-bucket", default=None, help="Use this existing S3 bucket instead of creating one.")
 @click.option(
     "--log-retention-days",
@@ -34,6 +45,8 @@ def setup(
     az_count: int,
     vpc_cidr: str | None,
     efs_id: str | None,
+    efs_apply_policy: bool,
+    efs_backup: bool | None,
     s3_bucket: str | None,
     log_retention_days: str,
     timeout: int,
@@ -49,6 +62,8 @@ def setup(
         bucket=s3_bucket,
         log_retention_days=int(log_retention_days),
         timeout=timeout,
+        efs_apply_policy=efs_apply_policy,
+        efs_backup=efs_backup,
     )
     obj.ui.result(result, render.setup_text)
 

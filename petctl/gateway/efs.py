@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,33 @@ class FileSystems:
         except ClientError as e:
             raise PetctlError(
                 f"EFS file system {efs_id} was not found or is not accessible ({describe_client_error(e)})"
+            ) from e
+
+    def policy(self, efs_id: str) -> dict[str, Any] | None:
+        """The file system's policy, or None when it has none (EFS's default policy applies:
+        DescribeFileSystemPolicy answers ``PolicyNotFound``)."""
+        try:
+            text = self.efs.describe_file_system_policy(FileSystemId=efs_id)["Policy"]
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") == "PolicyNotFound":
+                return None
+            raise AwsError(
+                f"could not read the file system policy of {efs_id} ({describe_client_error(e)}); "
+                "the caller needs elasticfilesystem:DescribeFileSystemPolicy"
+            ) from e
+        return json.loads(text)
+
+    def put_policy(self, efs_id: str, policy: dict[str, Any]) -> None:
+        """Replace the file system's policy. The lockout safety check stays on: AWS refuses a
+        policy that would stop this caller from changing it again."""
+        try:
+            self.efs.put_file_system_policy(
+                FileSystemId=efs_id, Policy=json.dumps(policy), BypassPolicyLockoutSafetyCheck=False
+            )
+        except ClientError as e:
+            raise AwsError(
+                f"could not set the file system policy of {efs_id} ({describe_client_error(e)}); "
+                "the caller needs elasticfilesystem:PutFileSystemPolicy"
             ) from e
 
     def mount_target_vpcs(self, efs_id: str) -> set[str]:

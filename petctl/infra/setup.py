@@ -10,7 +10,7 @@ from petctl import config, naming
 from petctl.context import Context
 from petctl.errors import ConfigError, PetctlError
 from petctl.gateway import Gateway
-from petctl.gateway.stacks import outputs_of
+from petctl.gateway.stacks import outputs_of, parameters_of
 from petctl.ui import cmd
 
 # Base stack output → profile field. No instance profiles: each job stack makes its own roles.
@@ -41,10 +41,28 @@ class SetupPlan:
     bucket_given: bool
 
 
-def validate(*, az_count: int, vpc_cidr: str | None, efs_id: str | None, bucket: str | None) -> None:
+def validate(
+    *,
+    az_count: int,
+    vpc_cidr: str | None,
+    efs_id: str | None,
+    bucket: str | None,
+    efs_apply_policy: bool = False,
+    efs_backup: bool | None = None,
+) -> None:
     """Check the flags before anything is read from AWS."""
     if efs_id:
         config.validate_id("efs_id", efs_id, "--efs-id")
+        if efs_backup is not None:
+            raise ConfigError(
+                f"--efs-backup/--no-efs-backup apply to the file system petctl creates; {efs_id}'s backups "
+                f"are its owner's setting (aws efs put-backup-policy --file-system-id {efs_id} "
+                "--backup-policy Status=ENABLED)"
+            )
+    elif efs_apply_policy:
+        raise ConfigError(
+            "--efs-apply-policy goes with --efs-id: the file system petctl creates has petctl's policy already"
+        )
     if bucket:
         config.validate_id("bucket", bucket, "--s3-bucket")
     if not 1 <= az_count <= 6:
@@ -72,6 +90,7 @@ def plan_setup(
     efs_id: str | None,
     bucket: str | None,
     log_retention_days: int,
+    efs_backup: bool = False,
 ) -> SetupPlan:
     """The base stack of ``profile``: pure (no AWS call)."""
     from petctl import templates
@@ -85,6 +104,7 @@ def plan_setup(
         bucket=bucket,
         log_retention_days=log_retention_days,
         profile=profile.name,
+        efs_backup=efs_backup,
     )
     tags = {"petctl:profile": profile.name, "petctl:user": user}
     return SetupPlan(naming.base_stack(profile.name), template, params, tags, cidr, bool(bucket))
@@ -99,11 +119,29 @@ def setup(
     bucket: str | None = None,
     log_retention_days: int = 30,
     timeout: float = 1800,
+    efs_apply_policy: bool = False,
+    efs_backup: bool | None = None,
 ) -> dict[str, Any]:
-    """Create or update the base stack and record its outputs in the profile."""
-    validate(az_count=az_count, vpc_cidr=vpc_cidr, efs_id=efs_id, bucket=bucket)
+    """Create or update the base stack and record its outputs in the profile.
+
+    ``efs_apply_policy``: a given file system (``efs_id``) open to mounts without an access point
+    gets petctl's Deny statements added to its policy; without it, such a file system is refused.
+    ``efs_backup``: AWS Backup for the file system petctl creates; None keeps the stack's setting.
+    """
+    validate(
+        az_count=az_count,
+        vpc_cidr=vpc_cidr,
+        efs_id=efs_id,
+        bucket=bucket,
+        efs_apply_policy=efs_apply_policy,
+        efs_backup=efs_backup,
+    )
     gw = ctx.gateway()
     profile = ctx.profile
+    gw.check_credentials()
+    if efs_backup is None and not efs_id:
+        old = gw.stacks.describe(naming.base_stack(profile.name))
+        efs_backup = bool(old) and parameters_of(old).get("EfsBackup") == "ENABLED"
     plan = plan_setup(
         profile,
         ctx.user,
@@ -112,10 +150,12 @@ def setup(
         efs_id=efs_id,
         bucket=bucket,
         log_retention_days=log_retention_days,
+        efs_backup=bool(efs_backup),
     )
-    gw.check_credentials()
+    fix = None
     if efs_id:
-        _check_file_system(gw, efs_id, az_count, profile.vpc_id)
+        fs = _check_file_system(gw, efs_id, az_count, profile.vpc_id)
+        fix = _refuse_an_open_file_system(gw, efs_id, fs["FileSystemArn"], efs_apply_policy)
     _check_az_count(gw, az_count)
     if bucket:
         gw.objects.require_bucket(bucket, gw.region)
@@ -127,9 +167,42 @@ def setup(
             f"checkpoints; to train on from them, run `{cmd('setup --efs-id ' + kept[-1])}`"
         )
     _refuse_to_pull_roles_from_jobs(ctx, gw, plan.stack)
-    if not efs_id:
+    if not efs_id or fix:
         _refuse_to_lock_out_root_mounts(ctx, gw)
-    return apply_setup(ctx, plan, kms_key, timeout)
+    if fix:
+        # The last check passed: only now change the user's file system, then the stack.
+        gw.file_systems.put_policy(efs_id, fix)
+        ctx.ui.progress(f"EFS file system {efs_id}: petctl's statements added to its file system policy")
+    result = apply_setup(ctx, plan, kms_key, timeout)
+    result["efs_policy"] = "applied" if fix else ("checked" if efs_id else "petctl")
+    return result
+
+
+def _refuse_an_open_file_system(
+    gw: Gateway, efs_id: str, fs_arn: str, apply_policy: bool
+) -> dict[str, Any] | None:
+    """None when ``efs_id``'s policy keeps each job in its own directory; the policy to put when it
+    does not and ``apply_policy`` asks for it; else refused (before any change)."""
+    from petctl.infra import efs_policy
+
+    current = gw.file_systems.policy(efs_id)
+    why = efs_policy.open_to_root_mounts(current, fs_arn)
+    if why is None:
+        return None
+    if not apply_policy:
+        raise ConfigError(
+            f"EFS file system {efs_id} {why}, and every job could read and rewrite every other job's "
+            f"checkpoints: add petctl's Deny statements with `{cmd('setup --efs-id ' + efs_id + ' --efs-apply-policy')}`, "
+            "or set such a policy yourself (docs/contracts.md, Shared file system)"
+        )
+    merged = efs_policy.merged_policy(current)
+    still = efs_policy.open_to_root_mounts(merged, fs_arn)
+    if still:
+        raise ConfigError(
+            f"EFS file system {efs_id} {still}; petctl adds Deny statements but never removes yours: "
+            "remove that statement, then run setup again"
+        )
+    return merged
 
 
 def apply_setup(ctx: Context, plan: SetupPlan, kms_key: str | None, timeout: float) -> dict[str, Any]:
@@ -204,10 +277,12 @@ def apply_outputs(profile: config.Profile, outputs: dict[str, str]) -> None:
             setattr(profile, attr, value)
 
 
-def _check_file_system(gw: Gateway, efs_id: str, az_count: int, own_vpc: str | None) -> None:
+def _check_file_system(gw: Gateway, efs_id: str, az_count: int, own_vpc: str | None) -> dict[str, Any]:
     """Refuse, before any change, a file system the base stack could not mount (AWS would fail
-    the stack half-way: ``MountTargetConflict``, or a One Zone file system outside its zone)."""
-    zone = gw.file_systems.describe(efs_id).get("AvailabilityZoneName")
+    the stack half-way: ``MountTargetConflict``, or a One Zone file system outside its zone).
+    Returns its description."""
+    fs = gw.file_systems.describe(efs_id)
+    zone = fs.get("AvailabilityZoneName")
     if zone and az_count > 1:
         raise ConfigError(
             f"EFS file system {efs_id} is One Zone ({zone}) and cannot serve --az-count {az_count}: "
@@ -220,6 +295,7 @@ def _check_file_system(gw: Gateway, efs_id: str, az_count: int, own_vpc: str | N
             f"at a time (MountTargetConflict): record that VPC's resources with `{cmd('configure')}`, "
             f"delete those mount targets, or use another file system"
         )
+    return fs
 
 
 def _check_az_count(gw: Gateway, az_count: int) -> None:

@@ -12,7 +12,12 @@ moto 5.2 creates ``AWS::EFS::AccessPoint`` from a template but gives it no ``Ref
   ``OwnerUid``/``OwnerGid``/``Permissions`` or with permissions not 3-4 octal digits, POSIX ids
   outside 0-4294967295, a file system that does not exist;
 * a template's ``FileSystemPolicy`` becomes the file system's policy (``DescribeFileSystemPolicy``),
-  which the local ``mount`` shim enforces (petctl/local/shims/mount.py).
+  which the local ``mount`` shim enforces (petctl/local/shims/mount.py);
+* ``DescribeFileSystemPolicy``/``PutFileSystemPolicy`` of a file system that does not exist answer
+  ``FileSystemNotFound`` (moto raised a KeyError: HTTP 500), and ``PutFileSystemPolicy`` refuses a
+  policy that is not a JSON policy document (``InvalidPolicyException``) or longer than 20,000
+  characters (``BadRequest``), as API_PutFileSystemPolicy.html and API_DescribeFileSystemPolicy.html
+  document.
 
 Sources: docs.aws.amazon.com/efs/latest/ug/API_CreateAccessPoint.html, API_RootDirectory.html,
 API_CreationInfo.html, API_PosixUser.html; AWS::EFS::FileSystem FileSystemPolicy in the
@@ -29,6 +34,8 @@ from typing import Any
 from petctl.local.patching import wrap
 
 MAX_POSIX_ID = 4_294_967_295
+#: PutFileSystemPolicy ``Policy``: "EFS file system policies have a 20,000 character limit".
+MAX_POLICY_CHARS = 20_000
 
 
 def _posix_id(value: Any, what: str, bad: Callable[[str], Exception]) -> None:
@@ -120,5 +127,60 @@ def apply() -> None:
             )
         return fs
 
+    _policy_api()
+
     # (wrap's original is the bound classmethod; the plain function it installs is called on the
     # class, as moto's CloudFormation does, so no cls is passed twice.)
+
+
+def policy_problem(policy: Any) -> str | None:
+    """Why EFS would refuse ``policy`` (PutFileSystemPolicy's text) as a policy document, or None."""
+    try:
+        doc = json.loads(policy)
+    except (TypeError, ValueError):
+        return "The policy is not valid JSON."
+    if (
+        not isinstance(doc, dict)
+        or not isinstance(doc.get("Statement"), (list, dict))
+        or not doc["Statement"]
+    ):
+        return "The policy document needs a Statement."
+    for statement in doc["Statement"] if isinstance(doc["Statement"], list) else [doc["Statement"]]:
+        if not isinstance(statement, dict) or statement.get("Effect") not in ("Allow", "Deny"):
+            return "Each statement needs an Effect of Allow or Deny."
+        if "Principal" not in statement and "NotPrincipal" not in statement:
+            return "A resource-based policy statement needs a Principal."
+        if "Action" not in statement and "NotAction" not in statement:
+            return "Each statement needs an Action."
+    return None
+
+
+def _policy_api() -> None:
+    from moto.core.exceptions import JsonRESTError
+    from moto.efs.exceptions import BadRequest, FileSystemNotFound
+    from moto.efs.models import EFSBackend
+
+    class InvalidPolicyException(JsonRESTError):
+        code = 400
+
+        def __init__(self, message: str) -> None:
+            super().__init__("InvalidPolicyException", message)
+
+    @wrap(EFSBackend, "describe_file_system_policy")
+    def describe_policy(original: Callable[..., Any], self: Any, file_system_id: str) -> Any:
+        if file_system_id not in self.file_systems_by_id:
+            raise FileSystemNotFound(file_system_id)
+        return original(self, file_system_id)
+
+    @wrap(EFSBackend, "put_file_system_policy")
+    def put_policy(
+        original: Callable[..., Any], self: Any, file_system_id: str, policy: str, **kw: Any
+    ) -> Any:
+        if file_system_id not in self.file_systems_by_id:
+            raise FileSystemNotFound(file_system_id)
+        if not isinstance(policy, str) or not 1 <= len(policy) <= MAX_POLICY_CHARS:
+            raise BadRequest(f"Policy must be 1 to {MAX_POLICY_CHARS} characters.")
+        problem = policy_problem(policy)
+        if problem:
+            raise InvalidPolicyException(problem)
+        return original(self, file_system_id, policy, **kw)

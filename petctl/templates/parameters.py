@@ -109,6 +109,7 @@ def infra_parameters(
     bucket: str | None = None,
     log_retention_days: int = 30,
     profile: str = "default",
+    efs_backup: bool = False,
 ) -> list[dict[str, str]]:
     """CloudFormation parameters of the base stack, validated.
 
@@ -119,6 +120,8 @@ def infra_parameters(
         bucket: an existing bucket; give it exactly when rendering with ``create_bucket=False``.
         log_retention_days: one of :data:`LOG_RETENTION_DAYS`.
         profile: petctl profile name (tags, log group ``/petctl/<profile>``).
+        efs_backup: AWS Backup's automatic backups of the file system petctl creates (refused
+            with ``efs_id``: a given file system's backups are its owner's setting).
 
     Returns:
         ``[{"ParameterKey": ..., "ParameterValue": ...}, ...]`` for ``create_stack``/``update_stack``.
@@ -145,7 +148,11 @@ def infra_parameters(
     if efs_id:  # None or "": petctl creates the file system
         if not _EFS_ID_RE.match(efs_id):
             raise ValueError(f"efs_id {efs_id!r} is not an EFS file system id (fs-0123456789abcdef0)")
+        if efs_backup:
+            raise ValueError("efs_backup applies to the file system petctl creates, not to an efs_id")
         values["ExistingEfsId"] = efs_id
+    else:
+        values["EfsBackup"] = "ENABLED" if efs_backup else "DISABLED"
     if bucket:  # None or "": petctl creates the bucket
         if not _BUCKET_RE.match(bucket) or ".." in bucket:
             raise ValueError(f"bucket {bucket!r} is not a valid S3 bucket name")

@@ -146,7 +146,7 @@ def test_teardown_keeps_the_file_system_unless_delete_data(run, ready, profile_d
 
 def test_delete_data_never_deletes_a_file_system_the_user_brought(run, tmp_path):
     fs = boto3.client("efs").create_file_system(CreationToken="mine", Encrypted=True)["FileSystemId"]
-    r = run("setup", "--efs-id", fs)
+    r = run("setup", "--efs-id", fs, "--efs-apply-policy")
     assert r.exit_code == 0, r.output
     r = run("teardown", "--delete-data", "--yes")
     assert r.exit_code == 0, r.output

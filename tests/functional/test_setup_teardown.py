@@ -133,7 +133,7 @@ def test_setup_with_three_azs(run, profile_data):
 def test_setup_with_existing_bucket_and_efs(run, profile_data):
     boto3.client("s3").create_bucket(Bucket="team-bucket")
     fs = boto3.client("efs").create_file_system(CreationToken="t", Encrypted=True)["FileSystemId"]
-    r = run("setup", "--s3-bucket", "team-bucket", "--efs-id", fs)
+    r = run("setup", "--s3-bucket", "team-bucket", "--efs-id", fs, "--efs-apply-policy")
     assert r.exit_code == 0, r.output
     p = profile_data()
     assert p["bucket"] == "team-bucket" and p["efs_id"] == fs and p["bucket_created"] is False

@@ -1095,6 +1095,7 @@ def test_infra_parameters_defaults_and_local_cidr():
         "SubnetCidrs": "127.0.0.0/24,127.0.1.0/24",
         "Profile": "default",
         "LogRetentionDays": "30",
+        "EfsBackup": "DISABLED",
     }
     three = templates.infra_parameters(
         az_count=3, efs_id="fs-0123456789abcdef0", bucket="my-bucket", profile="p1"
