@@ -74,7 +74,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent import DRAIN_EXIT_CODE
-from petctl_agent.checkpointing import memory, sharded_memory
+from petctl_agent.checkpointing import memory, sharded_memory, userstate
 from petctl_agent.checkpointing.drain import (
     drain_leaving,
     drain_requested,
@@ -92,12 +92,22 @@ from petctl_agent.checkpointing.files import (
     write_file,
 )
 from petctl_agent.checkpointing.group import barrier, ckpt_group
-from petctl_agent.checkpointing.sharded import NeedsStateError, is_sharded, load_sharded, save_sharded
+from petctl_agent.checkpointing.sharded import (
+    MissingStateError,
+    NeedsStateError,
+    is_sharded,
+    load_sharded,
+    save_sharded,
+)
+from petctl_agent.checkpointing.userstate import PER_RANK, PerRankStateError
 from petctl_agent.distributed import dist_rank, dist_world
 
 __all__ = [
     "DRAIN_EXIT_CODE",
+    "PER_RANK",
+    "MissingStateError",
     "NeedsStateError",
+    "PerRankStateError",
     "UnsafeCheckpointError",
     "checkpoint_dir",
     "drain_requested",
@@ -149,7 +159,8 @@ def _save(
 ) -> Path | None:
     d = checkpoint_dir(directory)
     keep = keep if keep is not None else int(os.environ.get("PETCTL_CHECKPOINT_KEEP", "3"))
-    if is_sharded(state):
+    state, sharded = userstate.for_save(state)
+    if sharded:
         if sharded_memory.save(state, int(step), d, keep, wait=durable):
             return d / f"ckpt-{int(step):010d}.dcp" if durable and dist_rank() == 0 else None
         return save_sharded(state, int(step), d, keep)
@@ -207,6 +218,18 @@ def load_latest(
         OSError: (with ``agree``) a rank could not list the checkpoint directory (EFS: ``EIO``,
             ``ESTALE``, ``EACCES``): the same one-line error, naming that rank, on every rank.
     """
+    return userstate.own(_load_latest(directory, map_location, into, unsafe_load, agree=agree))
+
+
+def _load_latest(
+    directory: str | os.PathLike | None,
+    map_location: Any,
+    into: dict[str, Any] | None,
+    unsafe_load: bool | None,
+    *,
+    agree: bool,
+) -> tuple[dict[str, Any], int] | None:
+    """:func:`load_latest` with the saved per-rank entry as saved (every rank's)."""
     d = checkpoint_dir(directory)
     if map_location is None:
         from petctl_agent.distributed import rank_device
@@ -340,15 +363,17 @@ def _load_agreed(
                 code = 0
             except UnsafeCheckpointError as e:
                 code, msg = 2, str(e)
+            except MissingStateError as e:
+                code, msg = 3, str(e)
             except Exception as e:  # noqa: BLE001 - any unreadable copy sends every rank to an older one
                 msg = f"{type(e).__name__}: {e}"
                 print(f"petctl checkpoint: rank {rank}: {path.name} unreadable ({msg})", file=sys.stderr)
             outcomes = _gather((code, msg))
-            if code == 2:
-                raise UnsafeCheckpointError(msg)
-            refused = [m for c, m in outcomes if c == 2]
-            if refused:  # another rank's refusal: the same line everywhere
-                raise UnsafeCheckpointError(refused[0])
+            for c, m in outcomes:  # a refusal, or state missing, on any rank: the same line everywhere
+                if c == 2:
+                    raise UnsafeCheckpointError(m)
+                if c == 3:
+                    raise MissingStateError(m)
             bad = [r for r, (c, _) in enumerate(outcomes) if c]
             if not bad:
                 return out
@@ -368,38 +393,46 @@ def resume(
 ) -> tuple[dict[str, Any], int] | None:
     """Load the newest checkpoint onto this rank's device: ``(state, step)``, or None.
 
-    Call it on every rank. ``state`` (a dict or a function returning one) is only
-    needed for sharded checkpoints: the DTensors in it are filled in place. Loads are
-    ``weights_only`` (see :func:`load_latest` for ``unsafe_load``). Under a process group every
-    rank gets the same step: a load from the checkpoint directory is agreed
-    (``load_latest(..., agree=True)``), as the restore from memory is.
+    Call it on every rank. ``state`` (a dict or a function returning one) names what to restore
+    into: a top-level ``torch.nn.Module`` or ``torch.optim.Optimizer`` is loaded in place (for a
+    sharded model, e.g. FSDP2, through ``torch.distributed.checkpoint.state_dict``, which gives a
+    fresh optimizer its moments before they are filled); for sharded checkpoints a dict of DTensors
+    is filled in place. ``state["per_rank"]`` in the result is this rank's own entry
+    (:data:`PER_RANK`; None when this rank had none). Loads are ``weights_only`` (see
+    :func:`load_latest` for ``unsafe_load``). Under a process group every rank gets the same step:
+    a load from the checkpoint directory is agreed (``load_latest(..., agree=True)``), as the
+    restore from memory is.
+
+    Raises:
+        MissingStateError: (a :class:`NeedsStateError`) the sharded checkpoint holds entries that
+            ``state`` lacks (they would be dropped without an error); on every rank.
     """
-    into = state() if callable(state) else state
-    if into is not None and is_sharded(into):
-        got = sharded_memory.resume(into, checkpoint_dir(directory), unsafe_load)
+    fill, finish = userstate.for_load(state() if callable(state) else state)
+    if fill is not None and is_sharded(fill):
+        got = sharded_memory.resume(fill, checkpoint_dir(directory), unsafe_load)
         if got is not None:
-            return got
+            return finish(got)
         t0 = time.monotonic()
-        out = load_latest(directory, into=into, unsafe_load=unsafe_load, agree=True)
+        out = _load_latest(directory, None, fill, unsafe_load, agree=True)
         if out is not None:  # every shard from EFS: the agent's event says so (and the step gone back to)
             pointer = read_pointer(checkpoint_dir(directory)) or {}
             ws = pointer.get("world_size")
             sharded_memory.report_efs_restore(out[1], int(ws) if ws else None, time.monotonic() - t0)
-        return out
+        return finish(out)
     if memory.snapshot_dir() is None:
-        return load_latest(directory, into=into, unsafe_load=unsafe_load, agree=True)
+        return finish(_load_latest(directory, None, fill, unsafe_load, agree=True))
     from petctl_agent.distributed import rank_device
 
     got = memory.resume(checkpoint_dir(directory), rank_device())
     if got is not None:
-        return got
+        return finish(got)
     t0 = time.monotonic()
-    out = load_latest(directory, into=into, unsafe_load=unsafe_load, agree=True)
+    out = _load_latest(directory, None, fill, unsafe_load, agree=True)
     if out is not None:  # (a first start restores nothing: no report)
         memory.report_restore(
             "efs", out[1], _file_size(checkpoint_dir(directory), out[1]), time.monotonic() - t0
         )
-    return out
+    return finish(out)
 
 
 def _file_size(d: Path, step: int) -> int:

@@ -209,9 +209,15 @@ RANKS = textwrap.dedent(
 
 
 def _run_ranks(
-    tmp_path: Path, body: str, world: int = 2, env: dict | None = None, timeout: float = 120
+    tmp_path: Path,
+    body: str,
+    world: int = 2,
+    env: dict | None = None,
+    timeout: float = 120,
+    per_rank: list[dict] | None = None,
 ) -> list:
-    """Run ``body`` on ``world`` gloo ranks (fresh processes); return their CompletedProcess."""
+    """Run ``body`` on ``world`` gloo ranks (fresh processes); return their CompletedProcess.
+    ``per_rank``: more environment for each rank (its own snapshot store, ...)."""
     from harness import free_port
 
     (tmp_path / "ranks.py").write_text(RANKS)
@@ -230,6 +236,7 @@ def _run_ranks(
             "OMP_NUM_THREADS": "1",
             "CUDA_VISIBLE_DEVICES": "",
             **(env or {}),
+            **(per_rank[r] if per_rank else {}),
         }
         e.pop("PETCTL_LOCAL_ADDR", None)
         procs.append(

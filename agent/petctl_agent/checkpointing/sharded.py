@@ -34,6 +34,33 @@ class NeedsStateError(TypeError):
     """The checkpoint is sharded: loading it needs the state dict to load into."""
 
 
+class MissingStateError(NeedsStateError):
+    """The sharded checkpoint holds entries that the state to load into lacks: DCP fills only the
+    keys of the dict it is given, so they would be dropped without an error (e.g. the moments of
+    an optimizer whose ``state_dict()`` was taken before its first step)."""
+
+
+def _check_keys(path: Path, metadata: Any, into: dict[str, Any]) -> None:
+    """Raise :class:`MissingStateError` when the checkpoint ``path`` (its DCP ``metadata``) holds an
+    entry that ``into`` does not name; add the slot for the per-rank entry (userstate.PER_RANK)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from petctl_agent.checkpointing.userstate import PER_RANK
+
+    saved = set(metadata.state_dict_metadata)
+    if PER_RANK in saved and PER_RANK not in into:
+        into[PER_RANK] = b""  # the slot DCP replaces with the saved value (userstate.own reads it)
+    flat, _ = flatten_state_dict(into)
+    missing = sorted(saved - set(flat))
+    if missing:
+        raise MissingStateError(
+            f"{path.name} holds {len(missing)} entr{'y' if len(missing) == 1 else 'ies'} that the state "
+            f"to load into lacks (first: {missing[0]!r}), which DCP would drop without an error: pass "
+            "the model and optimizer themselves, resume({'model': model, 'optim': opt}) (docs/agent.md, "
+            "'Checkpoints')"
+        )
+
+
 def is_sharded(obj: Any, _depth: int = 0) -> bool:
     """Does ``obj`` (nested dicts/lists) hold a DTensor or ShardedTensor?
 
@@ -212,6 +239,12 @@ def load_sharded(
         reader, planner = dcp.FileSystemReader(str(path)), None
     else:
         reader, planner = _safe_dcp(path, refused)
+    try:
+        _check_keys(path, reader.read_metadata(), into)
+    except (MissingStateError, UnsafeCheckpointError):
+        raise
+    except Exception:  # noqa: BLE001 - an unreadable .metadata: DCP's load below says so, on every rank
+        pass
     try:
         dcp.load(into, storage_reader=efsrate.pace_dcp(reader), planner=planner, process_group=group)
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException

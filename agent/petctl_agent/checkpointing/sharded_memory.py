@@ -645,7 +645,7 @@ def resume(
     if root is None:
         return None
     from petctl_agent.checkpointing.files import UnsafeCheckpointError
-    from petctl_agent.checkpointing.sharded import load_sharded
+    from petctl_agent.checkpointing.sharded import MissingStateError, load_sharded
 
     flush()
     rank = dist_rank()
@@ -702,7 +702,7 @@ def resume(
         return None
     try:
         got = load_sharded(stepdir, into, unsafe_load)
-    except UnsafeCheckpointError:
+    except (UnsafeCheckpointError, MissingStateError):
         raise
     except Exception as e:  # noqa: BLE001 - DCP fails on every rank together: EFS then
         last_restore = {"source": "efs", "step": efs, "newest": newest}
