@@ -5,12 +5,15 @@ protocol. One call per step::
 
     from petctl_agent import checkpoint as ckpt
 
-    restored = ckpt.resume()                      # (state, step) on this rank's device, or None
+    restored = ckpt.resume({"model": model, "optim": opt})  # loads into both; (state, step) or None
     start = 1 if restored is None else restored[1] + 1
     for step in range(start, total + 1):
         train_one_step()
-        ckpt.step(step, lambda: {"model": model.state_dict(), "optim": opt.state_dict()},
+        ckpt.step(step, lambda: {"model": model, "optim": opt, "per_rank": {"rng": torch.get_rng_state()}},
                   every=50, last=step == total)    # collective: call on every rank
+
+What comes back: the model and optimizer are loaded in place; ``state["per_rank"]`` is this rank's
+own entry; everything else is shared, rank 0's (:mod:`petctl_agent.checkpointing.userstate`).
 
 :func:`step` reports progress, agrees with the other ranks on "checkpoint now"
 and "drain now", saves when they agreed, and on an agreed drain exits with
