@@ -129,6 +129,7 @@ def _run(tmp: Path, nodes: list[int], env: dict[str, str], memory: bool, rates: 
         e.update(efs_rate.instance_env(tmp, f"i-node{node}", rates))  # type: ignore[arg-type]
         if memory:
             e["PETCTL_SNAPSHOT_DIR"] = str(tmp / "shm" / f"node{node}")
+            e["PETCTL_SHARDED_MEMORY"] = "1"
         procs.append(
             subprocess.Popen(
                 [sys.executable, str(script)],

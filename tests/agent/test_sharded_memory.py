@@ -141,6 +141,7 @@ def _run(tmp: Path, body: str, nodes: list[int], env: dict | None = None, timeou
             "MASTER_PORT": str(port),
             "PETCTL_CHECKPOINT_DIR": str(tmp / "efs"),
             "PETCTL_SNAPSHOT_DIR": str(tmp / f"node{node}"),
+            "PETCTL_SHARDED_MEMORY": "1",
             "PETCTL_DRAIN_FILE": str(tmp / f"drain-{node}"),
             "REF_DIR": str(tmp / "ref"),
             "OMP_NUM_THREADS": "1",
@@ -359,6 +360,15 @@ def test_memory_off_without_snapshot_dir_keeps_the_efs_path(tmp_path: Path) -> N
     assert sharded_memory.memory_root() is None
     assert sharded_memory.save({"w": torch.zeros(2)}, 1, tmp_path, 3, wait=True) is False
     assert sharded_memory.resume({"w": torch.zeros(2)}, tmp_path) is None
+
+
+def test_sharded_memory_is_off_unless_the_job_opts_in(tmp_path: Path) -> None:
+    # off by default: it cost more than DCP to EFS in every timed case (docs/benchmarks.md)
+    c0, c1 = _run(tmp_path, TRAIN, [0, 1], env={"PETCTL_SHARDED_MEMORY": ""})
+    assert c0.returncode == c1.returncode == 0, c0.stderr[-2000:] + c1.stderr[-2000:]
+    for node in (0, 1):
+        assert not (tmp_path / f"node{node}" / "sharded").exists()
+    assert json.loads((tmp_path / "efs" / "latest").read_text())["format"] == "dcp"
 
 
 # 2 ranks of one node (one snapshot dir). Each rank's own need fits the (fake, small) free memory

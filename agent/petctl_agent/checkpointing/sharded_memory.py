@@ -1,6 +1,7 @@
 """Sharded state (DCP / FSDP2) through node-local memory, with a replica of every shard on a peer node.
 
-On when the workers have ``$PETCTL_SNAPSHOT_DIR`` (the agent's node-local tmpfs, one per node). The
+On when the job opts in (``PETCTL_SHARDED_MEMORY=1``; :data:`OPT_IN`) and the workers have
+``$PETCTL_SNAPSHOT_DIR`` (the agent's node-local tmpfs, one per node). The
 node's memory holds DCP step directories ``<snapshot dir>/sharded/ckpt-<step:010d>.dcp`` -- the same
 format as on EFS, so a restore is DCP's own load, resharding included. Save (collective, agreed step):
 
@@ -81,10 +82,17 @@ _pending_error: list[str] = []
 MEMINFO_PATH: str | None = None
 
 
+#: the opt-in (``run-job --env PETCTL_SHARDED_MEMORY=1``): off by default, because on every timed
+#: case of ``scripts/bench_sharded_memory.py`` it cost more than DCP straight to EFS (docs/benchmarks.md,
+#: "Sharded state"); what it buys is a restore after a hard loss that EFS does not yet hold
+OPT_IN = "PETCTL_SHARDED_MEMORY"
+
+
 def memory_root() -> Path | None:
-    """``$PETCTL_SNAPSHOT_DIR/sharded``, or None when the agent gave no snapshot directory."""
+    """``$PETCTL_SNAPSHOT_DIR/sharded`` when the job opted in (:data:`OPT_IN`), else None."""
     d = os.environ.get("PETCTL_SNAPSHOT_DIR")
-    return Path(d) / SUBDIR if d else None
+    on = os.environ.get(OPT_IN, "").strip().lower() in ("1", "true", "yes")
+    return Path(d) / SUBDIR if d and on else None
 
 
 def _fetch_timeout() -> timedelta:
