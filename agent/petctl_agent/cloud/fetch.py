@@ -4,28 +4,72 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import tarfile
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from petctl_agent.spec import JobSpec, SpecError
 
+log = logging.getLogger("petctl_agent")
 
-def read_url(url: str, s3_client_factory: Any = None) -> bytes:
-    """Read ``s3://bucket/key``, ``file:///path`` or a plain path."""
+
+#: S3 answers that no retry changes: the object or bucket is not there, or this role may not read it
+PERMANENT_S3 = {"NoSuchKey", "NoSuchBucket", "AccessDenied", "InvalidObjectState", "404", "403", "NotFound"}
+
+
+def _retry_seconds() -> float:
+    """How long a transient read error is retried (``PETCTL_FETCH_RETRY_SECONDS``, default 300)."""
+    return float(os.environ.get("PETCTL_FETCH_RETRY_SECONDS") or 300)
+
+
+def transient(e: BaseException) -> bool:
+    """Is ``e`` an error a later try may not meet: S3's 5xx, throttling, a timeout, a reset or
+    refused connection? Not: the object or bucket missing, access denied, a local file missing."""
+    code = getattr(e, "response", {}).get("Error", {}).get("Code") if hasattr(e, "response") else None
+    if code is not None:
+        return str(code) not in PERMANENT_S3
+    try:
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+        from botocore.exceptions import HTTPClientError
+    except ImportError:  # no botocore: only the S3 path raises those
+        return False
+    return isinstance(e, (BotoConnectionError, HTTPClientError))
+
+
+def read_url(url: str, s3_client_factory: Any = None, sleep: Any = time.sleep) -> bytes:
+    """Read ``s3://bucket/key``, ``file:///path`` or a plain path.
+
+    An S3 read that fails transiently (:func:`transient`) is tried again, with backoff from 1 s to
+    30 s, for up to ``PETCTL_FETCH_RETRY_SECONDS`` (300 s): botocore's own retries end within
+    seconds, and a failed fetch is a terminal failure of the node (its group replaces it and the
+    failure counts towards the job's stop), which a minute of S3 trouble must not cost.
+    """
     u = urlparse(url)
-    if u.scheme == "s3":
-        if s3_client_factory is None:
-            from petctl_agent.cloud import aws
+    if u.scheme != "s3":
+        path = u.path if u.scheme == "file" else url
+        with open(path, "rb") as f:
+            return f.read()
+    if s3_client_factory is None:
+        from petctl_agent.cloud import aws
 
-            s3_client_factory = lambda: aws.client("s3")  # noqa: E731
-        obj = s3_client_factory().get_object(Bucket=u.netloc, Key=u.path.lstrip("/"))
-        return obj["Body"].read()
-    path = u.path if u.scheme == "file" else url
-    with open(path, "rb") as f:
-        return f.read()
+        s3_client_factory = lambda: aws.client("s3")  # noqa: E731
+    deadline = time.monotonic() + _retry_seconds()
+    delay = 1.0
+    while True:
+        try:
+            obj = s3_client_factory().get_object(Bucket=u.netloc, Key=u.path.lstrip("/"))
+            return obj["Body"].read()
+        except Exception as e:  # noqa: BLE001 - classified below; the permanent ones raise at once
+            left = deadline - time.monotonic()
+            if not transient(e) or left <= 0:
+                raise
+            log.warning("reading %s failed (%s); trying again in %.0f s", url, e, min(delay, left))
+            sleep(min(delay, left))
+            delay = min(delay * 2, 30.0)
 
 
 def load_spec(url: str, s3_client_factory: Any = None) -> JobSpec:
