@@ -36,6 +36,11 @@ def rdzv_group(job: str) -> str:
     return f"petctl-{job}-rdzv"
 
 
+def cleanup_group(job: str) -> str:
+    """The one-shot group of ``kill-job --delete-checkpoints``."""
+    return f"petctl-{job}-cleanup"
+
+
 def job_prefix(job: str) -> str:
     """S3 key prefix of a job (no leading slash, trailing slash)."""
     return f"petctl/jobs/{job}/"

@@ -219,6 +219,8 @@ def killed_text(r: dict[str, Any]) -> str:
             f"TLS keys stay (should the deletion fail, its instances still need them): run "
             f"`{cmd('kill-job ' + job)}` again once it is gone to delete them"
         )
+    if r["deleted"] and r.get("checkpoints_deleted"):
+        return f"job {job} deleted, its checkpoints too, every instance gone, in {r['seconds']}s"
     if r["deleted"]:
         return f"job {job} deleted, every instance gone, in {r['seconds']}s; checkpoints kept at {r['checkpoints_kept']}"
     return f"job {job} does not exist (already deleted?); nothing to do"

@@ -26,23 +26,36 @@ def scale(obj: Context, job: str, size: int) -> None:
 @job_argument
 @yes_option
 @click.option("--no-wait", is_flag=True, help="Start the deletion and return at once.")
+@click.option(
+    "--delete-checkpoints",
+    is_flag=True,
+    help="Also delete the job's directory on EFS (checkpoints, work files), through its own access point.",
+)
 @click.option("--timeout", default=1800, show_default=True, help="Seconds to wait for the deletion.")
 @pass_ctx
-def kill_job(obj: Context, job: str, yes: bool, no_wait: bool, timeout: int) -> None:
+def kill_job(
+    obj: Context, job: str, yes: bool, no_wait: bool, delete_checkpoints: bool, timeout: int
+) -> None:
     """Stop JOB's workers, then delete its stack (rendezvous server, groups) and its S3 files.
-    Checkpoints (EFS) and worker logs (CloudWatch Logs) are kept."""
+    Checkpoints (EFS) and worker logs (CloudWatch Logs) are kept unless --delete-checkpoints."""
     from petctl import jobs
 
     if jobs.find_job(obj.gateway(), obj.profile_name, job) is not None:
         efs = obj.profile.efs_id or "the profile's EFS"
+        if delete_checkpoints:
+            data = f"everything in /petctl/jobs/{job} on {efs} (checkpoints, work files; no other job's); "
+            kept = "its worker logs are kept"
+        else:
+            data = ""
+            kept = f"its checkpoints on {efs} at /{naming.checkpoint_dir(job)} and its worker logs are kept"
         common.confirm(
             yes,
             f"delete job {job} (stack {naming.job_stack(job)}, its instances and rendezvous server, "
-            f"s3://{obj.profile.bucket}/{naming.job_prefix(job)}: code, status, boot logs); "
-            f"its checkpoints on {efs} at /{naming.checkpoint_dir(job)} and its worker logs are kept",
+            f"s3://{obj.profile.bucket}/{naming.job_prefix(job)}: code, status, boot logs); {data}{kept}",
             "kill-job",
         )
-    obj.ui.result(jobs.kill_job(obj, job, timeout=timeout, wait=not no_wait).to_dict(), render.killed_text)
+    killed = jobs.kill_job(obj, job, timeout=timeout, wait=not no_wait, delete_checkpoints=delete_checkpoints)
+    obj.ui.result(killed.to_dict(), render.killed_text)
 
 
 @click.command()

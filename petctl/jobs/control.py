@@ -10,7 +10,7 @@ from typing import Any
 
 from petctl import naming
 from petctl.context import Context
-from petctl.errors import ConfigError, NotFound, describe_client_error
+from petctl.errors import ConfigError, NotFound, PetctlError, describe_client_error
 from petctl.gateway import Gateway
 from petctl.gateway.stacks import parameters_of
 from petctl.jobs.observe import find_job, require_job
@@ -51,6 +51,7 @@ class Killed:
     seconds: float
     waited: bool
     checkpoints_kept: str
+    checkpoints_deleted: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -62,6 +63,7 @@ def kill_job(
     timeout: float = 1800,
     wait: bool = True,
     sleep: Callable[[float], None] = time.sleep,
+    delete_checkpoints: bool = False,
 ) -> Killed:
     """Stop the workers, then delete the job stack (the rendezvous server goes last), and wait
     until every instance is really gone. Killing a job that is gone is not an error; killing
@@ -72,11 +74,23 @@ def kill_job(
     The job's whole S3 prefix (uploads, TLS keys, reports) is deleted once no instance of it can
     start any more: after the wait, or, with ``wait=False``, by a later kill-job that finds the
     stack gone.
+
+    ``delete_checkpoints``: once the workers are gone, the job's one-shot instance deletes its
+    directory on EFS (:mod:`petctl.jobs.cleanup`); the stack goes only after it reported success.
     """
+    from petctl.jobs import cleanup
+
     gw = ctx.gateway()
     stack = find_job(gw, ctx.profile_name, job)
+    if stack is not None and delete_checkpoints:
+        cleanup.check_possible(gw, job, wait)
     result = Killed(job, False, 0.0, wait, f"{ctx.profile.efs_id or '<efs>'}:/{naming.checkpoint_dir(job)}")
     if stack is None:
+        if delete_checkpoints:
+            ctx.ui.warn(
+                f"job {job} is gone, and its access point with it: petctl cannot delete its checkpoints "
+                f"(docs/contracts.md, Shared file system)"
+            )
         # Files left by a `kill-job --no-wait`. A bucket may be shared with a profile of another
         # region, where a running job of this name has no stack here to find: its spec says where
         # it runs, and another region's job is never touched from this one.
@@ -116,7 +130,7 @@ def kill_job(
                     "deleting the stack"
                 )
         drain = int(parameters_of(stack).get("DrainTimeout") or DEFAULT_DRAIN_TIMEOUT)
-        _wait_until(
+        gone = _wait_until(
             ctx,
             lambda: (
                 not (gw.groups.describe(workers) or {}).get("Instances")
@@ -126,6 +140,14 @@ def kill_job(
             "workers gone",
             sleep,
         )
+        if delete_checkpoints and not gone:
+            raise PetctlError(
+                f"workers of {job} are still running: their checkpoints were not deleted and the stack is "
+                f"kept; run `{cmd('kill-job ' + job + ' --delete-checkpoints')}` again once they are gone"
+            )
+    if delete_checkpoints:
+        cleanup.delete_checkpoints(ctx, gw, job, sleep=sleep)
+        result.checkpoints_deleted, result.checkpoints_kept = True, ""
     gw.stacks.delete(naming.job_stack(job), timeout=timeout)
     _wait_until(ctx, lambda: not gw.compute.job_instances(job), 600, "instances terminated", sleep)
     gw.job_files.delete_all(job)

@@ -31,10 +31,11 @@ WRITE_ACTIONS = (
     "s3:restoreobject",
     "s3:replicateobject",
 )
-#: A write resource: this job's own reports (status/, boot/); never code/, dist/ or job.json.
+#: A write resource: this job's own reports (status/, boot/, the checkpoint deletion's
+#: boot/cleanup/); never code/, dist/ or job.json.
 SCOPED = re.compile(
     r"^arn:\$\{AWS::Partition\}:s3:::(\$\{[A-Za-z0-9]+\}|[a-z0-9][a-z0-9.-]+)"
-    r"/petctl/jobs/\$\{JobName\}/(status|boot)/\*$"
+    r"/petctl/jobs/\$\{JobName\}/(status|boot|boot/cleanup)/\*$"
 )
 #: The one object a statement granting only s3:DeleteObject may also name: the job's CA key,
 #: which the agent deletes when the job ends (nothing can be written or read through it).

@@ -46,9 +46,17 @@ def aws() -> Iterator[tuple[str, Any]]:
         server.stop()
 
 
-def _stack(client: Any, name: str, body: str, parameters: list[dict]) -> dict[str, str]:
+def _stack(
+    client: Any, name: str, body: str, parameters: list[dict], bucket: str | None = None
+) -> dict[str, str]:
+    """Create a stack; with ``bucket``, from a TemplateURL there, as run-job does (a job template
+    is over the inline cap)."""
     cf = client("cloudformation")
-    cf.create_stack(StackName=name, TemplateBody=body, Parameters=parameters, Capabilities=["CAPABILITY_IAM"])
+    where: dict[str, str] = {"TemplateBody": body}
+    if bucket:
+        client("s3").put_object(Bucket=bucket, Key=f"templates/{name}.yaml", Body=body.encode())
+        where = {"TemplateURL": f"https://{bucket}.s3.us-east-1.amazonaws.com/templates/{name}.yaml"}
+    cf.create_stack(StackName=name, Parameters=parameters, Capabilities=["CAPABILITY_IAM"], **where)
     (stack,) = cf.describe_stacks(StackName=name)["Stacks"]
     assert stack["StackStatus"] == "CREATE_COMPLETE", stack
     return {o["OutputKey"]: o["OutputValue"] for o in stack.get("Outputs", [])}
@@ -86,7 +94,13 @@ def jobs(aws: tuple[str, Any]) -> dict[str, Any]:
             "DistUrl": f"s3://{base['BucketName']}/petctl/jobs/{job}/dist/petctl-0-py3-none-any.whl",
             "TorchVersion": "2.13.0",
         }
-        _stack(client, naming.job_stack(job), templates.render_job(), templates.job_parameters(**values))
+        _stack(
+            client,
+            naming.job_stack(job),
+            templates.render_job(),
+            templates.job_parameters(**values),
+            bucket=base["BucketName"],
+        )
         ec2 = client("ec2")
         (lt,) = ec2.describe_launch_templates(LaunchTemplateNames=[f"petctl-{job}-workers"])[
             "LaunchTemplates"

@@ -281,10 +281,11 @@ def test_job_roles_exist_exactly_with_own_roles(flags):
     t = job(**flags)
     lts = _launch_templates(t)
     if flags.get("own_roles", True):
-        assert set(resources_of_type(t, "AWS::IAM::Role")) == {"WorkerRole", "RdzvRole"}
+        assert set(resources_of_type(t, "AWS::IAM::Role")) == {"WorkerRole", "RdzvRole", "CleanupRole"}
         assert set(resources_of_type(t, "AWS::IAM::InstanceProfile")) == {
             "WorkerInstanceProfile",
             "RdzvInstanceProfile",
+            "CleanupInstanceProfile",
         }
         assert lts["WorkerLaunchTemplate"]["IamInstanceProfile"] == {
             "Arn": {"Fn::GetAtt": ["WorkerInstanceProfile", "Arn"]}
@@ -511,7 +512,7 @@ def test_launch_templates_imdsv2_and_encrypted_root(flags):
     t = job(**flags)
     assert not resources_of_type(t, "AWS::AutoScaling::LaunchConfiguration")
     lts = _launch_templates(t)
-    assert set(lts) == {"WorkerLaunchTemplate", "RdzvLaunchTemplate"}
+    assert set(lts) == {"WorkerLaunchTemplate", "RdzvLaunchTemplate", "CleanupLaunchTemplate"}
     for data in lts.values():
         assert data["MetadataOptions"] == {
             "HttpEndpoint": "enabled",
@@ -551,7 +552,7 @@ def test_ami_parameters_are_the_public_ssm_paths():
 def test_groups_names_sizes_and_five_propagated_tags(flags):
     t = job(**flags)
     groups = resources_of_type(t, "AWS::AutoScaling::AutoScalingGroup")
-    assert set(groups) == {"WorkerGroup", "RdzvGroup"}
+    assert set(groups) == {"WorkerGroup", "RdzvGroup", "CleanupGroup"}
     worker, rdzv = groups["WorkerGroup"]["Properties"], groups["RdzvGroup"]["Properties"]
     assert worker["AutoScalingGroupName"] == {"Fn::Sub": "petctl-${JobName}-workers"}
     assert rdzv["AutoScalingGroupName"] == {"Fn::Sub": "petctl-${JobName}-rdzv"}
