@@ -32,6 +32,25 @@ STEP_RE = re.compile(r"\] step=(\d+) world_size=(\d+) loss=")
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _etcd_pins() -> Any:
+    """petctl/templates/etcd.py (standard library only), loaded from this checkout's file: the
+    scripts here also run where petctl is not installed."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_petctl_etcd_pins", REPO / "petctl" / "templates" / "etcd.py"
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+#: the flags every etcd petctl starts gets (petctl/templates/etcd.py SERVER_FLAGS: progress
+#: notifications every 10 s, compaction, quota); the harness's etcd runs with them too
+ETCD_SERVER_FLAGS: tuple[str, ...] = tuple(_etcd_pins().SERVER_FLAGS)
+
+
 def _bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         try:
@@ -236,11 +255,23 @@ class Etcd:
 
     The one launcher of the agent tests, the fault tests and the benchmarks. With ``certs`` it
     serves https only and requires a client certificate signed by their CA (``--client-cert-auth``),
-    as the job's rendezvous instance does when the job's etcd speaks TLS.
+    as the job's rendezvous instance does when the job's etcd speaks TLS. It runs with the flags
+    the job's etcd runs with (``ETCD_SERVER_FLAGS``); ``progress_interval`` (seconds) replaces
+    the 10 s progress notify interval (tests of a quiet watch).
     """
 
-    def __init__(self, root: Path, binary: str = "etcd", certs: EtcdCerts | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        binary: str = "etcd",
+        certs: EtcdCerts | None = None,
+        progress_interval: float | None = None,
+    ) -> None:
         self.root = Path(root)
+        self.flags = list(ETCD_SERVER_FLAGS)
+        if progress_interval is not None:
+            i = self.flags.index("--experimental-watch-progress-notify-interval")
+            self.flags[i + 1] = f"{int(progress_interval * 1000)}ms"
         self.data_dir = self.root / "etcd-data"
         self.binary = shutil.which(binary) or binary
         self.certs = certs
@@ -268,7 +299,7 @@ class Etcd:
                     self.binary, "--enable-v2", "--name", "petctl-test", "--data-dir", str(self.data_dir),
                     "--listen-client-urls", url, "--advertise-client-urls", url,
                     "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                    "--initial-cluster", f"petctl-test={peer}", "--log-level", "warn", *tls,
+                    "--initial-cluster", f"petctl-test={peer}", "--log-level", "warn", *tls, *self.flags,
                 ],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
@@ -329,6 +360,149 @@ class Etcd:
                 pass
             self.proc.wait(15)
         self.proc = None
+
+
+class FreezingProxy:
+    """A TCP proxy on 127.0.0.1 in front of ``upstream`` (``host:port``) that can silently freeze
+    every connection open at that moment (:meth:`freeze`): it stops forwarding in both
+    directions and keeps both sockets open, so neither side gets a FIN or a RST, as when a NAT
+    or a connection-tracking entry (EC2's, after 350 s idle on Nitro v6) is dropped on the
+    way. Connections made after a freeze go through. Whatever a frozen peer sends stays in
+    the kernel's buffers; TCP keepalive probes are answered by this host's kernel, as a
+    half-dead path's middlebox does not (that is why the client must notice silence itself).
+
+    One selector thread moves the bytes; :meth:`close` ends it and closes every socket."""
+
+    def __init__(self, upstream: str) -> None:
+        import selectors
+
+        host, _, port = upstream.rpartition(":")
+        self.upstream = (host or "127.0.0.1", int(port))
+        self._sel = selectors.DefaultSelector()
+        self._lsock = socket.create_server(("127.0.0.1", 0))
+        self._lsock.setblocking(False)
+        self.port = self._lsock.getsockname()[1]
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self._lock = threading.Lock()
+        self._pairs: list[tuple[socket.socket, socket.socket]] = []  # forwarding
+        self.frozen: list[tuple[socket.socket, socket.socket]] = []  # open, never read again
+        self.accepted = 0
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._sel.register(self._lsock, 1, None)
+        self._sel.register(self._wake_r, 1, None)
+        self._stop = False
+        self._todo: list[Callable[[], None]] = []
+        self._thread = threading.Thread(target=self._loop, name="freezing-proxy", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop:
+            for key, _ in self._sel.select(0.5):
+                s = key.fileobj
+                if s is self._wake_r:
+                    self._wake_r.recv(4096)
+                    with self._lock:
+                        todo, self._todo = self._todo, []
+                    for f in todo:
+                        f()
+                elif s is self._lsock:
+                    self._accept()
+                else:
+                    self._pump(s, key.data)
+
+    def _accept(self) -> None:
+        try:
+            c, _ = self._lsock.accept()
+        except OSError:
+            return
+        try:
+            u = socket.create_connection(self.upstream, timeout=5)
+        except OSError:
+            c.close()
+            return
+        for s, peer in ((c, u), (u, c)):
+            s.setblocking(False)
+            self._sel.register(s, 1, peer)
+        with self._lock:
+            self._pairs.append((c, u))
+            self.accepted += 1
+
+    def _pump(self, s: socket.socket, peer: socket.socket) -> None:
+        try:
+            data = s.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            try:
+                peer.settimeout(5)  # tests move little data: a bounded blocking send is fine
+                peer.sendall(data)
+                peer.setblocking(False)
+                return
+            except OSError:
+                pass
+        self._drop(s, peer)
+
+    def _drop(self, a: socket.socket, b: socket.socket) -> None:
+        for s in (a, b):
+            try:
+                self._sel.unregister(s)
+            except (KeyError, ValueError):
+                pass
+            s.close()
+        with self._lock:
+            self._pairs = [p for p in self._pairs if a not in p]
+
+    def _call(self, f: Callable[[], None]) -> None:
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                f()
+            finally:
+                done.set()
+
+        with self._lock:
+            self._todo.append(run)
+        self._wake_w.send(b"x")
+        done.wait(5)
+
+    def freeze(self) -> int:
+        """Stop forwarding on every open connection, closing none; returns how many."""
+
+        def f() -> None:
+            with self._lock:
+                pairs, self._pairs = self._pairs, []
+            for pair in pairs:
+                for s in pair:
+                    self._sel.unregister(s)
+            self.frozen.extend(pairs)
+
+        self._call(f)
+        return len(self.frozen)
+
+    @property
+    def open_connections(self) -> int:
+        with self._lock:
+            return len(self._pairs)
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake_w.send(b"x")
+        self._thread.join(5)
+        with self._lock:
+            pairs = self._pairs + self.frozen
+            self._pairs, self.frozen = [], []
+        for s in (self._lsock, self._wake_r, self._wake_w, *(x for p in pairs for x in p)):
+            s.close()
+        self._sel.close()
+
+    def __enter__(self) -> FreezingProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def all_threads_stopped(pid: int) -> bool:

@@ -54,3 +54,32 @@ SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 def release_url(arch: str, version: str = ETCD_VERSION) -> str:
     """The official release tarball of ``version`` for etcd's architecture name ``arch``."""
     return f"{RELEASE_BASE}/v{version}/etcd-v{version}-linux-{arch}.tar.gz"
+
+
+# ---- how petctl runs etcd (issue 30) -------------------------------------------------------------
+#: A watch progress notification on every quiet watch this often. Without it (etcd's default:
+#: 10 min) a watch carries nothing while membership is steady, and a connection that EC2's
+#: connection tracking forgot (350 s idle on Nitro v6 types: no FIN, no RST) reads as alive
+#: forever. The agent takes 3 intervals of silence as a dead watch (``WATCH_SILENCE`` in
+#: agent/petctl_agent/rendezvous/etcdv3.py, 30 s) and watches again. A flag of etcd 3.5 and
+#: of 3.4's later releases (Debian's 3.4.23 has it); 3.6 also takes
+#: ``--watch-progress-notify-interval``.
+PROGRESS_NOTIFY_INTERVAL = "10s"
+#: Compaction by revision: every 5 minutes etcd forgets the history older than the newest
+#: 100,000 revisions. A round writes about 2N+4 keys, so that is ~50 rounds at 1,000 nodes and
+#: thousands at 8, tens of MB at most; a watch that resumes from a compacted revision reads
+#: once and goes on (etcdv3.Compacted). Without it the history grows by every round forever.
+AUTO_COMPACTION_RETENTION = 100_000
+#: The backend's size limit, explicit (etcd's default is the same 2 GiB, its recommended
+#: maximum 8 GiB): with compaction the database holds the live keys plus ~100,000 revisions of
+#: history, tens of MB, and bbolt reuses freed pages; the rendezvous server's 2 GiB of memory
+#: (t3.small) is what keeps it from being larger. Past it etcd raises NOSPACE and refuses writes.
+QUOTA_BACKEND_BYTES = 2 * 1024**3
+#: The flags every etcd petctl starts gets: the job's rendezvous server (user data, which the
+#: local cloud runs too) and the test harness (scripts/harness.py).
+SERVER_FLAGS: tuple[str, ...] = (
+    "--experimental-watch-progress-notify-interval", PROGRESS_NOTIFY_INTERVAL,
+    "--auto-compaction-mode", "revision",
+    "--auto-compaction-retention", str(AUTO_COMPACTION_RETENTION),
+    "--quota-backend-bytes", str(QUOTA_BACKEND_BYTES),
+)  # fmt: skip

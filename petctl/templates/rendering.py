@@ -246,6 +246,7 @@ def render_job(
         etcd_version=etcd.ETCD_VERSION,
         etcd_sha256=etcd.ETCD_SHA256,
         etcd_release_base=etcd.RELEASE_BASE,
+        etcd_server_flags=" ".join(etcd.SERVER_FLAGS),
         cpu_ami_parameter=CPU_AMI_PARAMETER,
         gpu_ami_parameter=GPU_AMI_PARAMETER,
     )

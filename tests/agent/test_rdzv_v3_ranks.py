@@ -114,3 +114,32 @@ def test_a_leader_that_loses_the_record_race_leaves_no_rank_a_node_reads(client:
     assert client.range(keys.ranks(1), prefix=True).kvs == []
     assert client.get(keys.members(1)) is None
     assert len(client.range(keys.ranks(3), prefix=True).kvs) == len(parts)
+
+
+def test_the_store_reads_and_writes_129_keys(client: v3.Client) -> None:
+    """torch's rank assignment without ``TORCH_ELASTIC_WORKER_IDENTICAL``: rank 0's agent
+    ``multi_get``s every agent's key and ``multi_set``s every assignment (one key per node). At
+    129 nodes one txn of each went over etcd's 128 operations, torch called ``shutdown()`` and
+    the rendezvous closed for every node (issue 30, Major 3). Both go in batches now; a read's
+    batches are read at one revision, and a missing key in a later batch is seen."""
+    from datetime import timedelta
+
+    from petctl_agent.rendezvous.store import V3Store
+
+    store = V3Store(client, f"/t/store-{uuid.uuid4().hex[:6]}", timedelta(seconds=3))
+    keys = [f"torchelastic/assigned/{i}" for i in range(MAX_TXN_OPS + 1)]
+    values = [f"rank-{i}".encode() for i in range(len(keys))]
+    store.multi_set(keys, values)
+    assert store.multi_get(keys) == values
+    assert store.check(keys) and store.num_keys() == len(keys)
+    assert not store.check([*keys, "torchelastic/assigned/missing"])
+    got, rev = store._read(keys)
+    assert got == values and rev > 0
+    # the later batches read at the first's revision: a change after it is not seen by them
+    late = keys[-1]
+    client.put(store._k(late), b"changed")
+    first = v3.range_op(store._k(keys[0]))
+    later = v3.range_op(store._k(late), revision=rev)
+    r = client.txn([], [first, later])
+    assert r.responses[1].kvs[0].value == values[-1], "a txn read at a revision got a newer value"
+    assert store.multi_get([late]) == [b"changed"]

@@ -204,6 +204,21 @@ def test_the_rendezvous_boot_installs_the_checked_release_before_etcd_runs():
     assert "--enable-v2" not in exec_start
 
 
+def test_the_rendezvous_etcd_runs_with_progress_notifications_compaction_and_a_quota():
+    """Issue 30: progress notifications every 10 s (the agents take 30 s of silence on a watch as
+    a dead connection), compaction by revision, an explicit quota: SERVER_FLAGS, on etcd's
+    command line (the harness's etcd, the agent tests', runs with the same tuple)."""
+    exec_start = next(x for x in _rdzv_script().splitlines() if x.startswith("ExecStart="))
+    assert exec_start.endswith(" " + " ".join(etcd.SERVER_FLAGS))
+    flags = dict(zip(etcd.SERVER_FLAGS[::2], etcd.SERVER_FLAGS[1::2], strict=True))
+    assert flags == {
+        "--experimental-watch-progress-notify-interval": "10s",
+        "--auto-compaction-mode": "revision",
+        "--auto-compaction-retention": "100000",
+        "--quota-backend-bytes": str(2 * 1024**3),
+    }
+
+
 def test_enable_v2_only_for_torchs_fallback_backends():
     exec_start = next(x for x in _rdzv_script(etcd_v2=True).splitlines() if x.startswith("ExecStart="))
     assert " --enable-v2 " in exec_start

@@ -46,6 +46,13 @@ class RequestCounter(v3.Stats):
             return self.bytes_out, self.bytes_in
 
 
-def make_client(endpoint: str, counter: RequestCounter, timeout: float, tls: dict[str, Any]) -> v3.Client:
-    """One v3 client for a handler (thread-safe: each thread keeps its own connection)."""
-    return v3.Client(endpoint, timeout=timeout, stats=counter, **tls)
+def make_client(
+    endpoint: str,
+    counter: RequestCounter,
+    timeout: float,
+    tls: dict[str, Any],
+    watch_silence: float = v3.WATCH_SILENCE,
+) -> v3.Client:
+    """One v3 client for a handler (thread-safe: each thread keeps its own connection); its
+    watches end after ``watch_silence`` s of silence (a dead connection: etcdv3.Silent)."""
+    return v3.Client(endpoint, timeout=timeout, stats=counter, watch_silence=watch_silence, **tls)

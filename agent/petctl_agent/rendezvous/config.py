@@ -30,6 +30,14 @@ class Config:
       size hint says more are coming: until none has joined for ``hint_wait`` (no more are
       coming soon), at most ``hint_max`` after the first of them. The running nodes train on.
     * ``record_ttl``: the lease a round record gets when the next round replaces it.
+    * ``watch_silence``: a watch that received nothing (no event, no progress notification) for
+      this long is taken as dead and made again on a new connection from its last revision: a
+      connection that a NAT or EC2's connection tracking dropped ends with no FIN nor RST
+      (docs/rendezvous.md, "Connections that die silently"). 30 s: 3 x the 10 s progress
+      notify interval petctl runs etcd with (``--experimental-watch-progress-notify-interval``);
+      an etcd without it sends one every 10 min, and each quiet watch is then made again every
+      ``watch_silence`` (0: never; then a dead watch is seen by TCP keepalive only, after 60 s).
+    * ``request_timeout``: every unary call's (connect, send, each read).
     * ``reconnect_grace``: after its watch reconnects (or etcd was replaced) the leader acts on
       the membership only this much later, so that nodes still reconnecting (each watcher
       retries within 1 s) re-register first and a replaced etcd's first round has them all.
@@ -50,6 +58,7 @@ class Config:
         store_timeout: float = 20.0,
         watch_timeout: float = 30.0,
         request_timeout: float = 5.0,
+        watch_silence: float = 30.0,
         reconnect_grace: float | None = None,
         record_ttl: float = 10.0,
         straggler: float = 10.0,
@@ -64,6 +73,11 @@ class Config:
             raise ValueError(
                 f"ttl ({ttl}) must be a whole number of seconds >= 2 (an etcd lease), "
                 f"and refresh ({refresh}) at most half of it"
+            )
+        if watch_silence and watch_silence < 3 * request_timeout:
+            raise ValueError(
+                f"watch_silence ({watch_silence}) must be 0 (never) or at least 3 x request_timeout "
+                f"({request_timeout}); 30 s goes with etcd's 10 s progress notify interval"
             )
         for name, v in (
             ("settle", settle), ("straggler", straggler), ("join_window", join_window), ("stop_wait", stop_wait),
@@ -89,6 +103,7 @@ class Config:
         self.store_timeout = store_timeout
         self.watch_timeout = watch_timeout
         self.request_timeout = request_timeout
+        self.watch_silence = watch_silence
         self.reconnect_grace = 1.5 if reconnect_grace is None else reconnect_grace
         self.record_ttl = max(2, int(record_ttl))
         self.straggler = straggler

@@ -56,6 +56,54 @@ API = "/v3"
 #: the oldest etcd whose gateway serves ``/v3/`` (3.3: ``/v3beta/`` only)
 MIN_VERSION = (3, 4)
 
+#: etcd's default ``--max-txn-ops``: the most operations one txn may carry (etcd-io/etcd#7976);
+#: more is refused ("too many operations in txn request"), so callers batch
+MAX_TXN_OPS = 128
+
+# ---- connections that die silently (issue 30; docs/rendezvous.md, "Connections that die silently")
+#: how often the etcd petctl runs sends a progress notification on a quiet watch
+#: (``--experimental-watch-progress-notify-interval``, petctl/templates/etcd.py). etcd adds up
+#: to 10 % jitter, and a watch that had events in one interval gets none at its end: the
+#: longest gap between two messages of a live watch is about 2 x 1.1 intervals (22 s).
+PROGRESS_NOTIFY_INTERVAL = 10.0
+#: a watch that received nothing (no event, no progress notification) for this long is taken
+#: as dead (a NAT or connection-tracking entry dropped, no FIN, no RST): 3 intervals
+WATCH_SILENCE = 3 * PROGRESS_NOTIFY_INTERVAL
+#: TCP keepalive on every etcd socket: the first probe after this many idle seconds, then every
+#: KEEPALIVE_INTERVAL, the connection reset after KEEPALIVE_COUNT unanswered. A probe every 30 s
+#: keeps a connection-tracking entry (EC2 drops them after 350 s idle on Nitro v6) alive, and a
+#: peer that vanished is noticed within 30 + 3 x 10 = 60 s even without any read timeout.
+KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_COUNT = 30, 10, 3
+#: a keep-alive connection unused for this long is not reused: a fresh one costs a handshake,
+#: a silently dead one a whole request timeout
+MAX_IDLE_REUSE = 60.0
+
+
+def keepalive(sock: socket.socket) -> socket.socket:
+    """Turn on TCP keepalive (SO_KEEPALIVE, and the KEEPALIVE_* timings where the platform has
+    them) on ``sock``; returns it."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE),
+        ("TCP_KEEPALIVE", KEEPALIVE_IDLE),  # macOS's name for the idle time
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
+        ("TCP_KEEPCNT", KEEPALIVE_COUNT),
+    ):
+        opt = getattr(socket, name, None)
+        if opt is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+            except OSError:
+                pass
+    return sock
+
+
+def _create_connection(
+    address: tuple[str, int], timeout: Any = socket._GLOBAL_DEFAULT_TIMEOUT, source_address: Any = None
+) -> socket.socket:
+    """``socket.create_connection`` with TCP keepalive (http.client's connection factory)."""
+    return keepalive(socket.create_connection(address, timeout, source_address))
+
 
 # ---- errors -------------------------------------------------------------------------------------
 class EtcdError(Exception):
@@ -69,6 +117,11 @@ class Unavailable(EtcdError):
 
 class Timeout(Unavailable):
     """etcd did not answer within the call's timeout."""
+
+
+class Silent(Unavailable):
+    """A watch received nothing (no event, no progress notification) for its ``silence``: its
+    connection is taken as dead. Watch again (on a new connection) from the last revision seen."""
 
 
 class RequestFailed(EtcdError):
@@ -259,11 +312,16 @@ def range_op(
     sort: str | None = None,
     min_create: int = 0,
     max_create: int = 0,
+    revision: int = 0,
 ) -> dict[str, Any]:
-    """A txn's read; the options as :meth:`Client.range`'s."""
+    """A txn's read; the options as :meth:`Client.range`'s (``revision``: at that revision, 0:
+    the txn's)."""
     return {
         "request_range": _range_body(
-            key, prefix, **_range_opts(limit, keys_only, sort, min_create, max_create)
+            key,
+            prefix,
+            revision=str(revision) if revision else None,
+            **_range_opts(limit, keys_only, sort, min_create, max_create),
         )
     }
 
@@ -364,6 +422,7 @@ class Client:
         key: str | None = None,
         timeout: float = 5.0,
         stats: Stats | None = None,
+        watch_silence: float = WATCH_SILENCE,
     ) -> None:
         self.scheme, self.host, self.port = _split_endpoint(endpoint, protocol)
         if (cacert or cert or key) and self.scheme != "https":
@@ -371,6 +430,9 @@ class Client:
         if key and not cert:
             raise ValueError("etcd TLS: a key without a certificate")
         self.timeout = timeout
+        #: a watch silent this long is dead (:class:`Silent`); 0: never (an etcd that sends
+        #: no progress notifications: a quiet watch would be re-made every ``watch_silence``)
+        self.watch_silence = watch_silence
         self.stats = stats or Stats()
         self._ssl: ssl.SSLContext | None = None
         if self.scheme == "https":
@@ -389,9 +451,14 @@ class Client:
 
     # -- transport --
     def _new_conn(self, timeout: float) -> http.client.HTTPConnection:
+        """A connection whose socket will have TCP keepalive (:func:`keepalive`)."""
+        conn: http.client.HTTPConnection
         if self._ssl is not None:
-            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout, context=self._ssl)
-        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+            conn = http.client.HTTPSConnection(self.host, self.port, timeout=timeout, context=self._ssl)
+        else:
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        conn._create_connection = _create_connection  # type: ignore[attr-defined]
+        return conn
 
     def _request(
         self, method: str, path: str, body: dict[str, Any] | None, kind: str, timeout: float | None
@@ -409,9 +476,14 @@ class Client:
         floor = None if body and body.get("serializable") else self.max_revision
         for attempt in (1, 2):
             conn = getattr(self._local, "conn", None)
+            now = time.monotonic()
+            if conn is not None and now - getattr(self._local, "used", now) > MAX_IDLE_REUSE:
+                self._drop()  # long idle: maybe forgotten on the way (see MAX_IDLE_REUSE)
+                conn = None
             reused = conn is not None
             if conn is None:
                 conn = self._local.conn = self._new_conn(t)
+            self._local.used = now
             sent = False
             try:
                 conn.timeout = t
@@ -647,12 +719,18 @@ class Client:
         start_revision: int = 0,
         prev_kv: bool = False,
         timeout: float | None = None,
+        silence: float | None = None,
     ) -> Watch:
         """Watch ``key`` (or every key under it) from ``start_revision`` (0: from now on).
-        Returns once etcd confirmed the watch (within ``timeout``); see :class:`Watch`."""
+        Returns once etcd confirmed the watch (within ``timeout``); see :class:`Watch`.
+
+        The watch asks for progress notifications (``progress_notify``), and ends with
+        :class:`Silent` once nothing came for ``silence`` s (default: the client's
+        ``watch_silence``; 0: never)."""
         body = _range_body(key, prefix, start_revision=str(start_revision) if start_revision else None,
-                           prev_kv=prev_kv)  # fmt: skip
-        return Watch(self, {"create_request": body}, self.timeout if timeout is None else timeout)
+                           prev_kv=prev_kv, progress_notify=True)  # fmt: skip
+        silence = self.watch_silence if silence is None else silence
+        return Watch(self, {"create_request": body}, self.timeout if timeout is None else timeout, silence)
 
     def close(self) -> None:
         """Close this thread's connection (others close with their threads)."""
@@ -713,8 +791,11 @@ class Lease:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             sent = time.monotonic()
-            # never wait past the deadline: an answer after it would not save the lease
-            budget = max(0.1, min(self.client.timeout, self.deadline - sent))
+            # never wait past the deadline: an answer after it would not save the lease; and
+            # at most ttl/3, so that a keepalive lost on a dead connection (no FIN, no RST:
+            # issue 30) leaves time to retry on a new one (this thread's, dropped on a timeout)
+            # before the lease ends: 6 s TTL, 1 s interval: timed out at +3 s, renewed at +4 s
+            budget = max(0.1, min(self.client.timeout, self.ttl / 3.0, self.deadline - sent))
             try:
                 ttl = self.client.keepalive_once(self.id, timeout=budget)
             except LeaseNotFound:
@@ -765,13 +846,24 @@ class Watch:
     Each answer's events come in revision order, none skipped from the start revision on. A
     compacted start revision, a cancel by etcd, or a broken stream end the watch: :meth:`get`
     then raises (:class:`Compacted` for the first; re-read with :meth:`Client.range`, watch
-    again from its revision + 1). The stream's socket has no read timeout (a quiet key sends
-    nothing for hours); :meth:`close` ends it, and :meth:`get` always returns in time.
+    again from its revision + 1). A stream that carried nothing for ``silence`` seconds ends
+    it too (:class:`Silent`): a quiet key sends nothing, but etcd sends a progress
+    notification on a quiet watch every interval (``--experimental-watch-progress-notify-
+    interval``), so a live stream is never that silent and a silent one is a dead connection
+    (a dropped NAT or connection-tracking entry sends no FIN nor RST: docs/rendezvous.md).
+    Resume from :attr:`last_event_revision` + 1: nothing lost, nothing repeated (etcd never
+    splits one revision's events between two answers). :meth:`close` ends it, and
+    :meth:`get` always returns in time.
     """
 
-    def __init__(self, client: Client, body: dict[str, Any], timeout: float) -> None:
+    def __init__(self, client: Client, body: dict[str, Any], timeout: float, silence: float = 0.0) -> None:
         self.client = client
+        self.silence = silence
         self.revision = 0  #: the header revision of the latest answer: all before it was delivered
+        #: the mod revision of the last event handed out by :meth:`get` (0: none yet)
+        self.last_event_revision = 0
+        self.last_message = time.monotonic()  #: when the stream last carried an answer
+        self.progress = 0  #: progress notifications received (answers with no event)
         self._state = _WatchState()
         self._closed = threading.Event()
         self._created = threading.Event()
@@ -809,8 +901,10 @@ class Watch:
             sock = self._conn.sock
             if sock is None:
                 raise Unavailable(f"etcd {self.client.url}: watch closed before it was read")
-            sock.settimeout(None)
+            # a live watch carries a progress notification every interval: silence is death
+            sock.settimeout(self.silence if self.silence > 0 else None)
             for line in self._lines():
+                self.last_message = time.monotonic()
                 d = json.loads(line)
                 if "error" in d and "result" not in d:
                     err = d["error"]
@@ -844,9 +938,16 @@ class Watch:
                 ]
                 if evs:  # the created answer and progress notices carry none
                     st.events.put((Header.parse(r.get("header")).revision, evs))
+                elif not r.get("created"):
+                    self.progress += 1
             raise Unavailable(f"etcd {self.client.url}: watch stream ended")
         except EtcdError as e:
             st.error = e
+        except TimeoutError:
+            st.error = Silent(
+                f"etcd {self.client.url}: watch silent for {self.silence:g}s (no event, no progress "
+                "notification): its connection is taken as dead"
+            )
         except Exception as e:  # noqa: BLE001 (a closed or broken stream, whatever http.client says)
             st.error = Unavailable(f"etcd {self.client.url}: watch stream broke: {e or type(e).__name__}")
         finally:
@@ -879,6 +980,7 @@ class Watch:
             raise self._state.error
         rev, evs = item
         self.revision = max(self.revision, rev)
+        self.last_event_revision = max(self.last_event_revision, evs[-1].kv.mod_revision)
         return evs
 
     def events(self, timeout: float) -> Iterable[Event]:

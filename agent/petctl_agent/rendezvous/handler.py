@@ -79,7 +79,9 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
         ep = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
         #: one v3 client for every thread of this handler (each thread keeps its own connection)
         try:
-            self._etcd = make_client(ep, self.counter, self.cfg.request_timeout, self.cfg.client_tls())
+            self._etcd = make_client(
+                ep, self.counter, self.cfg.request_timeout, self.cfg.client_tls(), self.cfg.watch_silence
+            )
         except (ssl.SSLError, OSError) as e:
             raise ValueError(f"etcd TLS files (cacert/cert/key) do not load: {e}") from None
         self._lease: v3.Lease | None = None  # our membership lease (kept alive by its thread)

@@ -37,7 +37,7 @@ HINT_FRESH_WAIT = 3.0
 #: how often it looks whether that read came back
 HINT_FRESH_POLL = 0.05
 #: etcd's default ``--max-txn-ops``: the most operations one txn may carry (etcd-io/etcd#7976)
-MAX_TXN_OPS = 128
+MAX_TXN_OPS = v3.MAX_TXN_OPS
 #: ids of the open marker's ``waiting`` and ``gone`` lists (their counts are in ``n_waiting``, ``n_gone``)
 MARKER_IDS = 16
 

@@ -18,13 +18,13 @@ if TYPE_CHECKING:
 
 def create_handler(params: RendezvousParameters) -> PetctlRendezvousHandler:
     """Creator for torch's registry; ``--rdzv-conf`` keys: ttl, refresh, settle, hint_wait,
-    hint_max, join_timeout, store_timeout, watch_timeout, record_ttl, straggler, join_window,
+    hint_max, join_timeout, store_timeout, watch_timeout, watch_silence, request_timeout, record_ttl, straggler, join_window,
     stop_wait, reconnect_grace, key_prefix, and TLS: protocol, cacert, cert, key (see :class:`.Config`)."""
     # here, not at the top: torch may load our entry point while handler.py is being imported
     from petctl_agent.rendezvous.handler import PetctlRendezvousHandler
 
     knobs = ("ttl", "refresh", "settle", "hint_wait", "hint_max", "join_timeout", "store_timeout", "watch_timeout",
-             "record_ttl", "straggler", "join_window", "stop_wait", "reconnect_grace")  # fmt: skip
+             "watch_silence", "request_timeout", "record_ttl", "straggler", "join_window", "stop_wait", "reconnect_grace")  # fmt: skip
     cfg = Config(
         **{k: float(params.get(k)) for k in knobs if params.get(k) is not None},
         protocol=str(params.get("protocol", "http")),

@@ -1,7 +1,12 @@
 """The agent-side store of a round (``RendezvousInfo.store``) over etcd v3 KV, under
 ``<base>/store/<r>/``: torch's exit barrier and rank assignment use ``set``, ``get``, ``add``,
 ``wait``, ``check``, ``multi_get``, ``multi_set`` (torch 2.13: ``torch.distributed.elastic.
-utils.store`` and ``agent/server/api.py``). No v2 API, no python-etcd."""
+utils.store`` and ``agent/server/api.py``). No v2 API, no python-etcd.
+
+etcd refuses a txn of more than 128 operations (``--max-txn-ops``): ``multi_get``/``multi_set``
+(torch's rank assignment, one key per agent, when ``TORCH_ELASTIC_WORKER_IDENTICAL`` is unset)
+go in batches of :data:`~.etcdv3.MAX_TXN_OPS` (issue 30, Major 3: 129 nodes closed the
+rendezvous for every node). The batches of a read are read at one revision."""
 
 from __future__ import annotations
 
@@ -78,7 +83,11 @@ class V3Store(Store):
         return got
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        self.client.txn([], [v3.put_op(self._k(k), _bytes(v)) for k, v in zip(keys, values, strict=True)])
+        """Batches of at most MAX_TXN_OPS puts, in order (each batch atomic, not the whole: a
+        reader waits until every key it reads is there)."""
+        ops = [v3.put_op(self._k(k), _bytes(v)) for k, v in zip(keys, values, strict=True)]
+        for i in range(0, len(ops), v3.MAX_TXN_OPS):
+            self.client.txn([], ops[i : i + v3.MAX_TXN_OPS])
 
     def delete_key(self, key: str) -> bool:
         return self.client.delete(self._k(key)).deleted > 0
@@ -87,15 +96,20 @@ class V3Store(Store):
         return self.client.range(self.prefix, prefix=True, keys_only=True).count
 
     def _read(self, keys: list[str]) -> tuple[list[bytes] | None, int]:
-        """Every key's value at one revision (None if one is missing), and the revision."""
-        r = self.client.txn([], [v3.range_op(self._k(k)) for k in keys])
-        out = []
-        for resp in r.responses:
-            assert isinstance(resp, v3.RangeResult)
-            if not resp.kvs:
-                return None, r.revision
-            out.append(resp.kvs[0].value)
-        return out, r.revision
+        """Every key's value at one revision (None if one is missing), and the revision: batches
+        of at most MAX_TXN_OPS reads, the later ones at the first one's revision."""
+        out: list[bytes] = []
+        rev = 0
+        for i in range(0, max(1, len(keys)), v3.MAX_TXN_OPS):
+            chunk = keys[i : i + v3.MAX_TXN_OPS]
+            r = self.client.txn([], [v3.range_op(self._k(k), revision=rev) for k in chunk])
+            rev = rev or r.revision
+            for resp in r.responses:
+                assert isinstance(resp, v3.RangeResult)
+                if not resp.kvs:
+                    return None, rev
+                out.append(resp.kvs[0].value)
+        return out, rev
 
     def _wait_get(self, keys: list[str], timeout: datetime.timedelta | None) -> list[bytes] | None:
         t = (timeout or self.timeout).total_seconds()

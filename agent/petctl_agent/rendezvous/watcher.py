@@ -37,7 +37,11 @@ class Watcher:
     same txn it reads the boot token: a changed or missing token means a new etcd) and watches
     from the read's revision + 1: etcd delivers every event after it, in order, with no event
     window. After an error it reads again and resumes from that read; a revision etcd
-    compacted away (``Compacted``) costs exactly one re-read (``rereads``). When the handler
+    compacted away (``Compacted``) costs exactly one re-read (``rereads``). A watch that went
+    silent (``Silent``: no event and no progress notification for the client's
+    ``watch_silence``, a connection that died without FIN or RST) is made again on a new
+    connection from the last revision this copy holds, after one read of the boot token:
+    nothing lost, nothing repeated, no re-read of the keys (``resumes``). When the handler
     learns that etcd was replaced it stops every watcher and starts new ones: a view of the
     old etcd is never used again. Every change bumps the handler's version.
     """
@@ -53,6 +57,7 @@ class Watcher:
         self.connected = False
         self.rereads = 0  #: reads after the first (errors, compaction)
         self.compactions = 0  #: watches ended by Compacted
+        self.resumes = 0  #: silent watches made again from the last revision (no re-read)
         self.reconnected_at = float("-inf")
         self.last_added = float("-inf")
         self.added_at: dict[str, float] = {}
@@ -81,7 +86,7 @@ class Watcher:
 
     def _run(self) -> None:
         client = self.h._etcd
-        need_sync, backoff = True, 0.05
+        need_sync, resume, backoff = True, False, 0.05
         try:
             while not self._stop and not self.h._stopping:
                 try:
@@ -89,7 +94,8 @@ class Watcher:
                         if self._watch is not None:
                             self._watch.close()
                             self._watch = None
-                        rev = self._sync(client)
+                        rev = self._resume(client) if resume else self._sync(client)
+                        resume = False
                         if rev is None:
                             return
                         self._watch = client.watch(
@@ -106,6 +112,14 @@ class Watcher:
                     self.compactions += 1
                     log.info("etcd watch on %s: %s; re-reading once", self.key, e)
                     need_sync = True
+                except v3.Silent as e:
+                    if self._stop:
+                        return
+                    # this thread's keep-alive connection went the same way, likely: a new one
+                    client.close()
+                    log.warning("etcd watch on %s: %s; watching again from revision %d",
+                                self.key, e, self.revision + 1)  # fmt: skip
+                    need_sync = resume = True
                 except TRANSIENT as e:
                     if self._stop:
                         return
@@ -159,6 +173,15 @@ class Watcher:
             self.synced = self.connected = True
             self.h._bump()
         return r.revision
+
+    def _resume(self, client: v3.Client) -> int | None:
+        """After a silent watch: the boot token (one key), and the revision to watch from (the
+        last one this copy holds); None if this watcher must end."""
+        tok = client.get(BOOT_TOKEN_KEY)
+        if not self.h._check_token(tok.text if tok is not None else None) or self._stop:
+            return None  # etcd was replaced: the handler started new watchers
+        self.resumes += 1
+        return self.revision
 
     def _apply(self, evs: list[v3.Event]) -> None:
         now = time.monotonic()
