@@ -110,3 +110,19 @@ def test_a_quiet_watch_gets_progress_and_lives(tmp_path: Path) -> None:
         w.close()
     finally:
         e.stop()
+
+
+def test_every_etcd_socket_has_tcp_keepalive(etcd3: Etcd) -> None:
+    """The unary calls' keep-alive connection and a watch's: SO_KEEPALIVE, first probe after
+    30 s idle, then every 10 s, reset after 3 (a tracking entry refreshed long before 350 s)."""
+    import socket
+
+    c = v3.Client(etcd3.endpoint)
+    c.status()
+    with c.watch("/t-keepalive/k") as w:
+        for sock in (c._local.conn.sock, w._conn.sock):
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            if hasattr(socket, "TCP_KEEPIDLE"):  # Linux
+                got = [sock.getsockopt(socket.IPPROTO_TCP, o) for o in
+                       (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT)]  # fmt: skip
+                assert got == [v3.KEEPALIVE_IDLE, v3.KEEPALIVE_INTERVAL, v3.KEEPALIVE_COUNT]
