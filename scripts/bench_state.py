@@ -15,7 +15,9 @@ each from a steady state (a checkpoint on disk, a step mid-way between checkpoin
 - ``petctl-mem``: the same agent with memory snapshots on, its default (``PETCTL_AGENT_SNAPSHOT_DIR``
   per node, under ``--shm``, in a directory the run removes);
 - ``torchrun-efs``: ``torchrun --rdzv-backend etcd`` (torch's defaults) with the script's
-  ``--io plain``: ``torch.save`` to a temp file + fsync + ``os.replace``, ``torch.load`` on every rank.
+  ``--io plain``: ``torch.save`` to a temp file + fsync + ``os.replace``, ``torch.load`` on every rank;
+- ``petctl-local``: the product's own path, ``petctl --local run-job`` on the local cloud (instances
+  booted from their user data, TLS etcd, logs and status to moto): ``bench_state_local.py``.
 
 EFS: the run's directory with the local cloud's EFS limits (AWS's Elastic-mode throughput,
 ``petctl/local/efs_rate.py``, docs/local.md) on every node, petctl's and torchrun's alike;
@@ -72,6 +74,9 @@ TOOLS = {
     "petctl-efs": ("petctl", False, "helper"),
     "petctl-mem": ("petctl", True, "helper"),
     "torchrun-efs": ("torchrun-etcd", False, "plain"),
+    # the product's own path: `petctl --local run-job`, instances booted from their user data
+    # (scripts/bench_state_local.py); drain and join only
+    "petctl-local": ("petctl", True, "helper"),
 }
 BASELINE = "torchrun-efs"
 SCENARIOS = ("cold_start", "drain", "join", "hard_loss")
@@ -668,7 +673,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", default="0.1,1", help="GiB of replicated fp32 state per rank, comma list")
     p.add_argument("--nodes", default="", help="N of the chain: one for all (3) or per size (0.1:3,1:3,4:2)")
     p.add_argument("--reps", type=int, default=3, help="repetitions; medians reported")
-    p.add_argument("--tools", default=",".join(TOOLS), help=f"comma list of {', '.join(TOOLS)}")
+    p.add_argument("--tools", default=",".join(t for t in TOOLS if t != "petctl-local"),
+                   help=f"comma list of {', '.join(TOOLS)} (petctl-local: through `petctl --local`, "
+                   "drain and join; not by default)")  # fmt: skip
     p.add_argument("--scenarios", default=",".join(SCENARIOS[1:]),
                    help="comma list of drain, join, hard_loss (a cold start always runs; drain and join run together)")  # fmt: skip
     p.add_argument("--json", type=Path, help="write every record + the summary here (after every run)")
@@ -804,7 +811,12 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(1, a.reps + 1):
         for gib in a.size_list:
             for tool in a.tool_list:
-                recs = run_one(gib, a.node_map[gib], tool, rep, a, root)
+                if tool == "petctl-local":
+                    from bench_state_local import run_one as run_local
+
+                    recs = run_local(gib, a.node_map[gib], rep, a, root)
+                else:
+                    recs = run_one(gib, a.node_map[gib], tool, rep, a, root)
                 records.extend(recs)
                 for r in recs:
                     print(
