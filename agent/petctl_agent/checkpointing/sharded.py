@@ -29,6 +29,10 @@ from petctl_agent.checkpointing.files import (
 from petctl_agent.checkpointing.group import barrier, ckpt_group
 from petctl_agent.distributed import dist_on, dist_rank, dist_world
 
+#: the top-level key of every rank's own entry (``checkpointing/userstate.py``); here because a
+#: sharded load gives it a slot to fill
+PER_RANK = "per_rank"
+
 
 class NeedsStateError(TypeError):
     """The checkpoint is sharded: loading it needs the state dict to load into."""
@@ -44,8 +48,6 @@ def _check_keys(path: Path, metadata: Any, into: dict[str, Any]) -> None:
     """Raise :class:`MissingStateError` when the checkpoint ``path`` (its DCP ``metadata``) holds an
     entry that ``into`` does not name; add the slot for the per-rank entry (userstate.PER_RANK)."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    from petctl_agent.checkpointing.userstate import PER_RANK
 
     saved = set(metadata.state_dict_metadata)
     if PER_RANK in saved and PER_RANK not in into:

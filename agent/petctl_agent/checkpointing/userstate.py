@@ -29,10 +29,10 @@ import io
 from collections.abc import Callable
 from typing import Any
 
+from petctl_agent.checkpointing.sharded import PER_RANK, is_sharded
 from petctl_agent.distributed import dist_on, dist_rank
 
-#: the top-level key whose value is this rank's own (docs/agent.md, "What comes back per rank")
-PER_RANK = "per_rank"
+__all__ = ["PER_RANK", "PerRankStateError", "check_replicated", "for_load", "for_save", "own"]
 #: non-floating tensors up to this size are compared across ranks at every save
 _CHECKED_BYTES = 1 << 20
 
@@ -80,8 +80,6 @@ def _is_optimizer(obj: Any) -> bool:
 
 
 def _has_dtensor(model: Any) -> bool:
-    from petctl_agent.checkpointing.sharded import is_sharded
-
     return is_sharded(list(model.parameters()))
 
 
@@ -172,8 +170,6 @@ def for_save(state: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """The dict to write for ``state``, and whether it is sharded (collective under a process
     group): live objects as their state dicts, every rank's :data:`PER_RANK` value gathered into one
     entry, and the replicated values checked (:func:`check_replicated`)."""
-    from petctl_agent.checkpointing.sharded import is_sharded
-
     objs = _objects(state)
     out = {k: (_state_of(*objs[k]) if k in objs else v) for k, v in state.items()}
     sharded = is_sharded(out)
