@@ -98,7 +98,8 @@ def plan_text(p: dict[str, Any], show_template: bool = False) -> str:
             else f"the official {ETCD_VERSION} release, SHA-256 pinned"
         ),
         f"  elasticity:   drain timeout {spec['drain_timeout']} s, {spec.get('max_restarts')} restarts for "
-        f"failures, {spec.get('join_timeout')} s to reach --min",
+        f"failures, {spec.get('join_timeout')} s to reach --min, stops after "
+        f"{spec.get('max_node_failures')} node failures since it last trained",
         f"  checkpoints:  EFS {par['EfsId']}:/{spec['checkpoint_dir']}",
         f"  warm pool:    {_warm_pool_text(int(par.get('WarmPoolSize', 0)))}",
         "  uploads:",

@@ -58,6 +58,9 @@ class JobSpec:
     drain_timeout: float = 60.0
     rdzv_port: int = 2379
     max_restarts: int = 10
+    #: node failures (failed boots, terminal agent failures) since the job last trained that stop
+    #: it (node/churn.py)
+    max_node_failures: int = 10
     join_timeout: float = 1800.0
     torch_version: str = ""
     rdzv_backend: str = "petctl-etcd"
@@ -90,11 +93,14 @@ class JobSpec:
             kw["drain_timeout"] = float(kw.get("drain_timeout", 60))
             kw["rdzv_port"] = int(kw.get("rdzv_port", 2379))
             kw["max_restarts"] = int(kw.get("max_restarts", 10))
+            kw["max_node_failures"] = int(kw.get("max_node_failures", 10))
             kw["join_timeout"] = float(kw.get("join_timeout", 1800))
         except (TypeError, ValueError) as e:
             raise SpecError(f"job spec has a non-numeric count or timeout: {e}") from e
         if kw["max_restarts"] < 0:
             raise SpecError(f"max_restarts must be >= 0, got {kw['max_restarts']}")
+        if kw["max_node_failures"] < 1:
+            raise SpecError(f"max_node_failures must be >= 1, got {kw['max_node_failures']}")
         if not MIN_JOIN_TIMEOUT <= kw["join_timeout"] <= MAX_JOIN_TIMEOUT:
             raise SpecError(
                 f"join_timeout must be between {MIN_JOIN_TIMEOUT:.0f} and {MAX_JOIN_TIMEOUT:.0f} seconds, "

@@ -119,6 +119,12 @@ class RunJobCommand(click.Command):
     help="Worker failures (not membership changes) tolerated before the job fails [default: 10].",
 )
 @click.option(
+    "--max-node-failures",
+    default=None,
+    type=int,
+    help="Failed boots or node agents since the job last trained that stop it (groups to zero) [default: 10].",
+)
+@click.option(
     "--join-timeout",
     default=None,
     type=int,

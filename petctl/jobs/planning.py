@@ -157,6 +157,7 @@ def plan(
         petctl_version=__version__,
         torch_version=req.torch_version,
         max_restarts=req.max_restarts,
+        max_node_failures=req.max_node_failures,
         join_timeout=req.join_timeout,
         rdzv_backend=req.rdzv_backend,
         run_id=run_id,

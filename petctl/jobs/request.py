@@ -32,6 +32,8 @@ DEFAULT_TORCH_VERSION = "2.13.0"
 SUPPORTED_TORCH = ((2, 9), (2, 13))  # inclusive, major.minor
 TORCH_VERSION_RE = re.compile(r"^(\d+)\.(\d+)\.(\d+)$")
 DEFAULT_MAX_RESTARTS = 10
+#: the agent's node/churn.py MAX_NODE_FAILURES (the spec's max_node_failures)
+DEFAULT_MAX_NODE_FAILURES = 10
 DEFAULT_JOIN_TIMEOUT = 1800
 MAX_WARM_POOL = 100
 
@@ -53,6 +55,7 @@ class JobRequest:
     env: dict[str, str] = field(default_factory=dict)
     torch_version: str = DEFAULT_TORCH_VERSION
     max_restarts: int = DEFAULT_MAX_RESTARTS
+    max_node_failures: int = DEFAULT_MAX_NODE_FAILURES
     join_timeout: int = DEFAULT_JOIN_TIMEOUT
     rdzv_backend: str = "petctl-etcd"  # petctl_agent.spec.RDZV_BACKENDS
     root_device_name: str | None = None  # of --ami, looked up by resolve_ami()
@@ -146,6 +149,8 @@ def validate_request(req: JobRequest) -> JobRequest:
         )
     if not 0 <= req.max_restarts <= 1000:
         raise ConfigError(f"--max-restarts {req.max_restarts} is out of range: use 0 to 1000")
+    if not 1 <= req.max_node_failures <= 1000:
+        raise ConfigError(f"--max-node-failures {req.max_node_failures} is out of range: use 1 to 1000")
     if not 60 <= req.join_timeout <= 7 * 86400:
         raise ConfigError(
             f"--join-timeout {req.join_timeout} is out of range: use 60 to 604800 seconds (7 days)"

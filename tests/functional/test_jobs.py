@@ -81,6 +81,7 @@ def test_run_job_pins_torch_and_budgets_in_the_spec(run, ready):
     spec = spec_of("demo")
     assert spec["torch_version"] == jobs.DEFAULT_TORCH_VERSION
     assert (spec["max_restarts"], spec["join_timeout"], spec["drain_timeout"]) == (10, 1800, 120)
+    assert spec["max_node_failures"] == 10
     assert spec["rdzv_backend"] == "petctl-etcd"
     r = run(
         "--output",
@@ -98,6 +99,8 @@ def test_run_job_pins_torch_and_budgets_in_the_spec(run, ready):
         "2.11.0",
         "--max-restarts",
         "1",
+        "--max-node-failures",
+        "4",
         "--join-timeout",
         "600",
         "--rdzv-backend",
@@ -108,6 +111,7 @@ def test_run_job_pins_torch_and_budgets_in_the_spec(run, ready):
     plan = json.loads(r.stdout)
     assert plan["parameters"]["TorchVersion"] == "2.11.0" and plan["spec"]["torch_version"] == "2.11.0"
     assert (plan["spec"]["max_restarts"], plan["spec"]["join_timeout"]) == (1, 600)
+    assert plan["spec"]["max_node_failures"] == 4
     assert plan["spec"]["rdzv_backend"] == "etcd-v2"
     # spot: the drain fits inside the 2-minute interruption notice
     assert plan["spec"]["drain_timeout"] == 90 and plan["parameters"]["DrainTimeout"] == "90"

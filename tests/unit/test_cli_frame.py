@@ -233,6 +233,7 @@ def test_local_help_does_not_start_the_local_cloud(tmp_path, monkeypatch):
         (["--torch-version", "3.0.0"], "--torch-version '3.0.0' is not supported"),
         (["--torch-version", "latest"], "--torch-version 'latest' is not supported"),
         (["--max-restarts", "-1"], "--max-restarts -1 is out of range"),
+        (["--max-node-failures", "0"], "--max-node-failures 0 is out of range"),
         (["--join-timeout", "5"], "--join-timeout 5 is out of range"),
     ],
 )

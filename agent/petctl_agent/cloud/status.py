@@ -52,10 +52,11 @@ class FileStatusWriter:
         self.dir = Path(directory)
 
     def write(self, name: str, body: bytes) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / f".{name}.{os.getpid()}.tmp"
+        target = self.dir / name  # a name may have a sub-directory: boot/progress/mark
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.parent / f".{target.name}.{os.getpid()}.tmp"
         tmp.write_bytes(body)
-        os.replace(tmp, self.dir / name)
+        os.replace(tmp, target)
 
 
 class S3StatusWriter:

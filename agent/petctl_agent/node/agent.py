@@ -22,7 +22,7 @@ from petctl_agent.cloud import aws
 from petctl_agent.cloud.fetch import fetch_code, load_spec
 from petctl_agent.cloud.imds import Imds
 from petctl_agent.cloud.status import StatusPublisher, make_writer
-from petctl_agent.node import ending, failure, markers
+from petctl_agent.node import churn, ending, failure, markers
 from petctl_agent.node.lifecycle import CapacityHint, Lifecycle
 from petctl_agent.node.preflight import check_etcd_tls, check_torch, require_writable_dir, wait_for_dir
 from petctl_agent.node.snapshots import SnapshotArea
@@ -183,7 +183,8 @@ class Agent:
             self.instance_id,
             self.local_addr,
             interval=self.settings.status_interval,
-            refresh=self.step_info,
+            # the job's training progress, for its node-failure cap (node/churn.py)
+            refresh=churn.ProgressMark(self.step_info, make_writer(failure.boot_url(spec.status_url))),
         )
         pub.start()
         pub.event("agent_started", local_addr=self.local_addr, pid=os.getpid())

@@ -11,7 +11,9 @@ so before exiting it does what a failed boot script does (``boot_failed`` in
 2. when ``boot/`` then holds ``GIVE_UP_AFTER`` records and no node of this run ever started its
    workers (no ``WORKERS_MARKER``/``SUCCESS_MARKER`` of the spec's ``run_id`` in the job's
    checkpoint dir, ``node/markers.py``: the dir and its markers outlive a run, ``boot/`` does
-   not), scales the job's groups to zero and deletes the warm pool: every node keeps failing;
+   not), or ``max_node_failures`` records newer than the job's last training progress
+   (``node/churn.py``), scales the job's groups to zero and deletes the warm pool, and says why in
+   this node's record: every node keeps failing;
 3. abandons a pending launch action (the group replaces the instance);
 4. marks the instance ``Unhealthy``, so its group replaces it.
 """
@@ -25,7 +27,7 @@ from urllib.parse import urlparse
 from petctl_agent import EXIT_JOIN_TIMEOUT, EXIT_TERMINAL, TERMINAL_EXITS
 from petctl_agent.cloud import aws
 from petctl_agent.cloud.status import make_writer
-from petctl_agent.node import markers
+from petctl_agent.node import churn, markers
 from petctl_agent.node.lifecycle import Lifecycle
 from petctl_agent.spec import JobSpec
 
@@ -91,17 +93,34 @@ def workers_ever_started(ckpt_dir: Path | None, run_id: str) -> bool:
 def failed_for_good(rc: int, reason: str, spec: JobSpec, lifecycle: Lifecycle, ckpt_dir: Path | None) -> None:
     """Steps 1-4 above, each best effort: a step that fails must not hide the failure."""
     url = boot_url(spec.status_url)
-    line = f"petctl agent: FAILED (exit {rc}): {reason.splitlines()[0] if reason else 'unknown'}\n"
+    first = reason.splitlines()[0] if reason else "unknown"
+    line = f"petctl agent: FAILED (exit {rc}): {first}\n"
     if url:
         try:
-            make_writer(url).write(f"{lifecycle.instance_id}.log", line.encode())
+            writer = make_writer(url)
+            writer.write(f"{lifecycle.instance_id}.log", line.encode())
             failures = count_failures(url, spec.region or None)
-            log.info("%d failed boots or agents in %s", failures, url)
+            since, mark = churn.failures_since_progress(url, spec.region or None)
+            log.info("%d failed boots or agents in %s, %d since the job last trained", failures, url, since)
+            why = ""
             if failures >= GIVE_UP_AFTER and not workers_ever_started(ckpt_dir, spec.run_id):
-                log.error(
-                    "%d nodes of job %s failed and none ever started its workers: stopping the job",
-                    failures,
-                    spec.job_name,
+                why = f"{failures} nodes of job {spec.job_name} failed and none ever started its workers"
+            elif since >= spec.max_node_failures:
+                when = (
+                    f"since it last trained at {mark:%Y-%m-%d %H:%M:%S} UTC"
+                    if mark
+                    else "and it never trained"
+                )
+                why = (
+                    f"{since} node failures {when} (the cap, --max-node-failures, is "
+                    f"{spec.max_node_failures})"
+                )
+            if why:
+                log.error("%s: stopping the job", why)
+                # the job's reason in `petctl status`: this record is the newest one
+                writer.write(
+                    f"{lifecycle.instance_id}.log",
+                    f"petctl agent: FAILED (exit {rc}): stopping the job: {why}; this node: {first}\n".encode(),
                 )
                 lifecycle.scale_groups_to_zero()
         except Exception as e:  # noqa: BLE001

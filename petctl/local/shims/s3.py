@@ -22,6 +22,15 @@ def cp(rest: list[str], quiet: bool) -> None:
         raise Refused(f"only 'aws s3 cp SRC DST' (one of them s3://) is emulated, not: {shlex.join(rest)}")
     src, dst = rest
     s3 = client("s3")
+    if src.startswith("s3://") and dst == "-":  # to standard output, as the CLI
+        bucket, key = s3_url(src)
+        try:
+            body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+        except Exception as e:  # noqa: BLE001 - as the CLI says it
+            raise Failed(f"fatal error: {e}") from e
+        sys.stdout.buffer.write(body)
+        sys.stdout.buffer.flush()
+        return
     if src.startswith("s3://") and not dst.startswith("s3://"):
         bucket, key = s3_url(src)
         path = Path(dst)
