@@ -70,9 +70,13 @@ def _job_stack(cloud: Cloud, job: str, **extra: str) -> dict[str, Any]:
     cfn = boto3.session.Session(
         aws_access_key_id="petctl-local", aws_secret_access_key="petctl-local", region_name="us-east-1"
     ).client("cloudformation", endpoint_url=cloud.url)
+    # from a TemplateURL in the bucket, as run-job sends it: a job template is over the 51,200-byte
+    # inline cap (the local cloud enforces it, as CloudFormation does)
+    key = f"petctl/jobs/{job}/template.yaml"
+    cloud.s3.put_object(Bucket=BUCKET, Key=key, Body=templates.render_job().encode())
     cfn.create_stack(
         StackName=f"petctl-job-{job}",
-        TemplateBody=templates.render_job(),
+        TemplateURL=f"https://{BUCKET}.s3.us-east-1.amazonaws.com/{key}",
         Parameters=params,
         Capabilities=["CAPABILITY_IAM"],
     )
