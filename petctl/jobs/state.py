@@ -224,13 +224,23 @@ def boot_failure_reason(boot: BootFailures, job: str) -> str:
     )
 
 
+def _failed_event(a: dict[str, Any]) -> dict[str, Any]:
+    """The agent's last ``failed`` event ({} when it has none)."""
+    return next((e for e in reversed(a.get("events") or []) if e.get("kind") == "failed"), {})
+
+
 def agent_failure_reason(agents: list[dict[str, Any]], job: str) -> str | None:
-    """The first FAILED agent's reason, with its instance and the command that prints its log."""
+    """The reason of the agent that failed first on its own, with its instance and the command
+    that prints its log. An agent that failed because another one closed the rendezvous (its
+    ``failed`` event says ``closed``) comes after every agent that failed for a reason of its own;
+    then the earliest ``failed`` event (else the earliest report) comes first."""
     from petctl.ui import cmd
 
-    failed = sorted(
-        (a for a in agents if a.get("state") == "FAILED"), key=lambda a: float(a.get("updated_at") or 0)
-    )
+    def order(a: dict[str, Any]) -> tuple[bool, float]:
+        ev = _failed_event(a)
+        return bool(ev.get("closed")), float(ev.get("t") or a.get("updated_at") or 0)
+
+    failed = sorted((a for a in agents if a.get("state") == "FAILED"), key=order)
     if not failed:
         return None
     a = failed[0]

@@ -8,7 +8,8 @@ the torch behaviour it answers and can be switched off (see ``petctl_agent/worka
 Handlers: ``handlers.py``; how long to keep joining: ``joining.py``; membership while
 training: ``membership.py``; how the workers are stopped (drain file, SIGTERM) and waited for:
 ``stopping.py``; the pure decisions (exit codes, waiting below ``min_nodes``): ``decisions.py``;
-what :meth:`PetctlElasticAgent.run` returns: ``outcome.py``; torch's worker-exit log lines: ``tracebacks.py``.
+what :meth:`PetctlElasticAgent.run` returns: ``outcome.py``; why workers failed, in their words,
+and when a failure is deterministic: ``failures.py``; torch's worker-exit log lines: ``tracebacks.py``.
 
 The class stays one module, in the order torch calls its hooks (``run`` -> ``_rendezvous`` ->
 ``_start_workers`` -> ``_invoke_run``'s loop -> restart / coordinated stop -> drain and leave):
@@ -34,10 +35,11 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, Rend
 from petctl_agent.cloud.status import StatusPublisher
 from petctl_agent.elastic.decisions import classify_exits
 from petctl_agent.elastic.exitwatch import ExitWatch, exit_fds
+from petctl_agent.elastic.failures import RepeatWatch, describe, signature, stderr_paths, worker_errors
 from petctl_agent.elastic.handlers import LeftRendezvous, guard_join, join_timeout_s, leave_round, ours
 from petctl_agent.elastic.joining import join_round
 from petctl_agent.elastic.membership import MembershipWatch
-from petctl_agent.elastic.outcome import Outcome, describe_failures
+from petctl_agent.elastic.outcome import Outcome
 from petctl_agent.elastic.stall import StallWatch
 from petctl_agent.elastic.stopping import WorkerStops
 from petctl_agent.settings import Settings
@@ -102,12 +104,20 @@ class PetctlElasticAgent(LocalElasticAgent):
         step_info: Callable[[], dict[str, Any]] | None = None,
         settings: Settings = Settings(),
         failure_file: Path | None = None,
+        instance_id: str | None = None,
     ) -> None:
         super().__init__(
             spec, logs_specs, start_method=start_method, exit_barrier_timeout=exit_barrier_timeout
         )
         self.pub = publisher
         self.settings = settings
+        #: named in a failure's reason (``rank 0 on i-0abc exit 1: ...``)
+        self.instance_id = instance_id or publisher.doc.get("instance_id")
+        #: the last charged failure's signature: the same one again, with no membership change in
+        #: between, is deterministic and ends the job (failures.py, :meth:`_on_workers_stopped`)
+        self.repeats = RepeatWatch()
+        #: this node's workers' last failure, in their words (also the reason of a CLOSED outcome)
+        self.last_failure: str | None = None
         self.stops = WorkerStops(drain_file, progress_file, settings.drain_probe, failure_file)
         #: no new step for a while: a peer that vanished without a reset (stall.py)
         self.stall = StallWatch(progress_file)
@@ -177,6 +187,8 @@ class PetctlElasticAgent(LocalElasticAgent):
             return Outcome.FAILED
         except RendezvousClosedError:
             self.fail_reason = "the rendezvous was closed by another node (job failed elsewhere)"
+            if self.last_failure:  # ours failed too: say how, first (status quotes one line)
+                self.fail_reason = f"{self.last_failure} (then {self.fail_reason})"
             return Outcome.CLOSED
         except Exception as e:  # noqa: BLE001 - reported as FAILED with its reason
             log.exception("elastic agent failed")
@@ -431,6 +443,7 @@ class PetctlElasticAgent(LocalElasticAgent):
     def _free_restart(self, wg: WorkerGroup, reason: str) -> None:
         """Restart for a membership change: the restart budget is not touched."""
         self._free_restarts += 1
+        self.repeats.reset()  # a failure after a membership change is no repeat of one before it
         self._rdzv_reason = reason
         self._restart_workers(wg)
 
@@ -546,9 +559,17 @@ class PetctlElasticAgent(LocalElasticAgent):
         self._free_restart(wg, f"workers failed ({note[:120]}) after a membership change: {why}")
         return None
 
+    def _describe_failures(self, result: RunResult) -> tuple[str, Any]:
+        """The failed ranks in their own words (failures.py), and the failure's signature."""
+        errors = worker_errors(result.failures, stderr_paths(self._pcontext))
+        world = self._worker_group.workers[0].world_size if self._worker_group.workers else None
+        return describe(errors, self.instance_id), signature(errors, self._last_step(), world)
+
     def _on_workers_stopped(self, wg: WorkerGroup, result: RunResult) -> RunResult | None:
         """Workers stopped with failures: a drain, a membership change, or a failure that
-        spends the restart budget. Returns a RunResult only when the agent is done."""
+        spends the restart budget. The same failure twice in a row at the same point with no
+        membership change in between ends the job at once (deterministic: failures.py). Returns
+        a RunResult only when the agent is done."""
         codes = sorted({f.exitcode for f in result.failures.values()}, key=lambda c: (c is None, c))
         if classify_exits(f.exitcode for f in result.failures.values()) == "drain":
             # every failed worker stopped on purpose at a drain checkpoint (a node is
@@ -557,11 +578,16 @@ class PetctlElasticAgent(LocalElasticAgent):
             return None
         if self.leave_requested.is_set():
             return self._drain_and_leave(wg)
+        # read before the restart: torch deletes attempt_<n>/ (the ranks' stderr) when it restarts
+        # with an unchanged restart count
+        failures, sig = self._describe_failures(result)
+        self.last_failure = failures
+        log.warning("workers failed: %s", failures)
         self.pub.event(
             "workers_failed",
             round=self.watch.round,
             exit_codes=codes,
-            failures=describe_failures(result),
+            failures=failures,
             step=self._last_step(),
         )
         why = self.watch.failure_explained(self.leave_requested)
@@ -573,6 +599,17 @@ class PetctlElasticAgent(LocalElasticAgent):
             return None
         if self.leave_requested.is_set():
             return self._drain_and_leave(wg)
+        if self.repeats.again(sig) and self._remaining_restarts > 0:
+            log.error(
+                "workers failed the same way at the same point as the last time, with no membership "
+                "change in between: a deterministic error, not restarting (%d of %d restarts left unused)",
+                self._remaining_restarts,
+                wg.spec.max_restarts,
+            )
+            return self._fail_workers(
+                wg, result, f"{failures} (the same error twice in a row at the same point, with no "
+                "membership change: stopped, not restarted again)",
+            )  # fmt: skip
         if self._remaining_restarts > 0:
             self._remaining_restarts -= 1
             log.warning(
@@ -584,12 +621,16 @@ class PetctlElasticAgent(LocalElasticAgent):
             self._rdzv_reason = f"workers failed (exit codes {codes})"
             self._restart_workers(wg)
             return None
+        return self._fail_workers(
+            wg, result, f"{failures} (after {wg.spec.max_restarts} restarts: the restart budget is spent)"
+        )
+
+    def _fail_workers(self, wg: WorkerGroup, result: RunResult, reason: str) -> RunResult:
+        """Stop for good: the job fails with ``reason`` (``Outcome.FAILED``)."""
         self._stop_workers(wg)
         wg.state = WorkerState.FAILED
         self.outcome = Outcome.FAILED
-        self.fail_reason = (
-            f"workers failed after {wg.spec.max_restarts} restarts: {describe_failures(result)}"
-        )
+        self.fail_reason = reason
         return result
 
     def _coordinated_stop(self, wg: WorkerGroup, timeout: float) -> RunResult | None:

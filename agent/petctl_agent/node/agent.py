@@ -36,6 +36,7 @@ from petctl_agent.worker.env import (
     job_work_dir,
     worker_entrypoint,
 )
+from petctl_agent.worker.project import link_and_log
 
 log = logging.getLogger("petctl_agent")
 
@@ -379,6 +380,7 @@ class Agent:
             step_info=self.step_info,
             settings=self.settings,
             failure_file=self.paths.failed,
+            instance_id=self.instance_id,
         )
         if self.leave_reason:  # arrived while we were setting up
             agent.request_leave(self.leave_reason)
@@ -407,6 +409,9 @@ class Agent:
         def before_workers_start() -> None:
             # later failures of this run are no longer "every node keeps failing"
             markers.mark(marker, spec.run_id)
+            if spec.code_kind == "dir":
+                # relative reads find the project's files (worker/project.py), at every start
+                link_and_log(self.paths.code, work_dir)
             tailer.poll()
 
         agent.before_workers_start = before_workers_start
@@ -420,7 +425,8 @@ class Agent:
             daemon=True,
         ).start()
         # Workers start in the job's work dir on the shared filesystem (as torchrun's
-        # workers start in its cwd): a script's relative paths (snapshot.pt) are shared.
+        # workers start in its cwd): a script's relative paths (snapshot.pt) are shared; a
+        # project's own files are links there to this node's copy (worker/project.py).
         os.chdir(work_dir)
         try:
             return agent.run()

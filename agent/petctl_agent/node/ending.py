@@ -35,11 +35,11 @@ def finish_leave(lifecycle: Lifecycle | None, pub: StatusPublisher | None, reaso
     return 0
 
 
-def fail(pub: StatusPublisher | None, reason: str, rc: int = EXIT_FAILED) -> int:
-    """Publish FAILED with its reason; exit status ``rc``."""
+def fail(pub: StatusPublisher | None, reason: str, rc: int = EXIT_FAILED, **event: Any) -> int:
+    """Publish FAILED with its reason (and ``event``'s fields in the ``failed`` event); exit status ``rc``."""
     log.error("FAILED: %s", reason)
     if pub:
-        pub.event("failed", reason=reason)
+        pub.event("failed", reason=reason, **event)
         pub.update(state="FAILED", reason=reason)
         pub.flush()
     return rc
@@ -97,7 +97,9 @@ def finish(
     # systemd would restart the agent): stop the groups; the status, logs and checkpoints stay.
     # Zero before FAILED is published, as for SUCCEEDED above.
     lifecycle.scale_groups_to_zero()
-    rc = fail(pub, fail_reason or "unknown failure", EXIT_TERMINAL)
+    # closed: the job failed elsewhere first (`petctl status` quotes that node's reason first)
+    closed = {"closed": True} if outcome is Outcome.CLOSED else {}
+    rc = fail(pub, fail_reason or "unknown failure", EXIT_TERMINAL, **closed)
     _forget_ca_key(lifecycle)
     lifecycle.complete_action_at_end(lifecycle_wait)
     pub.close()
