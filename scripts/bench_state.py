@@ -756,7 +756,9 @@ def mem_table(records: list[dict[str, Any]]) -> str:
 
 def render(doc: dict[str, Any]) -> str:
     recs = doc["records"]
-    parts = (markdown(summarize(recs)), ckpt_table(recs), breakdown(recs), mem_table(recs))
+    from bench_state_local import cloud_table
+
+    parts = (markdown(summarize(recs)), ckpt_table(recs), breakdown(recs), mem_table(recs), cloud_table(recs))
     return "\n\n".join(x for x in parts if x)
 
 

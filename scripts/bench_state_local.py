@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,6 +33,8 @@ from bench_elastic import Miss, measure, steady
 from benchlib import MARK_RE, REPO, STEP_RE, Node, Run, _mono, poll
 
 TOOL = "petctl-local"
+#: the agent's account of a newcomer's fetch of its peers' snapshot (``checkpointing/fetch.py``)
+FETCH_RE = re.compile(r"petctl fetch: (\{.*\})\s*$")
 
 
 class LogNode:
@@ -41,6 +44,7 @@ class LogNode:
         self.name, self.log, self.started = name, log, started
         self.steps: list[tuple[float, int, int]] = []
         self.marks: list[tuple[float, str, dict[str, str]]] = []
+        self.fetches: list[dict[str, Any]] = []
         self.gone = False
         self._pos, self._rest = 0, b""
 
@@ -62,6 +66,13 @@ class LogNode:
             m = STEP_RE.search(line)
             if m:
                 self.steps.append((_mono(line, now), int(m.group(1)), int(m.group(2))))
+                continue
+            m = FETCH_RE.search(line)
+            if m:
+                try:
+                    self.fetches.append(json.loads(m.group(1)))
+                except ValueError:
+                    pass
                 continue
             m = MARK_RE.search(line)
             if m:
@@ -257,6 +268,9 @@ def chain(run: CloudRun, n: int, a: argparse.Namespace, rec: Any) -> None:
     t_last = max((s[0] for x in live for s in list(x.steps) if s[2] == n - 1 and s[0] < t_first), default=0.0)
     r = add_marks(run, r, live, live + [new], n, t0, since=max(t_last, t0))
     r["boot_s"] = _boot_seconds(run, new.name)
+    got = poll(lambda: [f for f in new.fetches if f.get("status") == "ok"], 3.0, 0.1)
+    if got:  # its transfer alone: bytes from how many holders, in how long
+        r["fetch_s"], r["fetch_holders"] = got[-1].get("seconds"), got[-1].get("holders")
     rec("join", **r)
 
 
@@ -311,13 +325,42 @@ def run_one(gib: float, n: int, rep: int, a: argparse.Namespace, root: Path) -> 
         else:  # the logs, not the checkpoints
             shutil.rmtree(home / "local" / "efs", ignore_errors=True)
     note = "; ".join(x for x in (*why, note) if x)
+    ckpts = [(tt, kv) for nd in run.nodes for tt, w, kv in list(nd.marks) if w == "ckpt"]
     done = {r["scenario"] for r in out}
     for sc in ("cold_start", "drain", "join"):
         if sc not in done:
             rec(sc, seconds=None, steps_lost=None, note=note or "not reached")
+    if out and ckpts:  # the periodic checkpoints, as bench_state.py's table reads them
+        out[0]["ckpt_blocked"] = [float(kv["blocked"]) for _, kv in ckpts]
+        out[0]["ckpt_steps"] = [int(kv["step"]) for _, kv in ckpts]
+        out[0]["ckpt_via"] = [kv.get("via", "") for _, kv in ckpts]
     for r in out:
         r["wall"] = round(time.monotonic() - t, 1)
         for k, v in list(r.items()):
             if isinstance(v, float):
                 r[k] = round(v, 3)
     return out
+
+
+def cloud_table(records: list[dict[str, Any]]) -> str:
+    """What only the local cloud's path has: the newcomer's boot (launch -> its agent's service),
+    its fetch alone, and the emulator's own CPU (the daemon: moto, IMDS, the reconciler) over the
+    change; medians."""
+    from bench_state import _f, _med
+
+    recs = [r for r in records if r.get("tool") == TOOL and r["scenario"] in ("drain", "join")]
+    if not recs:
+        return ""
+    lines = [
+        "| GiB | scenario | stall s | newcomer's boot s | fetch s (holders) | cloud daemon CPU s | reps |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for gib, sc in sorted({(r["gib"], r["scenario"]) for r in recs}):
+        rs = [r for r in recs if (r["gib"], r["scenario"]) == (gib, sc) and r.get("seconds") is not None]
+        hold = sorted({str(r["fetch_holders"]) for r in rs if r.get("fetch_holders")})
+        lines.append(
+            f"| {gib:g} | {sc} | {_f(_med([r['seconds'] for r in rs]))} | {_f(_med([r.get('boot_s') for r in rs]))} "
+            f"| {_f(_med([r.get('fetch_s') for r in rs]))} ({'/'.join(hold) or '—'}) "
+            f"| {_f(_med([r.get('cloud_cpu_s') for r in rs]))} | {len(rs)} |"
+        )
+    return "\n".join(lines)

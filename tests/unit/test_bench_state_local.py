@@ -17,11 +17,13 @@ def test_log_node_times_steps_by_their_own_clock_across_partial_reads(tmp_path: 
         "2026-12-06 02:38:52,098 INFO petctl_agent.status: event workers_ready {}\n"
         "[i-1 attempt_0/rank0/out] step=7 world_size=3 loss=0.5 mono=1.250\n"
         "[i-1 attempt_0/rank0/out] bench: restored step=6 seconds=0.7 source=memory gib=1\n"
+        'petctl fetch: {"status": "ok", "step": 6, "bytes": 1024, "holders": 2, "seconds": 0.5}\n'
         "[i-1 attempt_0/rank0/out] step=8 world_si"  # a line the agent has not finished writing
     )
     node.read()
     assert node.steps == [(1.25, 7, 3)]  # the worker's mono=, not when the line was read
     assert [(w, kv["source"]) for _, w, kv in node.marks] == [("restored", "memory")]
+    assert [(f["holders"], f["seconds"]) for f in node.fetches] == [(2, 0.5)]
     with open(log, "a") as f:
         f.write("ze=3 loss=0.4 mono=1.300\n")
     node.read()
