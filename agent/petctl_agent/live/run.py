@@ -1,0 +1,237 @@
+"""The training loop's face: wrap the model and the optimizer, and call one method per step.
+
+    from petctl_agent.live.run import start
+
+    run = start(model, optimizer)               # joins the job's quorum (a live peer's state)
+    while run.step < steps:
+        run.optimizer.zero_grad()               # starts this step's quorum
+        loss_fn(run.model(x), y).backward()     # gradients averaged across replica groups
+        run.optimizer.step()                    # applied only if every replica group agrees
+        if not run.step_done():                 # the node drains: it leaves here, at a boundary
+            break
+
+Each node is one replica group (its own torchrun, its own store). Survivors keep their processes
+across every change: torchft rebuilds only the cross-node process group each quorum, a newcomer
+pulls the weights and optimizer state from a live peer, and a step that failed is discarded.
+Data-parallel only: sharded state inside a group keeps petctl's restart path.
+
+Configuration is the agent's output to its workers (environment):
+
+- ``PETCTL_LIVE_LIGHTHOUSE``: the lighthouse (``http://host:port``), required;
+- ``PETCTL_LIVE_REPLICA_ID``: this node's replica group name (default: hostname and pid);
+- ``PETCTL_LOCAL_ADDR``: the node's address, the only one anything here listens on
+  (default 127.0.0.1);
+- ``PETCTL_LIVE_TIMEOUT``: seconds a collective may take (default 10). A hung (stopped, not
+  dead) peer is dropped within this plus the lighthouse's heartbeat timeout plus one step;
+- ``PETCTL_DRAIN_FILE``: when it exists, the group leaves at the next step boundary (SIGTERM does
+  the same);
+- ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``: the group's store from torchrun; a
+  lone worker without them starts its own store on the node's address.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+from torch.distributed import TCPStore
+
+from petctl_agent.live import upstream
+from petctl_agent.live.lighthouse import is_wildcard
+from petctl_agent.workarounds import switched_off
+
+#: the group's store key under which rank 0 names the step its group leaves after
+_LEAVE_KEY = "petctl_live/leave_after"
+
+
+@dataclass(frozen=True)
+class LiveConfig:
+    lighthouse: str
+    replica_id: str
+    host: str
+    timeout_s: float
+    drain_file: str | None
+    store_host: str | None
+    store_port: int | None
+    rank: int
+    group_size: int
+    min_replicas: int = 1
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> LiveConfig:
+        env = os.environ if env is None else env
+        if not env.get("PETCTL_LIVE_LIGHTHOUSE"):
+            raise RuntimeError(
+                "PETCTL_LIVE_LIGHTHOUSE is not set: live mode needs the job's lighthouse "
+                "(petctl run-job --live sets it on every node)"
+            )
+        port = env.get("MASTER_PORT")
+        host = env.get("PETCTL_LOCAL_ADDR") or "127.0.0.1"
+        if is_wildcard(host):
+            raise RuntimeError(f"PETCTL_LOCAL_ADDR={host!r}: give the node's own address, not a wildcard")
+        return cls(
+            lighthouse=env["PETCTL_LIVE_LIGHTHOUSE"],
+            replica_id=env.get("PETCTL_LIVE_REPLICA_ID") or f"{socket.gethostname()}-{os.getpid()}",
+            host=host,
+            timeout_s=float(env.get("PETCTL_LIVE_TIMEOUT") or 10),
+            drain_file=env.get("PETCTL_DRAIN_FILE") or None,
+            store_host=env.get("MASTER_ADDR") if port else None,
+            store_port=int(port) if port else None,
+            rank=int(env.get("RANK") or 0),
+            group_size=int(env.get("WORLD_SIZE") or 1),
+            min_replicas=int(env.get("PETCTL_LIVE_MIN_REPLICAS") or 1),
+        )
+
+
+class LiveRun:
+    """One worker's membership in the live job: its wrapped model and optimizer, and its manager.
+
+    Build it with :func:`start`.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: LiveConfig):
+        from torchft.manager import Manager
+        from torchft.optim import OptimizerWrapper
+
+        self.cfg = cfg
+        self._leave_signalled = False
+        self._left = False
+        self._own_store = None
+        store_host, store_port = cfg.store_host, cfg.store_port
+        if store_port is None:
+            # A lone worker (one rank per group, no torchrun) hosts its group's store itself.
+            # TCPStore has no bind-address option and listens on the wildcard address; a socket
+            # bound here keeps it on the node's address (as petctl_agent.distributed does).
+            sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+            sock.bind((cfg.host, 0))
+            sock.listen(64)
+            store_host, store_port = cfg.host, sock.getsockname()[1]
+            self._own_store = TCPStore(
+                cfg.host, store_port, 1, True, wait_for_workers=False, master_listen_fd=sock.detach()
+            )
+        timeout = timedelta(seconds=cfg.timeout_s)
+        names = ("LIVE_COMM_HOOK", "LIVE_BIND", "LIVE_QUORUM_RETRIES", "LIVE_LEAVE")
+        on = {n: not switched_off(n, os.environ) for n in names}  # off only to show the gap
+        self._workarounds = on
+        transfer_timeout = timedelta(seconds=120)  # a newcomer's pull of the whole state
+        if on["LIVE_BIND"]:
+            self._pg = upstream.BoundProcessGroupGloo(cfg.host, timeout)
+            self._transport = upstream.BoundHTTPTransport(cfg.host, transfer_timeout)
+            binding = upstream.bound_manager_server(cfg.host)
+        else:
+            from torchft.checkpointing import HTTPTransport
+            from torchft.process_group import ProcessGroupGloo
+
+            self._pg = ProcessGroupGloo(timeout=timeout)
+            self._transport = HTTPTransport(timeout=transfer_timeout, num_chunks=0)
+            binding = contextlib.nullcontext()
+        with binding:
+            self.manager = Manager(
+                pg=self._pg,
+                load_state_dict=self._load,
+                state_dict=self._state,
+                min_replica_size=cfg.min_replicas,
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=30),
+                connect_timeout=timedelta(seconds=10),
+                rank=cfg.rank,
+                world_size=cfg.group_size,
+                store_addr=store_host,
+                store_port=store_port,
+                lighthouse_addr=cfg.lighthouse,
+                replica_id=cfg.replica_id,
+                hostname=cfg.host,
+                checkpoint_transport=self._transport,
+                quorum_retries=upstream.QUORUM_RETRIES if on["LIVE_QUORUM_RETRIES"] else 0,
+            )
+        self._group_store = self.manager._store
+        self._model = model
+        self._optim = optimizer
+        if on["LIVE_COMM_HOOK"]:
+            self.model = upstream.DistributedDataParallel(self.manager, model)
+        else:
+            from torchft.ddp import DistributedDataParallel
+
+            self.model = DistributedDataParallel(self.manager, model)
+        self.optimizer = OptimizerWrapper(self.manager, optimizer)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _state(self) -> dict:
+        return {"model": self._model.state_dict(), "optim": self._optim.state_dict()}
+
+    def _load(self, sd: dict) -> None:
+        self._model.load_state_dict(sd["model"])
+        self._optim.load_state_dict(sd["optim"])
+
+    def _on_sigterm(self, *_):
+        self._leave_signalled = True
+
+    @property
+    def step(self) -> int:
+        """Steps committed by the job so far (a newcomer takes its peers' count)."""
+        return self.manager.current_step()
+
+    @property
+    def replicas(self) -> int:
+        """Replica groups in this step's quorum."""
+        return self.manager.num_participants()
+
+    def _drain_requested(self) -> bool:
+        f = self.cfg.drain_file
+        return self._leave_signalled or bool(f and os.path.exists(f))
+
+    def step_done(self) -> bool:
+        """Call once per step after ``optimizer.step()``; False: this group has left the job.
+
+        The group leaves at a step boundary its ranks agree on: rank 0 names the next one in the
+        group's store, which the others read before that step ends (should_commit holds every
+        rank of the group to the same step).
+        """
+        if self._left:
+            return False
+        if self.cfg.group_size == 1:
+            leave = self._drain_requested()
+        else:
+            if self.cfg.rank == 0 and self._drain_requested():
+                if not self._group_store.check([_LEAVE_KEY]):
+                    self._group_store.set(_LEAVE_KEY, str(self.step + 1))
+            leave = self._group_store.check([_LEAVE_KEY]) and self.step >= int(
+                self._group_store.get(_LEAVE_KEY)
+            )
+        if leave:
+            self.leave()
+            return False
+        return True
+
+    def leave(self) -> None:
+        """Leave the job now, between steps: stop heartbeating before anything slower.
+
+        torchft 0.2.0 has no leave call: the lighthouse drops a replica only when its heartbeat
+        ages out (``src/lighthouse.rs``, ``quorum_compute``), and until then the survivors' quorum
+        waits for it as a straggler (the join timeout, 60 s by default). Heartbeats come from the
+        manager's server thread, which lives as long as the process unless shut down, and a
+        draining worker may live on (its last checkpoint, the agent's lifecycle action, a slow
+        gloo teardown at exit). Shutting the manager down first makes the survivors' wait the
+        heartbeat timeout from this moment.
+        """
+        if self._left:
+            return
+        self._left = True
+        if self._workarounds["LIVE_LEAVE"]:
+            self.manager.shutdown(wait=False)
+
+    def close(self) -> None:
+        self.leave()
+
+
+def start(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, env: Mapping[str, str] | None = None
+) -> LiveRun:
+    """Join the live job with this model and optimizer (see the module's docstring)."""
+    return LiveRun(model, optimizer, LiveConfig.from_env(env))
