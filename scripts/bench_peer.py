@@ -14,7 +14,7 @@ receiver's transfer time, its rate and the ratio to one stream.
     python scripts/bench_peer.py --gib 1 --holders 2 --reps 3 --json out.json
     python scripts/bench_peer.py --gib 1 --holders 2 --transports gloo,fetch --streams 4 --flow-caps 5
 
-``--transports``: ``gloo`` (the workers' restore, above) and/or ``fetch`` (stop 33: the joining
+``--transports``: ``gloo`` (the workers' restore, above) and/or ``fetch`` (the joining
 node's agent fetching the holders' snapshots from their agents' servers as the round closes,
 ``checkpointing/fetch.py``; each holder's server a process of its own, the fetch the agent's own
 process, timed from its start to its exit -- the interpreter's start included -- and by its own

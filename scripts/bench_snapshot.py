@@ -17,12 +17,12 @@ For each size (GiB of fp32 state, one tensor per 64 MiB) it times, medians of ``
 - ``snap_total``: the copy plus the CRCs and the header (``flush``);
 - ``snap_stop_1thr`` / ``snap_stop_nthr``: a coordinated stop's snapshot (``write(wait=True)``:
   the copy, then the CRCs at once, the header), the CRCs on one thread / on
-  ``checkpointing.crcs.threads()`` threads (since stop 30);
+  ``checkpointing.crcs.threads()`` threads;
 - ``snap_load`` vs ``efs_load``: restore from the snapshot vs ``files.load_file`` (sha256 + torch.load);
 - ``persist``: the background write of the snapshot to ``--efs`` (``persist_newest``).
 
 ``--floor``: only the pieces, s/GiB: the memcpy floor (anonymous memory, 1 and all threads),
-the checksum on one thread (``crc_zlib_crc32``: zlib's crc32, the memory path's until stop 31;
+the checksum on one thread (``crc_zlib_crc32``: zlib's crc32, the memory path's before CRC-32C;
 ``crc_crc32c``: :func:`checkpointing.crcs.crc`, CRC-32C in hardware),
 ``posix_fallocate``, ``MAP_POPULATE`` vs ``madvise(MADV_POPULATE_WRITE)`` (the store's, GIL
 released) vs the copy's own page faults, and the copy into mapped pages.
@@ -175,7 +175,7 @@ def floor(gib: float, reps: int, shm_root: Path) -> dict[str, float]:
                 torch.set_num_threads(k)
                 r.setdefault(f"memcpy_anon_{k}thr", []).append(_t(anon.copy_, src))
             torch.set_num_threads(threads)
-            # the checksum, one thread: zlib's crc32 (before stop 31) vs crcs.crc (CRC-32C, awscrt)
+            # the checksum, one thread: zlib's crc32 (the former checksum) vs crcs.crc (CRC-32C, awscrt)
             view = memoryview(anon.numpy())
             r.setdefault("crc_zlib_crc32", []).append(_t(zlib.crc32, view))
             r.setdefault("crc_crc32c", []).append(_t(crcs.crc, view))

@@ -342,7 +342,7 @@ class Etcd:
 
         kill() returns once the signal is queued: the kernel wakes one thread to take it, and only
         that thread stops the others. On a loaded box that thread can wait for a CPU while another
-        goes on serving requests (ci28: a range answered after the SIGSTOP).
+        goes on serving requests (seen in CI: a range answered after the SIGSTOP).
         """
         assert self.proc is not None
         os.killpg(self.proc.pid, signal.SIGSTOP)

@@ -195,7 +195,7 @@ def test_parking_completes_the_launch_hook_only_after_warmed_and_the_boot(
         stub.add_response("complete_lifecycle_action", {}, _continue())
         (tmp_path / "boot-done").touch()  # the boot's last step
         # launch_done is set before the call (it ends the heartbeats): wait for the call itself
-        # (ci29e: the assertion ran between the two under load)
+        # (in CI the assertion ran between the two under load)
         wait_for(lambda: a.lifecycle.launch_done.is_set() and not stub._queue, 20, "the launch completed")
         stub.assert_no_pending_responses()
         assert t.is_alive()  # parked: still waiting, joining nothing

@@ -378,7 +378,7 @@ def test_sharded_state_saves_every_rank_shard_through_dcp(tmp_path: Path) -> Non
 def test_a_save_streams_to_its_file_without_a_copy_of_the_state_in_memory(tmp_path: Path) -> None:
     """The single-file save is where a memory snapshot that does not fit falls back to, i.e. when
     the node is short of memory: it must not hold the state again. It serialized into a BytesIO
-    and copied that (getvalue): 2 x the state of Python memory (stop 28: at 4 GiB per rank,
+    and copied that (getvalue): 2 x the state of Python memory (at 4 GiB per rank,
     MemAvailable 2.0 -> 0.9 GiB in 2 s). Python's allocator is what tracemalloc sees; the
     tensors' own storage is not, so the peak is what the save adds."""
     import hashlib
@@ -411,7 +411,7 @@ def test_a_save_streams_to_its_file_without_a_copy_of_the_state_in_memory(tmp_pa
 
 def test_a_load_reads_no_copy_of_the_file_and_still_checks_its_sha256(tmp_path: Path) -> None:
     """A restore from EFS read the whole file into memory, hashed it, then built the tensors from
-    that copy: 2 x the state (and read, hash and copy one after the other; stop 28: 9.5-15.7 s for
+    that copy: 2 x the state (and read, hash and copy one after the other: 9.5-15.7 s for
     4 GiB against torchrun's 3.1-6.1 s). Now torch.load reads the file while a thread hashes it:
     Python memory stays at the hash's piece, and a file changed by one byte, or cut short, still
     fails its sha256 (a ValueError naming the checksum, not what the unpickler made of it)."""
@@ -450,7 +450,7 @@ def test_two_writers_of_one_step_in_one_process_never_share_a_temp_file(tmp_path
     """Rank 0's save and a persister thread in the same worker may write the same step at once
     (a snapshot that did not fit on another node; a wait for the persister that timed out). Their
     temp files were named by pid: both wrote one inode, the first rename published a file the
-    other was still writing, the second rename failed (review, stop 28). Each writer now has a
+    other was still writing, the second rename failed (found in review). Each writer now has a
     temp file of its own: both return, and ``latest``'s sha256 is the published file's."""
     import hashlib
     import threading

@@ -33,7 +33,7 @@ EXIT_S = 6.0
 #: ``--on-sigterm`` reports progress without ``ckpt.step``, so it never honours a join's drain file:
 #: the running node's coordinated stop waits its whole sync timeout (30 s here) before its join.
 #: What these tests look at comes after world 2: a short sync timeout gets them there sooner.
-#: (Before the leader waited for a previous round's node that long, ci28c's two nodes took turns
+#: (Before the leader waited for a previous round's node that long, two nodes in a CI run took turns
 #: training alone for 180 s: test_a_running_node_whose_stop_outlasts_the_straggler_window_is_waited_for.)
 NO_DRAIN_WAIT = {"PETCTL_AGENT_SYNC_TIMEOUT": "2"}
 
@@ -168,7 +168,7 @@ def test_a_running_node_whose_stop_outlasts_the_straggler_window_is_waited_for(m
     script reports progress but never honours the drain file, as a first snapshot of GiBs can
     take 11 s), longer than the leader's 10 s straggler window. The leader waits for a node of
     the previous round as long as its stop may take: the next round has both, and b never
-    trains alone (before: b alone at world 1, then a alone, round after round: ci28c)."""
+    trains alone (before: b alone at world 1, then a alone, round after round, in a CI run)."""
     c, a = _a_alone_with_a_slow_stop(make_cluster, "slowstop")
     t = c.now()
     b = c.add_node()

@@ -65,7 +65,7 @@ def _pick_held_first(monkeypatch, module, held: int) -> list[int]:
 
 def test_a_port_held_on_another_loopback_address_is_not_returned(monkeypatch):
     # A local-cloud node holds its store on its own 127.x.y.z; a worker's TCPStore that listens on
-    # the wildcard fails on that port (EADDRINUSE), though 127.0.0.1 alone is free (CI, stop 31).
+    # the wildcard fails on that port (EADDRINUSE), though 127.0.0.1 alone is free (seen in CI).
     import harness
 
     with socket.socket() as taken:

@@ -392,7 +392,7 @@ def test_a_hard_loss_is_not_waited_for(group: Callable[..., Group], who: int) ->
 def test_a_leave_as_the_round_closes_publishes_that_round_then_leaves(
     group: Callable[..., Group], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A joiner SIGTERMed the moment its round closed (ci27c: at MAX a round closes as the last
+    """A joiner SIGTERMed the moment its round closed (seen in CI: at MAX a round closes as the last
     node joins): its peers count it in that round, so its agent publishes ``rendezvous_done`` for
     it (round, world size, ``leaving``) and its status says that round, then it leaves before any
     worker starts. The SIGTERM lands at a chosen point: the handler has accepted the round and
@@ -451,7 +451,7 @@ def test_a_leave_after_the_round_was_published_starts_no_worker(
     group: Callable[..., Group], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The SIGTERM lands after ``_rendezvous`` looked at the leave request (the round published as
-    a plain one) and before the workers start (review, stop 28): the agent leaves there instead of
+    a plain one) and before the workers start (found in review): the agent leaves there instead of
     starting workers into a round its handler has left (they would hang in their init until the
     drain timeout)."""
     from types import SimpleNamespace

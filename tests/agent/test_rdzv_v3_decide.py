@@ -378,7 +378,7 @@ def test_more_gone_than_a_marker_lists_is_never_charged() -> None:
 def test_a_node_of_the_previous_round_is_waited_for_as_long_as_its_stop_may_take() -> None:
     # a and b ran round r; c is new. b's coordinated stop (a checkpoint of GiBs, or a script that
     # does not honour the drain file: the agent's sync timeout, 30 s) outlasts the straggler
-    # window: left out at 10 s, it would join the next round and stop a and c again (ci28c:
+    # window: left out at 10 s, it would join the next round and stop a and c again (seen in CI:
     # two nodes took turns training alone for 180 s).
     v = dict(base=["a", "b"], live={"a": 1, "b": 2, "c": 3}, joined={"a", "c"}, stop_wait=36.0)
     parts, again = close(view(now=110.0, **v))

@@ -1,7 +1,7 @@
 """Never OOM across the processes of one machine (checkpointing/snapshot.py, ``_Budget``; issue 20).
 
 The local cloud's nodes share one machine's ``MemAvailable``: each node's writer checked it on its
-own, and two 4 GiB writes both passed against the same 5.27 GiB (docs/benchmarks.md, "Stop 28").
+own, and two 4 GiB writes both passed against the same 5.27 GiB (docs/benchmarks.md, 4 GiB at 2 nodes).
 Now an allocation in flight is in the tmpfs's ledger, and every process's check counts it.
 
 Real processes (one per "node", each its own store directory), real files and

@@ -334,7 +334,7 @@ def test_a_restarted_workers_slots_are_mapped_in_the_background(tmp_path: Path) 
 def test_a_restore_makes_its_spares_after_the_first_step_not_beside_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Stop 33: right after a membership change every node restores at once and each allocates a
+    """Right after a membership change every node restores at once and each allocates a
     new file of the state's size (a lent slot's replacement; a newcomer's second slot). Made beside
     the first step, that kernel work stalled it, and with it every rank's first collective. Now
     ``ckpt.resume`` leaves the spares due and the first ``ckpt.step`` after it starts them: the

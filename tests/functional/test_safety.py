@@ -206,7 +206,7 @@ def test_ctrl_c_exits_130(aws, run, ready):
         text=True,
         env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # a SIGABRT below dumps every thread's stack
         # as from a shell: SIGINT at its default. An xdist worker may ignore SIGINT, and a child
-        # inherits SIG_IGN (then Python installs no KeyboardInterrupt handler): ci3 of stop 23
+        # inherits SIG_IGN (then Python installs no KeyboardInterrupt handler): a CI run
         # caught the CLI asleep in its poll 60 s after the SIGINT, this way
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )

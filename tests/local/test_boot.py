@@ -208,7 +208,7 @@ def test_broken_boot_scripts_fail_loudly(petctl: Any, cloud: Cloud, monkeypatch:
     # A syntax error: every boot fails, publishes its log and marks itself Unhealthy; the group
     # replaces it; at the third failure the boot scripts stop the job; status says FAILED and why.
     # Three boots one after another, each a fresh instance through the reconciler: about 30 s on
-    # a quiet box, over 90 s under CI's load (ci28, failed at 90 s). The wait names what it saw.
+    # a quiet box, over 90 s under CI's load (a 90 s bound failed there). The wait names what it saw.
     seen: dict[str, Any] = {}
 
     def failed() -> Any:
@@ -393,7 +393,7 @@ def test_a_terminal_agent_failure_is_not_restarted_and_counts_like_a_failed_boot
     workers = cloud.instances("agent-bad", "worker")
     assert workers and all(inst["restarts"] == 0 for inst in workers), workers
     # (the S3 records above prove the exits 78; the instances listed now may all be later boots
-    # whose agent had not run when the job stopped: ci3 of stop 23 saw just that under load)
+    # whose agent had not run when the job stopped: CI saw just that under load)
     assert all(inst.get("exit_code") in (78, None) for inst in workers), workers
     # every failed instance was marked Unhealthy and replaced (terminated), none left billing
     wait_for(
