@@ -1,4 +1,5 @@
-"""Processes for the live tests: a lighthouse and replica groups running examples/live_train.py."""
+"""Processes for the live tests and scripts/bench_live.py: a lighthouse and replica groups running
+examples/live_train.py, each group one process whose step lines are parsed as they come."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "live_train.py"
 STEP = re.compile(r"^step=(\d+) world_size=(\d+) params=(\w+) mono=([\d.]+)")
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the harness lives in scripts/ (scripts/bench_live.py drives the same processes)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 try:
     import torchft  # noqa: F401

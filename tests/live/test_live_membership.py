@@ -12,7 +12,7 @@ import signal
 import time
 
 import pytest
-from livelib import Lighthouse, Replica, listening, stall_around, wait_for
+from live_harness import Lighthouse, Replica, listening, stall_around, wait_for
 
 pytestmark = pytest.mark.e2e
 
