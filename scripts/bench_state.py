@@ -687,7 +687,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds every worker sleeps before its process group, at every start: a GPU worker's "
         "CUDA and NCCL set-up or a model's build, which this CPU box does not have (an emulation)",
     )  # fmt: skip
-    p.add_argument("--checkpoint-every", type=int, default=20, help="checkpoint interval in steps")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=20,
+        help="checkpoint interval in steps (0: snapshots only at membership changes, "
+        "what a job that never checkpoints on its own pays; drain and join)",
+    )
     p.add_argument("--no-efs-limits", action="store_true",
                    help="EFS without AWS's throughput limits (default: the local cloud's emulation)")  # fmt: skip
     p.add_argument("--shm", default="/dev/shm", help="tmpfs for petctl-mem's snapshots")
