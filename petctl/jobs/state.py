@@ -212,6 +212,21 @@ def first_error_line(lines: list[str]) -> str | None:
     return picked if len(picked) <= REASON_LINE_MAX else picked[: REASON_LINE_MAX - 3] + "..."
 
 
+#: How the newest failure record says that the node-failure cap stopped the job (the agent's
+#: ``node/failure.py`` and the boot scripts' give-up write it)
+_STOPPED = re.compile(r"stopping the job: .*")
+
+
+def stopped_line(boot: BootFailures) -> str | None:
+    """The newest failure record's "stopping the job: ..." (the node-failure cap), or None."""
+    for line in boot.last_lines:
+        m = _STOPPED.search(line)
+        if m:
+            text = "the job stopped itself: " + m.group(0)[len("stopping the job: ") :]
+            return text if len(text) <= REASON_LINE_MAX else text[: REASON_LINE_MAX - 3] + "..."
+    return None
+
+
 def boot_failure_reason(boot: BootFailures, job: str) -> str:
     """One line: how many boots failed, the newest one's instance and first error line, and the
     command that prints its whole log."""
@@ -262,6 +277,9 @@ def failure_reason(f: Facts, state: str, failed_boot: bool, current: list[dict[s
         return f"stack {f.stack.get('StackName', '?')} is {stack_status}: {why}"
     if failed_boot:
         return boot_failure_reason(f.boot, f.job)
+    stop = stopped_line(f.boot)
+    if stop is not None:  # the node-failure cap stopped it (docs/contracts.md, "Boot failures")
+        return f"{stop} (whole record: `{cmd(f'logs {f.job} --boot {f.boot.instance_id}')}`)"
     return agent_failure_reason(current, f.job) or (
         f"no reason was recorded; `{cmd(f'status {f.job}')}` lists the hosts and "
         f"`{cmd(f'logs {f.job}')}` prints the agents' logs"

@@ -209,3 +209,22 @@ def test_every_failed_job_has_a_reason():
     st = state.derive(facts([report("i-1", state="FAILED")]))
     assert st.state == "FAILED" and "published no reason" in st.reason
     assert state.derive(facts([report("i-1", state="RUNNING")])).reason is None
+
+
+def test_a_job_the_node_failure_cap_stopped_says_so():
+    """The record that reached --max-node-failures (node/churn.py) is the reason, not the failing
+    agent's own error: that one is only why the last node failed."""
+    line = (
+        "petctl agent: FAILED (exit 78): stopping the job: 2 node failures since it last trained at "
+        "2026-12-06 03:01:02 UTC (the cap, --max-node-failures, is 2); this node: cannot fetch the job code"
+    )
+    logs = [{"Key": f"p/boot/i-{n}.log"} for n in range(2)]
+    boot = state.boot_summary(logs, line.encode(), "p/boot/")
+    trained = report("i-9", state="SUCCEEDED", last_step=40, events=[{"t": 1, "kind": "workers_started"}])
+    failed = report("i-1", state="FAILED", reason="cannot fetch the job code from s3://b/x.py: NoSuchKey")
+    st = state.derive(facts([trained, failed], boot=boot, group={"DesiredCapacity": 0, "Instances": []}))
+    assert st.state == "FAILED"
+    assert st.reason.startswith("the job stopped itself: 2 node failures since it last trained at ")
+    assert (
+        "--max-node-failures" in st.reason and "logs demo --boot i-1`" in st.reason and "\n" not in st.reason
+    )
