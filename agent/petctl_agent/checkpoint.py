@@ -77,7 +77,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent import DRAIN_EXIT_CODE
-from petctl_agent.checkpointing import memory, sharded_memory, userstate
+from petctl_agent.checkpointing import first_snapshot, memory, sharded_memory, userstate
 from petctl_agent.checkpointing.drain import (
     drain_leaving,
     drain_requested,
@@ -429,6 +429,8 @@ def resume(
     got = memory.resume(checkpoint_dir(directory), rank_device())
     if got is not None:
         return finish(got)
+    # nothing from the nodes' memory (agreed): the store's files are made after the first step
+    first_snapshot.none_from_memory()
     t0 = time.monotonic()
     out = _load_latest(directory, None, fill, unsafe_load, agree=True)
     if out is not None:  # (a first start restores nothing: no report)
@@ -482,8 +484,11 @@ def step(
         leaving = drain_leaving() and not last
         _save(state_fn(), step, directory, None, durable=last or leaving, complete=stopping, leaving=leaving)
         saved = True
+        first_snapshot.forget()
     if drain_requested() and not last:
         exit_for_drain()
+    # a start that restored nothing: its first snapshot's files, made now rather than in its stop
+    first_snapshot.after_step(state_fn)
     # a restore's spares: after its first step and any save it made (not beside them), and never
     # on a node that drains (it just left)
     memory.start_due_spares()
