@@ -87,10 +87,16 @@ def changes(tmp: Path, args) -> dict[str, float]:
         med = median_step(a, max(0, base - 20), base)
         return {
             "step": med,
-            "join": gap_at(a, lambda p, s: p.world == 2 and s.world == 3) - med,
+            # the join's step and the two after it (the newcomer's pull may hold a later optimizer step)
+            "join": max(
+                b.mono - p.mono
+                for p, b in zip(a.steps, a.steps[1:])
+                if b.world == 3 and b.step <= first.step + 2
+            )
+            - med,
             "drain": gap_at(a, lambda p, s: p.world == 3 and s.world == 2) - med,
             # from the last step line before the kill to the first step alone (a discarded step between)
-            "loss": next(s.mono for s in a.steps if s.world == 1)
+            "loss": next(s.mono for s in a.steps if s.world == 1 and s.mono > t_kill)
             - max(s.mono for s in a.steps if s.mono <= t_kill)
             - med,
             "newcomer_first_step": newcomer_first_step,
@@ -108,15 +114,21 @@ def main() -> int:
     p.add_argument("--step-time", type=float, default=0.1)
     p.add_argument("--steps", type=int, default=60, help="steady-state steps measured")
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--reps", type=int, default=2, help="plain/live steady-state runs, alternated")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-live-") as d:
         tmp = Path(d)
-        plain = steady(tmp, args, plain=True)
-        live = steady(tmp, args, plain=False)
+        plains, lives = [], []
+        for _ in range(args.reps):  # alternated: the machine's other load hits both alike
+            plains.append(steady(tmp, args, plain=True))
+            lives.append(steady(tmp, args, plain=False))
+        plain, live = statistics.median(plains), statistics.median(lives)
         ch = changes(tmp, args)
     print(f"state {args.state_mb:g} MiB/rank, step time {args.step_time:g} s, {os.cpu_count()} cores")
     print(
-        f"steady step: plain DDP {plain:.4f} s, live {live:.4f} s, overhead {100 * (live / plain - 1):+.1f} %"
+        f"steady step (median of {args.reps}, alternated): plain DDP {plain:.4f} s, live {live:.4f} s, "
+        f"overhead {100 * (live / plain - 1):+.1f} % (plain {[round(x, 4) for x in plains]}, "
+        f"live {[round(x, 4) for x in lives]})"
     )
     print(
         f"survivor stall: join {ch['join']:.2f} s, drain {ch['drain']:.2f} s, loss {ch['loss']:.2f} s "

@@ -149,9 +149,9 @@ class Replica:
         self.proc.wait(10)
 
 
-def stall_around(r: Replica, t: float) -> float:
-    """The survivor's longest gap between step lines in the 15 s after ``t`` (for the log)."""
-    ts = [s.mono for s in r.steps if t - 1 <= s.mono <= t + 15]
+def stall_around(r: Replica, t: float, until: float) -> float:
+    """The survivor's longest gap between step lines from just before ``t`` to ``until`` (for the log)."""
+    ts = [s.mono for s in r.steps if t - 1 <= s.mono <= until]
     return max((b - a for a, b in zip(ts, ts[1:])), default=float("nan"))
 
 

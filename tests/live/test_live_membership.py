@@ -75,8 +75,8 @@ def test_join_drain_loss_survivors_never_restart(tmp_path, procs):
     a.wait_lines(lambda s: s.world == 1, 10, "a second step alone")
     assert a.alive() and a.pid == a.proc.pid
     print(
-        f"\nsurvivor a's longest gap between steps: join {stall_around(a, t_join):.2f} s, "
-        f"drain {stall_around(a, t_drain):.2f} s, loss {stall_around(a, t_loss):.2f} s"
+        f"\nsurvivor a's longest gap between steps: join {stall_around(a, t_join, t_drain):.2f} s, "
+        f"drain {stall_around(a, t_drain, t_loss):.2f} s, loss {stall_around(a, t_loss, time.monotonic()):.2f} s"
     )
 
 
