@@ -75,12 +75,22 @@ class Miss(Exception):
 
 
 # ---- scenario building blocks ---------------------------------------------------------------
+#: steps at a size before the next change when nothing checkpoints periodically (``steady``)
+STEADY_STEPS_NO_CKPT = 150
+
+
 def steady(run: Run, nodes: list[Node], world: int, timeout: float) -> None:
     """Wait for a few steps at ``world``, a checkpoint on disk, and a step mid-way between
     checkpoints: a fault at a random moment loses on average half an interval."""
+    if run.cfg.checkpoint_every <= 0:
+        # snapshots only at membership changes (``--checkpoint-every 0``): no interval to wait for,
+        # but a job trains a while between changes: the start's background work (a restore's
+        # spares, the first snapshot's files) is done before the next change, as it would be
+        _, note = run.wait_stepping(nodes, world, 0, timeout, min_steps=STEADY_STEPS_NO_CKPT)
+        if note:
+            raise Miss(f"steady state of {world}: {note}")
+        return
     _, note = run.wait_stepping(nodes, world, 0, timeout, min_steps=5)
-    if run.cfg.checkpoint_every <= 0 and not note:
-        return  # snapshots only at membership changes (``--checkpoint-every 0``): no interval to wait for
     if note or not poll(lambda: (run.ckpt_dir / "latest").exists(), timeout):
         raise Miss(f"steady state of {world}: {note or 'no checkpoint written'}")
     every = run.cfg.checkpoint_every
