@@ -23,10 +23,17 @@ Configuration is the agent's output to its workers (environment):
   (default 127.0.0.1);
 - ``PETCTL_LIVE_TIMEOUT``: seconds a collective may take (default 10). A hung (stopped, not
   dead) peer is dropped within this plus the lighthouse's heartbeat timeout plus one step;
+- ``PETCTL_LIVE_MIN_REPLICAS``: replica groups a step needs to commit (default 1);
 - ``PETCTL_DRAIN_FILE``: when it exists, the group leaves at the next step boundary (SIGTERM does
   the same);
-- ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``: the group's store from torchrun; a
-  lone worker without them starts its own store on the node's address.
+- ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (torchrun's): with several workers on a node, each is its
+  own replica group, ``<replica id>-<local rank>``.
+
+Why each worker is its own replica group, not each node: torchft's cross-replica process group
+pairs only the same group rank of every group (``manager.py``: the store prefix
+``/torchft/<quorum>/<group rank>``), so plain DDP inside a multi-rank group would leave a node's
+ranks unsynchronised; groups that span ranks are for HSDP-style sharding, which keeps the restart
+path. Each worker hosts its own group's store, on the node's address.
 """
 
 from __future__ import annotations
@@ -46,9 +53,6 @@ from petctl_agent.live import upstream
 from petctl_agent.live.lighthouse import is_wildcard
 from petctl_agent.workarounds import switched_off
 
-#: the group's store key under which rank 0 names the step its group leaves after
-_LEAVE_KEY = "petctl_live/leave_after"
-
 
 @dataclass(frozen=True)
 class LiveConfig:
@@ -57,10 +61,6 @@ class LiveConfig:
     host: str
     timeout_s: float
     drain_file: str | None
-    store_host: str | None
-    store_port: int | None
-    rank: int
-    group_size: int
     min_replicas: int = 1
 
     @classmethod
@@ -69,22 +69,20 @@ class LiveConfig:
         if not env.get("PETCTL_LIVE_LIGHTHOUSE"):
             raise RuntimeError(
                 "PETCTL_LIVE_LIGHTHOUSE is not set: live mode needs the job's lighthouse "
-                "(petctl run-job --live sets it on every node)"
+                "(http://host:port of `python -m petctl_agent.live.lighthouse`)"
             )
-        port = env.get("MASTER_PORT")
         host = env.get("PETCTL_LOCAL_ADDR") or "127.0.0.1"
         if is_wildcard(host):
             raise RuntimeError(f"PETCTL_LOCAL_ADDR={host!r}: give the node's own address, not a wildcard")
+        replica_id = env.get("PETCTL_LIVE_REPLICA_ID") or f"{socket.gethostname()}-{os.getpid()}"
+        if int(env.get("LOCAL_WORLD_SIZE") or 1) > 1:
+            replica_id = f"{replica_id}-{env.get('LOCAL_RANK') or 0}"
         return cls(
             lighthouse=env["PETCTL_LIVE_LIGHTHOUSE"],
-            replica_id=env.get("PETCTL_LIVE_REPLICA_ID") or f"{socket.gethostname()}-{os.getpid()}",
+            replica_id=replica_id,
             host=host,
             timeout_s=float(env.get("PETCTL_LIVE_TIMEOUT") or 10),
             drain_file=env.get("PETCTL_DRAIN_FILE") or None,
-            store_host=env.get("MASTER_ADDR") if port else None,
-            store_port=int(port) if port else None,
-            rank=int(env.get("RANK") or 0),
-            group_size=int(env.get("WORLD_SIZE") or 1),
             min_replicas=int(env.get("PETCTL_LIVE_MIN_REPLICAS") or 1),
         )
 
@@ -102,19 +100,16 @@ class LiveRun:
         self.cfg = cfg
         self._leave_signalled = False
         self._left = False
-        self._own_store = None
-        store_host, store_port = cfg.store_host, cfg.store_port
-        if store_port is None:
-            # A lone worker (one rank per group, no torchrun) hosts its group's store itself.
-            # TCPStore has no bind-address option and listens on the wildcard address; a socket
-            # bound here keeps it on the node's address (as petctl_agent.distributed does).
-            sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
-            sock.bind((cfg.host, 0))
-            sock.listen(64)
-            store_host, store_port = cfg.host, sock.getsockname()[1]
-            self._own_store = TCPStore(
-                cfg.host, store_port, 1, True, wait_for_workers=False, master_listen_fd=sock.detach()
-            )
+        # The worker hosts its replica group's store (the group is this one worker). TCPStore has
+        # no bind-address option and listens on the wildcard address; a socket bound here keeps
+        # it on the node's address (as petctl_agent.distributed does).
+        sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+        sock.bind((cfg.host, 0))
+        sock.listen(64)
+        store_port = sock.getsockname()[1]
+        self._own_store = TCPStore(
+            cfg.host, store_port, 1, True, wait_for_workers=False, master_listen_fd=sock.detach()
+        )
         timeout = timedelta(seconds=cfg.timeout_s)
         names = ("LIVE_COMM_HOOK", "LIVE_BIND", "LIVE_QUORUM_RETRIES", "LIVE_LEAVE")
         on = {n: not switched_off(n, os.environ) for n in names}  # off only to show the gap
@@ -140,9 +135,9 @@ class LiveRun:
                 timeout=timeout,
                 quorum_timeout=timedelta(seconds=30),
                 connect_timeout=timedelta(seconds=10),
-                rank=cfg.rank,
-                world_size=cfg.group_size,
-                store_addr=store_host,
+                rank=0,
+                world_size=1,
+                store_addr=cfg.host,
                 store_port=store_port,
                 lighthouse_addr=cfg.lighthouse,
                 replica_id=cfg.replica_id,
@@ -150,7 +145,6 @@ class LiveRun:
                 checkpoint_transport=self._transport,
                 quorum_retries=upstream.QUORUM_RETRIES if on["LIVE_QUORUM_RETRIES"] else 0,
             )
-        self._group_store = self.manager._store
         self._model = model
         self._optim = optimizer
         if on["LIVE_COMM_HOOK"]:
@@ -187,24 +181,15 @@ class LiveRun:
         return self._leave_signalled or bool(f and os.path.exists(f))
 
     def step_done(self) -> bool:
-        """Call once per step after ``optimizer.step()``; False: this group has left the job.
+        """Call once per step after ``optimizer.step()``; False: this worker has left the job.
 
-        The group leaves at a step boundary its ranks agree on: rank 0 names the next one in the
-        group's store, which the others read before that step ends (should_commit holds every
-        rank of the group to the same step).
+        A drain (``PETCTL_DRAIN_FILE`` exists, or SIGTERM) is acted on here, at a step boundary:
+        the step just taken is committed on every replica group, and the survivors' next quorum
+        no longer waits for this one (:meth:`leave`).
         """
         if self._left:
             return False
-        if self.cfg.group_size == 1:
-            leave = self._drain_requested()
-        else:
-            if self.cfg.rank == 0 and self._drain_requested():
-                if not self._group_store.check([_LEAVE_KEY]):
-                    self._group_store.set(_LEAVE_KEY, str(self.step + 1))
-            leave = self._group_store.check([_LEAVE_KEY]) and self.step >= int(
-                self._group_store.get(_LEAVE_KEY)
-            )
-        if leave:
+        if self._drain_requested():
             self.leave()
             return False
         return True
