@@ -1,4 +1,4 @@
-"""The per-job certificate authority that secures a job's etcd client traffic (issue 12).
+"""The per-job certificate authority that secures a job's etcd client traffic.
 
 ``run_job`` calls :func:`make_job_tls` once per job and uploads each object to
 ``s3://<bucket>/petctl/jobs/<job>/tls/<name>``; the job's instances fetch only what their role

@@ -9,7 +9,7 @@ state it reads etcd's ``/metrics`` and ``maintenance/status`` before and after: 
 proposals committed, mvcc puts, leases renewed, store revision; client side, requests and
 JSON body bytes. At the end every member's key must still be there (no lease lapsed).
 
-The v2 design of petctl-etcd (issue 21): a TTL refresh (a raft write, a new etcd index) per
+The v2 design of petctl-etcd: a TTL refresh (a raft write, a new etcd index) per
 node every ``refresh`` = 0.5 s, i.e. 2 writes per node per second; etcd v2 keeps the last
 1,000 events, so a watcher that falls 1,000 events behind gets EventIndexCleared (401) and
 re-reads everything. That column is computed from the design, not measured here.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A peer restore's transfer alone, one stream against several, under AWS's per-flow cap.
 
-Issue 20's join sends a newcomer the state from a survivor's memory (``memory.resume``: the
+The join sends a newcomer the state from a survivor's memory (``memory.resume``: the
 stripes of ``checkpointing/peer.py``). AWS caps a single TCP flow between two instances at
 5 Gbit/s outside a cluster placement group (10 inside): one stream cannot move a GiB in under
 1.7 s however fast the instances are. This bench runs the real restore (``ckpt.resume`` in real

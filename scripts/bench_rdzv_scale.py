@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Rendezvous at scale (issue 21): the handler's scenarios with N simulated participants.
+"""Rendezvous at scale: the handler's scenarios with N simulated participants.
 
 One real etcd on 127.0.0.1 (started here, ``scripts/harness.py``); participants are the real
 ``petctl_agent.rendezvous`` handler of this checkout, driven like torch's elastic agent drives

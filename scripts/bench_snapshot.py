@@ -53,7 +53,7 @@ from petctl_agent.checkpointing.files import load_file, read_pointer, write_file
 from petctl_agent.checkpointing.persist import persist_newest
 from petctl_agent.checkpointing.snapshot import SnapshotStore
 
-TARGET = 0.25  # s/GiB a periodic checkpoint may block (issue 20)
+TARGET = 0.25  # s/GiB a periodic checkpoint may block
 
 
 def _state(gib: float) -> dict[str, torch.Tensor]:

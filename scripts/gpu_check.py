@@ -17,7 +17,7 @@ Steps (each PASS/FAIL, summary at the end, exit 1 on any FAIL):
 - agreement:   per-step cost of the agreement on the GPU, async vs sync (bench_agreement.py);
 - pinned:      1 GiB of device state snapshotted to pinned host memory on its own CUDA stream
                while the next step computes (overlap measured; the snapshot must be the
-               pre-update state), restored to the device; timed (issue 20).
+               pre-update state), restored to the device; timed.
 
 ``PETCTL_GPU_CHECK_ALLOW_CPU=1`` runs the same steps on CPU with gloo (dry run).
 """
@@ -304,7 +304,7 @@ def step_agreement(cuda: bool, tmp: Path) -> None:
     )
 
 
-#: issue 20: what a periodic checkpoint may block training for
+#: what a periodic checkpoint may block training for
 PINNED_BLOCK_TARGET = 0.25  # s/GiB
 
 

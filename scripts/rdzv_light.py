@@ -1,4 +1,4 @@
-"""Light rendezvous participants for ``bench_rdzv_scale.py --light-nodes`` (issue 21 at 1,000).
+"""Light rendezvous participants for ``bench_rdzv_scale.py --light-nodes`` (at 1,000).
 
 A *light node* speaks the petctl-etcd protocol of ``agent/petctl_agent/rendezvous`` with the
 same keys and values as a ``PetctlRendezvousHandler`` that never leads, built with that

@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
     snapshots = args.io == "helper" and bool(os.environ.get("PETCTL_SNAPSHOT_DIR"))
     hit = spy_memory_restore() if snapshots else [False]
-    # per checkpoint: memory or EFS (a snapshot that does not fit falls back to EFS, issue 20)
+    # per checkpoint: memory or EFS (a snapshot that does not fit falls back to EFS)
     saved_to = spy_memory_save() if snapshots else []
     t = time.monotonic()
     restored = plain_load(directory) if args.io == "plain" else ckpt.resume(directory=directory)

@@ -82,7 +82,7 @@ class Settings:
     etcd_cert: str = ""  # PETCTL_ETCD_CERT
     etcd_key: str = ""  # PETCTL_ETCD_KEY
     launch_hook: str = ""  # PETCTL_LAUNCH_HOOK (set by the worker boot only with a warm pool)
-    #: memory snapshots of replicated state (issue 20): the tmpfs under which the agent keeps
+    #: memory snapshots of replicated state: the tmpfs under which the agent keeps
     #: <job>/<instance-id>; on by default, PETCTL_AGENT_NO_SNAPSHOTS=1 (or an empty dir) turns them off
     snapshot_dir: str = "/dev/shm/petctl"  # PETCTL_AGENT_SNAPSHOT_DIR
     snapshots: bool = True  # PETCTL_AGENT_NO_SNAPSHOTS=1 turns them off

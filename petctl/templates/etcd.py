@@ -56,7 +56,7 @@ def release_url(arch: str, version: str = ETCD_VERSION) -> str:
     return f"{RELEASE_BASE}/v{version}/etcd-v{version}-linux-{arch}.tar.gz"
 
 
-# ---- how petctl runs etcd (issue 30) -------------------------------------------------------------
+# ---- how petctl runs etcd -------------------------------------------------------------
 #: A watch progress notification on every quiet watch this often. Without it (etcd's default:
 #: 10 min) a watch carries nothing while membership is steady, and a connection that EC2's
 #: connection tracking forgot (350 s idle on Nitro v6 types: no FIN, no RST) reads as alive

@@ -1,6 +1,6 @@
 """A worker whose process takes ``--exit-s`` seconds to exit, as one holding GiBs of state does
 (the kernel frees it; 0.6 s for 1 GiB and its snapshot mappings on an idle box, seconds on a busy
-one: docs/benchmarks.md, issue 20).
+one: docs/benchmarks.md).
 
 - default: once a collective raised. A non-daemon thread holds the exit (``multiprocessing``
   joins such threads before the process ends). Steps through ``ckpt.step`` (the drain

@@ -1,4 +1,4 @@
-"""Warm pools (issue 12): an instance in a ``Warmed:*`` state never joins the rendezvous.
+"""Warm pools: an instance in a ``Warmed:*`` state never joins the rendezvous.
 
 Unit: the agent's wait against the fake IMDS. End to end: a real agent started warmed publishes
 ``WARMED``, registers nowhere while it stays warmed (nor while its process tree is paused and

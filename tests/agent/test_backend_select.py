@@ -1,4 +1,4 @@
-"""Backend selection and the petctl-etcd integration's small parts (no etcd, no workers; issue 10)."""
+"""Backend selection and the petctl-etcd integration's small parts (no etcd, no workers)."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ def test_bench_rdzv_scale_quick(tmp_path: Path) -> None:
     if steady["api"] == "v2":
         assert steady["writes_per_node_s"] >= 1, steady  # a refresh every 0.5 s is a raft write
     else:
-        assert steady["writes_per_node_s"] <= 0.1, steady  # issue 21's target: keepalives write nothing
+        assert steady["writes_per_node_s"] <= 0.1, steady  # the target: keepalives write nothing
 
     for key in (("drain", 15), ("drain", 7)):
         d = rows[key]
@@ -52,7 +52,7 @@ def test_bench_rdzv_scale_quick(tmp_path: Path) -> None:
         # the v2 handler (2 s TTL refreshed every 0.5 s) loses a node paused 3 s: the bench must see it
         assert pause["rounds"] >= 1 and pause["lost_steps"] > 0, pause
     else:
-        # issue 21's target: the lease rides through a 3 s pause of an agent; no round, no lost step
+        # the target: the lease rides through a 3 s pause of an agent; no round, no lost step
         assert pause["rounds"] == 0 and pause["lost_steps"] == 0 and pause["worker_stops"] == 0, pause
     assert doc["prediction"]["n"] == 5000 and doc["prediction"]["bytes_per_round"] > 0, doc["prediction"]
 

@@ -1,4 +1,4 @@
-"""The size hint's fresh read reaches the Auto Scaling API (issue 21, review): the agent's
+"""The size hint's fresh read reaches the Auto Scaling API: the agent's
 ``CapacityHint`` caches DescribeAutoScalingGroups for 5 s, so the leader's re-read of a hint that
 expects no growth while newcomers are ready must ask the source, not the cache; and it is
 rate-limited (one read at a time, ``min_interval`` apart) so no number of callers storms the

@@ -222,7 +222,7 @@ def test_a_bad_knob_is_one_line_and_starts_nothing(
 
 
 def test_a_persist_slower_than_the_checkpoints_still_lands(tmp_path: Path, monkeypatch) -> None:
-    # issue 20 F1: the agent's persister (the real --serve process) writes at 2 MiB/s, ~4 s per
+    # the agent's persister (the real --serve process) writes at 2 MiB/s, ~4 s per
     # checkpoint, while the worker snapshots every ~0.1 s. Without the pin the writer reused the
     # slot being persisted two snapshots later, every persist was dropped, and EFS kept nothing.
     # (4 s, not 2: the case needs >= 5 snapshots per persist, and a loaded CI box slows the

@@ -1,4 +1,4 @@
-"""The agent's etcd clients speak https with the job's CA and client certificate (issue 12).
+"""The agent's etcd clients speak https with the job's CA and client certificate.
 
 A real etcd serving TLS only, with ``--client-cert-auth``: a plain-http or certificate-less client
 cannot talk to it, so a handler that completes a rendezvous there used the TLS settings.

@@ -1,4 +1,4 @@
-"""The etcd v3 client (``petctl_agent.rendezvous.etcdv3``) against a real etcd 3.5 (issue 21).
+"""The etcd v3 client (``petctl_agent.rendezvous.etcdv3``) against a real etcd 3.5.
 
 Starts etcd: run under the heavy-test lock (``flock /tmp/petctl-heavy.lock``). About 35 s.
 ``PETCTL_TEST_ETCD34=/path/to/etcd`` (3.4, e.g. Debian's etcd-server) also runs the smoke test

@@ -1,4 +1,4 @@
-"""A worker whose process is slow to exit after its collective raised (issue 20: a process that
+"""A worker whose process is slow to exit after its collective raised (a process that
 holds GiBs of state takes seconds to exit on a busy box, and torch reports the failure only
 then). The worker notes its failure at once (``worker.forkserver.note_failure``), and the agent
 starts the hard-loss lease reads and joins the next round while the process exits.

@@ -1,4 +1,4 @@
-"""Workers restarted from the torch-preloaded forkserver exit promptly (issue 9, "Restarts
+"""Workers restarted from the torch-preloaded forkserver exit promptly ("Restarts
 that never hang").
 
 One forkserver with ``petctl_agent.worker.forkserver.PRELOAD`` serves every run, as in the agent; each

@@ -1,4 +1,4 @@
-"""Long, spot-heavy runs (issue 9), end to end: real etcd, agents, torch workers on gloo.
+"""Long, spot-heavy runs, end to end: real etcd, agents, torch workers on gloo.
 
 - a plain torchrun script (no petctl import, its own relative ``snapshot.pt``) goes
   through joins, a drain and a node loss with ``max_restarts=1`` and keeps going:

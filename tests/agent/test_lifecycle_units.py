@@ -1,4 +1,4 @@
-"""Issue 9 logic that a CPU can show without processes: exit-code classification, restart
+"""Long-run logic that a CPU can show without processes: exit-code classification, restart
 budget inputs, the below-MIN wait decision, spec fields, the torch internals check,
 OMP_NUM_THREADS, signal handler re-installation, lifecycle completion at job end."""
 

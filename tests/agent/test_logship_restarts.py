@@ -1,4 +1,4 @@
-"""The worker log tail across restarts: no line is lost (issue 17).
+"""The worker log tail across restarts: no line is lost.
 
 torch rmtree()s and re-creates ``attempt_<n>/`` at every restart that keeps the restart count
 (each membership change). Lines were lost there: a worker's last line without its newline

@@ -1,4 +1,4 @@
-"""petctl-etcd on the etcd v3 API, against a real etcd (issue 21): the bounded waits, leases that
+"""petctl-etcd on the etcd v3 API, against a real etcd: the bounded waits, leases that
 ride through pauses, a compacted watch, an etcd replaced at the same address, the master port.
 
 Handlers run in threads of this process (no torch workers) except where a process must be

@@ -1,4 +1,4 @@
-"""A hard loss seen from the data plane (issue 21, petctl-etcd on a real etcd v3): when the
+"""A hard loss seen from the data plane (petctl-etcd on a real etcd v3): when the
 survivors' workers fail, the agent's explanation (``MembershipWatch.failure_explained``, what
 ``_on_workers_stopped`` calls before it decides on the restart budget) comes from the leader's
 read of the participants' leases, in < 3.5 s, not from the dead node's 6 s lease expiring.
@@ -251,7 +251,7 @@ def test_a_stall_window_reads_each_kept_alive_lease_at_most_3_times(group: Calla
 
 
 def test_a_3s_agent_pause_in_a_stall_window_opens_nothing(group: Callable[..., Group]) -> None:
-    """Issue 21: "Lease TTLs ride through a 3 s pause of an agent". The workers stalled (a long
+    """The leases ride through a 3 s pause of an agent. The workers stalled (a long
     checkpoint: a window opens) and meanwhile another node's agent pauses 3 s (GC, I/O: no
     keepalive). With the failure window's 2 s rule the leader named it gone (a round: every node
     restarted, and the restart charged when it came back); the stall's threshold rides through."""

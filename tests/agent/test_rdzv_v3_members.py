@@ -1,4 +1,4 @@
-"""A non-leader's read of ``nodes/`` is O(1) in the membership (issue 21): the oldest few keys
+"""A non-leader's read of ``nodes/`` is O(1) in the membership: the oldest few keys
 by create revision and the last record's head, never every id (``membership.read_membership``),
 and it finds the same leader and successor as a read of every id would.
 

@@ -1,4 +1,4 @@
-"""Bytes per round O(N) (issue 21): the record carries O(1), each participant's rank is its own key
+"""Bytes per round O(N): the record carries O(1), each participant's rank is its own key
 ``ranks/<r>/<nonce>/<id>`` written in batches that fit etcd's ``--max-txn-ops`` (128 by default)
 before the guarded record txn, and a leader that loses the record race leaves no rank that a
 node would read. Against a real etcd started with etcd's defaults (no ``--max-txn-ops`` flag).
@@ -120,7 +120,7 @@ def test_the_store_reads_and_writes_129_keys(client: v3.Client) -> None:
     """torch's rank assignment without ``TORCH_ELASTIC_WORKER_IDENTICAL``: rank 0's agent
     ``multi_get``s every agent's key and ``multi_set``s every assignment (one key per node). At
     129 nodes one txn of each went over etcd's 128 operations, torch called ``shutdown()`` and
-    the rendezvous closed for every node (issue 30, Major 3). Both go in batches now; a read's
+    the rendezvous closed for every node. Both go in batches now; a read's
     batches are read at one revision, and a missing key in a later batch is seen."""
     from datetime import timedelta
 

@@ -1,4 +1,4 @@
-"""Connections that die silently (issue 30's blocker): a flow that a NAT or EC2's connection
+"""Connections that die silently: a flow that a NAT or EC2's connection
 tracking forgot (350 s idle on Nitro v6 types) carries nothing any more, and neither end hears a
 FIN or a RST. A watch on it reports "connected" forever. ``FreezingProxy`` (scripts/harness.py)
 does the same on command to every connection open at that moment, while new ones go through.

@@ -312,7 +312,7 @@ def test_burst_with_the_capacity_hint(group: Callable[..., Group]) -> None:
 
 def test_burst_with_a_stale_hint_still_settles(group: Callable[..., Group]) -> None:
     """A hint read before the scale-out (desired = the running size) must not skip the settle
-    window: newcomers 0.2 s apart still form one round (fault suite, issue 10). The settle is 2 s
+    window: newcomers 0.2 s apart still form one round (fault suite). The settle is 2 s
     (default 0.5 s) for a loaded box's slack; a skipped settle would still close at the first."""
     g = group(2, 8, settle=2.0)
     running = [g.new(expected=lambda: 2), g.new(expected=lambda: 2)]

@@ -1,4 +1,4 @@
-"""petctl-etcd over TLS with client-certificate auth (issue 12), against a real etcd.
+"""petctl-etcd over TLS with client-certificate auth, against a real etcd.
 
 The etcd serves https only and requires a client certificate signed by the job's CA
 (``--client-cert-auth``): a handler that completes a round there used our certificates, and

@@ -1,4 +1,4 @@
-"""A joining node's snapshot fetched agent to agent (``checkpointing/fetch.py``, issue 20 stop 33).
+"""A joining node's snapshot fetched agent to agent (``checkpointing/fetch.py``).
 
 Real stores on a tmpfs-like directory, real servers on 127.0.0.1 over TCP, the real receive into
 the store (pages allocated per piece, CRCs checked on arrival), the real fetch process started by

@@ -1,4 +1,4 @@
-"""The snapshot store and ``os.fork`` (checkpointing/snapshot.py; review of issue 20, findings 2-5, 9).
+"""The snapshot store and ``os.fork`` (checkpointing/snapshot.py; found in review).
 
 A DataLoader worker is a child forked (no exec) from the training process at any moment, while
 the store's threads (the persister's pin, the spare thread) hold locks and mappings. What the

@@ -1,4 +1,4 @@
-"""Never OOM across the processes of one machine (checkpointing/snapshot.py, ``_Budget``; issue 20).
+"""Never OOM across the processes of one machine (checkpointing/snapshot.py, ``_Budget``).
 
 The local cloud's nodes share one machine's ``MemAvailable``: each node's writer checked it on its
 own, and two 4 GiB writes both passed against the same 5.27 GiB (docs/benchmarks.md, 4 GiB at 2 nodes).

@@ -1,4 +1,4 @@
-"""The snapshot store's write path (checkpointing/snapshot.py): memory safety (review of issue 20).
+"""The snapshot store's write path (checkpointing/snapshot.py): memory safety (review).
 
 - the background spare thread and a write check the node's memory and allocate as one step, so
   together they never take more than ``MemAvailable`` less the reserve;

@@ -1,4 +1,4 @@
-"""Issue 19: a terminal agent failure is not restarted by systemd and counts like a failed boot.
+"""A terminal agent failure is not restarted by systemd and counts like a failed boot.
 
 Classification (which failures are terminal, and their exit statuses), then the accounting against
 a moto server (boot/ records, SetInstanceHealth, three failures with no workers ever started scale

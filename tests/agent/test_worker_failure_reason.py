@@ -1,4 +1,4 @@
-"""Issue 32: a job whose workers fail says why, in the worker's own words, and stops at once when
+"""A job whose workers fail says why, in the worker's own words, and stops at once when
 the failure is deterministic; a project's files are found by relative paths from the work dir.
 
 Real agents, a real etcd, real torch workers (scripts/harness.py):

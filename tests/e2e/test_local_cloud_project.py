@@ -1,4 +1,4 @@
-"""Issue 32 on the local cloud, through the CLI a user types: a project directory whose script
+"""A project on the local cloud, through the CLI a user types: a project directory whose script
 reads a data file by a path relative to the project trains to SUCCEEDED on 2 nodes (its output
 in the job's shared work dir), and the same script without its data file fails the job in under
 a minute with the exception's line, its rank and node in ``run-job --wait``'s error and in

@@ -1,4 +1,4 @@
-"""A node that vanishes without a reset (issue 21/20 follow-up): on real AWS a lost instance
+"""A node that vanishes without a reset: on real AWS a lost instance
 (spot reclaim, kernel panic, partition, power) sends no RST, so its peers' collectives hang
 instead of failing. Emulated by SIGSTOP of the node's whole process tree (agent, forkserver,
 workers): its sockets stay open, its lease is no longer kept alive.

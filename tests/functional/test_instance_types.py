@@ -81,7 +81,7 @@ def test_types_the_image_cannot_run_are_refused_from_ec2s_facts(run, ready):
         r = run("run_job", "--min", "1", "--max", "1", "--instance-type", itype, str(ready))
         assert r.exit_code == 2 and message in r.stderr and "--instance-type" in r.stderr, (itype, r.output)
         assert len(r.stderr.strip().splitlines()) == 1
-    # A Graviton rendezvous server is fine (issue 21): EC2 says t4g.small is arm64, so the plan
+    # A Graviton rendezvous server is fine: EC2 says t4g.small is arm64, so the plan
     # gives it the arm64 Amazon Linux 2023 image (the boot picks the arm64 etcd tarball).
     r = dry_run(run, ready, "--rdzv-instance-type", "t4g.small")
     assert r.exit_code == 0, r.output

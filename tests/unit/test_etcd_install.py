@@ -1,5 +1,5 @@
 """The rendezvous server's etcd: the official release tarball, pinned per architecture and
-checked against its SHA-256 before anything in it runs (issue 21).
+checked against its SHA-256 before anything in it runs.
 
 The download-and-verify fragment (``cfn_templates/user_data/etcd_install.sh.j2``) is rendered as
 the job template renders it and run alone with bash: against a tarball served over HTTPS from
@@ -205,7 +205,7 @@ def test_the_rendezvous_boot_installs_the_checked_release_before_etcd_runs():
 
 
 def test_the_rendezvous_etcd_runs_with_progress_notifications_compaction_and_a_quota():
-    """Issue 30: progress notifications every 10 s (the agents take 30 s of silence on a watch as
+    """Progress notifications every 10 s (the agents take 30 s of silence on a watch as
     a dead connection), compaction by revision, an explicit quota: SERVER_FLAGS, on etcd's
     command line (the harness's etcd, the agent tests', runs with the same tuple)."""
     exec_start = next(x for x in _rdzv_script().splitlines() if x.startswith("ExecStart="))

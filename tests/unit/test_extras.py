@@ -1,5 +1,5 @@
 """Each extra installs what its users' code imports: ``pip install petctl[local]`` alone must run the
-local cloud, its shims and the instances' agent (issue 17: the pip shim imported ``packaging``,
+local cloud, its shims and the instances' agent (the pip shim imported ``packaging``,
 which only the dev tools of ``petctl[all]`` brought, so every test passed and the quickstart failed).
 
 For each extra: the transitive closure of its requirements, from the installed distributions'
@@ -201,7 +201,7 @@ def test_all_is_every_extra() -> None:
 
 
 def test_the_check_catches_the_quickstart_bug() -> None:
-    """Without packaging in petctl[local] (as before issue 17) the pip shim's import is reported."""
+    """Without packaging in petctl[local] (as it once was) the pip shim's import is reported."""
     reqs = declared()
     without = [r for r in reqs[""] + reqs["local"] if Requirement(r).name != "packaging"]
     problems = missing(users_code()["local"], without, "local")

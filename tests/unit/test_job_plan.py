@@ -95,7 +95,7 @@ def test_instance_types_the_image_cannot_run_are_refused(tmp_path, kw, message):
 
 
 def test_an_arm64_rendezvous_type_gets_the_arm64_image(tmp_path):
-    """Graviton rendezvous types are allowed (issue 21): the AL2023 arm64 image's SSM parameter;
+    """Graviton rendezvous types are allowed: the AL2023 arm64 image's SSM parameter;
     the boot picks the arm64 etcd tarball from the instance's own architecture."""
     arm = make_plan(tmp_path, name="arm", rdzv_instance_type="t4g.small")
     params = {p["ParameterKey"]: p["ParameterValue"] for p in arm.parameters}

@@ -1,4 +1,4 @@
-"""Issue 32: a project's files seen from the job's shared work dir (``petctl_agent.worker.project``):
+"""A project's files seen from the job's shared work dir (``petctl_agent.worker.project``):
 links to the node's copy, made at every worker start, and the job's own files win."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 32: a worker's failure in its own words (``petctl_agent.elastic.failures``), the rule that
+"""A worker's failure in its own words (``petctl_agent.elastic.failures``), the rule that
 stops a deterministic failure, and which failed agent ``petctl status`` quotes."""
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ class CloseView:
 
 
 #: the keepalive silence (s) a stall window's lease reads ride through: an agent or etcd paused
-#: this long (a GC, swap, I/O; issue 21: "Lease TTLs ride through a 3 s pause")
+#: this long (a GC, swap, I/O; "Lease TTLs ride through a 3 s pause")
 RIDE_THROUGH = 3.0
 
 

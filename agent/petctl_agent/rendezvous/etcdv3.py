@@ -1,6 +1,6 @@
 """A thin etcd v3 client over etcd's JSON gateway (``/v3/...``), standard library only.
 
-The client layer petctl-etcd's v3 handler stands on (issue 21). Why this and not a library
+The client layer petctl-etcd's v3 handler stands on. Why this and not a library
 (docs/rendezvous.md, "The etcd v3 client"): every dependency of the agent ships to every
 instance; ``etcd3gw`` pulls ``requests``, ``futurist`` and ``pbr``, ignores a watch's
 compaction and keeps no lease alive; ``aetcd`` is asyncio over ``grpcio`` + ``protobuf``
@@ -60,7 +60,7 @@ MIN_VERSION = (3, 4)
 #: more is refused ("too many operations in txn request"), so callers batch
 MAX_TXN_OPS = 128
 
-# ---- connections that die silently (issue 30; docs/rendezvous.md, "Connections that die silently")
+# ---- connections that die silently (docs/rendezvous.md, "Connections that die silently")
 #: how often the etcd petctl runs sends a progress notification on a quiet watch
 #: (``--experimental-watch-progress-notify-interval``, petctl/templates/etcd.py). etcd adds up
 #: to 10 % jitter, and a watch that had events in one interval gets none at its end: the
@@ -792,8 +792,8 @@ class Lease:
         while not self._stop.wait(self.interval):
             sent = time.monotonic()
             # never wait past the deadline: an answer after it would not save the lease; and
-            # at most ttl/3, so that a keepalive lost on a dead connection (no FIN, no RST:
-            # issue 30) leaves time to retry on a new one (this thread's, dropped on a timeout)
+            # at most ttl/3, so that a keepalive lost on a dead connection (no FIN, no RST)
+            # leaves time to retry on a new one (this thread's, dropped on a timeout)
             # before the lease ends: 6 s TTL, 1 s interval: timed out at +3 s, renewed at +4 s
             budget = max(0.1, min(self.client.timeout, self.ttl / 3.0, self.deadline - sent))
             try:

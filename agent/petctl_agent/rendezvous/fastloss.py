@@ -1,4 +1,4 @@
-"""A hard loss seen from the data plane (issue 21): when our workers fail, look at the running
+"""A hard loss seen from the data plane: when our workers fail, look at the running
 round's leases at once instead of waiting for the dead node's lease to expire.
 
 A SIGKILLed node's key lives on until its lease expires (the TTL, 6 s), but its peers'

@@ -5,7 +5,7 @@ utils.store`` and ``agent/server/api.py``). No v2 API, no python-etcd.
 
 etcd refuses a txn of more than 128 operations (``--max-txn-ops``): ``multi_get``/``multi_set``
 (torch's rank assignment, one key per agent, when ``TORCH_ELASTIC_WORKER_IDENTICAL`` is unset)
-go in batches of :data:`~.etcdv3.MAX_TXN_OPS` (issue 30, Major 3: 129 nodes closed the
+go in batches of :data:`~.etcdv3.MAX_TXN_OPS` (129 nodes closed the
 rendezvous for every node). The batches of a read are read at one revision."""
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ def note_failure(e: BaseException) -> None:
     """Tell the agent at once that this worker is failing (``$PETCTL_FAILURE_FILE``): the process
     exits only after torch records the error and the kernel frees its memory, which takes
     0.6 s for 1 GiB of state and its snapshot mappings on an idle box, several seconds on a busy
-    one (docs/benchmarks.md, issue 20). The agent starts the hard-loss lease reads and joins the
+    one (docs/benchmarks.md). The agent starts the hard-loss lease reads and joins the
     next round meanwhile (``PetctlElasticAgent``, "failing workers"). Best effort, atomic."""
     path = os.environ.get("PETCTL_FAILURE_FILE")
     if not path:
