@@ -8,7 +8,7 @@ that restored nothing from memory (a first start, or a restart from EFS) had nei
 checkpoints, at the first one (training blocks); with snapshots only at membership changes
 (``every=0``), inside the first drain's or join's stop, while every rank waits. Measured at 1 GiB
 per rank, 3 nodes, 2 cores, snapshots only at changes: the drain's stop (last step -> the round)
-took 3.4 s, against 1.3 s with the files made (docs/benchmarks.md, "Through the local cloud").
+took 2.8-2.9 s, and 1.1-1.7 s with the files made (docs/benchmarks.md, "Through the local cloud").
 
 Sizing the files needs the state: ``state_fn`` is called once more, on every rank, and converted as
 a save converts it (``userstate.for_save``: its collectives, and any in ``state_fn``, stay matched,
