@@ -465,7 +465,9 @@ def step(
 
     Args:
         step: the step just completed (steps count from 1).
-        state_fn: returns the state to save; only called when saving.
+        state_fn: returns the state to save; called when saving, and with memory snapshots on
+            once more after the first step of a start that restored nothing from memory (on every
+            rank: it sizes the snapshot's files, :mod:`~petctl_agent.checkpointing.first_snapshot`).
         every: periodic checkpoint interval in steps (0: only on drain / ``last``).
         directory: defaults to ``$PETCTL_CHECKPOINT_DIR``.
         last: the final step: always save, and finish normally even if a drain was agreed.
