@@ -96,3 +96,15 @@ def test_the_mark_moves_only_with_steps_and_at_most_once_per_interval(tmp_path: 
     make_writer(str(tmp_path / "boot")).write(churn.MARK_NAME, b"{}")
     assert (tmp_path / "boot" / "progress" / "mark").read_bytes() == b"{}"
     assert failure.count_failures(str(tmp_path / "boot")) == 0  # the mark is no failure
+
+
+def test_a_job_that_never_reported_a_step_is_not_stopped_by_the_cap(job, tmp_path: Path) -> None:
+    """A script that does not call ckpt.step writes no mark: failures spread over its whole life
+    must not stop it (its workers started, so the never-trained rule does not apply either)."""
+    spec, ids = job
+    spec = JobSpec.from_dict({**spec.to_dict(), "max_node_failures": 2})
+    markers.mark(tmp_path / failure.WORKERS_MARKER, spec.run_id)
+    for iid in ids:
+        failure.failed_for_good(EXIT_TERMINAL, "rendezvous timed out", spec, _lifecycle(spec, iid), tmp_path)
+    assert churn.failures_since_progress(failure.boot_url(spec.status_url)) == (0, None)
+    assert _groups() == {"petctl-bad-workers": 3, "petctl-bad-rdzv": 1}

@@ -408,11 +408,14 @@ def test_job_roles_are_least_privilege_across_jobs():
     assert _subs(rdzv["PublishBootLog"]["Resource"]) == [S3 + "/petctl/jobs/${JobName}/boot/*"]
     # reads the job's CA only (it signs etcd's server certificate at boot), never the client key
     # and petctl/uploads/, where a job's own copy of the etcd tarball lies (--rdzv-etcd-url)
+    # and the job's spec, whose max_node_failures its give-up reads
     assert [sid for sid, st in rdzv.items() if "s3:GetObject" in str(st["Action"])] == [
         "ReadEtcdCa",
         "ReadEtcdCopy",
+        "ReadJobSpec",
     ]
     assert _subs(rdzv["ReadEtcdCopy"]["Resource"]) == [S3 + "/petctl/uploads/*"]
+    assert _subs(rdzv["ReadJobSpec"]["Resource"]) == [S3 + "/petctl/jobs/${JobName}/job.json"]
     assert _subs(rdzv["ReadEtcdCa"]["Resource"]) == [
         S3 + "/petctl/jobs/${JobName}/tls/" + name for name in tls.RDZV_OBJECTS
     ]
@@ -853,6 +856,8 @@ BOOT_FAILURE_LINES = (
     'if [ "$failures" -ge "$GIVE_UP_AFTER" ] && [ "$reports" -eq 0 ] ||',
     '[ "$since" -ge "$cap" ]; then',
     'mark=$(aws s3 ls --region "$REGION" "$JOB_URL/boot/progress/mark" 2>/dev/null | awk \'{print $1" "$2}\')',
+    'since=0',
+    '[ -z "$mark" ] ||',
     "for group in petctl-${JobName}-workers petctl-${JobName}-rdzv; do",
     "--min-size 0 --desired-capacity 0",
     'aws autoscaling set-instance-health --region "$REGION" --instance-id "$INSTANCE_ID" \\',

@@ -12,7 +12,9 @@ So the job counts its node failures *since it last trained*:
   (beside the failure records; one small PUT per :data:`MARK_INTERVAL` at most, and none while
   nothing trains). Its time (the object's LastModified) is the job's last training progress.
 - **Failures since.** The failure records (``boot/<instance-id>.log``, one per failed boot or
-  terminal agent failure) newer than the mark, or all of them when there is none.
+  terminal agent failure) newer than the mark. Without a mark (no step ever reported: a script
+  that does not report progress) the cap does not apply; :mod:`.failure`'s rule for a job whose
+  workers never started still does.
 - **Cap.** :data:`MAX_NODE_FAILURES` (the job spec's ``max_node_failures``, ``run-job
   --max-node-failures``; default 10): the failure that reaches it scales both groups to zero and
   deletes the warm pool (:meth:`.lifecycle.Lifecycle.scale_groups_to_zero`), and the job's reason
@@ -89,10 +91,10 @@ def _listing(url: str, region: str | None) -> tuple[list[datetime], datetime | N
             )
             for o in page.get("Contents", [])
         ]
-        try:
-            mark = s3.head_object(Bucket=u.netloc, Key=prefix + MARK_NAME)["LastModified"]
-        except Exception:  # noqa: BLE001 - no mark: the job never trained (or it cannot be read)
-            mark = None
+        # listed, not read: the instance roles may list the job's prefix but not read boot/ (S3
+        # answers 403 for an object the caller may not read, never "not found")
+        marks = s3.list_objects_v2(Bucket=u.netloc, Prefix=prefix + MARK_NAME).get("Contents", [])
+        mark = next((o["LastModified"] for o in marks if o["Key"] == prefix + MARK_NAME), None)
         return times, mark
     d = Path(u.path if u.scheme == "file" else url)
 
@@ -106,6 +108,10 @@ def _listing(url: str, region: str | None) -> tuple[list[datetime], datetime | N
 
 def failures_since_progress(url: str, region: str | None = None) -> tuple[int, datetime | None]:
     """How many failure records under ``url`` (the job's ``boot/``) are newer than the progress
-    mark (all of them without one), and the mark's time."""
+    mark, and the mark's time; ``(0, None)`` without a mark: a job that never reported a step
+    (a script that does not call ``ckpt.step``) is left to the rule for jobs that never trained,
+    never stopped for failures spread over its whole life."""
     times, mark = _listing(url, region)
-    return sum(1 for t in times if mark is None or t > mark), mark
+    if mark is None:
+        return 0, None
+    return sum(1 for t in times if t > mark), mark

@@ -106,14 +106,9 @@ def failed_for_good(rc: int, reason: str, spec: JobSpec, lifecycle: Lifecycle, c
             if failures >= GIVE_UP_AFTER and not workers_ever_started(ckpt_dir, spec.run_id):
                 why = f"{failures} nodes of job {spec.job_name} failed and none ever started its workers"
             elif since >= spec.max_node_failures:
-                when = (
-                    f"since it last trained at {mark:%Y-%m-%d %H:%M:%S} UTC"
-                    if mark
-                    else "and it never trained"
-                )
                 why = (
-                    f"{since} node failures {when} (the cap, --max-node-failures, is "
-                    f"{spec.max_node_failures})"
+                    f"{since} node failures since it last trained at {mark:%Y-%m-%d %H:%M:%S} UTC "
+                    f"(the cap, --max-node-failures, is {spec.max_node_failures})"
                 )
             if why:
                 log.error("%s: stopping the job", why)
