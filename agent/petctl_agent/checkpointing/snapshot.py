@@ -7,7 +7,8 @@ owned by the agent, docs/agent.md "Memory snapshots"):
   it, never unpickles: on the CPU the tensors are views of a private (copy-on-write) mapping, the
   file *lent* (a shared ``flock``) while they live, so a writer never rewrites it in place.
 - ``<name>.<slot>.json``: the header, written last (temp file + ``os.replace``): its presence is the
-  "complete" marker. It holds the step, world size and rank, a generation number, the state's
+  "complete" marker. It holds the step and its epoch (the worker generation that wrote it:
+  :mod:`.timeline`), world size and rank, a generation number, the state's
   structure (dicts/lists/tuples/numbers/strings, tensors as references), each tensor's dtype, shape,
   offset and CRC-32C (``crc32c``; :mod:`.crcs`), and a CRC-32C of the header itself.
 
@@ -71,6 +72,7 @@ from typing import Any
 
 from petctl_agent import filelocks
 from petctl_agent.checkpointing import crcs
+from petctl_agent.checkpointing.timeline import epoch_of
 
 FORMAT = "petctl-snapshot-2"
 SLOTS = ("a", "b")
@@ -877,6 +879,16 @@ class Complete:
     def gen(self) -> int:
         return int(self.header["gen"])
 
+    @property
+    def epoch(self) -> int:
+        """The epoch of the generation that wrote it (:mod:`.timeline`; 0: none recorded)."""
+        return epoch_of(self.header)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """``(epoch, step)``: which history, and where in it (:func:`.timeline.key`)."""
+        return (self.epoch, self.step)
+
 
 class SnapshotStore:
     """The snapshots of one name (e.g. ``rank-3``, or ``replicated``) in a tmpfs directory.
@@ -1010,8 +1022,11 @@ class SnapshotStore:
         rank: int = 0,
         wait: bool = False,
         known: list[dict[str, Any]] | None = None,
+        epoch: int = 0,
     ) -> str:
         """Copy ``state`` into the older slot; ``"ok"``, or ``"no-fit: why"`` / ``"unsupported: why"``.
+
+        ``epoch``: the epoch of the generation whose state it is (:mod:`.timeline`), in the header.
 
         Returns once the bytes are copied (training may change the tensors then); the checksums
         and the header follow in a background thread unless ``wait``. Anything but ``"ok"``
@@ -1049,7 +1064,7 @@ class SnapshotStore:
                     dst.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
                     del dst  # the mmap cannot close while a tensor exports it
 
-        why = self._write(step, world_size, rank, wait, structure, metas, size, fill)
+        why = self._write(step, world_size, rank, wait, structure, metas, size, fill, epoch=epoch)
         if why == OK and size and not all(self._ready(s, size) for s in SLOTS):
             # the next write's file, made and mapped in the background now rather than on its path:
             # a job's second checkpoint (no slot b yet), a restarted worker's (slots not mapped)
@@ -1067,9 +1082,10 @@ class SnapshotStore:
         """Write a peer's snapshot straight into the older slot: ``fill(mm, reserve)`` puts its
         bytes into the slot's mapping (e.g. received over the network into views of it), calling
         ``reserve(offset, n)`` before it writes bytes ``[offset, offset + n)``; ``header`` (the
-        peer's, its own CRC checked by the caller) gives the step, the structure and the tensors'
-        layout and CRCs, so the header goes in place at once, without a checksum pass: ``fill``
-        checks the bytes as they arrive and raises when they do not match (no header then).
+        peer's, its own CRC checked by the caller) gives the step and its epoch, the structure and
+        the tensors' layout and CRCs, so the header goes in place at once, without a checksum
+        pass: ``fill`` checks the bytes as they arrive and raises when they do not match (no
+        header then).
 
         A new file's pages are not allocated up front (tmpfs allocation costs 0.5-1.3 s/GiB here,
         a peer's whole transfer would wait for it): ``reserve`` allocates each piece just before
@@ -1103,6 +1119,7 @@ class SnapshotStore:
                 size,
                 fill,
                 lazy=True,
+                epoch=epoch_of(header),  # the peer's snapshot, of the peer's history
             )
         except BaseException:
             for s in SLOTS:  # the slot it wrote has no header: never loaded; a lender keeps its inode
@@ -1271,6 +1288,7 @@ class SnapshotStore:
         fill: Callable[..., None],
         *,
         lazy: bool = False,
+        epoch: int = 0,
     ) -> str:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         # a spare still being made is not waited for (the write then allocates its own file): on a
@@ -1309,7 +1327,7 @@ class SnapshotStore:
 
         try:
             return self._write_slot(
-                slot, release, done, step, world_size, rank, wait, structure, fill, metas, size, lazy
+                slot, release, done, step, world_size, rank, wait, structure, fill, metas, size, lazy, epoch
             )
         finally:
             release()  # the header is gone by now (or nothing changed): the slot is free either way
@@ -1328,6 +1346,7 @@ class SnapshotStore:
         metas: list[dict[str, Any]],
         size: int,
         lazy: bool = False,
+        epoch: int = 0,
     ) -> str:
         """``lazy`` (a receive): ``fill(mm, reserve)``, a new file's pages allocated per piece."""
         data = self.data_path(slot)
@@ -1395,6 +1414,7 @@ class SnapshotStore:
             "gen": gen,
             "nonce": os.urandom(8).hex(),  # a restarted writer may reuse a generation: never its nonce
             "step": int(step),
+            "epoch": int(epoch),
             "world_size": int(world_size),
             "rank": int(rank),
             "size": size,
@@ -1724,8 +1744,12 @@ class SnapshotStore:
         rank: int | None = None,
         map_location: Any = "cpu",
         check: Callable[[dict[str, Any], mmap.mmap | None], bool] | None = None,
+        epoch: int | None = None,
     ) -> dict[str, Any] | None:
         """The state of snapshot ``step`` (checked), or None when there is no valid one.
+
+        ``epoch`` (given): only a snapshot of that epoch, i.e. of that history (:mod:`.timeline`):
+        a slot holding the same step from another history is never loaded for it.
 
         ``check(header, mm)``, if given, replaces the CRC pass over the mapped bytes: True when
         every tensor's bytes match the header's CRCs, computed otherwise (a peer restore's
@@ -1742,6 +1766,8 @@ class SnapshotStore:
             h = c.header
             if c.step != int(step):
                 continue  # stale (or ahead): never loaded
+            if epoch is not None and c.epoch != int(epoch):
+                continue  # the same step of another history
             if world_size is not None and h["world_size"] != world_size:
                 continue
             if rank is not None and h["rank"] != rank:
