@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from petctl_agent.checkpointing import efsrate
+from petctl_agent.checkpointing import efsrate, timeline
 from petctl_agent.checkpointing.atomic import atomic_write, fsync_dir
 
 LATEST = "latest"
@@ -43,7 +43,12 @@ def checkpoint_dir(directory: str | os.PathLike | None = None) -> Path:
 
 
 def write_pointer(d: Path, pointer: dict[str, Any]) -> None:
-    """Replace ``latest`` atomically (only once the checkpoint it names is durable)."""
+    """Replace ``latest`` atomically (only once the checkpoint it names is durable).
+
+    A pointer without an ``epoch`` gets this process's generation's, once agreed
+    (:mod:`.timeline`: which history the step is of; a pointer without one counts as epoch 0)."""
+    if "epoch" not in pointer and (e := timeline.current()) is not None:
+        pointer = {**pointer, "epoch": e}
     atomic_write(d / LATEST, json.dumps(pointer).encode())
 
 
@@ -109,7 +114,15 @@ def open_temp(d: Path, name: str) -> tuple[Path, Any]:
     return Path(tmp), efsrate.wrap(os.fdopen(fd, "wb"), tmp, "wb")
 
 
-def write_file(state: dict[str, Any], step: int, d: Path, keep: int, *, forward_only: bool = False) -> Path:
+def write_file(
+    state: dict[str, Any],
+    step: int,
+    d: Path,
+    keep: int,
+    *,
+    forward_only: bool = False,
+    epoch: int | None = None,
+) -> Path:
     """Write the single-file checkpoint of ``step``, point ``latest`` at it, prune (rank 0's job).
 
     ``torch.save`` streams into a temp file next to it (sha256 and size taken on the way), fsync,
@@ -121,26 +134,32 @@ def write_file(state: dict[str, Any], step: int, d: Path, keep: int, *, forward_
 
     ``forward_only``: when ``latest`` already names ``step`` or a newer one (the agent's persister
     got there first), write nothing: never replace the file ``latest`` names, never move it back.
+    Newer is by ``(epoch, step)`` (:mod:`.timeline`). ``epoch``: the history the state is of (a
+    restored memory snapshot's); default this generation's.
     """
     import torch
+
+    if epoch is None:
+        epoch = timeline.current() or 0
+    mine = (int(epoch), int(step))
 
     d.mkdir(parents=True, exist_ok=True)
     name = f"ckpt-{int(step):010d}.pt"
     path = d / name
     if forward_only:  # cheap first: a persister that got there already saves a whole write
         p = read_pointer(d)
-        if p and int(p.get("step", -1)) >= int(step):
+        if p and timeline.key(p) >= mine:
             return d / str(p.get("file", name))
     tmp, f = open_temp(d, name)
     try:
         with f:
             hf = HashingFile(f)
-            torch.save({"step": int(step), "state": state, "saved_at": time.time()}, hf)
+            torch.save({"step": int(step), "epoch": int(epoch), "state": state, "saved_at": time.time()}, hf)
             f.flush()
             os.fsync(f.fileno())
         with publish_lock(d):
             p = read_pointer(d) if forward_only else None
-            if p and int(p.get("step", -1)) >= int(step):
+            if p and timeline.key(p) >= mine:
                 return d / str(p.get("file", name))
             os.replace(tmp, path)
             fsync_dir(d)
@@ -152,6 +171,7 @@ def write_file(state: dict[str, Any], step: int, d: Path, keep: int, *, forward_
                     "format": "torch",
                     "sha256": hf.sha.hexdigest(),
                     "size": hf.size,
+                    "epoch": int(epoch),
                 },
             )
     finally:
