@@ -139,7 +139,7 @@ def test_a_holder_whose_store_lacks_the_step_says_so_at_once(
     try:
         assert persist.served(sdir)
         t0 = time.monotonic()
-        memory._persist_before_efs(memory._store(sdir), 6, efs, 0)
+        memory._persist_before_efs(memory._store(sdir), (0, 6), efs, 0)  # (epoch, step): _snap's
         assert time.monotonic() - t0 < 5
     finally:
         os.close(lock)
@@ -164,7 +164,7 @@ def test_a_holders_wait_for_a_stuck_persister_is_capped_below_the_others_timeout
     lock = filelocks.hold(sdir / persist.LOCK)
     try:
         t0 = time.monotonic()
-        memory._persist_before_efs(memory._store(sdir), 6, efs, 0)
+        memory._persist_before_efs(memory._store(sdir), (0, 6), efs, 0)  # (epoch, step): _snap's
         took = time.monotonic() - t0
     finally:
         os.close(lock)

@@ -15,8 +15,8 @@ are complete (and sealed: their writers exited) before the round even opens. So:
   snapshot named by its step and :func:`peer.digest`, so stripes of one step come from any holder).
 - **A node whose store is empty fetches** (:func:`fetch`, ``python -m
   petctl_agent.checkpointing.fetch``, started by its agent the moment the round closes, beside
-  its workers' start): it asks its peers for their newest header, takes the newest step that the
-  most of them hold byte for byte (:func:`peer.digest`), and receives it straight into a slot of
+  its workers' start): it asks its peers for their newest header, takes the newest snapshot (by
+  epoch, then step: :mod:`.timeline`) that the most of them hold byte for byte (:func:`peer.digest`), and receives it straight into a slot of
   its own store (:meth:`SnapshotStore.receive`: pages allocated piece by piece, every tensor's
   CRC checked as its bytes arrive) in ``PETCTL_SNAPSHOT_STREAMS`` stripes, from the holders in
   turn, one TCP connection (flow) each. The process then exits, which seals its copy: the
@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from petctl_agent.checkpointing import peer
+from petctl_agent.checkpointing import peer, timeline
 from petctl_agent.checkpointing.snapshot import OK, SnapshotStore, _header_crc
 
 #: in the store: the server's address (``{"addr", "port"}``), the agent's lock held for a fetch, the
@@ -227,16 +227,17 @@ def _header_of(src: Source, deadline: float | None = None) -> dict[str, Any] | N
 def choose(
     heads: list[tuple[Source, dict[str, Any] | None]],
 ) -> tuple[dict[str, Any], list[Source]] | None:
-    """The newest step the peers hold, and its holders: of that step, the copy (its
-    :func:`peer.digest`) the most of them hold, so every stripe comes from the very same bytes;
-    None when no peer answered with a snapshot."""
+    """The newest snapshot the peers hold -- by ``(epoch, step)``: the newest history's newest step,
+    never a higher step of an abandoned one (:mod:`.timeline`) -- and its holders: of it, the copy
+    (its :func:`peer.digest`) the most of them hold, so every stripe comes from the very same
+    bytes; None when no peer answered with a snapshot."""
     got = [(src, h) for src, h in heads if h is not None]
     if not got:
         return None
-    step = max(int(h["step"]) for _, h in got)
+    newest = max(timeline.key(h) for _, h in got)
     by: dict[int, list[tuple[Source, dict[str, Any]]]] = {}
     for src, h in got:
-        if int(h["step"]) == step:
+        if timeline.key(h) == newest:
             by.setdefault(peer.digest(h), []).append((src, h))
     best = max(by.values(), key=len)
     return best[0][1], [src for src, _ in best]
@@ -303,7 +304,7 @@ def fetch(
         size = int(h["size"])
         mine = store.newest()
         out = {"status": "have", "step": int(h["step"])}
-        if mine is None or mine.step < int(h["step"]):
+        if mine is None or mine.key < timeline.key(h):
             k = streams or peer.streams()
             ranges = [(lo, n) for lo, n in peer.stripes(h["tensors"], size, k) if n]
 

@@ -12,10 +12,17 @@ by default; docs/agent.md, "Memory snapshots"). Then, for plain (not sharded) st
   persists in a thread of its own, as before. Any node's "no-fit"/"unsupported" makes every rank
   take today's path (:func:`petctl_agent.checkpoint.save`) and that node's agent publishes a
   ``snapshot_fallback`` event.
-- resume: the restore comes from the nearest copy of the *agreed step* -- the newest step that
-  some rank's node holds complete and that is not older than ``latest``:
+- resume: the restore comes from the nearest copy of the *agreed snapshot* -- the newest, by
+  ``(epoch, step)`` (``checkpointing/timeline.py``: the epoch names the worker generation, i.e. the
+  history, a step is of), that some rank's node holds complete and that is not older than
+  ``latest`` (a pointer without an epoch: epoch 0). Its holders are the ranks whose node holds that
+  very snapshot: that epoch, that step and the content of the first holder's copy
+  (``peer.digest``). A rank whose node holds the same step from another history, or other bytes,
+  is no holder: it gets the agreed copy as a newcomer does, never loads its own (after a fallback
+  to EFS two nodes could each hold "step N" of two histories). One all-gather agrees on all of it
+  and on this generation's epoch (``timeline.begin``):
 
-  1. the node's own snapshot of that step (checked by step and CRCs);
+  1. the node's own snapshot of that step (checked by epoch, step and CRCs);
   2. else (no complete header of it on this node) a peer's: the ranks that hold that very snapshot
      send its bytes in stripes, each over a gloo group (a flow) of its own with the ranks that need
      it, all at once (``checkpointing/peer.py``: several flows lift AWS's 5 Gbit/s single-flow
@@ -67,7 +74,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from petctl_agent.checkpointing import fetch, peer, persist
+from petctl_agent.checkpointing import fetch, peer, persist, timeline
 from petctl_agent.checkpointing.atomic import atomic_write
 from petctl_agent.checkpointing.drain import LEAVE, _local_drain_flag
 from petctl_agent.checkpointing.files import read_pointer
@@ -161,18 +168,24 @@ def _checkpoint_timeout() -> float:
 
 
 def _wait_persisted(
-    store: SnapshotStore, step: int, directory: Path, keep: int, timeout: float | None = None
+    store: SnapshotStore,
+    step: int,
+    directory: Path,
+    keep: int,
+    timeout: float | None = None,
+    epoch: int = 0,
 ) -> bool:
-    """True once ``latest`` names ``step`` (or newer): the agent's persister's, else our own write.
+    """True once ``latest`` names ``step`` of ``epoch`` (or newer, by ``(epoch, step)``: the
+    agent's persister's, else our own write.
 
     False when neither got it there within ``timeout`` (default ``PETCTL_CHECKPOINT_TIMEOUT``;
     the caller then writes the state it holds the old way: a wait for EFS is never unbounded).
     """
     sdir = store.dir
+    want = (int(epoch), int(step))
     deadline = time.monotonic() + (_checkpoint_timeout() if timeout is None else timeout)
     while time.monotonic() < deadline:
-        p = read_pointer(directory)
-        if p and int(p.get("step", -1)) >= step:
+        if timeline.key(read_pointer(directory)) >= want:
             return True
         st = persist.state(sdir)
         if not persist.served(sdir) or (st.get("error_step") == step and st.get("dir") == str(directory)):
@@ -181,8 +194,7 @@ def _wait_persisted(
     per = _persister(store, directory, keep)
     with per._lock:
         persist.persist_newest(store, directory, keep)
-    p = read_pointer(directory)
-    if not p or int(p.get("step", -1)) < step:
+    if timeline.key(read_pointer(directory)) < want:
         return per.wait(timeout=max(5.0, deadline - time.monotonic()))
     return True
 
@@ -223,10 +235,12 @@ def save(
     if sdir is None:
         return False
     store = _store(sdir)
+    # which history this step is of (timeline.py): agreed at the restore, else here, once
+    epoch = timeline.ensure(lambda: _seen(store, read_pointer(directory)))
     why = ""
     if _local_rank() == 0:
         # a stop or the last step waits for the header anyway: its CRCs then on several cores
-        why = store.write(state, step, world_size=1, rank=0, wait=wait or complete)
+        why = store.write(state, step, world_size=1, rank=0, wait=wait or complete, epoch=epoch)
     ok = why in ("", OK)
     flags = [int(ok)]
     if wait and leaving:
@@ -247,10 +261,11 @@ def save(
         return False
     if dist_rank() == 0:
         if persist.served(sdir):
-            persist.request(sdir, step, directory, keep)  # the header follows: the persister waits for it
+            # the header follows: the persister waits for it
+            persist.request(sdir, step, directory, keep, epoch)
             if wait:
                 store.flush()
-                if not _wait_persisted(store, step, directory, keep):
+                if not _wait_persisted(store, step, directory, keep, epoch=epoch):
                     return _not_persisted(sdir, step)
         else:
             per = _persister(store, directory, keep)
@@ -273,6 +288,21 @@ def _all_gather(value: int, group: Any) -> list[int]:
     return [int(t[0]) for t in out]
 
 
+def _all_gather_rows(values: list[int], group: Any) -> list[list[int]]:
+    """Every rank's ``values`` (int64s, as many on every rank), in rank order: one all-gather."""
+    import torch
+    import torch.distributed as dist
+
+    out = [torch.zeros(len(values), dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, torch.tensor(values, dtype=torch.int64), group=group)
+    return [[int(v) for v in t] for t in out]
+
+
+def _seen(store: SnapshotStore, pointer: dict[str, Any] | None) -> int:
+    """The largest epoch among this node's complete snapshots and ``latest`` (timeline.py)."""
+    return max([c.epoch for c in store.complete()] + [timeline.epoch_of(pointer)])
+
+
 def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | None:
     """The agreed step's state from this node's memory or a peer's; None: load EFS (collective)."""
     sdir = snapshot_dir()
@@ -283,19 +313,22 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
     waited = fetch.wait_for_fetch(sdir, _peer_timeout())
     store = _store(sdir)
     newest = store.newest()
-    mine = newest.step if newest is not None else -1
+    # a snapshot is known by (epoch, step), not its step alone (timeline.py): two nodes may hold
+    # "step N" of two histories after a fallback to EFS, and an abandoned one's steps may be higher
+    mine = newest.key if newest is not None else timeline.NONE
     pointer = read_pointer(directory)
-    efs = int(pointer["step"]) if pointer and "step" in pointer else -1
+    efs = timeline.key(pointer)  # an old pointer, without an epoch: epoch 0
     if not dist_on():
-        if mine < 0 or mine < efs:
+        timeline.begin(_seen(store, pointer), time.time_ns())  # this generation's epoch
+        if mine[1] < 0 or mine < efs:
             return None
-        state = store.load(mine, map_location=map_location, check=store.prechecked())
+        state = store.load(mine[1], map_location=map_location, check=store.prechecked(), epoch=mine[0])
         if state is None:
             return None
-        report_restore("self", mine, newest.header["size"] if newest else 0, time.monotonic() - t0)
+        report_restore("self", mine[1], newest.header["size"] if newest else 0, time.monotonic() - t0)
         _spares_after_first_step(store, _snapshot_size(store, mine))
         _kick(store, directory, mine, efs, state, held=True)
-        return state, mine
+        return state, mine[1]
     import torch.distributed as dist
 
     timeout = timedelta(seconds=_peer_timeout())
@@ -308,19 +341,44 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
     plan: peer.Plan | None = None
     end = None
     try:
-        agreed = max(_all_gather(mine, group))
+        # One all-gather tells every rank all it needs (timeline.py, peer.py): each rank's newest
+        # snapshot (epoch, step), the `latest` it read (epoch, step), the largest epoch it sees
+        # and its clock (this generation's epoch), whether it holds that snapshot (its header and
+        # a data file of its size: size + 1, else 0) and its content (peer.digest), its node
+        # (the ranks sharing a store) and local rank, and the stripes it allows
+        held = _held(store, mine) if mine[1] >= 0 else None
+        lr = min(_local_rank(), 31)
+        rows = _all_gather_rows(
+            [
+                *mine,
+                *efs,
+                _seen(store, pointer),
+                time.time_ns(),
+                int(held["size"]) + 1 if held is not None else 0,
+                peer.digest(held),
+                _node_key(sdir) << 5 | lr,
+                lr << 5 | peer.streams(),
+            ],
+            group,
+        )
         mark("agree")  # mostly waiting for the last rank to get here (process start, init)
-        # every rank read the same `latest` (EFS is shared); a newer one makes EFS the source
-        agreed = agreed if agreed >= max(efs, 0) else -1
-        agreed = min(_all_gather(agreed, group))
-        if agreed < 0:
+        timeline.begin(max(v[4] for v in rows), max(v[5] for v in rows))
+        # the agreed snapshot: the newest (epoch, step) any rank's node holds complete, if not
+        # older than the newest `latest` any rank read (EFS is shared; a persister may move it
+        # between two ranks' reads): else EFS is the source
+        best = max((v[0], v[1]) for v in rows)
+        efs = max((v[2], v[3]) for v in rows)
+        if best[1] < 0 or best < efs:
             return None
-        # who holds the step (a complete header of it; its bytes are checked while loaded or
-        # sent), and its size (+1; 0: not held)
-        holds = _all_gather(_snapshot_size(store, agreed) + 1 if _holds(store, agreed) else 0, group)
+        epoch, agreed = best
+        # its holders: the ranks whose node holds that very snapshot -- that epoch and step, and
+        # the content of the lowest such rank's copy. Any other rank needs it, a holder of the
+        # same step from another history (or other bytes) included: it never loads its own
+        first = next((r for r, v in enumerate(rows) if (v[0], v[1]) == best and v[6]), None)
+        if first is None:
+            return None
+        holds = [v[6] if (v[0], v[1]) == best and v[7] == rows[first][7] else 0 for v in rows]
         holders = [r for r, v in enumerate(holds) if v]
-        if not holders:
-            return None
         needers = [r for r, v in enumerate(holds) if not v]
         source, nbytes, known = "self", 0, None
         kept: tuple[bool, float] | None = None
@@ -329,29 +387,22 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
         srcs = [holders[0]]  # the first source sends the header; its bytes are checked as they go
         receivers, followers, mine_receiver = needers, [], -1
         if needers:
-            # the stripes' sources (peer.py): the holders of that very snapshot, local rank
-            # first (nodes before ranks), taken in turn; as many stripes as every rank allows
-            held = _held(store, agreed)
-            packed = _all_gather(
-                peer.digest(held) << 10 | min(_local_rank(), 31) << 5 | peer.streams(), group
-            )
-            k = min(v & 31 for v in packed)
-            same = sorted(
-                (r for r in holders if packed[r] >> 10 == packed[holders[0]] >> 10),
-                key=lambda r: ((packed[r] >> 5) & 31, r),
-            )
+            # the stripes' sources (peer.py): the holders, local rank first (nodes before ranks),
+            # taken in turn; as many stripes as every rank allows
+            k = min(v[9] & 31 for v in rows)
+            same = sorted(holders, key=lambda r: ((rows[r][9] >> 5) & 31, r))
             srcs = [same[i % len(same)] for i in range(k)]
             # one receiver per node (the ranks sharing this store): its lowest local rank takes
             # the bytes over the network into the node's store, the node's other ranks (followers)
             # then load that copy -- a node of 8 GPUs takes 1 GiB off the network, not 8 (a
             # binomial broadcast among them would also send the source's bytes several times)
-            nodes = _all_gather(_node_key(sdir) << 5 | min(_local_rank(), 31), group)
-            first: dict[int, int] = {}
+            nodes = [v[8] for v in rows]
+            first_of: dict[int, int] = {}
             for r in sorted(needers, key=lambda r: (nodes[r] & 31, r)):
-                first.setdefault(nodes[r] >> 5, r)
+                first_of.setdefault(nodes[r] >> 5, r)
             # only a local rank 0 writes its node's store: a node whose lowest needer is not one
             # (LOCAL_RANK unset) has every needer receive for itself, as before
-            lead = {k: r for k, r in first.items() if nodes[r] & 31 == 0}
+            lead = {n: r for n, r in first_of.items() if nodes[r] & 31 == 0}
             followers = [r for r in needers if nodes[r] >> 5 in lead and r != lead[nodes[r] >> 5]]
             receivers = [r for r in needers if r not in followers]
             mine_receiver = lead.get(nodes[me] >> 5, -1)
@@ -368,15 +419,17 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
                 if me in srcs:
                     # sent straight out of the mapping its own state views, the CRCs checked on
                     # the way: the receivers never wait for a load of the source's own
-                    loaded, n = peer.send(store, agreed, plan, me, map_location)
+                    loaded, n = peer.send(store, agreed, plan, me, map_location, epoch=epoch)
                     state = state if state is not None else loaded
                     nbytes = nbytes or n
                 elif me in receivers:
                     into = store if _local_rank() == 0 else None  # the store's one writer on this node
-                    state, nbytes, known, kept = peer.receive(agreed, plan, map_location, into)
+                    state, nbytes, known, kept = peer.receive(agreed, plan, map_location, into, epoch=epoch)
                     source = "peer"
                 elif state is None and me not in followers:  # another holder: its own copy, meanwhile
-                    state = store.load(agreed, map_location=map_location, check=store.prechecked())
+                    state = store.load(
+                        agreed, map_location=map_location, check=store.prechecked(), epoch=epoch
+                    )
                 # a source's: its send and load (one pass); a receiver's: its slot's pages, the
                 # bytes and their CRCs (as they arrive); another holder's: its own load
                 if me not in followers:
@@ -389,13 +442,15 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
                         source = "peer"
                         mark("wait")  # for its node's receiver
                         if mine_receiver >= 0 and took[mine_receiver]:
-                            state = store.load(agreed, map_location=map_location, check=store.prechecked())
+                            state = store.load(
+                                agreed, map_location=map_location, check=store.prechecked(), epoch=epoch
+                            )
                             kept = (state is not None, 0.0)
                             mark("load")
             elif state is None:
                 # its CRCs checked by the agent while this worker started, if that is still the
                 # very snapshot (SnapshotStore.verify); else here, in full
-                state = store.load(agreed, map_location=map_location, check=store.prechecked())
+                state = store.load(agreed, map_location=map_location, check=store.prechecked(), epoch=epoch)
                 mark("load")
             # bit 0: this rank has the state; bit 1: it can serve it -- its node's store holds the
             # step (its own copy, or a peer's received into it) and that copy passed its checks.
@@ -438,19 +493,19 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
         # ... once a rank whose store holds the agreed step, its copy checked, put it there (a
         # drain did not wait for EFS). A torn copy, or a step received into a plain buffer, is
         # no source: its persister could not serve the request
-        if agreed > efs and sources:
-            _persist_before_efs(store, agreed, directory, sources[0])
+        if best > efs and sources:
+            _persist_before_efs(store, best, directory, sources[0])
         return None
     extra: dict[str, Any] = {}
     held = source == "self"
     if source == "peer":
         if _local_rank() == 0:  # the store's one writer on this node
             # received straight into the store (kept, no copy), or no room there; else a copy now
-            held, extra["kept_seconds"] = kept if kept is not None else _keep(store, state, agreed, known)
+            held, extra["kept_seconds"] = kept if kept is not None else _keep(store, state, best, known)
         else:
             held = True  # local rank 0 keeps it (global rank 0 is local rank 0 under torchrun)
     if source == "self":
-        nbytes = newest.header["size"] if newest is not None and newest.step == agreed else 0
+        nbytes = newest.header["size"] if newest is not None and newest.key == best else 0
         if nbytes and fetch.fetched(sdir, newest.header):
             source = "prefetch"  # from a peer, by this node's agent as the round closed (fetch.py)
     report_restore(source, agreed, nbytes, time.monotonic() - t0, **extra)
@@ -468,9 +523,9 @@ def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | N
     )
     if _local_rank() == 0 and held:
         # the next writes' new files (the lent slot's, a newcomer's second slot) made meanwhile
-        _spares_after_first_step(store, _snapshot_size(store, agreed))
+        _spares_after_first_step(store, _snapshot_size(store, best))
     if dist_rank() == 0:
-        _kick(store, directory, agreed, efs, state, held=held)
+        _kick(store, directory, best, efs, state, held=held)
     return state, agreed
 
 
@@ -503,8 +558,8 @@ def _efs_wait_timeout() -> float:
     return 2 * _checkpoint_timeout() + 60
 
 
-def _persist_before_efs(store: SnapshotStore, step: int, directory: Path, holder: int) -> None:
-    """Every rank is about to load EFS although rank ``holder`` holds ``step``, newer than
+def _persist_before_efs(store: SnapshotStore, key: tuple[int, int], directory: Path, holder: int) -> None:
+    """Every rank is about to load EFS although rank ``holder`` holds ``key`` (epoch, step), newer than
     ``latest`` (a drain whose rank 0 left did not wait for EFS: a staying node's memory was the
     copy). The holder persists it first -- its agent's persister, else in this process, as a
     checkpoint's wait does (bounded: :func:`_efs_wait_timeout`) -- and every rank waits for it, so
@@ -513,20 +568,23 @@ def _persist_before_efs(store: SnapshotStore, step: int, directory: Path, holder
     at once: every rank loads EFS as it is."""
     import torch.distributed as dist
 
+    epoch, step = key
     keep = int(os.environ.get("PETCTL_CHECKPOINT_KEEP", "3"))
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=_efs_wait_timeout()))
     try:
         if dist.get_rank() == holder:
             newest = store.newest()
             done = False
-            if not _holds(store, step) or newest is None or newest.step != step:
+            if not _holds(store, key) or newest is None or newest.key != key:
                 why = "this node's memory no longer holds it complete"
             else:
                 why = "could not be persisted"
                 try:
                     if persist.served(store.dir):
-                        persist.request(store.dir, step, directory, keep)
-                    done = _wait_persisted(store, step, directory, keep, timeout=_checkpoint_timeout() / 2)
+                        persist.request(store.dir, step, directory, keep, epoch)
+                    done = _wait_persisted(
+                        store, step, directory, keep, timeout=_checkpoint_timeout() / 2, epoch=epoch
+                    )
                 except Exception as e:  # noqa: BLE001 - EFS trouble: the ranks load the older step
                     print(f"petctl checkpoint: {type(e).__name__}: {e}", file=sys.stderr)
             print(
@@ -548,21 +606,23 @@ def _persist_before_efs(store: SnapshotStore, step: int, directory: Path, holder
             pass
 
 
-def _snapshot_size(store: SnapshotStore, step: int) -> int:
-    c = next((c for c in store.complete() if c.step == step), None)
+def _snapshot_size(store: SnapshotStore, key: tuple[int, int]) -> int:
+    c = next((c for c in store.complete() if c.key == key), None)
     return int(c.header["size"]) if c is not None else 0
 
 
 def _keep(
-    store: SnapshotStore, state: dict[str, Any], step: int, known: list[dict[str, Any]] | None
+    store: SnapshotStore, state: dict[str, Any], key: tuple[int, int], known: list[dict[str, Any]] | None
 ) -> tuple[bool, float]:
     """Write a peer's snapshot, received and checked, into this node's own store, so that a later
     restart of this node restores from itself (not a second trip over the network, or EFS when the
     source is gone by then). Blocks only for the copy: the CRCs came with the snapshot, so the
-    header goes in place at once. (True when kept, the seconds it took.)"""
+    header goes in place at once. (True when kept, the seconds it took.) Kept under the peer's
+    ``key`` (epoch, step): it is that history's snapshot, not one of this generation's."""
+    epoch, step = key
     t = time.monotonic()
     try:
-        why = store.write(state, step, world_size=1, rank=0, known=known)
+        why = store.write(state, step, world_size=1, rank=0, known=known, epoch=epoch)
     except Exception as e:  # noqa: BLE001 - never fatal: the state is restored; only the copy is missing
         why = f"{type(e).__name__}: {e}"
     took = round(time.monotonic() - t, 3)
@@ -575,13 +635,21 @@ def _keep(
 
 
 def _kick(
-    store: SnapshotStore, directory: Path, step: int, efs: int, state: dict[str, Any], *, held: bool
+    store: SnapshotStore,
+    directory: Path,
+    key: tuple[int, int],
+    efs: tuple[int, int],
+    state: dict[str, Any],
+    *,
+    held: bool,
 ) -> None:
-    """Rank 0 restored a step newer than ``latest``: make sure it reaches EFS, the source of truth
-    for a restart of the whole job -- the agent's persister (else ours) when this node's store
-    holds it (``held``: its own snapshot, or a peer's it kept), else written now, the old way."""
-    if step <= efs:
+    """Rank 0 restored a snapshot newer than ``latest`` (by ``(epoch, step)``, ``key`` against
+    ``efs``): make sure it reaches EFS, the source of truth for a restart of the whole job -- the
+    agent's persister (else ours) when this node's store holds it (``held``: its own snapshot, or a
+    peer's it kept), else written now, the old way, under the snapshot's epoch."""
+    if key <= efs:
         return
+    epoch, step = key
     keep = int(os.environ.get("PETCTL_CHECKPOINT_KEEP", "3"))
     if not held:  # this node's memory could not keep the step (a newcomer whose store is full)
         why = f"step {step} restored from a peer but not held in this node's memory"
@@ -589,19 +657,19 @@ def _kick(
         _report(store.dir, FALLBACK_REPORT, {"step": int(step), "reason": why})
         from petctl_agent.checkpointing.files import write_file
 
-        write_file(state, step, directory, keep, forward_only=True)
+        write_file(state, step, directory, keep, forward_only=True, epoch=epoch)
         return
     if persist.served(store.dir):
-        persist.request(store.dir, step, directory, keep)
+        persist.request(store.dir, step, directory, keep, epoch)
     else:
         _persister(store, directory, keep).kick()
 
 
-def _held(store: SnapshotStore, step: int) -> dict[str, Any] | None:
-    """The header of this node's complete snapshot of ``step`` (header intact, data file of its
-    size), or None. Cheap: its bytes are checked by whoever loads or sends them."""
+def _held(store: SnapshotStore, key: tuple[int, int]) -> dict[str, Any] | None:
+    """The header of this node's complete snapshot of ``key`` (epoch, step) (header intact, data
+    file of its size), or None. Cheap: its bytes are checked by whoever loads or sends them."""
     for c in store.complete():
-        if c.step == step:
+        if c.key == key:
             try:
                 if os.stat(store.data_path(c.slot)).st_size == int(c.header["size"]):
                     return c.header
@@ -617,13 +685,14 @@ def _node_key(sdir: Path) -> int:
     return int.from_bytes(hashlib.blake2b(node_name(sdir).encode(), digest_size=7).digest(), "big")
 
 
-def _holds(store: SnapshotStore, step: int) -> bool:
-    return _held(store, step) is not None
+def _holds(store: SnapshotStore, key: tuple[int, int]) -> bool:
+    return _held(store, key) is not None
 
 
 def close_persisters() -> None:
     """Stop this process's persister threads and forget its stores (tests; a worker just exits)."""
     _due_spares.clear()
+    timeline.reset()
     while _persisters:
         _, p = _persisters.popitem()
         p.close()

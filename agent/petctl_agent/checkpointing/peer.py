@@ -43,6 +43,7 @@ from petctl_agent.checkpointing.snapshot import (
     decode_structure,
     dtype_from_name,
 )
+from petctl_agent.checkpointing.timeline import epoch_of
 
 #: bytes per broadcast of a peer transfer (each one bounded by the group's timeout)
 CHUNK = 64 << 20
@@ -240,9 +241,10 @@ def _flag(lo: int, n: int, src: int, group: Any) -> tuple[int, int]:
 
 
 def send(
-    store: SnapshotStore, step: int, plan: Plan, me: int, map_location: Any
+    store: SnapshotStore, step: int, plan: Plan, me: int, map_location: Any, epoch: int | None = None
 ) -> tuple[dict[str, Any] | None, int]:
-    """Send this rank's stripes of snapshot ``step`` (the header too, if it sends the first) and
+    """Send this rank's stripes of snapshot ``step`` of ``epoch`` (given: only a copy of that
+    history, :mod:`.timeline`; the header too, if it sends the first) and
     load it: the bytes go out of the very mapping the loaded tensors view, their CRCs computed
     on the way, then the rest of the copy's (none when the agent's check or the writer's seal
     covers that very snapshot: ``SnapshotStore.covered``). (The state, None when a check failed;
@@ -289,7 +291,7 @@ def send(
             return True
         return all(c is not None and c.ok() for c in sums.values()) and bool(done[-1])
 
-    state = store.load(step, map_location=map_location, check=check)
+    state = store.load(step, map_location=map_location, check=check, epoch=epoch)
     if not sent[1]:  # nothing to send from: said at once, on every group it serves
         if lead:
             dist.broadcast(torch.tensor([-1, -1], dtype=torch.int64), src=me, group=plan.groups[0])
@@ -302,8 +304,9 @@ class _Torn(Exception):
     """A peer's bytes did not match its header's CRCs (or could not be stored): not kept."""
 
 
-def _peer_header(hbuf: Any, step: int, size: int) -> dict[str, Any] | None:
-    """The peer's header if it parses, its own CRC matches and it is of ``step`` and ``size``."""
+def _peer_header(hbuf: Any, step: int, size: int, epoch: int | None = None) -> dict[str, Any] | None:
+    """The peer's header if it parses, its own CRC matches and it is of ``step`` and ``size`` (and
+    of ``epoch``, when given: the history agreed on)."""
     try:
         h = json.loads(bytes(hbuf.numpy()))
     except ValueError:
@@ -311,6 +314,8 @@ def _peer_header(hbuf: Any, step: int, size: int) -> dict[str, Any] | None:
     if not isinstance(h, dict) or h.get("header_crc") != _header_crc(h):
         return None
     if int(h.get("step", -1)) != step or int(h.get("size", -1)) != size:
+        return None
+    if epoch is not None and epoch_of(h) != epoch:
         return None
     return h
 
@@ -347,10 +352,15 @@ def _pull_all(plan: Plan, into: Any, size: int, h: dict[str, Any] | None, reserv
 
 
 def receive(
-    step: int, plan: Plan, map_location: Any, store: SnapshotStore | None = None
+    step: int,
+    plan: Plan,
+    map_location: Any,
+    store: SnapshotStore | None = None,
+    epoch: int | None = None,
 ) -> tuple[dict[str, Any] | None, int, list[dict[str, Any]] | None, tuple[bool, float] | None]:
-    """Receive a peer's snapshot; the state if its step and every CRC check, else None; its
-    size; its header's ``tensors`` (layout and CRCs, checked); whether it was kept in ``store``.
+    """Receive a peer's snapshot; the state if its step (and ``epoch``, given) and every CRC
+    check, else None; its size; its header's ``tensors`` (layout and CRCs, checked); whether it
+    was kept in ``store``.
 
     The CRCs are checked as the bytes arrive, stripe by stripe, not in a pass of their own.
     ``store`` (this node's, given to its local rank 0): the bytes arrive straight in a slot of it
@@ -371,7 +381,7 @@ def receive(
     if size >= 0:
         hbuf = torch.empty(hlen, dtype=torch.uint8)
         dist.broadcast(hbuf, src=plan.srcs[0], group=plan.groups[0])
-        h = _peer_header(hbuf, step, size)
+        h = _peer_header(hbuf, step, size, epoch)
     kept: tuple[bool, float] | None = None
     if h is not None and store is not None:
 
@@ -386,7 +396,7 @@ def receive(
             print(f"petctl checkpoint: step {step} from a peer not loaded ({e})", file=sys.stderr)
             return None, size, None, None
         if why == OK:
-            state = store.load(step, map_location=map_location, check=store.verified())
+            state = store.load(step, map_location=map_location, check=store.verified(), epoch=epoch)
             if state is None:
                 return None, size, None, None
             return state, size, h["tensors"], (True, 0.0)

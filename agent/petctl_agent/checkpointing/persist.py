@@ -1,10 +1,11 @@
 """Background persistence: a memory snapshot written to the checkpoint directory in today's format.
 
 :func:`persist_newest` takes the newest complete snapshot of a name (``checkpointing/snapshot.py``),
-checks its CRCs, writes it as ``ckpt-<step:010d>.pt`` (``torch.save`` of ``{"step", "state",
-"saved_at"}``, what :func:`petctl_agent.checkpointing.files.load_file` reads) into a temp file,
-fsyncs it, and only then renames it and replaces ``latest`` (with its sha256 and size) -- today's
-atomic ``latest`` semantics. The tensors are read straight out of the snapshot's ``mmap`` (no
+checks its CRCs, writes it as ``ckpt-<step:010d>.pt`` (``torch.save`` of ``{"step", "epoch",
+"state", "saved_at"}``, what :func:`petctl_agent.checkpointing.files.load_file` reads) into a temp
+file, fsyncs it, and only then renames it and replaces ``latest`` (with its sha256, size and the
+snapshot's epoch: :mod:`.timeline`) -- today's atomic ``latest`` semantics, ``latest`` moved only to
+a newer ``(epoch, step)``. The tensors are read straight out of the snapshot's ``mmap`` (no
 copy). The slot is *pinned* for the whole persist (:meth:`SnapshotStore.pin`, a shared ``flock``):
 the writer never writes into a pinned slot -- it overwrites the newer one instead -- so a persist
 always lands, however slow EFS is next to the checkpoint interval, and the persister then takes
@@ -15,9 +16,9 @@ Where it runs: a child process of the agent (``python -m petctl_agent.checkpoint
 SNAPSHOT_DIR NAME``), started when the node's store is made and stopped when the node leaves the
 job: it outlives worker restarts (a drain exits the workers with ``os._exit`` right after the
 snapshot) and keeps a long EFS write off the training process's GIL. It serves requests: the
-worker that persists (global rank 0) writes ``persist.request`` (``{"step", "dir", "keep"}``) into
-the store's directory right after its copy; the server persists the newest complete snapshot once
-one of that step (or newer) is complete, and writes what happened to ``persist.json`` (``step``
+worker that persists (global rank 0) writes ``persist.request`` (``{"step", "epoch", "dir", "keep"}``)
+into the store's directory right after its copy; the server persists the newest complete snapshot
+once one of that step and epoch (or newer) is complete, and writes what happened to ``persist.json`` (``step``
 persisted, or ``error`` with ``error_step``). It holds an exclusive ``flock`` on ``persist.lock``
 while alive, which is how a worker tells that nobody serves its requests (no agent: plain torchrun,
 tests), and then persists itself (:class:`Persister`, the same loop as a thread).
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent import filelocks
-from petctl_agent.checkpointing import crcs
+from petctl_agent.checkpointing import crcs, timeline
 from petctl_agent.checkpointing.atomic import atomic_write, fsync_dir
 from petctl_agent.checkpointing.files import (
     HashingFile,
@@ -57,12 +58,16 @@ from petctl_agent.checkpointing.snapshot import (
 
 
 def persist_newest(store: SnapshotStore, directory: Path, keep: int = 3) -> int | None:
-    """Persist the newest complete snapshot if ``latest`` is older; the step persisted, else None."""
+    """Persist the newest complete snapshot if ``latest`` is older; the step persisted, else None.
+
+    Older by ``(epoch, step)`` (:mod:`.timeline`): a snapshot of an abandoned history never
+    replaces the live one's ``latest``, however high its step; the live history's replaces an
+    abandoned one's, even at a lower step."""
     c = store.newest()
     if c is None:
         return None
     pointer = read_pointer(directory)
-    if pointer and "step" in pointer and int(pointer["step"]) >= c.step:
+    if timeline.key(pointer) >= c.key:
         return None  # already there (or EFS is ahead: a restart of the whole job restored from it)
     return c.step if _persist(store, c, directory, keep) else None
 
@@ -124,7 +129,7 @@ def _persist_pinned(store: SnapshotStore, c: Complete, d: Path, keep: int) -> bo
         tmp, f = open_temp(d, name)
         with f:
             hf = HashingFile(f)
-            torch.save({"step": c.step, "state": state, "saved_at": time.time()}, hf)
+            torch.save({"step": c.step, "epoch": c.epoch, "state": state, "saved_at": time.time()}, hf)
             f.flush()
             os.fsync(f.fileno())
         state = None
@@ -137,7 +142,7 @@ def _persist_pinned(store: SnapshotStore, c: Complete, d: Path, keep: int) -> bo
             # with the same step: the second drops its copy instead of replacing the file that
             # `latest` already names (with other bytes: another saved_at) or moving `latest` back
             pointer = read_pointer(d)
-            if pointer and "step" in pointer and int(pointer["step"]) >= c.step:
+            if timeline.key(pointer) >= c.key:
                 return True
             os.replace(tmp, d / name)
             fsync_dir(d)
@@ -149,6 +154,7 @@ def _persist_pinned(store: SnapshotStore, c: Complete, d: Path, keep: int) -> bo
                     "format": "torch",
                     "sha256": hf.sha.hexdigest(),
                     "size": hf.size,
+                    "epoch": c.epoch,  # the snapshot's history, not this process's
                 },
             )
         prune(d, keep, name)
@@ -210,8 +216,7 @@ class Persister:
         while True:
             with self._lock:
                 c = self.store.newest()
-                p = read_pointer(self.directory)
-                if c is None or (p and int(p.get("step", -1)) >= c.step):
+                if c is None or timeline.key(read_pointer(self.directory)) >= c.key:
                     return True
                 persist_newest(self.store, self.directory, self.keep)
             if end is not None and time.monotonic() > end:
@@ -238,9 +243,15 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return d if isinstance(d, dict) else None
 
 
-def request(snapshot_dir: Path, step: int, directory: Path, keep: int) -> None:
-    """Ask the agent's persister to persist ``step`` (once complete) into ``directory``."""
-    body = {"step": int(step), "dir": str(directory), "keep": int(keep), "t": time.time()}
+def request(snapshot_dir: Path, step: int, directory: Path, keep: int, epoch: int = 0) -> None:
+    """Ask the agent's persister to persist ``step`` of ``epoch`` (once complete) into ``directory``."""
+    body = {
+        "step": int(step),
+        "epoch": int(epoch),
+        "dir": str(directory),
+        "keep": int(keep),
+        "t": time.time(),
+    }
     atomic_write(Path(snapshot_dir) / REQUEST, json.dumps(body).encode())
 
 
@@ -264,26 +275,28 @@ def serve(snapshot_dir: Path, name: str, poll: float = 0.05, stop: threading.Eve
         signal.signal(signal.SIGINT, lambda *_: stop.set())
     lock = filelocks.hold(sdir / LOCK)  # one persister per store; held until we exit
     store = SnapshotStore(sdir, name)
-    done: tuple[str, int] | None = None  # the last request served: (dir, step)
+    done: tuple[str, tuple[int, int]] | None = None  # the last request served: (dir, (epoch, step))
     try:
         while True:
             # stopping (the node leaves): the request already made is still served, once, if its
             # snapshot is complete -- a drain that a survivor covered did not wait for it
             stopping = stop.is_set()
             req = _read_json(sdir / REQUEST)
-            if req and "step" in req and "dir" in req and done != (req["dir"], int(req["step"])):
+            want = timeline.key(req)
+            if req and "step" in req and "dir" in req and done != (req["dir"], want):
                 c = store.newest()
-                if c is not None and c.step >= int(req["step"]):
+                # that snapshot complete (or a newer one: by epoch, then step)
+                if c is not None and c.key >= want:
                     d = Path(req["dir"])
                     try:
                         persist_newest(store, d, int(req.get("keep", 3)))
                         p = read_pointer(d) or {}
-                        if int(p.get("step", -1)) >= int(req["step"]):
-                            done = (req["dir"], int(req["step"]))
+                        if timeline.key(p) >= want:
+                            done = (req["dir"], want)
                             _report(sdir, {"step": int(p["step"]), "dir": str(d)})
                             print(f"petctl persist: step {p['step']} -> {d}", file=sys.stderr, flush=True)
                     except Exception as e:  # noqa: BLE001 - reported; the waiting worker writes itself
-                        done = (req["dir"], int(req["step"]))
+                        done = (req["dir"], want)
                         why = f"{type(e).__name__}: {e}"
                         _report(sdir, {"error": why, "error_step": int(req["step"]), "dir": str(d)})
                         print(f"petctl persist: step {req['step']}: {why}", file=sys.stderr, flush=True)
