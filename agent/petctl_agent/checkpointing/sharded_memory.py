@@ -62,7 +62,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from petctl_agent.checkpointing import crcs
+from petctl_agent.checkpointing import crcs, timeline
 from petctl_agent.checkpointing.atomic import fsync_dir
 from petctl_agent.checkpointing.files import CKPT_RE, prune, read_pointer, write_pointer
 from petctl_agent.checkpointing.snapshot import node_name, read_meminfo, reserve
@@ -313,14 +313,26 @@ def save(state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: 
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     stepdir = root / f"ckpt-{step:010d}.dcp"
     node = _node_key()
+    # which history this step is of (timeline.py): the restore agreed on it; a generation that
+    # saves before any restore agrees here, in this gather
+    epoch = timeline.current()
+    agree = {} if epoch is not None else {"clock": time.time_ns(), "seen": _seen(root, directory)}
     info = _gather_json(
         {
             "node": node,
             "bytes": _local_bytes(state),
             "busy": inflight,
             "id": uuid.uuid4().hex if rank == 0 else "",
+            "epoch": epoch,
+            **agree,
         }
     )
+    if info[0]["epoch"] is not None:
+        epoch = timeline.adopt(int(info[0]["epoch"]))
+    else:
+        epoch = timeline.begin(
+            max(int(i.get("seen", 0)) for i in info), max(int(i.get("clock", 0)) for i in info)
+        )
     nodes = [i["node"] for i in info]
     leader = _leader(rank, nodes) == rank
     # one decision per node (its lowest rank), on the node's whole need: the ranks share its memory;
@@ -343,7 +355,7 @@ def save(state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: 
             return False
         return _save_in_memory(
             state, step, directory, keep, wait, root, stepdir, info, nodes, leader, inflight,
-            written=held_res.done if held_res is not None else lambda: None,
+            written=held_res.done if held_res is not None else lambda: None, epoch=int(epoch),
         )  # fmt: skip
     finally:
         if held_res is not None:
@@ -363,6 +375,7 @@ def _save_in_memory(
     leader: bool,
     inflight: int | None,
     written: Callable[[], None],
+    epoch: int = 0,
 ) -> bool:
     """:func:`save` once every node said the step fits: write, exchange replicas (then
     ``written()``: the node's reservation ends), persist."""
@@ -403,7 +416,7 @@ def _save_in_memory(
 
     def work(job: _Persist) -> None:
         try:
-            _finish(stepdir, step, save_id, rank, world, held, counts, ckpt_dir, keep, job)
+            _finish(stepdir, step, save_id, rank, world, held, counts, ckpt_dir, keep, job, epoch)
         except Exception as e:  # noqa: BLE001 - reported at the next save (or raised by a wait)
             _pending_error.append(f"step {step}: {type(e).__name__}: {e}")
         finally:
@@ -485,6 +498,7 @@ def _finish(
     ckpt_dir: Path,
     keep: int,
     job: _Persist,
+    epoch: int = 0,
 ) -> None:
     """The background part: CRCs and the marker (memory complete), then this rank's files to EFS."""
     files = {}
@@ -494,6 +508,7 @@ def _finish(
     marker = {
         "format": MARKER_FMT,
         "step": step,
+        "epoch": int(epoch),  # the history it is of (timeline.py)
         "id": save_id,
         "world_size": world,
         "rank": rank,
@@ -508,9 +523,8 @@ def _finish(
     if not job.copy:
         return
     name = f"ckpt-{step:010d}.dcp"
-    p = read_pointer(ckpt_dir)
-    if p and int(p.get("step", -1)) >= step:
-        return  # EFS is already there (or ahead)
+    if timeline.key(read_pointer(ckpt_dir)) >= (int(epoch), step):
+        return  # EFS is already there (or ahead: by epoch, then step)
     out = ckpt_dir / f".{name}.{save_id}.tmp"
     try:
         _copy_own(stepdir, rank, held, out)
@@ -548,7 +562,9 @@ def _finish(
         shutil.rmtree(trash, ignore_errors=True)
     os.rename(out, final)
     fsync_dir(ckpt_dir)
-    write_pointer(ckpt_dir, {"file": name, "step": step, "format": "dcp", "world_size": world})
+    write_pointer(
+        ckpt_dir, {"file": name, "step": step, "format": "dcp", "world_size": world, "epoch": int(epoch)}
+    )
     prune(ckpt_dir, keep, name)
 
 
@@ -580,8 +596,18 @@ def _copy_own(stepdir: Path, rank: int, held: dict[str, int], out: Path) -> None
 # ---------------------------------------------------------------- resume
 
 
+def _seen(root: Path, directory: Path) -> int:
+    """The largest epoch among this node's markers and ``latest`` (timeline.py; no CRC pass)."""
+    out = timeline.epoch_of(read_pointer(Path(directory)))
+    for s, p in _steps(root):
+        for m in _read_markers(p, s):
+            out = max(out, timeline.epoch_of(m))
+    return out
+
+
 def _inventory(root: Path) -> dict[str, Any]:
-    """What this node's memory holds, checked: ``{step: {"id", "world", "files": {name: [owner, size, crc]}}}``.
+    """What this node's memory holds, checked: ``{step: {"id", "epoch", "world", "files": {name:
+    [owner, size, crc]}}}`` (``epoch``: the history the step is of, timeline.py).
 
     A file is offered only when a marker names it and its size and CRC match (torn or rewritten:
     left out); markers of one step with different save ids: the step is left out (stale mix).
@@ -609,6 +635,7 @@ def _inventory(root: Path) -> dict[str, Any]:
         if files:
             out[str(s)] = {
                 "id": ids.pop(),
+                "epoch": min(timeline.epoch_of(m) for m in markers),
                 "world": int(markers[0]["world_size"]),
                 "counts": counts,
                 "files": files,
@@ -616,11 +643,12 @@ def _inventory(root: Path) -> dict[str, Any]:
     return out
 
 
-def _covered(step: str, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Every file of ``step`` (one save id) and who holds it, if the nodes' memories cover it."""
+def _covered(step: str, entries: list[dict[str, Any]], sid: str | None = None) -> dict[str, Any] | None:
+    """Every file of ``step`` (one save id: ``sid``, given) and who holds it, if the nodes'
+    memories cover it."""
     by_id: dict[str, list[dict[str, Any]]] = {}
     for e in entries:
-        if step in e:
+        if step in e and (sid is None or e[step]["id"] == sid):
             by_id.setdefault(e[step]["id"], []).append(e[step])
     for sid, parts in sorted(by_id.items()):
         world = parts[0]["world"]
@@ -660,36 +688,50 @@ def resume(
     t0 = time.monotonic()
     inv = _inventory(root) if root.is_dir() else {}
     pointer = read_pointer(Path(directory))
-    mine = int(pointer["step"]) if pointer and "step" in pointer else -1
+    mine = timeline.key(pointer)  # an old pointer, without an epoch: epoch 0
     # every rank's read of EFS's `latest` is gathered, not only its memory's inventory: a persister
     # may move `latest` between the ranks' reads, and a rank that alone saw the newer step would
-    # give memory up (a plan of None) while the others entered the collective load of an older one
-    entries = _gather_json({"node": _node_key(), "inv": inv, "efs": mine})
+    # give memory up (a plan of None) while the others entered the collective load of an older one.
+    # With them, what this generation's epoch needs (timeline.py): each rank's clock and the
+    # largest epoch it sees
+    seen_here = max([timeline.epoch_of(pointer)] + [int(v.get("epoch", 0)) for v in inv.values()])
+    entries = _gather_json(
+        {"node": _node_key(), "inv": inv, "efs": mine[1], "efs_epoch": mine[0], "clock": time.time_ns(),
+         "seen": seen_here}
+    )  # fmt: skip
+    timeline.begin(max(int(e["seen"]) for e in entries), max(int(e["clock"]) for e in entries))
     nodes = [e["node"] for e in entries]
     invs = [e["inv"] for e in entries]
-    efs = max(int(e["efs"]) for e in entries)  # the newest durable step any rank saw
-    seen = sorted({int(s) for i in invs for s in i}, reverse=True)
-    newest = max(seen[0] if seen else -1, efs)
+    efs_key = max((int(e["efs_epoch"]), int(e["efs"])) for e in entries)  # the newest durable any rank saw
+    efs = efs_key[1]
+    # a step is known by (epoch, step) and its save id, not its number alone: after a fallback to
+    # EFS two nodes may hold "step N" of two histories, and an abandoned one's steps may be higher
+    # than the live one's. Newest first: the newest history's newest step
+    cands = sorted(
+        {(int(i[s].get("epoch", 0)), int(s), str(i[s]["id"])) for i in invs for s in i}, reverse=True
+    )
+    top = cands[0][:2] if cands else timeline.NONE
+    newest = max(top, efs_key)[1]
     plan = None
     step = -1
-    for s in seen:
-        if s < efs:
+    for e, s, sid in cands:
+        if (e, s) < efs_key:
             break
-        plan = _covered(str(s), invs)
+        plan = _covered(str(s), invs, sid)
         if plan is not None:
-            step = s
+            step, plan_key = s, (e, s)
             break
     if plan is None:
         last_restore = {"source": "efs", "step": efs, "newest": newest}
-        if seen and seen[0] > efs:
+        if cands and top > efs_key:
             last_restore["back_to"] = efs
-        if rank == 0 and seen and seen[0] > efs:
-            missing = _missing(str(seen[0]), invs)
+        if rank == 0 and cands and top > efs_key:
+            missing = _missing(str(top[1]), invs, cands[0][2])
             _say(
-                f"step {seen[0]} is not in the survivors' memory (no intact copy of {missing}); "
+                f"step {top[1]} is not in the survivors' memory (no intact copy of {missing}); "
                 f"going back to step {efs} from {directory}"
                 if efs >= 0
-                else f"step {seen[0]} is not in the survivors' memory (no intact copy of {missing}) "
+                else f"step {top[1]} is not in the survivors' memory (no intact copy of {missing}) "
                 "and nothing is persisted: starting over"
             )
         return None
@@ -728,7 +770,7 @@ def resume(
         "seconds": round(secs, 3),
         "shards": shards,
     }
-    if step < newest:
+    if plan_key < top:
         last_restore["back_to"] = step
     _report_restore(
         "peer" if shards.get("peer") else "self",
@@ -739,10 +781,10 @@ def resume(
         newest=newest,
         back_to=last_restore.get("back_to"),
     )
-    if rank == 0 and step < newest:
+    if rank == 0 and plan_key < top:
         _say(
-            f"step {newest} is not in the survivors' memory (no intact copy of {_missing(str(newest), invs)}); "
-            f"going back to step {step}, the newest they hold"
+            f"step {top[1]} is not in the survivors' memory (no intact copy of "
+            f"{_missing(str(top[1]), invs, cands[0][2])}); going back to step {step}, the newest they hold"
         )
     if rank == 0:
         _say(
@@ -789,8 +831,8 @@ def _shard_sources(
     return {k: v for k, v in out.items() if v}
 
 
-def _missing(step: str, invs: list[dict[str, Any]]) -> str:
-    parts = [i[step] for i in invs if step in i]
+def _missing(step: str, invs: list[dict[str, Any]], sid: str | None = None) -> str:
+    parts = [i[step] for i in invs if step in i and (sid is None or i[step]["id"] == sid)]
     world = max((p["world"] for p in parts), default=0)
     files: dict[str, list[int]] = {}
     counts: dict[str, int] = {}
