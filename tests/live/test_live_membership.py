@@ -123,3 +123,36 @@ def test_listens_only_on_the_node_address(tmp_path, procs):
         addrs = listening(p)
         assert addrs, f"pid {p} listens nowhere?"
         assert all(x.startswith("127.0.0.1:") for x in addrs), f"pid {p} listens on {sorted(addrs)}"
+
+
+def test_newcomer_whose_source_dies_mid_transfer_heals_from_another(tmp_path, procs):
+    lh = Lighthouse(tmp_path).start()
+    procs.append(lh)
+    big = ("--state-mb", "768")  # a transfer long enough (about a second here) to kill inside it
+    a, b = Replica("a", lh, tmp_path, *big), Replica("b", lh, tmp_path, *big)
+    procs += [a, b]
+    for r in (a, b):
+        r.wait_lines(lambda s: s.world == 2, 60, "a quorum of 2")
+    seen = {r: r.err.stat().st_size for r in (a, b)}
+    c = Replica("c", lh, tmp_path, *big)
+    procs.append(c)
+
+    def serving():
+        # the source's HTTP log names the request when the response starts, before the state
+        for r, offset in seen.items():
+            with open(r.err, "rb") as f:
+                f.seek(offset)
+                if b"GET /checkpoint/" in f.read():
+                    return r
+        return None
+
+    source = wait_for(serving, 60, "a peer to serve the newcomer", poll=0.005)
+    source.signal(signal.SIGKILL)
+    other = b if source is a else a
+    # (its failed heal prints step=0: a discarded attempt, the step counter unmoved)
+    first = c.wait_lines(lambda s: s.world == 2 and s.step > 0, 60, "the newcomer's first step, healed")
+    assert b"got exception in recovery" in c.err.read_bytes(), "the kill missed the transfer"
+    if not other.params_at(first.step):
+        other.wait_lines(lambda s: s.step >= first.step, 15, "the newcomer's step")
+    assert other.params_at(first.step) == c.params_at(first.step), "the newcomer's weights differ"
+    assert other.alive() and c.alive()
