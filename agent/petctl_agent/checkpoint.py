@@ -221,7 +221,7 @@ def load_latest(
         OSError: (with ``agree``) a rank could not list the checkpoint directory (EFS: ``EIO``,
             ``ESTALE``, ``EACCES``): the same one-line error, naming that rank, on every rank.
     """
-    return userstate.own(_load_latest(directory, map_location, into, unsafe_load, agree=agree))
+    return userstate.own(_load_latest(directory, map_location, into, unsafe_load, agree=agree), unsafe_load)
 
 
 def _load_latest(
@@ -410,7 +410,7 @@ def resume(
         MissingStateError: (a :class:`NeedsStateError`) the sharded checkpoint holds entries that
             ``state`` lacks (they would be dropped without an error); on every rank.
     """
-    fill, finish = userstate.for_load(state() if callable(state) else state)
+    fill, finish = userstate.for_load(state() if callable(state) else state, unsafe_load)
     if fill is not None and is_sharded(fill):
         got = sharded_memory.resume(fill, checkpoint_dir(directory), unsafe_load)
         if got is not None:

@@ -154,3 +154,77 @@ def test_a_per_rank_value_outside_per_rank_is_refused_on_every_rank(tmp_path: Pa
         assert r["error"] and "state['sampler_position'] differs between ranks 0 and 1" in r["error"], r
         assert "per_rank" in r["error"]
         assert r["files"] == []  # nothing written
+
+
+LIVE = """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    mode = os.environ["MODE"]
+    if mode == "save":  # saved wrapped, as a script trains
+        ddp = DDP(model)
+        for s in (1, 2, 3):
+            torch.manual_seed(s)
+            ddp(torch.randn(4, 8)).sum().backward()
+            opt.step(); opt.zero_grad(); sched.step()
+            ckpt.step(s, lambda: {"model": ddp, "optim": opt, "sched": sched}, every=0, last=s == 3)
+    elif mode == "load":  # resumed bare, before wrapping, into fresh objects
+        state, out["step"] = ckpt.resume({"model": model, "optim": opt, "sched": sched})
+        out["per_rank"] = state["per_rank"]
+    else:  # a key the checkpoint does not have
+        try:
+            ckpt.resume({"model": model, "optimizer": opt})
+            out["error"] = None
+        except ckpt.MissingStateError as e:
+            out["error"] = str(e)
+    out["weight"] = model.weight.sum().item()
+    out["momentum"] = sum(float(st["momentum_buffer"].sum()) for st in opt.state.values())
+    out["lr"], out["epoch"] = opt.param_groups[0]["lr"], sched.last_epoch
+"""
+
+
+def test_a_ddp_model_optimizer_and_scheduler_come_back_into_fresh_objects(tmp_path: Path) -> None:
+    env = {"PETCTL_CHECKPOINT_DIR": str(tmp_path / "ck")}
+    saved = [_result(cp) for cp in _run_ranks(tmp_path, LIVE, env={**env, "MODE": "save"})]
+    back = [_result(cp) for cp in _run_ranks(tmp_path, LIVE, env={**env, "MODE": "load"})]
+    for r in back:
+        assert r["step"] == 3 and r["per_rank"] is None  # nothing was saved per rank
+        for k in ("weight", "momentum", "lr", "epoch"):
+            assert r[k] == pytest.approx(saved[0][k]), k
+    assert saved[0]["epoch"] == 3 and saved[0]["lr"] == pytest.approx(0.05)
+    wrong = [_result(cp) for cp in _run_ranks(tmp_path, LIVE, env={**env, "MODE": "wrong"})]
+    for r in wrong:
+        assert r["error"] and "no 'optimizer'" in r["error"] and "\n" not in r["error"], r
+
+
+SOME_PER_RANK = """
+    state = {"w": torch.ones(3)}
+    if rank == 1:
+        state["per_rank"] = {"position": 7}
+    try:
+        ckpt.step(1, lambda: state, every=0, last=True)
+        out["error"] = None
+    except ckpt.PerRankStateError as e:
+        out["error"] = str(e)
+"""
+
+
+def test_a_per_rank_entry_on_some_ranks_only_is_refused_not_a_hang(tmp_path: Path) -> None:
+    env = {"PETCTL_CHECKPOINT_DIR": str(tmp_path / "ck")}
+    for r in (_result(cp) for cp in _run_ranks(tmp_path, SOME_PER_RANK, env=env, timeout=60)):
+        assert r["error"] and "is on rank(s) [1] only" in r["error"], r
+
+
+def test_a_sharded_checkpoint_at_another_world_size_gives_rank_0_its_own_entry(tmp_path: Path) -> None:
+    import torch
+
+    from petctl_agent import checkpoint as ckpt
+
+    env = {"PETCTL_CHECKPOINT_DIR": str(tmp_path / "ck"), "SHARDED": "1", "MODE": "save"}
+    saved = [_result(cp) for cp in _run_ranks(tmp_path, PER_RANK, env=env)]
+    # one process, no process group: DCP reshards the 2 ranks' shards into the whole tensor
+    state, step = ckpt.resume({"model": {"w": torch.zeros(4, 2)}, "step": 0}, directory=tmp_path / "ck")
+    assert step == 2 and torch.equal(state["model"]["w"], torch.full((4, 2), 2.0))
+    assert state["per_rank"]["position"] == 2 and state["per_rank"]["rng"].tolist() == saved[0]["rng"]

@@ -52,8 +52,17 @@ def _check_keys(path: Path, metadata: Any, into: dict[str, Any]) -> None:
     saved = set(metadata.state_dict_metadata)
     if PER_RANK in saved and PER_RANK not in into:
         into[PER_RANK] = b""  # the slot DCP replaces with the saved value (userstate.own reads it)
-    flat, _ = flatten_state_dict(into)
-    missing = sorted(saved - set(flat))
+    flat = set(flatten_state_dict(into)[0])
+    absent = sorted(flat - saved)
+    if absent:  # DCP would raise, and the agreed load would take it for a torn step and go older
+        raise MissingStateError(
+            f"{path.name} has no entry for {absent[0]!r} of the state to load into ({len(absent)} in "
+            "all): save it under that key, or leave it out of the state to resume"
+        )
+    # only under the top-level keys asked for: a state that leaves out a whole key ("optim") is a
+    # partial load on purpose
+    tops = {k.split(".", 1)[0] for k in flat}
+    missing = sorted(k for k in saved - flat if k.split(".", 1)[0] in tops)
     if missing:
         raise MissingStateError(
             f"{path.name} holds {len(missing)} entr{'y' if len(missing) == 1 else 'ies'} that the state "

@@ -83,12 +83,34 @@ def _has_dtensor(model: Any) -> bool:
     return is_sharded(list(model.parameters()))
 
 
+def _unwrap(model: Any) -> Any:
+    """The module under DDP's (``.module``) and ``torch.compile``'s (``._orig_mod``) wrappers: a
+    script resumes before it wraps, and saves after, so both must name the same keys."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or (
+            model.module if type(model).__name__ in ("DistributedDataParallel", "DataParallel") else None
+        )
+        if inner is None:
+            return model
+        model = inner
+
+
+def _stateful(obj: Any) -> bool:
+    """A live object whose state petctl saves and loads back into it: a module, an optimizer, or
+    anything else with ``state_dict()``/``load_state_dict()`` (an LR scheduler, a GradScaler)."""
+    return (
+        not isinstance(obj, dict)
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
 def _model_of(key: str, opt: Any, state: dict[str, Any]) -> Any:
     """The module in ``state`` whose parameters the optimizer ``state[key]`` updates."""
     params = {id(p) for g in opt.param_groups for p in g["params"]}
     for v in state.values():
         if _is_module(v) and any(id(p) in params for p in v.parameters()):
-            return v
+            return _unwrap(v)
     raise ValueError(
         f"petctl checkpoint: state[{key!r}] is an optimizer but no model in the state owns its "
         "parameters: put the model beside it, e.g. {'model': model, 'optim': opt}"
@@ -96,14 +118,20 @@ def _model_of(key: str, opt: Any, state: dict[str, Any]) -> Any:
 
 
 def _objects(state: dict[str, Any]) -> dict[str, tuple[Any, Any, bool]]:
-    """``{key: (object, its model or None, sharded)}`` for the live objects at the top of ``state``."""
+    """``{key: (object, its model or None, sharded)}`` for the live objects at the top of ``state``
+    (:func:`_stateful`; a module unwrapped, :func:`_unwrap`)."""
     out: dict[str, tuple[Any, Any, bool]] = {}
     for k, v in state.items():
+        if k == PER_RANK:
+            continue
         if _is_module(v):
+            v = _unwrap(v)
             out[k] = (v, None, _has_dtensor(v))
         elif _is_optimizer(v):
             model = _model_of(k, v, state)
             out[k] = (v, model, _has_dtensor(model))
+        elif _stateful(v):
+            out[k] = (v, None, False)
     return out
 
 
@@ -113,6 +141,24 @@ def _state_of(obj: Any, model: Any, sharded: bool) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     return get_model_state_dict(obj) if model is None else get_optimizer_state_dict(model, obj)
+
+
+def _load_into(obj: Any, model: Any, sharded: bool, sd: Any) -> None:
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        if model is None:
+            set_model_state_dict(obj, sd)
+        else:
+            set_optimizer_state_dict(model, obj, sd)
+        return
+    if _is_module(obj) and isinstance(sd, dict):
+        # saved from a DDP-wrapped model by an older call (its state_dict()): the same keys
+        from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+        sd = dict(sd)
+        consume_prefix_in_state_dict_if_present(sd, "module.")
+    obj.load_state_dict(sd)
 
 
 def _leaves(obj: Any, path: str, out: list[tuple[str, bytes]]) -> None:
@@ -140,30 +186,34 @@ def _leaves(obj: Any, path: str, out: list[tuple[str, bytes]]) -> None:
 
 def check_replicated(state: dict[str, Any]) -> None:
     """Raise :class:`PerRankStateError` on every rank when a value outside :data:`PER_RANK` that
-    replicas must share differs between ranks (collective; one small all-gather, two on a
-    difference)."""
+    replicas must share differs between ranks, or some ranks have a :data:`PER_RANK` entry and
+    others not (collective: one small all-gather; a second one when the digests differ). Only
+    the values every rank has are compared: a rank may hold keys the others lack (a pipeline
+    stage's own parameters)."""
     if not dist_on():
         return
-    leaves: list[tuple[str, bytes]] = []
+    leaves: list[tuple[str, bytes]] = [("per_rank present", bytes([PER_RANK in state]))]
     for k, v in state.items():
         if k != PER_RANK:
             _leaves(v, f"state[{k!r}]", leaves)
     whole = hashlib.blake2b(b"".join(p.encode() + d for p, d in leaves), digest_size=16).digest()
     if len(set(_gather(whole))) == 1:
         return
-    every = _gather(leaves)
-    for i, (p, d) in enumerate(every[0]):
+    every = [dict(rank_leaves) for rank_leaves in _gather(leaves)]
+    if len({ls["per_rank present"] for ls in every}) > 1:
+        have = [r for r, ls in enumerate(every) if ls["per_rank present"] == b"\x01"]
+        raise PerRankStateError(
+            f"petctl checkpoint: state[{PER_RANK!r}] is on rank(s) {have} only: every rank must save "
+            "one (None where it has nothing), or the ranks' collectives would not match"
+        )
+    for p, d in every[0].items():
         for r, theirs in enumerate(every[1:], 1):
-            if i >= len(theirs) or theirs[i] != (p, d):
+            if p in theirs and theirs[p] != d:
                 raise PerRankStateError(
                     f"petctl checkpoint: {p} differs between ranks 0 and {r}, and would come back as "
                     f"rank 0's on every rank: put per-rank values under state[{PER_RANK!r}] "
                     "(docs/agent.md, 'What comes back per rank')"
                 )
-    raise PerRankStateError(
-        "petctl checkpoint: the state's keys differ between ranks: every rank must save the same keys "
-        f"(per-rank values go under state[{PER_RANK!r}])"
-    )
 
 
 def for_save(state: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -191,50 +241,54 @@ def for_save(state: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     return out, sharded
 
 
-def for_load(into: dict[str, Any] | None) -> tuple[dict[str, Any] | None, Callable[[Any], Any]]:
-    """The dict to load into for ``into`` (live objects as the dicts they fill; a slot for the
-    gathered per-rank entry) and the function that finishes a load's result: it applies the loaded
-    state dicts to the objects and gives this rank its own :data:`PER_RANK` value."""
+def for_load(
+    into: dict[str, Any] | None, unsafe_load: bool | None = None
+) -> tuple[dict[str, Any] | None, Callable[[Any], Any]]:
+    """The dict to load into for ``into`` (live objects as the dicts they fill) and the function
+    that finishes a load's result: it applies the loaded state dicts to the objects (raising
+    :class:`~.sharded.MissingStateError` when the checkpoint has no entry for one) and gives this
+    rank its own :data:`PER_RANK` value."""
     if into is None:
-        return None, own
+        return None, lambda out: own(out, unsafe_load)
     objs = _objects(into)
     fill = {k: (_state_of(*objs[k]) if k in objs else v) for k, v in into.items() if k != PER_RANK}
 
     def finish(out: Any) -> Any:
-        out = own(out)
+        out = own(out, unsafe_load)
         if out is None:
             return None
         state = out[0]
-        for k, (obj, model, sharded) in objs.items():
-            if k not in state:
-                continue
-            if not sharded:
-                obj.load_state_dict(state[k])
-                continue
-            from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        missing = sorted(k for k in objs if k not in state)
+        if missing:  # every rank loaded the same step: every rank raises
+            from petctl_agent.checkpointing.sharded import MissingStateError
 
-            if model is None:
-                set_model_state_dict(obj, state[k])
-            else:
-                set_optimizer_state_dict(model, obj, state[k])
+            raise MissingStateError(
+                f"step {out[1]}'s checkpoint has no {missing[0]!r} to load into state[{missing[0]!r}] "
+                f"(it holds {sorted(k for k in state if k != PER_RANK)}): save it under that key, or "
+                "leave it out of the state to resume"
+            )
+        for k, (obj, model, sharded) in objs.items():
+            _load_into(obj, model, sharded, state[k])
         return out
 
     return fill, finish
 
 
-def own(out: Any) -> Any:
+def own(out: Any, unsafe_load: bool | None = None) -> Any:
     """A load's ``(state, step)`` with ``state[PER_RANK]`` replaced by this rank's own entry."""
     if out is None:
         return None
     state, step = out
-    if isinstance(state, dict) and PER_RANK in state:
+    if isinstance(state, dict) and PER_RANK not in state:
+        state = {**state, PER_RANK: None}  # nothing saved per rank: None, as for a newcomer
+    elif isinstance(state, dict):
         every = state[PER_RANK]
         if isinstance(every, bytes):  # the sharded path's one opaque value (for_save)
             import torch
 
             from petctl_agent.checkpointing.files import unsafe_allowed
 
-            every = torch.load(io.BytesIO(every), weights_only=not unsafe_allowed(None))
+            every = torch.load(io.BytesIO(every), weights_only=not unsafe_allowed(unsafe_load))
         if isinstance(every, dict):
             # copies of their own: a restored tensor may view a snapshot's shared mapping at an
             # offset, and torch.set_rng_state reads a state's storage from its start (a view there
