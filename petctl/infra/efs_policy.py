@@ -85,8 +85,22 @@ def _denies_without_access_point(condition: dict[str, Any]) -> bool:
     return op in NEGATED
 
 
+#: Operators that pin the access point key to the values given (not a pattern, not a negation)
+EXACT = {"stringequals", "arnequals"}
+
+
 def _narrowed_to_access_points(condition: dict[str, Any]) -> bool:
-    return any(key.lower() == AP_KEY for block in condition.values() for key in block)
+    """Does the condition pin the access point to named ARNs? ``StringEquals``/``ArnEquals`` on
+    the key with concrete values only: ``Null: false`` or ``StringLike: "*"`` admit any access
+    point, and any job's instance could mount another job's."""
+    for op, block in condition.items():
+        if op.lower() not in EXACT:
+            continue
+        for key, value in block.items():
+            values = [str(v) for v in _list(value)]
+            if key.lower() == AP_KEY and values and not any("*" in v or "?" in v for v in values):
+                return True
+    return False
 
 
 def open_to_root_mounts(policy: dict[str, Any] | None, fs_arn: str) -> str | None:

@@ -85,6 +85,18 @@ def test_a_file_system_without_a_policy_is_refused_and_nothing_is_made(run):
         ),
         # the Deny is there, but everyone may mount every job's access point
         (petctl_policy()["Statement"] + [ALLOW_EVERYONE], "statement console allows every principal"),
+        # ... also when the Allow only asks for *some* access point: any job's
+        *(
+            (
+                petctl_policy()["Statement"] + [{**ALLOW_EVERYONE, "Condition": cond}],
+                "statement console allows every principal",
+            )
+            for cond in (
+                {"Null": {"elasticfilesystem:AccessPointArn": "false"}},
+                {"StringLike": {"elasticfilesystem:AccessPointArn": "*"}},
+                {"StringEquals": {"elasticfilesystem:AccessPointArn": "arn:aws:elasticfilesystem:*"}},
+            )
+        ),
     ],
 )
 def test_a_policy_that_lets_one_job_reach_another_is_refused(run, statements, why):
