@@ -856,7 +856,7 @@ BOOT_FAILURE_LINES = (
     'if [ "$failures" -ge "$GIVE_UP_AFTER" ] && [ "$reports" -eq 0 ] ||',
     '[ "$since" -ge "$cap" ]; then',
     'mark=$(aws s3 ls --region "$REGION" "$JOB_URL/boot/progress/mark" 2>/dev/null | awk \'{print $1" "$2}\')',
-    'since=0',
+    "since=0",
     '[ -z "$mark" ] ||',
     "for group in petctl-${JobName}-workers petctl-${JobName}-rdzv; do",
     "--min-size 0 --desired-capacity 0",

@@ -279,9 +279,7 @@ def own(out: Any, unsafe_load: bool | None = None) -> Any:
     if out is None:
         return None
     state, step = out
-    if isinstance(state, dict) and PER_RANK not in state:
-        state = {**state, PER_RANK: None}  # nothing saved per rank: None, as for a newcomer
-    elif isinstance(state, dict):
+    if isinstance(state, dict) and PER_RANK in state:  # (absent when nothing was saved per rank)
         every = state[PER_RANK]
         if isinstance(every, bytes):  # the sharded path's one opaque value (for_save)
             import torch
