@@ -734,7 +734,7 @@ def mem_table(records: list[dict[str, Any]]) -> str:
                   key=lambda k: (k[0], list(TOOLS).index(k[2])))  # fmt: skip
     if not keys:
         return ""
-    # since stop 28: the lowest MemAvailable of the chain and the kernel's OOM kills during it
+    # the lowest MemAvailable of the chain and the kernel's OOM kills during it
     low = any("min_available_gib" in r.get("mem_peak", {}) for r in records)
     lines = [
         "| GiB/rank (nodes) | tool | peak held (max s over reps), GiB | of it anon | of it snapshots (tmpfs) "

@@ -239,7 +239,7 @@ def test_the_source_sends_while_it_checks_its_own_copy_and_the_newcomer_checks_a
     mapping its restored tensors view, checking the CRCs piece by piece as the pieces go, and
     the newcomer checks each piece as it arrives (no pass of its own afterwards). With the
     source's CRC made slow (0.3 s a piece), the newcomer has checked its first piece before the
-    source has checked its last. (Stop 25-26 at 1 GiB: the source's load, 0.5-1.3 s, came first;
+    source has checked its last. (At 1 GiB: the source's load, 0.5-1.3 s, came first;
     the newcomer waited, then checked the whole state again after the transfer.)"""
     efs = tmp_path / "efs"
     _efs_with_a_broken_step_4(efs)
@@ -426,8 +426,8 @@ def test_a_rank_restored_from_a_peer_keeps_the_step_so_its_next_restart_restores
 def test_restored_tensors_are_views_of_the_nodes_own_snapshot_not_copies(tmp_path: Path) -> None:
     """No copy on the CPU: the survivor's restored tensors are views of its own snapshot's file,
     and the newcomer's of *its own* store's file -- the peer's bytes arrived straight in a slot of
-    it (kept with no copy of their own, complete: its next restart restores from itself). Stop 25:
-    at 1 GiB per rank a join spent 3.0 s in the survivors' copy out of tmpfs into fresh memory and
+    it (kept with no copy of their own, complete: its next restart restores from itself).
+    Copies cost, at 1 GiB per rank, a join 3.0 s in the survivors' copy out of tmpfs into fresh memory and
     4.5 s in the newcomer's (a receive buffer, then a 1.4 s copy into its store)."""
     efs = tmp_path / "efs"
     _efs_with_a_broken_step_4(efs)
@@ -773,7 +773,7 @@ def test_agents_own_the_store_newcomer_restores_from_a_peer_store_freed_on_leave
         assert not fetched.exists()
     assert got[a.instance_id]["source"] == "self" and got[b.instance_id]["source"] == "self", got
     assert len({e["step"] for e in got.values()}) == 1
-    # the survivors' snapshots are vouched for once their old workers were gone (stop 28: the
+    # the survivors' snapshots are vouched for once their old workers were gone (the
     # agent's check; now the writer's seal, which that check takes); the newcomer's agent started
     # its first workers: nothing to check -- the record there is its receiving worker's own seal
     # (the bytes checked as they arrived), which counts once that worker is gone
@@ -967,7 +967,7 @@ def test_a_transfer_longer_than_the_peer_timeout_does_not_fail_the_holders_outsi
     assert res[0]["report"]["seconds"] > 2  # the transfer outlasted one peer timeout
 
 
-# ------------------------------------------------------------------ the agent's verification (stop 28)
+# ------------------------------------------------------------------ the agent's verification
 
 
 def _agent_verifies(d: Path) -> None:
@@ -1066,7 +1066,7 @@ def test_a_source_the_agent_verified_sends_without_a_pass_and_the_newcomer_still
     assert _crc_times(cps[0]) == [] and _crc_times(cps[1])
 
 
-# ------------------------------------------------------------------ striped transfers (stop 30)
+# ------------------------------------------------------------------ striped transfers
 
 
 def _many(d: Path, step: int, salt: float = 0.0, k: int = 8, n: int = 1 << 16) -> int:

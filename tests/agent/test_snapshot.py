@@ -396,7 +396,7 @@ def _mapping_of(t: torch.Tensor) -> str:
 
 def test_a_restore_on_the_cpu_is_views_of_the_slot_lent_until_dropped(tmp_path: Path) -> None:
     """A load onto the CPU copies nothing: the tensors are views of a private mapping of the
-    slot's file (stop 25: a 1 GiB self-restore spent ~1-3 s allocating and filling fresh pages).
+    slot's file (a 1 GiB self-restore spent ~1-3 s allocating and filling fresh pages).
     The file stays lent while they live: the writer never rewrites it in place (a new file), so
     the restored tensors never change under training, and a change to them never reaches the
     snapshot. Once they are gone, writes reuse the slot's pages in place again."""
@@ -430,7 +430,7 @@ def test_a_restore_on_the_cpu_is_views_of_the_slot_lent_until_dropped(tmp_path: 
 def test_a_restore_is_lent_only_when_a_new_file_for_its_slot_fits(tmp_path: Path) -> None:
     """A lent slot is never rewritten in place: its next write needs a whole new file. On a node
     with room for the two slots but not a third file, a lent restore would make every later write
-    to that slot a no-fit (EFS the slow way, for the worker's whole life; review of stop 25). So
+    to that slot a no-fit (EFS the slow way, for the worker's whole life; found in review). So
     with no room for a new file the restore copies, and the slot is rewritten in place."""
     tiny = {"MemTotal": 8 << 30, "MemAvailable": 600 << 20}  # < reserve (512 MiB) + 100 MiB
     n = 100 << 18  # 100 MiB of fp32
@@ -450,7 +450,7 @@ def test_a_restore_is_lent_only_when_a_new_file_for_its_slot_fits(tmp_path: Path
 def test_the_new_file_a_lent_slot_needs_is_made_in_the_background_after_a_restore(tmp_path: Path) -> None:
     """After a restore whose tensors are views of slot b, prepare_spares makes b's replacement file
     (allocated) in a background thread: the write that comes to b renames it into place instead of
-    allocating 1 GiB of fresh tmpfs pages while training waits (stop 25: 1.7-3.0 s at 1 GiB, the
+    allocating 1 GiB of fresh tmpfs pages while training waits (1.7-3.0 s at 1 GiB, the
     second checkpoint after every restart; 0.5-0.7 s with the spare). A spare that the write does
     not need (the restored tensors are gone: in place again) is removed, never left in memory."""
     import gc
@@ -665,7 +665,7 @@ def test_resume_prefers_own_snapshot_else_efs(snap_env) -> None:
 def test_a_resume_from_memory_prepares_the_file_its_lent_slot_will_need(snap_env) -> None:
     """ckpt.resume from the node's own memory lends the slot (the tensors are views of it) and has
     the store make that slot's next file in the background, once the first step after it is done
-    (stop 33: not beside it); the checkpoint that comes to the slot takes it. The restored tensors
+    (not beside it); the checkpoint that comes to the slot takes it. The restored tensors
     never change."""
     from petctl_agent.checkpointing import memory
 
@@ -939,7 +939,7 @@ def test_a_drain_waits_for_efs_only_when_no_survivor_with_a_persister_stays(
     # persisting the 2 MiB snapshot takes >= 4 s, so a drain that does not wait returns before it
     # (4 s, not 2: on a loaded CI box the leaving rank's own path to its check can take seconds).
     # rank-0s-node-leaves: the node of rank 0 (whose persister is asked) leaves, the other node stays
-    # with a persister of its own: before stop 25 rank 0 waited for EFS here (5.2 s of the 8.0 s
+    # with a persister of its own: before, rank 0 waited for EFS here (5.2 s of the 8.0 s
     # drain at 1 GiB/rank in bench_state.py); the survivor's copy covers it as for any other leaver
     from petctl.local import efs_rate
     from petctl_agent.checkpointing import efsrate, persist
@@ -1075,7 +1075,7 @@ def test_a_durable_save_the_agents_persister_lands_is_written_once(snap_env, cap
     """A durable save (the last step, a leave) whose snapshot the agent's persister gets to EFS
     returns once ``latest`` names it, and writes nothing more. The wait once returned None there,
     which the save read as "not persisted": rank 0 wrote the whole state to EFS a second time,
-    synchronously, and published a false ``snapshot_fallback`` (stop 24's 1 GiB drain: ~9 s)."""
+    synchronously, and published a false ``snapshot_fallback`` (the 1 GiB drain: ~9 s)."""
     import threading
 
     from petctl_agent.checkpointing import memory, persist
@@ -1289,7 +1289,7 @@ def test_a_sealed_snapshot_changed_afterwards_is_checked_again_and_never_loaded(
 
 
 def test_a_header_of_the_zlib_era_is_never_loaded(tmp_path: Path) -> None:
-    """Snapshots before stop 31 (``petctl-snapshot-1``) held zlib crc32s under ``crc32``; the code
+    """Older snapshots (``petctl-snapshot-1``) held zlib crc32s under ``crc32``; the code
     of CRC-32C loads none of them (the restore goes to a peer or EFS), even one whole and
     consistent by its own rules -- a node's memory can hold one across an upgrade of the agent."""
     import zlib

@@ -1,4 +1,4 @@
-"""A newcomer's snapshot, fetched agent to agent as soon as its round closes (issue 20, stop 33).
+"""A newcomer's snapshot, fetched agent to agent as soon as its round closes.
 
 Without this, a node that joins gets the agreed step over gloo from its new workers' restore
 (``peer.py``), which begins only once every rank of the new round has started, made its process

@@ -130,7 +130,7 @@ def write_file(
     falls back to, i.e. when the node's memory is short: it once serialized into a ``BytesIO`` and
     then copied that (``getvalue``), 2 x the state of transient memory (at 4 GiB per rank on 2
     nodes sharing this machine: MemAvailable 2.0 -> 0.9 GiB in 2 s, stopped before the kernel's
-    OOM killer; docs/benchmarks.md, "Stop 28").
+    OOM killer; docs/benchmarks.md).
 
     ``forward_only``: when ``latest`` already names ``step`` or a newer one (the agent's persister
     got there first), write nothing: never replace the file ``latest`` names, never move it back.
@@ -241,7 +241,7 @@ def load_file(
     that the emulated EFS paces): one copy of the state in memory and the hash beside the load,
     where it once read the whole file into memory, hashed that and then built the tensors from it
     (2 x the state, and read + hash + copy one after the other: 2.1 s against 0.6 s for a 1 GiB
-    ``torch.load`` alone; docs/benchmarks.md "Stop 28"). Both read the same file through the same
+    ``torch.load`` alone; docs/benchmarks.md). Both read the same file through the same
     page cache; what is loaded is returned only if the hash matches (``weights_only`` makes the
     unpickle of bytes not yet checked safe). A file that fails its hash raises ``ValueError``
     (checksum mismatch) whatever ``torch.load`` made of it.

@@ -251,7 +251,7 @@ class _Budget:
     its own, and a check made while the other's ``posix_fallocate`` had not yet taken its pages
     passed for both (review: together they overshot the reserve by a whole state). Across
     processes, the same: the local cloud's nodes share one machine's ``MemAvailable``, and at 4 GiB
-    per rank two nodes' writes both passed against the same 5.27 GiB (stop 28: 0.63 GiB left).
+    per rank two nodes' writes both passed against the same 5.27 GiB (0.63 GiB left).
 
     ``reserve`` checks ``need`` plus what the allocations still in flight have yet to take (each
     one's bytes less what its file holds already, ``st_blocks``: the part ``MemAvailable`` does not
