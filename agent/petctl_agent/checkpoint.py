@@ -77,7 +77,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent import DRAIN_EXIT_CODE
-from petctl_agent.checkpointing import first_snapshot, memory, sharded_memory, userstate
+from petctl_agent.checkpointing import memory, sharded_memory, userstate
 from petctl_agent.checkpointing.drain import (
     drain_leaving,
     drain_requested,
@@ -429,8 +429,6 @@ def resume(
     got = memory.resume(checkpoint_dir(directory), rank_device())
     if got is not None:
         return finish(got)
-    # nothing from the nodes' memory (agreed): the store's files are made after the first step
-    first_snapshot.none_from_memory()
     t0 = time.monotonic()
     out = _load_latest(directory, None, fill, unsafe_load, agree=True)
     if out is not None:  # (a first start restores nothing: no report)
@@ -465,9 +463,7 @@ def step(
 
     Args:
         step: the step just completed (steps count from 1).
-        state_fn: returns the state to save; called when saving, and with memory snapshots on
-            once more after the first step of a start that restored nothing from memory (on every
-            rank: it sizes the snapshot's files, :mod:`~petctl_agent.checkpointing.first_snapshot`).
+        state_fn: returns the state to save; only called when saving.
         every: periodic checkpoint interval in steps (0: only on drain / ``last``).
         directory: defaults to ``$PETCTL_CHECKPOINT_DIR``.
         last: the final step: always save, and finish normally even if a drain was agreed.
@@ -486,11 +482,8 @@ def step(
         leaving = drain_leaving() and not last
         _save(state_fn(), step, directory, None, durable=last or leaving, complete=stopping, leaving=leaving)
         saved = True
-        first_snapshot.forget()
     if drain_requested() and not last:
         exit_for_drain()
-    # a start that restored nothing: its first snapshot's files, made now rather than in its stop
-    first_snapshot.after_step(state_fn)
     # a restore's spares: after its first step and any save it made (not beside them), and never
     # on a node that drains (it just left)
     memory.start_due_spares()
