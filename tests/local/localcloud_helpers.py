@@ -288,9 +288,27 @@ def imds_token(base: str, ttl: str = "60") -> str:
     return body
 
 
-def assert_nothing_left(cloud: Cloud, daemon_pid: int) -> None:
+def assert_nothing_left(cloud: Cloud, daemon_pid: int, grace: float = 15.0) -> None:
+    """Nothing the local cloud started outlives its stop. A SIGKILLed process that held gigabytes
+    takes seconds to exit (the kernel frees its memory first), so each check waits up to
+    ``grace`` for the processes to be gone, not for a fixed time."""
+    deadline = time.monotonic() + grace
+    while True:
+        left = {g: procs.group_members(g) for g in cloud.seen_pgids}
+        alive = [pid for pid, ticks in cloud.seen_pids if ticks is not None and procs.is_alive(pid, ticks)]
+        if (
+            not procs.is_alive(daemon_pid) and not any(left.values()) and not alive
+        ) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert not procs.is_alive(daemon_pid), f"daemon {daemon_pid} still alive"
-    left = {g: procs.group_members(g) for g in cloud.seen_pgids}
     assert not any(left.values()), f"instance process groups survived: {left}"
-    alive = [pid for pid, ticks in cloud.seen_pids if ticks is not None and procs.is_alive(pid, ticks)]
-    assert not alive, f"processes survived: {alive}"
+    described = {pid: _describe(pid) for pid in alive}
+    assert not alive, f"processes survived: {described}"
+
+
+def _describe(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError:
+        return "?"

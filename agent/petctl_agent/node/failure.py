@@ -104,7 +104,12 @@ def failed_for_good(rc: int, reason: str, spec: JobSpec, lifecycle: Lifecycle, c
             log.info("%d failed boots or agents in %s, %d since the job last trained", failures, url, since)
             why = ""
             if failures >= GIVE_UP_AFTER and not workers_ever_started(ckpt_dir, spec.run_id):
-                why = f"{failures} nodes of job {spec.job_name} failed and none ever started its workers"
+                log.error(
+                    "%d nodes of job %s failed and none ever started its workers: stopping the job",
+                    failures,
+                    spec.job_name,
+                )
+                lifecycle.scale_groups_to_zero()  # status says why: every boot failed (its records)
             elif since >= spec.max_node_failures:
                 why = (
                     f"{since} node failures since it last trained at {mark:%Y-%m-%d %H:%M:%S} UTC "
