@@ -32,6 +32,8 @@ WORKAROUNDS = {
     "lighthouse restarts)",
     "LIVE_LEAVE": "live mode: a draining worker stops heartbeating at its step boundary (torchft has no leave "
     "call; the survivors waited its heartbeat out, or the join timeout while it lived on)",
+    "LIVE_QUORUM_IDS": "live mode: quorum ids that name the members (a restarted lighthouse counts from 1 "
+    "again: a survivor kept a group of other members or met its peers among the old group's keys)",
 }
 
 

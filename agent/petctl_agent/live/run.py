@@ -111,7 +111,7 @@ class LiveRun:
             cfg.host, store_port, 1, True, wait_for_workers=False, master_listen_fd=sock.detach()
         )
         timeout = timedelta(seconds=cfg.timeout_s)
-        names = ("LIVE_COMM_HOOK", "LIVE_BIND", "LIVE_QUORUM_RETRIES", "LIVE_LEAVE")
+        names = ("LIVE_COMM_HOOK", "LIVE_BIND", "LIVE_QUORUM_RETRIES", "LIVE_LEAVE", "LIVE_QUORUM_IDS")
         on = {n: not switched_off(n, os.environ) for n in names}  # off only to show the gap
         self._workarounds = on
         transfer_timeout = timedelta(seconds=120)  # a newcomer's pull of the whole state
@@ -145,6 +145,8 @@ class LiveRun:
                 checkpoint_transport=self._transport,
                 quorum_retries=upstream.QUORUM_RETRIES if on["LIVE_QUORUM_RETRIES"] else 0,
             )
+        if on["LIVE_QUORUM_IDS"]:
+            self.manager._client = upstream.QuorumIds(self.manager._client)
         self._model = model
         self._optim = optimizer
         if on["LIVE_COMM_HOOK"]:

@@ -17,11 +17,19 @@
    ``_quorum_with_retries`` gives up after that many), so a lighthouse that restarts fails the
    quorum and the training loop with it. :data:`QUORUM_RETRIES` keeps asking for about a minute.
 
-A planned leave (the fourth gap: there is no leave call) lives in :mod:`petctl_agent.live.run`.
+4. **A restarted lighthouse numbers its quorums from 1 again**, and the manager rebuilds its
+   process group only when the id changes (``manager.py``: ``if quorum_id != self._quorum_id``).
+   A survivor whose new quorum had an old id kept its old group (a collective waited out the
+   10 s timeout) or met its peers under a store prefix the old group's keys still filled (the
+   mesh connected to dead addresses, and a survivor's worker exited on a quorum timeout).
+   :class:`QuorumIds` gives the manager ids that are unique across restarts.
+
+A planned leave (the fifth gap: there is no leave call) lives in :mod:`petctl_agent.live.run`.
 """
 
 import contextlib
 import socket
+import zlib
 from datetime import timedelta
 
 import torch
@@ -60,6 +68,51 @@ class DistributedDataParallel(_TorchftDDP):
     # no "from __future__ import annotations" in this module: DDP checks this annotation
     def _comm_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         return comm_hook(state, bucket)
+
+
+class _Quorum:
+    """A torchft ``QuorumResult`` with :class:`QuorumIds`'s id in place of the lighthouse's."""
+
+    def __init__(self, raw, quorum_id: int) -> None:
+        self._raw = raw
+        self.quorum_id = quorum_id
+
+    def __getattr__(self, name: str):
+        return getattr(self._raw, name)
+
+
+class QuorumIds:
+    """The manager's client, with quorum ids that stay unique across lighthouse restarts (gap 4).
+
+    The manager (re)builds its group when the id changes and meets its peers under the store
+    prefix ``/torchft/<id>/<group rank>``. A restarted lighthouse counts from 1 again, so its
+    ids name old groups: a member kept a group of other members (a collective then waited out
+    its timeout), or met its peers under a prefix whose keys the old group left in the store
+    (the mesh connected to dead addresses). Here a member keeps its id while the quorum is the
+    same (the lighthouse id and the members) and it is not behind; otherwise every member of the
+    quorum takes ``lighthouse id << 32 | crc32(members, max step)``, the same on each. Within one
+    lighthouse an unchanged quorum commits every step on every member, so a member that must
+    heal under an unchanged quorum missed steps its peers took after a restart: it rebuilds too.
+    The lighthouse id stays readable as ``id >> 32``. Left: after a restart in which no step was
+    committed, a member that rebuilt meets one that did not; that step fails, and the next quorum
+    (a new lighthouse id after a failed commit) rebuilds every member.
+    """
+
+    def __init__(self, client) -> None:
+        self._client = client
+        self._same: tuple | None = None
+        self._id = -1
+
+    def _quorum(self, *args, **kwargs):
+        q = self._client._quorum(*args, **kwargs)
+        same = (q.quorum_id, tuple(sorted(q.replica_ids)))
+        if same != self._same or q.heal:
+            crc = zlib.crc32(("\n".join(same[1]) + f"\n{q.max_step}").encode())
+            self._same, self._id = same, (q.quorum_id << 32) | crc
+        return _Quorum(q, self._id)
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
 
 
 def _family(host: str) -> socket.AddressFamily:
