@@ -77,6 +77,8 @@ class Instance:
     image_id: str = "ami-local"
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     lifecycle_done: threading.Event = field(default_factory=threading.Event, repr=False)
+    #: monotonic time of the last RecordLifecycleActionHeartbeat of its termination action
+    lifecycle_heartbeat: float | None = None
 
     def popens(self) -> list[subprocess.Popen]:
         return [p for p in [self.boot, *(u.proc for u in self.units.values())] if p is not None]

@@ -18,6 +18,22 @@ from petctl.local.instance import Instance, iso
 log = logging.getLogger("petctl.local.reconciler")
 
 
+#: A lifecycle action's global timeout: "48 hours or 100 times the heartbeat timeout, whichever
+#: is smaller" (Amazon EC2 Auto Scaling User Guide, "Amazon EC2 Auto Scaling lifecycle hooks").
+GLOBAL_TIMEOUT_S = 48 * 3600
+GLOBAL_TIMEOUT_HEARTBEATS = 100
+
+
+def hook_deadline(started: float, heartbeat: float | None, timeout: float, slack: float) -> float:
+    """When a termination action that began at ``started`` (monotonic) times out: ``timeout``
+    (the hook's HeartbeatTimeout) after its start or its last heartbeat, never later than the
+    global timeout after its start (``slack``: the local cloud's allowance for the agent's
+    own IMDS poll, added to both)."""
+    last = max(started, heartbeat or started)
+    cap = started + min(GLOBAL_TIMEOUT_S, GLOBAL_TIMEOUT_HEARTBEATS * timeout)
+    return min(last + timeout, cap) + slack
+
+
 class Leaving:
     """Drains, shuts down and kills instances (see the module docstring)."""
 
@@ -60,7 +76,9 @@ class Leaving:
         hook on it) stays in Terminating:Wait until CompleteLifecycleAction is called or
         the hook's timeout (the job's drain timeout + ``drain_slack``) runs out -- even if
         its agent has exited meanwhile, as on AWS, where the instance keeps running (and
-        billing) until then. The agent is also sent SIGTERM at the start (AWS does not;
+        billing) until then. As on AWS, RecordLifecycleActionHeartbeat restarts that timeout,
+        up to the action's global limit (:func:`hook_deadline`). The agent is also sent
+        SIGTERM at the start (AWS does not;
         the agent reacts to either). An instance outside a group has no hook: it is
         shut down as soon as its agent is gone (or at the timeout).
         """
@@ -80,8 +98,9 @@ class Leaving:
             timeout = float(
                 spec.get("drain_timeout") or rec.drain_timeout or self.settings.default_drain_timeout
             )
-            deadline = t0 + timeout + self.settings.drain_slack
-            while not self.stopping.is_set() and time.monotonic() < deadline:
+            while not self.stopping.is_set() and time.monotonic() < hook_deadline(
+                t0, rec.lifecycle_heartbeat, timeout, self.settings.drain_slack
+            ):
                 if not hooked and (proc is None or proc.poll() is not None):
                     break
                 if rec.lifecycle_done.is_set():
@@ -95,7 +114,7 @@ class Leaving:
                     log.warning(
                         "%s: lifecycle action not completed within %.0fs (drain timeout %.0fs)%s",
                         rec.instance_id,
-                        timeout + self.settings.drain_slack,
+                        time.monotonic() - t0,
                         timeout,
                         "; killing it" if alive else "; the instance waited it out",
                     )
@@ -129,6 +148,8 @@ class Leaving:
         if action == "complete":
             log.info("%s: lifecycle action completed (%s)", instance_id, params.get("LifecycleActionResult"))
             rec.lifecycle_done.set()
+        elif action == "heartbeat":
+            rec.lifecycle_heartbeat = time.monotonic()
         return None
 
     def _terminate_in_aws(self, rec: Instance) -> bool:

@@ -26,6 +26,19 @@ STATE_PATH = "meta-data/autoscaling/target-lifecycle-state"
 #: HeartbeatTimeout is 900 s), for at most 5400 s.
 HEARTBEAT_EVERY = 300.0
 HEARTBEAT_FOR = 5400.0
+#: The termination (drain) hook's HeartbeatTimeout is the job's drain timeout, counted from the
+#: instance's Terminating:Wait, which the agent sees an IMDS poll later; its drain may take the
+#: whole drain timeout, then stops the workers (at least 5 s more), leaves the rendezvous and
+#: completes the action. So the agent heartbeats the action every third of the drain timeout,
+#: for at most twice the drain timeout plus DRAIN_HEARTBEAT_EXTRA s (AWS's own limit on an
+#: action, 100 heartbeat timeouts or 48 h, is far beyond); a drain still running then is cut off
+#: by the hook, and a hung agent never holds its instance (and its bill) longer.
+DRAIN_HEARTBEAT_EXTRA = 300.0
+
+
+def drain_heartbeat_plan(drain_timeout: float) -> tuple[float, float]:
+    """(every, for) in seconds of the termination action's heartbeats for this drain timeout."""
+    return max(drain_timeout / 3, 1.0), 2 * drain_timeout + DRAIN_HEARTBEAT_EXTRA
 
 
 class CapacityHint:
@@ -119,6 +132,8 @@ class Lifecycle:
         self.pending = False
         #: the launch action was completed (or abandoned): no more launch heartbeats
         self.launch_done = threading.Event()
+        #: the termination action was completed (or its completion tried): no more drain heartbeats
+        self.action_done = threading.Event()
 
     def _autoscaling(self) -> Any:
         return aws.client("autoscaling", self.spec.region or None)
@@ -199,6 +214,24 @@ class Lifecycle:
             except Exception as e:  # noqa: BLE001
                 log.info("launch hook heartbeat failed (ignored): %s", e)
 
+    def drain_heartbeats(self, every: float | None = None, limit: float | None = None) -> None:
+        """Keep the termination action alive while the node drains (``drain_heartbeat_plan``):
+        ``RecordLifecycleActionHeartbeat`` every ``every`` s until the action is completed, for
+        at most ``limit`` s. Best effort (a failed call is logged). Run in a thread."""
+        hook, group = self.spec.lifecycle_hook, self.spec.worker_group
+        if not hook or not group:
+            return
+        plan = drain_heartbeat_plan(self.spec.drain_timeout)
+        every, limit = every or plan[0], limit or plan[1]
+        deadline = time.monotonic() + limit
+        while not self.action_done.wait(every) and time.monotonic() < deadline:
+            try:
+                self._autoscaling().record_lifecycle_action_heartbeat(
+                    LifecycleHookName=hook, AutoScalingGroupName=group, InstanceId=self.instance_id
+                )
+            except Exception as e:  # noqa: BLE001
+                log.info("drain hook heartbeat failed (ignored): %s", e)
+
     def set_unhealthy(self) -> None:
         """``SetInstanceHealth Unhealthy`` (not respecting the grace period): the group replaces
         this instance, as it does one whose boot failed. Best effort."""
@@ -218,6 +251,7 @@ class Lifecycle:
         while not stop.wait(self.settings.imds_poll):
             if self.state() == "Terminated":
                 self.pending = True
+                threading.Thread(target=self.drain_heartbeats, name="petctl-drain-hb", daemon=True).start()
                 request_leave("autoscaling target-lifecycle-state=Terminated")
                 return
             spot = self.imds.get("meta-data/spot/instance-action")
@@ -253,6 +287,7 @@ class Lifecycle:
             return
         if not self.pending and self.state() != "Terminated":
             return
+        self.action_done.set()
         try:
             self._autoscaling().complete_lifecycle_action(
                 LifecycleHookName=spec.lifecycle_hook,
