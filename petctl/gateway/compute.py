@@ -53,6 +53,14 @@ class Compute:
             raise ConfigError(f"--ami {ami} was not found in {self.region}")
         return images[0]
 
+    def ebs_default_key_id(self) -> str | None:
+        """The account's default EBS key in the region (``GetEbsDefaultKmsKeyId``: an ARN, or
+        ``alias/aws/ebs``), or None when it cannot be read."""
+        try:
+            return self.ec2.get_ebs_default_kms_key_id().get("KmsKeyId") or "alias/aws/ebs"
+        except Exception:  # noqa: BLE001 - UnauthorizedOperation: the launch will tell
+            return None
+
     @property
     def endpoint(self) -> str:
         """The EC2 endpoint answering (AWS's for the region, or the local cloud's)."""

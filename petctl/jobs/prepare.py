@@ -6,6 +6,7 @@ import secrets
 
 from petctl import storage
 from petctl.context import Context
+from petctl.jobs import ebs_key
 from petctl.jobs.lookups import check_code_url, instance_facts, resolve_ami, resolve_vpc
 from petctl.jobs.planning import Plan, plan, prepare_code
 from petctl.jobs.request import JobRequest, check_instance_types, validate_request
@@ -20,6 +21,7 @@ def prepare(ctx: Context, req: JobRequest) -> Plan:
     check_instance_types(req, facts)
     resolve_ami(ctx, req)
     resolve_vpc(ctx)
+    ebs_key.check(ctx)
     code = prepare_code(req, dist=storage.dist_wheel())
     # a fresh id per run-job: the job's name, and its checkpoint dir, are kept across runs
     run_id = secrets.token_hex(8)

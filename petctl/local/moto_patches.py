@@ -51,6 +51,8 @@
    ``FileSystemPolicy``.
 13. **DescribeAutoScalingGroups IncludeInstances=false**: AWS leaves each group's instances out
    (its advice for large groups, whose full answer may be throttled); moto listed them anyway.
+14. **GetEbsDefaultKmsKeyId** (:mod:`petctl.local.moto_ebs`): moto sets the account's default EBS
+   key but could not read it back.
 
 Each patch wraps one moto method with :func:`petctl.local.patching.wrap`.
 """
@@ -70,7 +72,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from petctl.local import moto_efs, moto_warm_pool
+from petctl.local import moto_ebs, moto_efs, moto_warm_pool
 from petctl.local.patching import wrap
 
 _claims: dict[str, int] = {}  # ip -> fd holding its flock
@@ -502,3 +504,4 @@ def apply() -> None:
     _patch_launch_template_instance_profile()
     moto_warm_pool.apply()
     moto_efs.apply()
+    moto_ebs.apply()
