@@ -57,6 +57,8 @@ class Settings:
     imds_url: str = DEFAULT_IMDS_URL  # PETCTL_IMDS_URL
     efs_mount: Path = Path("/mnt/efs")  # PETCTL_EFS_MOUNT
     agent_dir: Path = Path("/var/lib/petctl")  # PETCTL_AGENT_DIR
+    #: where the job's environments (its requirements) are cached; empty: <agent_dir>/envs
+    envs_dir: str = ""  # PETCTL_AGENT_ENVS_DIR
     efs_wait: float = 300.0  # PETCTL_AGENT_EFS_WAIT
     join_timeout: float | None = None  # PETCTL_AGENT_JOIN_TIMEOUT (None: the spec's)
     rdzv_attempt: float = 300.0  # PETCTL_AGENT_RDZV_ATTEMPT
@@ -97,6 +99,7 @@ class Settings:
             efs_mount=Path(e.get("PETCTL_EFS_MOUNT") or "/mnt/efs").absolute(),
             # workers run in the job's work dir, not here: keep the paths absolute
             agent_dir=Path(e.get("PETCTL_AGENT_DIR") or "/var/lib/petctl").absolute(),
+            envs_dir=e.get("PETCTL_AGENT_ENVS_DIR", ""),
             efs_wait=env_float("PETCTL_AGENT_EFS_WAIT", 300, e),
             join_timeout=_env_opt("PETCTL_AGENT_JOIN_TIMEOUT", e),
             rdzv_attempt=env_float("PETCTL_AGENT_RDZV_ATTEMPT", 300, e),

@@ -69,6 +69,13 @@ class JobSpec:
     #: a random token per ``run-job``: the job's name is reused across runs (and with it its
     #: checkpoint dir), this is not. Empty in older specs: "unknown run".
     run_id: str = ""
+    #: the job's requirements (a pip requirements file's text; empty: none), installed on every
+    #: node into the job's environment after torch (node/jobenv.py)
+    requirements: str = ""
+    #: where that file lies inside a ``dir`` project (pip then reads it there); empty: outside
+    requirements_path: str = ""
+    #: a digest of the requirements and, when they name the project's files, of the project
+    requirements_sha256: str = ""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobSpec:
@@ -114,6 +121,12 @@ class JobSpec:
             raise SpecError(f"rdzv_backend must be one of {', '.join(RDZV_BACKENDS)}, got {rb!r}")
         kw["rdzv_backend"] = rb
         kw["petctl_version"] = str(kw.get("petctl_version", ""))
+        for key in ("requirements", "requirements_path", "requirements_sha256"):
+            if not isinstance(kw.get(key, ""), str):
+                raise SpecError(f"{key} must be a string, got {kw[key]!r}")
+        rp = kw.get("requirements_path", "")
+        if rp and (rp.startswith("/") or ".." in rp.split("/")):
+            raise SpecError(f"requirements_path must be a path inside the project, got {rp!r}")
         run_id = kw.get("run_id", "")
         if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id):
             raise SpecError(f"run_id must be 1-64 letters, digits, '-' or '_' (or empty), got {run_id!r}")

@@ -104,10 +104,14 @@ class Starting:
         """What a unit's process starts with before its Environment= lines: the instance's base
         environment (not the boot script's variables, as under systemd), its marker, the IMDS URL
         (the local cloud's IMDS is not at 169.254.169.254) and the EFS limits' config
-        (:mod:`petctl.local.efs_rate`)."""
+        (:mod:`petctl.local.efs_rate`). The job's requirements are installed once per job, with
+        this machine's pip, beside its cached venv (``<state>/venvs/<job>/envs``): the agents of a
+        job's instances share it and take turns."""
         env = self._base_env()
         env[procs.MARKER] = rec.marker or ""
         env["PETCTL_IMDS_URL"] = f"{self.imds_url}/{rec.instance_id}"
+        if rec.job:
+            env["PETCTL_AGENT_ENVS_DIR"] = str(self.state_dir / "venvs" / rec.job / "envs")
         env.update(efs_rate.instance_env(self.state_dir, rec.instance_id, self.settings.efs_rates))
         return env
 

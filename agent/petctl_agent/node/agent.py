@@ -22,7 +22,7 @@ from petctl_agent.cloud import aws
 from petctl_agent.cloud.fetch import fetch_code, load_spec
 from petctl_agent.cloud.imds import Imds
 from petctl_agent.cloud.status import StatusPublisher, make_writer
-from petctl_agent.node import churn, ending, failure, markers
+from petctl_agent.node import churn, ending, failure, jobenv, markers
 from petctl_agent.node.lifecycle import CapacityHint, Lifecycle
 from petctl_agent.node.preflight import check_etcd_tls, check_torch, require_writable_dir, wait_for_dir
 from petctl_agent.node.snapshots import SnapshotArea
@@ -80,6 +80,8 @@ class Agent:
         self._stop = threading.Event()
         #: the node's memory-snapshot store (made before the workers start, freed at the end)
         self.snapshots: SnapshotArea | None = None
+        #: the job's environment (its requirements installed), which the workers run in
+        self.job_env: jobenv.JobEnv | None = None
 
     # ---- leaving --------------------------------------------------------------------
     def request_leave(self, reason: str) -> None:
@@ -218,6 +220,12 @@ class Agent:
                 self.lifecycle.complete_action_at_end(0)
                 return rc
             return self._run(spec)
+        except jobenv.RequirementsError as e:  # the same on every node: terminal, like a wrong torch
+            rc = self.fail(
+                f"the job's requirements did not install: {e}", failure.exit_status("requirements")
+            )
+            self.lifecycle.complete_action_at_end(0)
+            return rc
         except SpecError as e:
             return self.fail(str(e), failure.exit_status("spec"))
         except Exception as e:  # noqa: BLE001 - report any crash as FAILED with its reason
@@ -275,12 +283,36 @@ class Agent:
         check this node can write them: ``(script, checkpoint dir, work dir)``."""
         self.paths.root.mkdir(parents=True, exist_ok=True)
         script = fetch_code(spec, self.paths.code)
+        self.job_env = self._install_requirements(spec)
         wait_for_dir(self.efs, self.settings.efs_wait, "shared filesystem")
         ckpt_dir = job_checkpoint_dir(self.efs, spec)
         require_writable_dir(ckpt_dir, "checkpoint directory")
         work_dir = job_work_dir(self.efs, spec)
         require_writable_dir(work_dir, "work directory")
         return script, ckpt_dir, work_dir
+
+    def _install_requirements(self, spec: JobSpec) -> jobenv.JobEnv | None:
+        """The job's requirements, installed into its cached environment (node/jobenv.py) before
+        the node parks in a warm pool or joins; a boot stage of ``status`` (``requirements``)."""
+        if not spec.requirements.strip():
+            return None
+        envs = Path(self.settings.envs_dir) if self.settings.envs_dir else self.paths.root / "envs"
+        t0 = time.monotonic()
+        try:
+            env = jobenv.ensure(spec, self.paths.code, envs)
+        except jobenv.RequirementsError as e:
+            if self.pub:
+                self.pub.event("requirements_failed", seconds=round(time.monotonic() - t0, 2), error=str(e))
+            raise
+        assert env is not None
+        if self.pub:
+            self.pub.event(
+                "requirements_installed",
+                seconds=round(time.monotonic() - t0, 2),
+                cached=env.cached,
+                installed=list(env.installed),
+            )
+        return env
 
     def _wait_while_warmed(self) -> None:
         """A warm-pool instance publishes WARMED and waits, joining nothing, until InService."""
@@ -330,7 +362,13 @@ class Agent:
         via torch.optim): 15-30 s per start on a loaded 2-core box. The forkserver imports them
         once, *before* this node first joins the rendezvous (joining is what stops the running
         nodes), and every worker forks from it, the first ones included."""
-        entrypoint, args, start_method = worker_entrypoint(script, spec.args, self.settings)
+        python = str(self.job_env.python) if self.job_env else None
+        entrypoint, args, start_method = worker_entrypoint(script, spec.args, self.settings, python)
+        if python and start_method == "forkserver":
+            import multiprocessing
+
+            # the forkserver, and every worker forked from it, runs the job's environment's python
+            multiprocessing.set_executable(python)
         if start_method == "forkserver":
             from petctl_agent.worker.forkserver import warm_forkserver
 

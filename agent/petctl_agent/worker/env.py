@@ -123,21 +123,23 @@ def export_worker_env(
 
 
 def worker_entrypoint(
-    script: Path, args: tuple[str, ...], settings: Settings
+    script: Path, args: tuple[str, ...], settings: Settings, python: str | None = None
 ) -> tuple[Any, tuple[str, ...], str]:
     """``(entrypoint, args, start_method)`` of torch's ``WorkerSpec`` for the user's script.
 
     With ``FORKSERVER`` every worker forks from a forkserver that imported torch once
     (``petctl_agent.worker.forkserver``; the caller warms it first); else a fresh interpreter, behind the
-    ``PDEATHSIG`` shim unless that is off.
+    ``PDEATHSIG`` shim unless that is off. ``python``: the job's environment's interpreter
+    (node/jobenv.py), else the agent's.
     """
     if settings.enabled("FORKSERVER"):
         from petctl_agent.worker.forkserver import run_script
 
         return run_script, (str(script), *args), "forkserver"
+    exe = python or sys.executable
     if settings.enabled("PDEATHSIG"):
-        return sys.executable, ("-c", _PDEATHSIG_SHIM, str(script), *args), "spawn"
-    return sys.executable, ("-u", str(script), *args), "spawn"
+        return exe, ("-c", _PDEATHSIG_SHIM, str(script), *args), "spawn"
+    return exe, ("-u", str(script), *args), "spawn"
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
