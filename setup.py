@@ -59,7 +59,16 @@ setup(
     include_package_data=True,
     # cryptography: run-job makes each job's etcd CA and client certificate (TLS in transit); the
     # well-kept library beats shelling out to an openssl that users' machines may not have.
-    install_requires=["boto3>=1.34", "click>=8.1", "jinja2>=3.1", "PyYAML>=6", "cryptography>=42"],
+    # packaging: run-job reads a job's requirements (PEP 508) to refuse another torch before it
+    # creates anything (petctl/jobs/requirements.py).
+    install_requires=[
+        "boto3>=1.34",
+        "click>=8.1",
+        "jinja2>=3.1",
+        "PyYAML>=6",
+        "cryptography>=42",
+        "packaging>=23",
+    ],
     extras_require={
         "agent": AGENT + LIVE,
         "local": LOCAL + AGENT + LIVE,

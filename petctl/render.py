@@ -102,6 +102,7 @@ def plan_text(p: dict[str, Any], show_template: bool = False) -> str:
         f"{spec.get('max_node_failures')} node failures since it last trained",
         f"  checkpoints:  EFS {par['EfsId']}:/{spec['checkpoint_dir']}",
         f"  warm pool:    {_warm_pool_text(int(par.get('WarmPoolSize', 0)))}",
+        f"  packages:     {_packages_text(p.get('requirements'), spec.get('torch_version'))}",
         "  uploads:",
         *uploads,
     ]
@@ -110,6 +111,14 @@ def plan_text(p: dict[str, Any], show_template: bool = False) -> str:
     else:
         lines.append("(--show-template prints the CloudFormation template)")
     return "\n".join(lines)
+
+
+def _packages_text(reqs: dict[str, Any] | None, torch: str | None) -> str:
+    """What every node installs into the job's environment after torch (a dry run's line)."""
+    if not reqs:
+        return f"torch {torch} and petctl only (no requirements.txt in the project, no --requirements)"
+    names = ", ".join(reqs["requirements"]) or "no requirement lines"
+    return f"from {reqs['file']}, on every node after torch {torch} (pinned): {names}"
 
 
 def _event_extra(e: dict[str, Any]) -> str:

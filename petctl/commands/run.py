@@ -107,6 +107,18 @@ class RunJobCommand(click.Command):
     help="torch every node installs (CUDA build on GPU types) [default: the version petctl is tested with].",
 )
 @click.option(
+    "--requirements",
+    default=None,
+    metavar="FILE",
+    help="pip requirements every node installs after torch [default: the project's top requirements.txt].",
+)
+@click.option(
+    "--no-requirements",
+    is_flag=True,
+    default=None,
+    help="Install no requirements, not even the project's requirements.txt.",
+)
+@click.option(
     "--rdzv-backend",
     type=click.Choice(["petctl-etcd", "etcd-v2", "etcd"]),
     default=None,

@@ -25,6 +25,7 @@ from petctl.jobs.request import (
     rdzv_architecture,
     sanitize_tag_value,
 )
+from petctl.jobs.requirements import Requirements, lines_for_plan
 from petctl.storage import Upload, parse_s3_url
 from petctl.templates import etcd
 from petctl.ui import cmd
@@ -82,6 +83,8 @@ class Plan:
     template_key: str = ""
     #: The workers are GPU types (EC2's GpuInfo): the Deep Learning AMI and CUDA torch.
     gpu: bool = False
+    #: What every node installs after torch (``--dry-run`` lists it); None: nothing.
+    requirements: dict[str, Any] | None = None
 
     @property
     def parameter_values(self) -> dict[str, str]:
@@ -100,6 +103,7 @@ class Plan:
             "tags": self.tags,
             "warm_pool": self.warm_pool,
             "gpu": self.gpu,
+            "requirements": self.requirements,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,10 +120,13 @@ def plan(
     user: str,
     region: str | None,
     run_id: str = "",
+    reqs: Requirements | None = None,
 ) -> Plan:
     """The plan for a validated ``req`` (``validate_request``) in a ready ``profile``; ``facts``
     is what EC2 says about each of its instance types (``lookups.instance_facts``); ``run_id``
-    tells this run from other runs of the same job name (``prepare`` draws one per run-job)."""
+    tells this run from other runs of the same job name (``prepare`` draws one per run-job);
+    ``reqs``: the job's checked requirements (``requirements.check``)."""
+    reqs = reqs or Requirements()
     gpu = check_instance_types(req, facts)
     job = req.name or default_job_name(req, profile.name)
     prefix = naming.job_prefix(job)
@@ -161,6 +168,9 @@ def plan(
         join_timeout=req.join_timeout,
         rdzv_backend=req.rdzv_backend,
         run_id=run_id,
+        requirements=reqs.text if reqs else "",
+        requirements_path=reqs.project_path if reqs and code.kind == "dir" else "",
+        requirements_sha256=reqs.digest(code.data) if reqs else "",
     )
     try:
         JobSpec.from_dict(spec.to_dict())  # what every agent will parse: refuse it here, not there
@@ -203,6 +213,7 @@ def plan(
         req.warm_pool,
         template_key,
         gpu,
+        lines_for_plan(reqs, req.torch_version) if reqs else None,
     )
 
 

@@ -65,6 +65,10 @@ class JobRequest:
     #: SHA-256, for a rendezvous subnet without internet access; None: the pinned official one.
     rdzv_etcd_url: str | None = None
     rdzv_etcd_sha256: str | None = None
+    #: ``--requirements FILE`` (None: the project's top requirements.txt, if any)
+    requirements: str | None = None
+    #: ``--no-requirements``: install none, not even the project's requirements.txt
+    no_requirements: bool = False
 
 
 def family(instance_type: str) -> str:
@@ -92,9 +96,11 @@ def default_job_name(req: JobRequest, profile: str = "") -> str:
     fields = {k: v for k, v in asdict(req).items() if k not in ("name", "target", "root_device_name")}
     if not req.warm_pool:
         del fields["warm_pool"]  # jobs named before warm pools existed keep their names
-    for name in ("rdzv_etcd_url", "rdzv_etcd_sha256"):
+    for name in ("rdzv_etcd_url", "rdzv_etcd_sha256", "requirements"):
         if fields[name] is None:
-            del fields[name]  # and those named before an etcd copy could be given
+            del fields[name]  # and those named before an etcd copy or requirements could be given
+    if not req.no_requirements:
+        del fields["no_requirements"]
     digest = hashlib.sha1(json.dumps([profile, target, fields], sort_keys=True).encode()).hexdigest()[:4]
     return f"{stem[:30].rstrip('-')}-{digest}"
 

@@ -90,7 +90,7 @@ def derive(f: Facts) -> JobStatus:
         state=state,
         reason=failure_reason(f, state, failed_boot, current),
         boot_failures=f.boot,
-        boot_events=boot_phases(f.boot_docs),
+        boot_events=boot_phases(f.boot_docs, f.reports),
         stack_status=f.stack["StackStatus"],
         min=f.group.get("MinSize"),
         max=f.group.get("MaxSize"),
@@ -318,9 +318,31 @@ def published_error(docs: list[dict[str, Any]], instance_id: str) -> str | None:
     return None
 
 
-def boot_phases(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+#: Boot stages the agent runs itself (after the boot script started it) and reports as events:
+#: the job's requirements, installed (not found cached) or failed. Their phase is their own time.
+AGENT_BOOT_STAGES = ("requirements_installed", "requirements_failed")
+
+
+def _agent_stages(reports: list[dict[str, Any]], instance_id: Any, since: float) -> list[dict[str, Any]]:
+    return [
+        e
+        for r in reports
+        if r.get("instance_id") == instance_id
+        for e in r.get("events") or []
+        if isinstance(e, dict)
+        and e.get("kind") in AGENT_BOOT_STAGES
+        and not e.get("cached")
+        and isinstance(e.get("t"), (int, float))
+        and e["t"] >= since
+    ]
+
+
+def boot_phases(
+    docs: list[dict[str, Any]], reports: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
     """Each boot's timestamped events, oldest boot first, with ``phases`` (each event after the
-    first, with the seconds since the one before) and ``seconds`` (first to last event)."""
+    first, with the seconds since the one before, or its own ``seconds``: the agent's stages of
+    :data:`AGENT_BOOT_STAGES`, from its ``reports``) and ``seconds`` (first to last event)."""
     out = []
     for d in docs:
         events = [
@@ -328,8 +350,20 @@ def boot_phases(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ]
         if not events:
             continue
+        events = sorted(
+            events + _agent_stages(reports or [], d.get("instance_id"), events[0]["t"]), key=lambda e: e["t"]
+        )
         phases = [
-            {"kind": b["kind"], "seconds": round(b["t"] - a["t"], 2)} for a, b in zip(events, events[1:])
+            {
+                "kind": b["kind"],
+                "seconds": round(
+                    b["seconds"]
+                    if b["kind"] in AGENT_BOOT_STAGES and isinstance(b.get("seconds"), (int, float))
+                    else b["t"] - a["t"],
+                    2,
+                ),
+            }
+            for a, b in zip(events, events[1:])
         ]
         out.append(
             {

@@ -201,13 +201,16 @@ def test_all_is_every_extra() -> None:
 
 
 def test_the_check_catches_the_quickstart_bug() -> None:
-    """Without packaging in petctl[local] (as it once was) the pip shim's import is reported."""
+    """Without packaging in petctl[local] (as it once was) the pip shim's import is reported (and
+    run-job's requirements check, which imports it too)."""
     reqs = declared()
     without = [r for r in reqs[""] + reqs["local"] if Requirement(r).name != "packaging"]
     problems = missing(users_code()["local"], without, "local")
     assert problems == [
+        "petctl.jobs.requirements imports packaging (from packaging), "
+        "which 'pip install petctl[local]' does not install",
         "petctl.local.shims.pip imports packaging (from packaging), "
-        "which 'pip install petctl[local]' does not install"
+        "which 'pip install petctl[local]' does not install",
     ]
 
 
