@@ -41,6 +41,12 @@ class Config:
     * ``reconnect_grace``: after its watch reconnects (or etcd was replaced) the leader acts on
       the membership only this much later, so that nodes still reconnecting (each watcher
       retries within 1 s) re-register first and a replaced etcd's first round has them all.
+    * ``outage`` (derived: ``max(refresh + 1, ttl / 2)``, 3 s): a node whose own keepalives got
+      no answer this long was cut off from etcd (or etcd paused). Every lease may have expired
+      meanwhile, its own too: what the membership shows says nothing of who is alive. It acts
+      on the membership (opens, closes or takes over a round) only ``outage_grace`` (derived:
+      the TTL) after it reaches etcd again, on a fresh read: a live node has renewed its lease
+      or registered again by then (docs/rendezvous.md, "etcd paused or cut off").
 
     TLS takes torch's ``etcd`` handler's keys: ``protocol`` (``http``/``https``), ``cacert`` (the
     CA bundle that signed etcd's certificate), ``cert`` and ``key`` (our client certificate and
@@ -105,6 +111,8 @@ class Config:
         self.request_timeout = request_timeout
         self.watch_silence = watch_silence
         self.reconnect_grace = 1.5 if reconnect_grace is None else reconnect_grace
+        self.outage = max(refresh + 1.0, self.ttl / 2.0)
+        self.outage_grace = float(self.ttl)
         self.record_ttl = max(2, int(record_ttl))
         self.straggler = straggler
         self.join_window = join_window

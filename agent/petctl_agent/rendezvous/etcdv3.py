@@ -763,6 +763,9 @@ class Lease:
     has ended, or when no keepalive succeeded before the lease's deadline: the last
     successful keepalive + TTL, on ``time.monotonic`` (etcd's own clock is monotonic too).
     A keepalive is answered by the leader from memory: no raft write, no revision.
+
+    ``back_at``: when a keepalive last succeeded after ``outage`` s or more without one (default
+    TTL/2): this client was cut off from etcd (or etcd paused) and reaches it again.
     """
 
     def __init__(
@@ -772,12 +775,16 @@ class Lease:
         ttl: int,
         on_lost: Callable[[Lease], None] | None = None,
         interval: float | None = None,
+        outage: float | None = None,
     ) -> None:
         self.client, self.id, self.ttl = client, lease_id, ttl
         self.interval = interval or max(ttl / 3.0, 0.1)
+        self.outage = outage if outage is not None else ttl / 2.0
         self.on_lost = on_lost
         self.lost = threading.Event()
         self.deadline = time.monotonic() + ttl  #: when the lease ends unless renewed
+        self.last_ok = self.deadline - ttl  #: when the last successful keepalive (or the grant) was sent
+        self.back_at = float("-inf")
         self.keepalives = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -807,6 +814,9 @@ class Lease:
                     return
                 continue
             self.deadline = sent + ttl  # counted from before the request: conservative
+            if sent - self.last_ok >= self.outage:
+                self.back_at = time.monotonic()
+            self.last_ok = sent
             self.keepalives += 1
 
     def _lose(self) -> None:

@@ -92,6 +92,8 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
         self._reg_epoch = 0
         self._generation = 0  # etcd replacements seen: each drops every view
         self._replaced_at = float("-inf")
+        #: when we registered again after an outage (our old lease silent >= cfg.outage): _cut_off
+        self._back_at = float("-inf")
         self._started = False
         self._rounds: Watcher | None = None
         self._members: Watcher | None = None  # only while we are the leader

@@ -186,6 +186,12 @@ class Leadership:
                     self._members = Watcher(self, self.keys.nodes, True, 10.0).start()
                     self._event("leading")
             else:
+                m = self._members
+                if m is not None and m.synced:
+                    # stepping down: what the membership watch read is a full read of nodes/; a
+                    # snapshot from before (without the node that leads) would have us lead
+                    # again at once, and flip back and forth while no round closes
+                    self._snap = MemberView({key_name(k): c for k, (_, c, _) in m.items.items()}, m.revision)
                 for w in (self._members, self._joins):
                     if w is not None:
                         w.stop()
@@ -205,7 +211,16 @@ class Leadership:
             w = self._leader_w
             if w is None or not w.synced or not w.connected:
                 return None
+            if self._cut_off(now) is None and self._reread_after_outage(w) is None:
+                self._leader_w = None  # read the leader's key again (_step watches it anew)
+                return 0.0
             alive = bool(w.items)
+            if not alive:
+                # we were cut off ourselves (etcd paused): the leader's lease may have expired
+                # with everyone's; it registers again within the grace, as we do
+                wait = self._cut_off(now)
+                if wait is not None:
+                    return wait
         if alive:
             # outside _cond: _watch_leader may read the leader's lease (an etcd request, up to
             # the request timeout when etcd is slow); the watchers, pending_change and the
@@ -262,6 +277,19 @@ class Leadership:
             since = max(m.reconnected_at, self._replaced_at)
             if now - since < self.cfg.reconnect_grace:
                 return self.cfg.reconnect_grace - (now - since) + 0.05
+            # we lost etcd ourselves (etcd paused, a partition): every lease may have expired, and
+            # the live nodes are registering again; act on a read made after the grace, not before
+            wait = self._cut_off(now)
+            if wait is not None:
+                return wait
+            if self._reread_after_outage(m) is None:
+                self._members = Watcher(self, self.keys.nodes, True, 10.0).start()
+                if self._joins is not None:
+                    self._joins.stop()
+                    self._joins = None
+                return None
+            if self._reread_after_outage(self._joins) is None:
+                self._joins = None
             live = {key_name(k): c for k, (_, c, _) in m.items.items()}
             values = {key_name(k): v for k, (v, _, _) in m.items.items()}
             seen_at = {key_name(k): t for k, t in m.added_at.items()}

@@ -162,9 +162,13 @@ class Membership:
         r = self._etcd.put(self.node_key, value, lease=lid, prev_kv=True)
         # re-registering while our key lives (same node id) keeps its revision: not a newcomer
         created = r.prev.create_revision if r.prev is not None else r.revision
-        lease = v3.Lease(self._etcd, lid, ttl, self._lease_lost, interval=self.cfg.refresh)
+        lease = v3.Lease(
+            self._etcd, lid, ttl, self._lease_lost, interval=self.cfg.refresh, outage=self.cfg.outage
+        )
         with self._cond:
             old, self._lease = self._lease, lease
+            if old is not None and lease.last_ok - old.last_ok >= self.cfg.outage:
+                self._back_at = time.monotonic()  # registered again after an outage (_cut_off)
             self._reg_index = created
             self._reg_epoch += 1
             self._bump()
@@ -176,6 +180,43 @@ class Membership:
         if lease is self._lease:
             self._event("membership lease lost")
             self._rereg.set()
+
+    def _cut_off(self, now: float) -> float | None:
+        """Whether this node may act on what its watches show of the membership: None, or when
+        to look again. Not while its own keepalives go unanswered (``cfg.outage``: it is cut
+        off from etcd, or etcd is paused), nor within ``cfg.outage_grace`` after it reached etcd
+        again (renewed, or registered again: :attr:`back`): when etcd paused or every node was
+        cut off, every lease expired at once, and the live nodes are registering again."""
+        lease = self._lease
+        if lease is None:
+            return None
+        if now - lease.last_ok >= self.cfg.outage:
+            return 0.25
+        until = self.back + self.cfg.outage_grace
+        return until - now + 0.05 if now < until else None
+
+    @property
+    def back(self) -> float:
+        """When this node last reached etcd again after an outage (-inf: never, or an etcd
+        replaced then: every node registers again as it sees the new boot token, and the leader
+        waits ``reconnect_grace`` for that; the new etcd never held the old leases)."""
+        lease = self._lease
+        back = max(self._back_at, lease.back_at if lease is not None else float("-inf"))
+        if self._replaced_at >= back - self.cfg.outage_grace:
+            return float("-inf")
+        return back
+
+    def _reread_after_outage(self, w: Watcher | None) -> Watcher | None:
+        """``w`` if it was read after the outage grace (or there was no outage); else None, after
+        stopping it (the caller makes it again: a fresh read of what etcd holds now, not the
+        events of the outage replayed on a connection that hung through it)."""
+        if w is None:
+            return None
+        back = self.back
+        if back == float("-inf") or w.read_at >= back + self.cfg.outage_grace:
+            return w
+        w.stop()
+        return None
 
     def _snapshot(self) -> None:
         """Read what a non-leader needs of the membership to find the leader (:func:`read_membership`)."""

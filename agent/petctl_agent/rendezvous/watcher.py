@@ -59,6 +59,7 @@ class Watcher:
         self.compactions = 0  #: watches ended by Compacted
         self.resumes = 0  #: silent watches made again from the last revision (no re-read)
         self.reconnected_at = float("-inf")
+        self.read_at = float("-inf")  #: when the last whole read of the keys was sent (not a resume)
         self.last_added = float("-inf")
         self.added_at: dict[str, float] = {}
         self._stop = False
@@ -147,6 +148,7 @@ class Watcher:
 
     def _sync(self, client: v3.Client) -> int | None:
         """Read the keys and the boot token at one revision; None if this watcher must end."""
+        asked = time.monotonic()
         r = client.txn([], [v3.range_op(self.key, self.prefix), v3.range_op(BOOT_TOKEN_KEY)])
         kvs, tok = r.responses[0], r.responses[1]
         assert isinstance(kvs, v3.RangeResult) and isinstance(tok, v3.RangeResult)
@@ -170,6 +172,7 @@ class Watcher:
             if added and self.synced:  # what was there before we looked is not a fresh arrival
                 self.last_added = now
             self.items, self.revision = items, r.revision
+            self.read_at = asked
             self.synced = self.connected = True
             self.h._bump()
         return r.revision

@@ -1,0 +1,112 @@
+"""etcd paused or cut off for longer than the membership lease (6 s): every lease expires at
+once, and nothing of it says who is alive. The leader must not read that as everyone's loss.
+
+When etcd comes back (SIGCONT), each live node finds its lease ended and registers again
+within about a second. A leader that itself lost etcd (its own keepalives silent for half the
+TTL or more, or its own lease ended) acts on the membership only a TTL after it reaches etcd
+again: by then every live node has re-registered, and a node that is still missing is gone
+(docs/rendezvous.md, "etcd paused or cut off"). The same holds for a follower that finds the
+leader's key gone.
+
+Handlers run in threads of this process on their own etcd (SIGSTOP must not pause the other
+tests' etcd); a killed node is a handler stopped without leaving (``_crash``: no keepalive, no
+revoke), as a SIGKILLed agent.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from harness import Etcd
+from test_rdzv_v3 import _drive
+from test_rendezvous import Group
+
+from petctl_agent.rendezvous import PetctlRendezvousHandler
+
+pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
+
+PAUSE = 10.0  # > the 6 s lease: every lease has expired when etcd runs again
+
+
+@pytest.fixture
+def own_etcd(tmp_path: Path) -> Iterator[Etcd]:
+    e = Etcd(tmp_path / "etcd")
+    e.start()
+    yield e
+    if e.proc is not None:
+        os.kill(e.proc.pid, signal.SIGCONT)
+    e.stop()
+
+
+def _pause(e: Etcd, seconds: float, during: Callable[[], None] | None = None) -> float:
+    """SIGSTOP etcd for ``seconds`` (``during`` runs right after the stop); returns when it runs again."""
+    assert e.proc is not None
+    os.kill(e.proc.pid, signal.SIGSTOP)
+    try:
+        if during is not None:
+            during()
+        time.sleep(seconds)
+    finally:
+        os.kill(e.proc.pid, signal.SIGCONT)
+    return time.monotonic()
+
+
+def _leading_flips(h: PetctlRendezvousHandler, since: float) -> int:
+    return sum(1 for t, e in h.events if t >= since and e == "leading")
+
+
+def test_etcd_paused_10s_opens_no_round(own_etcd: Etcd, group: Callable[..., Group]) -> None:
+    """3 nodes run; etcd is SIGSTOPped for 10 s. After SIGCONT, for 9 s (the 6 s grace and
+    some), no node sees a change, all stay in round 1, and leadership settles (no node flips
+    between leading and following). Without the fix the leader opened a round naming gone the
+    nodes whose old keys expired before they registered again."""
+    g = group(2, 8, endpoint=own_etcd.endpoint)
+    hs = [g.new() for _ in range(3)]
+    g.rendezvous(*hs, timeout=20)
+    time.sleep(1.0)
+    wall0 = time.time()
+    back = _pause(own_etcd, PAUSE)
+    end = back + 9.0
+    while time.monotonic() < end:
+        for h in hs:
+            ch = h.pending_change()
+            assert ch is None, f"{h.node_id} after etcd came back: {ch}; events {list(h.events)[-8:]}"
+        time.sleep(0.05)
+    assert {h.round for h in hs} == {1}
+    for h in hs:
+        assert not [e for _, e in h.events if e.startswith("opened round")], list(h.events)
+        assert _leading_flips(h, wall0) <= 2, f"{h.node_id} flipped leadership: {list(h.events)[-6:]}"
+    assert sum("re-registered" in e for h in hs for _, e in h.events) >= 1, "no lease expired: not a test"
+
+
+@pytest.mark.parametrize("who", [2, 0], ids=["a-follower", "the-leader"])
+def test_a_node_killed_during_the_pause_is_still_found_gone(
+    own_etcd: Etcd, group: Callable[..., Group], who: int
+) -> None:
+    """4 nodes run; etcd is SIGSTOPped for 10 s and one node (``who``: its rank; rank 0 leads) is
+    killed meanwhile. The next round names that node gone and no other, and the 3 others form it."""
+    g = group(2, 8, endpoint=own_etcd.endpoint)
+    hs = [g.new() for _ in range(4)]
+    res = g.rendezvous(*hs, timeout=20)
+    order = sorted(hs, key=lambda h: res[h].rank)
+    dead = order[who]
+    survivors = [h for h in order if h is not dead]
+    time.sleep(1.0)
+    back = _pause(own_etcd, PAUSE, during=dead._crash)  # noqa: SLF001 - a SIGKILLed node
+    ch = None
+    deadline = time.monotonic() + 20
+    while ch is None and time.monotonic() < deadline:
+        ch = next((c for c in (h.pending_change() for h in survivors) if c is not None), None)
+        time.sleep(0.05)
+    assert ch is not None, "the killed node was never found gone"
+    found = time.monotonic() - back
+    assert ch["gone"] == [dead.node_id], ch
+    done = _drive(g, survivors, 3, 30) - back
+    assert {h.round for h in survivors} == {2}
+    print(f"killed rank {who} found gone {found:.1f}s after etcd ran again; round of 3 after {done:.1f}s")
