@@ -18,12 +18,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from harness import Etcd
+from harness import Etcd, wait_for
 from test_rdzv_v3 import _drive
 from test_rendezvous import Group
 
@@ -110,3 +111,61 @@ def test_a_node_killed_during_the_pause_is_still_found_gone(
     done = _drive(g, survivors, 3, 30) - back
     assert {h.round for h in survivors} == {2}
     print(f"killed rank {who} found gone {found:.1f}s after etcd ran again; round of 3 after {done:.1f}s")
+
+
+def test_a_flapping_node_does_not_hold_a_round_open(group: Callable[..., Group]) -> None:
+    """3 nodes run round 1; two re-join (round 2 opens), the third (a previous round's node, so
+    it holds the round until its straggler deadline, 2 s here) never joins and flaps: its lease
+    ends (revoked) and it registers again, over and over. Each time, the leader's control loop
+    is busy (held here) until the watch has brought both the key's deletion and its return, as
+    when it waits on a lease read or a slow etcd. The round still closes at the flapper's first
+    deadline. Without the fix each return re-armed the deadline and the round stayed open."""
+    from petctl_agent.rendezvous import etcdv3 as v3
+
+    g = group(2, 8, ttl=2, refresh=0.2, straggler=2.0, settle=0.1)
+    hs = [g.new() for _ in range(3)]
+    res = g.rendezvous(*hs, timeout=20)
+    lead, other, flapper = sorted(hs, key=lambda h: res[h].rank)
+    gate = threading.Event()
+    gate.set()
+    step = lead._step
+
+    def held_step(now: float) -> float | None:
+        gate.wait()
+        return step(time.monotonic())
+
+    lead._step = held_step  # type: ignore[method-assign]
+    c = v3.Client(g.endpoint)
+    g.join(other, lead)  # round 2: the re-join opens it
+    t0 = time.monotonic()
+    flaps = 0
+    while time.monotonic() - t0 < 10 and not (lead in g.results and other in g.results):
+        kv = c.get(flapper.node_key)
+        assert kv is not None
+        gate.clear()
+        try:
+            c.revoke(kv.lease)
+            before = kv.create_revision
+
+            def back(before: int = before) -> int:
+                k = c.get(flapper.node_key)
+                return k.create_revision if k is not None and k.create_revision > before else 0
+
+            rev = wait_for(back, 5, "the flapper registered again")
+
+            def seen(rev: int = rev) -> bool:
+                m = lead._members
+                return m is not None and m.items.get(flapper.node_key, ("", 0, 0))[1] == rev
+
+            wait_for(seen, 5, "the leader's watch saw it back")
+        finally:
+            gate.set()
+        flaps += 1
+        time.sleep(0.3)
+    took = time.monotonic() - t0
+    assert lead in g.results and other in g.results, f"round 2 still open {took:.1f}s on, {flaps} flaps"
+    out = g.wait(lead, other, timeout=1)
+    print(f"round 2 closed {took:.1f}s after it opened, through {flaps} flaps")
+    assert {i.world_size for i in out.values()} == {2}
+    assert flaps >= 2, "the round closed before the flapper flapped: not a test"
+    assert took < 6.0, f"the flapping node held the round {took:.1f}s (straggler 2 s)"

@@ -33,7 +33,9 @@ class CloseView:
     now: float
     opened_at: float  #: when the leader first saw round T open (its marker, or a first join)
     live: Mapping[str, int]  #: registered node -> registration (create) revision
-    seen_at: Mapping[str, float]  #: registered node -> when the leader first saw it registered
+    #: registered node -> when the leader first saw it registered while round T forms (a node
+    #: whose key went and came back keeps its first time: a flapping lease holds no round open)
+    seen_at: Mapping[str, float]
     joined: set[str]  #: nodes with a join for T
     base: Sequence[str] = ()  #: the previous round's participants, in rank order
     min_nodes: int = 1
@@ -110,7 +112,8 @@ def close(v: CloseView) -> tuple[list[str] | None, float | None]:
       registered more than ``join_window`` after the round opened is not waited for at all.
     * A node of the previous round (``base``) is stopping its workers: it holds the round until
       ``stop_wait`` after the opening, or its straggler deadline if later (one that registered
-      again meanwhile: ``straggler`` after that, join window or not). A running node's coordinated stop (a
+      again meanwhile: ``straggler`` after the leader first saw it registered, join window or
+      not; registering again later never moves it: ``seen_at``). A running node's coordinated stop (a
       checkpoint of GiBs, a script that does not honour the drain file) can outlast the
       straggler window; left out, it joins the next round and stops everyone again, and two
       such nodes could take turns training alone forever.

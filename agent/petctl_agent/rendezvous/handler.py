@@ -88,6 +88,9 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
         self._rereg = threading.Event()  # the keeper re-registers when set
         self._token: str | None = None  # the etcd boot token our views were read under
         self._opened_at: dict[int, float] = {}  # leader: round -> when it first saw it open
+        #: leader: node -> when it first saw it registered while round _first_seen_for[1] formed
+        self._first_seen: dict[str, float] = {}
+        self._first_seen_for: tuple[int, int] | None = None  # (etcd generation, round)
         self._reg_index: int | None = None  # create_revision of our node key; None = not registered
         self._reg_epoch = 0
         self._generation = 0  # etcd replacements seen: each drops every view

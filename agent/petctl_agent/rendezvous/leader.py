@@ -311,6 +311,16 @@ class Leadership:
             ready = {key_name(k): self._joins.added_at.get(k, now) for k in self._joins.items}
             marker = rounds.get(target)
             members_rev = m.revision
+            # a node's deadline runs from when we first saw it registered while this round forms:
+            # one whose key goes and comes back (a flapping lease: registered again, seen anew)
+            # keeps it, or it could hold the round until the others' join timeout
+            key = (self._generation, target)
+            if self._first_seen_for != key:
+                self._first_seen.clear()
+                self._first_seen_for = key
+            for n, t in seen_at.items():
+                self._first_seen[n] = min(t, self._first_seen.get(n, t))
+            seen_at = {n: self._first_seen[n] for n in seen_at}
         if marker is None and not joins and rec is None:
             return None
         order = self._order_of(latest, rec)
