@@ -70,7 +70,7 @@ def plan_text(p: dict[str, Any], show_template: bool = False) -> str:
     """The short plan a dry run prints: what would be made, its sizes, image and costs."""
     par, spec = p["parameters"], p["spec"]
     from petctl.jobs.request import DEFAULT_RDZV_INSTANCE_TYPE  # not at import: --help stays light
-    from petctl.templates.etcd import ETCD_VERSION
+    from petctl.templates.etcd import ETCD_SHA256, ETCD_VERSION
 
     gpu = bool(p.get("gpu"))
     types = par.get("InstanceTypes", par["InstanceType"])
@@ -93,7 +93,9 @@ def plan_text(p: dict[str, Any], show_template: bool = False) -> str:
         f"  image:        {image}; {'CUDA' if gpu else 'CPU'} torch {spec.get('torch_version')} on every node",
         f"  rendezvous:   etcd on 1 x {par.get('RdzvInstanceType', DEFAULT_RDZV_INSTANCE_TYPE)}: "
         + (
-            f"your copy {par['EtcdUrl']} (SHA-256 {par['EtcdSha256'][:12]}...)"
+            f"the {ETCD_VERSION} release from {par['EtcdUrl']}, SHA-256 pinned"
+            if par.get("EtcdSha256") in ETCD_SHA256.values()
+            else f"your copy {par['EtcdUrl']} (SHA-256 {par['EtcdSha256'][:12]}...)"
             if par.get("EtcdUrl")
             else f"the official {ETCD_VERSION} release, SHA-256 pinned"
         ),

@@ -11,6 +11,7 @@ from petctl.context import Context
 from petctl.errors import ConfigError, PetctlError
 from petctl.gateway import Gateway
 from petctl.gateway.stacks import outputs_of, parameters_of
+from petctl.infra import etcd_copy
 from petctl.ui import cmd
 
 # Base stack output → profile field. No instance profiles: each job stack makes its own roles.
@@ -175,6 +176,8 @@ def setup(
         ctx.ui.progress(f"EFS file system {efs_id}: petctl's statements added to its file system policy")
     result = apply_setup(ctx, plan, kms_key, timeout)
     result["efs_policy"] = "applied" if fix else ("checked" if efs_id else "petctl")
+    if profile.bucket:
+        result["etcd_copies"] = etcd_copy.copy_release(ctx, profile.bucket, kms_key)
     return result
 
 

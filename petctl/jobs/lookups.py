@@ -12,8 +12,9 @@ from pathlib import Path
 from petctl import config
 from petctl.context import Context
 from petctl.errors import AwsError, ConfigError, PetctlError, describe_client_error
+from petctl.infra import etcd_copy
 from petctl.instance_types import InstanceTypeInfo
-from petctl.jobs.request import JobRequest, instance_types
+from petctl.jobs.request import JobRequest, instance_types, rdzv_architecture
 from petctl.storage import parse_s3_url
 from petctl.ui import cmd
 
@@ -43,6 +44,18 @@ def resolve_vpc(ctx: Context) -> None:
         raise ConfigError(f"subnet {subnet} of profile {profile.name!r} was not found in {ctx.region}")
     profile.vpc_id = vpc
     config.save_profile(profile)
+
+
+def use_bucket_etcd(ctx: Context, req: JobRequest, facts: dict[str, InstanceTypeInfo]) -> None:
+    """The rendezvous boot takes etcd from the bucket's copy (``setup`` puts it there) when the
+    job gives no copy of its own and runs with its own roles (which may read it)."""
+    profile = ctx.profile
+    given_roles = profile.worker_instance_profile_arn or profile.rdzv_instance_profile_arn
+    if req.rdzv_etcd_url is not None or not profile.bucket or given_roles:
+        return
+    found = etcd_copy.bucket_copy(ctx, profile.bucket, rdzv_architecture(req, facts))
+    if found:
+        req.rdzv_etcd_url, req.rdzv_etcd_sha256 = found
 
 
 def check_code_url(ctx: Context, req: JobRequest) -> None:

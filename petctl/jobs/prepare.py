@@ -8,7 +8,7 @@ from pathlib import Path
 from petctl import storage
 from petctl.context import Context
 from petctl.jobs import ebs_key, requirements
-from petctl.jobs.lookups import check_code_url, instance_facts, resolve_ami, resolve_vpc
+from petctl.jobs.lookups import check_code_url, instance_facts, resolve_ami, resolve_vpc, use_bucket_etcd
 from petctl.jobs.planning import Plan, plan, prepare_code
 from petctl.jobs.request import JobRequest, check_instance_types, validate_request
 
@@ -27,6 +27,7 @@ def prepare(ctx: Context, req: JobRequest) -> Plan:
     check_code_url(ctx, req)
     facts = instance_facts(ctx, req)
     check_instance_types(req, facts)
+    use_bucket_etcd(ctx, req, facts)
     resolve_ami(ctx, req)
     resolve_vpc(ctx)
     ebs_key.check(ctx)

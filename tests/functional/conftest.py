@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
+import threading
 import urllib.request
 import zipfile
 from collections.abc import Iterator
@@ -31,11 +33,39 @@ def moto_url() -> Iterator[str]:
     server.stop()
 
 
+class Releases(http.server.BaseHTTPRequestHandler):
+    """etcd's release files as ``setup`` downloads them (petctl/infra/etcd_copy.py): ``files``,
+    by path, set by a test; anything else is a 404 (a mirror without the file)."""
+
+    files: dict[str, bytes] = {}
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        body = self.files.get(self.path)
+        self.send_response(200 if body is not None else 404)
+        self.send_header("Content-Length", str(len(body or b"")))
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="session")
+def release_url() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Releases)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
 @pytest.fixture
-def aws(moto_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Empty moto state, boto3 pointed at it, and a fresh PETCTL_HOME."""
+def aws(moto_url: str, release_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Empty moto state, boto3 pointed at it, a fresh PETCTL_HOME, and etcd's release files
+    (none unless a test puts some in ``Releases.files``) on 127.0.0.1, never GitHub."""
     req = urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST")
     urllib.request.urlopen(req, timeout=10).read()
+    Releases.files = {}
+    monkeypatch.setenv("PETCTL_ETCD_RELEASE_BASE", release_url)
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto_url)
     monkeypatch.setenv("PETCTL_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("AWS_REGION", "us-east-1")
