@@ -50,3 +50,17 @@ def test_a_requirement_that_does_not_install_raises_pips_line(tmp_path):
         "ERROR: Could not find a version that satisfies the requirement no-such-package-here==1.0"
     )
     assert [p for p in (tmp_path / "envs").iterdir() if not p.name.startswith(".")] == []
+
+
+def test_a_forkserver_worker_puts_the_job_env_first(tmp_path):
+    """multiprocessing's forkserver sets sys.path to the agent's: run_script puts the env back."""
+    code = tmp_path / "code"
+    wheels.build(code / "wheels")
+    s = spec(f"--no-index\n--find-links wheels\n{wheels.NAME}\n", "")
+    env = jobenv.ensure(s, code, tmp_path / "envs")
+    probe = (
+        "import sys; from petctl_agent.worker.forkserver import use_job_env; sys.path[:] = [p for p in sys.path "
+        f"if {str(env.path)!r} not in p]; use_job_env({str(env.path)!r}); import tinywords; print(tinywords.__file__)"
+    )
+    out = subprocess.run([str(env.python), "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.startswith(str(env.path))

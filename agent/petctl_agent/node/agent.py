@@ -259,6 +259,8 @@ class Agent:
             self.settings,
             snapshot_dir=self.snapshots.dir if self.snapshots else None,
         )
+        if self.job_env is not None:  # a forkserver worker puts it first (worker/forkserver.py)
+            os.environ["PETCTL_JOB_ENV"] = str(self.job_env.path)
         handler = self._rendezvous_handler(spec, endpoint)
         entrypoint, entry_args, start_method = self._worker_entrypoint(spec, script)
         if self.leave_reason:  # arrived while we were warming up

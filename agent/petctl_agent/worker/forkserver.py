@@ -193,6 +193,22 @@ def note_failure(e: BaseException) -> None:
         pass
 
 
+def use_job_env(env: str) -> None:
+    """Put the job's environment (its requirements, node/jobenv.py) first on ``sys.path``, its
+    ``.pth`` files run: the forkserver runs that environment's python, but multiprocessing's
+    forkserver starts by setting ``sys.path`` to the agent's, which lacks it."""
+    if not env:
+        return
+    import glob
+    import site
+
+    for sp in glob.glob(os.path.join(env, "lib", "python3*", "site-packages")):
+        if sp not in sys.path:
+            site.addsitedir(sp)
+            sys.path.remove(sp)
+            sys.path.insert(0, sp)
+
+
 def run_script(script: str, *args: str) -> None:
     """Entry point torch calls in each worker (must be importable/picklable)."""
     if os.environ.get("PETCTL_AGENT_NO_PDEATHSIG", "") != "1":
@@ -202,6 +218,7 @@ def run_script(script: str, *args: str) -> None:
         keep_destroyed_groups_alive()
     if not switched_off("STORE_CONNECT", os.environ):
         connect_when_listening()
+    use_job_env(os.environ.get("PETCTL_JOB_ENV", ""))
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
