@@ -169,3 +169,90 @@ def test_a_flapping_node_does_not_hold_a_round_open(group: Callable[..., Group])
     assert {i.world_size for i in out.values()} == {2}
     assert flaps >= 2, "the round closed before the flapper flapped: not a test"
     assert took < 6.0, f"the flapping node held the round {took:.1f}s (straggler 2 s)"
+
+
+class _LaggingView:
+    """Holds what ``h``'s rounds watch brings before it reaches ``h``'s view: a view that lags
+    (a paused agent, a slow watch) while etcd moves on. :meth:`release` lets through the events
+    up to a revision (None: all, and from then on)."""
+
+    def __init__(self, h: PetctlRendezvousHandler) -> None:
+        w = h._rounds
+        assert w is not None
+        self._apply = w._apply
+        self._pending: list = []
+        self._upto: int | None = -1
+        self._lock = threading.Lock()
+        w._apply = self._held  # type: ignore[method-assign]
+
+    def _held(self, evs: list) -> None:
+        with self._lock:
+            self._pending += evs
+            self._flush()
+
+    def _flush(self) -> None:
+        upto = self._upto
+        ready = [e for e in self._pending if upto is None or e.kv.mod_revision <= upto]
+        self._pending = [e for e in self._pending if e not in ready]
+        if ready:
+            self._apply(ready)
+
+    def release(self, upto: int | None = None) -> None:
+        with self._lock:
+            self._upto = upto
+            self._flush()
+
+
+def test_a_round_superseded_while_the_view_lagged_is_not_taken(group: Callable[..., Group]) -> None:
+    """N joins round 2 and its view stops there; round 2 closes with it, then round 3 closes
+    without it (N is a straggler, 1 s). N's view then catches up to round 2's close only: its
+    rank key of round 2 still exists (deleted when round 4 closes), but round 3 has replaced
+    round 2. N does not take round 2 (starting workers for a round its peers left); it joins
+    the next round, and the three train in one. Without the fix N took round 2."""
+    from petctl_agent.rendezvous import etcdv3 as v3
+
+    g = group(2, 8, straggler=1.0, settle=0.1)
+    hs = [g.new() for _ in range(3)]
+    res = g.rendezvous(*hs, timeout=20)
+    a, b, n = sorted(hs, key=lambda h: res[h].rank)  # a leads
+    lag = _LaggingView(n)
+    g.join(n)  # its re-join opens round 2
+    wait_for(lambda: n._target == 2, 5, "N joined round 2")
+    g.rendezvous(a, b, timeout=10)  # round 2, with N
+    assert a.round == 2 and g.results[a].world_size == 3
+    g.rendezvous(a, b, timeout=10)  # round 3, without N (left out at its straggler deadline)
+    assert a.round == 3 and g.results[a].world_size == 2
+    c = v3.Client(g.endpoint)
+    lag.release(c.get(a.keys.round(3)).create_revision - 1)  # N's view: round 2 closed, no more
+    time.sleep(1.0)
+    assert n not in g.results, f"N took round {n.round}, which round 3 had replaced"
+    lag.release()
+    _drive(g, [a, b, n], 3, 20)
+    assert not [e for _, e in n.events if e.startswith("round 2 rank")], list(n.events)
+
+
+def test_a_lagging_view_opens_no_round_under_an_expired_record(group: Callable[..., Group]) -> None:
+    """N runs round 1 and its view stops there; rounds 2 and 3 close without it, and round 2's
+    record, on its 2 s lease, expires. N re-joins from its view: round 2, the one after its
+    last. Its "a participant re-joins" marker is written only while the round it ran in is
+    still etcd's latest: no open marker appears under round 2's expired key (nothing would
+    ever delete it). Without the fix the marker was created there."""
+    from petctl_agent.rendezvous import etcdv3 as v3
+
+    g = group(2, 8, straggler=1.0, settle=0.1, record_ttl=2)
+    hs = [g.new() for _ in range(3)]
+    res = g.rendezvous(*hs, timeout=20)
+    a, b, n = sorted(hs, key=lambda h: res[h].rank)
+    lag = _LaggingView(n)
+    g.rendezvous(a, b, timeout=10)  # round 2 without N (its straggler deadline)
+    g.rendezvous(a, b, timeout=10)  # round 3: round 2's record gets its 2 s lease
+    assert a.round == 3
+    c = v3.Client(g.endpoint)
+    wait_for(lambda: c.get(a.keys.round(2)) is None, 10, "round 2's record to expire")
+    g.join(n)
+    wait_for(lambda: n._target == 2, 5, "N joined round 2 from its lagging view")
+    time.sleep(0.3)
+    stray = c.get(a.keys.round(2))
+    lag.release()
+    _drive(g, [a, b, n], 3, 20)
+    assert stray is None, f"an open marker under round 2's expired key: {stray.text}"

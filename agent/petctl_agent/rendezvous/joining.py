@@ -28,7 +28,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from petctl_agent.rendezvous import etcdv3 as v3
 from petctl_agent.rendezvous.client import TRANSIENT
 from petctl_agent.rendezvous.layout import Rounds, latest_closed
-from petctl_agent.rendezvous.leader import read_rank
+from petctl_agent.rendezvous.leader import read_current_rank
 
 log = logging.getLogger("petctl_agent.rendezvous")
 
@@ -125,17 +125,22 @@ class Joining:
                 version = self._version
             if closed_rec is not None and target is not None:
                 try:
-                    rank = read_rank(self._etcd, self.keys, target, closed_rec, self.node_id)
+                    rank, replaced = read_current_rank(
+                        self._etcd, self.keys, target, closed_rec, self.node_id
+                    )
                 except TRANSIENT as e:  # read again after the wait below (the join timeout still runs)
                     self._client_error(e)
                     log.info("reading our rank of round %d failed (%s); retrying", target, e)
                 else:
                     with self._cond:
                         # a record read before etcd was replaced is the old etcd's: never accept it
-                        if rank is not None and epoch[1] == self._generation and not self._left:
+                        ok = rank is not None and not replaced
+                        if ok and epoch[1] == self._generation and not self._left:
                             return self._accept(target, closed_rec, rank, t0)
                     if rank is None:
                         self._event(f"round {target} closed without us")
+                    elif replaced:
+                        self._event(f"round {target} closed with us, but round {target + 1} replaced it")
                     target = None
                     continue
             if time.monotonic() > deadline:
@@ -189,10 +194,23 @@ class Joining:
             and prev_record is not None  # we ran in it (a record is kept only for a round we ran in)
             and target not in rounds
         ):
-            # a participant of the running round wants a new one (its workers stopped): tell everyone
+            # a participant of the running round wants a new one (its workers stopped): tell everyone.
+            # Only while the round we ran in is etcd's latest, as we saw it (its record's
+            # mod_revision changes when the next round closes, and it goes record_ttl later): a
+            # view that lags would otherwise create an open marker under an expired record's key
+            # (an old round number), which nothing ever deletes
             marker = {"state": "open", "by": self.node_id, "waiting": [], "gone": [], "rejoin": True}
             key = self.keys.round(target)
-            self._etcd.txn([v3.compare(key, "create", "==", 0)], [v3.put_op(key, json.dumps(marker))])
+            with self._cond:
+                seen = (
+                    self._rounds.mod_revision(self.keys.round(latest)) if self._rounds is not None else None
+                )
+            if seen is not None:
+                cmp = [
+                    v3.compare(key, "create", "==", 0),
+                    v3.compare(self.keys.round(latest), "mod", "==", seen),
+                ]
+                self._etcd.txn(cmp, [v3.put_op(key, json.dumps(marker))])
         with self._cond:
             self._target = target
             self._bump()

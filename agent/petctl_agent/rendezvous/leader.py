@@ -83,6 +83,30 @@ def publish_round(
 def read_rank(etcd: v3.Client, keys: Keys, target: int, rec: dict[str, Any], node_id: str) -> int | None:
     """This node's rank in closed round ``target`` (its record ``rec``); None: left out."""
     kv = etcd.get(keys.rank(target, str(rec.get("nonce", "")), node_id))
+    return _rank(kv)
+
+
+def read_current_rank(
+    etcd: v3.Client, keys: Keys, target: int, rec: dict[str, Any], node_id: str
+) -> tuple[int | None, bool]:
+    """:func:`read_rank`, and whether round ``target + 1`` has closed since (one txn): a view
+    that lags (a paused agent, a slow watch) can show ``target`` closed with us after the next
+    round replaced it without us. Our rank key lives on until ``target + 2`` closes, so the
+    rank alone would have us start workers for a round our peers have left."""
+    r = etcd.txn(
+        [],
+        [
+            v3.range_op(keys.rank(target, str(rec.get("nonce", "")), node_id)),
+            v3.range_op(keys.round(target + 1)),
+        ],
+    )
+    rank, nxt = r.responses
+    assert isinstance(rank, v3.RangeResult) and isinstance(nxt, v3.RangeResult)
+    replaced = bool(nxt.kvs) and loads(nxt.kvs[0].value).get("state") == "closed"
+    return _rank(rank.kvs[0] if rank.kvs else None), replaced
+
+
+def _rank(kv: v3.KeyValue | None) -> int | None:
     if kv is None:
         return None
     try:
