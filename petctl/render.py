@@ -178,6 +178,8 @@ def status_text(r: dict[str, Any]) -> str:
             2,
             f"  boot of {b['instance_id']} ({len(worker_boots)} worker boots): {phases}; {b['seconds']:.1f}s",
         )
+    if r.get("etcd_alarm"):  # no round can form until it is fixed: right under the state
+        lines.insert(1, f"  {r['etcd_alarm']}")
     lost = {k: v for k, v in (r.get("log_events_lost") or {}).items() if v}
     if lost:  # the agents counted worker lines CloudWatch Logs did not store
         causes = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in lost.items())

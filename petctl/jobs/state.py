@@ -107,7 +107,21 @@ def derive(f: Facts) -> JobStatus:
         hosts=hosts,
         agents=agents,
         events=events,
+        etcd_alarm=etcd_alarm(agents),
     )
+
+
+def etcd_alarm(agents: list[AgentStatus]) -> str | None:
+    """etcd's NOSPACE alarm as the agents saw it: the line of the newest ``rdzv_no_space`` of an
+    agent whose newest of ``rdzv_no_space``/``rdzv_space_ok`` is that one; None when none is."""
+    said: list[tuple[float, str]] = []
+    for a in agents:
+        last = next(
+            (e for e in reversed(a.events) if e.get("kind") in ("rdzv_no_space", "rdzv_space_ok")), None
+        )
+        if last is not None and last.get("kind") == "rdzv_no_space":
+            said.append((last.get("t", 0), str(last.get("detail") or "etcd is out of space")))
+    return max(said)[1] if said else None
 
 
 def in_service(group: dict[str, Any]) -> int:

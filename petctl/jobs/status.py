@@ -137,6 +137,8 @@ class JobStatus:
     hosts: list[Host]
     agents: list[AgentStatus]
     events: list[dict[str, Any]]
+    #: one line while etcd refuses writes for space (an agent's newest rdzv_no_space), else None
+    etcd_alarm: str | None = None
 
     @property
     def final(self) -> bool:
@@ -169,4 +171,5 @@ class JobStatus:
             "hosts": [h.to_dict() for h in self.hosts],
             "agents": [a.to_dict() for a in self.agents],
             "events": self.events,
+            "etcd_alarm": self.etcd_alarm,
         }

@@ -40,8 +40,25 @@ def test_running_job_sums_up_its_agents():
     assert set(d) == {
         "job", "state", "reason", "boot_failures", "boot_events", "stack_status", "min", "max", "desired",
         "in_service", "world_size", "last_step", "last_checkpoint_step", "restarts", "log_events_lost", "rounds",
-        "reports_progress", "uptime_s", "hosts", "agents", "events",
+        "reports_progress", "uptime_s", "hosts", "agents", "events", "etcd_alarm",
     }  # fmt: skip
+    assert d["etcd_alarm"] is None
+
+
+def test_etcd_out_of_space_is_one_line_of_status_until_an_agent_says_it_has_space_again():
+    from petctl import render
+
+    line = "etcd is out of space: put: etcdserver: mvcc: database space exceeded; every write fails ..."
+    full = [{"t": NOW - 20, "kind": "rdzv_no_space", "detail": line}]
+    st = state.derive(facts([report("i-1", events=full), report("i-2")]))
+    assert st.etcd_alarm == line
+    out = render.status_text(st.to_dict())
+    assert out.splitlines()[1] == f"  {line}"
+    fixed = [*full, {"t": NOW - 5, "kind": "rdzv_space_ok"}]
+    assert state.derive(facts([report("i-1", events=fixed), report("i-2")])).etcd_alarm is None
+    assert "out of space" not in render.status_text(
+        state.derive(facts([report("i-1", events=fixed)])).to_dict()
+    )
 
 
 def test_a_hard_killed_node_no_longer_speaks_but_a_draining_one_does():

@@ -31,6 +31,8 @@ EVENT_KINDS = (
     "drained",
     "rdzv_unreachable",
     "rdzv_recovered",
+    "rdzv_no_space",
+    "rdzv_space_ok",
     "succeeded",
     "failed",
     "snapshot_off",

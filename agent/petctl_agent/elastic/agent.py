@@ -218,6 +218,14 @@ class PetctlElasticAgent(LocalElasticAgent):
         except Exception:  # noqa: BLE001 - status detail only
             return None
 
+    def _no_space(self, line: str | None) -> None:
+        """petctl-etcd: etcd refuses writes for space (``line``: what ``petctl status`` shows), or
+        takes them again (None). From a handler thread; one event each way."""
+        if line is not None:
+            self.pub.event("rdzv_no_space", round=self.watch.round, detail=line[:400])
+        else:
+            self.pub.event("rdzv_space_ok", round=self.watch.round)
+
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         if self._rendezvoused:  # done by _restart_workers before it reaped the failing workers
             self._rendezvoused = False
@@ -229,6 +237,8 @@ class PetctlElasticAgent(LocalElasticAgent):
             if mine is not None:
                 mine.leave()
             raise LeftRendezvous("asked to leave before joining the rendezvous")
+        if mine is not None and mine.on_no_space is None:
+            mine.on_no_space = self._no_space
         self.pub.update(state="RENDEZVOUS")
         self.pub.event(
             "rendezvous_start", reason=self._rdzv_reason, round=self.watch.round, step=self._last_step()

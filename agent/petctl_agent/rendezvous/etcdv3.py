@@ -136,6 +136,12 @@ class LeaseNotFound(RequestFailed):
     """The lease expired or was revoked (or never existed)."""
 
 
+class NoSpace(RequestFailed):
+    """etcd's backend is at its quota (``--quota-backend-bytes``) and its NOSPACE alarm is
+    raised: every write fails (reads, watches and keepalives go on) until the history is
+    compacted, the database defragmented and the alarm disarmed (docs/rendezvous.md)."""
+
+
 class Compacted(EtcdError):
     """The revision asked for is compacted away; ``compact_revision`` is the oldest etcd keeps
     (0 when etcd did not say). Re-read the state once and watch from that read's revision + 1."""
@@ -370,7 +376,7 @@ def _range_body(key: str, prefix: bool, **extra: Any) -> dict[str, Any]:
 
 #: how a keep-alive connection that etcd closed fails; calls that only read (safe to repeat)
 _STALE = (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected)
-_READS = frozenset({"range", "status", "keepalive", "timetolive", "version"})
+_READS = frozenset({"range", "status", "keepalive", "timetolive", "version", "alarm"})
 
 
 # ---- the client -------------------------------------------------------------------------------------
@@ -550,6 +556,11 @@ class Client:
     ) -> dict[str, Any]:
         """POST ``body`` to ``/v3/<path>``; the answer (for what the methods below leave out)."""
         return self._request("POST", f"{API}/{path}", body, kind, timeout)
+
+    def alarms(self, timeout: float | None = None) -> list[str]:
+        """The alarms raised on the cluster (``NOSPACE``, ``CORRUPT``); [] when none."""
+        d = self.call("maintenance/alarm", {"action": "GET"}, "alarm", timeout)
+        return [str(a.get("alarm", "")) for a in d.get("alarms") or []]
 
     def version(self, timeout: float | None = None) -> str:
         """etcd's server version (``GET /version``)."""
@@ -744,6 +755,8 @@ def _error(d: dict[str, Any], status: int, where: str) -> EtcdError:
         return Compacted(f"{where}: {msg}")
     if "lease not found" in msg:
         return LeaseNotFound(f"{where}: {msg}", code, status)
+    if "database space exceeded" in msg:
+        return NoSpace(f"{where}: {msg}", code, status)
     return RequestFailed(f"{where}: {msg}", code, status)
 
 

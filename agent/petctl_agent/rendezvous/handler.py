@@ -130,6 +130,11 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
         self._expected_cache: tuple[float, int | None] = (float("-inf"), None)
         self._snapped_for: tuple[str, int] | None = None
         self._threads: list[threading.Thread] = []
+        self._no_space: str | None = None  # etcd's NOSPACE alarm, one line (Membership.no_space)
+        self._no_space_checked = 0.0
+        #: called with that line when etcd starts refusing writes for space, None when it stops
+        #: (from whichever handler thread saw it): the agent publishes it
+        self.on_no_space: Callable[[str | None], None] | None = None
         #: (time.time(), what): the last few hundred steps, for tests, benchmarks and logs (the
         #: wall clock only labels events; no deadline reads it)
         self.events: deque[tuple[float, str]] = deque(maxlen=500)

@@ -188,6 +188,7 @@ class Leadership:
                     self._cond.wait(timeout=wait if wait is not None else 1.0)
                 seen = self._version
             try:
+                self._check_no_space()
                 wait = self._step(time.monotonic())
             except TRANSIENT as e:
                 self._client_error(e)

@@ -22,6 +22,8 @@ from petctl_agent.rendezvous.watcher import Watcher
 
 log = logging.getLogger("petctl_agent.rendezvous")
 
+#: while etcd's NOSPACE alarm is noted, how often the control thread asks whether it still is (s)
+NO_SPACE_RECHECK = 5.0
 #: the oldest registrations a non-leader reads: the two it may need (read_membership says why)
 #: and one that marks where the read stops (a tie on it is read whole)
 OLDEST = 3
@@ -97,9 +99,58 @@ class Membership:
     the boot token."""
 
     def _client_error(self, e: BaseException) -> None:
-        """Any thread's etcd error: a store revision that went back means a new etcd."""
+        """Any thread's etcd error: a store revision that went back means a new etcd; a write
+        refused for space means etcd's NOSPACE alarm is raised (:attr:`no_space`)."""
         if isinstance(e, v3.ClusterChanged):
             self._etcd_replaced(f"etcd replaced ({e})", forget_token=True)
+        elif isinstance(e, v3.NoSpace):
+            self._set_no_space(str(e))
+
+    @property
+    def no_space(self) -> str | None:
+        """One line while etcd refuses writes for space (its NOSPACE alarm), else None. Every
+        join and registration fails meanwhile: no round forms, and the handler retries."""
+        return self._no_space
+
+    def _set_no_space(self, detail: str | None) -> None:
+        """Note the alarm (``detail``: the refused write) or its end (None); tell ``on_no_space``."""
+        line = None
+        if detail is not None:
+            line = (
+                f"etcd is out of space: {detail}; every write fails until its history is compacted, "
+                "its database defragmented and its NOSPACE alarm disarmed (docs/rendezvous.md)"
+            )
+        with self._cond:
+            was, self._no_space = self._no_space, line
+            self._no_space_checked = time.monotonic()
+        if (was is None) == (line is None):
+            return
+        if line is not None:
+            log.error("%s", line)
+            self._event("etcd out of space")
+        else:
+            log.warning("etcd takes writes again (its NOSPACE alarm is disarmed)")
+            self._event("etcd has space again")
+        hook = self.on_no_space
+        if hook is not None:
+            try:
+                hook(line)
+            except Exception:  # noqa: BLE001 - a status report only
+                log.debug("on_no_space failed", exc_info=True)
+
+    def _check_no_space(self) -> None:
+        """While the alarm is noted: every ``NO_SPACE_RECHECK`` s, is it still raised? (the
+        control thread; steady state writes nothing, so no refused write would say it ended)."""
+        if self._no_space is None or time.monotonic() - self._no_space_checked < NO_SPACE_RECHECK:
+            return
+        try:
+            raised = "NOSPACE" in self._etcd.alarms()
+        except TRANSIENT:
+            raised = True  # look again later
+        if raised:
+            self._no_space_checked = time.monotonic()
+        else:
+            self._set_no_space(None)
 
     def _check_token(self, token: str | None) -> bool:
         """The boot token read with a view: False (and every view dropped) if it changed or
