@@ -308,6 +308,8 @@ class Leadership:
             if wait is not None:
                 return wait
             if self._reread_after_outage(m) is None:
+                # until the new read lands, who leads is found from the old one (_presumed_leader)
+                self._snap = MemberView({key_name(k): c for k, (_, c, _) in m.items.items()}, m.revision)
                 self._members = Watcher(self, self.keys.nodes, True, 10.0).start()
                 if self._joins is not None:
                     self._joins.stop()
