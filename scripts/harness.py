@@ -391,6 +391,7 @@ class FreezingProxy:
         self._sel.register(self._lsock, 1, None)
         self._sel.register(self._wake_r, 1, None)
         self._stop = False
+        self._partitioned = False
         self._todo: list[Callable[[], None]] = []
         self._thread = threading.Thread(target=self._loop, name="freezing-proxy", daemon=True)
         self._thread.start()
@@ -422,7 +423,8 @@ class FreezingProxy:
             return
         for s, peer in ((c, u), (u, c)):
             s.setblocking(False)
-            self._sel.register(s, 1, peer)
+            if not self._partitioned:  # partitioned: held, forwarded from heal() on
+                self._sel.register(s, 1, peer)
         with self._lock:
             self._pairs.append((c, u))
             self.accepted += 1
@@ -481,6 +483,35 @@ class FreezingProxy:
 
         self._call(f)
         return len(self.frozen)
+
+    def partition(self) -> None:
+        """Stop forwarding on every connection, open and new (accepted, then held), closing
+        none, until :meth:`heal`: a network partition between the clients and etcd that ends.
+        What either side sends meanwhile waits in the kernel's buffers."""
+
+        def f() -> None:
+            self._partitioned = True
+            with self._lock:
+                pairs = list(self._pairs)
+            for pair in pairs:
+                for s in pair:
+                    self._sel.unregister(s)
+
+        self._call(f)
+
+    def heal(self) -> None:
+        """End :meth:`partition`: every connection it held forwards again (a client that gave
+        up on one closed it meanwhile; that close arrives now)."""
+
+        def f() -> None:
+            self._partitioned = False
+            with self._lock:
+                pairs = list(self._pairs)
+            for c, u in pairs:
+                self._sel.register(c, 1, u)
+                self._sel.register(u, 1, c)
+
+        self._call(f)
 
     @property
     def open_connections(self) -> int:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from harness import Etcd, wait_for
+from harness import Etcd, FreezingProxy, wait_for
 from test_rdzv_v3 import _drive
 from test_rendezvous import Group
 
@@ -84,6 +84,32 @@ def test_etcd_paused_10s_opens_no_round(own_etcd: Etcd, group: Callable[..., Gro
         assert not [e for _, e in h.events if e.startswith("opened round")], list(h.events)
         assert _leading_flips(h, wall0) <= 2, f"{h.node_id} flipped leadership: {list(h.events)[-6:]}"
     assert sum("re-registered" in e for h in hs for _, e in h.events) >= 1, "no lease expired: not a test"
+
+
+def test_a_10s_partition_from_etcd_opens_no_round(group: Callable[..., Group], etcd3: Etcd) -> None:
+    """The same through a partition: 3 nodes reach etcd through a proxy that stops forwarding
+    on every connection, open and new, for 10 s, then forwards again (``FreezingProxy.partition``,
+    ``heal``). etcd runs on and ends every lease; the nodes register again once it answers. For
+    9 s after the heal no node sees a change and all stay in round 1."""
+    with FreezingProxy(etcd3.endpoint) as proxy:
+        g = group(2, 8, endpoint=proxy.endpoint)
+        try:
+            hs = [g.new() for _ in range(3)]
+            g.rendezvous(*hs, timeout=20)
+            time.sleep(1.0)
+            proxy.partition()
+            time.sleep(PAUSE)
+            proxy.heal()
+            end = time.monotonic() + 9.0
+            while time.monotonic() < end:
+                for h in hs:
+                    ch = h.pending_change()
+                    assert ch is None, f"{h.node_id} after the partition: {ch}; events {list(h.events)[-8:]}"
+                time.sleep(0.05)
+            assert {h.round for h in hs} == {1}
+            assert sum("re-registered" in e for h in hs for _, e in h.events) >= 1, "no lease expired"
+        finally:
+            g.close()  # while the proxy still forwards: each revokes its lease
 
 
 @pytest.mark.parametrize("who", [2, 0], ids=["a-follower", "the-leader"])
