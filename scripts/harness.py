@@ -561,6 +561,7 @@ class Node:
     proc: subprocess.Popen
     agent_dir: Path
     started: float
+    imds_base: str = ""
     lines: list[tuple[float, str]] = field(default_factory=list)
     steps: list[tuple[float, int, int]] = field(default_factory=list)  # (t, step, world)
 
@@ -655,6 +656,19 @@ class Cluster:
         self.imds.set(iid, "autoscaling/target-lifecycle-state", lifecycle_state)
         agent_dir = self.tmp / "nodes" / iid
         agent_dir.mkdir(parents=True, exist_ok=True)
+        node = self._launch(iid, addr, base, agent_dir)
+        self.nodes[iid] = node
+        return node
+
+    def restart_node(self, node: Node) -> Node:
+        """A new agent process on ``node``'s instance (its IMDS and agent dir), as systemd's
+        restart of a failed agent; ``node`` must have exited."""
+        assert node.proc.poll() is not None, f"{node.instance_id} is still running"
+        fresh = self._launch(node.instance_id, node.addr, node.imds_base, node.agent_dir)
+        self.nodes[node.instance_id] = fresh
+        return fresh
+
+    def _launch(self, iid: str, addr: str, base: str, agent_dir: Path) -> Node:
         env = {
             **os.environ,
             "PETCTL_IMDS_URL": base,
@@ -676,8 +690,7 @@ class Cluster:
             start_new_session=True,
             cwd=str(agent_dir),
         )
-        node = Node(iid, addr, proc, agent_dir, time.time())
-        self.nodes[iid] = node
+        node = Node(iid, addr, proc, agent_dir, time.time(), imds_base=base)
         threading.Thread(target=self._read, args=(node,), daemon=True).start()
         return node
 

@@ -67,6 +67,7 @@ class Settings:
     drain_probe: float = 5.0  # PETCTL_AGENT_DRAIN_PROBE
     leave_fallback: float = 30.0  # PETCTL_AGENT_LEAVE_FALLBACK
     last_call: int = 5  # PETCTL_AGENT_LAST_CALL
+    failure_limit: int = 5  # PETCTL_AGENT_FAILURE_LIMIT: unclean ends on one instance (node/crashes.py)
     keepalive: int = 1  # PETCTL_AGENT_KEEPALIVE
     keepalive_attempts: int = 5  # PETCTL_AGENT_KEEPALIVE_ATTEMPTS
     store_timeout: float = 20.0  # PETCTL_AGENT_STORE_TIMEOUT
@@ -108,6 +109,7 @@ class Settings:
             drain_probe=env_float("PETCTL_AGENT_DRAIN_PROBE", 5, e),
             leave_fallback=env_float("PETCTL_AGENT_LEAVE_FALLBACK", 30, e),
             last_call=env_int("PETCTL_AGENT_LAST_CALL", 5, e),
+            failure_limit=env_int("PETCTL_AGENT_FAILURE_LIMIT", 5, e),
             keepalive=env_int("PETCTL_AGENT_KEEPALIVE", 1, e),
             keepalive_attempts=env_int("PETCTL_AGENT_KEEPALIVE_ATTEMPTS", 5, e),
             store_timeout=env_float("PETCTL_AGENT_STORE_TIMEOUT", 20, e),

@@ -22,7 +22,7 @@ from petctl_agent.cloud import aws
 from petctl_agent.cloud.fetch import fetch_code, load_spec
 from petctl_agent.cloud.imds import Imds
 from petctl_agent.cloud.status import StatusPublisher, make_writer
-from petctl_agent.node import churn, ending, failure, jobenv, markers
+from petctl_agent.node import churn, crashes, ending, failure, jobenv, markers
 from petctl_agent.node.lifecycle import CapacityHint, Lifecycle
 from petctl_agent.node.preflight import check_etcd_tls, check_torch, require_writable_dir, wait_for_dir
 from petctl_agent.node.snapshots import SnapshotArea
@@ -76,6 +76,8 @@ class Agent:
         self.leave_reason: str | None = None
         #: in the warm pool (Warmed:*), joined nothing: a stop or termination exits quietly
         self.parked = False
+        #: this instance's agent runs, to stop one that keeps failing (node/crashes.py)
+        self.runs = crashes.Runs(settings.agent_dir / crashes.FILE)
         self.step_info = StepInfo(self.paths.progress)
         self._stop = threading.Event()
         #: the node's memory-snapshot store (made before the workers start, freed at the end)
@@ -102,6 +104,7 @@ class Agent:
             # pool instances the same way. It never joined: nothing to drain, and no LEFT, which
             # would tell `status` this node once trained. Its report stays WARMED.
             log.info("stopped in the warm pool: exiting, still WARMED")
+            self.runs.end(True)
             os._exit(0)
         if self.elastic is not None:
             self.elastic.request_leave(reason)
@@ -139,6 +142,7 @@ class Agent:
             self.pub.event("drained", clean=True, phase=phase)
         self.free_snapshots()
         self.finish_leave()
+        self.runs.end(True)
         os._exit(0)
 
     def finish_leave(self) -> int:
@@ -195,11 +199,21 @@ class Agent:
             target=self.lifecycle.launch_heartbeats, name="petctl-launch-hb", daemon=True
         ).start()
         rc = EXIT_FAILED
+        failures, last = self.runs.begin()
         try:
+            if failures >= self.settings.failure_limit:
+                rc = self.fail(
+                    f"the agent ended unclean {failures} times on this instance (the last: {last}); "
+                    "not running it again",
+                    failure.exit_status("agent_failures"),
+                )
+                return rc
             rc = self._checked_run(spec)
             return rc
         finally:
             self.free_snapshots()  # job end, node left, gave up or crashed: the memory goes
+            reason = pub.snapshot().get("reason") or ""
+            self.runs.end(rc == 0 or failure.is_terminal(rc), f"exit {rc}: {reason}".rstrip(": "))
             if failure.is_terminal(rc):
                 self._failed_for_good(rc)
             pub.close()

@@ -44,11 +44,13 @@ WORKERS_MARKER = markers.WORKERS_MARKER
 
 def exit_status(kind: str) -> int:
     """The exit status of a failure ``kind``: ``spec`` (a bad spec or setting), ``torch`` (the
-    wrong torch), ``requirements`` (the job's packages did not install), ``workers`` (the job's workers failed for good), ``join_timeout`` (terminal);
+    wrong torch), ``requirements`` (the job's packages did not install), ``workers`` (the job's
+    workers failed for good), ``agent_failures`` (the agent ended unclean too often on this
+    instance, node/crashes.py), ``join_timeout`` (terminal);
     anything else (a crash) is 1, which systemd restarts."""
     if kind == "join_timeout":
         return EXIT_JOIN_TIMEOUT
-    if kind in ("spec", "torch", "requirements", "workers"):
+    if kind in ("spec", "torch", "requirements", "workers", "agent_failures"):
         return EXIT_TERMINAL
     return 1
 
