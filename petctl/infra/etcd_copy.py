@@ -22,7 +22,7 @@ from petctl.storage import Upload
 from petctl.templates import etcd
 
 PREFIX = "petctl/uploads/etcd/"
-DOWNLOAD_TIMEOUT_S = 120
+DOWNLOAD_TIMEOUT_S = 60
 
 
 def key(arch: str) -> str:
