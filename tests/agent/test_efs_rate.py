@@ -100,7 +100,7 @@ def test_the_switch_turns_it_off(tmp_path: Path, monkeypatch) -> None:
     s.state_dir, s.endpoint_url, s.imds_url = tmp_path, "http://127.0.0.1:9", "http://127.0.0.1:8"
     s.settings = SimpleNamespace(efs_rates=None)
     monkeypatch.setenv(efsrate.ENV, "/somewhere/else.json")  # not inherited from the daemon
-    env = s._unit_env(SimpleNamespace(instance_id="i-1", marker="i-1@t"))
+    env = s._unit_env(SimpleNamespace(instance_id="i-1", marker="i-1@t", job=None))
     assert efsrate.ENV not in env
     monkeypatch.delenv(efsrate.ENV)
     fs = tmp_path / "efs" / "fs-1"
@@ -115,7 +115,7 @@ def test_default_on_with_aws_figures_for_every_unit(tmp_path: Path, monkeypatch)
     s = Starting.__new__(Starting)
     s.state_dir, s.endpoint_url, s.imds_url = tmp_path, "http://127.0.0.1:9", "http://127.0.0.1:8"
     s.settings = SimpleNamespace(efs_rates=rates)
-    env = s._unit_env(SimpleNamespace(instance_id="i-7", marker="i-7@t"))
+    env = s._unit_env(SimpleNamespace(instance_id="i-7", marker="i-7@t", job=None))
     cfg = json.loads(Path(env[efsrate.ENV]).read_text())
     assert cfg["client"] == "i-7" and cfg["efs_root"] == str(tmp_path / "efs")
     assert cfg["client_write_bps"] == cfg["client_read_bps"] == 1500 * MIB
