@@ -276,7 +276,14 @@ def _patch_private_ips() -> None:
 
     @wrap(Subnet, "get_available_subnet_ip")
     def get_available_subnet_ip(original: Callable[..., str], self: Any, instance: Any) -> str:
-        ip = _random_host(str(self.cidr), lambda a: a in self._subnet_ips)
+        # AWS never hands a new instance an address an interface of the subnet holds (the job's
+        # pinned rendezvous address); moto does not count interfaces' addresses as used.
+        held = {
+            eni.private_ip_address
+            for eni in getattr(self.ec2_backend, "enis", {}).values()
+            if getattr(eni.subnet, "id", None) == self.id
+        }
+        ip = _random_host(str(self.cidr), lambda a: a in self._subnet_ips or a in held)
         if ip is None:
             return original(self, instance)
         self._subnet_ips[ip] = instance

@@ -311,6 +311,32 @@ def test_control_api_needs_the_token(cloud: Cloud) -> None:
     assert status == 200
 
 
+def test_an_address_an_interface_holds_is_never_given_to_an_instance(monkeypatch) -> None:
+    """As on AWS: the job's pinned rendezvous address (its interface's) never goes to a worker."""
+    import boto3
+    import moto
+
+    from petctl.local import moto_patches
+
+    moto_patches.apply()
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)  # moto in this process, no server
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with moto.mock_aws():
+        ec2 = boto3.client("ec2", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+        vpc = ec2.create_vpc(CidrBlock="127.255.250.0/24")["Vpc"]["VpcId"]
+        # 3 usable addresses (.4, .5, .6): the interface holds .5
+        subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="127.255.250.0/29")["Subnet"]["SubnetId"]
+        ec2.create_network_interface(SubnetId=subnet, PrivateIpAddress="127.255.250.5")
+        ips = [
+            i["PrivateIpAddress"]
+            for _ in range(2)
+            for i in ec2.run_instances(ImageId="ami-12c6146b", MinCount=1, MaxCount=1, SubnetId=subnet)[
+                "Instances"
+            ]
+        ]
+        assert sorted(ips) == ["127.255.250.4", "127.255.250.6"]
+
+
 def test_private_ips_are_random_claimed_and_never_reused() -> None:
     from petctl.local import moto_patches
 
