@@ -214,7 +214,10 @@ class Cloud:
         except (OSError, ValueError):
             return None
         for pid in (data["pid"], data["child"]):
-            self.seen_pids.add((pid, procs.start_ticks(pid)))
+            # only while it is still the stand-in's process: a pid the kernel has given to another
+            # process since (no local cloud marker in its environment) is not one to account for
+            if procs._marker_of(pid) is not None:
+                self.seen_pids.add((pid, procs.start_ticks(pid)))
         return data
 
     def drained(self, instance_id: str) -> str | None:
