@@ -202,35 +202,31 @@ class Lifecycle:
         agent's unit started): ``RecordLifecycleActionHeartbeat`` every ``every`` s until the
         action is completed, for at most ``limit`` s (an agent that hangs is abandoned by the
         hook's ``DefaultResult``, not held). Best effort, like the boot's. Run in a thread."""
-        hook, group = self.settings.launch_hook, self.spec.worker_group
-        if not hook or not group:
-            return
-        deadline = time.monotonic() + limit
-        while not self.launch_done.wait(every) and time.monotonic() < deadline:
-            try:
-                self._autoscaling().record_lifecycle_action_heartbeat(
-                    LifecycleHookName=hook, AutoScalingGroupName=group, InstanceId=self.instance_id
-                )
-            except Exception as e:  # noqa: BLE001
-                log.info("launch hook heartbeat failed (ignored): %s", e)
+        self._heartbeats(self.settings.launch_hook, self.launch_done, every, limit, "launch")
 
     def drain_heartbeats(self, every: float | None = None, limit: float | None = None) -> None:
         """Keep the termination action alive while the node drains (``drain_heartbeat_plan``):
         ``RecordLifecycleActionHeartbeat`` every ``every`` s until the action is completed, for
         at most ``limit`` s. Best effort (a failed call is logged). Run in a thread."""
-        hook, group = self.spec.lifecycle_hook, self.spec.worker_group
+        plan = drain_heartbeat_plan(self.spec.drain_timeout)
+        self._heartbeats(
+            self.spec.lifecycle_hook, self.action_done, every or plan[0], limit or plan[1], "drain"
+        )
+
+    def _heartbeats(self, hook: str, done: threading.Event, every: float, limit: float, what: str) -> None:
+        """``RecordLifecycleActionHeartbeat`` on ``hook`` every ``every`` s until ``done`` is set,
+        for at most ``limit`` s; a failed call is logged."""
+        group = self.spec.worker_group
         if not hook or not group:
             return
-        plan = drain_heartbeat_plan(self.spec.drain_timeout)
-        every, limit = every or plan[0], limit or plan[1]
         deadline = time.monotonic() + limit
-        while not self.action_done.wait(every) and time.monotonic() < deadline:
+        while not done.wait(every) and time.monotonic() < deadline:
             try:
                 self._autoscaling().record_lifecycle_action_heartbeat(
                     LifecycleHookName=hook, AutoScalingGroupName=group, InstanceId=self.instance_id
                 )
             except Exception as e:  # noqa: BLE001
-                log.info("drain hook heartbeat failed (ignored): %s", e)
+                log.info("%s hook heartbeat failed (ignored): %s", what, e)
 
     def set_unhealthy(self) -> None:
         """``SetInstanceHealth Unhealthy`` (not respecting the grace period): the group replaces
