@@ -12,6 +12,7 @@ from typing import Any
 
 from petctl import ui
 from petctl.ui import cmd, table
+from petctl_agent.spec import TORCHFT_VERSION
 
 
 def setup_text(r: dict[str, Any]) -> str:
@@ -60,6 +61,15 @@ def started_text(r: dict[str, Any]) -> str:
     )
 
 
+def _membership_text(spec: dict[str, Any]) -> str:
+    if spec.get("live"):
+        return (
+            f"live: survivors never restart; torchft {TORCHFT_VERSION}'s lighthouse beside etcd, port "
+            f"{spec.get('lighthouse_port')} from the job's workers only"
+        )
+    return "restart: every worker restarts at a join, drain or loss and takes the state back"
+
+
 def _warm_pool_text(size: int) -> str:
     if not size:
         return "none (a scale-up boots and installs from scratch)"
@@ -99,6 +109,7 @@ def plan_text(p: dict[str, Any], show_template: bool = False) -> str:
             if par.get("EtcdUrl")
             else f"the official {ETCD_VERSION} release, SHA-256 pinned"
         ),
+        f"  membership:   {_membership_text(spec)}",
         f"  elasticity:   drain timeout {spec['drain_timeout']} s, {spec.get('max_restarts')} restarts for "
         f"failures, {spec.get('join_timeout')} s to reach --min, stops after "
         f"{spec.get('max_node_failures')} node failures since it last trained",

@@ -21,6 +21,12 @@ MIN_JOIN_TIMEOUT, MAX_JOIN_TIMEOUT = 1.0, 7 * 24 * 3600.0
 RDZV_BACKENDS = ("petctl-etcd", "etcd-v2", "etcd")
 #: ``run_id``: empty (an older spec) or a token; it is written into marker files, so no paths
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9_-]{0,64}$")
+#: the live job's lighthouse port on the rendezvous instance (torchft's default, 29510)
+LIGHTHOUSE_PORT = 29510
+#: the torchft release live mode is built and checked against (setup.py's ``live`` extra pins the
+#: same; ``petctl_agent.live.upstream`` works around named lines of it); the rendezvous server
+#: installs it for the lighthouse
+TORCHFT_VERSION = "0.2.0"
 TORCH_VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?([a-z0-9.]*)?(\+[A-Za-z0-9.]+)?$")
 
 
@@ -76,6 +82,11 @@ class JobSpec:
     requirements_path: str = ""
     #: a digest of the requirements and, when they name the project's files, of the project
     requirements_sha256: str = ""
+    #: live membership (``run-job --live``, node/live.py): each node's workers are torchft replica
+    #: groups that never restart on a join, a drain or a loss; the rendezvous instance runs the
+    #: job's lighthouse on ``lighthouse_port`` beside etcd
+    live: bool = False
+    lighthouse_port: int = LIGHTHOUSE_PORT
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobSpec:
@@ -102,8 +113,13 @@ class JobSpec:
             kw["max_restarts"] = int(kw.get("max_restarts", 10))
             kw["max_node_failures"] = int(kw.get("max_node_failures", 10))
             kw["join_timeout"] = float(kw.get("join_timeout", 1800))
+            kw["lighthouse_port"] = int(kw.get("lighthouse_port", LIGHTHOUSE_PORT))
         except (TypeError, ValueError) as e:
             raise SpecError(f"job spec has a non-numeric count or timeout: {e}") from e
+        if not isinstance(kw.get("live", False), bool):
+            raise SpecError(f"live must be true or false, got {kw['live']!r}")
+        if not 1 <= kw["lighthouse_port"] <= 65535:
+            raise SpecError(f"lighthouse_port must be a TCP port, got {kw['lighthouse_port']}")
         if kw["max_restarts"] < 0:
             raise SpecError(f"max_restarts must be >= 0, got {kw['max_restarts']}")
         if kw["max_node_failures"] < 1:

@@ -119,6 +119,13 @@ class RunJobCommand(click.Command):
     help="Install no requirements, not even the project's requirements.txt.",
 )
 @click.option(
+    "--live",
+    is_flag=True,
+    default=None,
+    help="Live membership: survivors never restart on a join, drain or loss (a torchft training loop, "
+    "data-parallel only, x86_64; docs/agent.md 'Live vs restart').",
+)
+@click.option(
     "--rdzv-backend",
     type=click.Choice(["petctl-etcd", "etcd-v2", "etcd"]),
     default=None,

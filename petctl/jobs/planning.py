@@ -171,6 +171,7 @@ def plan(
         requirements=reqs.text if reqs else "",
         requirements_path=reqs.project_path if reqs and code.kind == "dir" else "",
         requirements_sha256=reqs.digest(code.data) if reqs else "",
+        live=req.live,
     )
     try:
         JobSpec.from_dict(spec.to_dict())  # what every agent will parse: refuse it here, not there
@@ -188,6 +189,7 @@ def plan(
         bucket_kms=own_roles and bool(profile.bucket_kms_key_arn),
         warm_pool=req.warm_pool > 0,
         etcd_v2=req.rdzv_backend in etcd.ETCD_V2_BACKENDS,
+        live=req.live,
     )
     values = _parameters(req, profile, job, types, own_roles, spec_url=f"s3://{bucket}/{prefix}job.json")
     values.update(_rdzv_parameters(req, profile, facts, own_roles))

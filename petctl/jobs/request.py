@@ -69,6 +69,9 @@ class JobRequest:
     requirements: str | None = None
     #: ``--no-requirements``: install none, not even the project's requirements.txt
     no_requirements: bool = False
+    #: ``--live``: each node's workers are torchft replica groups that never restart on a change;
+    #: the rendezvous instance runs the job's lighthouse beside etcd
+    live: bool = False
 
 
 def family(instance_type: str) -> str:
@@ -101,6 +104,8 @@ def default_job_name(req: JobRequest, profile: str = "") -> str:
             del fields[name]  # and those named before an etcd copy or requirements could be given
     if not req.no_requirements:
         del fields["no_requirements"]
+    if not req.live:
+        del fields["live"]  # jobs named before live mode existed keep their names
     digest = hashlib.sha1(json.dumps([profile, target, fields], sort_keys=True).encode()).hexdigest()[:4]
     return f"{stem[:30].rstrip('-')}-{digest}"
 
@@ -208,8 +213,31 @@ def check_instance_types(req: JobRequest, facts: dict[str, InstanceTypeInfo]) ->
             f"--instance-type {req.instance_type}: mixes GPU ({gpu}) and CPU types, which need different "
             f"images; list only one kind"
         )
-    rdzv_architecture(req, facts)
+    arch = rdzv_architecture(req, facts)
+    if req.live:
+        _check_live(req, facts, arch)
     return facts[types[0]].gpu
+
+
+def _check_live(req: JobRequest, facts: dict[str, InstanceTypeInfo], rdzv_arch: str) -> None:
+    """``--live`` runs torchft on the workers and its lighthouse on the rendezvous server: torchft
+    ships x86_64 wheels only (0.2.0 has none for aarch64), so both must be x86_64."""
+    arm = [t for t in instance_types(req) if not facts[t].x86]
+    if arm:
+        raise ConfigError(
+            f"--live: --instance-type {arm[0]} is {'/'.join(facts[arm[0]].architectures) or 'not x86_64'}, and "
+            f"torchft (live membership) has x86_64 wheels only; use an x86_64 type, or drop --live"
+        )
+    if rdzv_arch != "x86_64":
+        raise ConfigError(
+            f"--live: --rdzv-instance-type {req.rdzv_instance_type} is {rdzv_arch}, and the job's lighthouse "
+            f"(torchft) has x86_64 wheels only; use an x86_64 type like t3.small, or drop --live"
+        )
+    if req.rdzv_backend != "petctl-etcd":
+        raise ConfigError(
+            f"--live goes with the default rendezvous (petctl-etcd), not --rdzv-backend {req.rdzv_backend}: "
+            f"live workers never use torch's rendezvous"
+        )
 
 
 def rdzv_architecture(req: JobRequest, facts: dict[str, InstanceTypeInfo]) -> str:

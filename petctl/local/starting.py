@@ -236,8 +236,12 @@ class Starting:
                 self.clients.__getitem__,
                 rec.az,
             )
+        main = next((n for n, x in rec.units.items() if x.proc is rec.proc), None) if rec.proc else None
         rec.units[unit] = u
-        rec.proc = u.proc
+        # The instance's main process is its first unit's (etcd beside a live job's lighthouse, the
+        # agent): a later unit does not take its place, a restart of the main unit does.
+        if rec.proc is None or rec.proc.poll() is not None or main == unit:
+            rec.proc = u.proc
         self._write_procs()
         return u, deadline
 

@@ -17,6 +17,7 @@ from typing import Any
 import jinja2
 
 from petctl.templates import etcd
+from petctl_agent.spec import LIGHTHOUSE_PORT, TORCHFT_VERSION
 
 TEMPLATE_PACKAGE = "petctl.cfn_templates"
 INFRA_TEMPLATE = "infra.yaml.j2"
@@ -184,6 +185,7 @@ def render_job(
     bucket_kms: bool = False,
     warm_pool: bool = False,
     etcd_v2: bool = False,
+    live: bool = False,
 ) -> str:
     """Render the job stack template (``petctl run_job``).
 
@@ -207,6 +209,9 @@ def render_job(
             neither ``spot`` nor ``instance_types`` > 1 go with it.
         etcd_v2: the rendezvous etcd also serves the v2 API (``--enable-v2``): only for torch's
             fallback backends (``etcd.ETCD_V2_BACKENDS``), which speak v2 through python-etcd.
+        live: live membership (``run-job --live``): the rendezvous server also runs the job's
+            torchft lighthouse (port ``LIGHTHOUSE_PORT``, from the job's workers only), installed
+            from the job's petctl wheel and torchft without torch.
 
     Returns:
         The CloudFormation template as YAML text; see :func:`job_parameters` for its parameters.
@@ -218,6 +223,7 @@ def render_job(
     _check_bool("bucket_kms", bucket_kms)
     _check_bool("warm_pool", warm_pool)
     _check_bool("etcd_v2", etcd_v2)
+    _check_bool("live", live)
     if bucket_kms and not own_roles:
         raise ValueError("bucket_kms needs own_roles: existing instance profiles are the user's to grant")
     if (
@@ -243,6 +249,9 @@ def render_job(
         bucket_kms=bucket_kms,
         warm_pool=warm_pool,
         etcd_v2=etcd_v2,
+        live=live,
+        lighthouse_port=LIGHTHOUSE_PORT,
+        torchft_version=TORCHFT_VERSION,
         etcd_version=etcd.ETCD_VERSION,
         etcd_sha256=etcd.ETCD_SHA256,
         etcd_release_base=etcd.RELEASE_BASE,

@@ -36,3 +36,30 @@ def test_lighthouse_refuses_a_wildcard_bind() -> None:
             main(["--bind", bind])
     argv = LighthouseOptions(bind="10.0.0.5:29510").argv()
     assert argv[argv.index("--bind") + 1] == "10.0.0.5:29510"
+
+
+def test_lighthouse_runs_without_torch(tmp_path) -> None:
+    # The rendezvous instance installs torchft without its dependencies (no torch): the lighthouse
+    # must load torchft's compiled module without importing the package, whose __init__ imports torch.
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # any 'import torch' raises ImportError
+        "from petctl_agent.live.lighthouse import main\n"
+        "sys.exit(main(['--bind', '127.0.0.1:0']))\n"
+    )
+    log = tmp_path / "lighthouse.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while b"lighthouse listening on http://127.0.0.1:" not in log.read_bytes():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        assert "torch" not in log.read_text().lower().replace("torchft", "")
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0

@@ -242,3 +242,12 @@ def test_closure_follows_extras_and_markers() -> None:
     assert "flask" not in closure(["moto>=5"])
     # a marker that is false here drops the requirement
     assert "moto" not in closure(['moto>=5; python_version < "3"'])
+
+
+def test_the_live_extra_pins_the_torchft_the_rendezvous_server_installs() -> None:
+    # The workers install torchft from the agent extra, the lighthouse from the template's pin: one
+    # version, or a lighthouse and its managers could speak different protocols.
+    from petctl_agent.spec import TORCHFT_VERSION
+
+    pins = [Requirement(r) for r in declared()["live"] if Requirement(r).name == "torchft"]
+    assert [str(p.specifier) for p in pins] == [f"=={TORCHFT_VERSION}"]

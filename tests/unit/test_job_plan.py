@@ -232,3 +232,51 @@ def test_a_warm_pool_is_planned_as_its_size(tmp_path):
     assert "AWS::AutoScaling::WarmPool" in d["template"]
     assert "warm pool:    3 stopped instance(s)" in render.plan_text(d)
     assert "warm pool:    none" in render.plan_text(make_plan(tmp_path, name="cold").to_dict())
+
+
+def test_live_runs_the_lighthouse_beside_etcd_for_the_job_s_workers_only(tmp_path):
+    from petctl.templates import load_template
+    from petctl_agent.spec import LIGHTHOUSE_PORT, TORCHFT_VERSION
+
+    live = make_plan(tmp_path, name="live", live=True)
+    plain = make_plan(tmp_path, name="plain")
+    assert live.spec.live and not plain.spec.live
+    assert live.spec.lighthouse_port == LIGHTHOUSE_PORT
+    t, p = load_template(live.template), load_template(plain.template)
+    # the lighthouse's port opens to this job's workers only (it has no authentication)
+    ingress = t["Resources"]["RdzvSecurityGroup"]["Properties"]["SecurityGroupIngress"]
+    lh = [r for r in ingress if r["FromPort"] == LIGHTHOUSE_PORT]
+    assert len(lh) == 1 and lh[0]["ToPort"] == LIGHTHOUSE_PORT and "CidrIp" not in lh[0]
+    assert lh[0]["SourceSecurityGroupId"] == {"Fn::GetAtt": ["WorkerSecurityGroup", "GroupId"]}
+    plain_ports = [
+        r["FromPort"] for r in p["Resources"]["RdzvSecurityGroup"]["Properties"]["SecurityGroupIngress"]
+    ]
+    assert plain_ports == [2379]
+    # its boot: torchft and petctl without their dependencies (no torch), a unit bound to the ENI
+    assert f'"torchft=={TORCHFT_VERSION}"' in live.template and "--no-deps" in live.template
+    start = next(x for x in live.template.splitlines() if "petctl_agent.live.lighthouse" in x)
+    assert f"--bind $ENI_IP:{LIGHTHOUSE_PORT}" in start
+    assert "petctl_agent.live.lighthouse" not in plain.template
+    # the rendezvous role reads the job's wheel only when it runs the lighthouse
+    assert "ReadPetctlWheel" in live.template and "ReadPetctlWheel" not in plain.template
+    # live jobs get their own names: a --live run never finds a restart-path twin
+    assert jobs.default_job_name(jobs.JobRequest(target="x.py", live=True)) != jobs.default_job_name(
+        jobs.JobRequest(target="x.py")
+    )
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (
+            {"instance_type": "m7g.large", "ami": "ami-0123456789abcdef0"},
+            "--live: --instance-type m7g.large is arm64",
+        ),
+        ({"rdzv_instance_type": "t4g.small"}, "--live: --rdzv-instance-type t4g.small is arm64"),
+        ({"rdzv_backend": "etcd-v2"}, "--live goes with the default rendezvous (petctl-etcd)"),
+    ],
+)
+def test_live_refuses_what_torchft_cannot_run(tmp_path, kw, message):
+    with pytest.raises(ConfigError) as e:
+        make_plan(tmp_path, name="live", live=True, **kw)
+    assert message in str(e.value) and "\n" not in str(e.value)

@@ -24,6 +24,7 @@ from petctl.templates import rendering
 from petctl_agent import TERMINAL_EXITS
 from petctl_agent.node.agent import BOOT_DONE
 from petctl_agent.settings import Settings
+from petctl_agent.spec import LIGHTHOUSE_PORT
 
 INFRA_VARIANTS = [
     {"az_count": az, "create_efs": efs, "create_bucket": bucket}
@@ -42,6 +43,8 @@ JOB_VARIANTS = [
     # a warm pool of stopped, pre-booted workers (run_job --warm-pool N)
     {"gpu": False, "spot": False, "ami_override": False, "warm_pool": True},
     {"gpu": True, "spot": False, "ami_override": True, "warm_pool": True, "own_roles": False},
+    # live membership: the rendezvous server also runs the job's torchft lighthouse (run_job --live)
+    {"gpu": True, "spot": True, "ami_override": False, "live": True},
 ]
 FIVE_TAGS = ("petctl:job", "petctl:user", "petctl:role", "petctl:spec", "petctl:rdzv")
 
@@ -206,10 +209,14 @@ def test_job_security_groups_isolate_the_job(flags):
     assert self_rule["Properties"]["SourceSecurityGroupId"] == worker_sg
     assert self_rule["Properties"]["IpProtocol"] == "-1"
     assert "SecurityGroupIngress" not in groups["WorkerSecurityGroup"]["Properties"]
-    (etcd_rule,) = groups["RdzvSecurityGroup"]["Properties"]["SecurityGroupIngress"]
-    assert etcd_rule["IpProtocol"] == "tcp" and etcd_rule["FromPort"] == etcd_rule["ToPort"] == 2379
-    assert etcd_rule["SourceSecurityGroupId"] == worker_sg
-    assert set(etcd_rule) == {"IpProtocol", "FromPort", "ToPort", "SourceSecurityGroupId", "Description"}
+    # etcd's port, and a live job's lighthouse (which has no authentication): this job's workers only
+    ports = [2379, LIGHTHOUSE_PORT] if flags.get("live") else [2379]
+    rules = groups["RdzvSecurityGroup"]["Properties"]["SecurityGroupIngress"]
+    assert [r["FromPort"] for r in rules] == ports
+    for rule in rules:
+        assert rule["IpProtocol"] == "tcp" and rule["FromPort"] == rule["ToPort"]
+        assert rule["SourceSecurityGroupId"] == worker_sg
+        assert set(rule) == {"IpProtocol", "FromPort", "ToPort", "SourceSecurityGroupId", "Description"}
     for rule in _ingress_rules(t):
         assert "CidrIp" not in rule and "CidrIpv6" not in rule
     base = {"Ref": "SecurityGroupId"}

@@ -6,3 +6,7 @@ quorum server beside etcd, ``run`` is the training loop's face (a model and opti
 one call per step). Every module imports torchft lazily or behind this room, so the rest of the
 agent never needs it.
 """
+
+from petctl_agent.spec import TORCHFT_VERSION
+
+__all__ = ["TORCHFT_VERSION"]

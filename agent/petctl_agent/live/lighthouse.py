@@ -65,11 +65,41 @@ def is_wildcard(host: str) -> bool:
     return host.strip("[]") in ("", "::", "0.0.0.0")
 
 
+def native():
+    """torchft's compiled module (``torchft._torchft``) alone, without its package.
+
+    ``import torchft`` runs its ``__init__``, which imports torch; the lighthouse is Rust and needs
+    none of it. The rendezvous instance installs the torchft wheel without its dependencies
+    (user_data/rdzv.sh.j2), so a multi-GB torch never lands on a small server, and this loads the
+    extension from the package's directory without executing the package.
+    """
+    import importlib.machinery
+    import importlib.util
+    import os
+
+    name = "torchft._torchft"
+    if name in sys.modules:
+        return sys.modules[name]
+    pkg = importlib.util.find_spec("torchft")  # a top-level package: found, not imported
+    if pkg is None or not pkg.submodule_search_locations:
+        raise RuntimeError("torchft is not installed: pip install --no-deps torchft==0.2.0")
+    for d in pkg.submodule_search_locations:
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            path = os.path.join(d, "_torchft" + suffix)
+            if os.path.exists(path):
+                loader = importlib.machinery.ExtensionFileLoader(name, path)
+                spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+                assert spec is not None
+                mod = importlib.util.module_from_spec(spec)
+                loader.exec_module(mod)
+                sys.modules[name] = mod
+                return mod
+    raise RuntimeError(f"torchft's compiled module is not in {list(pkg.submodule_search_locations)}")
+
+
 def serve(opts: LighthouseOptions):
     """Start a lighthouse in this process; returns torchft's ``LighthouseServer``."""
-    from torchft.coordination import LighthouseServer
-
-    return LighthouseServer(
+    return native().LighthouseServer(
         bind=opts.bind,
         min_replicas=opts.min_replicas,
         join_timeout_ms=opts.join_timeout_ms,

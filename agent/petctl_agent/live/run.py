@@ -39,9 +39,11 @@ path. Each worker hosts its own group's store, on the node's address.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -191,10 +193,26 @@ class LiveRun:
         """
         if self._left:
             return False
+        self._report_progress()
         if self._drain_requested():
             self.leave()
             return False
         return True
+
+    def _report_progress(self) -> None:
+        """The step and the quorum's size in ``$PETCTL_PROGRESS_FILE`` (local rank 0; atomic): the
+        node's status (last step, world size) and the job's training progress."""
+        f = os.environ.get("PETCTL_PROGRESS_FILE")
+        if not f or os.environ.get("LOCAL_RANK", "0") != "0":
+            return
+        body = json.dumps({"step": int(self.step), "world_size": int(self.replicas), "t": time.time()})
+        tmp = f"{f}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as out:
+                out.write(body)
+            os.replace(tmp, f)
+        except OSError:
+            pass  # progress is advisory
 
     def leave(self) -> None:
         """Leave the job now, between steps: stop heartbeating before anything slower.

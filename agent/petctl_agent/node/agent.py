@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -253,7 +254,7 @@ class Agent:
         if self.leave_reason:
             return self.finish_leave()
         nproc = spec.resolved_nproc()
-        if self.settings.snapshots and self.snapshots is None:
+        if self.settings.snapshots and self.snapshots is None and not spec.live:
             self.snapshots = SnapshotArea.open(
                 self.settings.snapshot_dir,
                 spec.job_name,
@@ -275,6 +276,8 @@ class Agent:
         )
         if self.job_env is not None:  # a forkserver worker puts it first (worker/forkserver.py)
             os.environ["PETCTL_JOB_ENV"] = str(self.job_env.path)
+        if spec.live:
+            return self._run_live(spec, endpoint, script, nproc, ckpt_dir, work_dir)
         handler = self._rendezvous_handler(spec, endpoint)
         entrypoint, entry_args, start_method = self._worker_entrypoint(spec, script)
         if self.leave_reason:  # arrived while we were warming up
@@ -284,6 +287,36 @@ class Agent:
         # before LEFT/SUCCEEDED: a leaving node's persister ends its write before the instance goes
         self.free_snapshots()
         return self._finish(agent, handler, outcome, ckpt_dir)
+
+    def _run_live(
+        self, spec: JobSpec, endpoint: str, script: Path, nproc: int, ckpt_dir: Path, work_dir: Path
+    ) -> int:
+        """``run-job --live``: the workers are torchft replica groups the agent starts once
+        (node/live.py); no torch rendezvous, no torch agent."""
+        from petctl_agent.node.live import LiveNode, lighthouse_url
+
+        assert self.pub is not None
+        node = LiveNode(
+            python=str(self.job_env.python) if self.job_env else sys.executable,
+            script=script,
+            args=tuple(spec.args),
+            nproc=nproc,
+            env=os.environ,
+            lighthouse=lighthouse_url(endpoint, spec.lighthouse_port),
+            replica_id=self.instance_id,
+            logs_dir=self.paths.logs,
+            work_dir=work_dir,
+            drain_file=self.paths.drain,
+            drain_timeout=spec.drain_timeout,
+            max_restarts=spec.max_restarts,
+            pub=self.pub,
+        )
+        self.pub.update(live=True)
+        self.elastic = node
+        if self.leave_reason:  # arrived while we were setting up
+            node.request_leave(self.leave_reason)
+        outcome = self._train(spec, node, work_dir)
+        return self._finish(node, None, outcome, ckpt_dir)
 
     # ---- the steps of _run ----------------------------------------------------------
     def _rdzv_endpoint(self, spec: JobSpec) -> str:

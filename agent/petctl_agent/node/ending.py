@@ -68,7 +68,8 @@ def finish(
     if outcome is Outcome.SUCCEEDED:
         markers.mark(ckpt_dir / SUCCESS_MARKER, run_id)
         try:
-            handler.shutdown()  # close the rendezvous: late joiners stop instead of waiting
+            if handler is not None:  # None: a live node, which used no torch rendezvous
+                handler.shutdown()  # close the rendezvous: late joiners stop instead of waiting
         except Exception as e:  # noqa: BLE001
             log.debug("rendezvous shutdown: %s", e)
         pub.event("succeeded", last_step=last_step())
@@ -90,7 +91,8 @@ def finish(
         pub.close()
         return rc
     try:
-        handler.shutdown()  # unrecoverable: close it so the other nodes stop too
+        if handler is not None:
+            handler.shutdown()  # unrecoverable: close it so the other nodes stop too
     except Exception:  # noqa: BLE001
         pass
     # A failed job must not keep paying for idle instances (the ASG would replace them and

@@ -71,7 +71,7 @@ def _wheel_requirements(wheel: Path, extras: set[str]) -> list[Any]:
 
 
 def pip(args: list[str]) -> None:
-    """``<venv>/bin/pip install [--quiet] [--upgrade] [--index-url URL] REQ…``.
+    """``<venv>/bin/pip install [--quiet] [--upgrade] [--no-deps] [--index-url URL] REQ…``.
 
     A wheel file is really installed into the (per-job, cached) environment, once per wheel
     content; every other requirement, and every dependency of the wheel's requested extras, must
@@ -84,10 +84,13 @@ def pip(args: list[str]) -> None:
     env, args = Path(args[0]), args[1:]
     if not args or args[0] != "install":
         raise Refused(f"only 'pip install …' is emulated, not: pip {shlex.join(args)}")
-    reqs, index = [], None
+    reqs, index, no_deps = [], None, False
     it = iter(args[1:])
     for a in it:
         if a in ("--quiet", "-q", "--upgrade", "-U", "--no-cache-dir"):
+            continue
+        if a == "--no-deps":
+            no_deps = True
             continue
         if a == "--index-url":
             index = next(it, "")
@@ -116,7 +119,7 @@ def pip(args: list[str]) -> None:
         if r.name.lower() == "torch" and not _pinned(r):
             raise Refused(f"an unpinned torch ({r}) is never installed: pin torch==<version>")
     for wheel, extras in wheels:
-        _install_wheel(env, wheel, extras, torch_pinned)
+        _install_wheel(env, wheel, extras, torch_pinned, no_deps)
     for req in plain:
         have = _check_requirement(req, "pip install")
         log(
@@ -125,13 +128,15 @@ def pip(args: list[str]) -> None:
         )
 
 
-def _install_wheel(env: Path, wheel: Path, extras: set[str], torch_pinned: bool) -> None:
+def _install_wheel(
+    env: Path, wheel: Path, extras: set[str], torch_pinned: bool, no_deps: bool = False
+) -> None:
     inside_root(str(wheel), "wheel")
     if not wheel.is_file():
         raise Failed(f"ERROR: Could not install packages: [Errno 2] No such file or directory: '{wheel}'", 1)
     digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
     what = f"{wheel.name}[{','.join(sorted(extras))}]"
-    for req in _wheel_requirements(wheel, extras):
+    for req in [] if no_deps else _wheel_requirements(wheel, extras):
         if req.name.lower() == "torch" and not torch_pinned:
             raise Refused(f"{what} depends on torch ({req}): pin torch==<version> on the same command line")
         _check_requirement(req, what)
