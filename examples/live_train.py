@@ -48,7 +48,14 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="seconds to stay alive after leaving, as a drain's last checkpoint or lifecycle action does",
     )
+    p.add_argument(
+        "--start-delay",
+        type=float,
+        default=0.0,
+        help="seconds of set-up before joining, as a GPU's CUDA context, NCCL and model build take",
+    )
     args = p.parse_args(argv)
+    time.sleep(args.start_delay)
 
     model = build(args.state_mb)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
