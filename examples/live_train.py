@@ -32,7 +32,7 @@ def build(state_mb: float) -> nn.Module:
 def params_hash(model: nn.Module) -> str:
     h = hashlib.sha1()
     for p in model.parameters():
-        h.update(p.detach().numpy().tobytes())
+        h.update(p.detach().cpu().numpy().tobytes())
     return h.hexdigest()[:12]
 
 
@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="seconds to stay alive after leaving, as a drain's last checkpoint or lifecycle action does",
     )
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (this process's GPU: cuda:LOCAL_RANK)")
     p.add_argument(
         "--start-delay",
         type=float,
@@ -57,10 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     time.sleep(args.start_delay)
 
-    model = build(args.state_mb)
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    model = build(args.state_mb).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     g = torch.Generator().manual_seed(int(os.environ.get("RANK", "0")) + os.getpid())
-    x, y = torch.randn(256, 32, generator=g), torch.randn(256, 1, generator=g)
+    x, y = torch.randn(256, 32, generator=g).to(device), torch.randn(256, 1, generator=g).to(device)
     loss_fn = nn.MSELoss()
 
     if args.plain:

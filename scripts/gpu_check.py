@@ -477,6 +477,55 @@ def step_pinned(cuda: bool, tmp: Path) -> None:
     record("pinned", not problems, "; ".join(problems + [detail]), t0)
 
 
+def step_live(cuda: bool, tmp: Path) -> None:
+    """Live membership with the state on the GPU: two replica groups of examples/live_train.py on
+    cuda:0 and a lighthouse; a third joins (it pulls the GPU state from a live peer), then drains.
+    One GPU holds one NCCL rank, so the groups reduce across each other with gloo over the CUDA
+    tensors (PETCTL_LIVE_BACKEND=gloo); a single group alone runs torchft's NCCL group."""
+    t0 = time.monotonic()
+    from live_harness import Lighthouse, Replica
+
+    dev = "cuda" if cuda else "cpu"
+    args = ("--device", dev, "--state-mb", "256", "--step-time", "0.05")
+    lh = Lighthouse(tmp).start()
+    reps: list = []
+    try:
+        solo = Replica("nccl-solo", lh, tmp, *args, env={"PETCTL_LIVE_BACKEND": "nccl" if cuda else "gloo"})
+        reps.append(solo)
+        solo.wait_lines(lambda s: s.step >= 10, 180, "10 steps alone on torchft's NCCL group")
+        solo.stop()
+        reps.clear()
+        lh.kill()
+        lh = Lighthouse(tmp).start()
+        env = {"PETCTL_LIVE_BACKEND": "gloo"}
+        a, b = Replica("a", lh, tmp, *args, env=env), Replica("b", lh, tmp, *args, env=env)
+        reps += [a, b]
+        for r in (a, b):
+            r.wait_lines(lambda s: s.world == 2 and s.step >= 10, 180, "10 steps at 2 groups")
+        c = Replica("c", lh, tmp, *args, env=env)
+        reps.append(c)
+        first = c.wait_lines(lambda s: s.world == 3, 180, "its first step at 3 groups (a heal from a peer)")
+        later = c.wait_lines(lambda s: s.step >= first.step + 5, 60, "5 more steps")
+        a.wait_lines(lambda s: s.step >= later.step, 60, "the newcomer's step")
+        same = a.params_at(later.step) == c.params_at(later.step)
+        c.drain()
+        b.wait_lines(lambda s: s.world == 2, 60, "2 groups after the drain")
+        pids = {r.name: r.pid for r in (a, b)}
+        alive = a.alive() and b.alive()
+        record(
+            "live",
+            same and alive,
+            f"{dev} state 256 MiB: {'NCCL' if cuda else 'gloo'} alone to step 10, then a newcomer joined at step {first.step} "
+            f"and held the survivors' weights at step {later.step}: {same}; survivors never restarted "
+            f"(pids {pids}, alive {alive})",
+            t0,
+        )
+    finally:
+        for r in reps:
+            r.stop()
+        lh.kill()
+
+
 def main() -> int:
     t_start = time.monotonic()
     import torch
@@ -496,6 +545,7 @@ def main() -> int:
         ("agent", lambda: step_agent(cuda, tmp, total)),
         ("agreement", lambda: step_agreement(cuda, tmp)),
         ("pinned", lambda: step_pinned(cuda, tmp)),
+        ("live", lambda: step_live(cuda, tmp)),
     ]
     only = set(filter(None, os.environ.get("PETCTL_GPU_CHECK_ONLY", "").split(",")))
     for name, fn in steps:

