@@ -22,7 +22,7 @@ from petctl import naming, templates, tls
 from petctl.lint_rules import RULE_IDS, RULES_DIR
 from petctl.templates import rendering
 from petctl_agent import TERMINAL_EXITS
-from petctl_agent.node.agent import BOOT_DONE
+from petctl_agent.node.preparing import BOOT_DONE
 from petctl_agent.settings import Settings
 from petctl_agent.spec import LIGHTHOUSE_PORT
 

@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent import EXIT_FAILED
-from petctl_agent.cloud import aws
-from petctl_agent.cloud.fetch import fetch_code, load_spec
+from petctl_agent.cloud.fetch import load_spec
 from petctl_agent.cloud.imds import Imds
 from petctl_agent.cloud.status import StatusPublisher, make_writer
-from petctl_agent.node import churn, crashes, ending, failure, jobenv, markers
-from petctl_agent.node.lifecycle import CapacityHint, Lifecycle
-from petctl_agent.node.preflight import check_etcd_tls, check_torch, require_writable_dir, wait_for_dir
+from petctl_agent.node import churn, crashes, ending, failure, jobenv
+from petctl_agent.node.launching import Launching
+from petctl_agent.node.lifecycle import Lifecycle
+from petctl_agent.node.preflight import check_etcd_tls, check_torch
+from petctl_agent.node.preparing import Preparing
 from petctl_agent.node.snapshots import SnapshotArea
 from petctl_agent.settings import Settings
 from petctl_agent.spec import JobSpec, SpecError, rdzv_backend
@@ -34,31 +35,12 @@ from petctl_agent.worker.env import (
     StepInfo,
     export_worker_env,
     job_checkpoint_dir,
-    job_work_dir,
-    worker_entrypoint,
 )
-from petctl_agent.worker.project import link_and_log
 
 log = logging.getLogger("petctl_agent")
 
-#: The worker boot's last step writes this file in the agent dir (user_data/worker.sh.j2): the
-#: agent completes a first launch into the warm pool only after it (at most BOOT_DONE_WAIT s).
-BOOT_DONE = "boot-done"
-BOOT_DONE_WAIT = 120.0
 
-
-def wait_for_file(path: Path, timeout: float) -> bool:
-    """Whether ``path`` exists within ``timeout`` s (polled every 0.5 s)."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() >= deadline:
-            log.warning("%s not there after %.0fs; going on", path, timeout)
-            return False
-        time.sleep(0.5)
-    return True
-
-
-class Agent:
+class Agent(Preparing, Launching):
     """One node's agent: owns the status publisher, the IMDS watcher and the torch agent."""
 
     def __init__(self, args: argparse.Namespace, settings: Settings, imds: Imds) -> None:
@@ -326,202 +308,6 @@ class Agent:
                 "no rendezvous endpoint: pass --rdzv-endpoint or set the instance tag petctl:rdzv"
             )
         return ep if ":" in ep else f"{ep}:{spec.rdzv_port}"
-
-    def _prepare_node(self, spec: JobSpec) -> tuple[Path, Path, Path]:
-        """Fetch the code, wait for the shared filesystem, make the checkpoint and work dirs and
-        check this node can write them: ``(script, checkpoint dir, work dir)``."""
-        self.paths.root.mkdir(parents=True, exist_ok=True)
-        script = fetch_code(spec, self.paths.code)
-        self.job_env = self._install_requirements(spec)
-        wait_for_dir(self.efs, self.settings.efs_wait, "shared filesystem")
-        ckpt_dir = job_checkpoint_dir(self.efs, spec)
-        require_writable_dir(ckpt_dir, "checkpoint directory")
-        work_dir = job_work_dir(self.efs, spec)
-        require_writable_dir(work_dir, "work directory")
-        return script, ckpt_dir, work_dir
-
-    def _install_requirements(self, spec: JobSpec) -> jobenv.JobEnv | None:
-        """The job's requirements, installed into its cached environment (node/jobenv.py) before
-        the node parks in a warm pool or joins; a boot stage of ``status`` (``requirements``)."""
-        if not spec.requirements.strip():
-            return None
-        envs = Path(self.settings.envs_dir) if self.settings.envs_dir else self.paths.root / "envs"
-        t0 = time.monotonic()
-        try:
-            env = jobenv.ensure(spec, self.paths.code, envs)
-        except jobenv.RequirementsError as e:
-            if self.pub:
-                self.pub.event("requirements_failed", seconds=round(time.monotonic() - t0, 2), error=str(e))
-            raise
-        assert env is not None
-        if self.pub:
-            self.pub.event(
-                "requirements_installed",
-                seconds=round(time.monotonic() - t0, 2),
-                cached=env.cached,
-                installed=list(env.installed),
-            )
-        return env
-
-    def _wait_while_warmed(self) -> None:
-        """A warm-pool instance publishes WARMED and waits, joining nothing, until InService."""
-        assert self.lifecycle is not None
-
-        def warmed(state: str) -> None:
-            self.parked = True
-            if self.pub:
-                self.pub.update(state="WARMED", reason=f"warm pool: target-lifecycle-state {state}")
-                self.pub.flush()
-            # Parked: only now may the launch action complete (AWS then stops the instance). The
-            # boot must have ended first, or cloud-init would run the user data again at the
-            # instance's next start.
-            if self.settings.launch_hook:
-                wait_for_file(self.paths.root / BOOT_DONE, BOOT_DONE_WAIT)
-            self.lifecycle.complete_launch()
-
-        was_warmed = self.lifecycle.wait_while_warmed(lambda: self.leave_reason is not None, warmed)
-        self.parked = False
-        if was_warmed and self.pub and self.leave_reason is None:
-            self.pub.update(state="STARTING", reason=None)
-        if self.leave_reason is None:  # in service: straight from the launch, or out of the pool
-            self.lifecycle.complete_launch()
-
-    def _rendezvous_handler(self, spec: JobSpec, endpoint: str) -> Any:
-        from petctl_agent.elastic.handlers import create_rdzv_handler
-
-        assert self.lifecycle is not None
-        return create_rdzv_handler(
-            endpoint,
-            spec.job_name,
-            spec.min_nodes,
-            spec.max_nodes,
-            self.local_addr,
-            spec.join_timeout,
-            backend=self.backend,
-            expected_nodes=CapacityHint(lambda: self.lifecycle.capacity(instances=False))
-            if spec.worker_group
-            else None,
-            settings=self.settings,
-            drain_timeout=spec.drain_timeout,
-        )
-
-    def _worker_entrypoint(self, spec: JobSpec, script: Path) -> tuple[Any, tuple[str, ...], str]:
-        """torch's entry point for the workers. With the forkserver, warm it first (and wait):
-        torch launches every worker as a fresh interpreter that re-imports torch (+ torch._dynamo
-        via torch.optim): 15-30 s per start on a loaded 2-core box. The forkserver imports them
-        once, *before* this node first joins the rendezvous (joining is what stops the running
-        nodes), and every worker forks from it, the first ones included."""
-        python = str(self.job_env.python) if self.job_env else None
-        entrypoint, args, start_method = worker_entrypoint(script, spec.args, self.settings, python)
-        if python and start_method == "forkserver":
-            import multiprocessing
-
-            # the forkserver, and every worker forked from it, runs the job's environment's python
-            multiprocessing.set_executable(python)
-        if start_method == "forkserver":
-            from petctl_agent.worker.forkserver import warm_forkserver
-
-            secs = warm_forkserver()
-            log.info("forkserver warm (torch preloaded) in %.1fs; joining the rendezvous", secs)
-            if self.pub:
-                self.pub.event("workers_ready", seconds=round(secs, 3))
-        return entrypoint, args, start_method
-
-    def _elastic_agent(
-        self,
-        spec: JobSpec,
-        handler: Any,
-        nproc: int,
-        entrypoint: Any,
-        args: tuple[str, ...],
-        start_method: str,
-    ) -> Any:
-        from torch.distributed.elastic.agent.server.api import WorkerSpec
-        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-
-        from petctl_agent.elastic.agent import PetctlElasticAgent
-
-        assert self.pub is not None and self.lifecycle is not None
-        wspec = WorkerSpec(
-            role="trainer",
-            local_world_size=nproc,
-            entrypoint=entrypoint,
-            args=args,
-            rdzv_handler=handler,
-            max_restarts=spec.max_restarts,
-            monitor_interval=0.2,
-            local_addr=self.local_addr,
-        )
-        logs_specs = DefaultLogsSpecs(log_dir=str(self.paths.logs), redirects=Std.ALL)
-        self.elastic = agent = PetctlElasticAgent(
-            wspec,
-            logs_specs,
-            self.pub,
-            self.paths.drain,
-            self.paths.progress,
-            spec.drain_timeout,
-            join_timeout=spec.join_timeout,
-            capacity_probe=self.lifecycle.capacity,
-            min_nodes=spec.min_nodes,
-            start_method=start_method,
-            step_info=self.step_info,
-            settings=self.settings,
-            failure_file=self.paths.failed,
-            instance_id=self.instance_id,
-        )
-        if self.leave_reason:  # arrived while we were setting up
-            agent.request_leave(self.leave_reason)
-        return agent
-
-    def _train(self, spec: JobSpec, agent: Any, work_dir: Path) -> Any:
-        """Run the torch agent with the worker logs shipped and IMDS watched; its Outcome."""
-        from petctl_agent.cloud.logship import CloudWatchShipper, LogTailer, stdout_sink
-
-        assert self.lifecycle is not None
-        sinks = [stdout_sink(self.instance_id)]
-        shipper = None
-        if spec.log_group and self.settings.cloudwatch:
-            shipper = CloudWatchShipper(
-                spec.log_group,
-                f"{spec.job_name}/{self.instance_id}",
-                lambda: aws.client("logs", spec.region or None),
-                on_lost=lambda lost: self.pub.update(log_events_lost=lost),
-            )
-            shipper.start()
-            sinks.append(shipper.sink)
-        tailer = LogTailer(self.paths.logs, sinks)
-        tailer.start()
-        marker = job_checkpoint_dir(self.efs, spec) / failure.WORKERS_MARKER
-
-        def before_workers_start() -> None:
-            # later failures of this run are no longer "every node keeps failing"
-            markers.mark(marker, spec.run_id)
-            if spec.code_kind == "dir":
-                # relative reads find the project's files (worker/project.py), at every start
-                link_and_log(self.paths.code, work_dir)
-            tailer.poll()
-
-        agent.before_workers_start = before_workers_start
-        if self.snapshots is not None:
-            agent.after_workers_stopped = self.snapshots.verify
-            agent.after_round = self.snapshots.after_round
-        threading.Thread(
-            target=self.lifecycle.watch,
-            args=(self._stop, self.request_leave),
-            name="petctl-imds",
-            daemon=True,
-        ).start()
-        # Workers start in the job's work dir on the shared filesystem (as torchrun's
-        # workers start in its cwd): a script's relative paths (snapshot.pt) are shared; a
-        # project's own files are links there to this node's copy (worker/project.py).
-        os.chdir(work_dir)
-        try:
-            return agent.run()
-        finally:
-            self._stop.set()
-            tailer.stop()
-            if shipper:
-                shipper.stop()
 
     def _finish(self, agent: Any, handler: Any, outcome: Any, ckpt_dir: Path) -> int:
         """What the outcome means for this node and for the job (``ending.finish``)."""

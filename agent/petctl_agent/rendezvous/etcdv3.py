@@ -13,15 +13,17 @@ and a keepalive loop: this module, on ``http.client`` and ``ssl``.
   :meth:`Client.keepalive_once`, :meth:`Client.revoke`, :meth:`Client.time_to_live`),
   :meth:`Client.status`, :meth:`Client.compact`. Each has a timeout (the socket's, per
   call); nothing waits unbounded. Each answer's header carries the store revision.
-* **Errors**: one family, :class:`EtcdError`: :class:`Unavailable` (no answer: refused, reset,
-  timed out: retry, then re-read), :class:`Timeout` (a subclass), :class:`RequestFailed`
-  (etcd answered with an error), :class:`LeaseNotFound`, :class:`Compacted` (a revision etcd
-  no longer keeps: re-read once, then watch from the read's revision), :class:`ClusterChanged`
-  (another etcd, a fresh data dir, now answers this address: drop every view read before).
-* **Leases**: :class:`Lease` keeps one alive from a background thread (``keepalive`` every
-  ``ttl/3``). A keepalive is no raft write and does not move the store revision (tested);
-  the lease runs on etcd's monotonic clock, and the lease's local deadline on
-  ``time.monotonic`` (no wall clock anywhere).
+* **Errors** (:mod:`.errors`, re-exported here): one family, :class:`EtcdError`:
+  :class:`Unavailable` (no answer: refused, reset, timed out: retry, then re-read),
+  :class:`Timeout` (a subclass), :class:`RequestFailed` (etcd answered with an error),
+  :class:`LeaseNotFound`, :class:`Compacted` (a revision etcd no longer keeps: re-read once,
+  then watch from the read's revision), :class:`ClusterChanged` (another etcd, a fresh data
+  dir, now answers this address: drop every view read before).
+* **Leases**: :class:`Lease` (:mod:`.lease`, re-exported here) keeps one alive from a
+  background thread (``keepalive`` every ``ttl/3``); a new etcd that its keepalive meets goes
+  to its ``on_error``, not swallowed. A keepalive is no raft write and does not move the store
+  revision (tested); the lease runs on etcd's monotonic clock, and the lease's local deadline
+  on ``time.monotonic`` (no wall clock anywhere).
 * **Watches**: :meth:`Client.watch` from a revision, a key or a prefix; a reader thread parses
   the gateway's stream, :meth:`Watch.get` hands out each answer's events in order with a
   timeout. A start revision below the compacted one ends the watch with :class:`Compacted`.
@@ -50,6 +52,18 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from petctl_agent.rendezvous.errors import (
+    ClusterChanged,
+    Compacted,
+    EtcdError,
+    LeaseNotFound,
+    NoSpace,
+    RequestFailed,
+    Silent,
+    Timeout,
+    Unavailable,
+)
+from petctl_agent.rendezvous.lease import Lease
 from petctl_agent.settings import EtcdTls
 
 API = "/v3"
@@ -103,64 +117,6 @@ def _create_connection(
 ) -> socket.socket:
     """``socket.create_connection`` with TCP keepalive (http.client's connection factory)."""
     return keepalive(socket.create_connection(address, timeout, source_address))
-
-
-# ---- errors -------------------------------------------------------------------------------------
-class EtcdError(Exception):
-    """Every error of this client."""
-
-
-class Unavailable(EtcdError):
-    """No answer from etcd (refused, reset, closed, TLS failure): the call may or may not have
-    been applied; retry, then re-read what it changed."""
-
-
-class Timeout(Unavailable):
-    """etcd did not answer within the call's timeout."""
-
-
-class Silent(Unavailable):
-    """A watch received nothing (no event, no progress notification) for its ``silence``: its
-    connection is taken as dead. Watch again (on a new connection) from the last revision seen."""
-
-
-class RequestFailed(EtcdError):
-    """etcd answered with an error (``code`` is the gRPC status code, ``status`` the HTTP one)."""
-
-    def __init__(self, message: str, code: int = 0, status: int = 0) -> None:
-        super().__init__(message)
-        self.code, self.status = code, status
-
-
-class LeaseNotFound(RequestFailed):
-    """The lease expired or was revoked (or never existed)."""
-
-
-class NoSpace(RequestFailed):
-    """etcd's backend is at its quota (``--quota-backend-bytes``) and its NOSPACE alarm is
-    raised: every write fails (reads, watches and keepalives go on) until the history is
-    compacted, the database defragmented and the alarm disarmed (docs/rendezvous.md)."""
-
-
-class Compacted(EtcdError):
-    """The revision asked for is compacted away; ``compact_revision`` is the oldest etcd keeps
-    (0 when etcd did not say). Re-read the state once and watch from that read's revision + 1."""
-
-    def __init__(self, message: str, compact_revision: int = 0) -> None:
-        super().__init__(message)
-        self.compact_revision = compact_revision
-
-
-class ClusterChanged(EtcdError):
-    """Another etcd answers this address now: another cluster id, or the same cluster (etcd
-    derives the id from its member names and peer URLs, so a fresh data dir on the same
-    address keeps it) whose store revision went back below one this client saw before the
-    request. Revisions, leases and views from before mean nothing. Raised once per change;
-    the client then follows the new etcd."""
-
-    def __init__(self, message: str, old: int, new: int) -> None:
-        super().__init__(message)
-        self.old, self.new = old, new
 
 
 # ---- values -------------------------------------------------------------------------------------
@@ -766,90 +722,6 @@ def _put_result(d: dict[str, Any], rev: int) -> PutResult:
 
 def _delete_result(d: dict[str, Any], rev: int) -> DeleteResult:
     return DeleteResult(rev, int(d.get("deleted", 0)), [KeyValue.parse(kv) for kv in d.get("prev_kvs", [])])
-
-
-# ---- leases kept alive --------------------------------------------------------------------------------
-class Lease:
-    """A granted lease, kept alive by a daemon thread every ``interval`` (``ttl/3``).
-
-    ``lost`` is set (and ``on_lost`` called once, from the thread) when etcd says the lease
-    has ended, or when no keepalive succeeded before the lease's deadline: the last
-    successful keepalive + TTL, on ``time.monotonic`` (etcd's own clock is monotonic too).
-    A keepalive is answered by the leader from memory: no raft write, no revision.
-
-    ``back_at``: when a keepalive last succeeded after ``outage`` s or more without one (default
-    TTL/2): this client was cut off from etcd (or etcd paused) and reaches it again.
-    """
-
-    def __init__(
-        self,
-        client: Client,
-        lease_id: int,
-        ttl: int,
-        on_lost: Callable[[Lease], None] | None = None,
-        interval: float | None = None,
-        outage: float | None = None,
-    ) -> None:
-        self.client, self.id, self.ttl = client, lease_id, ttl
-        self.interval = interval or max(ttl / 3.0, 0.1)
-        self.outage = outage if outage is not None else ttl / 2.0
-        self.on_lost = on_lost
-        self.lost = threading.Event()
-        self.deadline = time.monotonic() + ttl  #: when the lease ends unless renewed
-        self.last_ok = self.deadline - ttl  #: when the last successful keepalive (or the grant) was sent
-        self.back_at = float("-inf")
-        self.keepalives = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> Lease:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=f"etcd-lease-{self.id:x}", daemon=True)
-            self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            sent = time.monotonic()
-            # never wait past the deadline: an answer after it would not save the lease; and
-            # at most ttl/3, so that a keepalive lost on a dead connection (no FIN, no RST)
-            # leaves time to retry on a new one (this thread's, dropped on a timeout)
-            # before the lease ends: 6 s TTL, 1 s interval: timed out at +3 s, renewed at +4 s
-            budget = max(0.1, min(self.client.timeout, self.ttl / 3.0, self.deadline - sent))
-            try:
-                ttl = self.client.keepalive_once(self.id, timeout=budget)
-            except LeaseNotFound:
-                self._lose()
-                return
-            except EtcdError:
-                if time.monotonic() >= self.deadline:
-                    self._lose()
-                    return
-                continue
-            self.deadline = sent + ttl  # counted from before the request: conservative
-            if sent - self.last_ok >= self.outage:
-                self.back_at = time.monotonic()
-            self.last_ok = sent
-            self.keepalives += 1
-
-    def _lose(self) -> None:
-        self.lost.set()
-        if self.on_lost is not None:
-            self.on_lost(self)
-
-    def stop(self) -> None:
-        """Stop renewing (the lease then ends TTL seconds later)."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(self.client.timeout + 1)
-
-    def revoke(self) -> None:
-        """Stop renewing and end the lease now (its keys go at once); gone already is fine."""
-        self.stop()
-        try:
-            self.client.revoke(self.id)
-        except LeaseNotFound:
-            pass
 
 
 # ---- watches ------------------------------------------------------------------------------------

@@ -213,9 +213,8 @@ class Membership:
         r = self._etcd.put(self.node_key, value, lease=lid, prev_kv=True)
         # re-registering while our key lives (same node id) keeps its revision: not a newcomer
         created = r.prev.create_revision if r.prev is not None else r.revision
-        lease = v3.Lease(
-            self._etcd, lid, ttl, self._lease_lost, interval=self.cfg.refresh, outage=self.cfg.outage
-        )
+        lease = v3.Lease(self._etcd, lid, ttl, self._lease_lost, interval=self.cfg.refresh,
+                         outage=self.cfg.outage, on_error=self._client_error)  # fmt: skip
         with self._cond:
             old, self._lease = self._lease, lease
             if old is not None and lease.last_ok - old.last_ok >= self.cfg.outage:
