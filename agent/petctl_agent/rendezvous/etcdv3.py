@@ -262,8 +262,10 @@ def put_op(key: str, value: str | bytes, lease: int = 0, prev_kv: bool = False) 
     return {"request_put": _put_body(key, value, lease, prev_kv)}
 
 
-def delete_op(key: str, prefix: bool = False, prev_kv: bool = False) -> dict[str, Any]:
-    return {"request_delete_range": _range_body(key, prefix, prev_kv=prev_kv)}
+def delete_op(
+    key: str, prefix: bool = False, prev_kv: bool = False, end: str | None = None
+) -> dict[str, Any]:
+    return {"request_delete_range": _range_body(key, prefix, end, prev_kv=prev_kv)}
 
 
 def range_op(
@@ -275,14 +277,19 @@ def range_op(
     min_create: int = 0,
     max_create: int = 0,
     revision: int = 0,
+    count_only: bool = False,
+    end: str | None = None,
 ) -> dict[str, Any]:
     """A txn's read; the options as :meth:`Client.range`'s (``revision``: at that revision, 0:
-    the txn's)."""
+    the txn's; ``count_only``: the count, no keys; ``end``: every key from ``key`` up to, not
+    including, ``end``)."""
     return {
         "request_range": _range_body(
             key,
             prefix,
+            end,
             revision=str(revision) if revision else None,
+            count_only=count_only,
             **_range_opts(limit, keys_only, sort, min_create, max_create),
         )
     }
@@ -322,10 +329,10 @@ def _put_body(key: str, value: str | bytes, lease: int, prev_kv: bool) -> dict[s
     return body
 
 
-def _range_body(key: str, prefix: bool, **extra: Any) -> dict[str, Any]:
+def _range_body(key: str, prefix: bool, end: str | None = None, **extra: Any) -> dict[str, Any]:
     body: dict[str, Any] = {"key": _b64(key)}
-    if prefix:
-        body["range_end"] = _b64(prefix_end(key))
+    if prefix or end is not None:
+        body["range_end"] = _b64(prefix_end(key) if end is None else end)
     body.update({k: v for k, v in extra.items() if v})
     return body
 
@@ -587,9 +594,15 @@ class Client:
         return _put_result(d, Header.parse(d.get("header")).revision)
 
     def delete(
-        self, key: str, prefix: bool = False, prev_kv: bool = False, timeout: float | None = None
+        self,
+        key: str,
+        prefix: bool = False,
+        prev_kv: bool = False,
+        timeout: float | None = None,
+        end: str | None = None,
     ) -> DeleteResult:
-        d = self.call("kv/deleterange", _range_body(key, prefix, prev_kv=prev_kv), "delete", timeout)
+        """Delete ``key``, every key under it (``prefix``), or every key from it up to ``end``."""
+        d = self.call("kv/deleterange", _range_body(key, prefix, end, prev_kv=prev_kv), "delete", timeout)
         return _delete_result(d, Header.parse(d.get("header")).revision)
 
     def txn(
@@ -687,14 +700,16 @@ class Client:
         prev_kv: bool = False,
         timeout: float | None = None,
         silence: float | None = None,
+        end: str | None = None,
     ) -> Watch:
-        """Watch ``key`` (or every key under it) from ``start_revision`` (0: from now on).
+        """Watch ``key`` (or every key under it; or, with ``end``, every key from ``key`` up to,
+        not including, ``end``) from ``start_revision`` (0: from now on).
         Returns once etcd confirmed the watch (within ``timeout``); see :class:`Watch`.
 
         The watch asks for progress notifications (``progress_notify``), and ends with
         :class:`Silent` once nothing came for ``silence`` s (default: the client's
         ``watch_silence``; 0: never)."""
-        body = _range_body(key, prefix, start_revision=str(start_revision) if start_revision else None,
+        body = _range_body(key, prefix, end, start_revision=str(start_revision) if start_revision else None,
                            prev_kv=prev_kv, progress_notify=True)  # fmt: skip
         silence = self.watch_silence if silence is None else silence
         return Watch(self, {"create_request": body}, self.timeout if timeout is None else timeout, silence)
