@@ -53,6 +53,8 @@
    (its advice for large groups, whose full answer may be throttled); moto listed them anyway.
 14. **GetEbsDefaultKmsKeyId** (:mod:`petctl.local.moto_ebs`): moto sets the account's default EBS
    key but could not read it back.
+15. **Lifecycle hooks declared on a group** (:mod:`petctl.local.moto_hooks`): moto ignored a group's
+   ``LifecycleHookSpecificationList``, so the job's worker group had no hooks.
 
 Each patch wraps one moto method with :func:`petctl.local.patching.wrap`.
 """
@@ -72,7 +74,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from petctl.local import moto_ebs, moto_efs, moto_warm_pool
+from petctl.local import moto_ebs, moto_efs, moto_hooks, moto_warm_pool
 from petctl.local.patching import wrap
 
 _claims: dict[str, int] = {}  # ip -> fd holding its flock
@@ -512,3 +514,4 @@ def apply() -> None:
     moto_warm_pool.apply()
     moto_efs.apply()
     moto_ebs.apply()
+    moto_hooks.apply()

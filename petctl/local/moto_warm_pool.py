@@ -21,10 +21,11 @@ instance for it, and its CloudFormation skips ``AWS::AutoScaling::WarmPool``. He
 * A scale-in terminates group instances: nothing returns to the pool (``InstanceReusePolicy``
   ``ReuseOnScaleIn: true`` is refused, not emulated);
   deleting the group or the pool terminates the pool's instances.
-* Not emulated: launch lifecycle hooks (moto's CloudFormation skips ``AWS::AutoScaling::LifecycleHook``).
-  AWS holds a pool instance in ``Warmed:Pending:Wait`` and one leaving the pool in
-  ``Pending:Wait`` until ``petctl-launch`` is completed; here both go straight on, so the boot's
-  and the agent's completion calls get "No active Lifecycle Action" (tests use a Stubber for them).
+* Not emulated: the hold of the launch lifecycle hook. The hook itself exists
+  (:mod:`petctl.local.moto_hooks`), but AWS holds a pool instance in ``Warmed:Pending:Wait`` and
+  one leaving the pool in ``Pending:Wait`` until ``petctl-launch`` is completed; here both go
+  straight on, so the boot's and the agent's completion calls get "No active Lifecycle Action"
+  (tests use a Stubber for them).
 """
 
 from __future__ import annotations

@@ -625,17 +625,27 @@ def test_several_instance_types_become_launch_template_overrides(spot):
 
 
 @pytest.mark.parametrize("flags", JOB_VARIANTS, ids=_id)
-def test_drain_lifecycle_hook(flags):
-    hooks = resources_of_type(job(**flags), "AWS::AutoScaling::LifecycleHook")
-    assert set(hooks) == ({"DrainHook", "LaunchHook"} if flags.get("warm_pool") else {"DrainHook"})
-    hook = hooks["DrainHook"]
-    assert hook["Properties"] == {
+def test_lifecycle_hooks_are_declared_on_the_worker_group(flags):
+    """AWS adds a group's LifecycleHookSpecificationList before the group launches; an
+    AWS::AutoScaling::LifecycleHook resource comes after the group has launched its first
+    instances, which the launch hook then never held."""
+    t = job(**flags)
+    assert resources_of_type(t, "AWS::AutoScaling::LifecycleHook") == {}
+    hooks = {
+        h["LifecycleHookName"]: h
+        for h in t["Resources"]["WorkerGroup"]["Properties"]["LifecycleHookSpecificationList"]
+    }
+    assert set(hooks) == (
+        {naming.LIFECYCLE_HOOK, "petctl-launch"} if flags.get("warm_pool") else {naming.LIFECYCLE_HOOK}
+    )
+    assert hooks["petctl-drain"] == {
         "LifecycleHookName": "petctl-drain",
-        "AutoScalingGroupName": {"Ref": "WorkerGroup"},
         "LifecycleTransition": "autoscaling:EC2_INSTANCE_TERMINATING",
         "DefaultResult": "CONTINUE",
         "HeartbeatTimeout": {"Ref": "DrainTimeout"},
     }
+    for name in ("RdzvGroup", "CleanupGroup"):  # no agent there completes an action
+        assert "LifecycleHookSpecificationList" not in t["Resources"][name]["Properties"], name
 
 
 def test_warm_pool_of_stopped_workers_held_until_booted():
@@ -648,7 +658,8 @@ def test_warm_pool_of_stopped_workers_held_until_booted():
     )
     t = job(warm_pool=True)
     ((name, pool),) = resources_of_type(t, "AWS::AutoScaling::WarmPool").items()
-    assert pool["DependsOn"] == "LaunchHook"  # every pool instance is held by the hook
+    # every pool instance is held by the launch hook: the group's own, there before the pool
+    assert "DependsOn" not in pool
     assert pool["Properties"] == {
         "AutoScalingGroupName": {"Ref": "WorkerGroup"},
         "MinSize": {"Ref": "WarmPoolSize"},
@@ -663,10 +674,11 @@ def test_warm_pool_of_stopped_workers_held_until_booted():
     group = t["Resources"]["WorkerGroup"]["Properties"]
     assert "MixedInstancesPolicy" not in group and "CapacityRebalance" not in group
     assert group["LaunchTemplate"]["LaunchTemplateId"] == {"Ref": "WorkerLaunchTemplate"}
-    launch = t["Resources"]["LaunchHook"]["Properties"]
+    (launch,) = [
+        h for h in group["LifecycleHookSpecificationList"] if h["LifecycleHookName"] == "petctl-launch"
+    ]
     assert launch == {
         "LifecycleHookName": "petctl-launch",
-        "AutoScalingGroupName": {"Ref": "WorkerGroup"},
         "LifecycleTransition": "autoscaling:EC2_INSTANCE_LAUNCHING",
         # unanswered (a boot that hung, an agent that never parked): terminate, never InService idle
         "DefaultResult": "ABANDON",

@@ -5,7 +5,8 @@ What moto 5.2 does not do, and how we deal with it (test_templates.py checks the
 * no ``Fn::Cidr`` (an unresolved ``Fn::Select`` over it raises KeyError): infra_parameters() passes
   the /24 subnet CIDRs explicitly (``SubnetCidrs``); the template falls back to Fn::Cidr only when
   that parameter is empty, and moto evaluates only the chosen Fn::If branch;
-* AWS::AutoScaling::LifecycleHook and AWS::S3::BucketPolicy are skipped with a warning;
+* AWS::S3::BucketPolicy is skipped with a warning, and a group's LifecycleHookSpecificationList
+  ignored: the local cloud's patch (petctl/local/moto_hooks.py) is applied, which creates the hooks;
 * launch template MetadataOptions, a role's ManagedPolicyArns, the bucket's
   PublicAccessBlockConfiguration and the ENI's
   ``GroupSet`` and ``Tags`` are ignored (the ENI gets the VPC's default security group);
@@ -32,7 +33,7 @@ boto3 = pytest.importorskip("boto3")
 moto = pytest.importorskip("moto")
 
 from petctl import naming, templates  # noqa: E402
-from petctl.local import moto_efs  # noqa: E402
+from petctl.local import moto_efs, moto_hooks  # noqa: E402
 
 REGION = "us-east-1"
 LOCAL_CIDR = "127.0.0.0/16"  # what the local cloud uses
@@ -54,9 +55,10 @@ def aws(monkeypatch):
     for key in ("AWS_PROFILE", "AWS_ENDPOINT_URL"):
         monkeypatch.delenv(key, raising=False)
     with warnings.catch_warnings():
-        # "Tried to parse AWS::AutoScaling::LifecycleHook but it's not supported": known, see above.
+        # "Tried to parse AWS::S3::BucketPolicy but it's not supported": known, see above.
         warnings.filterwarnings("ignore", message=".*not supported by moto's CloudFormation.*")
         moto_efs.apply()
+        moto_hooks.apply()
         with moto.mock_aws():
             yield
 
@@ -174,8 +176,8 @@ def test_base_stack_with_existing_efs_and_bucket(aws):
         {"gpu": False, "spot": False, "ami_override": False},  # AL2023 resolved through moto's SSM
         {"gpu": False, "spot": True, "ami_override": True},
         {"gpu": True, "spot": True, "ami_override": True},
-        # the warm pool and its launch hook (both skipped by moto; the local cloud's patches add
-        # the pool) must not stop the stack: the local cloud runs run-job --warm-pool through it
+        # the warm pool (skipped by moto; the local cloud's patches add it) must not stop the
+        # stack: the local cloud runs run-job --warm-pool through it
         {"gpu": False, "spot": False, "ami_override": False, "warm_pool": True},
     ],
     ids=lambda f: ",".join(k for k, v in f.items() if v) or "cpu",
@@ -222,6 +224,29 @@ def test_job_stack_from_base_outputs(aws, flags):
         AutoScalingGroupNames=["petctl-train-1-workers"]
     )["AutoScalingGroups"]
     assert (workers["MinSize"], workers["MaxSize"], workers["DesiredCapacity"]) == (2, 4, 3)
+    # the hooks exist as soon as the stack does, declared on the group: its first instances are held
+    hooks = client("autoscaling").describe_lifecycle_hooks(AutoScalingGroupName="petctl-train-1-workers")
+    hooks = {h["LifecycleHookName"]: h for h in hooks["LifecycleHooks"]}
+    assert set(hooks) == ({"petctl-drain", "petctl-launch"} if flags.get("warm_pool") else {"petctl-drain"})
+    drain = hooks["petctl-drain"]
+    assert (drain["LifecycleTransition"], drain["DefaultResult"], drain["HeartbeatTimeout"]) == (
+        "autoscaling:EC2_INSTANCE_TERMINATING",
+        "CONTINUE",
+        60,  # the DrainTimeout parameter's default
+    )
+    if flags.get("warm_pool"):
+        launch = hooks["petctl-launch"]
+        assert (launch["LifecycleTransition"], launch["DefaultResult"], launch["HeartbeatTimeout"]) == (
+            "autoscaling:EC2_INSTANCE_LAUNCHING",
+            "ABANDON",
+            900,
+        )
+    assert (
+        client("autoscaling").describe_lifecycle_hooks(AutoScalingGroupName="petctl-train-1-rdzv")[
+            "LifecycleHooks"
+        ]
+        == []
+    )
     assert sorted(workers["VPCZoneIdentifier"].split(",")) == sorted(base["SubnetIds"].split(","))
     if flags["spot"]:
         distribution = workers["MixedInstancesPolicy"]["InstancesDistribution"]
