@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds of set-up before joining, as a GPU's CUDA context, NCCL and model build take",
     )
     args = p.parse_args(argv)
+    print(f"live_train: launched pid={os.getpid()} mono={time.monotonic():.3f}", flush=True)
     time.sleep(args.start_delay)
 
     device = torch.device(args.device)
