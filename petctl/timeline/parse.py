@@ -60,7 +60,7 @@ def read_rounds(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if key is not None and step is not None:
                 loaded.setdefault(key, {})[e.get("instance_id")] = step
             continue
-        if e["kind"] not in ("rendezvous_done", "workers_started"):
+        if e["kind"] not in ("rendezvous_done", "workers_started", "quorum"):
             continue
         r = integer(e.get("round"))
         if r is None:
@@ -83,7 +83,9 @@ def read_rounds(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "left": {},  # instance -> when it published the round it left as it closed
             },
         )
-        if e["kind"] == "workers_started":
+        if e["kind"] in ("workers_started", "quorum"):
+            # a live job's quorum (node/live.py): its members publish it, keyed by the step at which
+            # it first committed (the same on each), with no worker start
             rec["instances"].add(e.get("instance_id"))
             rec["first"] = e["t"] if rec["first"] is None else min(rec["first"], e["t"])
             rec["ready"] = e["t"] if rec["ready"] is None else max(rec["ready"], e["t"])

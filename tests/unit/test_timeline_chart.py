@@ -400,3 +400,51 @@ def test_a_node_that_left_as_its_round_closed_is_in_that_round() -> None:
     assert (rounds[2]["instances"], rounds[2]["causes"]) == (["i-a", "i-b"], ["drain"]), rounds[2]
     marks = [(m["kind"], m["instance_id"], m["round"]) for m in data["events"] if m["instance_id"] == "i-n3"]
     assert marks == [("join", "i-n3", 1), ("drain", "i-n3", 2)], marks
+
+
+def test_a_live_job_s_quorums_are_its_rounds():
+    """A live job (node/live.py) starts its workers once and publishes ``quorum`` events, keyed by
+    the step each quorum size first committed (the same on every member): each is a round."""
+    a = (
+        Agent(T, "i-a", "10.0.0.1")
+        .ev(0, "agent_started")
+        .ev(2, "workers_started", live=True)
+        .ev(5, "quorum", world_size=2, step=3, round=1, live=True)
+        .ev(41, "quorum", world_size=3, step=300, round=298, live=True)
+        .ev(60, "quorum", world_size=2, step=490, round=489, live=True)
+    )
+    b = (
+        Agent(T, "i-b", "10.0.0.2")
+        .ev(0.5, "agent_started")
+        .ev(2.2, "workers_started", live=True)
+        .ev(5.3, "quorum", world_size=2, step=2, round=1, live=True)
+        .ev(40.5, "quorum", world_size=3, step=299, round=298, live=True)
+        .ev(58, "drain_requested", reason=SCALED_IN, live=True)
+        .ev(59, "drained", clean=True, live=True)
+    )
+    c = (
+        Agent(T, "i-c", "10.0.0.3")
+        .ev(30, "agent_started")
+        .ev(32, "workers_started", live=True)
+        .ev(40.8, "quorum", world_size=3, step=298, round=298, live=True)
+        .ev(60.4, "quorum", world_size=2, step=490, round=489, live=True)
+    )
+    agents = [a.doc("RUNNING", 61, 500), b.doc("LEFT", 59, 480, reason=SCALED_IN), c.doc("RUNNING", 61, 500)]
+    events = sorted(
+        ({**e, "instance_id": x["instance_id"]} for x in agents for e in x["events"]), key=lambda e: e["t"]
+    )
+    st = {
+        "job": "live",
+        "state": "RUNNING",
+        "last_step": 500,
+        "hosts": [],
+        "agents": agents,
+        "events": events,
+    }
+    rounds = timeline.build(st, now=T + 70)["rounds"]
+    assert [(r["round"], r["world_size"], r["instances"]) for r in rounds] == [
+        (1, 2, ["i-a", "i-b"]),
+        (298, 3, ["i-a", "i-b", "i-c"]),
+        (489, 2, ["i-a", "i-c"]),
+    ]
+    assert [r["causes"] for r in rounds] == [["start"], ["join"], ["drain"]]

@@ -121,6 +121,7 @@ class LiveRun:
         self.cfg = cfg
         self._leave_signalled = False
         self._left = False
+        self._world, self._world_since = -1, 0  # the quorum's size as last reported, and since when
         # The worker hosts its replica group's store (the group is this one worker). TCPStore has
         # no bind-address option and listens on the wildcard address; a socket bound here keeps
         # it on the node's address (as petctl_agent.distributed does).
@@ -231,7 +232,10 @@ class LiveRun:
         f = os.environ.get("PETCTL_PROGRESS_FILE")
         if not f or os.environ.get("LOCAL_RANK", "0") != "0":
             return
-        body = json.dumps({"step": int(self.step), "world_size": int(self.replicas), "t": time.time()})
+        step, world = int(self.step), int(self.replicas)
+        if world != self._world:  # the step this quorum size first committed: the same on every member
+            self._world, self._world_since = world, step
+        body = json.dumps({"step": step, "world_size": world, "since": self._world_since, "t": time.time()})
         tmp = f"{f}.{os.getpid()}.tmp"
         try:
             with open(tmp, "w") as out:

@@ -214,12 +214,15 @@ class LiveNode:
         try:
             prog = json.loads(Path(self.env.get("PETCTL_PROGRESS_FILE", "")).read_text())
             world, step = int(prog["world_size"]), int(prog["step"])
+            since = int(prog.get("since", step))
         except (OSError, ValueError, KeyError, TypeError):
             return
         if world != self._world:
             self._world = world
             self.pub.update(world_size=world)
-            self.pub.event("quorum", world_size=world, step=step, live=True)
+            # ``round``: the step this quorum size first committed, the same on every member, so
+            # the timeline groups the members' events into one round (petctl/timeline/parse.py)
+            self.pub.event("quorum", world_size=world, step=step, round=since, live=True)
 
     def _failed(self, w: Worker, rc: int) -> Outcome | None:
         why = self._stderr_tail(w)
