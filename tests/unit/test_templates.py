@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import textwrap
+from pathlib import Path
 
 import jinja2
 import pytest
@@ -388,8 +389,6 @@ def test_job_roles_are_least_privilege_across_jobs():
     }
     assert worker["JobLogStreams"]["Action"] == ["logs:CreateLogStream", "logs:PutLogEvents"]
     assert _subs(worker["JobLogStreams"]["Resource"]) == [LOGS + ":log-stream:${JobName}/*"]
-    assert worker["DescribeJobLogStreams"]["Action"] == "logs:DescribeLogStreams"
-    assert _subs(worker["DescribeJobLogStreams"]["Resource"]) == [LOGS, LOGS + ":*"]
     assert worker["DrainAndReplace"]["Action"] == [
         "autoscaling:CompleteLifecycleAction",
         "autoscaling:RecordLifecycleActionHeartbeat",
@@ -437,7 +436,6 @@ def test_job_roles_are_least_privilege_across_jobs():
     assert _subs(rdzv["ReplaceSelf"]["Resource"]) == [ASG + "petctl-${JobName}-rdzv"]
     assert rdzv["ReplaceSelf"]["Action"] == "autoscaling:SetInstanceHealth"
     assert _subs(rdzv["StopJob"]["Resource"]) == both_groups
-    assert _subs(rdzv["RendezvousLogStreams"]["Resource"]) == [LOGS + ":log-stream:${JobName}/*"]
     # the groups the conditions test really carry the tag
     for group in ("WorkerGroup", "RdzvGroup"):
         tags = t["Resources"][group]["Properties"]["Tags"]
@@ -882,6 +880,39 @@ BOOT_FAILURE_LINES = (
     'aws autoscaling set-instance-health --region "$REGION" --instance-id "$INSTANCE_ID" \\',
     "--health-status Unhealthy --no-should-respect-grace-period",
 )
+
+
+AGENT_DIR = Path(__file__).resolve().parents[2] / "agent" / "petctl_agent"
+USER_DATA_DIR = Path(templates.__file__).resolve().parents[2] / "cfn_templates" / "user_data"
+
+
+@pytest.mark.parametrize(
+    "flags", [{}, {"warm_pool": True}, {"live": True}], ids=["plain", "warm_pool", "live"]
+)
+def test_no_role_may_write_logs_nothing_on_its_instance_writes(flags):
+    """Least privilege: CloudWatch Logs grants only for what an instance calls. The worker's agent
+    creates its stream and puts events (cloud/logship.py); nothing lists streams there (only the
+    CLI's `petctl logs`, with the user's credentials), and nothing on the rendezvous instance ships
+    logs at all."""
+    t = job(**flags)
+    logs_actions = {
+        role: sorted(
+            a
+            for st in _policy_statements(t, role).values()
+            for a in (st["Action"] if isinstance(st["Action"], list) else [st["Action"]])
+            if a.startswith("logs:")
+        )
+        for role in ("WorkerRole", "RdzvRole", "CleanupRole")
+    }
+    assert logs_actions == {
+        "WorkerRole": ["logs:CreateLogStream", "logs:PutLogEvents"],
+        "RdzvRole": [],
+        "CleanupRole": [],
+    }
+    agent = "\n".join(p.read_text() for p in AGENT_DIR.rglob("*.py"))
+    boot = "\n".join(p.read_text() for p in USER_DATA_DIR.glob("*.j2"))
+    assert "describe_log_streams" not in agent and "aws logs" not in boot
+    assert "create_log_stream" in agent and "put_log_events" in agent
 
 
 @pytest.mark.parametrize("flags", JOB_VARIANTS, ids=_id)
