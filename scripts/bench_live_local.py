@@ -176,6 +176,30 @@ def one(state_mb: float, delay: float, step_time: float, home: Path) -> dict[str
     return row
 
 
+def state_records(
+    gib: float, rep: int, step_time: float, start_delay: float, root: Path
+) -> list[dict[str, Any]]:
+    """One run as ``bench_state.py``'s records (tool ``petctl-live``): drain, join and hard loss,
+    their seconds the survivors' stall, side by side with the restart path's tools."""
+    home = root / f"live-{gib:g}-{rep}"
+    home.mkdir(parents=True, exist_ok=True)
+    base = {"gib": gib, "tool": "petctl-live", "rep": rep, "nodes": 3, "start_delay": start_delay}
+    try:
+        row = one(gib * 1024, start_delay, step_time, home)
+    except Exception as e:  # noqa: BLE001 - a broken path is a result too
+        note = f"error: {type(e).__name__}: {e}"
+        return [
+            {"scenario": sc, **base, "seconds": None, "note": note} for sc in ("drain", "join", "hard_loss")
+        ]
+    load = round(os.getloadavg()[0], 2)
+    lost = row["steps_lost"]
+    out = []
+    for sc, key in (("drain", "drain_stall_s"), ("join", "join_stall_s"), ("hard_loss", "loss_stall_s")):
+        out.append({"scenario": sc, **base, "seconds": row[key], "stall": row[key], "steps_lost": lost,
+                    "load": load, "note": f"survivor restarts {row['survivor_restarts']}"})  # fmt: skip
+    return out
+
+
 def _worst(values) -> float | None:
     vals = [v for v in values if v is not None]
     return round(max(vals), 3) if vals else None

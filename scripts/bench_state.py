@@ -17,7 +17,10 @@ each from a steady state (a checkpoint on disk, a step mid-way between checkpoin
 - ``torchrun-efs``: ``torchrun --rdzv-backend etcd`` (torch's defaults) with the script's
   ``--io plain``: ``torch.save`` to a temp file + fsync + ``os.replace``, ``torch.load`` on every rank;
 - ``petctl-local``: the product's own path, ``petctl --local run-job`` on the local cloud (instances
-  booted from their user data, TLS etcd, logs and status to moto): ``bench_state_local.py``.
+  booted from their user data, TLS etcd, logs and status to moto): ``bench_state_local.py``;
+- ``petctl-live``: ``petctl --local run-job --live`` of ``examples/live_train.py`` with the same
+  state per rank (``bench_live_local.py``): 2 -> 3 -> 2 nodes and a hard loss; its seconds are the
+  survivors' stall (no worker restarts: the newcomer's start and pull run beside their steps).
 
 EFS: the run's directory with the local cloud's EFS limits (AWS's Elastic-mode throughput,
 ``petctl/local/efs_rate.py``, docs/local.md) on every node, petctl's and torchrun's alike;
@@ -77,6 +80,8 @@ TOOLS = {
     # the product's own path: `petctl --local run-job`, instances booted from their user data
     # (scripts/bench_state_local.py); drain and join only
     "petctl-local": ("petctl", True, "helper"),
+    # live membership through the local cloud (scripts/bench_live_local.py): drain, join, hard loss
+    "petctl-live": ("petctl", False, "helper"),
 }
 BASELINE = "torchrun-efs"
 SCENARIOS = ("cold_start", "drain", "join", "hard_loss")
@@ -673,7 +678,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", default="0.1,1", help="GiB of replicated fp32 state per rank, comma list")
     p.add_argument("--nodes", default="", help="N of the chain: one for all (3) or per size (0.1:3,1:3,4:2)")
     p.add_argument("--reps", type=int, default=3, help="repetitions; medians reported")
-    p.add_argument("--tools", default=",".join(t for t in TOOLS if t != "petctl-local"),
+    p.add_argument("--tools", default=",".join(t for t in TOOLS if t not in ("petctl-local", "petctl-live")),
                    help=f"comma list of {', '.join(TOOLS)} (petctl-local: through `petctl --local`, "
                    "drain and join; not by default)")  # fmt: skip
     p.add_argument("--scenarios", default=",".join(SCENARIOS[1:]),
@@ -823,6 +828,10 @@ def main(argv: list[str] | None = None) -> int:
                     from bench_state_local import run_one as run_local
 
                     recs = run_local(gib, a.node_map[gib], rep, a, root)
+                elif tool == "petctl-live":
+                    from bench_live_local import state_records
+
+                    recs = state_records(gib, rep, a.step_time, a.start_delay, root)
                 else:
                     recs = run_one(gib, a.node_map[gib], tool, rep, a, root)
                 records.extend(recs)
