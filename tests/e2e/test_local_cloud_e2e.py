@@ -23,17 +23,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 TOTAL = 1200
 
 
-@pytest.fixture
-def local_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("PETCTL_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("PETCTL_LOCAL_DIR", str(tmp_path / "home" / "local"))
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    yield tmp_path / "home"
-    from petctl import local
-
-    local.stop()
-
-
 def petctl(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "petctl.cli", *args], capture_output=True, text=True, timeout=600

@@ -33,17 +33,6 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "live_train.py"
 STEP = re.compile(r"step=(\d+) world_size=(\d+) params=(\w+) mono=([\d.]+)")
 
 
-@pytest.fixture
-def local_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("PETCTL_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("PETCTL_LOCAL_DIR", str(tmp_path / "home" / "local"))
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    yield tmp_path / "home"
-    from petctl import local
-
-    local.stop()
-
-
 def petctl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "petctl.cli", "--local", *args],

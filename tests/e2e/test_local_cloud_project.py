@@ -44,17 +44,6 @@ REQUIREMENTS = f"--no-index\n--find-links wheels\n{wheels.NAME}=={wheels.VERSION
 PIP_LINE = "ERROR: Could not find a version that satisfies the requirement no-such-package-here==1.0"
 
 
-@pytest.fixture
-def local_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("PETCTL_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("PETCTL_LOCAL_DIR", str(tmp_path / "home" / "local"))
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    yield tmp_path / "home"
-    from petctl import local
-
-    local.stop()
-
-
 def petctl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "petctl.cli", "--local", *args],
