@@ -80,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         run = start(model, optimizer)  # live: join the quorum
         ddp, opt, step = run.model, run.optimizer, run.step
 
-    print(f"live_train: started pid={os.getpid()} mono={time.monotonic():.3f}", flush=True)
+    print(
+        f"live_train: started pid={os.getpid()} mono={time.monotonic():.3f} step={step} params={params_hash(model)}",
+        flush=True,
+    )
     while step < args.steps:
         rows = torch.randint(0, 256, (16,), generator=g)
         opt.zero_grad()  # live: starts this step's quorum, which runs beside the compute

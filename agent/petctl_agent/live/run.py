@@ -27,6 +27,9 @@ Configuration is the agent's output to its workers (environment):
 - ``PETCTL_LIVE_BACKEND``: the cross-replica collectives, ``nccl`` or ``gloo``; default: NCCL
   when the model's parameters are on a GPU, else gloo (NCCL allows one rank per GPU, so two
   replica groups sharing one GPU, as on a one-GPU test machine, need ``gloo``);
+- ``PETCTL_CHECKPOINT_DIR`` and ``PETCTL_LIVE_CHECKPOINT_SECONDS`` (300; 0: never): where and how
+  often the quorum's first group writes the state for a loss of every group at once
+  (:mod:`.durable`); a worker that starts loads it before its first quorum;
 - ``PETCTL_DRAIN_FILE``: when it exists, the group leaves at the next step boundary (SIGTERM does
   the same);
 - ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (torchrun's): with several workers on a node, each is its
@@ -55,6 +58,7 @@ import torch
 from torch.distributed import TCPStore
 
 from petctl_agent.live import upstream
+from petctl_agent.live.durable import Durable
 from petctl_agent.live.lighthouse import is_wildcard
 from petctl_agent.workarounds import switched_off
 
@@ -185,6 +189,11 @@ class LiveRun:
 
             self.model = DistributedDataParallel(self.manager, model)
         self.optimizer = OptimizerWrapper(self.manager, optimizer)
+        # the state on the shared filesystem, for a loss of every group at once (durable.py)
+        self._durable = Durable.from_env(os.environ)
+        #: the step the shared filesystem's copy gave back (None: none); the first quorum heals it
+        #: from live peers if they hold a newer one
+        self.loaded_step = self._durable.load(model, optimizer, self.manager)
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _state(self) -> dict:
@@ -221,6 +230,11 @@ class LiveRun:
         if self._left:
             return False
         self._report_progress()
+        if self._durable.due():
+            if self.manager.participating_rank() == 0:  # one copy: the quorum's first group writes it
+                self._durable.save(self._model, self._optim, self.manager)
+            else:
+                self._durable.skip()
         if self._drain_requested():
             self.leave()
             return False
