@@ -79,3 +79,15 @@ def test_nccl_for_a_model_on_a_gpu_gloo_on_the_cpu_unless_asked() -> None:
     assert LiveConfig.from_env({**BASE, "PETCTL_LIVE_BACKEND": "gloo"}).backend == "gloo"
     with pytest.raises(RuntimeError, match="PETCTL_LIVE_BACKEND='mpi'"):
         LiveConfig.from_env({**BASE, "PETCTL_LIVE_BACKEND": "mpi"})
+
+
+def test_the_rendezvous_server_s_unit_for_the_lighthouse(capsys) -> None:
+    import sys
+
+    assert main(["--unit", "--bind", "10.0.0.5:29510"]) == 0
+    text = capsys.readouterr().out
+    assert f"ExecStart={sys.executable} -m petctl_agent.live.lighthouse --bind 10.0.0.5:29510\n" in text
+    assert "Restart=always\n" in text and "Environment=RUST_LOG=warn\n" in text
+    assert text.endswith("WantedBy=multi-user.target\n")
+    with pytest.raises(SystemExit):  # never a unit that listens everywhere
+        main(["--unit", "--bind", "0.0.0.0:29510"])

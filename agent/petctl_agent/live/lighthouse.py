@@ -60,6 +60,27 @@ class LighthouseOptions:
         ]
 
 
+def unit(bind: str) -> str:
+    """The rendezvous server's systemd unit for this lighthouse (user_data/rdzv.sh.j2 writes it):
+    it runs this interpreter (the server's lighthouse environment), restarts with the server and
+    after a crash, and logs warnings only (torchft logs every step's quorum at INFO: the journal
+    would grow by lines a second)."""
+    return (
+        "[Unit]\n"
+        "Description=torchft lighthouse for a petctl live job\n"
+        "Wants=network-online.target\n"
+        "After=network-online.target\n\n"
+        "[Service]\n"
+        "Type=simple\n"
+        "Environment=RUST_LOG=warn\n"
+        f"ExecStart={sys.executable} -m petctl_agent.live.lighthouse --bind {bind}\n"
+        "Restart=always\n"
+        "RestartSec=2\n\n"
+        "[Install]\n"
+        "WantedBy=multi-user.target\n"
+    )
+
+
 def is_wildcard(host: str) -> bool:
     """``host`` means every interface: nothing live mode starts may listen there."""
     return host.strip("[]") in ("", "::", "0.0.0.0")
@@ -116,10 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--join-timeout-ms", type=int, default=d.join_timeout_ms)
     p.add_argument("--heartbeat-timeout-ms", type=int, default=d.heartbeat_timeout_ms)
     p.add_argument("--quorum-tick-ms", type=int, default=d.quorum_tick_ms)
+    p.add_argument("--unit", action="store_true", help="print the systemd unit that runs this lighthouse")
     a = p.parse_args(argv)
     host = a.bind.rpartition(":")[0].strip("[]")
     if is_wildcard(host):
         p.error(f"--bind {a.bind}: give the address only the job's workers reach")
+    if a.unit:
+        print(unit(a.bind), end="")
+        return 0
     opts = LighthouseOptions(
         a.bind, a.min_replicas, a.join_timeout_ms, a.heartbeat_timeout_ms, a.quorum_tick_ms
     )
