@@ -61,9 +61,10 @@ class RunJobCommand(click.Command):
 )
 @click.option(
     "--rdzv-instance-type",
-    default="t3.small",
-    show_default=True,
-    help="Instance type of the etcd rendezvous server (x86_64, or arm64/Graviton like t4g.small).",
+    default=None,
+    help="Instance type of the etcd rendezvous server (x86_64, or arm64/Graviton like t4g.small) "
+    "[default: by --max: t3.small up to 200 nodes, then non-burstable c6i.large, c6i.xlarge above "
+    "2000, c6i.2xlarge above 4000].",
 )
 @click.option(
     "--rdzv-etcd-url",

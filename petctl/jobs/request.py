@@ -21,6 +21,13 @@ from petctl.templates import etcd
 DLAMI_GPU_FAMILY = re.compile(r"^(g4dn|g5|g6|gr6|gr6f|g6e|g6f|g7|g7e|p4d|p4de|p5|p5e|p5en|p6-b\d+)$")
 DEFAULT_INSTANCE_TYPE = "c6i.large"
 DEFAULT_RDZV_INSTANCE_TYPE = "t3.small"
+#: The rendezvous server's type by the job's --max, when --rdzv-instance-type is not given: etcd
+#: spends about 0.5 ms of CPU on each lease keepalive, one per node a second (docs/rendezvous.md,
+#: "At scale": measured at 1,000 nodes), so N nodes need N/2000 cores. A t3.small's baseline is
+#: 0.4 vCPU (20 % of each of its 2; above it, burstable credits run out or cost extra): up to 200
+#: nodes (0.1 core) it has room to spare; beyond, non-burstable types with room for twice the load.
+RDZV_SIZES = ((200, DEFAULT_RDZV_INSTANCE_TYPE), (2000, "c6i.large"), (4000, "c6i.xlarge"))
+RDZV_LARGEST = "c6i.2xlarge"
 DEFAULT_DRAIN_TIMEOUT = 120
 # A spot node gets a 2-minute interruption notice: its drain must end inside it.
 DEFAULT_SPOT_DRAIN_TIMEOUT = 90
@@ -47,7 +54,8 @@ class JobRequest:
     size: int | None = None
     name: str | None = None
     instance_type: str = DEFAULT_INSTANCE_TYPE
-    rdzv_instance_type: str = DEFAULT_RDZV_INSTANCE_TYPE
+    #: None: by --max (default_rdzv_instance_type), set by validate_request
+    rdzv_instance_type: str | None = None
     nproc_per_node: str = "auto"
     spot: bool = False
     ami: str | None = None
@@ -72,6 +80,11 @@ class JobRequest:
     #: ``--live``: each node's workers are torchft replica groups that never restart on a change;
     #: the rendezvous instance runs the job's lighthouse beside etcd
     live: bool = False
+
+
+def default_rdzv_instance_type(max_nodes: int) -> str:
+    """The rendezvous server's type for a job of at most ``max_nodes`` nodes (:data:`RDZV_SIZES`)."""
+    return next((t for most, t in RDZV_SIZES if max_nodes <= most), RDZV_LARGEST)
 
 
 def family(instance_type: str) -> str:
@@ -135,6 +148,8 @@ def validate_request(req: JobRequest) -> JobRequest:
             raise ConfigError(f"--instance-type {t!r} is not an EC2 instance type like c6i.large")
         if len(types) > 1 and types.count(t) > 1:
             raise ConfigError(f"--instance-type lists {t} twice")
+    if req.rdzv_instance_type is None:
+        req.rdzv_instance_type = default_rdzv_instance_type(req.max_nodes)
     if not INSTANCE_TYPE_RE.match(req.rdzv_instance_type):
         raise ConfigError(
             f"--rdzv-instance-type {req.rdzv_instance_type!r} is not an EC2 instance type like t3.small"

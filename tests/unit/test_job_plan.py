@@ -255,7 +255,7 @@ def test_live_runs_the_lighthouse_beside_etcd_for_the_job_s_workers_only(tmp_pat
     # its boot: torchft and petctl without their dependencies (no torch), a unit bound to the ENI
     assert f'"torchft=={TORCHFT_VERSION}"' in live.template and "--no-deps" in live.template
     start = next(x for x in live.template.splitlines() if "petctl_agent.live.lighthouse" in x)
-    assert f"--bind $ENI_IP:{LIGHTHOUSE_PORT}" in start
+    assert f'--unit --bind "$ENI_IP:{LIGHTHOUSE_PORT}" > /etc/systemd/system/petctl-lighthouse.service' in start
     assert "petctl_agent.live.lighthouse" not in plain.template
     # the rendezvous role reads the job's wheel only when it runs the lighthouse
     assert "ReadPetctlWheel" in live.template and "ReadPetctlWheel" not in plain.template
@@ -280,3 +280,30 @@ def test_live_refuses_what_torchft_cannot_run(tmp_path, kw, message):
     with pytest.raises(ConfigError) as e:
         make_plan(tmp_path, name="live", live=True, **kw)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_rendezvous_server_is_sized_by_max(tmp_path):
+    # etcd spends ~0.5 ms of CPU per keepalive, one per node a second: past a t3.small's 0.4 vCPU
+    # baseline (200 nodes leave room), a non-burstable type with room for twice the load
+    from petctl.jobs.request import default_rdzv_instance_type
+
+    assert [default_rdzv_instance_type(n) for n in (1, 200, 201, 2000, 2001, 4000, 4001, 10_000)] == [
+        "t3.small", "t3.small", "c6i.large", "c6i.large", "c6i.xlarge", "c6i.xlarge", "c6i.2xlarge", "c6i.2xlarge",
+    ]  # fmt: skip
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+
+    def planned(**kw) -> str:
+        req = jobs.validate_request(jobs.JobRequest(target=str(script), min_nodes=2, **kw))
+        plan = jobs.plan(req, PROFILE, jobs.prepare_code(req), FACTS, user="alice", region="us-east-1")
+        return {p["ParameterKey"]: p["ParameterValue"] for p in plan.parameters}["RdzvInstanceType"]
+
+    assert planned(max_nodes=4) == "t3.small"
+    assert planned(max_nodes=500) == "c6i.large"
+    assert planned(max_nodes=500, rdzv_instance_type="t3.small") == "t3.small"  # given: kept
+    # a job named before the sizing keeps its name (the default resolves to what it was)
+    given = jobs.validate_request(
+        jobs.JobRequest(target=str(script), max_nodes=4, rdzv_instance_type="t3.small")
+    )
+    default = jobs.validate_request(jobs.JobRequest(target=str(script), max_nodes=4))
+    assert jobs.default_job_name(given) == jobs.default_job_name(default)
