@@ -30,7 +30,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from bench_elastic import Miss, measure, steady
-from benchlib import MARK_RE, REPO, STEP_RE, Node, Run, _mono, poll
+from benchlib import MARK_RE, REPO, STEP_RE, Node, Run, _f, _med, _mono, add_marks, mem_available_gib, poll
 
 TOOL = "petctl-local"
 #: the agent's account of a newcomer's fetch of its peers' snapshot (``checkpointing/fetch.py``)
@@ -215,7 +215,6 @@ class CloudRun:
 
 def mem_guard(stop_below: float, stop: threading.Event, why: list[str], cloud: CloudRun) -> None:
     """Stop the whole local cloud when ``MemAvailable`` drops under ``stop_below`` GiB (shared box)."""
-    from bench_state import mem_available_gib
 
     while not stop.wait(0.25):
         avail = mem_available_gib()
@@ -225,7 +224,6 @@ def mem_guard(stop_below: float, stop: threading.Event, why: list[str], cloud: C
 
 
 def chain(run: CloudRun, n: int, a: argparse.Namespace, rec: Any) -> None:
-    from bench_state import add_marks
 
     t0 = time.monotonic()
     run.start()
@@ -346,8 +344,6 @@ def cloud_table(records: list[dict[str, Any]]) -> str:
     """What only the local cloud's path has: the newcomer's boot (launch -> its agent's service),
     its fetch alone, and the emulator's own CPU (the daemon: moto, IMDS, the reconciler) over the
     change; medians."""
-    from bench_state import _f, _med
-
     recs = [r for r in records if r.get("tool") == TOOL and r["scenario"] in ("drain", "join")]
     if not recs:
         return ""

@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -680,3 +681,87 @@ def reexec_in_netns(script: str, argv: list[str]) -> int | None:
     cmd = [unshare, "--net", "--", "sh", "-c", f'{ip} link set lo up && exec "$@"', "sh",
            sys.executable, os.path.abspath(script), *argv]  # fmt: skip
     return subprocess.call(cmd, env={**os.environ, "BENCH_IN_NETNS": "1"})
+
+
+# ---- what bench_state.py and bench_state_local.py both read off a run ---------------------------
+def mem_available_gib() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+def _med(vals: list[Any]) -> float | None:
+    v = [float(x) for x in vals if x is not None]
+    return statistics.median(v) if v else None
+
+
+def _f(v: Any, nd: int = 2) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+FIVE = 5  # steps after the first at the new size: ``five_more_steps``
+
+
+def marks_after(nodes: list[Node], t0: float, what: str) -> list[tuple[float, dict[str, str]]]:
+    return [(t, kv) for n in nodes for t, w, kv in list(n.marks) if w == what and t > t0]
+
+
+def restore_events(run: Run, nodes: list[Node], since: float) -> list[dict[str, Any]]:
+    """The nodes' ``snapshot_restored`` status events after ``since`` (monotonic)."""
+    if run.imds is None:
+        return []
+    offset = time.time() - time.monotonic()  # status events carry time.time()
+    return [e for n in nodes for e in (run.status(n) or {}).get("events", [])
+            if e.get("kind") == "snapshot_restored" and e.get("t", 0) - offset > since - 0.05]  # fmt: skip
+
+
+def add_marks(run: Run, r: dict[str, Any], old: list[Node], nodes: list[Node], world: int, origin: float,
+              since: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """Into ``r["phases"]`` (seconds from ``origin``): restore time/source and process start ->
+    ready of the ranks (re)started after ``since``; last old step and first new step when the
+    agents' events gave none (torchrun)."""
+    since = origin if since is None else since
+    ph = r.setdefault("phases", {})
+    rest = marks_after(nodes, since, "restored")
+    if rest:
+        ph["restore"] = max(float(kv.get("seconds", 0)) for _, kv in rest)
+        ph["sources"] = sorted({kv.get("source", "?") for _, kv in rest})
+    # petctl: the agents' own account (``snapshot_restored``: self / peer / efs, seconds, bytes)
+    evs = poll(lambda: restore_events(run, nodes, since), 3.0 if run.imds is not None and rest else 0, 0.2)
+    if evs:
+        ph["sources"] = sorted({str(e.get("source")) for e in evs})
+        ph["restore_agent"] = max(float(e.get("seconds") or 0) for e in evs)
+    # state_train.py's own account of a failure: when the slowest rank saw it (its collective
+    # raised) and began to exit; the agents' workers_failed follows once the process is gone
+    # and of a start: when the slowest new rank's script began (its first line: the fork from the
+    # forkserver and runpy before it) and had its process group and DDP (before its restore)
+    for what in ("raised", "exiting", "begun", "grouped"):
+        ms = [float(kv["mono"]) for _, kv in marks_after(nodes, since, what) if "mono" in kv]
+        if ms:
+            ph[f"worker_{what}"] = round(max(ms) - origin, 3)
+    ready = marks_after(nodes, since, "started")
+    if ready:
+        ph["ready"] = round(max(t for t, _ in ready) - origin, 3)
+    firsts = [n.steps_after(origin, world) for n in nodes]
+    if "first_step" not in ph and all(firsts):
+        t_first = min(f[0][0] for f in firsts)
+        lasts = [s[0] for n in old for s in list(n.steps) if s[0] < t_first and s[2] != world]
+        if lasts:
+            ph["last_old_step"] = round(max(lasts) - origin, 3)
+        ph["first_step"] = round(max(f[0][0] for f in firsts) - origin, 3)
+
+    # what the steps right after it took: work moved off the stall (a restore's spares) shows here
+    def after() -> list[list[tuple[float, int, int]]] | None:
+        got = [n.steps_after(origin, world) for n in nodes]
+        return got if all(len(f) > FIVE for f in got) else None
+
+    more = poll(after, 5.0, 0.1)
+    if more:
+        ph["five_more_steps"] = round(max(f[FIVE][0] for f in more) - max(f[0][0] for f in more), 3)
+    return r

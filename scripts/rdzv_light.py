@@ -98,14 +98,23 @@ class _ViewOwner:
         return True
 
 
+def make_config(conf: dict[str, Any]) -> Any:
+    """The handler's ``Config`` from ``conf``, keeping only the keys this handler knows (the
+    simulation's real handlers and the light nodes read the same configuration)."""
+    import inspect
+
+    from petctl_agent.rendezvous import Config
+
+    known = set(inspect.signature(Config).parameters)
+    return Config(**{k: v for k, v in conf.items() if k in known})
+
+
 class LightPool:
     """The light nodes of one process (``specs``), reporting to ``plan.q``; ``io`` counts."""
 
     def __init__(
         self, plan: Any, specs: list[Any], io: Any, keepalive_threads: int = 4, workers: int = 8
     ) -> None:
-        from rdzv_sim import make_config
-
         from petctl_agent.rendezvous import etcdv3 as v3
         from petctl_agent.rendezvous.config import DEFAULT_PREFIX
         from petctl_agent.rendezvous.layout import Keys

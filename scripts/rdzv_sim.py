@@ -37,7 +37,6 @@ lost, why), ``registered`` (a straggler registered without joining), ``error``.
 from __future__ import annotations
 
 import http.client
-import inspect
 import logging
 import multiprocessing as mp
 import os
@@ -171,14 +170,6 @@ def install_io_counters(io: _Io) -> None:
 
 
 # ---- the handler ---------------------------------------------------------------------------------
-def make_config(conf: dict[str, Any]) -> Any:
-    """The handler's ``Config`` from ``conf``, keeping only the keys this handler knows."""
-    from petctl_agent.rendezvous import Config
-
-    known = set(inspect.signature(Config).parameters)
-    return Config(**{k: v for k, v in conf.items() if k in known})
-
-
 def register_only(h: Any) -> None:
     """Register ``h`` (membership key and its keepalive running) without joining a round: a node
     whose agent is stuck (an EFS read in D-state, a slow start) while its keepalive runs on.
@@ -338,6 +329,8 @@ def _process(plan: Plan, specs: list[Spec], row: int) -> None:
     install_io_counters(io)
     if os.environ.get("PETCTL_SIM_LIGHT") == "1":
         KeepaliveHub().install()
+    from rdzv_light import make_config
+
     from petctl_agent.rendezvous import PetctlRendezvousHandler
 
     cfg = make_config(plan.conf)
