@@ -85,6 +85,9 @@ class Settings:
     etcd_cert: str = ""  # PETCTL_ETCD_CERT
     etcd_key: str = ""  # PETCTL_ETCD_KEY
     launch_hook: str = ""  # PETCTL_LAUNCH_HOOK (set by the worker boot only with a warm pool)
+    #: the command that powers this instance off, the last resort after a failed scale to zero
+    #: (the worker's unit sets the boot's petctl-power-off); empty: none, only logged
+    power_off: str = ""  # PETCTL_AGENT_POWER_OFF
     #: memory snapshots of replicated state: the tmpfs under which the agent keeps
     #: <job>/<instance-id>; on by default, PETCTL_AGENT_NO_SNAPSHOTS=1 (or an empty dir) turns them off
     snapshot_dir: str = "/dev/shm/petctl"  # PETCTL_AGENT_SNAPSHOT_DIR
@@ -126,6 +129,7 @@ class Settings:
             etcd_cert=e.get("PETCTL_ETCD_CERT", ""),
             etcd_key=e.get("PETCTL_ETCD_KEY", ""),
             launch_hook=e.get("PETCTL_LAUNCH_HOOK", ""),
+            power_off=e.get("PETCTL_AGENT_POWER_OFF", ""),
             snapshot_dir=e.get("PETCTL_AGENT_SNAPSHOT_DIR", "/dev/shm/petctl"),
             snapshots=e.get("PETCTL_AGENT_NO_SNAPSHOTS", "") != "1"
             and e.get("PETCTL_AGENT_SNAPSHOT_DIR", "/dev/shm/petctl") != "",

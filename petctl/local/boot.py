@@ -15,7 +15,7 @@ CloudFormation's ``Fn::Sub`` already resolved by moto's CloudFormation, and runs
   two rendezvous servers' ``127.0.0.1:2380`` never collide.
 * **commands**: ``PATH`` is only the instance's ``bin/``: the shims of
   :mod:`petctl.local.shims` (``dnf``, ``mount``, ``systemctl``, ``aws``, ``curl``, ``ip``,
-  ``python3.11``) and links to a fixed list of harmless host tools (:data:`HOST_TOOLS`). A
+  ``python3.11``, ``shutdown``) and links to a fixed list of harmless host tools (:data:`HOST_TOOLS`). A
   command outside both is "command not found": the boot fails loudly rather than run a host
   program the local cloud does not model (the daemon may run as root).
 * **systemd**: ``systemctl enable --now`` asks the daemon (:func:`start_unit`) to start the
@@ -56,7 +56,7 @@ HOST_TOOLS = (
     "readlink", "realpath", "mktemp", "id", "uname", "hostname", "nproc", "xargs",
     "openssl", "tar", "gzip", "sha256sum",
 )  # fmt: skip
-SHIMS = ("dnf", "mount", "systemctl", "journalctl", "aws", "curl", "ip", "python3.11")
+SHIMS = ("dnf", "mount", "systemctl", "journalctl", "aws", "curl", "ip", "python3.11", "shutdown")
 _PATH_RE = re.compile(r"(?<![^\s\"'=(:><,`;|&\[])/(" + "|".join(MAPPED_DIRS) + r")(?=/|$|[\s\"');|&`])")
 _SAFE_PATH = re.compile(r"^/[A-Za-z0-9_./+-]+$")
 _LOOPBACK_RE = re.compile(r"(?<![\d.])127\.0\.0\.1(?![\d])")

@@ -46,6 +46,10 @@ class Instances(Protocol):
 
     def systemd_start(self, instance_id: str, unit: str, token: str) -> tuple[int, dict[str, Any]]: ...
 
+    def os_shutdown(
+        self, instance_id: str, token: str, minutes: float | None
+    ) -> tuple[int, dict[str, Any]]: ...
+
 
 class Control(Protocol):
     """What the IMDS server needs of the control API (:class:`petctl.local.control.ControlApi`)."""
@@ -203,7 +207,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         parts = path.lstrip("/").split("/", 2)  # <instance-id>, "latest", rest
         if len(parts) == 3 and parts[1] == "_petctl" and method == "POST":
-            self._systemd(parts[0], parts[2])
+            self._systemd(parts[0], parts[2], parse_qs(url.query))
             return
         if len(parts) < 2 or parts[1] != "latest":
             self._send(404, "Not Found")
@@ -236,21 +240,25 @@ class _Handler(BaseHTTPRequestHandler):
         status, body = self.imds.metadata(rec, rest)
         self._send(status, body)
 
-    def _systemd(self, instance_id: str, rest: str) -> None:
-        """``POST /<instance-id>/_petctl/systemd/start/<unit>`` from the instance's systemctl shim
-        (header ``X-Petctl-Systemd-Token``: the instance's own token, in its boot environment)."""
+    def _systemd(self, instance_id: str, rest: str, query: dict[str, list[str]]) -> None:
+        """``POST /<instance-id>/_petctl/systemd/start/<unit>`` from the instance's systemctl shim,
+        ``…/systemd/shutdown?minutes=N`` (or ``?cancel=1``) from its shutdown shim (header
+        ``X-Petctl-Systemd-Token``: the instance's own token, in its boot environment)."""
         action, _, unit = rest.partition("/start/")
-        if action != "systemd" or not unit:
+        token = self.headers.get(SYSTEMD_TOKEN_HEADER) or ""
+        if rest != "systemd/shutdown" and (action != "systemd" or not unit):
             self._send(404, json.dumps({"error": f"unknown request {rest}"}), "application/json")
             return
         try:
-            status, body = self.imds.reconciler().systemd_start(
-                instance_id, unit, self.headers.get(SYSTEMD_TOKEN_HEADER) or ""
-            )
+            if rest == "systemd/shutdown":
+                minutes = None if query.get("cancel") else float(query.get("minutes", ["1"])[0])
+                status, body = self.imds.reconciler().os_shutdown(instance_id, token, minutes)
+            else:
+                status, body = self.imds.reconciler().systemd_start(instance_id, unit, token)
         except LookupError as e:
             status, body = 404, {"error": str(e.args[0] if e.args else e)}
         except Exception as e:  # noqa: BLE001 - report, do not kill the server thread
-            log.exception("systemd start %s on %s failed", unit, instance_id)
+            log.exception("systemd request %s on %s failed", rest, instance_id)
             status, body = 500, {"error": f"{type(e).__name__}: {e}"}
         self._send(status, json.dumps(body, default=str), "application/json")
 

@@ -15,6 +15,9 @@ Instance states (``Instance.state``):
     a spot interruption's deadline passed: shutting down before termination.
 ``killed``
     hard-killed by ``kill_instance`` (no drain).
+``powered-off``
+    its OS shut down (the ``shutdown`` shim): the tree is gone, EC2 stopped it, and its group
+    replaces it (``Leaving.os_shutdown``).
 ``terminated``
     the tree is gone after the instance left.
 ``error``
@@ -79,6 +82,8 @@ class Instance:
     lifecycle_done: threading.Event = field(default_factory=threading.Event, repr=False)
     #: monotonic time of the last RecordLifecycleActionHeartbeat of its termination action
     lifecycle_heartbeat: float | None = None
+    #: monotonic time of its scheduled power-off (``shutdown +N``), None when none is scheduled
+    shutdown_at: float | None = None
 
     def popens(self) -> list[subprocess.Popen]:
         return [p for p in [self.boot, *(u.proc for u in self.units.values())] if p is not None]

@@ -1,5 +1,6 @@
-"""How a local instance leaves: the termination lifecycle hook's drain, an OS shutdown, a hard
-kill, a spot interruption. A mixin of :class:`petctl.local.reconciler.Reconciler`, whose state
+"""How a local instance leaves: the termination lifecycle hook's drain, an OS shutdown (a spot
+interruption's, or its own ``shutdown``: :meth:`Leaving.os_shutdown`), a hard kill, a spot
+interruption. A mixin of :class:`petctl.local.reconciler.Reconciler`, whose state
 it shares; each drain or deadline runs in its own thread, so one slow drain never delays the
 others.
 """
@@ -7,6 +8,7 @@ others.
 from __future__ import annotations
 
 import logging
+import secrets
 import signal
 import threading
 import time
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from petctl.local import procs
 from petctl.local.instance import Instance, iso
+from petctl_agent.settings import env_float
 
 log = logging.getLogger("petctl.local.reconciler")
 
@@ -151,6 +154,56 @@ class Leaving:
         elif action == "heartbeat":
             rec.lifecycle_heartbeat = time.monotonic()
         return None
+
+    def os_shutdown(self, instance_id: str, token: str, minutes: float | None) -> tuple[int, dict[str, Any]]:
+        """``shutdown`` on the instance (its shim): power off in ``minutes`` (0: now), each minute
+        ``PETCTL_LOCAL_SHUTDOWN_MINUTE`` seconds (60; tests shorten it), or cancel (None). A second
+        schedule replaces the first, as systemd's does."""
+        rec = self.get(instance_id)
+        if not secrets.compare_digest(token, rec.systemd_token):
+            return 403, {"error": "wrong systemd token for this instance"}
+        with rec.lock:
+            if rec.state not in ("running", "exited"):
+                return 409, {"error": f"instance is {rec.state}"}
+            if minutes is None:
+                rec.shutdown_at = None
+                return 200, {"cancelled": True}
+            seconds = max(minutes, 0.0) * env_float("PETCTL_LOCAL_SHUTDOWN_MINUTE", 60.0)
+            rec.shutdown_at = deadline = time.monotonic() + seconds
+        log.info("%s: power-off scheduled in %.0f min (%.1fs here)", instance_id, minutes, seconds)
+        self._thread(self._power_off_at, rec, deadline, name=f"poweroff-{instance_id}")
+        return 200, {"scheduled": f"in {minutes:g} min"}
+
+    def _power_off_at(self, rec: Instance, deadline: float) -> None:
+        """At ``deadline`` (unless cancelled or rescheduled meanwhile): the OS powers off. Every
+        process gets SIGTERM, then SIGKILL after the grace; EC2 stops the instance (the launch
+        templates keep the default InstanceInitiatedShutdownBehavior, stop); a group's EC2 health
+        check counts an instance in any state but running as unhealthy, and the group terminates it
+        and launches a replacement (Amazon EC2 Auto Scaling User Guide, "Health checks for
+        instances in an Auto Scaling group")."""
+        while not self.stopping.wait(min(max(deadline - time.monotonic(), 0.0), 0.5)):
+            if rec.shutdown_at != deadline or rec.state not in ("running", "exited"):
+                return  # cancelled, replaced by a later schedule, or the instance is gone
+            if time.monotonic() >= deadline:
+                break
+        with rec.lock:
+            if (
+                self.stopping.is_set()
+                or rec.shutdown_at != deadline
+                or rec.state not in ("running", "exited")
+            ):
+                return
+            rec.state, rec.shutdown_at = "powered-off", None
+        log.info("%s: the OS powers off (shutdown)", rec.instance_id)
+        self._shutdown(rec, self.settings.shutdown_grace)
+        self._finish(rec, "powered-off")
+        try:
+            self.clients["ec2"].stop_instances(InstanceIds=[rec.instance_id])
+        except Exception as e:  # noqa: BLE001 - gone meanwhile
+            log.warning("%s: EC2 stop failed (%s)", rec.instance_id, e)
+        if rec.asg:
+            rec.replaced = True
+            self._terminate_in_aws(rec)
 
     def _terminate_in_aws(self, rec: Instance) -> bool:
         """Terminate in moto as a hard failure would; True if the group will replace it."""

@@ -216,7 +216,8 @@ def test_lifecycle_completion_and_scale_to_zero_are_tolerant(monkeypatch: pytest
     a = Lifecycle(JobSpec.from_dict(GOOD), Imds("http://127.0.0.1:9"), Settings(), "i-7")
     a.pending = True
     a.complete_action()
-    a.scale_groups_to_zero()  # second group's call fails: logged only
+    # second group's call fails: logged, and (one try here) the caller's last resort is due
+    assert a.scale_groups_to_zero(delays=()) is False
     stub.assert_no_pending_responses()
 
 

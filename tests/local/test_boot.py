@@ -338,6 +338,9 @@ def test_a_boot_failing_on_a_missing_module_says_so_everywhere(
     # the command the reason names prints the whole log
     whole = petctl("logs", job, "--boot", iid)
     assert "Traceback (most recent call last):" in whole.output and "petctl boot: FAILED" in whole.output
+    # the give-up's last resort reached the local cloud (its shutdown shim), as it reaches systemd on AWS
+    instance_log = (cloud.state_dir / "logs" / f"{iid}.log").read_text()
+    assert "shutdown (petctl local shim): shutdown -h +10 'petctl: this node gave up;" in instance_log
     missing = petctl("logs", job, "--boot", "i-0000000000000dead", ok=False)
     assert missing.exit_code == 3 and "no boot log of i-0000000000000dead" in missing.output
     # the demo's error (it reads `petctl --local status` in a subprocess, as a user would)

@@ -120,6 +120,8 @@ def run_shim(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> s
         ["pip", "ENV", "install", "torch"],  # never an unpinned torch
         ["pip", "ENV", "install", "--index-url", "https://example.com/simple", "torch==2.13.0"],
         ["pip", "ENV", "install", "--pre", "numpy"],
+        ["shutdown", "-r", "now"],  # power-off only
+        ["shutdown", "-h", "12:30"],  # now or +N minutes
     ],
     ids=lambda a: " ".join(a[:3]),
 )

@@ -877,7 +877,7 @@ BOOT_FAILURE_LINES = (
     '[ -z "$mark" ] ||',
     "for group in petctl-${JobName}-workers petctl-${JobName}-rdzv; do",
     "--min-size 0 --desired-capacity 0",
-    'aws autoscaling set-instance-health --region "$REGION" --instance-id "$INSTANCE_ID" \\',
+    'again aws autoscaling set-instance-health --region "$REGION" --instance-id "$INSTANCE_ID" \\',
     "--health-status Unhealthy --no-should-respect-grace-period",
 )
 
@@ -1022,6 +1022,8 @@ esac""",
         "curl": "echo i-0123456789abcdef0",
         "dnf": "echo 'no mirror'; exit 1",
         "sleep": "exit 0",
+        # the give-up's last resort: never this machine's
+        "shutdown": f'echo "shutdown $*" >> {tmp_path / "shutdowns"}',
     }
     for name, body in stubs.items():
         (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
@@ -1073,6 +1075,8 @@ def test_launch_hook_heartbeats_while_the_boot_runs_and_stop_before_abandon(tmp_
         "dnf": f"[ -e {slow} ] || {{ touch {slow}; {real_sleep} 3.5; }}; exit 1",
         # retry's back-off is skipped; the heartbeat loop's 1 s sleeps are real
         "sleep": f'[ "$1" = 1 ] && exec {real_sleep} 1; exit 0',
+        # the give-up's last resort: never this machine's
+        "shutdown": f'echo "shutdown $*" >> {tmp_path / "shutdowns"}',
     }
     for name, body in stubs.items():
         (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
@@ -1095,6 +1099,92 @@ def test_launch_hook_heartbeats_while_the_boot_runs_and_stop_before_abandon(tmp_
         ]  # fmt: skip
     (abandon,) = [i for i, c in enumerate(made) if "--lifecycle-action-result ABANDON" in c]
     assert max(beats) < abandon
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash not installed")
+@pytest.mark.parametrize("lt", ["WorkerLaunchTemplate", "RdzvLaunchTemplate"])
+def test_a_give_up_whose_aws_calls_all_fail_still_ends_the_instance(tmp_path, lt):
+    """Every AWS call fails (the API unreachable): the give-up schedules a power-off before any
+    call, tries the calls that end the instance or the job a bounded number of times, and ends.
+    Without the last resort the instance stayed in service, idle and billed, forever."""
+    flags = {"gpu": False, "spot": False, "ami_override": False, "warm_pool": True}
+    script = _substituted(_user_data(flags, lt))
+    script = script.replace("/var/log/petctl-boot.log", str(tmp_path / "boot.log"))
+    state = tmp_path / "var-lib-petctl"
+    script = script.replace("/var/lib/petctl", str(state))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    stubs = {
+        # boot/ already holds 3 failures and no agent ever reported: the give-up stops the job
+        "aws": f"""echo "aws $*" >> {calls}
+case "$*" in "s3 ls"*/boot/*) for i in 1 2 3; do echo "2025-01-01 00:00:00 10 i-$i.log"; done ;; esac
+echo "Could not connect to the endpoint URL" >&2; exit 255""",
+        "curl": "echo i-0123456789abcdef0",
+        "dnf": "echo 'no mirror'; exit 1",
+        "etcdctl": "exit 1",
+        "sleep": f'echo "sleep $*" >> {calls}',
+        "shutdown": f'echo "shutdown $*" >> {calls}',
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
+        (bin_dir / name).chmod(0o755)
+    import os
+
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 1, result.stdout[-2000:]
+    made = [c for c in calls.read_text().splitlines() if "heartbeat" not in c]
+    give_up = made.index(next(c for c in made if c.startswith("aws s3 cp") and c.endswith(".log")))
+    # scheduled before the give-up's first AWS call, and (systemd keeps it) whatever follows
+    assert made[give_up - 1] == "shutdown -h +10 petctl: this node gave up; powering off (last resort)"
+    assert sum(c.startswith("shutdown") for c in made) == 1
+    for group in ("workers", "rdzv"):
+        tries = [c for c in made if "update-auto-scaling-group" in c and f"petctl-v-JobName-{group}" in c]
+        assert len(tries) == 3, group
+    health = [i for i, c in enumerate(made) if "set-instance-health" in c]
+    assert len(health) == 3 and made[health[0] + 1 : health[-1]] == [
+        c
+        for c in made[health[0] + 1 : health[-1]]
+        if c.startswith(("sleep", "aws autoscaling set-instance-health"))
+    ]
+    assert [made[i + 1] for i in health[:2]] == ["sleep 10", "sleep 20"]
+    assert health[-1] == len(made) - 1  # then it ends: the power-off is already scheduled
+
+    if lt == "WorkerLaunchTemplate":
+        # the agent unit's give-up (OnFailure=), with the boot's environment: a node that recorded its
+        # own failure has nothing more to send, and still schedules the power-off first
+        calls.write_text("")
+        (bin_dir / "aws").write_text(f'#!/bin/bash\necho "aws $*" >> {calls}\nexit 0\n')
+        env = {**os.environ, "MONITOR_SERVICE_RESULT": "exit-code"}
+        res = subprocess.run(
+            ["bash", str(state / "petctl-give-up"), "agent"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "the agent already recorded its failure" in res.stdout
+        made = calls.read_text().splitlines()
+        assert made[0].startswith("shutdown -h +10 ") and made[1].startswith("aws s3 ls")
+        # the agent's own last resort after its job ended (node/lifecycle.py power_off), as the boot
+        # writes it (after its dnf, which failed here)
+        start = script.index(f"cat > {state}/petctl-power-off <<'POWER_OFF'")
+        end = script.index("\n", script.index(f"chmod 755 {state}/petctl-power-off"))
+        subprocess.run(["bash", "-c", script[start:end]], check=True, timeout=60)
+        calls.write_text("")
+        res = subprocess.run(
+            [str(state / "petctl-power-off"), "the job succeeded, but"],
+            env={},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert calls.read_text().splitlines() == ["shutdown -h now petctl: the job succeeded, but"]
+        unit = script[script.index("petctl-agent.service <<UNIT") :]
+        assert f"Environment=PETCTL_AGENT_POWER_OFF={state}/petctl-power-off" in unit.splitlines()
 
 
 def test_rdzv_boot_script():

@@ -76,11 +76,15 @@ def finish(
         # Zero first, then SUCCEEDED: the publisher thread sends a state change at once, so a
         # user (or a script) who sees SUCCEEDED must already see the groups at zero (CI of stop
         # 23 read SUCCEEDED with desired still 2, the update call still in flight under load).
-        lifecycle.scale_groups_to_zero()
+        scaled = lifecycle.scale_groups_to_zero()
         pub.update(state="SUCCEEDED", reason=None)
         _forget_ca_key(lifecycle)
         lifecycle.complete_action_at_end(lifecycle_wait)
         pub.close()
+        if not scaled:
+            # Exit 0 ends the unit for good (Restart=on-failure): nothing would end this instance
+            # but kill-job. The last resort, after the bounded tries: power off.
+            lifecycle.power_off("the job succeeded, but its groups could not be scaled to zero")
         return 0
     if outcome is Outcome.JOIN_TIMEOUT:
         # This node's rendezvous timed out. That alone does not end the job: other
@@ -97,7 +101,8 @@ def finish(
         pass
     # A failed job must not keep paying for idle instances (the ASG would replace them and
     # systemd would restart the agent): stop the groups; the status, logs and checkpoints stay.
-    # Zero before FAILED is published, as for SUCCEEDED above.
+    # Zero before FAILED is published, as for SUCCEEDED above. If that fails for good, the terminal
+    # exit's give-up (petctl-agent-failed.service) powers the instance off, its own last resort.
     lifecycle.scale_groups_to_zero()
     # closed: the job failed elsewhere first (`petctl status` quotes that node's reason first)
     closed = {"closed": True} if outcome is Outcome.CLOSED else {}

@@ -9,6 +9,7 @@ from ``petctl_agent.cloud.aws``; tests point it at moto or a stub.
 from __future__ import annotations
 
 import logging
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +35,10 @@ HEARTBEAT_FOR = 5400.0
 #: action, 100 heartbeat timeouts or 48 h, is far beyond); a drain still running then is cut off
 #: by the hook, and a hung agent never holds its instance (and its bill) longer.
 DRAIN_HEARTBEAT_EXTRA = 300.0
+#: Scaling the job's groups to zero at its end: a failed call is tried again after each of these
+#: delays (each try is botocore's, with its own retries), about a minute in all; then the caller's
+#: last resort (:meth:`Lifecycle.power_off`).
+SCALE_TO_ZERO_DELAYS = (5.0, 15.0, 40.0)
 
 
 def drain_heartbeat_plan(drain_timeout: float) -> tuple[float, float]:
@@ -317,28 +322,62 @@ class Lifecycle:
             "pending": sum(1 for s in states if s.startswith("Pending")),
         }
 
-    def scale_groups_to_zero(self) -> None:
-        """The job is over (or failed for good): no group may replace its instances.
+    def scale_groups_to_zero(
+        self, delays: tuple[float, ...] = SCALE_TO_ZERO_DELAYS, sleep: Callable[[float], Any] = time.sleep
+    ) -> bool:
+        """The job is over (or failed for good): no group may replace its instances. Whether every
+        group is at zero now.
 
         The worker group's warm pool goes first: a group at zero keeps it (its size is absolute,
         MinSize = MaxGroupPreparedCapacity), and its stopped instances would bill their volumes
         until ``kill-job``. Only a group with a warm pool has the launch hook, and only then may
-        the role delete a pool.
+        the role delete a pool. A failed call (throttled, the API unreachable) is tried again after
+        each of ``delays``; a group still not at zero then is logged, and False tells the caller to
+        take its last resort (:meth:`power_off`): otherwise this instance would idle in service,
+        billed, until ``kill-job``.
         """
         pooled = self.spec.worker_group if self.settings.launch_hook else ""
-        if pooled:
-            try:
-                self._autoscaling().delete_warm_pool(AutoScalingGroupName=pooled, ForceDelete=True)
-                log.info("deleted the warm pool of %s", pooled)
-            except Exception as e:  # noqa: BLE001 - best effort, as below: kill-job deletes it too
-                log.warning("could not delete the warm pool of %s (ignored): %s", pooled, e)
-        for group in (self.spec.worker_group, self.spec.rdzv_group):
-            if not group:
-                continue
-            try:
-                self._autoscaling().update_auto_scaling_group(
-                    AutoScalingGroupName=group, MinSize=0, DesiredCapacity=0
-                )
-                log.info("set %s to min=desired=0", group)
-            except Exception as e:  # noqa: BLE001
-                log.warning("could not scale %s to zero (ignored): %s", group, e)
+        groups = [g for g in (self.spec.worker_group, self.spec.rdzv_group) if g]
+        for attempt, delay in enumerate((0.0, *delays)):
+            if delay:
+                sleep(delay)
+            if pooled:
+                try:
+                    self._autoscaling().delete_warm_pool(AutoScalingGroupName=pooled, ForceDelete=True)
+                    log.info("deleted the warm pool of %s", pooled)
+                    pooled = ""
+                except Exception as e:  # noqa: BLE001 - tried again below; kill-job deletes it too
+                    log.warning("could not delete the warm pool of %s (try %d): %s", pooled, attempt + 1, e)
+            for group in list(groups):
+                try:
+                    self._autoscaling().update_auto_scaling_group(
+                        AutoScalingGroupName=group, MinSize=0, DesiredCapacity=0
+                    )
+                    log.info("set %s to min=desired=0", group)
+                    groups.remove(group)
+                except Exception as e:  # noqa: BLE001
+                    log.warning("could not scale %s to zero (try %d): %s", group, attempt + 1, e)
+            if not groups and not pooled:
+                return True
+        if groups:
+            log.error("could not scale %s to zero after %d tries", ", ".join(groups), len(delays) + 1)
+        return not groups  # a pool left behind bills volumes only, and kill-job deletes it
+
+    def power_off(self, reason: str) -> bool:
+        """The last resort of a node whose job is over but whose group could not be scaled to zero:
+        power this instance off (``PETCTL_AGENT_POWER_OFF``, the boot's ``petctl-power-off``:
+        ``shutdown -h now``). EC2 stops it (the launch templates keep the default
+        InstanceInitiatedShutdownBehavior, stop): no more compute billing, and the group's EC2
+        health check, to which a stopped instance is unhealthy, replaces it. Without the setting
+        (tests, a machine that is no petctl instance) it only logs. Whether the command ran."""
+        command = self.settings.power_off
+        if not command:
+            log.error("last resort: would power off (%s), but PETCTL_AGENT_POWER_OFF is not set", reason)
+            return False
+        log.error("last resort: powering this instance off: %s", reason)
+        try:
+            subprocess.run([command, reason], check=True, timeout=60, stdin=subprocess.DEVNULL)
+            return True
+        except (OSError, subprocess.SubprocessError) as e:
+            log.error("could not power off (%s): %s", command, e)
+            return False

@@ -1,5 +1,5 @@
 """Host-command shims of the local cloud: what a local instance's boot script runs instead of
-``dnf``, ``mount``, ``systemctl``, ``aws``, ``curl``, ``ip``, ``python3.11`` and ``pip``.
+``dnf``, ``mount``, ``systemctl``, ``aws``, ``curl``, ``ip``, ``python3.11``, ``pip`` and ``shutdown``.
 
 Every instance of the local cloud boots by running the user data of its launch template (the
 same bash AWS runs; see :mod:`petctl.local.boot`). Its ``PATH`` starts with a per-instance
@@ -15,7 +15,7 @@ that need them): the boot runs a dozen of these, and each costs a Python start.
 
 One module per shim: :mod:`.dnf`, :mod:`.mount`, :mod:`.systemctl`, :mod:`.aws` (its calls in
 :mod:`.s3` and :mod:`.aws_calls`), :mod:`.net` (``curl``, ``ip``), :mod:`.venv` (``python3.11``)
-and :mod:`.pip`; :mod:`.main` picks one by name, :mod:`.base` is what they share.
+and :mod:`.pip`, :mod:`.power` (``shutdown``); :mod:`.main` picks one by name, :mod:`.base` is what they share.
 
 Context (set by the reconciler in the boot script's environment):
 

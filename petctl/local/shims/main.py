@@ -17,6 +17,7 @@ from .journal import journalctl
 from .mount import mount
 from .net import curl, ip
 from .pip import pip
+from .power import shutdown
 from .systemctl import systemctl
 from .venv import python
 
@@ -30,6 +31,7 @@ COMMANDS = {
     "pip": pip,
     "systemctl": systemctl,
     "journalctl": journalctl,
+    "shutdown": shutdown,
 }
 
 
