@@ -277,6 +277,21 @@ def _subs(resource) -> list[str]:
     return [r["Fn::Sub"] for r in (resource if isinstance(resource, list) else [resource])]
 
 
+@pytest.mark.parametrize("flags", JOB_VARIANTS, ids=_id)
+def test_job_launch_templates_leave_public_addresses_to_the_subnet(flags):
+    """docs/contracts.md, "Public IPv4 addresses": setup's subnets map a (billed) public IPv4 to every
+    instance; a job never asks for one itself, so in a configured private subnet behind NAT its
+    instances have none."""
+    for name, data in _launch_templates(job(**flags)).items():
+        assert "NetworkInterfaces" not in data and "AssociatePublicIpAddress" not in str(data), name
+        assert data["SecurityGroupIds"], name  # groups on the primary interface the subnet makes
+    for variant in INFRA_VARIANTS:
+        subnets = resources_of_type(infra(**variant), "AWS::EC2::Subnet")
+        assert len(subnets) == variant["az_count"]
+        assert all(s["Properties"]["MapPublicIpOnLaunch"] is True for s in subnets.values())
+        assert not resources_of_type(infra(**variant), "AWS::EC2::NatGateway")
+
+
 def test_base_stack_has_no_iam():
     for flags in INFRA_VARIANTS:
         t = infra(**flags)
