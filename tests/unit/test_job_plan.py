@@ -255,7 +255,9 @@ def test_live_runs_the_lighthouse_beside_etcd_for_the_job_s_workers_only(tmp_pat
     # its boot: torchft and petctl without their dependencies (no torch), a unit bound to the ENI
     assert f'"torchft=={TORCHFT_VERSION}"' in live.template and "--no-deps" in live.template
     start = next(x for x in live.template.splitlines() if "petctl_agent.live.lighthouse" in x)
-    assert f'--unit --bind "$ENI_IP:{LIGHTHOUSE_PORT}" > /etc/systemd/system/petctl-lighthouse.service' in start
+    assert (
+        f'--unit --bind "$ENI_IP:{LIGHTHOUSE_PORT}" > /etc/systemd/system/petctl-lighthouse.service' in start
+    )
     assert "petctl_agent.live.lighthouse" not in plain.template
     # the rendezvous role reads the job's wheel only when it runs the lighthouse
     assert "ReadPetctlWheel" in live.template and "ReadPetctlWheel" not in plain.template
