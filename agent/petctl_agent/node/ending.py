@@ -74,8 +74,8 @@ def finish(
             log.debug("rendezvous shutdown: %s", e)
         pub.event("succeeded", last_step=last_step())
         # Zero first, then SUCCEEDED: the publisher thread sends a state change at once, so a
-        # user (or a script) who sees SUCCEEDED must already see the groups at zero (CI of stop
-        # 23 read SUCCEEDED with desired still 2, the update call still in flight under load).
+        # user (or a script) who sees SUCCEEDED must already see the groups at zero (under load a
+        # reader once saw SUCCEEDED with desired still 2, the update call still in flight).
         scaled = lifecycle.scale_groups_to_zero()
         pub.update(state="SUCCEEDED", reason=None)
         _forget_ca_key(lifecycle)
