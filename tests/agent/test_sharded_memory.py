@@ -34,7 +34,8 @@ RANK = textwrap.dedent(
     init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 16))
+    W = int(os.environ.get("WIDTH", "64"))  # the model's width (test_sharded_ranges.py: larger)
+    model = torch.nn.Sequential(torch.nn.Linear(W, W), torch.nn.Linear(W, 16))
     mesh = init_device_mesh("cpu", (world,))
     for layer in model:
         fully_shard(layer, mesh=mesh)
@@ -45,7 +46,7 @@ RANK = textwrap.dedent(
 
     def train(s):
         torch.manual_seed(1000 + s)
-        model(torch.randn(8, 64)).pow(2).sum().backward()
+        model(torch.randn(8, W)).pow(2).sum().backward()
         opt.step()
         opt.zero_grad()
 
@@ -314,8 +315,13 @@ def test_a_newcomer_gets_every_shard_from_the_survivors_memory_and_says_so(
     r0, r2 = (_result(cp) for cp in _run(t, RESTORE, [0, 2]))
     assert r0["step"] == r2["step"] == 4 and r0["same"] is True
     assert r0["report"]["source"] == "self" and r0["report"]["shards"] == {"self": [0, 1]}
-    assert r2["report"]["source"] == "peer" and r2["report"]["shards"] == {"peer": [0, 1]}
+    # it received the byte ranges its rank reads (rank 1's shard, from node 0's replica), not every
+    # shard file (ranges.py): no part of rank 0's file, which its layout does not read
+    assert r2["report"]["source"] == "peer" and r2["report"]["shards"] == {"peer": [1]}, r2["report"]
     assert r2["report"]["step"] == 4 and r2["report"]["back_to"] is None
+    step4 = t / "node0" / "sharded" / "ckpt-0000000004.dcp"
+    own1 = (step4 / "__1_0.distcp").stat().st_size + (step4 / ".metadata").stat().st_size
+    assert 0 < r2["report"]["received"] == r2["restore"]["fetched_bytes"] <= own1
 
 
 def test_peer_dying_mid_transfer_fails_fast_then_efs(trained: Path, tmp_path: Path) -> None:

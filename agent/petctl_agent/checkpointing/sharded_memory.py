@@ -33,9 +33,11 @@ format as on EFS, so a restore is DCP's own load, resharding included. Save (col
 Resume (collective, :func:`resume`): every rank reports what its node's memory holds (steps, save
 ids, files whose CRC matches its marker: a torn or stale file is never offered); every rank then
 computes the same plan: the newest step, not older than EFS's ``latest``, whose files the survivors
-together hold. Files a node lacks are fetched from a holder over the gloo group (bounded by
-``PETCTL_SHARD_FETCH_TIMEOUT``, default 300 s; a closed connection fails at once), checked against
-the CRC and renamed into place; then DCP loads at the new world size from the node's directory.
+together hold. Each node then receives, over the gloo group, only the byte ranges of the files it
+lacks that its ranks' load at the new layout reads (``ranges.py``: from DCP's ``.metadata`` and each
+rank's load plan; after the node's memory said they fit, else every rank uses EFS and says why;
+bounded by ``PETCTL_SHARD_FETCH_TIMEOUT``, default 300 s; a closed connection fails at once), each
+range checked against its sender's CRC; then DCP loads at the new world size from the node's directory.
 When memory does not cover the newest step, the job goes back to EFS's ``latest`` and rank 0
 says which step (stderr: ``petctl checkpoint: ... going back to step N``); :data:`last_restore`
 holds the same for the caller. Any rank's failure makes every rank use EFS; a peer lost mid-transfer
@@ -62,7 +64,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from petctl_agent.checkpointing import crcs, timeline
+from petctl_agent.checkpointing import crcs, ranges, timeline
 from petctl_agent.checkpointing.atomic import fsync_dir
 from petctl_agent.checkpointing.files import CKPT_RE, prune, read_pointer, write_pointer
 from petctl_agent.checkpointing.snapshot import node_name, read_meminfo, reserve
@@ -736,13 +738,20 @@ def resume(
             )
         return None
     stepdir = root / f"ckpt-{step:010d}.dcp"
-    fetched = 0
+    recv = ranges.Received()
     ok = True
     try:
-        fetched = _fetch(stepdir, rank, nodes, invs, str(step), plan)
+        recv = _fetch(stepdir, rank, nodes, invs, str(step), plan, into, unsafe_load)
     except Exception as e:  # noqa: BLE001 - any fetch trouble: every rank goes to EFS together
         _say(f"fetching step {step}'s shards from peers' memory failed ({type(e).__name__}: {e})")
         ok = False
+    if recv.refused:  # the same on every rank: nothing was received
+        why = f"step {step}'s bytes to receive from peers do not fit in node memory ({recv.refused})"
+        last_restore = {"source": "efs", "step": efs, "newest": newest, "reason": why}
+        if rank == 0:
+            _say(f"{why}; going back to step {efs} from {directory}")
+        return None
+    fetched = recv.node
     if not _all_ok(ok):
         last_restore = {"source": "efs", "step": efs, "newest": newest}
         if rank == 0:
@@ -760,7 +769,7 @@ def resume(
             _say(f"loading step {step} from memory failed ({e}); going back to step {efs} from {directory}")
         return None
     secs = time.monotonic() - t0
-    shards = _shard_sources(rank, nodes, invs, str(step), plan)
+    shards = _shard_sources(rank, nodes, invs, str(step), plan, recv.peers)
     last_restore = {
         "source": "memory",
         "step": step,
@@ -780,6 +789,7 @@ def resume(
         shards=shards,
         newest=newest,
         back_to=last_restore.get("back_to"),
+        received=fetched,
     )
     if rank == 0 and plan_key < top:
         _say(
@@ -809,25 +819,20 @@ def report_efs_restore(step: int, world: int | None, seconds: float) -> None:
     shards = {"efs": list(range(world))} if world else {"efs": []}
     newest = last_restore.get("newest")
     back = step if newest is not None and newest > step else None
-    _report_restore("efs", step, 0, seconds, shards=shards, newest=newest, back_to=back)
+    why = {"reason": last_restore["reason"]} if last_restore.get("reason") else {}
+    _report_restore("efs", step, 0, seconds, shards=shards, newest=newest, back_to=back, **why)
 
 
 def _shard_sources(
-    rank: int, nodes: list[str], invs: list[dict[str, Any]], step: str, plan: dict[str, Any]
+    rank: int, nodes: list[str], invs: list[dict[str, Any]], step: str, plan: dict[str, Any], peers: list[int]
 ) -> dict[str, list[int]]:
-    """Where this node got each shard of the plan (by the saving rank that owns it): ``self`` (its
-    own memory: its shard or the replica it held) or ``peer`` (fetched: some file was missing)."""
+    """Where this node's shards of the plan came from (by the saving rank that owns them): ``self``
+    (files its memory held: its own shards and the replicas it kept) and ``peer`` (``peers``: the
+    owners of the files it received ranges of; a file it neither held nor read is in neither)."""
     mine = invs[_leader(rank, nodes)].get(step)
     has = set(mine["files"]) if mine and mine["id"] == plan["id"] else set()
-    fetched: set[int] = set()
-    owners: set[int] = set()
-    for n, (owner, _, _) in plan["files"].items():
-        if n == ".metadata":
-            continue
-        owners.add(owner)
-        if n not in has:
-            fetched.add(owner)
-    out = {"self": sorted(owners - fetched), "peer": sorted(fetched)}
+    held = {owner for n, (owner, _, _) in plan["files"].items() if n != ".metadata" and n in has}
+    out = {"self": sorted(held), "peer": sorted(peers)}
     return {k: v for k, v in out.items() if v}
 
 
@@ -846,50 +851,33 @@ def _missing(step: str, invs: list[dict[str, Any]], sid: str | None = None) -> s
 
 
 def _fetch(
-    stepdir: Path, rank: int, nodes: list[str], invs: list[dict[str, Any]], step: str, plan: dict[str, Any]
-) -> int:
-    """Bring every file of the plan into each node's step directory; bytes this rank received.
-
-    Every rank computes the same transfers: each node's leader (lowest rank) receives what its node
-    lacks, from the leader of the lowest-ranked node that holds it intact.
-    """
+    stepdir: Path,
+    rank: int,
+    nodes: list[str],
+    invs: list[dict[str, Any]],
+    step: str,
+    plan: dict[str, Any],
+    into: dict[str, Any],
+    unsafe_load: bool | None,
+) -> ranges.Received:
+    """Give each node the byte ranges of the plan's files that its ranks' load reads and its memory
+    lacks (``ranges.receive``: each node's lowest rank receives them, after its memory said they fit)."""
     world = len(nodes)
-    leaders = sorted({_leader(r, nodes) for r in range(world)})
-    transfers: list[tuple[str, int, int, int, int]] = []  # (name, src, dst, size, crc)
-    for dst in leaders:
-        mine = invs[dst].get(step)
-        has = set(mine["files"]) if mine and mine["id"] == plan["id"] else set()
-        for n, (_, size, crc) in sorted(plan["files"].items()):
-            if n in has:
-                continue
-            src = next(
-                r
-                for r in leaders
-                if step in invs[r] and invs[r][step]["id"] == plan["id"] and n in invs[r][step]["files"]
-            )
-            transfers.append((n, src, dst, size, crc))
-    if not transfers:
-        return 0
-    import torch
-    import torch.distributed as dist
-
-    g = _group()
-    stepdir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    works = []
-    recvs = []
-    for tag, (n, src, dst, size, crc) in enumerate(transfers):
-        if src == rank:
-            works.append(dist.isend(_read_tensor(stepdir / n, size), dst=dst, group=g, tag=tag))
-        elif dst == rank:
-            buf = torch.empty(size, dtype=torch.uint8)
-            works.append(dist.irecv(buf, src=src, group=g, tag=tag))
-            recvs.append((n, src, size, crc, buf))
-    for w in works:
-        w.wait(_fetch_timeout())
-    got = 0
-    for n, src, size, crc, buf in recvs:
-        if crcs.crc(memoryview(buf.numpy())) != crc:
-            raise OSError(f"{n} from rank {src}: CRC mismatch")
-        _write_atomic(stepdir / n, buf)
-        got += size
-    return got
+    has: dict[int, set[str]] = {}
+    for d in sorted({_leader(r, nodes) for r in range(world)}):
+        mine = invs[d].get(step)
+        has[d] = set(mine["files"]) if mine and mine["id"] == plan["id"] else set()
+    root = stepdir.parent
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return ranges.receive(
+        ranges.Step(nodes, has, plan["files"]),
+        stepdir,
+        rank,
+        into,
+        unsafe_load,
+        gather=_gather_json,
+        reserve=lambda n: reserve(n, root.parent, _meminfo),
+        group=_group,
+        read=lambda p, n: _read_tensor(p, n),  # looked up at the call: a test may replace it
+        timeout=_fetch_timeout(),
+    )
