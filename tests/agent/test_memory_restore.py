@@ -710,6 +710,7 @@ def test_the_agent_passes_a_restores_sources_on_in_its_event(tmp_path: Path) -> 
         "newest": 8,
         "back_to": 6,
         "kept_seconds": 0.1,
+        "received": 2048,  # the byte ranges a sharded restore took from its peers
         "t": 1.0,
         "junk": 1,
     }

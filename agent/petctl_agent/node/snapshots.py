@@ -49,7 +49,8 @@ FALLBACK_REPORT = "fallback.json"
 PERSIST_STATE = "persist.json"
 #: optional fields of ``restore.json`` passed on in ``snapshot_restored``: a peer's copy kept in
 #: this node's store (seconds), and the sharded path's per-shard sources and the step gone back to
-RESTORE_EXTRAS = ("kept_seconds", "shards", "newest", "back_to")
+#: ``received``: bytes a sharded restore took from peers; ``reason``: why it went to EFS instead
+RESTORE_EXTRAS = ("kept_seconds", "shards", "newest", "back_to", "received", "reason")
 #: the persister's snapshot server's address, and the lock held while a fetch fills the store
 #: (``checkpointing/fetch.py``'s ``SERVE_FILE`` and ``FETCH_LOCK``)
 SERVE_FILE = "serve.json"
