@@ -24,6 +24,7 @@ from petctl_agent.checkpointing import memory, persist
 from petctl_agent.checkpointing.snapshot import SnapshotStore
 from petctl_agent.node import snapshots
 from petctl_agent.node.snapshots import SnapshotArea
+from tests.ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -124,48 +125,15 @@ RESTORE = textwrap.dedent(
 
 
 def _ranks(tmp_path: Path, envs: list[dict], timeout: float = 120) -> list[subprocess.CompletedProcess]:
-    sys.path.insert(0, str(REPO / "scripts"))
-    from harness import free_port
-
     script = tmp_path / "restore.py"
     script.write_text(RESTORE)
-    port = free_port()
-    procs = []
-    for r, extra in enumerate(envs):
-        e = {
-            **os.environ,
-            "PYTHONPATH": str(REPO / "agent"),
-            "RANK": str(r),
-            "LOCAL_RANK": "0",
-            "WORLD_SIZE": str(len(envs)),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "CUDA_VISIBLE_DEVICES": "",
-            "PETCTL_SNAPSHOT_PEER_TIMEOUT": "10",
-            **extra,
-        }
-        for k in ("PETCTL_LOCAL_ADDR", "PETCTL_DRAIN_FILE"):
-            e.pop(k, None)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script)],
-                env=e,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    out = []
-    for p in procs:
-        try:
-            o, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, o, err))
-    return out
+    base = {"PYTHONPATH": str(REPO / "agent"), "LOCAL_RANK": "0", "PETCTL_SNAPSHOT_PEER_TIMEOUT": "10"}
+    return run_ranks(
+        [sys.executable, str(script)],
+        [{**base, **e} for e in envs],
+        timeout=timeout,
+        drop=("PETCTL_DRAIN_FILE",),
+    )
 
 
 def _res(cp: subprocess.CompletedProcess) -> dict:

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.ranks import run_ranks
+
 pytest.importorskip("numpy", reason="torch.distributed.checkpoint's object collectives need numpy")
 
 RANK = textwrap.dedent(
@@ -124,44 +126,22 @@ out["node_files"] = sorted(os.listdir(os.path.join(os.environ["PETCTL_SNAPSHOT_D
 
 def _run(tmp: Path, body: str, nodes: list[int], env: dict | None = None, timeout: float = 120) -> list:
     """Run ``body`` on one rank per entry of ``nodes`` (the node directory each rank uses)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    from harness import free_port
-
     (tmp / "rank.py").write_text(RANK)
     (tmp / "body.py").write_text(textwrap.dedent(body))
     (tmp / "ref").mkdir(exist_ok=True)
-    port = free_port()
-    procs = []
-    for r, node in enumerate(nodes):
-        e = {
-            **os.environ,
-            "RANK": str(r),
+    envs = [
+        {
             "LOCAL_RANK": "0",
-            "WORLD_SIZE": str(len(nodes)),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
             "PETCTL_CHECKPOINT_DIR": str(tmp / "efs"),
             "PETCTL_SNAPSHOT_DIR": str(tmp / f"node{node}"),
             "PETCTL_SHARDED_MEMORY": "1",
             "PETCTL_DRAIN_FILE": str(tmp / f"drain-{node}"),
             "REF_DIR": str(tmp / "ref"),
-            "OMP_NUM_THREADS": "1",
-            "CUDA_VISIBLE_DEVICES": "",
             **(env or {}),
         }
-        e.pop("PETCTL_LOCAL_ADDR", None)
-        cmd = [sys.executable, str(tmp / "rank.py"), str(tmp / "body.py")]
-        procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    done = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    return done
+        for node in nodes
+    ]
+    return run_ranks([sys.executable, str(tmp / "rank.py"), str(tmp / "body.py")], envs, timeout=timeout)
 
 
 def _result(cp: subprocess.CompletedProcess) -> dict:

@@ -25,6 +25,7 @@ from petctl_agent import checkpoint as ckpt
 from petctl_agent.checkpointing.files import load_file, read_pointer
 from petctl_agent.checkpointing.persist import Persister, _persist, persist_newest
 from petctl_agent.checkpointing.snapshot import SnapshotStore, fits, read_meminfo
+from tests.ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -726,46 +727,13 @@ RANKS_SNAP = textwrap.dedent(
 
 
 def _ranks(tmp_path: Path, envs: list[dict], source: str = RANKS_SNAP) -> list[subprocess.CompletedProcess]:
-    sys.path.insert(0, str(REPO / "scripts"))
-    from harness import free_port
-
     script = tmp_path / "ranks_snap.py"
     script.write_text(source)
-    port = free_port()
-    procs = []
-    for r, extra in enumerate(envs):
-        e = {
-            **os.environ,
-            "PYTHONPATH": str(REPO / "agent"),
-            "RANK": str(r),
-            "WORLD_SIZE": str(len(envs)),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "PETCTL_DRAIN_FILE": str(tmp_path / f"drain-{r}"),
-            "OMP_NUM_THREADS": "1",
-            "CUDA_VISIBLE_DEVICES": "",
-            **extra,
-        }
-        e.pop("PETCTL_LOCAL_ADDR", None)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script)],
-                env=e,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    out = []
-    for p in procs:
-        try:
-            o, err = p.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, o, err))
-    return out
+    base = [
+        {"PYTHONPATH": str(REPO / "agent"), "PETCTL_DRAIN_FILE": str(tmp_path / f"drain-{r}"), **e}
+        for r, e in enumerate(envs)
+    ]
+    return run_ranks([sys.executable, str(script)], base, timeout=180)
 
 
 def _res(cp: subprocess.CompletedProcess) -> dict:
