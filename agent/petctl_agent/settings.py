@@ -68,6 +68,9 @@ class Settings:
     leave_fallback: float = 30.0  # PETCTL_AGENT_LEAVE_FALLBACK
     last_call: int = 5  # PETCTL_AGENT_LAST_CALL
     failure_limit: int = 5  # PETCTL_AGENT_FAILURE_LIMIT: unclean ends on one instance (node/crashes.py)
+    #: failed rounds in a row that began on one node before it leaves the job (elastic/culprit.py);
+    #: 0: never. The job's ``run-job --env PETCTL_AGENT_EXCLUDE_AFTER=N`` overrides it
+    exclude_after: int = 3  # PETCTL_AGENT_EXCLUDE_AFTER
     keepalive: int = 1  # PETCTL_AGENT_KEEPALIVE
     keepalive_attempts: int = 5  # PETCTL_AGENT_KEEPALIVE_ATTEMPTS
     store_timeout: float = 20.0  # PETCTL_AGENT_STORE_TIMEOUT
@@ -113,6 +116,7 @@ class Settings:
             leave_fallback=env_float("PETCTL_AGENT_LEAVE_FALLBACK", 30, e),
             last_call=env_int("PETCTL_AGENT_LAST_CALL", 5, e),
             failure_limit=env_int("PETCTL_AGENT_FAILURE_LIMIT", 5, e),
+            exclude_after=max(0, env_int("PETCTL_AGENT_EXCLUDE_AFTER", 3, e)),
             keepalive=env_int("PETCTL_AGENT_KEEPALIVE", 1, e),
             keepalive_attempts=env_int("PETCTL_AGENT_KEEPALIVE_ATTEMPTS", 5, e),
             store_timeout=env_float("PETCTL_AGENT_STORE_TIMEOUT", 20, e),

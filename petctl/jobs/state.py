@@ -108,7 +108,29 @@ def derive(f: Facts) -> JobStatus:
         agents=agents,
         events=events,
         etcd_alarm=etcd_alarm(agents),
+        excluded=excluded_nodes(agents),
     )
+
+
+def excluded_nodes(agents: list[AgentStatus]) -> list[str]:
+    """One line per node whose agent left the job because failed rounds in a row began on it
+    (its ``excluded`` event; the agent's elastic/culprit.py), oldest first: "node i-0abc excluded
+    after 3 failures that began on it (<its last failure>)"."""
+    out: list[tuple[float, str]] = []
+    for a in agents:
+        for e in a.events:
+            if e.get("kind") != "excluded":
+                continue
+            last = str(e.get("reason") or "").split("; the last: ", 1)
+            tail = f" (the last: {last[1]})" if len(last) == 2 else ""
+            node = e.get("node") or a.instance_id
+            out.append(
+                (
+                    e.get("t", 0),
+                    f"node {node} excluded after {e.get('failures')} failures that began on it{tail}",
+                )
+            )
+    return [line for _, line in sorted(out)]
 
 
 def etcd_alarm(agents: list[AgentStatus]) -> str | None:

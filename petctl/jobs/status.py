@@ -139,6 +139,8 @@ class JobStatus:
     events: list[dict[str, Any]]
     #: one line while etcd refuses writes for space (an agent's newest rdzv_no_space), else None
     etcd_alarm: str | None = None
+    #: nodes that left the job because failed rounds in a row began on them, one line each
+    excluded: list[str] = field(default_factory=list)
 
     @property
     def final(self) -> bool:
@@ -172,4 +174,5 @@ class JobStatus:
             "agents": [a.to_dict() for a in self.agents],
             "events": self.events,
             "etcd_alarm": self.etcd_alarm,
+            "excluded": self.excluded,
         }

@@ -61,6 +61,19 @@ def _left(
             ),
             None,
         )
+        excluded = next(
+            (
+                e
+                for e in events
+                if e["kind"] == "excluded" and e.get("instance_id") == iid and lo < e["t"] <= hi
+            ),
+            None,
+        )
+        if excluded is not None:  # failed rounds in a row began on it: it left for good (agent/culprit.py)
+            rnd["causes"].append("exclude")
+            n = excluded.get("failures")
+            marker("exclude", excluded["t"], iid, f"excluded after {n} failures that began on it", rnd)
+            continue
         if drain is not None and drain["t"] <= hi:
             why = str(drain.get("reason") or doc.get("reason") or "")
             kind = "spot" if why.startswith("spot") else "drain"

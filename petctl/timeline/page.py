@@ -14,6 +14,7 @@ _COLORS = {
     "drain": "#0969da",
     "spot": "#8250df",
     "loss": "#cf222e",
+    "exclude": "#953800",
     "etcd_restart": "#bf8700",
     "restart": "#d1242f",
     "failure": "#82071e",

@@ -40,9 +40,24 @@ def test_running_job_sums_up_its_agents():
     assert set(d) == {
         "job", "state", "reason", "boot_failures", "boot_events", "stack_status", "min", "max", "desired",
         "in_service", "world_size", "last_step", "last_checkpoint_step", "restarts", "log_events_lost", "rounds",
-        "reports_progress", "uptime_s", "hosts", "agents", "events", "etcd_alarm",
+        "reports_progress", "uptime_s", "hosts", "agents", "events", "etcd_alarm", "excluded",
     }  # fmt: skip
-    assert d["etcd_alarm"] is None
+    assert d["etcd_alarm"] is None and d["excluded"] == []
+
+
+def test_a_node_excluded_for_failures_that_began_on_it_is_one_line_of_status():
+    from petctl import render
+
+    why = (
+        "excluded: 3 failed rounds in a row began on this node (i-2) with no new checkpoint in between "
+        "(PETCTL_AGENT_EXCLUDE_AFTER=3); the last: rank 1 on i-2 exit 1: RuntimeError: NCCL error"
+    )
+    ev = {"t": NOW - 10, "kind": "excluded", "node": "i-2", "failures": 3, "round": 7, "reason": why}
+    st = state.derive(facts([report("i-1"), report("i-2", state="LEFT", reason=why, events=[ev])]))
+    assert st.excluded == [
+        "node i-2 excluded after 3 failures that began on it (the last: rank 1 on i-2 exit 1: RuntimeError: NCCL error)"
+    ]
+    assert "excluded" in render.status_text(st.to_dict())  # among the recent events, with its reason
 
 
 def test_etcd_out_of_space_is_one_line_of_status_until_an_agent_says_it_has_space_again():

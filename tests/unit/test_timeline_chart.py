@@ -448,3 +448,27 @@ def test_a_live_job_s_quorums_are_its_rounds():
         (489, 2, ["i-a", "i-c"]),
     ]
     assert [r["causes"] for r in rounds] == [["start"], ["join"], ["drain"]]
+
+
+def test_a_node_excluded_for_failures_that_began_on_it_is_no_loss():
+    """Two failed rounds began on y; its agent published ``excluded`` and left (issue #30): the
+    round without it names it excluded, not lost, with the failures it counted."""
+    evs = [
+        ev(0, "rendezvous_start", reason="initial", round=None, instance_id="x"),
+        ev(1, "rendezvous_start", reason="initial", round=None, instance_id="y"),
+        ev(5, "workers_started", round=0, world_size=2, instance_id="x", step=0),
+        ev(5, "workers_started", round=0, world_size=2, instance_id="y", step=0),
+        ev(20, "workers_failed", round=0, exit_codes=[1], instance_id="y", step=2),
+        ev(20.2, "workers_failed", round=0, exit_codes=[1], instance_id="x", step=2),
+        ev(23, "excluded", round=0, failures=2, node="y", reason="excluded: ...", instance_id="y"),
+        ev(24, "rendezvous_start", reason="workers failed (exit codes [1])", round=0, instance_id="x"),
+        ev(26, "workers_started", round=1, world_size=1, instance_id="x", step=0),
+    ]
+    st = {"job": "j", "state": "RUNNING", "agents": [], "events": evs}
+    d = timeline.build(st, now=T + 40)
+    assert [r["causes"] for r in d["rounds"]] == [["start"], ["exclude"]]
+    m = next(m for m in d["events"] if m["kind"] == "exclude")
+    assert m["instance_id"] == "y" and "excluded after 2 failures that began on it" in m["detail"], m
+    assert "exclude" in timeline.KIND_LETTERS and "exclude" in timeline.KIND_LABELS
+    page = timeline.render_html(d)
+    assert "node excluded (failed rounds in a row began on it)" in page

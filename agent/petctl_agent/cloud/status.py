@@ -29,6 +29,7 @@ EVENT_KINDS = (
     "workers_failed",
     "drain_requested",
     "drained",
+    "excluded",
     "rdzv_unreachable",
     "rdzv_recovered",
     "rdzv_no_space",

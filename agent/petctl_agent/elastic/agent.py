@@ -33,8 +33,10 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
 from petctl_agent.cloud.status import StatusPublisher
+from petctl_agent.elastic.culprit import Failure, can_begin, failure_time, first_failure, own_error
 from petctl_agent.elastic.decisions import classify_exits
 from petctl_agent.elastic.exitwatch import ExitWatch, exit_fds
+from petctl_agent.elastic.failurebook import FailureBook
 from petctl_agent.elastic.failures import RepeatWatch, describe, signature, stderr_paths, worker_errors
 from petctl_agent.elastic.handlers import LeftRendezvous, guard_join, join_timeout_s, leave_round, ours
 from petctl_agent.elastic.joining import join_round
@@ -87,6 +89,7 @@ class PetctlElasticAgent(LocalElasticAgent):
     # class defaults too: a stop of an agent built without __init__ (tests) has them
     after_workers_stopped: Callable[[], None] | None = None
     _restarting = False
+    _exit_seen_at: float | None = None
 
     def __init__(
         self,
@@ -105,6 +108,7 @@ class PetctlElasticAgent(LocalElasticAgent):
         settings: Settings = Settings(),
         failure_file: Path | None = None,
         instance_id: str | None = None,
+        exclude_after: int | None = None,
     ) -> None:
         super().__init__(
             spec, logs_specs, start_method=start_method, exit_barrier_timeout=exit_barrier_timeout
@@ -116,6 +120,15 @@ class PetctlElasticAgent(LocalElasticAgent):
         #: the last charged failure's signature: the same one again, with no membership change in
         #: between, is deterministic and ends the job (failures.py, :meth:`_on_workers_stopped`)
         self.repeats = RepeatWatch()
+        #: K: failed rounds in a row that began on this node before it leaves the job for good
+        #: (culprit.py, :meth:`_exclude`); 0: never
+        self.exclude_after = settings.exclude_after if exclude_after is None else max(0, exclude_after)
+        #: when this generation's first worker exit was seen (the ExitWatch's wake; wall clock)
+        self._exit_seen_at: float | None = None
+        #: the culprit record that excluded this node (Outcome.EXCLUDED)
+        self.excluded: dict[str, Any] | None = None
+        #: the failures of the round whose culprit was settled last (for :meth:`_not_a_repeat`)
+        self._round_failures: list[Failure] = []
         #: this node's workers' last failure, in their words (also the reason of a CLOSED outcome)
         self.last_failure: str | None = None
         self.stops = WorkerStops(drain_file, progress_file, settings.drain_probe, failure_file)
@@ -311,6 +324,7 @@ class PetctlElasticAgent(LocalElasticAgent):
         self.stops.workers_starting()
         self.stall.reset()
         self._failing_seen = False
+        self._exit_seen_at = None
         self._rendezvoused = False  # consumed by now; never skip a later round's rendezvous
         if self.after_round is not None:
             try:
@@ -359,6 +373,8 @@ class PetctlElasticAgent(LocalElasticAgent):
 
     def _wake_loop(self) -> None:
         """A worker exited (ExitWatch's thread): the loop looks at the workers now."""
+        if self._exit_seen_at is None:
+            self._exit_seen_at = time.time()
         self._exited.set()
         mine = ours(self._worker_group.spec.rdzv_handler)
         if mine is not None:
@@ -593,13 +609,16 @@ class PetctlElasticAgent(LocalElasticAgent):
         failures, sig = self._describe_failures(result)
         self.last_failure = failures
         log.warning("workers failed: %s", failures)
+        mine = self._failure(result, sig)
         self.pub.event(
             "workers_failed",
             round=self.watch.round,
             exit_codes=codes,
             failures=failures,
             step=self._last_step(),
+            began_at=round(mine.t, 3),
         )
+        book = self._write_failure(mine)
         why = self.watch.failure_explained(self.leave_requested)
         if why:
             log.info(
@@ -609,7 +628,14 @@ class PetctlElasticAgent(LocalElasticAgent):
             return None
         if self.leave_requested.is_set():
             return self._drain_and_leave(wg)
-        if self.repeats.again(sig) and self._remaining_restarts > 0:
+        culprit = self._culprit(book, mine)
+        if culprit is not None and culprit.get("node") == self.instance_id:
+            if int(culprit.get("count") or 0) >= self.exclude_after > 0:
+                return self._exclude(wg, culprit, failures)
+        repeat = self.repeats.again(sig)
+        if repeat and culprit is not None and self._not_a_repeat(mine, culprit):
+            repeat = False
+        if repeat and self._remaining_restarts > 0:
             log.error(
                 "workers failed the same way at the same point as the last time, with no membership "
                 "change in between: a deterministic error, not restarting (%d of %d restarts left unused)",
@@ -634,6 +660,104 @@ class PetctlElasticAgent(LocalElasticAgent):
         return self._fail_workers(
             wg, result, f"{failures} (after {wg.spec.max_restarts} restarts: the restart budget is spent)"
         )
+
+    # ---- a node that cannot train: culprit.py ------------------------------------------
+    def _failure(self, result: RunResult, sig: Any) -> Failure:
+        """This node's failure in this round, as it is written beside the round."""
+        codes = [f.exitcode for f in result.failures.values()]
+        noted_at = self.stops.failure_noted_at()
+        try:
+            ckpt = self.step_info().get("last_checkpoint_step")
+        except Exception:  # noqa: BLE001 - progress unknown: no reset
+            ckpt = None
+        return Failure(
+            node=str(self.instance_id),
+            t=failure_time(noted_at, self._exit_seen_at, time.time()),
+            begins=can_begin(codes, noted_at is not None),
+            ckpt=ckpt if isinstance(ckpt, int) else None,
+            error=sig[0] if sig else None,
+        )
+
+    def _write_failure(self, mine: Failure) -> FailureBook | None:
+        """Write our failure beside the round (petctl-etcd with exclusion on); the book, or None."""
+        if self.exclude_after <= 0 or self.watch.round is None:
+            return None
+        book = FailureBook.of(ours(self._worker_group.spec.rdzv_handler))
+        if book is None:
+            return None
+        try:
+            book.write(self.watch.round, mine)
+            return book
+        except Exception as e:  # noqa: BLE001 - the count only; the restart goes on
+            log.warning("could not record this failure in etcd (ignored): %s", e)
+            return None
+
+    def _culprit(self, book: FailureBook | None, mine: Failure) -> dict[str, Any] | None:
+        """The round's culprit record (its node and count), settled by the first node whose grace
+        ended; None when unknown (exclusion off, another backend, etcd unreachable)."""
+        if book is None or self.watch.round is None:
+            return None
+        try:
+            failures = book.read(self.watch.round)
+            if not any(f.node == mine.node for f in failures):
+                failures.append(mine)
+            first = first_failure(failures)
+            if first is None:
+                return None
+            rec = book.settle(self.watch.round, first)
+        except Exception as e:  # noqa: BLE001
+            log.warning("could not settle this round's culprit (ignored): %s", e)
+            return None
+        self._round_failures = failures
+        log.info(
+            "round %s's failure began on %s (%d failed round(s) in a row began there; exclusion after %d)",
+            self.watch.round, rec.get("node"), int(rec.get("count") or 0), self.exclude_after,
+        )  # fmt: skip
+        return rec
+
+    def _not_a_repeat(self, mine: Failure, culprit: dict[str, Any]) -> bool:
+        """The deterministic-failure rule (failures.RepeatWatch) does not end the job for a failure
+        that began on another node (ours failed because its collective did), nor for one that
+        began here with an error no other node had (a bad node, which the count excludes at K)."""
+        if culprit.get("node") != self.instance_id:
+            log.info(
+                "the same failure again, but it began on %s: not a deterministic error here", culprit["node"]
+            )
+            self.repeats.reset()
+            return True
+        if own_error(mine, self._round_failures):
+            log.info(
+                "the same failure again, and this node's alone: counted, not a deterministic error of the script"
+            )
+            return True
+        return False
+
+    def _exclude(self, wg: WorkerGroup, culprit: dict[str, Any], failures: str) -> RunResult:
+        """Leave the job for good: ``exclude_after`` failed rounds in a row began on this node with no
+        progress in between. The workers are gone already; leave the rendezvous as a drain does
+        (never ``handler.shutdown()``: the others go on), then ``node.ending`` marks the instance
+        Unhealthy (its group replaces it) and the agent exits."""
+        count = int(culprit.get("count") or 0)
+        reason = (
+            f"excluded: {count} failed rounds in a row began on this node ({self.instance_id}) with no "
+            f"new checkpoint in between (PETCTL_AGENT_EXCLUDE_AFTER={self.exclude_after}); the last: {failures}"
+        )
+        log.error("%s", reason)
+        self.excluded = culprit
+        self.pub.event(
+            "excluded",
+            node=self.instance_id,
+            failures=count,
+            round=self.watch.round,
+            reason=reason,
+            step=self._last_step(),
+        )
+        self._stop_workers(wg)
+        self.leave_rendezvous()
+        self.phase = "done"
+        self.outcome = Outcome.EXCLUDED
+        self.fail_reason = reason
+        return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in wg.workers})
 
     def _fail_workers(self, wg: WorkerGroup, result: RunResult, reason: str) -> RunResult:
         """Stop for good: the job fails with ``reason`` (``Outcome.FAILED``)."""

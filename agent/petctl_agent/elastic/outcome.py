@@ -17,3 +17,5 @@ class Outcome(enum.Enum):
     JOIN_TIMEOUT = "join_timeout"  # never reached min_nodes: fails this node, not the job
     CLOSED = "closed"  # another node closed the rendezvous (the job ended or failed elsewhere)
     FAILED = "failed"  # unrecoverable here (restart budget spent, an unexpected error)
+    #: failed rounds in a row began on this node: it left the job for good (elastic/culprit.py)
+    EXCLUDED = "excluded"

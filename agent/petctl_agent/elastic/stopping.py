@@ -78,6 +78,17 @@ class WorkerStops:
             return None
         return str(body.get("error") or "?") if isinstance(body, dict) else None
 
+    def failure_noted_at(self) -> float | None:
+        """When a current worker wrote its failure note (its ``t``: the script raised); None if
+        none did."""
+        try:
+            if self.failure_file.stat().st_mtime < self._notes_since:
+                return None
+            body = json.loads(self.failure_file.read_text())
+            return float(body["t"]) if isinstance(body, dict) else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def workers_started(self) -> None:
         self._workers_started_at = time.time()
 

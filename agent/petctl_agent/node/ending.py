@@ -35,6 +35,22 @@ def finish_leave(lifecycle: Lifecycle | None, pub: StatusPublisher | None, reaso
     return 0
 
 
+def finish_excluded(lifecycle: Lifecycle, pub: StatusPublisher, reason: str | None) -> int:
+    """This node left the job for good: failed rounds in a row began on it (elastic/culprit.py).
+    It left the rendezvous as a drain does (the others go on); here it publishes ``LEFT`` with
+    the reason, abandons a pending launch action and marks its instance ``Unhealthy``, so its
+    group replaces it; exit status 0 (systemd does not restart it). When the mark fails on a node
+    of a group, the last resort: power off (EC2 then counts it unhealthy and replaces it)."""
+    pub.update(state="LEFT", reason=reason)
+    pub.flush()
+    if not lifecycle.launch_done.is_set():
+        lifecycle.complete_launch("ABANDON")
+    if not lifecycle.set_unhealthy() and lifecycle.spec.worker_group:
+        lifecycle.power_off(reason or "excluded from the job")
+    pub.close()
+    return 0
+
+
 def fail(pub: StatusPublisher | None, reason: str, rc: int = EXIT_FAILED, **event: Any) -> int:
     """Publish FAILED with its reason (and ``event``'s fields in the ``failed`` event); exit status ``rc``."""
     log.error("FAILED: %s", reason)
@@ -62,6 +78,8 @@ def finish(
 
     if outcome is Outcome.DRAINED:
         return finish_leave(lifecycle, pub, leave_reason)
+    if outcome is Outcome.EXCLUDED:
+        return finish_excluded(lifecycle, pub, fail_reason)
     run_id = lifecycle.spec.run_id
     if outcome is Outcome.CLOSED and _succeeded_before(ckpt_dir / SUCCESS_MARKER, run_id):
         outcome = Outcome.SUCCEEDED  # we arrived after the job finished

@@ -233,18 +233,21 @@ class Lifecycle:
             except Exception as e:  # noqa: BLE001
                 log.info("%s hook heartbeat failed (ignored): %s", what, e)
 
-    def set_unhealthy(self) -> None:
+    def set_unhealthy(self) -> bool:
         """``SetInstanceHealth Unhealthy`` (not respecting the grace period): the group replaces
-        this instance, as it does one whose boot failed. Best effort."""
+        this instance, as it does one whose boot failed. Best effort: whether the call succeeded
+        (False without a worker group)."""
         if not self.spec.worker_group:
-            return
+            return False
         try:
             self._autoscaling().set_instance_health(
                 InstanceId=self.instance_id, HealthStatus="Unhealthy", ShouldRespectGracePeriod=False
             )
             log.info("marked %s Unhealthy", self.instance_id)
+            return True
         except Exception as e:  # noqa: BLE001
             log.warning("could not mark %s Unhealthy (ignored): %s", self.instance_id, e)
+            return False
 
     def watch(self, stop: threading.Event, request_leave: Callable[[str], None]) -> None:
         """Poll IMDS every ``PETCTL_AGENT_IMDS_POLL`` s for a scale-in (lifecycle) or a spot

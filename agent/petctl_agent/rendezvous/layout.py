@@ -4,7 +4,9 @@ All keys of a run sit under ``<prefix>/<run_id>/``: ``nodes/<id>`` (membership, 
 lease), ``rounds/<r>`` (open marker, then the record; ``rounds/closed``), ``joins/<r>/<id>`` (on
 the node's lease), ``ranks/<r>/<nonce>/<id>`` (each participant's rank, read once by that node),
 ``members/<r>`` (the full rank order, read only by a leader that takes over) and
-``store/<r>/...`` (the agent-side store). Round numbers have 10 digits, so keys sort by round.
+``store/<r>/...`` (the agent-side store); ``failures/<r>/<instance-id>`` (a node's worker failure in
+round r) and ``culprits/<r>`` (the node round r's failure began on, with its count: the agent's
+``elastic/culprit.py``). Round numbers have 10 digits, so keys sort by round.
 """
 
 from __future__ import annotations
@@ -50,6 +52,19 @@ class Keys:
 
     def members(self, r: int) -> str:
         return f"{self.base}/members/{r:010d}"
+
+    def failures(self, r: int) -> str:
+        return f"{self.base}/failures/{r:010d}/"
+
+    def failure(self, r: int, instance_id: str) -> str:
+        return f"{self.failures(r)}{instance_id}"
+
+    @property
+    def culprits(self) -> str:
+        return f"{self.base}/culprits/"
+
+    def culprit(self, r: int) -> str:
+        return f"{self.culprits}{r:010d}"
 
 
 #: ids at the head of a record (the leader and its successors): what finding the leader reads

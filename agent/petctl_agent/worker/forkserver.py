@@ -182,6 +182,10 @@ def note_failure(e: BaseException) -> None:
     path = os.environ.get("PETCTL_FAILURE_FILE")
     if not path:
         return
+    if os.path.exists(path):
+        # a sibling rank noted first: keep its time and error (its failure began this node's; the
+        # agent names the node a round's failure began on by that time, elastic/culprit.py)
+        return
     body = {"pid": os.getpid(), "rank": os.environ.get("RANK"), "t": time.time(),
             "error": f"{type(e).__name__}: {e}"[:300]}  # fmt: skip
     tmp = f"{path}.{os.getpid()}.tmp"
