@@ -1,7 +1,8 @@
 """What EC2 says about an instance type (``DescribeInstanceTypes``), as plain data.
 
 GPU or CPU is decided from these facts, not from the type's name: a type is a GPU type when EC2
-lists GPUs for it (``GpuInfo.Gpus``). A fractional GPU type (``gr6f``, ``g6f``: a partition of an
+lists GPUs for it (``GpuInfo.Gpus``). EFA likewise: ``NetworkInfo.EfaSupported``, how many network
+cards (``MaximumNetworkCards``) and EFA interfaces (``EfaInfo.MaximumEfaInterfaces``) it takes. A fractional GPU type (``gr6f``, ``g6f``: a partition of an
 L4) reports ``Count`` 0 and ``LogicalGpuCount`` 1, so the count alone would misread it as CPU.
 Standard library only: the gateway builds these, the pure plan reads them.
 """
@@ -25,6 +26,19 @@ class InstanceTypeInfo:
     gpu_name: str | None = None
     #: Inferentia or Trainium (``NeuronInfo`` or ``InferenceAcceleratorInfo``).
     neuron: bool = False
+    #: Elastic Fabric Adapter (``NetworkInfo.EfaSupported``), the type's network cards
+    #: (``MaximumNetworkCards``) and the most EFA interfaces it takes (``EfaInfo.MaximumEfaInterfaces``).
+    efa: bool = False
+    network_cards: int = 1
+    max_efa_interfaces: int = 0
+
+    @property
+    def efa_interfaces(self) -> int:
+        """EFA interfaces a worker of this type gets: one per network card, as far as the type
+        takes EFA interfaces (p5.48xlarge: 32, p4d.24xlarge: 4, g5.48xlarge: 1); 0 without EFA."""
+        if not self.efa:
+            return 0
+        return max(1, min(self.network_cards, self.max_efa_interfaces or 1))
 
     @property
     def gpu(self) -> bool:
@@ -56,12 +70,18 @@ class InstanceTypeInfo:
             gpu_manufacturer=None if d["gpu_manufacturer"] is None else str(d["gpu_manufacturer"]),
             gpu_name=None if d["gpu_name"] is None else str(d["gpu_name"]),
             neuron=bool(d["neuron"]),
+            # required: an entry cached before these facts existed is damaged, so looked up again
+            # (read as "no EFA" it would hide a p5's EFA for the cache's week)
+            efa=bool(d["efa"]),
+            network_cards=int(d["network_cards"]),
+            max_efa_interfaces=int(d["max_efa_interfaces"]),
         )
 
     @classmethod
     def from_ec2(cls, d: dict[str, Any]) -> InstanceTypeInfo:
         """One entry of DescribeInstanceTypes' ``InstanceTypes``."""
         gpus = (d.get("GpuInfo") or {}).get("Gpus") or []
+        net = d.get("NetworkInfo") or {}
         return cls(
             name=d["InstanceType"],
             architectures=tuple((d.get("ProcessorInfo") or {}).get("SupportedArchitectures") or ()),
@@ -72,4 +92,7 @@ class InstanceTypeInfo:
             gpu_manufacturer=(gpus[0].get("Manufacturer") or "unknown") if gpus else None,
             gpu_name=gpus[0].get("Name") if gpus else None,
             neuron=bool(d.get("NeuronInfo") or d.get("InferenceAcceleratorInfo")),
+            efa=bool(net.get("EfaSupported")),
+            network_cards=int(net.get("MaximumNetworkCards") or 1),
+            max_efa_interfaces=int((net.get("EfaInfo") or {}).get("MaximumEfaInterfaces") or 0),
         )

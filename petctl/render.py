@@ -115,6 +115,7 @@ def plan_text(p: dict[str, Any], show_template: bool = False) -> str:
         f"{spec.get('max_node_failures')} node failures since it last trained",
         f"  checkpoints:  EFS {par['EfsId']}:/{spec['checkpoint_dir']}",
         f"  warm pool:    {_warm_pool_text(int(par.get('WarmPoolSize', 0)))}",
+        *([f"  network:      {_efa_text(p, par)}"] if p.get("efa_interfaces") else []),
         f"  packages:     {_packages_text(p.get('requirements'), spec.get('torch_version'))}",
         "  uploads:",
         *uploads,
@@ -124,6 +125,17 @@ def plan_text(p: dict[str, Any], show_template: bool = False) -> str:
     else:
         lines.append("(--show-template prints the CloudFormation template)")
     return "\n".join(lines)
+
+
+def _efa_text(p: dict[str, Any], par: dict[str, Any]) -> str:
+    """An EFA job's line: its interfaces, and where its placement group puts the workers."""
+    n = int(p["efa_interfaces"])
+    where = (
+        f"a cluster placement group in {par['SubnetIds']}'s zone"
+        if p.get("placement_group")
+        else "no placement group (--no-placement-group)"
+    )
+    return f"EFA, {n} interface{'s' if n > 1 else ''} per worker (one per network card); {where}"
 
 
 def _packages_text(reqs: dict[str, Any] | None, torch: str | None) -> str:

@@ -91,6 +91,12 @@ class RunJobCommand(click.Command):
     help="Stopped instances, pre-booted with the job's environment, that a scale-up takes first "
     "(0-100, at most --max; not with --spot or several instance types) [default: 0].",
 )
+@click.option(
+    "--no-placement-group",
+    is_flag=True,
+    default=None,
+    help="EFA types (p4d, p5, ...): no cluster placement group [default: one, in the first subnet's zone].",
+)
 @click.option("--ami", default=None, help="AMI id instead of the public SSM parameter.")
 @click.option(
     "--drain-timeout",

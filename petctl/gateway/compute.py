@@ -95,6 +95,12 @@ class Compute:
         subnets = self.ec2.describe_subnets(SubnetIds=[subnet])["Subnets"]
         return subnets[0]["VpcId"] if subnets else None
 
+    def public_subnets(self, subnets: list[str]) -> set[str]:
+        """Those of ``subnets`` that give an instance a public IPv4 on launch (``MapPublicIpOnLaunch``);
+        ClientError when they cannot be read."""
+        found = self.ec2.describe_subnets(SubnetIds=subnets)["Subnets"]
+        return {s["SubnetId"] for s in found if s.get("MapPublicIpOnLaunch")}
+
     def zones(self) -> list[str]:
         """The region's available zones (Local and Wavelength zones excluded)."""
         zones = self.ec2.describe_availability_zones(

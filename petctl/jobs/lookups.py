@@ -14,7 +14,7 @@ from petctl.context import Context
 from petctl.errors import AwsError, ConfigError, PetctlError, describe_client_error
 from petctl.infra import etcd_copy
 from petctl.instance_types import InstanceTypeInfo
-from petctl.jobs.request import JobRequest, instance_types, rdzv_architecture
+from petctl.jobs.request import JobRequest, efa_interfaces, instance_types, rdzv_architecture
 from petctl.storage import parse_s3_url
 from petctl.ui import cmd
 
@@ -44,6 +44,21 @@ def resolve_vpc(ctx: Context) -> None:
         raise ConfigError(f"subnet {subnet} of profile {profile.name!r} was not found in {ctx.region}")
     profile.vpc_id = vpc
     config.save_profile(profile)
+
+
+def public_subnets(ctx: Context, req: JobRequest, facts: dict[str, InstanceTypeInfo]) -> set[str] | None:
+    """Which of the profile's subnets map a public IPv4 on launch, for a worker type with several
+    EFA network cards (which gets none there: the plan refuses it); None, and no call, otherwise."""
+    if efa_interfaces(req, facts) <= 1:
+        return None
+    subnets = list(ctx.profile.subnet_ids)
+    try:
+        return ctx.gateway().compute.public_subnets(subnets)
+    except Exception as e:  # noqa: BLE001 - InvalidSubnetID.NotFound, no access
+        raise AwsError(
+            f"cannot read subnets {', '.join(subnets)} ({describe_client_error(e)}), which a type with "
+            f"several EFA network cards needs to check; the caller needs ec2:DescribeSubnets"
+        ) from e
 
 
 def use_bucket_etcd(ctx: Context, req: JobRequest, facts: dict[str, InstanceTypeInfo]) -> None:

@@ -9,6 +9,7 @@ prints the plan; ``apply`` carries it out.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from petctl.jobs.request import (
     JobRequest,
     check_instance_types,
     default_job_name,
+    efa_env,
+    efa_interfaces,
     instance_types,
     rdzv_architecture,
     sanitize_tag_value,
@@ -85,6 +88,9 @@ class Plan:
     gpu: bool = False
     #: What every node installs after torch (``--dry-run`` lists it); None: nothing.
     requirements: dict[str, Any] | None = None
+    #: EFA interfaces per worker (0: no EFA), and whether the workers share a cluster placement group.
+    efa_interfaces: int = 0
+    placement_group: bool = False
 
     @property
     def parameter_values(self) -> dict[str, str]:
@@ -104,6 +110,8 @@ class Plan:
             "warm_pool": self.warm_pool,
             "gpu": self.gpu,
             "requirements": self.requirements,
+            "efa_interfaces": self.efa_interfaces,
+            "placement_group": self.placement_group,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -121,13 +129,19 @@ def plan(
     region: str | None,
     run_id: str = "",
     reqs: Requirements | None = None,
+    public_subnets: Collection[str] | None = None,
 ) -> Plan:
     """The plan for a validated ``req`` (``validate_request``) in a ready ``profile``; ``facts``
     is what EC2 says about each of its instance types (``lookups.instance_facts``); ``run_id``
     tells this run from other runs of the same job name (``prepare`` draws one per run-job);
-    ``reqs``: the job's checked requirements (``requirements.check``)."""
+    ``reqs``: the job's checked requirements (``requirements.check``); ``public_subnets``: those of
+    the profile's subnets that map a public IPv4 on launch (``lookups.public_subnets``, looked up
+    for a type with several EFA network cards only; None: not looked up)."""
     reqs = reqs or Requirements()
     gpu = check_instance_types(req, facts)
+    efa = efa_interfaces(req, facts)
+    placement_group = efa > 0 and not req.no_placement_group
+    worker_subnets = _worker_subnets(req, profile, efa, placement_group, public_subnets)
     job = req.name or default_job_name(req, profile.name)
     prefix = naming.job_prefix(job)
     bucket = profile.bucket
@@ -152,7 +166,7 @@ def plan(
         code_kind=code.kind,
         script=code.script,
         args=tuple(code.args),
-        env=dict(req.env),
+        env={**efa_env(req, efa), **req.env},
         checkpoint_dir=naming.checkpoint_dir(job),
         status_url=f"s3://{bucket}/{prefix}status/",
         log_group=profile.log_group or naming.log_group(profile.name),
@@ -190,9 +204,12 @@ def plan(
         warm_pool=req.warm_pool > 0,
         etcd_v2=req.rdzv_backend in etcd.ETCD_V2_BACKENDS,
         live=req.live,
+        efa_interfaces=efa,
+        placement_group=placement_group,
     )
     values = _parameters(req, profile, job, types, own_roles, spec_url=f"s3://{bucket}/{prefix}job.json")
     values.update(_rdzv_parameters(req, profile, facts, own_roles))
+    values["SubnetIds"] = ",".join(worker_subnets)
     values["DistUrl"] = f"s3://{bucket}/{prefix}dist/{dist_name}"
     values["User"] = sanitize_tag_value(user)
     if own_roles:
@@ -216,7 +233,35 @@ def plan(
         template_key,
         gpu,
         lines_for_plan(reqs, req.torch_version) if reqs else None,
+        efa,
+        placement_group,
     )
+
+
+def _worker_subnets(
+    req: JobRequest,
+    profile: Profile,
+    efa: int,
+    placement_group: bool,
+    public_subnets: Collection[str] | None,
+) -> list[str]:
+    """The worker group's subnets: the profile's, or only its first (the rendezvous server's) with a
+    cluster placement group, which lives in one zone (AWS refuses a group spread over several).
+    Refuses a type with several EFA network cards in subnets that map a public IPv4: EC2 gives no
+    public address to an instance launched with several network interfaces, so its workers could
+    reach neither PyPI nor S3 there without a NAT gateway."""
+    subnets = list(profile.subnet_ids[:1] if placement_group else profile.subnet_ids)
+    public = [s for s in subnets if s in (public_subnets or ())]
+    if efa > 1 and public:
+        types = instance_types(req)
+        raise ConfigError(
+            f"--instance-type {types[0]}: {efa} EFA network cards, and EC2 gives no public IPv4 to an "
+            f"instance launched with several network interfaces, but subnet {public[0]} of profile "
+            f"{profile.name!r} relies on one (it maps public addresses on launch); run the job in private "
+            f"subnets with a NAT gateway (`{cmd('configure --subnet-ids subnet-a,subnet-b')}`, docs/contracts.md "
+            f'"Private subnets, for an account with NAT"), or use a type with one network card'
+        )
+    return subnets
 
 
 def _rdzv_parameters(

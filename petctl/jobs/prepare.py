@@ -8,7 +8,14 @@ from pathlib import Path
 from petctl import storage
 from petctl.context import Context
 from petctl.jobs import ebs_key, requirements
-from petctl.jobs.lookups import check_code_url, instance_facts, resolve_ami, resolve_vpc, use_bucket_etcd
+from petctl.jobs.lookups import (
+    check_code_url,
+    instance_facts,
+    public_subnets,
+    resolve_ami,
+    resolve_vpc,
+    use_bucket_etcd,
+)
 from petctl.jobs.planning import Plan, plan, prepare_code
 from petctl.jobs.request import JobRequest, check_instance_types, validate_request
 
@@ -30,8 +37,19 @@ def prepare(ctx: Context, req: JobRequest) -> Plan:
     use_bucket_etcd(ctx, req, facts)
     resolve_ami(ctx, req)
     resolve_vpc(ctx)
+    public = public_subnets(ctx, req, facts)
     ebs_key.check(ctx)
     code = prepare_code(req, dist=storage.dist_wheel())
     # a fresh id per run-job: the job's name, and its checkpoint dir, are kept across runs
     run_id = secrets.token_hex(8)
-    return plan(req, ctx.profile, code, facts, user=ctx.user, region=ctx.region, run_id=run_id, reqs=reqs)
+    return plan(
+        req,
+        ctx.profile,
+        code,
+        facts,
+        user=ctx.user,
+        region=ctx.region,
+        run_id=run_id,
+        reqs=reqs,
+        public_subnets=public,
+    )

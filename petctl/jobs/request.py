@@ -80,6 +80,9 @@ class JobRequest:
     #: ``--live``: each node's workers are torchft replica groups that never restart on a change;
     #: the rendezvous instance runs the job's lighthouse beside etcd
     live: bool = False
+    #: ``--no-placement-group``: EFA workers without a cluster placement group (which is on by default
+    #: for EFA types: one zone, close together)
+    no_placement_group: bool = False
 
 
 def default_rdzv_instance_type(max_nodes: int) -> str:
@@ -119,6 +122,8 @@ def default_job_name(req: JobRequest, profile: str = "") -> str:
         del fields["no_requirements"]
     if not req.live:
         del fields["live"]  # jobs named before live mode existed keep their names
+    if not req.no_placement_group:
+        del fields["no_placement_group"]  # and those named before placement groups
     digest = hashlib.sha1(json.dumps([profile, target, fields], sort_keys=True).encode()).hexdigest()[:4]
     return f"{stem[:30].rstrip('-')}-{digest}"
 
@@ -253,6 +258,32 @@ def _check_live(req: JobRequest, facts: dict[str, InstanceTypeInfo], rdzv_arch: 
             f"--live goes with the default rendezvous (petctl-etcd), not --rdzv-backend {req.rdzv_backend}: "
             f"live workers never use torch's rendezvous"
         )
+
+
+#: Families whose EFA does RDMA (GPUDirect RDMA from the GPU's memory): libfabric's efa provider
+#: uses it with FI_EFA_USE_DEVICE_RDMA=1 (AWS: p4d, p4de, p5, p5e, p5en, p6); on other EFA types
+#: (g5, g6e, ...) the variable is left unset, since the provider refuses RDMA a device lacks.
+EFA_RDMA_FAMILY = re.compile(r"^(p4d|p4de|p5|p5e|p5en|p6-[a-z0-9]+|p6e-[a-z0-9]+)$")
+
+
+def efa_interfaces(req: JobRequest, facts: dict[str, InstanceTypeInfo]) -> int:
+    """EFA interfaces each worker gets (0: none). One launch template serves every --instance-type,
+    so EFA only when every type supports it with the same number of interfaces (a type with fewer
+    network cards would refuse the others' card indexes); a type without EFA is simply not EFA."""
+    counts = {facts[t].efa_interfaces for t in instance_types(req)}
+    return counts.pop() if len(counts) == 1 else 0
+
+
+def efa_env(req: JobRequest, interfaces: int) -> dict[str, str]:
+    """What an EFA job's workers get in their environment, under the user's own --env (which wins):
+    libfabric's efa provider for NCCL's aws-ofi-nccl plugin (the Deep Learning AMI ships both), and
+    device RDMA on the families that have it. NCCL's own tuning (NCCL_PROTO, ...) is left default."""
+    if not interfaces:
+        return {}
+    env = {"FI_PROVIDER": "efa"}
+    if all(EFA_RDMA_FAMILY.match(family(t)) for t in instance_types(req)):
+        env["FI_EFA_USE_DEVICE_RDMA"] = "1"
+    return env
 
 
 def rdzv_architecture(req: JobRequest, facts: dict[str, InstanceTypeInfo]) -> str:

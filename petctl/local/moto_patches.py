@@ -55,6 +55,10 @@
    key but could not read it back.
 15. **Lifecycle hooks declared on a group** (:mod:`petctl.local.moto_hooks`): moto ignored a group's
    ``LifecycleHookSpecificationList``, so the job's worker group had no hooks.
+16. **A subnet's MapPublicIpOnLaunch in CloudFormation**: ``AWS::EC2::Subnet`` takes it (CloudFormation
+   User Guide, AWS::EC2::Subnet); moto dropped it, so setup's public subnets read as private and
+   run-job could not refuse a type with several EFA network cards there (EC2 gives an instance
+   launched with several interfaces no public IPv4).
 
 Each patch wraps one moto method with :func:`petctl.local.patching.wrap`.
 """
@@ -497,6 +501,25 @@ def _patch_launch_template_instance_profile() -> None:
         return reservation
 
 
+def _patch_subnet_public_ip() -> None:
+    from moto.ec2.models.subnets import Subnet
+
+    # a classmethod: wrap() would install a plain function, so the underlying function is wrapped
+    original = Subnet.create_from_cloudformation_json.__func__  # type: ignore[attr-defined]
+    if getattr(original, "_petctl_patched", False):
+        return
+
+    def create(cls: Any, resource_name: str, cloudformation_json: Any, *args: Any, **kwargs: Any) -> Any:
+        subnet = original(cls, resource_name, cloudformation_json, *args, **kwargs)
+        value = (cloudformation_json.get("Properties") or {}).get("MapPublicIpOnLaunch")
+        if value is not None:  # a bool, or "true"/"false" from a parameter
+            subnet.map_public_ip_on_launch = str(value).lower() == "true"
+        return subnet
+
+    create._petctl_patched = True  # type: ignore[attr-defined]
+    Subnet.create_from_cloudformation_json = classmethod(create)  # type: ignore[method-assign,assignment]
+
+
 def apply() -> None:
     """Install the patches (idempotent)."""
     _patch_instance_types()
@@ -511,6 +534,7 @@ def apply() -> None:
     _patch_log_stream_prefix()
     _patch_efs_mount_targets()
     _patch_launch_template_instance_profile()
+    _patch_subnet_public_ip()
     moto_warm_pool.apply()
     moto_efs.apply()
     moto_ebs.apply()

@@ -29,6 +29,10 @@ JOB_TEMPLATE = "job.yaml.j2"
 TEMPLATE_BODY_MAX_BYTES = 51_200
 TEMPLATE_URL_MAX_BYTES = 1_000_000
 
+#: A bound on EFA interfaces per worker: the most network cards of any EC2 type today is 32
+#: (p5.48xlarge), with room for larger ones.
+MAX_EFA_INTERFACES = 64
+
 MIN_AZ_COUNT = 1  # the issue asks for >= 2 by default; one AZ is allowed for cheap trials
 MAX_AZ_COUNT = 6
 
@@ -186,6 +190,8 @@ def render_job(
     warm_pool: bool = False,
     etcd_v2: bool = False,
     live: bool = False,
+    efa_interfaces: int = 0,
+    placement_group: bool = False,
 ) -> str:
     """Render the job stack template (``petctl run_job``).
 
@@ -212,6 +218,11 @@ def render_job(
         live: live membership (``run-job --live``): the rendezvous server also runs the job's
             torchft lighthouse (port ``LIGHTHOUSE_PORT``, from the job's workers only), installed
             from the job's petctl wheel and torchft without torch.
+        efa_interfaces: EFA interfaces per worker, one per network card (0: no EFA; at most
+            :data:`MAX_EFA_INTERFACES`): the worker launch template names them, cards 0 to N-1,
+            and the worker group allows all traffic out to itself as well as in.
+        placement_group: the workers go in a cluster placement group (one zone: give
+            ``SubnetIds`` one subnet).
 
     Returns:
         The CloudFormation template as YAML text; see :func:`job_parameters` for its parameters.
@@ -224,6 +235,15 @@ def render_job(
     _check_bool("warm_pool", warm_pool)
     _check_bool("etcd_v2", etcd_v2)
     _check_bool("live", live)
+    _check_bool("placement_group", placement_group)
+    if (
+        not isinstance(efa_interfaces, int)
+        or isinstance(efa_interfaces, bool)
+        or not 0 <= efa_interfaces <= MAX_EFA_INTERFACES
+    ):
+        raise ValueError(
+            f"efa_interfaces={efa_interfaces!r}: use 0 (no EFA) to {MAX_EFA_INTERFACES} (one per network card)"
+        )
     if bucket_kms and not own_roles:
         raise ValueError("bucket_kms needs own_roles: existing instance profiles are the user's to grant")
     if (
@@ -250,6 +270,8 @@ def render_job(
         warm_pool=warm_pool,
         etcd_v2=etcd_v2,
         live=live,
+        efa_interfaces=efa_interfaces,
+        placement_group=placement_group,
         lighthouse_port=LIGHTHOUSE_PORT,
         torchft_version=TORCHFT_VERSION,
         etcd_version=etcd.ETCD_VERSION,
