@@ -53,6 +53,9 @@ log = logging.getLogger("petctl_agent.elastic")
 #: seconds on a busy box (tests/agent/test_failing_worker.py: 6 s); one hung in a collective
 #: whose Python SIGTERM handler cannot run never exits by itself
 LOSS_STOP_GRACE = 10.0
+#: seconds past the failure grace that a node whose failure record is the round's only one waits
+#: for a peer's, before it names nobody (culprit.py: a failure that did not spread names nobody)
+CULPRIT_WAIT = 2.0
 
 
 def live_worker_pids(pc: Any) -> list[int]:
@@ -699,6 +702,19 @@ class PetctlElasticAgent(LocalElasticAgent):
             return None
         try:
             failures = book.read(self.watch.round)
+            # our peers' failures come a little after ours (their collectives fail once our workers
+            # are gone) and are written at once, well within the grace; a peer slower than that is
+            # waited for a little, not forever (one whose collective hangs never writes)
+            nodes = getattr(self._worker_group, "group_world_size", None) or 2
+            deadline = time.monotonic() + CULPRIT_WAIT
+            while (
+                nodes > 1
+                and len({f.node for f in failures} | {mine.node}) < 2
+                and time.monotonic() < deadline
+                and not self.leave_requested.is_set()
+            ):
+                time.sleep(0.2)
+                failures = book.read(self.watch.round)
             if not any(f.node == mine.node for f in failures):
                 failures.append(mine)
             first = first_failure(failures)
