@@ -160,7 +160,7 @@ def floor(gib: float, reps: int, shm_root: Path) -> dict[str, float]:
     import mmap
     import os
 
-    from petctl_agent.checkpointing.snapshot import _populate
+    from petctl_agent.checkpointing.mapping import populate
 
     n = int(gib * 2**30)
     src = torch.randn(n // 4).view(torch.uint8)
@@ -188,7 +188,7 @@ def floor(gib: float, reps: int, shm_root: Path) -> dict[str, float]:
                 flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if how == "map_populate" else 0)
                 mm = mmap.mmap(fd, n, flags=flags)
                 if how == "madvise_populate_ctypes":
-                    _populate(mm)
+                    populate(mm)
                 t1 = time.perf_counter()
                 dst = torch.frombuffer(mm, dtype=torch.uint8, count=n)
                 dst.copy_(src)

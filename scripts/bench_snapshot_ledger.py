@@ -1,4 +1,4 @@
-"""What the machine-wide ledger of snapshot allocations in flight costs a write (checkpointing/snapshot.py).
+"""What the machine-wide ledger of snapshot allocations in flight costs a write (checkpointing/budget.py).
 
     python scripts/bench_snapshot_ledger.py --reps 200 --mib 64
 
@@ -49,7 +49,9 @@ def main() -> int:
         os.environ["PETCTL_SNAPSHOT_LEDGER"] = str(root / "ledger")
         import torch
 
-        from petctl_agent.checkpointing import snapshot
+        from petctl_agent.checkpointing import budget as snapshot_budget
+        from petctl_agent.checkpointing.processes import start_time
+        from petctl_agent.checkpointing.snapshot import SnapshotStore
 
         store_dir = root / "store"
         store_dir.mkdir()
@@ -60,18 +62,18 @@ def main() -> int:
         try:
             lines = []
             for i, p in enumerate(sleepers):
-                start = snapshot._started(p.pid)
+                start = start_time(p.pid)
                 entry = {"pid": p.pid, "start": start, "id": i + 1, "need": 4096, "fd": -1}
                 lines.append(json.dumps(entry, separators=(",", ":")))
             (root / "ledger").write_text("".join(line + "\n" for line in lines))
             out: dict[str, object] = {"reps": a.reps, "others": a.others, "mib": a.mib}
             for label, ledger in (("reserve_done_ledger", root / "ledger"), ("reserve_done_no_ledger", None)):
-                budget = snapshot._Budget(ledger)
+                budget = snapshot_budget.Budget(ledger)
                 fd = os.open(root / "f", os.O_RDWR | os.O_CREAT, 0o600)
                 times = []
                 for _ in range(a.reps):
                     t0 = time.perf_counter()
-                    r, why = budget.reserve(4096, store_dir, snapshot.read_meminfo)
+                    r, why = budget.reserve(4096, store_dir, snapshot_budget.read_meminfo)
                     assert r is not None, why
                     r.attach(fd)
                     r.done()
@@ -82,7 +84,7 @@ def main() -> int:
             state = {"w": torch.ones(n)}
             new, in_place = [], []
             for rep in range(max(3, a.reps // 20)):
-                store = snapshot.SnapshotStore(store_dir, f"s{rep}")
+                store = SnapshotStore(store_dir, f"s{rep}")
                 t0 = time.perf_counter()
                 assert store.write(state, 1, wait=True) == "ok"  # slot a: a new file
                 new.append(time.perf_counter() - t0)

@@ -38,7 +38,7 @@ Memory: before each run the chain's need (N workers x state, + 2 x state per nod
 snapshots' two slots, + one more state for a save's buffers, + 1 GiB) is checked against
 ``MemAvailable``; a run that does not fit is skipped and reported, never started. Except the
 snapshots of petctl-mem: the product itself admits a snapshot only while it fits in
-``MemAvailable`` less its reserve (``snapshot.fits``) and sends the rest to EFS, so a chain whose
+``MemAvailable`` less its reserve (``budget.fits``) and sends the rest to EFS, so a chain whose
 snapshots do not all fit runs when its workers and buffer do (``memory_model``: it says how many
 of the 2 x N slots the product would admit), and the tables say per checkpoint and restore
 whether memory or EFS served it. During a chain the run is stopped (its nodes SIGKILLed, the
@@ -147,10 +147,10 @@ def memory_need(gib: float, nodes: int, snapshots: bool) -> float:
 
 
 def snapshot_reserve_gib(mem_total_gib: float) -> float:
-    """The snapshot store's reserve (``snapshot.fits``): max(RESERVE_MIN, RESERVE_FRACTION x MemTotal)."""
-    from petctl_agent.checkpointing import snapshot
+    """The snapshot store's reserve (``budget.fits``): max(RESERVE_MIN, RESERVE_FRACTION x MemTotal)."""
+    from petctl_agent.checkpointing import budget
 
-    return max(snapshot.RESERVE_MIN / GIB, snapshot.RESERVE_FRACTION * mem_total_gib)
+    return max(budget.RESERVE_MIN / GIB, budget.RESERVE_FRACTION * mem_total_gib)
 
 
 def memory_model(gib: float, nodes: int, snapshots: bool, avail: float, reserve: float) -> dict[str, Any]:
@@ -158,7 +158,7 @@ def memory_model(gib: float, nodes: int, snapshots: bool, avail: float, reserve:
     whole need; every number GiB). ``base``: what the product does not govern -- the workers' state,
     a save's buffer, 1 GiB of processes (``memory_need`` without snapshots): the chain is skipped
     when that does not fit. ``need``: ``base`` plus the snapshot slots the product would admit:
-    ``snapshot.fits`` takes a slot only when its whole size plus ``reserve`` fits in
+    ``budget.fits`` takes a slot only when its whole size plus ``reserve`` fits in
     ``MemAvailable``, so with ``avail`` free at the start and the workers' state and processes in
     place, ``slots`` of the 2 x ``nodes`` fit (the rest go to EFS: the product's fallback).
     ``fallback``: fewer than all."""

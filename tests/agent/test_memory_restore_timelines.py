@@ -22,7 +22,8 @@ import torch
 from petctl_agent import checkpoint as ckpt
 from petctl_agent.checkpointing import memory
 from petctl_agent.checkpointing.files import LATEST
-from petctl_agent.checkpointing.snapshot import SnapshotStore, _header_crc
+from petctl_agent.checkpointing.header import header_crc
+from petctl_agent.checkpointing.snapshot import SnapshotStore
 
 
 def _history(d: Path, step: int, salt: float, epoch: int, k: int = 4, n: int = 1 << 14) -> dict[str, float]:
@@ -35,7 +36,7 @@ def _history(d: Path, step: int, salt: float, epoch: int, k: int = 4, n: int = 1
     c = s.newest()
     s.close()
     h = dict(c.header, epoch=epoch)  # as that generation's write leaves it (its own CRC again)
-    h["header_crc"] = _header_crc(h)
+    h["header_crc"] = header_crc(h)
     s.header_path(c.slot).write_text(json.dumps(h))
     return {key: float(v.double().sum()) for key, v in state.items()}
 

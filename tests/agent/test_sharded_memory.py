@@ -360,7 +360,7 @@ def test_sharded_memory_is_off_unless_the_job_opts_in(tmp_path: Path) -> None:
 # 2 ranks of one node (one snapshot dir). Each rank's own need fits the (fake, small) free memory
 # alone; the node's two ranks together do not: the node must say no, and the job write to EFS.
 ONE_NODE_TIGHT = """
-from petctl_agent.checkpointing.snapshot import RESERVE_MIN
+from petctl_agent.checkpointing.budget import RESERVE_MIN
 own = sharded_memory._local_bytes(state())
 fake = os.path.join(os.environ["REF_DIR"], f"meminfo-{rank}")
 with open(fake, "w") as f:  # room for 1.5x this rank's shard bytes: each rank alone fits
@@ -392,8 +392,8 @@ def test_fit_is_decided_for_the_whole_node(tmp_path: Path) -> None:
 # rank 0's own pid, as another store's): with it, the second node to reserve does not fit, so
 # step 2 goes to EFS; once it is done, step 3 to memory again.
 LEDGER_HOG = """
-from petctl_agent.checkpointing import snapshot
-from petctl_agent.checkpointing.snapshot import RESERVE_MIN
+from petctl_agent.checkpointing.budget import RESERVE_MIN
+from petctl_agent.checkpointing.processes import this_process
 ledger = os.environ["PETCTL_SNAPSHOT_LEDGER"]
 seen = []
 for s in range(1, 4):
@@ -406,7 +406,7 @@ for s in range(1, 4):
             f.write(f"MemTotal: {(1 << 30) // 1024} kB\\nMemAvailable: {(RESERVE_MIN + 5 * own) // 1024} kB\\n")
         sharded_memory.MEMINFO_PATH = fake
     if s == 2 and rank == 0:
-        pid, start = snapshot._self()
+        pid, start = this_process()
         with open(ledger, "a") as f:  # 2x a shard promised to another allocation, none of it taken
             f.write(json.dumps({"pid": pid, "start": start, "id": "hog", "need": 2 * own, "fd": -1}) + "\\n")
     dist.barrier()

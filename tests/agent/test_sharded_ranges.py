@@ -53,7 +53,7 @@ if SPY:  # every receive buffer (a node's receive file) the restore allocates
     except ImportError:
         pass
 if os.environ.get("TIGHT_RANK") == str(rank):  # this node's memory: nothing to spare past the reserve
-    from petctl_agent.checkpointing.snapshot import RESERVE_MIN
+    from petctl_agent.checkpointing.budget import RESERVE_MIN
     fake = os.path.join(os.environ["REF_DIR"], f"meminfo-{rank}")
     with open(fake, "w") as f:
         f.write(f"MemTotal: {(1 << 30) // 1024} kB\\nMemAvailable: {(RESERVE_MIN + 4096) // 1024} kB\\n")

@@ -22,9 +22,10 @@ import pytest
 import torch
 
 from petctl_agent import checkpoint as ckpt
+from petctl_agent.checkpointing.budget import fits, read_meminfo
 from petctl_agent.checkpointing.files import load_file, read_pointer
 from petctl_agent.checkpointing.persist import Persister, _persist, persist_newest
-from petctl_agent.checkpointing.snapshot import SnapshotStore, fits, read_meminfo
+from petctl_agent.checkpointing.snapshot import SnapshotStore
 from tests.ranks import run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -1300,27 +1301,27 @@ def test_a_copy_under_given_crc32s_is_not_sealed(tmp_path: Path) -> None:
 def test_an_exited_writer_not_yet_reaped_is_gone_and_only_a_sure_answer_counts() -> None:
     """A zombie holds no mapping: its seal counts (the agent reaps its workers after the check).
     Only a sure "gone" counts: an unknown start time or another pid namespace count as alive."""
-    from petctl_agent.checkpointing.snapshot import _alive, _pidns, _started
+    from petctl_agent.checkpointing.processes import alive, pid_namespace, start_time
 
-    ns = _pidns()
+    ns = pid_namespace()
     assert ns is not None
     pid = os.fork()
     if pid == 0:
         os._exit(0)
     try:
-        started = _started(pid)
+        started = start_time(pid)
         deadline = time.monotonic() + 10
-        while _alive(pid, started, ns):
+        while alive(pid, started, ns):
             assert time.monotonic() < deadline, "a zombie counted as alive"
             time.sleep(0.01)
-        assert _alive(pid, None, ns) is True  # its start time unknown: cannot tell
-        assert _alive(pid, started, ns + 1) is True  # another pid namespace's pid: cannot tell
-        assert _alive(pid, started, None) is True
-        assert _alive(os.getpid(), _started(os.getpid()), ns) is True
-        assert _alive(os.getpid(), "0", ns) is False  # a reused pid: another start time
+        assert alive(pid, None, ns) is True  # its start time unknown: cannot tell
+        assert alive(pid, started, ns + 1) is True  # another pid namespace's pid: cannot tell
+        assert alive(pid, started, None) is True
+        assert alive(os.getpid(), start_time(os.getpid()), ns) is True
+        assert alive(os.getpid(), "0", ns) is False  # a reused pid: another start time
     finally:
         os.waitpid(pid, 0)
-    assert _alive(pid, started, ns) is False  # reaped
+    assert alive(pid, started, ns) is False  # reaped
 
 
 def test_a_waited_write_checksums_on_several_threads_to_the_same_header(tmp_path: Path, monkeypatch) -> None:

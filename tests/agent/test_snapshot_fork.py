@@ -1,4 +1,4 @@
-"""The snapshot store and ``os.fork`` (checkpointing/snapshot.py; found in review).
+"""The snapshot store and ``os.fork`` (checkpointing/mapping.py, slots.py; found in review).
 
 A DataLoader worker is a child forked (no exec) from the training process at any moment, while
 the store's threads (the persister's pin, the spare thread) hold locks and mappings. What the
@@ -29,8 +29,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from petctl_agent.checkpointing import snapshot
-from petctl_agent.checkpointing.snapshot import RESERVE_MIN, SnapshotStore
+from petctl_agent import filelocks
+from petctl_agent.checkpointing import mapping
+from petctl_agent.checkpointing.budget import RESERVE_MIN
+from petctl_agent.checkpointing.snapshot import SnapshotStore
 
 N = 1 << 20  # 4 MiB of fp32
 
@@ -113,7 +115,7 @@ def test_a_fork_during_the_spare_threads_lock_leaves_the_slot_unlent(tmp_path: P
     store = SnapshotStore(tmp_path, "r")  # a restarted worker: slot a is mapped in the background
     data = store.data_path("a")
     ino = data.stat().st_ino
-    real = snapshot.filelocks.try_hold
+    real = filelocks.try_hold
     pids: list[int] = []
     forked = threading.Event()
 
@@ -128,11 +130,11 @@ def test_a_fork_during_the_spare_threads_lock_leaves_the_slot_unlent(tmp_path: P
             time.sleep(0.3)  # the thread forks while this lock is held (or waits until it is recorded)
         return fd
 
-    monkeypatch.setattr(snapshot.filelocks, "try_hold", try_hold)
+    monkeypatch.setattr(filelocks, "try_hold", try_hold)
     store.prepare_spares(N * 4)
     store._spares.join(30)
     assert forked.wait(30) and pids
-    monkeypatch.setattr(snapshot.filelocks, "try_hold", real)
+    monkeypatch.setattr(filelocks, "try_hold", real)
     try:
         assert os.waitpid(pids[0], os.WNOHANG) == (0, 0)  # the child lives on
         probe = real(data, create=False)
@@ -191,7 +193,7 @@ def test_a_spare_the_writer_took_while_it_was_mapped_is_not_kept(tmp_path: Path,
     write takes the spare."""
     go = threading.Event()
     filling = threading.Event()
-    real = snapshot._populate
+    real = mapping.populate
 
     def populate(mm):
         if threading.current_thread().name == "petctl-snapshot-spare":
@@ -199,7 +201,7 @@ def test_a_spare_the_writer_took_while_it_was_mapped_is_not_kept(tmp_path: Path,
             go.wait(30)
         real(mm)
 
-    monkeypatch.setattr(snapshot, "_populate", populate)
+    monkeypatch.setattr(mapping, "populate", populate)
     store = SnapshotStore(tmp_path, "r")
     assert store.write({"w": torch.full((N,), 1.0)}, 1, wait=True) == "ok"  # slot a; spare b started
     assert filling.wait(30)

@@ -1,4 +1,4 @@
-"""Never OOM across the processes of one machine (checkpointing/snapshot.py, ``_Budget``).
+"""Never OOM across the processes of one machine (checkpointing/budget.py, ``Budget``).
 
 The local cloud's nodes share one machine's ``MemAvailable``: each node's writer checked it on its
 own, and two 4 GiB writes both passed against the same 5.27 GiB (docs/benchmarks.md, 4 GiB at 2 nodes).
@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from petctl_agent.checkpointing import snapshot
-from petctl_agent.checkpointing.snapshot import RESERVE_MIN
+from petctl_agent.checkpointing import budget
+from petctl_agent.checkpointing.budget import RESERVE_MIN
 
 N = 1 << 20  # 4 MiB of fp32
 SIZE = N * 4
@@ -34,9 +34,10 @@ CHILD = r"""
 import sys, time
 from pathlib import Path
 import torch
-from petctl_agent.checkpointing import snapshot
+from petctl_agent.checkpointing import mapping
+from petctl_agent.checkpointing.snapshot import SnapshotStore
 d, tag, hold, N = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "hold", int(sys.argv[4])
-real = snapshot._fallocate
+real = mapping.fallocate
 
 def wait_for(p):
     deadline = time.monotonic() + 120
@@ -53,9 +54,9 @@ def held(fd, n):
     wait_for(tag.parent / "go2")
 
 if hold:
-    snapshot._fallocate = held
+    mapping.fallocate = held
 d.mkdir(exist_ok=True)
-store = snapshot.SnapshotStore(d, "replicated")
+store = SnapshotStore(d, "replicated")
 print(store.write({"w": torch.full((N,), 1.0)}, 1, wait=True), flush=True)
 """
 
@@ -69,8 +70,8 @@ def _machine(tmp: Path, room: float) -> dict[str, str]:
     tmp_file.write_text(f"MemTotal: {1 << 20} kB\nMemAvailable: {avail >> 10} kB\n")  # 1 GiB: reserve 512 MiB
     os.replace(tmp_file, path)
     env = dict(os.environ)
-    env[snapshot.MEMINFO_ENV] = str(path)
-    env[snapshot.LEDGER_ENV] = str(tmp / "ledger")
+    env[budget.MEMINFO_ENV] = str(path)
+    env[budget.LEDGER_ENV] = str(tmp / "ledger")
     return env
 
 
@@ -135,7 +136,7 @@ def test_two_nodes_on_one_machine_never_both_take_the_room_for_one(tmp_path: Pat
                 p.wait()
     # every reservation ended or its process did (a write's background spare may outlive the
     # write, its entry then dropped at the next read): nothing in flight
-    assert snapshot._Budget(tmp_path / "ledger")._ledger() == []
+    assert budget.Budget(tmp_path / "ledger")._ledger() == []
 
 
 def test_a_writer_killed_mid_allocation_leaves_no_promise_behind(tmp_path: Path) -> None:
@@ -166,31 +167,31 @@ def test_the_ledger_is_one_per_tmpfs_at_its_root(tmp_path: Path) -> None:
     mounts = tmp_path / "mounts"
     mounts.write_text(f"/dev/vda / ext4 rw 0 0\ntmpfs {shm} tmpfs rw,nosuid,nodev 0 0\n")
     for d in (shm / "petctl" / "job" / "i-1", shm / "bench" / "node1" / "job" / "i-2", shm):
-        assert snapshot.ledger_path(d, mounts=str(mounts)) == shm / snapshot.LEDGER
+        assert budget.ledger_path(d, mounts=str(mounts)) == shm / budget.LEDGER
     other = shm.parent / "disk" / "store"
-    assert snapshot.ledger_path(other, mounts=str(mounts)) == other / snapshot.LEDGER
+    assert budget.ledger_path(other, mounts=str(mounts)) == other / budget.LEDGER
 
 
 def test_a_ledger_held_too_long_is_a_no_fit_not_a_hang(tmp_path: Path, monkeypatch) -> None:
     """A process stopped while it holds the ledger's flock (SIGSTOP, a debugger) must not hang
     another node's checkpoint: past ``LEDGER_WAIT`` the reservation is refused (the step goes to
     EFS), with the reason; once the lock is free again it is admitted."""
-    monkeypatch.setattr(snapshot, "LEDGER_WAIT", 0.2)
+    monkeypatch.setattr(budget, "LEDGER_WAIT", 0.2)
     env = _machine(tmp_path, room=1.5)
-    meminfo = lambda: snapshot.read_meminfo(env[snapshot.MEMINFO_ENV])  # noqa: E731
-    budget = snapshot._Budget(tmp_path / "ledger")
+    meminfo = lambda: budget.read_meminfo(env[budget.MEMINFO_ENV])  # noqa: E731
+    machine = budget.Budget(tmp_path / "ledger")
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(tmp_path / "ledger"), str(tmp_path / "held")]
     )
     try:
         _until(lambda: (tmp_path / "held").exists() or holder.poll() is not None, "the holder has the lock")
         assert holder.poll() is None
-        r, why = budget.reserve(SIZE, tmp_path, meminfo)
+        r, why = machine.reserve(SIZE, tmp_path, meminfo)
         assert r is None and "flock held" in why, why
     finally:
         holder.kill()
         holder.wait()
-    r, why = budget.reserve(SIZE, tmp_path, meminfo)
+    r, why = machine.reserve(SIZE, tmp_path, meminfo)
     assert r is not None, why
     r.done()
 

@@ -1,4 +1,4 @@
-"""The snapshot store's write path (checkpointing/snapshot.py): memory safety (review).
+"""The snapshot store's write path (checkpointing/writing.py, slots.py, budget.py): memory safety (review).
 
 - the background spare thread and a write check the node's memory and allocate as one step, so
   together they never take more than ``MemAvailable`` less the reserve;
@@ -24,8 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from petctl_agent.checkpointing import snapshot
-from petctl_agent.checkpointing.snapshot import RESERVE_MIN, SnapshotStore
+from petctl_agent.checkpointing import budget, mapping
+from petctl_agent.checkpointing.budget import RESERVE_MIN
+from petctl_agent.checkpointing.snapshot import SnapshotStore
 
 N = 1 << 20  # 4 MiB of fp32
 
@@ -59,7 +60,7 @@ def test_a_spare_and_a_write_never_overshoot_the_reserve_together(tmp_path: Path
     assert got is not None
 
     started, go = threading.Event(), threading.Event()
-    real = snapshot._fallocate
+    real = mapping.fallocate
 
     def slow(fd: int, n: int) -> None:  # the spare thread's allocation, held before its pages go
         if threading.current_thread().name == "petctl-snapshot-spare":
@@ -67,7 +68,7 @@ def test_a_spare_and_a_write_never_overshoot_the_reserve_together(tmp_path: Path
             go.wait(30)
         real(fd, n)
 
-    monkeypatch.setattr(snapshot, "_fallocate", slow)
+    monkeypatch.setattr(mapping, "fallocate", slow)
     store.prepare_spares(size)
     assert started.wait(30)
     assert store.write({"w": torch.full((N,), 3.0)}, 3, wait=True) == "ok"  # slot a, in place
@@ -98,7 +99,7 @@ def test_a_write_counts_what_the_spare_thread_has_yet_to_take_not_more(tmp_path:
     store.prepare_spares(size)
     store._spares.join(30)
     assert store.spare_path("b").exists()
-    b = snapshot._budget(tmp_path)
+    b = budget.of(tmp_path)
     with b.lock:
         assert b.pending() == 0 and not b.inflight  # nothing left in flight once it is made
     assert store.write({"w": torch.full((N,), 3.0)}, 3, wait=True) == "ok"
@@ -145,14 +146,14 @@ def test_a_spare_half_made_when_the_store_closes_is_removed(tmp_path: Path, monk
     store = SnapshotStore(tmp_path, "r")
     got = store.load(2)
     started, go = threading.Event(), threading.Event()
-    real = snapshot._fallocate
+    real = mapping.fallocate
 
     def slow(fd: int, n: int) -> None:
         started.set()
         go.wait(30)
         real(fd, n)
 
-    monkeypatch.setattr(snapshot, "_fallocate", slow)
+    monkeypatch.setattr(mapping, "fallocate", slow)
     store.prepare_spares(N * 4)
     assert started.wait(30)
     threading.Timer(0.2, go.set).start()

@@ -133,7 +133,7 @@ def test_memory_model_counts_the_snapshot_slots_the_product_would_admit() -> Non
     assert (m["slots"], m["of_slots"], m["fallback"]) == (6, 6, False)
     assert m["need"] == bs.memory_need(1, 3, snapshots=True)  # workers, 2 slots per node, buffer, 1 GiB
     # 4 GiB x 2 nodes on this 24 GiB machine: workers 8 + 1 GiB of processes; 20 - 9 - 1.2 = 9.8
-    # GiB of room: 2 of the 4 slots fit (snapshot.fits takes a slot only whole), the rest is EFS
+    # GiB of room: 2 of the 4 slots fit (budget.fits takes a slot only whole), the rest is EFS
     m = bs.memory_model(4, 2, True, avail=20.0, reserve=1.2)
     assert (m["slots"], m["of_slots"], m["fallback"]) == (2, 4, True)
     assert (m["base"], m["need"]) == (2 * 4 + 4 + 1, 2 * 4 + 4 + 1 + 2 * 4)

@@ -50,7 +50,9 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent.checkpointing import peer, timeline
-from petctl_agent.checkpointing.snapshot import OK, SnapshotStore, _header_crc
+from petctl_agent.checkpointing.header import header_crc
+from petctl_agent.checkpointing.snapshot import SnapshotStore
+from petctl_agent.checkpointing.writing import OK
 
 #: in the store: the server's address (``{"addr", "port"}``), the agent's lock held for a fetch, the
 #: last fetch's account (node/snapshots.py names the first two too: a test holds them equal)
@@ -219,7 +221,7 @@ def _header_of(src: Source, deadline: float | None = None) -> dict[str, Any] | N
             h = _recv(s)
     except (OSError, ValueError, Torn):
         return None
-    if not isinstance(h, dict) or h.get("header_crc") != _header_crc(h):
+    if not isinstance(h, dict) or h.get("header_crc") != header_crc(h):
         return None
     return h
 

@@ -79,7 +79,8 @@ from petctl_agent.checkpointing.atomic import atomic_write
 from petctl_agent.checkpointing.drain import LEAVE, _local_drain_flag
 from petctl_agent.checkpointing.files import read_pointer
 from petctl_agent.checkpointing.persist import Persister
-from petctl_agent.checkpointing.snapshot import OK, SnapshotStore, node_name
+from petctl_agent.checkpointing.snapshot import SnapshotStore, node_name
+from petctl_agent.checkpointing.writing import OK
 from petctl_agent.distributed import dist_on, dist_rank
 
 NAME = "replicated"

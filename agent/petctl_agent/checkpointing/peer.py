@@ -35,15 +35,11 @@ from collections.abc import Callable
 from typing import Any
 
 from petctl_agent.checkpointing import crcs
-from petctl_agent.checkpointing.snapshot import (
-    OK,
-    SnapshotStore,
-    _crcs_match,
-    _header_crc,
-    decode_structure,
-    dtype_from_name,
-)
+from petctl_agent.checkpointing.header import decode_structure, dtype_from_name, header_crc
+from petctl_agent.checkpointing.snapshot import SnapshotStore
 from petctl_agent.checkpointing.timeline import epoch_of
+from petctl_agent.checkpointing.verification import crcs_match
+from petctl_agent.checkpointing.writing import OK
 
 #: bytes per broadcast of a peer transfer (each one bounded by the group's timeout)
 CHUNK = 64 << 20
@@ -284,7 +280,7 @@ def send(
         rest = [m for m in h["tensors"] if not any(lo <= int(m["offset"]) < lo + n for lo, n in ours)]
         fns: list[Callable[[], Any]] = [lambda i=i: one(i) for i in mine]
         if not known:
-            fns.append(lambda: _crcs_match({"tensors": rest}, mm))
+            fns.append(lambda: crcs_match({"tensors": rest}, mm))
         done = _together(fns)
         sent[0] = sum(n for _, n in ours)
         if known:
@@ -311,7 +307,7 @@ def _peer_header(hbuf: Any, step: int, size: int, epoch: int | None = None) -> d
         h = json.loads(bytes(hbuf.numpy()))
     except ValueError:
         return None
-    if not isinstance(h, dict) or h.get("header_crc") != _header_crc(h):
+    if not isinstance(h, dict) or h.get("header_crc") != header_crc(h):
         return None
     if int(h.get("step", -1)) != step or int(h.get("size", -1)) != size:
         return None

@@ -48,13 +48,8 @@ from petctl_agent.checkpointing.files import (
     read_pointer,
     write_pointer,
 )
-from petctl_agent.checkpointing.snapshot import (
-    Complete,
-    SnapshotStore,
-    decode_structure,
-    dtype_from_name,
-    same_snapshot,
-)
+from petctl_agent.checkpointing.header import Complete, decode_structure, dtype_from_name, same_snapshot
+from petctl_agent.checkpointing.snapshot import SnapshotStore
 
 
 def persist_newest(store: SnapshotStore, directory: Path, keep: int = 3) -> int | None:

@@ -17,7 +17,7 @@ never read; such a file never matches the marker's whole-file CRC, so the node n
 a later restore.
 
 Memory: before any receive, each node's leader reserves the bytes its node will receive
-(``snapshot.reserve``, the machine's ledger); any node's "no" and every rank goes to EFS, with the
+(``budget.reserve``, the machine's ledger); any node's "no" and every rank goes to EFS, with the
 reason (``Received.refused``). ``.metadata`` (small) goes first, to the nodes that lack it, after its
 own check: the ranges are computed from it.
 """

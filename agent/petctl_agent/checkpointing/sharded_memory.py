@@ -6,7 +6,7 @@ node's memory holds DCP step directories ``<snapshot dir>/sharded/ckpt-<step:010
 format as on EFS, so a restore is DCP's own load, resharding included. Save (collective, agreed step):
 
 1. each node decides once, on its lowest rank, whether the step fits in its memory
-   (``snapshot.reserve``): the bytes of all its ranks' shards plus the replicas it will receive (the
+   (``budget.reserve``): the bytes of all its ranks' shards plus the replicas it will receive (the
    node's ranks share one MemAvailable, so no rank decides alone), checked against the allocations
    in flight in the machine's ledger and recorded there until the node's writes of the step are
    done (the replicated path's writers, other jobs' nodes on one machine, see them); any node's
@@ -66,8 +66,9 @@ from typing import Any
 
 from petctl_agent.checkpointing import crcs, ranges, timeline
 from petctl_agent.checkpointing.atomic import fsync_dir
+from petctl_agent.checkpointing.budget import read_meminfo, reserve
 from petctl_agent.checkpointing.files import CKPT_RE, prune, read_pointer, write_pointer
-from petctl_agent.checkpointing.snapshot import node_name, read_meminfo, reserve
+from petctl_agent.checkpointing.snapshot import node_name
 from petctl_agent.distributed import dist_on, dist_rank, dist_world
 
 SUBDIR = "sharded"
@@ -80,7 +81,7 @@ last_restore: dict[str, Any] | None = None
 _pending: list[_Persist] = []
 _pending_error: list[str] = []
 #: where the node's free memory is read (tests point it at a small fake); None: ``/proc/meminfo``,
-#: or the test-only ``$PETCTL_SNAPSHOT_MEMINFO`` (``snapshot.read_meminfo``)
+#: or the test-only ``$PETCTL_SNAPSHOT_MEMINFO`` (``budget.read_meminfo``)
 MEMINFO_PATH: str | None = None
 
 
