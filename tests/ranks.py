@@ -72,7 +72,7 @@ def _once(cmd: list[str], envs: list[dict], timeout: float, drop: tuple[str, ...
     deadline = time.monotonic() + timeout
     stuck = ""
     failed_at = None
-    while any(p.poll() is None for p in procs):
+    while [p.poll() for p in procs].count(None):  # every rank polled: a returncode is set by poll()
         now = time.monotonic()
         if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
             failed_at = now

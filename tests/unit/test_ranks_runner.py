@@ -23,9 +23,10 @@ def test_a_hung_rank_fails_with_its_stack() -> None:
 def test_a_failed_rank_ends_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ranks, "AFTER_FAILURE", 1.0)
     code = SLEEPY + "raise SystemExit(3)\n"
-    with pytest.raises(ranks.RanksFailed, match=r"ranks \[1\] still running 1 s after a rank failed") as e:
-        ranks.run_ranks([sys.executable, "-c", code], [{"SLEEPER": "1"}] * 2, timeout=60)
-    assert "rank 0 (rc 3)" in str(e.value)
+    # rank 0 hangs, rank 1 fails: a later rank's failure is seen while an earlier one still runs
+    with pytest.raises(ranks.RanksFailed, match=r"ranks \[0\] still running 1 s after a rank failed") as e:
+        ranks.run_ranks([sys.executable, "-c", code], [{"SLEEPER": "0"}] * 2, timeout=60)
+    assert "rank 1 (rc 3)" in str(e.value)
 
 
 def test_every_rank_gets_its_rank_and_one_port() -> None:
