@@ -203,6 +203,8 @@ def status_text(r: dict[str, Any]) -> str:
         )
     if r.get("etcd_alarm"):  # no round can form until it is fixed: right under the state
         lines.insert(1, f"  {r['etcd_alarm']}")
+    for k, line in enumerate(r.get("excluded") or []):  # after the events that said so scroll away
+        lines.insert(1 + bool(r.get("etcd_alarm")) + k, f"  {line}")
     lost = {k: v for k, v in (r.get("log_events_lost") or {}).items() if v}
     if lost:  # the agents counted worker lines CloudWatch Logs did not store
         causes = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in lost.items())

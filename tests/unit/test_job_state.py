@@ -57,7 +57,16 @@ def test_a_node_excluded_for_failures_that_began_on_it_is_one_line_of_status():
     assert st.excluded == [
         "node i-2 excluded after 3 failures that began on it (the last: rank 1 on i-2 exit 1: RuntimeError: NCCL error)"
     ]
-    assert "excluded" in render.status_text(st.to_dict())  # among the recent events, with its reason
+    out = render.status_text(st.to_dict())
+    assert out.splitlines()[1] == f"  {st.excluded[0]}"  # right under the state
+    assert "excluded" in out.split("recent events:")[1]  # and among the recent events, with its reason
+    # a line of its own once the event is no longer among the recent ones
+    busy = [{"t": NOW - 9 + k / 100, "kind": "rendezvous_done", "round": 8 + k} for k in range(20)]
+    st = state.derive(
+        facts([report("i-1", events=busy), report("i-2", state="LEFT", reason=why, events=[ev])])
+    )
+    out = render.status_text(st.to_dict())
+    assert "excluded" not in out.split("recent events:")[1] and out.splitlines()[1] == f"  {st.excluded[0]}"
 
 
 def test_etcd_out_of_space_is_one_line_of_status_until_an_agent_says_it_has_space_again():
