@@ -85,6 +85,15 @@ def test_an_error_is_the_nodes_own_only_when_its_peers_failed_otherwise() -> Non
     # the script's bug raises the same error everywhere: not this node's
     assert not own_error(b, [b, Failure("i-a", 1.2, True, error=BAD)])
     assert not own_error(b, [b])  # nobody else failed: nothing says whose it is
+    # a script's bug on one rank only (rank 0's evaluation): the script's, not the node's; the
+    # deterministic-failure rule ends the job at its second identical failure
+    r0 = Failure("i-b", 1.0, True, error="KeyError: 'val_loss'")
+    assert not own_error(r0, [r0, Failure("i-a", 1.2, True, error=PEER)])
+    for line in ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+                 "torch.distributed.DistBackendError: NCCL communicator was aborted on rank 3",
+                 "RuntimeError: CUDA error: uncorrectable ECC error encountered"):  # fmt: skip
+        hw = Failure("i-b", 1.0, True, error=line)
+        assert own_error(hw, [hw, Failure("i-a", 1.2, True, error=PEER)]), line
 
 
 def test_a_failure_round_trips_through_its_record() -> None:

@@ -27,6 +27,7 @@ checkpoint was saved in between; otherwise it starts a new count at 1.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -112,15 +113,29 @@ def count_for(first: Failure, previous: Mapping[str, Any] | None) -> int:
         return 1
 
 
+#: an exception line that can come from the node rather than the script: its GPU, its driver,
+#: its network path or its process group (a script's own bug raises something else: an
+#: AssertionError, a KeyError, a ValueError of its own)
+NODE_FAULT = re.compile(
+    r"CUDA|cuda|NCCL|nccl|cuDNN|cublas|CUBLAS|ECC|Xid|device-side|illegal memory access|out of memory"
+    r"|[Cc]onnection (closed|reset|refused)|[Bb]roken pipe|[Ss]ocket|[Tt]imed? ?out|[Ww]atchdog"
+    r"|gloo|Gloo|libfabric|EFA|ProcessGroup|DistBackendError|DistNetworkError"
+)
+
+
 def own_error(mine: Failure, failures: Iterable[Failure]) -> bool:
-    """Is this node's error its own: no other node of the round failed with the same exception line? A
-    script's bug raises the same error on every node (then the deterministic-failure rule,
-    ``failures.RepeatWatch``, still ends the job); a bad node's error is its alone, and its
-    peers' collectives fail otherwise ("Connection closed by peer"). False when no other node
-    failed."""
+    """Is this node's error its own, a fault of the node: an error of its GPU, driver or network
+    (:data:`NODE_FAULT`) or a death without a Python error (a signal), that no other node of the
+    round had? Then the deterministic-failure rule (``failures.RepeatWatch``) does not end the
+    job for it and the count excludes the node at K. A script's bug stays the script's even when
+    only one rank raises it (code that runs on rank 0 alone: its evaluation, its logging): the
+    rule ends the job at its second identical failure, as before, rather than replacing one
+    healthy node after another. False when no other node failed."""
     others = [f for f in failures if f.node != mine.node]
     if not others:
         return False  # nobody else failed: nothing says the error is this node's rather than the script's
+    if mine.error and not NODE_FAULT.search(mine.error):
+        return False
     return not mine.error or not any(f.error == mine.error for f in others)
 
 
