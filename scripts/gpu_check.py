@@ -8,7 +8,7 @@ Steps (each PASS/FAIL, summary at the end, exit 1 on any FAIL):
 - roundtrip:   1 rank, ``init_process_group()`` (cpu:gloo,cuda:nccl, bound to cuda:0),
                save on cuda -> resume maps to the rank device -> tensors equal; the
                gloo checkpoint barrier; the DCP path with a DTensor; the lagged agreement;
-- agent:       a 1-node job through the real agent (etcd + fake IMDS, ``scripts/harness.py``)
+- agent:       a 1-node job through the real agent (etcd + fake IMDS, ``bench/harness.py``)
                with ``nproc_per_node=1`` training ``scripts/elastic_train.py`` on the GPU:
                (1) a coordinated drain: checkpoint at the drain step, exit 75, workers
                restarted from the forkserver resume it on the GPU; (2) SIGTERM (leave):
@@ -37,6 +37,8 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# the agent-cluster and live harnesses (harness.py, live_harness.py) and bench_agreement.py live in bench/
+sys.path.insert(0, str(REPO / "bench"))
 RESULTS: list[tuple[str, bool, str, float]] = []
 
 
@@ -286,7 +288,7 @@ def step_agreement(cuda: bool, tmp: Path) -> None:
     t0 = time.monotonic()
     out = tmp / "agreement.json"
     world = "1" if cuda else "2"
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_agreement.py"), "--world", world, "--json", str(out)]
+    cmd = [sys.executable, str(REPO / "bench" / "bench_agreement.py"), "--world", world, "--json", str(out)]
     cmd += ["--device", "cuda", "--steps", "300"] if cuda else ["--steps", "300"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     print(r.stdout, end="", flush=True)

@@ -11,7 +11,7 @@
 #               resume with map_location = the rank device, tensors equal; the gloo checkpoint
 #               barrier; a DTensor through torch.distributed.checkpoint; the lagged agreement
 #   agent       a 1-node NCCL job through the real agent (etcd + fake IMDS from
-#               scripts/harness.py), nproc_per_node=1: coordinated drain -> checkpoint at the
+#               bench/harness.py), nproc_per_node=1: coordinated drain -> checkpoint at the
 #               drain step, exit 75, workers restarted from the forkserver resume on the GPU;
 #               SIGTERM -> checkpoint, node LEFT; a new node resumes on the GPU -> SUCCEEDED
 #   agreement   per-step cost of the drain agreement on the GPU, async vs sync

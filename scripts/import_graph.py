@@ -1,4 +1,4 @@
-"""Check the import graph of petctl/ and agent/ against docs/architecture.md's layers.
+"""Check the import graph of petctl/ and agent/ against docs/architecture.md's layers (and bench/'s).
 
     python scripts/import_graph.py            # exit 1 and one line per broken rule
     python scripts/import_graph.py --edges    # also print every module -> module edge
@@ -18,7 +18,9 @@ function count too: a lazy import is still a dependency. The rules:
   ``__init__`` says the same in words), every agent module is in a room, and only ``cloud`` talks
   to AWS;
 - every agent module imports or is imported by another one, but for a room's face (an ``__init__``
-  that only says what the room holds).
+  that only says what the room holds);
+- no cycle among bench/'s modules either (the benchmarks, simulators and their harness import each
+  other by bare name, bench/ on ``sys.path``): its imports point one way, as rdzv_sim -> rdzv_light.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"petctl": ROOT / "petctl", "petctl_agent": ROOT / "agent" / "petctl_agent"}
+BENCH = ROOT / "bench"
 AGENT_CONTRACTS = {"petctl_agent", "petctl_agent.spec", "petctl_agent.settings"}
 CLI_LAYER = ("petctl.cli", "petctl.commands", "petctl.render")
 UPPER_LAYERS = (*CLI_LAYER, "petctl.jobs", "petctl.infra", "petctl.timeline", "petctl.context")
@@ -143,6 +146,22 @@ def imports(known: dict[str, Path]) -> dict[str, set[str]]:
     return graph
 
 
+def bench_imports(base: Path = BENCH) -> dict[str, set[str]]:
+    """bench/'s modules (``bench.<name>``) -> the bench modules each imports, lazy imports too."""
+    known = {path.stem for path in base.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name in sorted(known):
+        path = base / f"{name}.py"
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                found.add(node.module.split(".")[0])
+        graph[f"bench.{name}"] = {f"bench.{n}" for n in found & known if n != name}
+    return graph
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
@@ -247,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     known = modules()
     graph = imports(known)
+    graph.update(bench_imports())  # bench.* names: no layer rule applies to them, the cycle rule does
     if args.edges:
         for module, targets in sorted(graph.items()):
             for target in sorted(targets):

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from harness import free_port  # noqa: E402
 
 #: how long the other ranks may go on after one failed before the job is called stuck

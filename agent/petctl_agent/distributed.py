@@ -181,7 +181,7 @@ def await_listener(addr: str, port: int, timeout_s: float) -> bool:
 
     torch's ``TCPStore`` client meets a refused connection with an exponential backoff with
     jitter: a rank that starts before rank 0's store listens connected 0.36-0.56 s (median) after
-    it did, up to 0.67 s (``scripts/bench_store_connect.py``). After a membership change every
+    it did, up to 0.67 s (``bench/bench_store_connect.py``). After a membership change every
     rank starts at once, so one often does; this poll (10 ms apart) lets the client's own first
     connect succeed. Its probe closes without a byte, which the store's server drops (a worker is
     counted by the client's ``add`` on the init key, which a probe never sends). The name is

@@ -76,7 +76,7 @@ AUTO_COMPACTION_RETENTION = 100_000
 #: (t3.small) is what keeps it from being larger. Past it etcd raises NOSPACE and refuses writes.
 QUOTA_BACKEND_BYTES = 2 * 1024**3
 #: The flags every etcd petctl starts gets: the job's rendezvous server (user data, which the
-#: local cloud runs too) and the test harness (scripts/harness.py).
+#: local cloud runs too) and the test harness (bench/harness.py).
 SERVER_FLAGS: tuple[str, ...] = (
     "--experimental-watch-progress-notify-interval", PROGRESS_NOTIFY_INTERVAL,
     "--auto-compaction-mode", "revision",

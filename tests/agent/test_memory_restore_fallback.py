@@ -112,7 +112,7 @@ def one_rank() -> Iterator[None]:
 
     import torch.distributed as dist
 
-    sys.path.insert(0, str(tmr.REPO / "scripts"))
+    sys.path.insert(0, str(tmr.REPO / "bench"))
     from harness import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

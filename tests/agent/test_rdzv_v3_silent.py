@@ -1,6 +1,6 @@
 """Connections that die silently: a flow that a NAT or EC2's connection
 tracking forgot (350 s idle on Nitro v6 types) carries nothing any more, and neither end hears a
-FIN or a RST. A watch on it reports "connected" forever. ``FreezingProxy`` (scripts/harness.py)
+FIN or a RST. A watch on it reports "connected" forever. ``FreezingProxy`` (bench/harness.py)
 does the same on command to every connection open at that moment, while new ones go through.
 
 The fix under test (docs/rendezvous.md, "Connections that die silently"): etcd sends progress

@@ -3,7 +3,7 @@
 
 torch's ``TCPStore`` client meets a refused connection with an exponential backoff: started
 0.3-0.6 s before rank 0, it connected 0.29-0.82 s after rank 0 began its init (torch 2.13, this
-box; ``scripts/bench_store_connect.py`` measures both side by side). These tests check the
+box; ``bench/bench_store_connect.py`` measures both side by side). These tests check the
 behaviour (when the wait returns, that the group works), not the time.
 """
 

@@ -1,7 +1,7 @@
 """A job whose workers fail says why, in the worker's own words, and stops at once when
 the failure is deterministic; a project's files are found by relative paths from the work dir.
 
-Real agents, a real etcd, real torch workers (scripts/harness.py):
+Real agents, a real etcd, real torch workers (bench/harness.py):
 
 - a script that raises on every rank (the pytorch/examples case: a data file read by a path
   relative to the project, run from the shared work dir): the job fails after the second

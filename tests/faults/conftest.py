@@ -1,4 +1,4 @@
-"""Fault-injection fixtures: real etcd + petctl agents on 127.0.0.x + the example (scripts/benchlib.py).
+"""Fault-injection fixtures: real etcd + petctl agents on 127.0.0.x + the example (bench/benchlib.py).
 
 Correctness, not speed: each test runs a job to completion through a fault and
 checks the step count, every checkpoint file, and that nothing it started is
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from benchlib import Node, Run, RunConfig, poll  # noqa: E402
 
 STEP_TIME = 0.03

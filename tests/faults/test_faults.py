@@ -3,7 +3,7 @@
 Each test: real etcd on 127.0.0.1, one petctl agent per 127.0.0.x "node", the
 example script, a fault, then the job runs to its last step. Checked: right
 final step count with no step skipped, every checkpoint loads, nothing left
-running. Speed is the benchmark's business (scripts/bench_elastic.py), not ours.
+running. Speed is the benchmark's business (bench/bench_elastic.py), not ours.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-# the harness lives in scripts/ (scripts/bench_live.py drives the same processes)
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+# the harness lives in bench/ (bench/bench_live.py drives the same processes)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 try:
     import torchft  # noqa: F401

@@ -1,7 +1,7 @@
 """Warm pools in the local cloud, with a real daemon: pool instances boot through their user data,
 are paused (SIGSTOP) once their agent reports WARMED, and a scale-out resumes one instead of
 booting a new instance. The agent is the stand-in (tests/local/standin.py), which does what the
-agent does in a pool; scripts/bench_warm_pool.py runs the real agent."""
+agent does in a pool; bench/bench_warm_pool.py runs the real agent."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""scripts/bench_state.py's argument handling and tables, from synthetic records (no processes)."""
+"""bench/bench_state.py's argument handling and tables, from synthetic records (no processes)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import bench_state as bs  # noqa: E402
 
 

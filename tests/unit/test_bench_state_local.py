@@ -1,11 +1,11 @@
-"""scripts/bench_state_local.py: an instance's log read as the harness reads a node's pipes (no cloud)."""
+"""bench/bench_state_local.py: an instance's log read as the harness reads a node's pipes (no cloud)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import bench_state as bs  # noqa: E402
 import bench_state_local as bsl  # noqa: E402
 

@@ -119,3 +119,13 @@ def test_each_rooms_face_says_what_it_may_import() -> None:
         assert line is not None, f"{path}: no 'May import:' line"
         said = {r for r in graph_check.ROOM_MAY_IMPORT if re.search(rf"\b{r}\b", line)}
         assert said == graph_check.ROOM_MAY_IMPORT[name], (package, line)
+
+
+def test_bench_imports_point_one_way(tmp_path: Path) -> None:
+    """bench/ (benchmarks, simulators, their harness): no import cycle; rdzv_sim uses rdzv_light, not back."""
+    graph = graph_check.bench_imports()
+    assert "bench.rdzv_light" in graph["bench.rdzv_sim"] and "bench.harness" in graph["bench.benchlib"]
+    assert graph_check.cycles(graph) == []
+    (tmp_path / "a.py").write_text("def f():\n    from b import g\n")  # a lazy import counts too
+    (tmp_path / "b.py").write_text("import a\n")
+    assert graph_check.cycles(graph_check.bench_imports(tmp_path)) == [["bench.a", "bench.b"]]

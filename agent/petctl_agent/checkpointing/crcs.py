@@ -6,9 +6,9 @@ persister's check before EFS, the sharded path's markers. That was ``zlib.crc32`
 on one core here (zlib 1.2.13's table-driven loop). :func:`crc` is CRC-32C (Castagnoli) from
 ``awscrt.checksums`` (AWS's common runtime, the library boto3's own ``[crt]`` extra installs for
 S3's CRC32C checksums): SSE4.2/PCLMUL or ARMv8 CRC instructions, 0.088 s per GiB on one core here,
-the GIL released (``scripts/bench_snapshot.py --floor``, the ``crc_*`` rows). With three nodes on
+the GIL released (``bench/bench_snapshot.py --floor``, the ``crc_*`` rows). With three nodes on
 two cores, a 1 GiB drain's stop (the last step to the next round) went from 1.60 to 0.77 s
-(``scripts/bench_snapshot.py``). The same 32 bits of detection; CRC-32C is the checksum iSCSI,
+(``bench/bench_snapshot.py``). The same 32 bits of detection; CRC-32C is the checksum iSCSI,
 ext4's metadata and S3 use.
 
 A waited write still spreads its pass over threads: pieces of the bytes are checksummed at once

@@ -86,7 +86,7 @@ MEMINFO_PATH: str | None = None
 
 
 #: the opt-in (``run-job --env PETCTL_SHARDED_MEMORY=1``): off by default, because on every timed
-#: case of ``scripts/bench_sharded_memory.py`` it cost more than DCP straight to EFS (docs/benchmarks.md,
+#: case of ``bench/bench_sharded_memory.py`` it cost more than DCP straight to EFS (docs/benchmarks.md,
 #: "Sharded state"); what it buys is a restore after a hard loss that EFS does not yet hold
 OPT_IN = "PETCTL_SHARDED_MEMORY"
 

@@ -18,7 +18,7 @@ key's value and its earlier adds: one txn, nothing to retry, and the txn's singl
 orders the adds, so exactly one sees N. A key's value is its ``set`` value (0 if none) plus
 every add since: a ``set`` deletes the adds in its txn. A wait reads once, then watches only
 the keys it waits for and applies their events (no read per event): 2 requests per waiter.
-scripts/bench_exit_barrier.py counts them; tests/agent/test_rdzv_store_barrier.py holds the
+bench/bench_exit_barrier.py counts them; tests/agent/test_rdzv_store_barrier.py holds the
 barrier to at most 3 requests per node.
 
 Keys hold no NUL (``\\x00``): it separates a key from its adds. ``compare_set`` compares the

@@ -123,7 +123,7 @@ def connect_when_listening() -> bool:
 
     torch's client meets a refused connection with an exponential backoff with jitter, so a rank
     that starts before rank 0's store listens -- after a membership change every rank starts at
-    once -- connected 0.36-0.56 s (median) after it did (``scripts/bench_store_connect.py``). The helper's
+    once -- connected 0.36-0.56 s (median) after it did (``bench/bench_store_connect.py``). The helper's
     own ``init_process_group`` waits the same way (``distributed.await_listener``); this gives a
     script that calls torch's its 10 ms poll too. Wraps the private
     ``torch.distributed.rendezvous._create_c10d_store``; a torch without it keeps its backoff."""

@@ -1,7 +1,7 @@
 """Live mode through the product's own path: ``petctl --local run-job --live``, 2 -> 3 -> 2 nodes and
 a hard loss, measured from the workers' own stamped step lines.
 
-    flock /tmp/petctl-heavy.lock python scripts/bench_live_local.py --state-mb 1024 --start-delay 0 10
+    flock /tmp/petctl-heavy.lock python bench/bench_live_local.py --state-mb 1024 --start-delay 0 10
 
 Per state size and newcomer start delay (``--start-delay``: the set-up a GPU worker pays before it
 joins, CUDA context, NCCL, model build), one job on a fresh local cloud:

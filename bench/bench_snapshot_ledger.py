@@ -1,6 +1,6 @@
 """What the machine-wide ledger of snapshot allocations in flight costs a write (checkpointing/budget.py).
 
-    python scripts/bench_snapshot_ledger.py --reps 200 --mib 64
+    python bench/bench_snapshot_ledger.py --reps 200 --mib 64
 
 Timed, medians (and p90) over ``--reps``, in a private directory on ``--shm`` (a tmpfs) with a
 private ledger (``$PETCTL_SNAPSHOT_LEDGER``: the machine's real one and its other writers are

@@ -2,7 +2,7 @@
 
 The harness (``bench_state.py``'s default) starts ``petctl-agent run`` itself, one process group per
 node, with a plain etcd and a directory as EFS. This mode runs what a user runs: ``petctl --local
-setup``, ``run-job --size N`` of ``scripts/state_train.py``, then the membership changes through the
+setup``, ``run-job --size N`` of ``bench/state_train.py``, then the membership changes through the
 Auto Scaling API -- a drain (``terminate-instance-in-auto-scaling-group`` of the newest instance,
 with decrement: its lifecycle hook SIGTERMs the agent, as on AWS) and a join (``petctl scale JOB
 --size N``: the group launches an instance, which boots from its user data). Every instance boots,
@@ -144,7 +144,7 @@ class CloudRun:
         self.petctl("setup")
         self.petctl(
             "run-job", "--name", self.job, "--min", str(self.n - 1), "--max", str(self.n), "--size", str(self.n),
-            "--drain-timeout", str(int(self.a.timeout)), str(REPO / "scripts" / "state_train.py"), "--",
+            "--drain-timeout", str(int(self.a.timeout)), str(REPO / "bench" / "state_train.py"), "--",
             *self.script_args,
         )  # fmt: skip
         self.ckpt_dir = poll(self._find_ckpt_dir, 120, 0.5) or self.ckpt_dir

@@ -9,8 +9,8 @@ apart) first, so the client's own connect succeeds at once. Each rep starts two 
 binds its store ``--delays`` seconds after rank 1 began to connect; the time measured is from rank
 0's store listening to rank 1's client connected.
 
-    python scripts/bench_store_connect.py                       # delays 0,0.1,0.3,0.6; 5 reps
-    python scripts/bench_store_connect.py --reps 9 --json out.json
+    python bench/bench_store_connect.py                       # delays 0,0.1,0.3,0.6; 5 reps
+    python bench/bench_store_connect.py --reps 9 --json out.json
 """
 
 from __future__ import annotations

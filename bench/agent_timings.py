@@ -5,10 +5,10 @@ For each scenario: seconds from the event to "all ranks stepping again" and the
 training steps lost (highest step reached before - step resumed from). Prints a
 table and the same data as JSON. Nothing talks to AWS.
 
-    python scripts/agent_timings.py                       # all scenarios, agent defaults (petctl-etcd)
-    PETCTL_AGENT_RDZV_BACKEND=etcd-v2 python scripts/agent_timings.py   # the etcd-v2 fallback
-    PETCTL_AGENT_RDZV_BACKEND=etcd-v2 PETCTL_AGENT_LAST_CALL=2 python scripts/agent_timings.py --only start,join
-    PETCTL_AGENT_NO_SYNC_RESTART=1 python scripts/agent_timings.py --only join
+    python bench/agent_timings.py                       # all scenarios, agent defaults (petctl-etcd)
+    PETCTL_AGENT_RDZV_BACKEND=etcd-v2 python bench/agent_timings.py   # the etcd-v2 fallback
+    PETCTL_AGENT_RDZV_BACKEND=etcd-v2 PETCTL_AGENT_LAST_CALL=2 python bench/agent_timings.py --only start,join
+    PETCTL_AGENT_NO_SYNC_RESTART=1 python bench/agent_timings.py --only join
 
 Workaround off-switches (PETCTL_AGENT_NO_*) and tunables are read from the
 environment by the agents, so the same script compares configurations.

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Rendezvous at scale: the handler's scenarios with N simulated participants.
 
-One real etcd on 127.0.0.1 (started here, ``scripts/harness.py``); participants are the real
+One real etcd on 127.0.0.1 (started here, ``bench/harness.py``); participants are the real
 ``petctl_agent.rendezvous`` handler of this checkout, driven like torch's elastic agent drives
-it, without torch workers (``scripts/rdzv_sim.py``: threads in forked processes, a "worker"
+it, without torch workers (``bench/rdzv_sim.py``: threads in forked processes, a "worker"
 is a sleep loop counting steps that asks ``num_nodes_waiting`` at each step). Scenarios:
 
 * ``cold``: N participants arrive uniformly over ``--arrival`` s (the group's desired capacity
@@ -31,10 +31,10 @@ Bytes: every socket of the participant processes, application bytes both ways (H
 and bodies), counted by wrapping socket send/recv; requests: every HTTP request. Prints a
 table, a prediction for ``--predict`` (5,000) nodes, and JSON (``--json`` writes it to a file).
 
-    python scripts/bench_rdzv_scale.py --quick                  # N=16, short windows (~1 min)
-    flock /tmp/petctl-heavy.lock python scripts/bench_rdzv_scale.py --json out.json   # 1,000 / 256 -> 512
+    python bench/bench_rdzv_scale.py --quick                  # N=16, short windows (~1 min)
+    flock /tmp/petctl-heavy.lock python bench/bench_rdzv_scale.py --json out.json   # 1,000 / 256 -> 512
     # what fits 2 cores at 1,000: all but --real (2) participants of cold/scaleup are light nodes
-    flock /tmp/petctl-heavy.lock python scripts/bench_rdzv_scale.py --light-nodes --etcd-binary /usr/bin/etcd \
+    flock /tmp/petctl-heavy.lock python bench/bench_rdzv_scale.py --light-nodes --etcd-binary /usr/bin/etcd \
         --scenarios cold,scaleup --json out.json
 """
 
@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Etcd  # noqa: E402 - scripts/harness.py, next to this script
+from harness import Etcd  # noqa: E402 - bench/harness.py, next to this script
 from rdzv_sim import Sim, Spec  # noqa: E402
 
 #: the etcd API each scenario's participants spoke (by their requests), in order
@@ -657,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--light-nodes",
         action="store_true",
-        help="cold and scaleup: all but --real participants are light nodes (scripts/rdzv_light.py)",
+        help="cold and scaleup: all but --real participants are light nodes (bench/rdzv_light.py)",
     )
     ap.add_argument("--real", type=int, default=2, help="with --light-nodes: real handlers (they lead)")
     ap.add_argument("--light-per-proc", type=int, default=250, help="light nodes per process")

@@ -10,9 +10,9 @@ and each ``--flow-cap`` side by side in one run, inside a private network namesp
 caps every TCP flow (``benchlib.cap_flows``: htb + a BPF flow classifier), and prints the
 receiver's transfer time, its rate and the ratio to one stream.
 
-    python scripts/bench_peer.py                                  # 0.25 GiB, 1 and 4 streams, caps 5 and 1 Gbit/s
-    python scripts/bench_peer.py --gib 1 --holders 2 --reps 3 --json out.json
-    python scripts/bench_peer.py --gib 1 --holders 2 --transports gloo,fetch --streams 4 --flow-caps 5
+    python bench/bench_peer.py                                  # 0.25 GiB, 1 and 4 streams, caps 5 and 1 Gbit/s
+    python bench/bench_peer.py --gib 1 --holders 2 --reps 3 --json out.json
+    python bench/bench_peer.py --gib 1 --holders 2 --transports gloo,fetch --streams 4 --flow-caps 5
 
 ``--transports``: ``gloo`` (the workers' restore, above) and/or ``fetch`` (the joining
 node's agent fetching the holders' snapshots from their agents' servers as the round closes,
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                 extra = f" (its own account {statistics.median(own):.2f})" if own else ""
                 print(f"| {cap_s} | {tr} | {st} | {med:.2f}{extra} | {a.gib / med:.2f} | {base / med:.2f}x |")
     if a.json:
-        a.json.write_text(json.dumps({"command": "python scripts/bench_peer.py " + " ".join(argv), "cpus": os.cpu_count(),
+        a.json.write_text(json.dumps({"command": "python bench/bench_peer.py " + " ".join(argv), "cpus": os.cpu_count(),
                                       "summary": summary, "rows": rows}, indent=1))  # fmt: skip
     return 0
 

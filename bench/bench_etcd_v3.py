@@ -14,8 +14,8 @@ node every ``refresh`` = 0.5 s, i.e. 2 writes per node per second; etcd v2 keeps
 1,000 events, so a watcher that falls 1,000 events behind gets EventIndexCleared (401) and
 re-reads everything. That column is computed from the design, not measured here.
 
-    python scripts/bench_etcd_v3.py                         # N = 256 and 1000 (~1 min)
-    python scripts/bench_etcd_v3.py --sizes 256 --json out.json
+    python bench/bench_etcd_v3.py                         # N = 256 and 1000 (~1 min)
+    python bench/bench_etcd_v3.py --sizes 256 --json out.json
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "agent"))
-from harness import Etcd  # noqa: E402 - scripts/harness.py, next to this script
+from harness import Etcd  # noqa: E402 - bench/harness.py, next to this script
 
 from petctl_agent.rendezvous import etcdv3 as v3  # noqa: E402
 

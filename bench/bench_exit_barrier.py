@@ -8,8 +8,8 @@ thread with its own ``etcdv3.Client`` (its own connections, as separate agents h
 requests are counted by kind on the client side (one shared counter). Against a real etcd:
 started here (``harness.Etcd``), or ``--endpoint``.
 
-    python scripts/bench_exit_barrier.py                  # N = 8, 32, 64
-    python scripts/bench_exit_barrier.py --nodes 8,32,64,128 --json out.json
+    python bench/bench_exit_barrier.py                  # N = 8, 32, 64
+    python bench/bench_exit_barrier.py --nodes 8,32,64,128 --json out.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Live mode's costs on this machine: the survivors' stall at a join, a drain and a hard loss, and
 the steady-state cost per step against the same loop as plain DDP.
 
-    flock /tmp/petctl-heavy.lock python scripts/bench_live.py --state-mb 64 --step-time 0.1
+    flock /tmp/petctl-heavy.lock python bench/bench_live.py --state-mb 64 --step-time 0.1
 
 Two replica groups of examples/live_train.py (one process each, gloo, 127.0.0.1) and a lighthouse;
 a third group joins, drains, then one survivor is SIGKILLed. Times come from the workers' own

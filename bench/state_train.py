@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Elastic DDP training that holds replicated fp32 state of a given size (``scripts/bench_state.py``).
+"""Elastic DDP training that holds replicated fp32 state of a given size (``bench/bench_state.py``).
 
 A tiny linear model trains with DDP (gloo, CPU) so every step is a real collective at the
 current world size, and every rank also holds ``--state-gib`` GiB of replicated fp32 "ballast"

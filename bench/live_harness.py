@@ -1,4 +1,4 @@
-"""Processes for the live tests and scripts/bench_live.py: a lighthouse and replica groups running
+"""Processes for the live tests and bench/bench_live.py: a lighthouse and replica groups running
 examples/live_train.py, each group one process whose step lines are parsed as they come."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Sharded state (FSDP2, 2 ranks) through node memory vs today's DCP-to-EFS path.
 
-    python scripts/bench_sharded_memory.py --gib 1 --reps 3 --out /tmp/bench_sharded.json
+    python bench/bench_sharded_memory.py --gib 1 --reps 3 --out /tmp/bench_sharded.json
 
 Two ranks on this machine stand for two nodes (each its own ``PETCTL_SNAPSHOT_DIR`` under
 ``--shm``); ``--efs`` stands in for EFS: a local directory with the local cloud's EFS limits (AWS's

@@ -1,6 +1,6 @@
 """Memory snapshot vs today's EFS path: what a checkpoint blocks, and what a restore costs.
 
-    python scripts/bench_snapshot.py --sizes 0.1,1 --reps 3 --out /tmp/bench_snapshot.json
+    python bench/bench_snapshot.py --sizes 0.1,1 --reps 3 --out /tmp/bench_snapshot.json
 
 For each size (GiB of fp32 state, one tensor per 64 MiB) it times, medians of ``--reps``:
 

@@ -16,8 +16,8 @@ exchange), also with ``--world 1`` (``should_checkpoint`` itself skips it there)
 one GPU can measure its device-side cost. Prints a table and one JSON line
 (``--json PATH`` also writes it).
 
-    python scripts/bench_agreement.py                          # 2 gloo ranks, CPU
-    python scripts/bench_agreement.py --device cuda --world 1  # one GPU, NCCL
+    python bench/bench_agreement.py                          # 2 gloo ranks, CPU
+    python bench/bench_agreement.py --device cuda --world 1  # one GPU, NCCL
 """
 
 from __future__ import annotations

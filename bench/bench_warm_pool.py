@@ -16,8 +16,8 @@ status (``status/<instance-id>.json`` events, docs/contracts.md):
 
 Prints a table of medians with cold/warm ratios, and JSON (``--json``).
 
-    python scripts/bench_warm_pool.py                 # 2 reps (~4 min here)
-    python scripts/bench_warm_pool.py --reps 3 --json warm.json
+    python bench/bench_warm_pool.py                 # 2 reps (~4 min here)
+    python bench/bench_warm_pool.py --reps 3 --json warm.json
 """
 
 from __future__ import annotations

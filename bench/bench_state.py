@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Membership cost at real state sizes: petctl's EFS path vs its memory snapshots vs torchrun (issue 20).
 
-Every rank of ``scripts/state_train.py`` holds ``--sizes`` GiB of replicated fp32 state and
+Every rank of ``bench/state_train.py`` holds ``--sizes`` GiB of replicated fp32 state and
 checkpoints it. Per size, rep and tool, one chain on real processes (``benchlib``: a real etcd,
 one process group per node on its own 127.0.0.x, a shared directory as EFS):
 
@@ -46,9 +46,9 @@ chain reported as aborted) if ``MemAvailable`` drops under ``--stop-below`` (2 G
 is shared; the lowest ``MemAvailable`` seen and the kernel's OOM kills (``/proc/vmstat``
 ``oom_kill``) during the chain are recorded.
 
-    python scripts/bench_state.py --sizes 0.1,1 --reps 3 --json state.json
-    python scripts/bench_state.py --sizes 2 --nodes 2 --reps 1 --tools petctl-efs,petctl-mem
-    python scripts/bench_state.py --render state.json
+    python bench/bench_state.py --sizes 0.1,1 --reps 3 --json state.json
+    python bench/bench_state.py --sizes 2 --nodes 2 --reps 1 --tools petctl-efs,petctl-mem
+    python bench/bench_state.py --render state.json
 """
 
 from __future__ import annotations
@@ -83,16 +83,16 @@ from benchlib import (  # noqa: E402
     reexec_in_netns,
 )
 
-STATE_SCRIPT = REPO / "scripts" / "state_train.py"
+STATE_SCRIPT = REPO / "bench" / "state_train.py"
 #: tool -> (benchlib tool, memory snapshots on, the script's --io)
 TOOLS = {
     "petctl-efs": ("petctl", False, "helper"),
     "petctl-mem": ("petctl", True, "helper"),
     "torchrun-efs": ("torchrun-etcd", False, "plain"),
     # the product's own path: `petctl --local run-job`, instances booted from their user data
-    # (scripts/bench_state_local.py); drain and join only
+    # (bench/bench_state_local.py); drain and join only
     "petctl-local": ("petctl", True, "helper"),
-    # live membership through the local cloud (scripts/bench_live_local.py): drain, join, hard loss
+    # live membership through the local cloud (bench/bench_live_local.py): drain, join, hard loss
     "petctl-live": ("petctl", False, "helper"),
 }
 BASELINE = "torchrun-efs"
@@ -735,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         if not a.json:
             return
         doc = {
-            "command": "python scripts/bench_state.py " + " ".join(argv), "complete": complete,
+            "command": "python bench/bench_state.py " + " ".join(argv), "complete": complete,
             "started": started, "wall_s": round(time.time() - started, 1),
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                         "netns": bool(os.environ.get("BENCH_IN_NETNS")), "flow_cap_gbit": flow_cap,

@@ -23,7 +23,7 @@ urllib3 and ``http.client`` users both go through), by kind from its path: etcd 
 delete) and etcd v3 ``/v3/...`` (``kv/range`` read, ``watch``, ``lease/keepalive``, the other
 calls writes). The counts go to shared memory every 0.1 s; the bench reads them at any moment.
 
-*Light nodes* (``Sim(light=...)``, the bench's ``--light-nodes``; ``scripts/rdzv_light.py``)
+*Light nodes* (``Sim(light=...)``, the bench's ``--light-nodes``; ``bench/rdzv_light.py``)
 follow the same protocol with the rendezvous package's own key and value helpers, many to a
 process, sharing keepalive threads and one rounds watch per process: what lets N = 1,000 run
 on 2 cores. The real handlers' processes start first and register before any light node

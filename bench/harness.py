@@ -1,10 +1,10 @@
 """Real-process test harness: etcd (plain or TLS), a fake per-instance IMDS, agent processes.
 
 Test-only, so it lives outside the ``petctl_agent`` package (which ships to every instance):
-``tests/agent`` and ``tests/faults`` put ``scripts/`` on ``sys.path`` (their conftest), and the
-scripts here (``agent_timings.py``, ``benchlib.py``, ``gpu_check.py``, ...) import it from their
-own directory. Everything listens on 127.0.0.0/8; nothing talks to AWS (specs leave log group,
-groups and hook empty).
+``tests/agent`` and ``tests/faults`` put ``bench/`` on ``sys.path`` (their conftest), the
+benchmarks here (``agent_timings.py``, ``benchlib.py``, ...) import it from their own directory,
+and ``scripts/gpu_check.py`` puts ``bench/`` on its path. Everything listens on 127.0.0.0/8;
+nothing talks to AWS (specs leave log group, groups and hook empty).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _etcd_pins() -> Any:
     """petctl/templates/etcd.py (standard library only), loaded from this checkout's file: the
-    scripts here also run where petctl is not installed."""
+    benchmarks here and the GPU check also run where petctl is not installed."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(

@@ -1,4 +1,4 @@
-"""Real-process plumbing shared by ``scripts/bench_elastic.py`` and ``tests/faults``.
+"""Real-process plumbing shared by ``bench/bench_elastic.py`` and ``tests/faults``.
 
 One *run* = a real etcd 3.5 (v2 API) on a free 127.0.0.1 port, a tiny IMDS
 look-alike, a shared "EFS" directory and N *nodes*. A node is one process group
@@ -265,7 +265,7 @@ class RunConfig:
     #: petctl tools: give the agents a worker group whose desired capacity the run sets
     #: (``Run.asg.desired``), served by :class:`FakeAutoScaling`
     worker_group: bool = False
-    #: the training script (``scripts/state_train.py`` for the state-size benchmark) and its extra args
+    #: the training script (``bench/state_train.py`` for the state-size benchmark) and its extra args
     script: Path = SCRIPT
     extra_args: list[str] = field(default_factory=list)
     #: petctl tools: each node's agent gets ``PETCTL_AGENT_SNAPSHOT_DIR=<this>/<node>`` (memory

@@ -39,9 +39,9 @@ wildcard address, and here that wildcard then means 127.0.0.0/8 only.
 
 Examples::
 
-    python scripts/bench_elastic.py --reps 3 --json bench.json --keep --workdir /tmp/bench
-    python scripts/bench_elastic.py --reps 1 --scenarios burst --tools petctl
-    python scripts/bench_elastic.py --render bench.json
+    python bench/bench_elastic.py --reps 3 --json bench.json --keep --workdir /tmp/bench
+    python bench/bench_elastic.py --reps 1 --scenarios burst --tools petctl
+    python bench/bench_elastic.py --render bench.json
 """
 
 from __future__ import annotations
@@ -590,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         if not a.json:
             return
         doc = {
-            "command": "python scripts/bench_elastic.py " + " ".join(argv),
+            "command": "python bench/bench_elastic.py " + " ".join(argv),
             "complete": complete,
             "started": started,
             "wall_s": round(time.time() - started, 1),
