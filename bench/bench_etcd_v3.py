@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "agent"))
 from harness import Etcd  # noqa: E402 - bench/harness.py, next to this script
 
+from petctl_agent.rendezvous import etcd_transport  # noqa: E402
 from petctl_agent.rendezvous import etcdv3 as v3  # noqa: E402
 
 V2_REFRESH = 0.5  # s: the v2 handler's default refresh (ttl 2)
@@ -55,7 +56,7 @@ def _counters(c: v3.Client) -> dict[str, float]:
 def run_size(
     etcd: Etcd, n: int, ttl: int, interval: float, threads: int, warmup: float, duration: float
 ) -> dict[str, Any]:
-    stats = v3.Stats()
+    stats = etcd_transport.Stats()
     c = v3.connect(etcd.endpoint, timeout=5, stats=stats)
     prefix = f"/bench/n{n}/members/"
     leases: list[int] = []

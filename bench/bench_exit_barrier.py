@@ -34,10 +34,11 @@ def measure(endpoint: str, n: int, timeout: float = 120.0) -> dict[str, Any]:
     (``txn``, ``range``, ``put``, ``watch``, ...), their total, and the wall time."""
     from torch.distributed.elastic.utils.store import barrier
 
+    from petctl_agent.rendezvous import etcd_transport
     from petctl_agent.rendezvous import etcdv3 as v3
     from petctl_agent.rendezvous.store import V3Store
 
-    stats = v3.Stats()
+    stats = etcd_transport.Stats()
     prefix = f"/bench/exit-barrier/{uuid.uuid4().hex[:8]}/"
     stores = [
         V3Store(v3.Client(endpoint, stats=stats), prefix, datetime.timedelta(seconds=timeout))

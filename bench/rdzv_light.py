@@ -115,6 +115,7 @@ class LightPool:
     def __init__(
         self, plan: Any, specs: list[Any], io: Any, keepalive_threads: int = 4, workers: int = 8
     ) -> None:
+        from petctl_agent.rendezvous import etcd_transport
         from petctl_agent.rendezvous import etcdv3 as v3
         from petctl_agent.rendezvous.config import DEFAULT_PREFIX
         from petctl_agent.rendezvous.layout import Keys
@@ -126,8 +127,8 @@ class LightPool:
         self.keys = Keys(DEFAULT_PREFIX, plan.run_id)
         self.addr = "127.0.0.1"
         self.etcd = v3.Client(plan.endpoint, timeout=self.cfg.request_timeout)
-        self.watch_stats = v3.Stats()
-        self.snap_stats = v3.Stats()
+        self.watch_stats = etcd_transport.Stats()
+        self.snap_stats = etcd_transport.Stats()
         self.snap = v3.Client(plan.endpoint, timeout=self.cfg.request_timeout, stats=self.snap_stats)
         self.owner = _ViewOwner(
             v3.Client(plan.endpoint, timeout=self.cfg.request_timeout, stats=self.watch_stats)
@@ -245,9 +246,9 @@ class LightPool:
 
     # ---- joining ----
     def _join(self, n: Node, target: int, latest: int, rounds: dict[int, Any]) -> None:
+        from petctl_agent.rendezvous import etcd_ops
         from petctl_agent.rendezvous.joining import _free_port
 
-        v3 = self.v3
         value: dict[str, Any] = {"addr": self.addr, "port": _free_port(self.addr), "reg": n.reg}
         if n.last_rank is not None:
             value["seen"] = n.last_rank[0]
@@ -261,7 +262,9 @@ class LightPool:
         ):
             marker = {"state": "open", "by": n.id, "waiting": [], "gone": [], "rejoin": True}
             key = self.keys.round(target)
-            self.etcd.txn([v3.compare(key, "create", "==", 0)], [v3.put_op(key, json.dumps(marker))])
+            self.etcd.txn(
+                [etcd_ops.compare(key, "create", "==", 0)], [etcd_ops.put_op(key, json.dumps(marker))]
+            )
 
     def _join_task(self, n: Node) -> None:
         with self.lock:

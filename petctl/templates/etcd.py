@@ -61,7 +61,7 @@ def release_url(arch: str, version: str = ETCD_VERSION) -> str:
 #: 10 min) a watch carries nothing while membership is steady, and a connection that EC2's
 #: connection tracking forgot (350 s idle on Nitro v6 types: no FIN, no RST) reads as alive
 #: forever. The agent takes 3 intervals of silence as a dead watch (``WATCH_SILENCE`` in
-#: agent/petctl_agent/rendezvous/etcdv3.py, 30 s) and watches again. A flag of etcd 3.5 and
+#: agent/petctl_agent/rendezvous/etcd_transport.py, 30 s) and watches again. A flag of etcd 3.5 and
 #: of 3.4's later releases (Debian's 3.4.23 has it); 3.6 also takes
 #: ``--watch-progress-notify-interval``.
 PROGRESS_NOTIFY_INTERVAL = "10s"

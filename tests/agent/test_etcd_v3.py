@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from harness import Etcd, EtcdCerts, wait_for
 
+from petctl_agent.rendezvous import etcd_ops, etcd_types
 from petctl_agent.rendezvous import etcdv3 as v3
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
@@ -76,7 +77,7 @@ def test_crud_prefix_and_revisions(client: v3.Client) -> None:
     assert d.deleted == 2 and sorted(kv.key for kv in d.prev) == [p + "a", p + "b"]
     assert client.range(p, prefix=True).kvs == []
     assert client.get("/t/crud0").text == "outside the prefix"
-    assert v3.prefix_end("a\xff") == b"a\xc3\xc0" and v3.prefix_end(b"\xff\xff") == b"\0"
+    assert etcd_types.prefix_end("a\xff") == b"a\xc3\xc0" and etcd_types.prefix_end(b"\xff\xff") == b"\0"
 
 
 def test_txn_on_mod_revision_exactly_one_racer_wins(client: v3.Client) -> None:
@@ -86,12 +87,14 @@ def test_txn_on_mod_revision_exactly_one_racer_wins(client: v3.Client) -> None:
         kv = client.get(key)
         assert kv is not None
         gate = threading.Barrier(2)
-        results: dict[str, v3.TxnResult] = {}
+        results: dict[str, etcd_types.TxnResult] = {}
 
         def race(name: str, seen: int = kv.mod_revision, gate=gate, results=results) -> None:
             gate.wait()
             results[name] = client.txn(
-                [v3.compare(key, "mod", "==", seen)], [v3.put_op(key, name)], [v3.range_op(key)]
+                [etcd_ops.compare(key, "mod", "==", seen)],
+                [etcd_ops.put_op(key, name)],
+                [etcd_ops.range_op(key)],
             )
 
         ts = [threading.Thread(target=race, args=(n,)) for n in (f"a{rnd}", f"b{rnd}")]
@@ -103,18 +106,18 @@ def test_txn_on_mod_revision_exactly_one_racer_wins(client: v3.Client) -> None:
         assert len(results) == 2 and len(winners) == 1, results
         loser = next(r for r in results.values() if not r.succeeded)
         current = loser.responses[0]
-        assert isinstance(current, v3.RangeResult) and current.kvs[0].text == winners[0]
+        assert isinstance(current, etcd_types.RangeResult) and current.kvs[0].text == winners[0]
         assert client.get(key).text == winners[0]
     # the other targets: create (absent), version, value
     fresh = "/t/txn/fresh"
-    ok = client.txn([v3.compare(fresh, "create", "==", 0)], [v3.put_op(fresh, "x")])
-    again = client.txn([v3.compare(fresh, "create", "==", 0)], [v3.put_op(fresh, "y")])
+    ok = client.txn([etcd_ops.compare(fresh, "create", "==", 0)], [etcd_ops.put_op(fresh, "x")])
+    again = client.txn([etcd_ops.compare(fresh, "create", "==", 0)], [etcd_ops.put_op(fresh, "y")])
     assert ok.succeeded and not again.succeeded and client.get(fresh).text == "x"
-    assert client.txn([v3.compare(fresh, "version", "==", 1), v3.compare(fresh, "value", "==", "x")],
-                      [v3.delete_op(fresh)]).succeeded  # fmt: skip
+    assert client.txn([etcd_ops.compare(fresh, "version", "==", 1), etcd_ops.compare(fresh, "value", "==", "x")],
+                      [etcd_ops.delete_op(fresh)]).succeeded  # fmt: skip
     assert client.get(fresh) is None
     with pytest.raises(ValueError, match="target must be one of"):
-        v3.compare(fresh, "modified", "==", 1)
+        etcd_ops.compare(fresh, "modified", "==", 1)
 
 
 def test_lease_expiry_removes_its_keys(client: v3.Client) -> None:
@@ -274,7 +277,9 @@ def test_calls_fail_within_their_timeout_when_etcd_stops(own_etcd: Etcd) -> None
     calls = {
         "range": lambda: c.range("/t/stop/", prefix=True),
         "put": lambda: c.put("/t/stop/k", "v"),
-        "txn": lambda: c.txn([v3.compare("/t/stop/k", "create", "==", 0)], [v3.put_op("/t/stop/k", "v")]),
+        "txn": lambda: c.txn(
+            [etcd_ops.compare("/t/stop/k", "create", "==", 0)], [etcd_ops.put_op("/t/stop/k", "v")]
+        ),
         "keepalive": lambda: c.keepalive_once(lease.id),
         "status": lambda: c.status(),
         "watch": lambda: c.watch("/t/stop/", timeout=1.0),
@@ -360,7 +365,9 @@ def test_etcd_34_serves_what_the_client_uses(tmp_path: Path) -> None:
         assert c.version().startswith("3.4.")
         lease = c.lease(2)
         rev = c.put("/t/34/k", "v", lease=lease.id).revision
-        t = c.txn([v3.compare("/t/34/k", "mod", "==", rev)], [v3.put_op("/t/34/k", "w", lease=lease.id)])
+        t = c.txn(
+            [etcd_ops.compare("/t/34/k", "mod", "==", rev)], [etcd_ops.put_op("/t/34/k", "w", lease=lease.id)]
+        )
         assert t.succeeded
         with c.watch("/t/34/", prefix=True, start_revision=rev) as w:
             assert [x.kv.text for x in w.get(5)] == ["v", "w"]

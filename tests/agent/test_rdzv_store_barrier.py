@@ -20,6 +20,7 @@ import pytest
 from bench_exit_barrier import measure
 from harness import Etcd
 
+from petctl_agent.rendezvous import etcd_transport
 from petctl_agent.rendezvous import etcdv3 as v3
 from petctl_agent.rendezvous.store import V3Store
 
@@ -85,7 +86,7 @@ def test_a_wait_is_not_woken_by_other_keys(etcd3: Etcd) -> None:
     same prefix cost it no read; the set of its key ends the wait (from the event: no read); a
     wait for a counter ends at its first add."""
     writer = _store(etcd3)
-    stats = v3.Stats()
+    stats = etcd_transport.Stats()
     waiter = V3Store(v3.Client(etcd3.endpoint, stats=stats), writer.prefix, timedelta(seconds=10))
     done: list[bytes] = []
     t = threading.Thread(target=lambda: done.append(waiter.get("torchelastic/exit/last_member")))

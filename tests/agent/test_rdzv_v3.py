@@ -23,7 +23,7 @@ import pytest
 from harness import Etcd, wait_for
 from test_rendezvous import Group, all_waiting
 
-from petctl_agent.rendezvous import BACKEND, PetctlRendezvousHandler, joining
+from petctl_agent.rendezvous import BACKEND, PetctlRendezvousHandler, etcd_ops, etcd_watch, joining
 from petctl_agent.rendezvous import etcdv3 as v3
 from petctl_agent.rendezvous.config import BOOT_TOKEN_KEY
 
@@ -225,7 +225,7 @@ def test_a_compacted_watch_reads_once_and_resumes(group: Callable[..., Group], e
     done: list[int] = []
     orig = a._etcd.watch
 
-    def watch(key: str, prefix: bool = False, start_revision: int = 0, **kw) -> v3.Watch:
+    def watch(key: str, prefix: bool = False, start_revision: int = 0, **kw) -> etcd_watch.Watch:
         if key == a.keys.rounds and not done:
             for i in range(3):
                 c.put(f"/t-compact/{g.run_id}/{i}", "x")
@@ -269,7 +269,9 @@ def test_etcd_replaced_seen_by_its_boot_token(group: Callable[..., Group], tmp_p
         seed.peer_port = e.peer_port
         seed.start()
         sc = v3.Client(seed.endpoint)
-        sc.txn([v3.compare(BOOT_TOKEN_KEY, "create", "==", 0)], [v3.put_op(BOOT_TOKEN_KEY, "boot-2")])
+        sc.txn(
+            [etcd_ops.compare(BOOT_TOKEN_KEY, "create", "==", 0)], [etcd_ops.put_op(BOOT_TOKEN_KEY, "boot-2")]
+        )
         for i in range(150):
             sc.put("/seed", str(i))
         seed.stop()

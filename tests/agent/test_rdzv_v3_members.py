@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from harness import Etcd
 
+from petctl_agent.rendezvous import etcd_ops, etcd_transport, etcd_types
 from petctl_agent.rendezvous import etcdv3 as v3
 from petctl_agent.rendezvous.config import DEFAULT_PREFIX
 from petctl_agent.rendezvous.layout import HEAD, Keys, key_name
@@ -38,17 +39,17 @@ class _Model:
         self.keys, self.live, self.rng = keys, live, rng
         self.requests: list[dict[str, Any]] = []
 
-    def _kv(self, n: str) -> v3.KeyValue:
+    def _kv(self, n: str) -> etcd_types.KeyValue:
         c = self.live[n]
-        return v3.KeyValue(self.keys.node(n), b"", c, c, 1, 7)
+        return etcd_types.KeyValue(self.keys.node(n), b"", c, c, 1, 7)
 
-    def _range(self, body: dict[str, Any]) -> v3.RangeResult:
+    def _range(self, body: dict[str, Any]) -> etcd_types.RangeResult:
         self.requests.append(body)
-        key = v3._unb64(body["key"]).decode()
+        key = etcd_types._unb64(body["key"]).decode()
         if "range_end" not in body:
             n = key_name(key)
             kvs = [self._kv(n)] if key == self.keys.node(n) and n in self.live else []
-            return v3.RangeResult(100, kvs, len(kvs), False)
+            return etcd_types.RangeResult(100, kvs, len(kvs), False)
         lo, hi = int(body.get("min_create_revision", 0)), int(body.get("max_create_revision", 0))
         ids = [n for n in self.live if self.live[n] >= lo and (not hi or self.live[n] <= hi)]
         self.rng.shuffle(ids)
@@ -56,15 +57,15 @@ class _Model:
             assert body["sort_order"] == "ASCEND"
             ids.sort(key=lambda n: self.live[n])  # stable over a shuffle: ties in any order
         limit = int(body.get("limit", 0)) or len(ids)
-        return v3.RangeResult(100, [self._kv(n) for n in ids[:limit]], len(ids), len(ids) > limit)
+        return etcd_types.RangeResult(100, [self._kv(n) for n in ids[:limit]], len(ids), len(ids) > limit)
 
-    def txn(self, compares: list[Any], success: list[dict[str, Any]]) -> v3.TxnResult:
+    def txn(self, compares: list[Any], success: list[dict[str, Any]]) -> etcd_types.TxnResult:
         assert not compares
-        return v3.TxnResult(100, True, [self._range(op["request_range"]) for op in success])
+        return etcd_types.TxnResult(100, True, [self._range(op["request_range"]) for op in success])
 
-    def range(self, key: str, prefix: bool = False, **kw: Any) -> v3.RangeResult:
-        body = v3.range_op(key, prefix, keys_only=True, min_create=kw.get("min_create", 0),
-                           max_create=kw.get("max_create", 0))["request_range"]  # fmt: skip
+    def range(self, key: str, prefix: bool = False, **kw: Any) -> etcd_types.RangeResult:
+        body = etcd_ops.range_op(key, prefix, keys_only=True, min_create=kw.get("min_create", 0),
+                                 max_create=kw.get("max_create", 0))["request_range"]  # fmt: skip
         return self._range(body)
 
 
@@ -153,7 +154,7 @@ def test_the_bounded_read_on_a_real_etcd(etcd3: Etcd) -> None:
             groups.setdefault(r, []).append(n)
         real: dict[str, int] = {}
         for r in sorted(groups):
-            t = c.txn([], [v3.put_op(keys.node(n), "{}") for n in groups[r]])
+            t = c.txn([], [etcd_ops.put_op(keys.node(n), "{}") for n in groups[r]])
             real.update(dict.fromkeys(groups[r], t.revision))
         full = c.range(keys.nodes, prefix=True, keys_only=True)
         assert {key_name(kv.key): kv.create_revision for kv in full.kvs} == real
@@ -164,7 +165,7 @@ def test_the_bounded_read_on_a_real_etcd(etcd3: Etcd) -> None:
 def test_a_registrations_read_does_not_grow_with_the_membership(etcd3: Etcd) -> None:
     """60 registered light ids, then 60 more: a registration's read returns the same number of
     keys (OLDEST + the head's) and about the same bytes, a few KB, where the read of every id
-    (the protocol before) grows with them. Bytes are the JSON bodies received (etcdv3.Stats)."""
+    (the protocol before) grows with them. Bytes are the JSON bodies received (etcd_transport.Stats)."""
     keys = Keys(DEFAULT_PREFIX, f"m-{uuid.uuid4().hex[:8]}")
     w = v3.Client(etcd3.endpoint)
     value = json.dumps({"addr": "127.0.0.2", "pid": 1, "lease": 0, "ttl": 6})
@@ -173,9 +174,9 @@ def test_a_registrations_read_does_not_grow_with_the_membership(etcd3: Etcd) -> 
     for start in (0, 60):
         for i in range(start, start + 60):
             w.put(keys.node(f"light-{i:03d}"), value)  # one put each, as a handler registers
-        stats = v3.Stats()
+        stats = etcd_transport.Stats()
         view = read_membership(v3.Client(etcd3.endpoint, stats=stats), keys, base)
-        full_stats = v3.Stats()
+        full_stats = etcd_transport.Stats()
         v3.Client(etcd3.endpoint, stats=full_stats).range(keys.nodes, prefix=True, keys_only=True)
         got.append((len(view.live), stats.bytes_in, full_stats.bytes_in))
         assert stats.requests == {"txn": 1}, stats.requests  # one request, no tie to read whole

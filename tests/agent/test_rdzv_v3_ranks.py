@@ -15,6 +15,7 @@ import pytest
 from harness import Etcd
 from test_rendezvous import Group
 
+from petctl_agent.rendezvous import etcd_ops
 from petctl_agent.rendezvous import etcdv3 as v3
 from petctl_agent.rendezvous.config import DEFAULT_PREFIX
 from petctl_agent.rendezvous.layout import HEAD, Keys
@@ -32,9 +33,9 @@ def test_the_test_etcd_refuses_a_txn_over_128_ops(client: v3.Client) -> None:
     """The premise of the batching: this etcd keeps the default limit, as the rendezvous
     instance's etcd on AWS does (its boot script sets no ``--max-txn-ops``)."""
     base = f"/t/ops-{uuid.uuid4().hex[:6]}/"
-    client.txn([], [v3.put_op(f"{base}{i}", "x") for i in range(MAX_TXN_OPS)])
+    client.txn([], [etcd_ops.put_op(f"{base}{i}", "x") for i in range(MAX_TXN_OPS)])
     with pytest.raises(v3.RequestFailed, match="too many operations"):
-        client.txn([], [v3.put_op(f"{base}b{i}", "x") for i in range(MAX_TXN_OPS + 1)])
+        client.txn([], [etcd_ops.put_op(f"{base}b{i}", "x") for i in range(MAX_TXN_OPS + 1)])
 
 
 def test_a_round_over_128_closes_with_a_distinct_rank_for_every_node(
@@ -55,7 +56,7 @@ def test_a_round_over_128_closes_with_a_distinct_rank_for_every_node(
         for i in range(0, light, 50):
             chunk = ids[i : i + 50]
             client.txn([], [
-                v3.put_op(keys.node(x), json.dumps({"addr": "127.0.0.2", "pid": 1, "lease": lid, "ttl": ttl}), lease=lid)
+                etcd_ops.put_op(keys.node(x), json.dumps({"addr": "127.0.0.2", "pid": 1, "lease": lid, "ttl": ttl}), lease=lid)
                 for x in chunk
             ])  # fmt: skip
         regs = {
@@ -63,7 +64,7 @@ def test_a_round_over_128_closes_with_a_distinct_rank_for_every_node(
         }
         for i in range(0, light, 50):
             client.txn([], [
-                v3.put_op(keys.join(1, x), json.dumps({"addr": "127.0.0.2", "port": 1, "reg": regs[x]}), lease=lid)
+                etcd_ops.put_op(keys.join(1, x), json.dumps({"addr": "127.0.0.2", "port": 1, "reg": regs[x]}), lease=lid)
                 for x in ids[i : i + 50]
             ])  # fmt: skip
         res = g.rendezvous(a, b, timeout=30)
@@ -94,7 +95,7 @@ def test_a_leader_that_loses_the_record_race_leaves_no_rank_a_node_reads(client:
     client.put(keys.round(1), json.dumps({"state": "open"}))
     marker = client.get(keys.round(1))
     assert marker is not None
-    cmp = [v3.compare(keys.round(1), "mod", "==", marker.mod_revision)]
+    cmp = [etcd_ops.compare(keys.round(1), "mod", "==", marker.mod_revision)]
     won, rec = publish_round(client, keys, 1, parts, {"leader": "A"}, cmp, [])
     lost, rec_b = publish_round(client, keys, 1, parts[::-1], {"leader": "B"}, cmp, [])
     assert won.succeeded and not lost.succeeded
@@ -108,7 +109,7 @@ def test_a_leader_that_loses_the_record_race_leaves_no_rank_a_node_reads(client:
     assert json.loads(client.get(keys.members(1)).text) == parts
     for r in (2, 3):
         cur = client.get(keys.round(r))
-        c = [v3.compare(keys.round(r), "create", "==", 0)] if cur is None else []
+        c = [etcd_ops.compare(keys.round(r), "create", "==", 0)] if cur is None else []
         ok, _ = publish_round(client, keys, r, parts, {"leader": "A"}, c, [])
         assert ok.succeeded
     assert client.range(keys.ranks(1), prefix=True).kvs == []
@@ -138,8 +139,8 @@ def test_the_store_reads_and_writes_129_keys(client: v3.Client) -> None:
     # the later batches read at the first's revision: a change after it is not seen by them
     late = keys[-1]
     client.put(store._k(late), b"changed")
-    first = v3.range_op(store._k(keys[0]))
-    later = v3.range_op(store._k(late), revision=rev)
+    first = etcd_ops.range_op(store._k(keys[0]))
+    later = etcd_ops.range_op(store._k(late), revision=rev)
     r = client.txn([], [first, later])
     assert r.responses[1].kvs[0].value == values[-1], "a txn read at a revision got a newer value"
     assert store.multi_get([late]) == [b"changed"]

@@ -23,6 +23,7 @@ from harness import Etcd, FreezingProxy, wait_for
 from test_rdzv_v3 import _drive
 from test_rendezvous import Group
 
+from petctl_agent.rendezvous import etcd_transport
 from petctl_agent.rendezvous import etcdv3 as v3
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
@@ -125,4 +126,8 @@ def test_every_etcd_socket_has_tcp_keepalive(etcd3: Etcd) -> None:
             if hasattr(socket, "TCP_KEEPIDLE"):  # Linux
                 got = [sock.getsockopt(socket.IPPROTO_TCP, o) for o in
                        (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT)]  # fmt: skip
-                assert got == [v3.KEEPALIVE_IDLE, v3.KEEPALIVE_INTERVAL, v3.KEEPALIVE_COUNT]
+                assert got == [
+                    etcd_transport.KEEPALIVE_IDLE,
+                    etcd_transport.KEEPALIVE_INTERVAL,
+                    etcd_transport.KEEPALIVE_COUNT,
+                ]

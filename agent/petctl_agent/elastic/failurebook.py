@@ -15,7 +15,7 @@ import json
 from typing import Any
 
 from petctl_agent.elastic.culprit import Failure, count_for, culprit_record
-from petctl_agent.rendezvous import etcdv3 as v3
+from petctl_agent.rendezvous import etcd_ops, etcd_types
 from petctl_agent.rendezvous.layout import Keys, key_name, loads
 
 #: how many of the newest culprit records are read to find the one before a round
@@ -66,15 +66,15 @@ class FailureBook:
         rec = culprit_record(first, count_for(first, self.previous(round_)), round_)
         key = self.keys.culprit(round_)
         res = self.etcd.txn(
-            [v3.compare(key, "create", "==", 0)],
-            [v3.put_op(key, json.dumps(rec))],
-            [v3.range_op(key)],
+            [etcd_ops.compare(key, "create", "==", 0)],
+            [etcd_ops.put_op(key, json.dumps(rec))],
+            [etcd_ops.range_op(key)],
             timeout=self.timeout,
         )
         if res.succeeded:
             return rec
         got = res.responses[0] if res.responses else None
-        kv = got.get(key) if isinstance(got, v3.RangeResult) else None
+        kv = got.get(key) if isinstance(got, etcd_types.RangeResult) else None
         return loads(kv.value) if kv is not None else rec
 
     def culprit(self, round_: int) -> dict[str, Any] | None:

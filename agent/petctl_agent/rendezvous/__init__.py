@@ -55,13 +55,14 @@ registry; ``python -m petctl_agent.rendezvous <torchrun args>`` runs torchrun wi
 docs/rendezvous.md.
 
 Modules, one job each: :mod:`.config` (settings), :mod:`.layout` (the etcd keys and how their
-values read), :mod:`.etcdv3` (the v3 client), :mod:`.client` (the handler's client and request
-counter), :mod:`.watcher` (a local copy of a key or prefix kept current by a watch),
-:mod:`.membership` (registration on a lease, the keeper, the boot token), :mod:`.decide` (the
-leader's decisions), :mod:`.leader` (opening and closing rounds), :mod:`.joining`
-(``next_rendezvous``), :mod:`.store` (the agent-side store), :mod:`.handler` (the torch handler
-and its state), :mod:`.registry` (torch's registry, ``python -m``), :mod:`.entry` (torchrun's
-entry point).
+values read), :mod:`.etcdv3` (the v3 client; its connections :mod:`.etcd_transport`, values and
+results :mod:`.etcd_types`, a txn's compares and ops :mod:`.etcd_ops`, watches :mod:`.etcd_watch`),
+:mod:`.client` (the handler's client and request counter), :mod:`.watcher` (a local copy of a
+key or prefix kept current by a watch), :mod:`.membership` (registration on a lease, the keeper,
+the boot token), :mod:`.decide` (the leader's decisions), :mod:`.leader` (opening and closing
+rounds), :mod:`.joining` (``next_rendezvous``), :mod:`.store` (the agent-side store),
+:mod:`.handler` (the torch handler and its state), :mod:`.registry` (torch's registry,
+``python -m``), :mod:`.entry` (torchrun's entry point).
 """
 
 from petctl_agent.rendezvous.client import RequestCounter

@@ -7,6 +7,7 @@ import logging
 import threading
 from typing import Any
 
+from petctl_agent.rendezvous import etcd_transport
 from petctl_agent.rendezvous import etcdv3 as v3
 
 #: errors that mean "etcd is unreachable or answered oddly right now" (retry; re-read afterwards).
@@ -30,7 +31,7 @@ def unexpected(log: logging.Logger, where: str) -> None:
         log.exception("unexpected error in the rendezvous %s (%d so far); retrying", where, n)
 
 
-class RequestCounter(v3.Stats):
+class RequestCounter(etcd_transport.Stats):
     """Counts etcd requests by kind, and their JSON bytes (thread-safe); one can be shared by
     many handlers. Kinds are the v3 calls: ``range``, ``put``, ``txn``, ``grant``,
     ``keepalive``, ``revoke``, ``watch`` (a watch created), ``watch-answer`` (a message a
@@ -51,7 +52,7 @@ def make_client(
     counter: RequestCounter,
     timeout: float,
     tls: dict[str, Any],
-    watch_silence: float = v3.WATCH_SILENCE,
+    watch_silence: float = etcd_transport.WATCH_SILENCE,
 ) -> v3.Client:
     """One v3 client for a handler (thread-safe: each thread keeps its own connection); its
     watches end after ``watch_silence`` s of silence (a dead connection: etcdv3.Silent)."""

@@ -25,7 +25,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from petctl_agent.rendezvous import etcdv3 as v3
+from petctl_agent.rendezvous import etcd_ops
 from petctl_agent.rendezvous.client import TRANSIENT
 from petctl_agent.rendezvous.layout import Rounds, latest_closed
 from petctl_agent.rendezvous.leader import read_current_rank
@@ -207,10 +207,10 @@ class Joining:
                 )
             if seen is not None:
                 cmp = [
-                    v3.compare(key, "create", "==", 0),
-                    v3.compare(self.keys.round(latest), "mod", "==", seen),
+                    etcd_ops.compare(key, "create", "==", 0),
+                    etcd_ops.compare(self.keys.round(latest), "mod", "==", seen),
                 ]
-                self._etcd.txn(cmp, [v3.put_op(key, json.dumps(marker))])
+                self._etcd.txn(cmp, [etcd_ops.put_op(key, json.dumps(marker))])
         with self._cond:
             self._target = target
             self._bump()

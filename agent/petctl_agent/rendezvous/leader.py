@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Any
 
-from petctl_agent.rendezvous import decide
+from petctl_agent.rendezvous import decide, etcd_ops, etcd_types
 from petctl_agent.rendezvous import etcdv3 as v3
 from petctl_agent.rendezvous.client import TRANSIENT, unexpected
 from petctl_agent.rendezvous.layout import HEAD, Keys, head, key_name, latest_closed, loads
@@ -37,7 +37,7 @@ HINT_FRESH_WAIT = 3.0
 #: how often it looks whether that read came back
 HINT_FRESH_POLL = 0.05
 #: etcd's default ``--max-txn-ops``: the most operations one txn may carry (etcd-io/etcd#7976)
-MAX_TXN_OPS = v3.MAX_TXN_OPS
+MAX_TXN_OPS = etcd_ops.MAX_TXN_OPS
 #: ids of the open marker's ``waiting`` and ``gone`` lists (their counts are in ``n_waiting``, ``n_gone``)
 MARKER_IDS = 16
 
@@ -50,7 +50,7 @@ def publish_round(
     record: dict[str, Any],
     cmp: list[dict[str, Any]],
     ops: list[dict[str, Any]],
-) -> tuple[v3.TxnResult, dict[str, Any]]:
+) -> tuple[etcd_types.TxnResult, dict[str, Any]]:
     """Close round ``target`` with ``parts`` (rank order): each participant's rank in its own key
     ``ranks/<target>/<nonce>/<id>`` (batches of at most ``MAX_TXN_OPS`` puts, written before the
     record), then one txn guarded by ``cmp`` that writes the record (naming the nonce) and the full
@@ -59,7 +59,7 @@ def publish_round(
     under a nonce no record names; they go with the round's other keys (``ranks/<target>/`` is
     deleted when round ``target + 2`` closes). Returns the txn's result and the record."""
     nonce = uuid.uuid4().hex[:12]
-    puts = [v3.put_op(keys.rank(target, nonce, n), str(i)) for i, n in enumerate(parts)]
+    puts = [etcd_ops.put_op(keys.rank(target, nonce, n), str(i)) for i, n in enumerate(parts)]
     for i in range(0, len(puts), MAX_TXN_OPS):
         etcd.txn([], puts[i : i + MAX_TXN_OPS])
     rec = {
@@ -71,10 +71,10 @@ def publish_round(
         "nonce": nonce,
     }
     ops = [
-        v3.put_op(keys.round(target), json.dumps(rec)),
-        v3.put_op(keys.members(target), json.dumps(parts)),
-        v3.delete_op(keys.ranks(target - 2), prefix=True),  # every nonce's, a lost race's too
-        v3.delete_op(keys.members(target - 2)),
+        etcd_ops.put_op(keys.round(target), json.dumps(rec)),
+        etcd_ops.put_op(keys.members(target), json.dumps(parts)),
+        etcd_ops.delete_op(keys.ranks(target - 2), prefix=True),  # every nonce's, a lost race's too
+        etcd_ops.delete_op(keys.members(target - 2)),
         *ops,
     ]
     return etcd.txn(cmp, ops), rec
@@ -96,17 +96,17 @@ def read_current_rank(
     r = etcd.txn(
         [],
         [
-            v3.range_op(keys.rank(target, str(rec.get("nonce", "")), node_id)),
-            v3.range_op(keys.round(target + 1)),
+            etcd_ops.range_op(keys.rank(target, str(rec.get("nonce", "")), node_id)),
+            etcd_ops.range_op(keys.round(target + 1)),
         ],
     )
     rank, nxt = r.responses
-    assert isinstance(rank, v3.RangeResult) and isinstance(nxt, v3.RangeResult)
+    assert isinstance(rank, etcd_types.RangeResult) and isinstance(nxt, etcd_types.RangeResult)
     replaced = bool(nxt.kvs) and loads(nxt.kvs[0].value).get("state") == "closed"
     return _rank(rank.kvs[0] if rank.kvs else None), replaced
 
 
-def _rank(kv: v3.KeyValue | None) -> int | None:
+def _rank(kv: etcd_types.KeyValue | None) -> int | None:
     if kv is None:
         return None
     try:
@@ -428,7 +428,9 @@ class Leadership:
             "gone": gone[:MARKER_IDS], "n_gone": len(gone),
         }  # fmt: skip
         key = self.keys.round(latest + 1)
-        r = self._etcd.txn([v3.compare(key, "create", "==", 0)], [v3.put_op(key, json.dumps(marker))])
+        r = self._etcd.txn(
+            [etcd_ops.compare(key, "create", "==", 0)], [etcd_ops.put_op(key, json.dumps(marker))]
+        )
         if r.succeeded:
             self._event(f"opened round {latest + 1}: waiting={len(waiting)} gone={len(gone)}")
         return None
@@ -544,15 +546,15 @@ class Leadership:
             cur = self._rounds.items.get(key) if self._rounds is not None else None
             prev = self._rounds.items.get(self.keys.round(target - 1)) if self._rounds is not None else None
         record.update(_came_back(cur[0] if cur else None, prev[0] if prev else None, parts))
-        cmp = v3.compare(key, "mod", "==", cur[2]) if cur else v3.compare(key, "create", "==", 0)
+        cmp = etcd_ops.compare(key, "mod", "==", cur[2]) if cur else etcd_ops.compare(key, "create", "==", 0)
         ops = [
-            v3.delete_op(self.keys.joins(target - 1), prefix=True),
-            v3.delete_op(self.keys.store(target - 2), prefix=True),
+            etcd_ops.delete_op(self.keys.joins(target - 1), prefix=True),
+            etcd_ops.delete_op(self.keys.store(target - 2), prefix=True),
         ]
         if prev is not None:
             # only the record just replaced gets a TTL; older ones got theirs when they were replaced
             lid, _ = self._etcd.grant(self.cfg.record_ttl)
-            ops.append(v3.put_op(self.keys.round(target - 1), prev[0], lease=lid))
+            ops.append(etcd_ops.put_op(self.keys.round(target - 1), prev[0], lease=lid))
         r, rec = publish_round(self._etcd, self.keys, target, parts, record, [cmp], ops)
         if not r.succeeded:
             return None  # someone else wrote it; the rounds watch brings it (our ranks: an unnamed nonce)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
+from petctl_agent.rendezvous import etcd_ops, etcd_types
 from petctl_agent.rendezvous import etcdv3 as v3
 from petctl_agent.rendezvous.client import TRANSIENT, unexpected
 from petctl_agent.rendezvous.config import BOOT_TOKEN_KEY
@@ -71,11 +72,11 @@ def read_membership(etcd: v3.Client, keys: Keys, base: list[str]) -> MemberView:
     worst a follower watches a gone leader's key, sees it absent and reads again with the new
     head (``_follow``)."""
     base = list(dict.fromkeys(base))[:HEAD]
-    oldest = v3.range_op(keys.nodes, prefix=True, limit=OLDEST, keys_only=True, sort="create")
-    ops = [oldest, *(v3.range_op(keys.node(n), keys_only=True) for n in base)]
+    oldest = etcd_ops.range_op(keys.nodes, prefix=True, limit=OLDEST, keys_only=True, sort="create")
+    ops = [oldest, *(etcd_ops.range_op(keys.node(n), keys_only=True) for n in base)]
     r = etcd.txn([], ops)
     first, *heads = r.responses
-    assert isinstance(first, v3.RangeResult)
+    assert isinstance(first, etcd_types.RangeResult)
     kvs = list(first.kvs)
     below: int | None = None
     if first.more and kvs:
@@ -87,7 +88,7 @@ def read_membership(etcd: v3.Client, keys: Keys, base: list[str]) -> MemberView:
             below += 1  # every key of that revision is read too
     live = {key_name(kv.key): kv.create_revision for kv in kvs if below is None or kv.create_revision < below}
     for n, got in zip(base, heads, strict=True):
-        assert isinstance(got, v3.RangeResult)
+        assert isinstance(got, etcd_types.RangeResult)
         if got.kvs:
             live[n] = got.kvs[0].create_revision
     return MemberView(live, r.revision, frozenset(base), below, first.count)
@@ -169,14 +170,14 @@ class Membership:
         """A bare etcd (or one whose server did not write it): create the token if absent."""
         mine = f"handler-{uuid.uuid4().hex}"
         r = self._etcd.txn(
-            [v3.compare(BOOT_TOKEN_KEY, "create", "==", 0)],
-            [v3.put_op(BOOT_TOKEN_KEY, mine)],
-            [v3.range_op(BOOT_TOKEN_KEY)],
+            [etcd_ops.compare(BOOT_TOKEN_KEY, "create", "==", 0)],
+            [etcd_ops.put_op(BOOT_TOKEN_KEY, mine)],
+            [etcd_ops.range_op(BOOT_TOKEN_KEY)],
         )
         if r.succeeded:
             return mine
         got = r.responses[0]
-        assert isinstance(got, v3.RangeResult)
+        assert isinstance(got, etcd_types.RangeResult)
         return got.kvs[0].text if got.kvs else mine
 
     def _etcd_replaced(self, why: str, forget_token: bool = False) -> None:

@@ -5,7 +5,7 @@ utils.store`` and ``agent/server/api.py``). No v2 API, no python-etcd.
 
 etcd refuses a txn of more than 128 operations (``--max-txn-ops``): ``multi_get``/``multi_set``
 (torch's rank assignment, one key per agent, when ``TORCH_ELASTIC_WORKER_IDENTICAL`` is unset)
-go in batches of :data:`~.etcdv3.MAX_TXN_OPS` (129 nodes closed the
+go in batches of :data:`~.etcd_ops.MAX_TXN_OPS` (129 nodes closed the
 rendezvous for every node). The batches of a read are read at one revision.
 
 **O(N) exit barrier.** torch's barrier is ``add(counter, 1)`` by each of N agents, then a
@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 from torch.distributed import Store
 
+from petctl_agent.rendezvous import etcd_ops, etcd_types
 from petctl_agent.rendezvous import etcdv3 as v3
 
 #: after a key: its adds of 1 (counted, ``count_only``) and its other adds (summed)
@@ -47,7 +48,7 @@ def _bytes(value: str | bytes | Sequence[int]) -> bytes:
     return bytes(value)
 
 
-def _value(key: str, kvs: Sequence[v3.KeyValue]) -> bytes | None:
+def _value(key: str, kvs: Sequence[etcd_types.KeyValue]) -> bytes | None:
     """``key``'s value from the keys of its span: its set value, or that plus its adds."""
     plain, adds, total = None, False, 0
     for kv in kvs:
@@ -77,7 +78,7 @@ class V3Store(Store):
 
     def _set_ops(self, key: str, value: str | bytes) -> list[dict]:
         k = self._k(key)
-        return [v3.put_op(k, _bytes(value)), v3.delete_op(k + _ADDS, prefix=True)]
+        return [etcd_ops.put_op(k, _bytes(value)), etcd_ops.delete_op(k + _ADDS, prefix=True)]
 
     def set(self, key: str, value: str | bytes) -> None:
         self.client.txn([], self._set_ops(key, value))
@@ -92,23 +93,25 @@ class V3Store(Store):
         """One txn: our add's own key, and the value before it (set value, count of adds of 1,
         other adds), all at the txn's revision. No compare, so no retry however many add at once."""
         k = self._k(key)
-        reads = [v3.range_op(k), v3.range_op(k + _ONES, prefix=True, count_only=True),
-                 v3.range_op(k + _MANY, prefix=True)]  # fmt: skip
-        mine = [v3.put_op(f"{k}{_ONES if num == 1 else _MANY}{uuid.uuid4().hex}", str(num))] if num else []
+        reads = [etcd_ops.range_op(k), etcd_ops.range_op(k + _ONES, prefix=True, count_only=True),
+                 etcd_ops.range_op(k + _MANY, prefix=True)]  # fmt: skip
+        mine = (
+            [etcd_ops.put_op(f"{k}{_ONES if num == 1 else _MANY}{uuid.uuid4().hex}", str(num))] if num else []
+        )
         plain, ones, many = self.client.txn([], reads + mine).responses[:3]
-        assert isinstance(plain, v3.RangeResult) and isinstance(ones, v3.RangeResult)
-        assert isinstance(many, v3.RangeResult)
+        assert isinstance(plain, etcd_types.RangeResult) and isinstance(ones, etcd_types.RangeResult)
+        assert isinstance(many, etcd_types.RangeResult)
         base = int(plain.kvs[0].value) if plain.kvs else 0
         return base + ones.count + sum(int(kv.value) for kv in many.kvs) + num
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
         k, exp, want = self._k(key), _bytes(expected_value), _bytes(desired_value)
-        cmp = v3.compare(k, "create", "==", 0) if not exp else v3.compare(k, "value", "==", exp)
-        r = self.client.txn([cmp], self._set_ops(key, want), [v3.range_op(k, end=k + _SPAN_END)])
+        cmp = etcd_ops.compare(k, "create", "==", 0) if not exp else etcd_ops.compare(k, "value", "==", exp)
+        r = self.client.txn([cmp], self._set_ops(key, want), [etcd_ops.range_op(k, end=k + _SPAN_END)])
         if r.succeeded:
             return want
         got = r.responses[0]
-        assert isinstance(got, v3.RangeResult)
+        assert isinstance(got, etcd_types.RangeResult)
         now = _value(k, got.kvs)
         return exp if now is None else now
 
@@ -130,7 +133,8 @@ class V3Store(Store):
         """Batches of at most MAX_TXN_OPS ops, in order (each batch atomic, not the whole: a
         reader waits until every key it reads is there)."""
         ops = [op for k, v in zip(keys, values, strict=True) for op in self._set_ops(k, v)]
-        step = v3.MAX_TXN_OPS - v3.MAX_TXN_OPS % 2  # a key's put and the delete of its adds together
+        # a key's put and the delete of its adds together
+        step = etcd_ops.MAX_TXN_OPS - etcd_ops.MAX_TXN_OPS % 2
         for i in range(0, len(ops), step):
             self.client.txn([], ops[i : i + step])
 
@@ -148,12 +152,12 @@ class V3Store(Store):
         adds), the later ones at the first one's revision."""
         out: dict[str, bytes] = {}
         rev = 0
-        for i in range(0, max(1, len(names)), v3.MAX_TXN_OPS):
-            chunk = names[i : i + v3.MAX_TXN_OPS]
-            r = self.client.txn([], [v3.range_op(n, end=n + _SPAN_END, revision=rev) for n in chunk])
+        for i in range(0, max(1, len(names)), etcd_ops.MAX_TXN_OPS):
+            chunk = names[i : i + etcd_ops.MAX_TXN_OPS]
+            r = self.client.txn([], [etcd_ops.range_op(n, end=n + _SPAN_END, revision=rev) for n in chunk])
             rev = rev or r.revision
             for n, resp in zip(chunk, r.responses, strict=True):
-                assert isinstance(resp, v3.RangeResult)
+                assert isinstance(resp, etcd_types.RangeResult)
                 got = _value(n, resp.kvs)
                 if got is not None:
                     out[n] = got
@@ -193,7 +197,7 @@ class V3Store(Store):
         return [have[n] for n in names]
 
 
-def _apply(evs: list[v3.Event], wanted: set[str], have: dict[str, bytes], rev: int) -> bool:
+def _apply(evs: list[etcd_types.Event], wanted: set[str], have: dict[str, bytes], rev: int) -> bool:
     """Apply the events after ``rev`` of the keys in ``wanted`` to ``have``; False if a value
     can only be read again (a key deleted, or an add to it)."""
     for e in evs:

@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Protocol
 
+from petctl_agent.rendezvous import etcd_ops, etcd_types, etcd_watch
 from petctl_agent.rendezvous import etcdv3 as v3
 from petctl_agent.rendezvous.client import TRANSIENT, unexpected
 from petctl_agent.rendezvous.config import BOOT_TOKEN_KEY
@@ -63,7 +64,7 @@ class Watcher:
         self.last_added = float("-inf")
         self.added_at: dict[str, float] = {}
         self._stop = False
-        self._watch: v3.Watch | None = None
+        self._watch: etcd_watch.Watch | None = None
         self.thread = threading.Thread(target=self._run, name=f"petctl-rdzv-watch{key}", daemon=True)
 
     def start(self) -> Watcher:
@@ -149,9 +150,9 @@ class Watcher:
     def _sync(self, client: v3.Client) -> int | None:
         """Read the keys and the boot token at one revision; None if this watcher must end."""
         asked = time.monotonic()
-        r = client.txn([], [v3.range_op(self.key, self.prefix), v3.range_op(BOOT_TOKEN_KEY)])
+        r = client.txn([], [etcd_ops.range_op(self.key, self.prefix), etcd_ops.range_op(BOOT_TOKEN_KEY)])
         kvs, tok = r.responses[0], r.responses[1]
-        assert isinstance(kvs, v3.RangeResult) and isinstance(tok, v3.RangeResult)
+        assert isinstance(kvs, etcd_types.RangeResult) and isinstance(tok, etcd_types.RangeResult)
         token = tok.kvs[0].text if tok.kvs else None
         if not self.h._check_token(token) or self._stop:
             return None  # etcd was replaced: the handler started new watchers
@@ -186,7 +187,7 @@ class Watcher:
         self.resumes += 1
         return self.revision
 
-    def _apply(self, evs: list[v3.Event]) -> None:
+    def _apply(self, evs: list[etcd_types.Event]) -> None:
         now = time.monotonic()
         with self.h._cond:
             for ev in evs:
