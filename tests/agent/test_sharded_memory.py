@@ -310,7 +310,11 @@ def test_peer_dying_mid_transfer_fails_fast_then_efs(trained: Path, tmp_path: Pa
     shutil.rmtree(t / "efs")
     (t / "efs.at2").rename(t / "efs")
     # node 1's worker dies as it starts sending node 0 the replica (the fault, injected in its script)
-    dying = "if rank == 1:\n    sharded_memory._read_tensor = lambda *a: os._exit(9)\n" + RESTORE
+    dying = (
+        "if rank == 1:\n"
+        "    from petctl_agent.checkpointing import shardfiles\n"
+        "    shardfiles.read_tensor = lambda *a: os._exit(9)\n" + RESTORE
+    )
     t0 = time.monotonic()
     c0, c1 = _run(t, dying, [0, 1], env={"PETCTL_SHARD_FETCH_TIMEOUT": "20"}, timeout=90)
     assert c1.returncode == 9
@@ -360,8 +364,9 @@ def test_sharded_memory_is_off_unless_the_job_opts_in(tmp_path: Path) -> None:
 # 2 ranks of one node (one snapshot dir). Each rank's own need fits the (fake, small) free memory
 # alone; the node's two ranks together do not: the node must say no, and the job write to EFS.
 ONE_NODE_TIGHT = """
+from petctl_agent.checkpointing import replicas
 from petctl_agent.checkpointing.budget import RESERVE_MIN
-own = sharded_memory._local_bytes(state())
+own = replicas.local_bytes(state())
 fake = os.path.join(os.environ["REF_DIR"], f"meminfo-{rank}")
 with open(fake, "w") as f:  # room for 1.5x this rank's shard bytes: each rank alone fits
     f.write(f"MemTotal: {(1 << 30) // 1024} kB\\nMemAvailable: {(RESERVE_MIN + 3 * own // 2) // 1024} kB\\n")
@@ -392,6 +397,7 @@ def test_fit_is_decided_for_the_whole_node(tmp_path: Path) -> None:
 # rank 0's own pid, as another store's): with it, the second node to reserve does not fit, so
 # step 2 goes to EFS; once it is done, step 3 to memory again.
 LEDGER_HOG = """
+from petctl_agent.checkpointing import replicas
 from petctl_agent.checkpointing.budget import RESERVE_MIN
 from petctl_agent.checkpointing.processes import this_process
 ledger = os.environ["PETCTL_SNAPSHOT_LEDGER"]
@@ -399,7 +405,7 @@ seen = []
 for s in range(1, 4):
     train(s)
     if s == 1:  # after the first step: Adam's state exists, the shard's bytes are what a save holds
-        own = sharded_memory._local_bytes(state())
+        own = replicas.local_bytes(state())
         fake = os.path.join(os.environ["REF_DIR"], f"meminfo-{rank}")
         # the machine's room: 5x a shard's bytes; each node needs 2x (own + replica): both fit (4x)
         with open(fake, "w") as f:
@@ -514,7 +520,7 @@ def test_a_marker_of_the_zlib_era_is_not_offered(tmp_path: Path) -> None:
     loads; the same file under a marker of today's format is offered."""
     import zlib
 
-    from petctl_agent.checkpointing import crcs, sharded_memory
+    from petctl_agent.checkpointing import crcs, shardfiles, shardplan
 
     stepdir = tmp_path / "ckpt-0000000004.dcp"
     stepdir.mkdir()
@@ -527,8 +533,6 @@ def test_a_marker_of_the_zlib_era_is_not_offered(tmp_path: Path) -> None:
         (stepdir / "petctl-rank-0.json").write_text(json.dumps(body))
 
     marker("petctl-sharded-1", "crc32", zlib.crc32(data))
-    assert sharded_memory._inventory(tmp_path) == {}
-    marker(sharded_memory.MARKER_FMT, "crc32c", crcs.crc(data))
-    assert sharded_memory._inventory(tmp_path)["4"]["files"] == {
-        "__0_0.distcp": [0, len(data), crcs.crc(data)]
-    }
+    assert shardplan.inventory(tmp_path) == {}
+    marker(shardfiles.MARKER_FMT, "crc32c", crcs.crc(data))
+    assert shardplan.inventory(tmp_path)["4"]["files"] == {"__0_0.distcp": [0, len(data), crcs.crc(data)]}

@@ -47,39 +47,44 @@ memory gone and plans without it).
 Memory: up to two steps per node (the newest complete one is kept while the next is written), three
 while EFS still copies an older one, each holding the node's own shards plus one replica: about 4x
 (6x while EFS lags) the node's shard bytes at the peak; each save checks that its own step fits.
+
+This module is the path's face (``checkpoint.py`` calls :func:`save`, :func:`flush`, :func:`resume`,
+:func:`report_efs_restore`): whether it is on, the two collective decisions -- does a step fit
+every node's memory, which step the survivors restore and how -- and what the last restore did
+(:data:`last_restore`). The parts: ``shardsave.py`` (the save once it fits: the write, the
+replicas, the background CRCs, markers and EFS copy, :func:`flush`), ``replicas.py`` (the ring,
+each node's need, the replica exchange), ``shardplan.py`` (each node's inventory, what covers a
+step, what is missing), ``shardfiles.py`` (a step directory's files and markers),
+``collectives.py`` (the small JSON collectives), ``ranges.py`` (the restore's byte-range receive).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import shutil
-import sys
-import threading
 import time
 import uuid
-from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from petctl_agent.checkpointing import crcs, ranges, timeline
-from petctl_agent.checkpointing.atomic import fsync_dir
+from petctl_agent.checkpointing import (
+    collectives,
+    ranges,
+    replicas,
+    shardfiles,
+    shardplan,
+    shardsave,
+    timeline,
+)
 from petctl_agent.checkpointing.budget import read_meminfo, reserve
-from petctl_agent.checkpointing.files import CKPT_RE, prune, read_pointer, write_pointer
+from petctl_agent.checkpointing.files import read_pointer
+from petctl_agent.checkpointing.shardsave import flush
 from petctl_agent.checkpointing.snapshot import node_name
-from petctl_agent.distributed import dist_on, dist_rank, dist_world
+from petctl_agent.distributed import dist_rank, dist_world
 
 SUBDIR = "sharded"
-MARKER_FMT = "petctl-sharded-2"  # -2: CRC-32C (``crc32c``; -1 held zlib crc32s, never read now)
-_MARKER_RE = re.compile(r"^petctl-rank-(\d+)\.json$")
-_CHUNK = 8 << 20
 
 #: what the last :func:`resume` did: ``{"source": "memory"|"efs", "step", "newest", ...}`` (or None)
 last_restore: dict[str, Any] | None = None
-_pending: list[_Persist] = []
-_pending_error: list[str] = []
 #: where the node's free memory is read (tests point it at a small fake); None: ``/proc/meminfo``,
 #: or the test-only ``$PETCTL_SNAPSHOT_MEMINFO`` (``budget.read_meminfo``)
 MEMINFO_PATH: str | None = None
@@ -98,205 +103,12 @@ def memory_root() -> Path | None:
     return Path(d) / SUBDIR if d and on else None
 
 
-def _fetch_timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("PETCTL_SHARD_FETCH_TIMEOUT", "300")))
-
-
-def _persist_timeout() -> float:
-    return float(os.environ.get("PETCTL_CHECKPOINT_TIMEOUT", "1800"))
-
-
 def _meminfo() -> dict[str, int]:
     return read_meminfo(MEMINFO_PATH)
 
 
 def _node_key() -> str:
     return node_name(os.environ.get("PETCTL_SNAPSHOT_DIR", ""))
-
-
-def _say(msg: str) -> None:
-    print(f"petctl checkpoint: {msg}", file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------- small collectives (gloo, JSON)
-
-
-def _group() -> Any:
-    from petctl_agent.checkpointing.group import ckpt_group
-
-    return ckpt_group()
-
-
-def _gather_json(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (JSON-able), in rank order, over the checkpoint group. No pickle."""
-    if not dist_on():
-        return [obj]
-    import torch
-    import torch.distributed as dist
-
-    g = _group()
-    raw = json.dumps(obj).encode()
-    n = torch.tensor([len(raw)], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist_world())]
-    dist.all_gather(sizes, n, group=g)
-    top = max(int(s) for s in sizes)
-    buf = torch.zeros(top, dtype=torch.uint8)
-    buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    outs = [torch.zeros(top, dtype=torch.uint8) for _ in range(dist_world())]
-    dist.all_gather(outs, buf, group=g)
-    return [json.loads(bytes(o[: int(s)].numpy())) for o, s in zip(outs, sizes)]
-
-
-def _all_ok(ok: bool) -> bool:
-    if not dist_on():
-        return ok
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([int(ok)], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_group())
-    return bool(int(t[0]))
-
-
-# ---------------------------------------------------------------- files
-
-
-def _crc_file(path: Path) -> int:
-    crc = 0
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_CHUNK):
-            crc = crcs.crc(chunk, crc)
-    return crc
-
-
-def _read_tensor(path: Path, size: int) -> Any:
-    """The file's bytes as a uint8 tensor to send: its tmpfs pages mapped, not copied."""
-    import torch
-
-    if os.stat(path).st_size != size:
-        raise OSError(f"{path.name}: not {size} bytes")
-    if size == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
-
-
-def _write_atomic(path: Path, t: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb", buffering=0) as f:
-        f.write(memoryview(t.numpy()))
-    os.replace(tmp, path)
-
-
-def _local_bytes(obj: Any, depth: int = 0) -> int:
-    """Upper bound of the bytes this rank's DCP files hold: every tensor's local part."""
-    import torch
-
-    if depth > 32:
-        return 0
-    if hasattr(obj, "to_local") and hasattr(obj, "device_mesh"):  # DTensor
-        t = obj.to_local()
-        return t.numel() * t.element_size()
-    if hasattr(obj, "local_shards"):  # ShardedTensor
-        return sum(s.tensor.numel() * s.tensor.element_size() for s in obj.local_shards())
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_local_bytes(v, depth + 1) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_local_bytes(v, depth + 1) for v in obj)
-    return 0
-
-
-def _ring_target(rank: int, nodes: list[str]) -> int | None:
-    """The first rank after ``rank`` (cyclically) on another node; None on a single node."""
-    w = len(nodes)
-    for k in range(1, w):
-        s = (rank + k) % w
-        if nodes[s] != nodes[rank]:
-            return s
-    return None
-
-
-def _leader(rank: int, nodes: list[str]) -> int:
-    return min(r for r, n in enumerate(nodes) if n == nodes[rank])
-
-
-def _read_markers(stepdir: Path, step: int) -> list[dict[str, Any]]:
-    out = []
-    try:
-        names = os.listdir(stepdir)
-    except OSError:
-        return out
-    for n in names:
-        if not _MARKER_RE.match(n):
-            continue
-        try:
-            m = json.loads((stepdir / n).read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(m, dict) and m.get("format") == MARKER_FMT and m.get("step") == step:
-            out.append(m)
-    return out
-
-
-def _steps(root: Path) -> list[tuple[int, Path]]:
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return []
-    found = [(int(m.group(1)), root / n) for n in names if (m := CKPT_RE.match(n)) and n.endswith(".dcp")]
-    return sorted(found, reverse=True)
-
-
-# ---------------------------------------------------------------- save
-
-
-class _Persist:
-    """One save's background work: CRCs + marker (``marked`` set after), then maybe the EFS copy."""
-
-    def __init__(self, step: int, copy: bool, run: Any) -> None:
-        self.step = step
-        self.copy = copy
-        self.marked = threading.Event()
-        self.thread = threading.Thread(target=run, args=(self,), name="petctl-sharded-persist", daemon=True)
-
-
-def flush() -> None:
-    """Wait for all of this rank's background work (CRCs, markers, EFS copy); report its errors."""
-    global _pending
-    jobs, _pending = _pending, []
-    for j in jobs:
-        j.thread.join()
-    _report()
-
-
-def _report() -> None:
-    while _pending_error:
-        _say(f"persisting a sharded checkpoint failed: {_pending_error.pop(0)}")
-
-
-def _settle() -> int | None:
-    """Without blocking on EFS: wait for every earlier save's marker, drop finished work, report
-    errors. Returns the step whose EFS copy is still running on this rank (None: none)."""
-    global _pending
-    for j in _pending:
-        j.marked.wait()
-    _pending = [j for j in _pending if j.thread.is_alive()]
-    _report()
-    busy = [j.step for j in _pending if j.copy]
-    return busy[0] if busy else None
-
-
-def _node_needs(info: list[dict[str, Any]], nodes: list[str]) -> dict[str, int]:
-    """Bytes each node's memory takes for one step: its ranks' shards plus the replicas it receives."""
-    need: dict[str, int] = {}
-    multi = len(set(nodes)) > 1
-    for r, i in enumerate(info):
-        need[nodes[r]] = need.get(nodes[r], 0) + int(i["bytes"])
-        t = _ring_target(r, nodes) if multi else None
-        if t is not None:
-            need[nodes[t]] = need.get(nodes[t], 0) + int(i["bytes"])
-    return need
 
 
 def save(state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: bool) -> bool:
@@ -311,7 +123,7 @@ def save(state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: 
         return False
     if wait:
         flush()
-    inflight = _settle()
+    inflight = shardsave.settle()
     rank = dist_rank()
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     stepdir = root / f"ckpt-{step:010d}.dcp"
@@ -319,11 +131,11 @@ def save(state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: 
     # which history this step is of (timeline.py): the restore agreed on it; a generation that
     # saves before any restore agrees here, in this gather
     epoch = timeline.current()
-    agree = {} if epoch is not None else {"clock": time.time_ns(), "seen": _seen(root, directory)}
-    info = _gather_json(
+    agree = {} if epoch is not None else {"clock": time.time_ns(), "seen": shardplan.seen(root, directory)}
+    info = collectives.gather_json(
         {
             "node": node,
-            "bytes": _local_bytes(state),
+            "bytes": replicas.local_bytes(state),
             "busy": inflight,
             "id": uuid.uuid4().hex if rank == 0 else "",
             "epoch": epoch,
@@ -337,342 +149,36 @@ def save(state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: 
             max(int(i.get("seen", 0)) for i in info), max(int(i.get("clock", 0)) for i in info)
         )
     nodes = [i["node"] for i in info]
-    leader = _leader(rank, nodes) == rank
+    leader = replicas.leader(rank, nodes) == rank
     # one decision per node (its lowest rank), on the node's whole need: the ranks share its memory;
     # reserved in the machine's ledger (at the snapshot dir: the tmpfs's root, or the dir itself)
     # until this rank's writes and exchange are done (not across the EFS copy)
-    held_res, why = reserve(_node_needs(info, nodes)[node], root.parent, _meminfo) if leader else (None, "")
+    held_res, why = (
+        reserve(replicas.node_needs(info, nodes)[node], root.parent, _meminfo) if leader else (None, "")
+    )
     ok = held_res is not None or not leader
     try:
-        verdicts = _gather_json({"ok": ok, "why": why})
+        verdicts = collectives.gather_json({"ok": ok, "why": why})
         if not all(v["ok"] for v in verdicts):
             if rank == 0:
                 bad = "; ".join(
                     f"node of rank {r}: {v['why']}" for r, v in enumerate(verdicts) if not v["ok"]
                 )
-                _say(f"sharded snapshot of step {step} does not fit in memory ({bad}); writing to EFS")
+                shardfiles.say(
+                    f"sharded snapshot of step {step} does not fit in memory ({bad}); writing to EFS"
+                )
             if held_res is not None:
                 held_res.done()  # before the flush's wait: nothing of ours is in flight
-            if _pending:
+            if shardsave.pending:
                 flush()  # the EFS path writes the directory this rank's copy may be writing to
             return False
-        return _save_in_memory(
+        return shardsave.save_in_memory(
             state, step, directory, keep, wait, root, stepdir, info, nodes, leader, inflight,
             written=held_res.done if held_res is not None else lambda: None, epoch=int(epoch),
         )  # fmt: skip
     finally:
         if held_res is not None:
             held_res.done()
-
-
-def _save_in_memory(
-    state: dict[str, Any],
-    step: int,
-    directory: Path,
-    keep: int,
-    wait: bool,
-    root: Path,
-    stepdir: Path,
-    info: list[dict[str, Any]],
-    nodes: list[str],
-    leader: bool,
-    inflight: int | None,
-    written: Callable[[], None],
-    epoch: int = 0,
-) -> bool:
-    """:func:`save` once every node said the step fits: write, exchange replicas (then
-    ``written()``: the node's reservation ends), persist."""
-    global _pending
-    import torch.distributed.checkpoint as dcp
-
-    rank, world = dist_rank(), dist_world()
-    save_id = info[0]["id"]
-    busy = {int(i["busy"]) for i in info if i["busy"] is not None}
-    copy = wait or not busy
-    if leader and stepdir.exists():
-        shutil.rmtree(stepdir, ignore_errors=True)  # an earlier save of this step (a retry)
-    if leader:  # before writing: keep the newest complete step and the one EFS is still copying
-        _drop_old(root, step, busy)
-    _barrier()
-    stepdir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    group = _group() if dist_on() else None
-    writer = dcp.FileSystemWriter(str(stepdir), sync_files=False, overwrite=True)
-    dcp.save(state, storage_writer=writer, process_group=group)
-    own = sorted(n for n in os.listdir(stepdir) if n.startswith(f"__{rank}_") and n.endswith(".distcp"))
-    if rank == 0:
-        own.append(".metadata")
-    sizes = {n: (stepdir / n).stat().st_size for n in own}
-    held = {n: rank for n in own}
-    counts = {rank: sum(n != ".metadata" for n in own)}
-    if world > 1 and len(set(nodes)) > 1:
-        everyone = _gather_json(sizes)
-        held.update(_exchange(stepdir, rank, nodes, everyone, leader))
-        for src in set(held.values()) - {rank}:
-            counts[src] = sum(n != ".metadata" for n in everyone[src])
-    # the node's files are written: its ranks' own (dcp.save ends collectively) and the replicas
-    # it received (each rank's ring target is the next node's lowest rank, its leader, when a
-    # node's ranks are numbered together, as torchrun numbers them): its reservation ends
-    written()
-    ckpt_dir = Path(directory)
-    if rank == 0 and not copy:
-        _say(f"step {step}: kept in node memory only; step {min(busy)} is still being copied to {ckpt_dir}")
-
-    def work(job: _Persist) -> None:
-        try:
-            _finish(stepdir, step, save_id, rank, world, held, counts, ckpt_dir, keep, job, epoch)
-        except Exception as e:  # noqa: BLE001 - reported at the next save (or raised by a wait)
-            _pending_error.append(f"step {step}: {type(e).__name__}: {e}")
-        finally:
-            job.marked.set()
-
-    job = _Persist(step, copy, work)
-    job.thread.start()
-    if wait:
-        job.thread.join()
-        if _pending_error:
-            raise RuntimeError(f"persisting step {step} to {ckpt_dir}: {_pending_error.pop(0)}")
-        _barrier()
-    else:
-        _pending.append(job)
-    return True
-
-
-def _barrier() -> None:
-    from petctl_agent.checkpointing.group import barrier
-
-    barrier()
-
-
-def _drop_old(root: Path, step: int, busy: set[int]) -> None:
-    """Keep the newest complete step before ``step`` and the steps in ``busy`` (EFS still copies them)."""
-    kept = False
-    for s, p in _steps(root):
-        if s == step or s in busy:
-            continue
-        if s < step and not kept and _read_markers(p, s):
-            kept = True
-            continue
-        shutil.rmtree(p, ignore_errors=True)
-
-
-def _exchange(
-    stepdir: Path, rank: int, nodes: list[str], sizes: list[dict[str, int]], leader: bool
-) -> dict[str, int]:
-    """``.metadata`` to every node, each rank's files to its ring target. Returns what we received."""
-    import torch
-    import torch.distributed as dist
-
-    g = _group()
-    got: dict[str, int] = {}
-    msize = sizes[0][".metadata"]
-    meta = _read_tensor(stepdir / ".metadata", msize) if rank == 0 else torch.empty(msize, dtype=torch.uint8)
-    dist.broadcast(meta, src=0, group=g)
-    if rank != 0 and leader and nodes[rank] != nodes[0]:
-        _write_atomic(stepdir / ".metadata", meta)
-        got[".metadata"] = 0
-    works = []
-    recvs: list[tuple[str, int, Any]] = []
-    target = _ring_target(rank, nodes)
-    if target is not None:
-        for i, n in enumerate(sorted(k for k in sizes[rank] if k != ".metadata")):
-            works.append(dist.isend(_read_tensor(stepdir / n, sizes[rank][n]), dst=target, group=g, tag=i))
-    for src in range(len(nodes)):
-        if src != rank and _ring_target(src, nodes) == rank:
-            for i, n in enumerate(sorted(k for k in sizes[src] if k != ".metadata")):
-                buf = torch.empty(sizes[src][n], dtype=torch.uint8)
-                works.append(dist.irecv(buf, src=src, group=g, tag=i))
-                recvs.append((n, src, buf))
-    for w in works:
-        w.wait(_fetch_timeout())
-    for n, src, buf in recvs:
-        _write_atomic(stepdir / n, buf)
-        got[n] = src
-    return got
-
-
-def _finish(
-    stepdir: Path,
-    step: int,
-    save_id: str,
-    rank: int,
-    world: int,
-    held: dict[str, int],
-    counts: dict[int, int],
-    ckpt_dir: Path,
-    keep: int,
-    job: _Persist,
-    epoch: int = 0,
-) -> None:
-    """The background part: CRCs and the marker (memory complete), then this rank's files to EFS."""
-    files = {}
-    for n, owner in sorted(held.items()):
-        p = stepdir / n
-        files[n] = {"owner": owner, "size": p.stat().st_size, "crc32c": _crc_file(p)}
-    marker = {
-        "format": MARKER_FMT,
-        "step": step,
-        "epoch": int(epoch),  # the history it is of (timeline.py)
-        "id": save_id,
-        "world_size": world,
-        "rank": rank,
-        "counts": {str(o): c for o, c in counts.items()},  # each owner's number of data files
-        "files": files,
-    }
-    path = stepdir / f"petctl-rank-{rank}.json"
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(marker))
-    os.replace(tmp, path)  # the marker last: the files it names are complete
-    job.marked.set()
-    if not job.copy:
-        return
-    name = f"ckpt-{step:010d}.dcp"
-    if timeline.key(read_pointer(ckpt_dir)) >= (int(epoch), step):
-        return  # EFS is already there (or ahead: by epoch, then step)
-    out = ckpt_dir / f".{name}.{save_id}.tmp"
-    try:
-        _copy_own(stepdir, rank, held, out)
-    except Exception:
-        try:  # tell rank 0 at once, so that it gives this step up instead of waiting for us
-            with open(out / f".failed-{rank}", "wb") as f:
-                os.fsync(f.fileno())
-        except OSError:
-            pass
-        if rank == 0:
-            shutil.rmtree(out, ignore_errors=True)
-        raise
-    if rank != 0:
-        return
-    end = time.monotonic() + _persist_timeout()
-    while not all((out / f".done-{r}").exists() for r in range(world)):
-        failed = sorted(int(n[8:]) for n in _listdir(out) if n.startswith(".failed-") and n[8:].isdigit())
-        if failed:
-            shutil.rmtree(out, ignore_errors=True)
-            who = ", ".join(f"rank {r}" for r in failed)
-            raise OSError(
-                f"{who} could not copy its shard of step {step} to {ckpt_dir}; step {step} not persisted"
-            )
-        if time.monotonic() > end:
-            raise TimeoutError(f"not every rank's shard of step {step} reached {ckpt_dir}")
-        time.sleep(0.05)
-    for r in range(world):
-        (out / f".done-{r}").unlink()
-    fsync_dir(out)
-    final = ckpt_dir / name
-    if final.exists():
-        trash = ckpt_dir / f".{name}.old.tmp"
-        shutil.rmtree(trash, ignore_errors=True)
-        os.rename(final, trash)
-        shutil.rmtree(trash, ignore_errors=True)
-    os.rename(out, final)
-    fsync_dir(ckpt_dir)
-    write_pointer(
-        ckpt_dir, {"file": name, "step": step, "format": "dcp", "world_size": world, "epoch": int(epoch)}
-    )
-    prune(ckpt_dir, keep, name)
-
-
-def _listdir(d: Path) -> list[str]:
-    try:
-        return os.listdir(d)
-    except OSError:
-        return []
-
-
-def _copy_own(stepdir: Path, rank: int, held: dict[str, int], out: Path) -> None:
-    """This rank's own files into the step's EFS temp directory (fsync), then its ``.done-<rank>``."""
-    out.mkdir(parents=True, exist_ok=True)
-    for n, owner in held.items():
-        if owner != rank:
-            continue
-        dst = out / n
-        with open(stepdir / n, "rb", buffering=0) as src, open(dst, "wb") as f:
-            shutil.copyfileobj(src, f, _CHUNK)
-            f.flush()
-            os.fsync(f.fileno())
-    fsync_dir(out)  # the files' names first, then the .done that vouches for them
-    done = out / f".done-{rank}"
-    with open(done, "wb") as f:
-        os.fsync(f.fileno())
-    fsync_dir(out)
-
-
-# ---------------------------------------------------------------- resume
-
-
-def _seen(root: Path, directory: Path) -> int:
-    """The largest epoch among this node's markers and ``latest`` (timeline.py; no CRC pass)."""
-    out = timeline.epoch_of(read_pointer(Path(directory)))
-    for s, p in _steps(root):
-        for m in _read_markers(p, s):
-            out = max(out, timeline.epoch_of(m))
-    return out
-
-
-def _inventory(root: Path) -> dict[str, Any]:
-    """What this node's memory holds, checked: ``{step: {"id", "epoch", "world", "files": {name:
-    [owner, size, crc]}}}`` (``epoch``: the history the step is of, timeline.py).
-
-    A file is offered only when a marker names it and its size and CRC match (torn or rewritten:
-    left out); markers of one step with different save ids: the step is left out (stale mix).
-    """
-    out: dict[str, Any] = {}
-    for s, p in _steps(root):
-        markers = _read_markers(p, s)
-        ids = {m.get("id") for m in markers}
-        if len(ids) != 1:
-            continue
-        files: dict[str, list[int]] = {}
-        counts: dict[str, int] = {}
-        for m in markers:
-            counts.update(m.get("counts", {}))
-            for n, f in m.get("files", {}).items():
-                fp = p / n
-                if not isinstance(f.get("crc32c"), int):  # a malformed marker: not offered
-                    continue
-                try:
-                    if fp.stat().st_size != f["size"] or _crc_file(fp) != f["crc32c"]:
-                        continue
-                except OSError:
-                    continue
-                files[n] = [int(f["owner"]), int(f["size"]), int(f["crc32c"])]
-        if files:
-            out[str(s)] = {
-                "id": ids.pop(),
-                "epoch": min(timeline.epoch_of(m) for m in markers),
-                "world": int(markers[0]["world_size"]),
-                "counts": counts,
-                "files": files,
-            }
-    return out
-
-
-def _covered(step: str, entries: list[dict[str, Any]], sid: str | None = None) -> dict[str, Any] | None:
-    """Every file of ``step`` (one save id: ``sid``, given) and who holds it, if the nodes'
-    memories cover it."""
-    by_id: dict[str, list[dict[str, Any]]] = {}
-    for e in entries:
-        if step in e and (sid is None or e[step]["id"] == sid):
-            by_id.setdefault(e[step]["id"], []).append(e[step])
-    for sid, parts in sorted(by_id.items()):
-        world = parts[0]["world"]
-        files: dict[str, list[int]] = {}
-        counts: dict[str, int] = {}
-        for part in parts:
-            counts.update(part["counts"])
-            for n, f in part["files"].items():
-                files.setdefault(n, f)
-        if ".metadata" in files and not _lost(world, counts, files):
-            return {"id": sid, "world": world, "files": files}
-    return None
-
-
-def _lost(world: int, counts: dict[str, int], files: dict[str, list[int]]) -> list[int]:
-    """The ranks (of the saving world) whose files are not all among ``files``."""
-    have: dict[int, int] = {}
-    for n, f in files.items():
-        if n != ".metadata":
-            have[f[0]] = have.get(f[0], 0) + 1
-    return [r for r in range(world) if str(r) not in counts or have.get(r, 0) < counts[str(r)]]
 
 
 def resume(
@@ -689,7 +195,7 @@ def resume(
     flush()
     rank = dist_rank()
     t0 = time.monotonic()
-    inv = _inventory(root) if root.is_dir() else {}
+    inv = shardplan.inventory(root) if root.is_dir() else {}
     pointer = read_pointer(Path(directory))
     mine = timeline.key(pointer)  # an old pointer, without an epoch: epoch 0
     # every rank's read of EFS's `latest` is gathered, not only its memory's inventory: a persister
@@ -698,7 +204,7 @@ def resume(
     # With them, what this generation's epoch needs (timeline.py): each rank's clock and the
     # largest epoch it sees
     seen_here = max([timeline.epoch_of(pointer)] + [int(v.get("epoch", 0)) for v in inv.values()])
-    entries = _gather_json(
+    entries = collectives.gather_json(
         {"node": _node_key(), "inv": inv, "efs": mine[1], "efs_epoch": mine[0], "clock": time.time_ns(),
          "seen": seen_here}
     )  # fmt: skip
@@ -720,7 +226,7 @@ def resume(
     for e, s, sid in cands:
         if (e, s) < efs_key:
             break
-        plan = _covered(str(s), invs, sid)
+        plan = shardplan.covered(str(s), invs, sid)
         if plan is not None:
             step, plan_key = s, (e, s)
             break
@@ -729,8 +235,8 @@ def resume(
         if cands and top > efs_key:
             last_restore["back_to"] = efs
         if rank == 0 and cands and top > efs_key:
-            missing = _missing(str(top[1]), invs, cands[0][2])
-            _say(
+            missing = shardplan.missing(str(top[1]), invs, cands[0][2])
+            shardfiles.say(
                 f"step {top[1]} is not in the survivors' memory (no intact copy of {missing}); "
                 f"going back to step {efs} from {directory}"
                 if efs >= 0
@@ -744,19 +250,19 @@ def resume(
     try:
         recv = _fetch(stepdir, rank, nodes, invs, str(step), plan, into, unsafe_load)
     except Exception as e:  # noqa: BLE001 - any fetch trouble: every rank goes to EFS together
-        _say(f"fetching step {step}'s shards from peers' memory failed ({type(e).__name__}: {e})")
+        shardfiles.say(f"fetching step {step}'s shards from peers' memory failed ({type(e).__name__}: {e})")
         ok = False
     if recv.refused:  # the same on every rank: nothing was received
         why = f"step {step}'s bytes to receive from peers do not fit in node memory ({recv.refused})"
         last_restore = {"source": "efs", "step": efs, "newest": newest, "reason": why}
         if rank == 0:
-            _say(f"{why}; going back to step {efs} from {directory}")
+            shardfiles.say(f"{why}; going back to step {efs} from {directory}")
         return None
     fetched = recv.node
-    if not _all_ok(ok):
+    if not collectives.all_ok(ok):
         last_restore = {"source": "efs", "step": efs, "newest": newest}
         if rank == 0:
-            _say(
+            shardfiles.say(
                 f"restoring step {step} from memory failed on some rank; going back to step {efs} from {directory}"
             )
         return None
@@ -767,10 +273,12 @@ def resume(
     except Exception as e:  # noqa: BLE001 - DCP fails on every rank together: EFS then
         last_restore = {"source": "efs", "step": efs, "newest": newest}
         if rank == 0:
-            _say(f"loading step {step} from memory failed ({e}); going back to step {efs} from {directory}")
+            shardfiles.say(
+                f"loading step {step} from memory failed ({e}); going back to step {efs} from {directory}"
+            )
         return None
     secs = time.monotonic() - t0
-    shards = _shard_sources(rank, nodes, invs, str(step), plan, recv.peers)
+    shards = shardplan.shard_sources(rank, nodes, invs, str(step), plan, recv.peers)
     last_restore = {
         "source": "memory",
         "step": step,
@@ -793,12 +301,12 @@ def resume(
         received=fetched,
     )
     if rank == 0 and plan_key < top:
-        _say(
+        shardfiles.say(
             f"step {top[1]} is not in the survivors' memory (no intact copy of "
-            f"{_missing(str(top[1]), invs, cands[0][2])}); going back to step {step}, the newest they hold"
+            f"{shardplan.missing(str(top[1]), invs, cands[0][2])}); going back to step {step}, the newest they hold"
         )
     if rank == 0:
-        _say(
+        shardfiles.say(
             f"restored step {step} from node memory at world size {dist_world()} (saved at "
             f"{plan['world']}; {fetched / 2**20:.1f} MiB fetched from peers by this node, {secs:.2f} s)"
         )
@@ -824,33 +332,6 @@ def report_efs_restore(step: int, world: int | None, seconds: float) -> None:
     _report_restore("efs", step, 0, seconds, shards=shards, newest=newest, back_to=back, **why)
 
 
-def _shard_sources(
-    rank: int, nodes: list[str], invs: list[dict[str, Any]], step: str, plan: dict[str, Any], peers: list[int]
-) -> dict[str, list[int]]:
-    """Where this node's shards of the plan came from (by the saving rank that owns them): ``self``
-    (files its memory held: its own shards and the replicas it kept) and ``peer`` (``peers``: the
-    owners of the files it received ranges of; a file it neither held nor read is in neither)."""
-    mine = invs[_leader(rank, nodes)].get(step)
-    has = set(mine["files"]) if mine and mine["id"] == plan["id"] else set()
-    held = {owner for n, (owner, _, _) in plan["files"].items() if n != ".metadata" and n in has}
-    out = {"self": sorted(held), "peer": sorted(peers)}
-    return {k: v for k, v in out.items() if v}
-
-
-def _missing(step: str, invs: list[dict[str, Any]], sid: str | None = None) -> str:
-    parts = [i[step] for i in invs if step in i and (sid is None or i[step]["id"] == sid)]
-    world = max((p["world"] for p in parts), default=0)
-    files: dict[str, list[int]] = {}
-    counts: dict[str, int] = {}
-    for p in parts:
-        counts.update(p["counts"])
-        for n, f in p["files"].items():
-            files.setdefault(n, f)
-    lost = [f"rank {r}'s shard" for r in _lost(world, counts, files)]
-    lost += [] if ".metadata" in files else [".metadata"]
-    return ", ".join(lost) or "a consistent set"
-
-
 def _fetch(
     stepdir: Path,
     rank: int,
@@ -865,7 +346,7 @@ def _fetch(
     lacks (``ranges.receive``: each node's lowest rank receives them, after its memory said they fit)."""
     world = len(nodes)
     has: dict[int, set[str]] = {}
-    for d in sorted({_leader(r, nodes) for r in range(world)}):
+    for d in sorted({replicas.leader(r, nodes) for r in range(world)}):
         mine = invs[d].get(step)
         has[d] = set(mine["files"]) if mine and mine["id"] == plan["id"] else set()
     root = stepdir.parent
@@ -876,9 +357,9 @@ def _fetch(
         rank,
         into,
         unsafe_load,
-        gather=_gather_json,
+        gather=collectives.gather_json,
         reserve=lambda n: reserve(n, root.parent, _meminfo),
-        group=_group,
-        read=lambda p, n: _read_tensor(p, n),  # looked up at the call: a test may replace it
-        timeout=_fetch_timeout(),
+        group=collectives.group,
+        read=lambda p, n: shardfiles.read_tensor(p, n),  # looked up at the call: a test may replace it
+        timeout=replicas.fetch_timeout(),
     )
