@@ -15,6 +15,8 @@ Instance states (``Instance.state``):
     a spot interruption's deadline passed: shutting down before termination.
 ``killed``
     hard-killed by ``kill_instance`` (no drain).
+``powering-off``
+    its OS is shutting down (the ``shutdown`` shim's time came): its units are being stopped.
 ``powered-off``
     its OS shut down (the ``shutdown`` shim): the tree is gone, EC2 stopped it, and its group
     replaces it (``Leaving.os_shutdown``).

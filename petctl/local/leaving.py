@@ -193,7 +193,9 @@ class Leaving:
                 or rec.state not in ("running", "exited")
             ):
                 return
-            rec.state, rec.shutdown_at = "powered-off", None
+            # "powered-off" only once the tree is gone (``_finish``): a reader that sees it may
+            # rely on every process of the instance having ended
+            rec.state, rec.shutdown_at = "powering-off", None
         log.info("%s: the OS powers off (shutdown)", rec.instance_id)
         self._shutdown(rec, self.settings.shutdown_grace)
         self._finish(rec, "powered-off")
