@@ -929,7 +929,10 @@ def test_a_drain_waits_for_efs_only_when_no_survivor_with_a_persister_stays(
             str(shms[i]),
             "replicated",
         ]
-        servers.append(subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL))
+        # its stderr kept, and faulthandler on: a persister that does not end at SIGTERM fails the
+        # test with its stack (below)
+        err = open(tmp_path / f"persister-{i}.err", "w+")  # noqa: SIM115 - read in the finally
+        servers.append(subprocess.Popen(cmd, env={**env, "PYTHONFAULTHANDLER": "1"}, stderr=err))
     try:
         deadline = time.monotonic() + 60
         for i, server in zip(map(int, served.split(",")), servers):
@@ -955,7 +958,15 @@ def test_a_drain_waits_for_efs_only_when_no_survivor_with_a_persister_stays(
     finally:
         for server in servers:
             server.terminate()
-            server.wait(timeout=60)
+        stuck = []
+        for i, server in zip(map(int, served.split(",")), servers):
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.send_signal(signal.SIGABRT)  # faulthandler prints where it is stuck
+                server.wait(timeout=30)
+                stuck.append(f"persister {i}:\n" + (tmp_path / f"persister-{i}.err").read_text()[-6000:])
+        assert not stuck, "a persister did not end 60 s after its SIGTERM\n" + "\n".join(stuck)
     assert efsrate.ENV in pace
 
 
