@@ -75,3 +75,58 @@ def test_threads_setting(monkeypatch) -> None:
         assert crcs.threads() == want, raw
     monkeypatch.delenv("PETCTL_CRC_THREADS")
     assert crcs.threads() == max(1, min(crcs.MAX_THREADS, len(os.sched_getaffinity(0))))
+
+
+def _header(pieces: list[bytes]) -> tuple[dict, bytes]:
+    data, tensors = b"", []
+    for p in pieces:
+        tensors.append({"offset": len(data), "nbytes": len(p), "crc32c": crcs.crc(p)})
+        data += p
+    return {"tensors": tensors}, data
+
+
+def _mapped(data: bytes) -> mmap.mmap:
+    mm = mmap.mmap(-1, len(data))
+    mm[:] = data
+    return mm
+
+
+def test_crcs_match_checks_every_tensor() -> None:
+    """The one pass over a snapshot's bytes (a load, the verification, a peer, the persister)."""
+    from petctl_agent.checkpointing.verification import crcs_match
+
+    header, data = _header([b"a" * 100, b"", b"b" * 300])
+    mm = _mapped(data)
+    assert crcs_match(header, mm)
+    mm[150] = ord("c")
+    assert not crcs_match(header, mm)
+    assert crcs_match({"tensors": []}, None)
+
+
+def test_crcs_match_looks_for_a_seal_every_look_bytes_and_stops_checking_once_sealed() -> None:
+    """The persister's pass: a seal found before the first tensor, or after ``look`` bytes checked,
+    stands for the rest (a wrong byte there is not looked at); a torn byte before it is found."""
+    from petctl_agent.checkpointing.verification import crcs_match
+
+    header, data = _header([b"x" * 64] * 6)
+    mm = _mapped(data)
+    mm[5 * 64] = ord("y")  # the last tensor is wrong
+    looks: list[int] = []
+
+    def sealed_after(n: int):
+        def sealed() -> bool:
+            looks.append(1)
+            return len(looks) > n
+
+        return sealed
+
+    assert not crcs_match(header, mm, sealed=lambda: False, look=128)
+    looks.clear()
+    assert crcs_match(header, mm, sealed=sealed_after(0), look=128)  # sealed from the start
+    assert len(looks) == 1
+    looks.clear()
+    assert crcs_match(header, mm, sealed=sealed_after(2), look=128)  # looks before tensors 0, 2, 4
+    assert len(looks) == 3
+    looks.clear()
+    assert not crcs_match(header, mm, sealed=sealed_after(3), look=128)  # the wrong one checked first
+    assert len(looks) == 3

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent import filelocks
-from petctl_agent.checkpointing import crcs, timeline
+from petctl_agent.checkpointing import timeline
 from petctl_agent.checkpointing.atomic import atomic_write, fsync_dir
 from petctl_agent.checkpointing.files import (
     HashingFile,
@@ -50,6 +50,7 @@ from petctl_agent.checkpointing.files import (
 )
 from petctl_agent.checkpointing.header import Complete, decode_structure, dtype_from_name, same_snapshot
 from petctl_agent.checkpointing.snapshot import SnapshotStore
+from petctl_agent.checkpointing.verification import crcs_match
 
 
 def persist_newest(store: SnapshotStore, directory: Path, keep: int = 3) -> int | None:
@@ -77,10 +78,6 @@ def _persist(store: SnapshotStore, c: Complete, d: Path, keep: int) -> bool:
         os.close(pin)  # unpinned: the writer may use the slot again
 
 
-#: bytes checked between two looks for the writer's seal (a look: a record read, two stats)
-SEAL_LOOK = 64 << 20
-
-
 def _persist_pinned(store: SnapshotStore, c: Complete, d: Path, keep: int) -> bool:
     import torch
 
@@ -98,21 +95,15 @@ def _persist_pinned(store: SnapshotStore, c: Complete, d: Path, keep: int) -> bo
     d.mkdir(parents=True, exist_ok=True)
     name = f"ckpt-{c.step:010d}.pt"
     tmp: Path | None = None
-    view = memoryview(mm) if mm is not None else memoryview(b"")
     tensors: list[Any] = []
     state: Any = None
-    # the bytes are checked on the way (a torn or overwritten slot is never persisted) unless the
-    # snapshot is sealed: its writer checked them and is gone (SnapshotStore.covered; a drained
-    # step's writer exits while this runs: looked at again every SEAL_LOOK bytes)
-    sealed, unchecked = store.covered(h, wait=0), 0
     try:
+        # a torn or overwritten slot is never persisted; a sealed one is not checked again: its
+        # writer checked the bytes and is gone (SnapshotStore.covered; a drained step's writer
+        # exits while this runs: looked at again every SEAL_LOOK bytes)
+        if not crcs_match(h, mm, sealed=lambda: store.covered(h, wait=0)):
+            return False
         for m in h["tensors"]:
-            if not sealed and unchecked >= SEAL_LOOK:
-                sealed, unchecked = store.covered(h, wait=0), 0
-            if not sealed:
-                unchecked += int(m["nbytes"])
-                if crcs.crc(view[m["offset"] : m["offset"] + m["nbytes"]]) != m["crc32c"]:
-                    return False  # torn or overwritten: never persisted
             dt = dtype_from_name(m["dtype"])
             if m["nbytes"]:
                 raw = torch.frombuffer(mm, dtype=torch.uint8, count=m["nbytes"], offset=m["offset"])
@@ -157,7 +148,6 @@ def _persist_pinned(store: SnapshotStore, c: Complete, d: Path, keep: int) -> bo
     finally:
         state = None
         tensors.clear()
-        view.release()
         if mm is not None:
             mm.close()
         if tmp is not None:

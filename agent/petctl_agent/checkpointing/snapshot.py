@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent import filelocks
-from petctl_agent.checkpointing import budget, crcs, mapping
+from petctl_agent.checkpointing import budget, mapping
 from petctl_agent.checkpointing.budget import read_meminfo
 from petctl_agent.checkpointing.header import (
     FORMAT,
@@ -58,7 +58,7 @@ from petctl_agent.checkpointing.header import (
     same_snapshot,
 )
 from petctl_agent.checkpointing.slots import Slots, track
-from petctl_agent.checkpointing.verification import Verification
+from petctl_agent.checkpointing.verification import Verification, crcs_match
 from petctl_agent.checkpointing.writing import Writing
 
 
@@ -263,15 +263,9 @@ class SnapshotStore(Writing, Slots, Verification):
                 os.close(fd)
             elif mm is None:
                 mapping.release(token)
-        view = memoryview(mm) if mm is not None else memoryview(b"")
         out: list[Any] = []
         try:
-            if check is not None:
-                if not check(h, mm):
-                    return None
-            elif any(
-                crcs.crc(view[m["offset"] : m["offset"] + m["nbytes"]]) != m["crc32c"] for m in h["tensors"]
-            ):
+            if not (check(h, mm) if check is not None else crcs_match(h, mm)):
                 return None
             for m in h["tensors"]:
                 dt = dtype_from_name(m["dtype"])
@@ -293,7 +287,6 @@ class SnapshotStore(Writing, Slots, Verification):
                 mm = None
             return state
         finally:
-            view.release()
             if mm is not None:
                 out.clear()
                 try:

@@ -37,6 +37,7 @@ from petctl_agent.checkpointing.header import (
     same_snapshot,
 )
 from petctl_agent.checkpointing.timeline import epoch_of
+from petctl_agent.checkpointing.verification import crcs_match
 
 OK = "ok"
 
@@ -174,16 +175,7 @@ class Writing:
         got = self._received
 
         def check(header: dict[str, Any], mm: mmap.mmap | None) -> bool:
-            if got is not None and same_snapshot(header, got):
-                return True
-            view = memoryview(mm) if mm is not None else memoryview(b"")
-            try:
-                return all(
-                    crcs.crc(view[m["offset"] : m["offset"] + m["nbytes"]]) == m["crc32c"]
-                    for m in header["tensors"]
-                )
-            finally:
-                view.release()
+            return (got is not None and same_snapshot(header, got)) or crcs_match(header, mm)
 
         return check
 
