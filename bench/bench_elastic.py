@@ -8,6 +8,10 @@ gloo). Tools:
 
 - ``petctl``: ``petctl-agent run`` exactly as production configures it (only the
   local-cloud plumbing -- IMDS URL, EFS dir, agent dir -- is set): rendezvous petctl-etcd;
+- ``petctl-live``: the same agent with the job spec's ``live`` (``run-job --live``): every node's
+  worker is a torchft replica group running ``examples/live_train.py``, a lighthouse runs beside
+  etcd, and no change restarts a survivor. Its "loss during a re-rendezvous" is a loss while the
+  newcomer joins (its workers started, not yet stepping): live workers never stop for a join;
 - ``petctl-etcd-v2``: the same agent with the job spec's ``rdzv_backend: etcd-v2``
   (torch's handler plus the agent's workarounds: the fallback);
 - ``torchrun-etcd``: ``torchrun --rdzv-backend etcd`` with torch's defaults;
@@ -61,7 +65,20 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import BIN, TOOLS, Node, Run, RunConfig, cmdline, cpu_busy, kill_pids, poll, wait_idle  # noqa: E402
+from benchlib import (  # noqa: E402
+    BIN,
+    LIVE,
+    LIVE_SCRIPT,
+    TOOLS,
+    Node,
+    Run,
+    RunConfig,
+    cmdline,
+    cpu_busy,
+    kill_pids,
+    poll,
+    wait_idle,
+)
 
 #: what a rep measures, in the order it happens: one "chain" run (a job's life: cold start,
 #: drain, join, hard loss, a loss during a re-rendezvous) and one "burst" run per tool
@@ -221,11 +238,17 @@ def _chain_loss_during_rdzv(
     new = run.add_node()
     quiet = max(0.3, 6 * a.step_time)
 
+    def newcomer_started() -> float | None:
+        """Live: the running workers never stop for a join; the loss comes while the newcomer
+        joins (its workers started, before its first step: it is healing from a peer)."""
+        evs = [e for e in (run.status(new) or {}).get("events", []) if e.get("kind") == "workers_started"]
+        return time.monotonic() if evs else None
+
     def rdzv_started() -> float | None:
         last = max(n.last_t() for n in live)
         return last if last > new.started and time.monotonic() - last > quiet else None
 
-    t_stop = poll(rdzv_started, a.start_timeout, 0.01)
+    t_stop = poll(newcomer_started if run.cfg.tool == LIVE else rdzv_started, a.start_timeout, 0.01)
     if t_stop is None:
         raise Miss(f"timeout {a.start_timeout:.0f}s: the join never stopped the running ranks")
     victim = live[0]
@@ -267,6 +290,8 @@ def run_one(kind: str, tool: str, rep: int, a: argparse.Namespace, root: Path) -
         tool=tool, min_nodes=2, max_nodes=8, step_time=a.step_time, checkpoint_every=a.checkpoint_every,
         job=f"b-{kind}", worker_group=kind == "burst" and not a.no_hint,
     )  # fmt: skip
+    if tool == LIVE:  # examples/live_train.py: the state lives in the peers, no periodic checkpoint
+        cfg.script, cfg.checkpoint_every = LIVE_SCRIPT, 0
     run = Run(root / f"{kind}-{tool}-{rep}", cfg)
     waited, busy = wait_idle(a.idle_wait) if a.idle_wait > 0 else (0.0, cpu_busy())
     base = {"tool": tool, "rep": rep, "cpu_busy_before": round(busy, 2), "idle_wait": round(waited, 1)}

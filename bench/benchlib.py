@@ -38,9 +38,11 @@ from petctl.local.procs import descendants
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "elastic_train.py"
+#: the live tool's training loop (``run-job --live``: torchft replica groups, no worker restarts)
+LIVE_SCRIPT = REPO / "examples" / "live_train.py"
 #: training scripts the runs may use (a node's workers are found by these names)
-SCRIPTS = (SCRIPT.name, "state_train.py")
-STEP_RE = re.compile(r"step=(\d+) world_size=(\d+) loss=")
+SCRIPTS = (SCRIPT.name, "state_train.py", LIVE_SCRIPT.name)
+STEP_RE = re.compile(r"step=(\d+) world_size=(\d+) (?:loss|params)=")
 #: the training script's own lines for the benchmark (``bench: <what> k=v ...``)
 MARK_RE = re.compile(r"bench: (\w+) (.*)$")
 MONO_RE = re.compile(r" mono=(\d+\.\d+)")
@@ -56,9 +58,11 @@ def _mono(line: str, arrived: float) -> float:
     return t if t <= arrived else arrived
 
 
-TOOLS = ("petctl", "petctl-etcd-v2", "torchrun-etcd", "torchrun-etcd-v2")
+TOOLS = ("petctl", "petctl-live", "petctl-etcd-v2", "torchrun-etcd", "torchrun-etcd-v2")
 #: petctl tools -> the job spec's rdzv_backend (petctl-etcd is the agent's default)
-PETCTL_BACKENDS = {"petctl": "petctl-etcd", "petctl-etcd-v2": "etcd-v2"}
+PETCTL_BACKENDS = {"petctl": "petctl-etcd", "petctl-live": "petctl-etcd", "petctl-etcd-v2": "etcd-v2"}
+#: the tool whose agents run live nodes (``live`` in the job spec; a lighthouse beside etcd)
+LIVE = "petctl-live"
 BIN = Path(sys.executable).parent  # console scripts next to the interpreter (no pyenv shim)
 
 
@@ -302,6 +306,12 @@ class Run:
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._sample_pids, daemon=True)
         self.spec_path = self.root / "job.json"
+        #: the live tool's lighthouse, on etcd's host as on the rendezvous instance
+        self.lighthouse: Any = None
+        if cfg.tool == LIVE:
+            from live_harness import Lighthouse  # bench/, next to this file
+
+            self.lighthouse = Lighthouse(self.root)
         if cfg.tool in PETCTL_BACKENDS:
             self.imds = FakeImds()
             if cfg.worker_group:
@@ -312,6 +322,9 @@ class Run:
     def start(self) -> None:
         self.etcd.start()
         self._see([self.etcd.proc.pid] if self.etcd.proc else [])
+        if self.lighthouse is not None:
+            self.lighthouse.start()
+            self._see([self.lighthouse.proc.pid])
         self._sampler.start()
 
     def _see(self, pids: list[int]) -> None:
@@ -323,6 +336,8 @@ class Run:
 
     def script_args(self) -> list[str]:
         c = self.cfg
+        if c.tool == LIVE:  # examples/live_train.py: no checkpoints of its own (peers hold the state)
+            return ["--steps", str(c.total_steps), "--step-time", str(c.step_time), *c.extra_args]
         return [
             "--total-steps", str(c.total_steps), "--step-time", str(c.step_time),
             "--checkpoint-every", str(c.checkpoint_every), *c.extra_args,
@@ -359,6 +374,8 @@ class Run:
             "rdzv_port": self.etcd.port,
             "rdzv_backend": PETCTL_BACKENDS[c.tool],
         }
+        if self.lighthouse is not None:
+            spec.update(live=True, lighthouse_port=self.lighthouse.port)
         self.spec_path.write_text(json.dumps(spec, indent=2))
 
     def add_node(self) -> Node:
@@ -412,7 +429,32 @@ class Run:
         self.nodes.append(node)
         self._see([proc.pid])
         threading.Thread(target=self._read, args=(node,), daemon=True).start()
+        if self.lighthouse is not None:
+            threading.Thread(target=self._tail_live, args=(node,), daemon=True).start()
         return node
+
+    def _tail_live(self, node: Node) -> None:
+        """A live node's workers write their step lines to the agent's log files
+        (``logs/live/attempt_<n>/<local rank>/stdout.log``), not to its stdout: follow them.
+        Their lines carry ``mono=``, so the poll's delay does not enter the times."""
+        offsets: dict[Path, int] = {}
+        while True:
+            alive = node.alive()  # one more pass after the node ended: its last lines
+            for path in sorted(node.dir.glob("agent/**/live/attempt_*/*/stdout.log")):
+                try:
+                    with open(path, "rb") as f:
+                        f.seek(offsets.get(path, 0))
+                        data = f.read()
+                except OSError:
+                    continue
+                end = data.rfind(b"\n") + 1
+                offsets[path] = offsets.get(path, 0) + end
+                t = time.monotonic()
+                for raw in data[:end].splitlines():
+                    self._line(node, raw.decode(errors="replace"), t)
+            if not alive or self._stop.is_set():
+                return
+            time.sleep(0.1)
 
     def _read(self, node: Node) -> None:
         assert node.proc.stdout is not None
@@ -420,19 +462,24 @@ class Run:
             for raw in node.proc.stdout:
                 t = time.monotonic()
                 line = raw.decode(errors="replace").rstrip("\n")
-                node.nlines += 1
                 log.write(f"{t:.3f} {line}\n")
-                # a line that says when it was printed (state_train.py: mono=, the worker's
-                # time.monotonic(), the same clock) is timed by that, not by its arrival here: a
-                # worker's line reaches the agent's stdout only at its log tailer's next poll (0.2 s)
-                m = STEP_RE.search(line)
-                if m:
-                    node.steps.append((_mono(line, t), int(m.group(1)), int(m.group(2))))
-                    continue
-                m = MARK_RE.search(line)
-                if m:
-                    kv = dict(x.split("=", 1) for x in m.group(2).split() if "=" in x)
-                    node.marks.append((_mono(line, t), m.group(1), kv))
+                self._line(node, line, t)
+
+    @staticmethod
+    def _line(node: Node, line: str, t: float) -> None:
+        """One line of a node's output, read at ``t``: a step or a mark."""
+        node.nlines += 1
+        # a line that says when it was printed (state_train.py, live_train.py: mono=, the worker's
+        # time.monotonic(), the same clock) is timed by that, not by its arrival here: a worker's
+        # line reaches the agent's stdout only at its log tailer's next poll (0.2 s)
+        m = STEP_RE.search(line)
+        if m:
+            node.steps.append((_mono(line, t), int(m.group(1)), int(m.group(2))))
+            return
+        m = MARK_RE.search(line)
+        if m:
+            kv = dict(x.split("=", 1) for x in m.group(2).split() if "=" in x)
+            node.marks.append((_mono(line, t), m.group(1), kv))
 
     def _sample_pids(self) -> None:
         while not self._stop.wait(0.25):
@@ -604,6 +651,8 @@ class Run:
                 self.kill_node(n)
         kill_pids(self.leftovers(include_etcd=False))  # identity-checked: only what we started
         self.etcd.stop()
+        if self.lighthouse is not None:
+            self.lighthouse.kill()
         self._stop.set()
         if self.imds is not None:
             self.imds.close()
