@@ -41,6 +41,11 @@ DAEMON_SIDE = (
     "petctl.local.daemon",
     "petctl.local.reconciler",
     "petctl.local.moto_patches",
+    "petctl.local.moto_autoscaling",
+    "petctl.local.moto_cloudformation",
+    "petctl.local.moto_ec2",
+    "petctl.local.moto_logs",
+    "petctl.local.moto_s3",
     "petctl.local.shims",
     "petctl.local.starting",
 )
@@ -48,11 +53,12 @@ DAEMON_SIDE = (
 
 # The agent's rooms (docs/architecture.md): the longest prefix names a module's room.
 AGENT_ROOMS = {
-    "petctl_agent": "contracts",  # DRAIN_EXIT_CODE; spec, settings, workarounds: stdlib only
+    "petctl_agent": "contracts",  # DRAIN_EXIT_CODE; spec, settings, knobs, workarounds: stdlib only
     "petctl_agent.spec": "contracts",
     "petctl_agent.settings": "contracts",
     "petctl_agent.workarounds": "contracts",
     "petctl_agent.filelocks": "contracts",  # flock helpers of the snapshot store and its persister
+    "petctl_agent.knobs": "contracts",  # the workers' PETCTL_* variables, one reader each
     "petctl_agent.distributed": "distributed",  # user scripts' face
     "petctl_agent.checkpointing": "checkpointing",
     "petctl_agent.checkpoint": "checkpoint",  # user scripts' face

@@ -1,4 +1,9 @@
-"""EFS access points and file system policies in moto's CloudFormation, as AWS has them.
+"""EFS in moto as AWS has it: mount targets' VPC and zone rules, and access points and file
+system policies in CloudFormation (:mod:`petctl.local.moto_patches`, items 4 and 12).
+
+A file system has mount targets in one VPC at a time: AWS answers ``MountTargetConflict`` for a
+second VPC, and refuses a mount target of a One Zone file system outside its zone; moto allowed
+both, and both are refused here.
 
 moto 5.2 creates ``AWS::EFS::AccessPoint`` from a template but gives it no ``Ref`` (a ``!Ref`` or
 ``${AccessPoint}`` in a ``!Sub`` became the Python object) and no ``Fn::GetAtt`` (``Arn``,
@@ -128,6 +133,7 @@ def apply() -> None:
         return fs
 
     _policy_api()
+    _patch_efs_mount_targets()
 
     # (wrap's original is the bound classmethod; the plain function it installs is called on the
     # class, as moto's CloudFormation does, so no cls is passed twice.)
@@ -184,3 +190,41 @@ def _policy_api() -> None:
         if problem:
             raise InvalidPolicyException(problem)
         return original(self, file_system_id, policy, **kw)
+
+
+def _patch_efs_mount_targets() -> None:
+    from moto.efs.exceptions import BadRequest, MountTargetConflict
+    from moto.efs.models import EFSBackend
+
+    @wrap(EFSBackend, "create_mount_target")
+    def create_mount_target(
+        original: Callable[..., Any],
+        self: Any,
+        file_system_id: str,
+        subnet_id: str,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        fs = self.file_systems_by_id.get(file_system_id)
+        try:
+            subnet = self.ec2_backend.get_subnet(subnet_id)
+        except Exception:  # noqa: BLE001 - moto's own error for a bad subnet
+            subnet = None
+        if fs is not None and subnet is not None:
+            vpcs = {
+                mt.subnet_vpc_id
+                for mt in self.mount_targets_by_id.values()
+                if mt.file_system_id == file_system_id
+            }
+            if vpcs and subnet.vpc_id not in vpcs:
+                raise MountTargetConflict(
+                    f"File system '{file_system_id}' already has mount targets in VPC {sorted(vpcs)[0]}; "
+                    f"all of a file system's mount targets must be in one VPC"
+                )
+            zone = getattr(fs, "availability_zone_name", None)
+            if zone and subnet.availability_zone != zone:
+                raise BadRequest(
+                    f"One Zone file system '{file_system_id}' lives in {zone}; subnet {subnet_id} is in "
+                    f"{subnet.availability_zone}"
+                )
+        return original(self, file_system_id, subnet_id, *args, **kwargs)

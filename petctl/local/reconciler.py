@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from petctl.local import boot, moto_patches, moto_warm_pool, plan, procs
+from petctl.local import boot, moto_autoscaling, moto_warm_pool, plan, procs
 from petctl.local.efs_rate import EfsRates, rates_from_env
 from petctl.local.instance import Instance
 from petctl.local.leaving import Leaving
@@ -102,7 +102,7 @@ class Reconciler(Starting, Leaving):
         # Marks every process of every instance of this daemon (see procs): random per daemon,
         # so a marker proves the process was started by this daemon.
         self.token = secrets.token_hex(8)
-        moto_patches.lifecycle_handler = self.on_lifecycle_call
+        moto_autoscaling.lifecycle_handler = self.on_lifecycle_call
 
     # ------------------------------------------------------------------ loop
 

@@ -338,18 +338,18 @@ def test_an_address_an_interface_holds_is_never_given_to_an_instance(monkeypatch
 
 
 def test_private_ips_are_random_claimed_and_never_reused() -> None:
-    from petctl.local import moto_patches
+    from petctl.local import moto_ec2
 
     # A /29 has 3 usable addresses once AWS's reserved ones (first four, last one) are skipped.
-    got = {moto_patches._random_host("127.255.254.0/29", lambda ip: False) for _ in range(3)}
+    got = {moto_ec2._random_host("127.255.254.0/29", lambda ip: False) for _ in range(3)}
     assert got == {"127.255.254.4", "127.255.254.5", "127.255.254.6"}
-    assert moto_patches._random_host("127.255.254.0/29", lambda ip: False) is None  # exhausted, never reused
+    assert moto_ec2._random_host("127.255.254.0/29", lambda ip: False) is None  # exhausted, never reused
     # Another daemon's claim (an flock held by another process) is respected.
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import sys; from petctl.local import moto_patches as m; "
+            "import sys; from petctl.local import moto_ec2 as m; "
             "print(m.claim_ip('127.255.253.4'), flush=True); sys.stdin.read()",
         ],
         stdin=subprocess.PIPE,
@@ -358,7 +358,7 @@ def test_private_ips_are_random_claimed_and_never_reused() -> None:
     )
     try:
         assert holder.stdout.readline().strip() == "True"
-        assert not moto_patches.claim_ip("127.255.253.4")
+        assert not moto_ec2.claim_ip("127.255.253.4")
     finally:
         holder.communicate("")
-    assert moto_patches.claim_ip("127.255.253.4")  # released when its holder exited
+    assert moto_ec2.claim_ip("127.255.253.4")  # released when its holder exited
