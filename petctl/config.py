@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import petctl
 from petctl import naming
 from petctl.errors import ConfigError
 from petctl.ui import cmd
@@ -83,8 +84,8 @@ def validate_field(key: str, value: Any) -> Any:
 
 
 def home() -> Path:
-    """The petctl state directory (``$PETCTL_HOME`` or ``~/.petctl``)."""
-    return Path(os.environ.get("PETCTL_HOME") or Path.home() / ".petctl")
+    """The petctl state directory (``$PETCTL_HOME`` or ``~/.petctl``: :func:`petctl.home`)."""
+    return petctl.home()
 
 
 def profile_path(name: str) -> Path:

@@ -76,7 +76,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from petctl_agent import DRAIN_EXIT_CODE
+from petctl_agent import DRAIN_EXIT_CODE, knobs
 from petctl_agent.checkpointing import memory, sharded_memory, userstate
 from petctl_agent.checkpointing.drain import (
     drain_leaving,
@@ -161,7 +161,7 @@ def _save(
     leaving: bool = False,
 ) -> Path | None:
     d = checkpoint_dir(directory)
-    keep = keep if keep is not None else int(os.environ.get("PETCTL_CHECKPOINT_KEEP", "3"))
+    keep = keep if keep is not None else knobs.checkpoint_keep()
     state, sharded = userstate.for_save(state)
     if sharded:
         if sharded_memory.save(state, int(step), d, keep, wait=durable):

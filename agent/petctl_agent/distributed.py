@@ -31,6 +31,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from petctl_agent import knobs
+
 __all__ = ["DevicePlan", "init_process_group", "rank_device", "select_device"]
 
 MIXED_BACKEND = "cpu:gloo,cuda:nccl"
@@ -140,7 +142,7 @@ def init_process_group(backend: str | None = None, timeout_s: float | None = Non
     timeout = datetime.timedelta(
         seconds=timeout_s or float(os.environ.get("PETCTL_COLLECTIVE_TIMEOUT", "60"))
     )
-    addr = os.environ.get("PETCTL_LOCAL_ADDR")
+    addr = knobs.local_addr()
     if not addr:
         dist.init_process_group(plan.backend, timeout=timeout, **kwargs)
         return plan.backend

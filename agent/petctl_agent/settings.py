@@ -33,6 +33,13 @@ def env_int(name: str, default: int, env: Mapping[str, str] | None = None) -> in
     return int(env_float(name, default, env))
 
 
+def exclude_after(env: Mapping[str, str], default: int = 3) -> int:
+    """``PETCTL_AGENT_EXCLUDE_AFTER`` in ``env`` (the agent's environment, or a job's own ``run-job
+    --env``, which overrides it): failed rounds in a row that began on one node before it leaves the
+    job; 0 (or less): never."""
+    return max(0, env_int("PETCTL_AGENT_EXCLUDE_AFTER", default, env))
+
+
 def _env_opt(name: str, env: Mapping[str, str]) -> float | None:
     """An optional override: None when unset (the default then comes from the spec or the backend)."""
     try:
@@ -101,6 +108,7 @@ class Settings:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         e = os.environ if env is None else env
+        snapshot_dir = e.get("PETCTL_AGENT_SNAPSHOT_DIR", "/dev/shm/petctl")
         return cls(
             imds_url=(e.get("PETCTL_IMDS_URL") or DEFAULT_IMDS_URL).rstrip("/"),
             efs_mount=Path(e.get("PETCTL_EFS_MOUNT") or "/mnt/efs").absolute(),
@@ -116,7 +124,7 @@ class Settings:
             leave_fallback=env_float("PETCTL_AGENT_LEAVE_FALLBACK", 30, e),
             last_call=env_int("PETCTL_AGENT_LAST_CALL", 5, e),
             failure_limit=env_int("PETCTL_AGENT_FAILURE_LIMIT", 5, e),
-            exclude_after=max(0, env_int("PETCTL_AGENT_EXCLUDE_AFTER", 3, e)),
+            exclude_after=exclude_after(e),
             keepalive=env_int("PETCTL_AGENT_KEEPALIVE", 1, e),
             keepalive_attempts=env_int("PETCTL_AGENT_KEEPALIVE_ATTEMPTS", 5, e),
             store_timeout=env_float("PETCTL_AGENT_STORE_TIMEOUT", 20, e),
@@ -134,9 +142,8 @@ class Settings:
             etcd_key=e.get("PETCTL_ETCD_KEY", ""),
             launch_hook=e.get("PETCTL_LAUNCH_HOOK", ""),
             power_off=e.get("PETCTL_AGENT_POWER_OFF", ""),
-            snapshot_dir=e.get("PETCTL_AGENT_SNAPSHOT_DIR", "/dev/shm/petctl"),
-            snapshots=e.get("PETCTL_AGENT_NO_SNAPSHOTS", "") != "1"
-            and e.get("PETCTL_AGENT_SNAPSHOT_DIR", "/dev/shm/petctl") != "",
+            snapshot_dir=snapshot_dir,
+            snapshots=e.get("PETCTL_AGENT_NO_SNAPSHOTS", "") != "1" and snapshot_dir != "",
             snapshot_fetch=e.get("PETCTL_AGENT_NO_SNAPSHOT_FETCH", "") != "1",
         )
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import petctl
 from petctl.local import procs
 
 DAEMON_MODULE = "petctl.local.daemon"
@@ -23,11 +24,8 @@ DAEMON_MODULE = "petctl.local.daemon"
 
 def state_dir() -> Path:
     """``$PETCTL_LOCAL_DIR``, else ``$PETCTL_HOME/local``, else ``~/.petctl/local``."""
-    if os.environ.get("PETCTL_LOCAL_DIR"):
-        return Path(os.environ["PETCTL_LOCAL_DIR"]).expanduser().absolute()
-    if os.environ.get("PETCTL_HOME"):
-        return Path(os.environ["PETCTL_HOME"]).expanduser().absolute() / "local"
-    return Path.home() / ".petctl" / "local"
+    d = os.environ.get("PETCTL_LOCAL_DIR")
+    return Path(d).expanduser().absolute() if d else petctl.home() / "local"
 
 
 def cloud_log(d: Path | None = None) -> Path:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from petctl_agent import DRAIN_EXIT_CODE
+from petctl_agent import DRAIN_EXIT_CODE, knobs
 from petctl_agent.checkpointing.atomic import atomic_write
 from petctl_agent.distributed import dist_world
 
@@ -26,7 +26,7 @@ LEAVE = 2
 
 
 def _local_drain_flag() -> int:
-    f = os.environ.get("PETCTL_DRAIN_FILE")
+    f = knobs.drain_file()
     if not f:
         return 0
     try:
@@ -142,7 +142,7 @@ def should_checkpoint(step: int, every: int) -> bool:
     """
     global _agreed_drain
     flag = _local_drain_flag()
-    if dist_world() > 1 and os.environ.get("PETCTL_DRAIN_FILE"):
+    if dist_world() > 1 and knobs.drain_file():
         flag = _get_agreement().exchange(flag, _sync_mode())
     _agreed_drain = int(flag)
     return bool(flag) or (every > 0 and step % every == 0)
@@ -162,7 +162,7 @@ def exit_for_drain() -> None:
 
 def report_progress(step: int, world_size: int) -> None:
     """Record the last completed step in ``$PETCTL_PROGRESS_FILE`` (local rank 0 only; atomic)."""
-    f = os.environ.get("PETCTL_PROGRESS_FILE")
+    f = knobs.progress_file()
     if not f or os.environ.get("LOCAL_RANK", "0") != "0":
         return
     body = json.dumps({"step": int(step), "world_size": int(world_size), "t": time.time()}).encode()

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from petctl_agent import knobs
 from petctl_agent.checkpointing import efsrate, timeline
 from petctl_agent.checkpointing.atomic import atomic_write, fsync_dir
 
@@ -36,7 +37,7 @@ def checkpoint_dir(directory: str | os.PathLike | None = None) -> Path:
     Raises:
         ValueError: neither is set (under plain torchrun, pass a directory).
     """
-    d = directory or os.environ.get("PETCTL_CHECKPOINT_DIR")
+    d = directory or knobs.checkpoint_dir()
     if not d:
         raise ValueError("no checkpoint directory: pass directory= or set PETCTL_CHECKPOINT_DIR")
     return Path(d)

@@ -9,17 +9,17 @@ watchdog; its timeout is per operation.
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import Any
 
+from petctl_agent import knobs
 from petctl_agent.distributed import dist_on
 
 _ckpt_group_for: tuple[Any, Any] | None = None  # (default group it was made for, gloo group)
 
 
 def _barrier_timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("PETCTL_CHECKPOINT_TIMEOUT", "1800")))
+    return timedelta(seconds=knobs.checkpoint_timeout())
 
 
 def ckpt_group() -> Any:

@@ -74,6 +74,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from petctl_agent import knobs
 from petctl_agent.checkpointing import fetch, peer, persist, timeline
 from petctl_agent.checkpointing.atomic import atomic_write
 from petctl_agent.checkpointing.drain import LEAVE, _local_drain_flag
@@ -106,7 +107,7 @@ def _store(sdir: Path) -> SnapshotStore:
 
 
 def snapshot_dir() -> Path | None:
-    d = os.environ.get("PETCTL_SNAPSHOT_DIR")
+    d = knobs.snapshot_dir()
     return Path(d) if d else None
 
 
@@ -115,7 +116,7 @@ def _local_rank() -> int:
 
 
 def _peer_timeout() -> float:
-    return float(os.environ.get("PETCTL_SNAPSHOT_PEER_TIMEOUT") or 60)
+    return knobs.snapshot_peer_timeout()
 
 
 def _all_min(values: list[int]) -> list[int]:
@@ -165,7 +166,7 @@ def _persister(store: SnapshotStore, directory: Path, keep: int) -> Persister:
 
 
 def _checkpoint_timeout() -> float:
-    return float(os.environ.get("PETCTL_CHECKPOINT_TIMEOUT") or 1800)
+    return knobs.checkpoint_timeout()
 
 
 def _wait_persisted(
@@ -570,7 +571,7 @@ def _persist_before_efs(store: SnapshotStore, key: tuple[int, int], directory: P
     import torch.distributed as dist
 
     epoch, step = key
-    keep = int(os.environ.get("PETCTL_CHECKPOINT_KEEP", "3"))
+    keep = knobs.checkpoint_keep()
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=_efs_wait_timeout()))
     try:
         if dist.get_rank() == holder:
@@ -651,7 +652,7 @@ def _kick(
     if key <= efs:
         return
     epoch, step = key
-    keep = int(os.environ.get("PETCTL_CHECKPOINT_KEEP", "3"))
+    keep = knobs.checkpoint_keep()
     if not held:  # this node's memory could not keep the step (a newcomer whose store is full)
         why = f"step {step} restored from a peer but not held in this node's memory"
         print(f"petctl checkpoint: {why}; writing it to EFS directly", file=sys.stderr)

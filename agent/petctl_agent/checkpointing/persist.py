@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from petctl_agent import filelocks
+from petctl_agent import filelocks, knobs
 from petctl_agent.checkpointing import timeline
 from petctl_agent.checkpointing.atomic import atomic_write, fsync_dir
 from petctl_agent.checkpointing.files import (
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("name")
     ap.add_argument("checkpoint_dir", nargs="?")
     ap.add_argument("--serve", action="store_true", help="serve the workers' persist.request (the agent's)")
-    ap.add_argument("--keep", type=int, default=int(os.environ.get("PETCTL_CHECKPOINT_KEEP", "3")))
+    ap.add_argument("--keep", type=int, default=knobs.checkpoint_keep())
     ap.add_argument("--poll", type=float, default=0.5)
     ap.add_argument("--once", action="store_true", help="persist the newest snapshot (if newer) and exit")
     ap.add_argument(

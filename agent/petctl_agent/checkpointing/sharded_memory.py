@@ -66,6 +66,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from petctl_agent import knobs
 from petctl_agent.checkpointing import (
     collectives,
     ranges,
@@ -98,7 +99,7 @@ OPT_IN = "PETCTL_SHARDED_MEMORY"
 
 def memory_root() -> Path | None:
     """``$PETCTL_SNAPSHOT_DIR/sharded`` when the job opted in (:data:`OPT_IN`), else None."""
-    d = os.environ.get("PETCTL_SNAPSHOT_DIR")
+    d = knobs.snapshot_dir()
     on = os.environ.get(OPT_IN, "").strip().lower() in ("1", "true", "yes")
     return Path(d) / SUBDIR if d and on else None
 
@@ -108,7 +109,7 @@ def _meminfo() -> dict[str, int]:
 
 
 def _node_key() -> str:
-    return node_name(os.environ.get("PETCTL_SNAPSHOT_DIR", ""))
+    return node_name(knobs.snapshot_dir() or "")
 
 
 def save(state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: bool) -> bool:

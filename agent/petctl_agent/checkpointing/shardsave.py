@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from petctl_agent import knobs
 from petctl_agent.checkpointing import collectives, replicas, shardfiles, timeline
 from petctl_agent.checkpointing.atomic import fsync_dir
 from petctl_agent.checkpointing.files import prune, read_pointer, write_pointer
@@ -28,7 +29,7 @@ _pending_error: list[str] = []
 
 
 def _persist_timeout() -> float:
-    return float(os.environ.get("PETCTL_CHECKPOINT_TIMEOUT", "1800"))
+    return knobs.checkpoint_timeout()
 
 
 class _Persist:

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from petctl_agent import knobs
+
 log = logging.getLogger("petctl_agent.live")
 
 FILE = "live.pt"
@@ -43,7 +45,7 @@ class Durable:
         every = float(env.get("PETCTL_LIVE_CHECKPOINT_SECONDS") or DEFAULT_SECONDS)
         if every < 0:
             raise RuntimeError(f"PETCTL_LIVE_CHECKPOINT_SECONDS={every:g}: give seconds (0: never)")
-        return cls(env.get("PETCTL_CHECKPOINT_DIR") or None, every)
+        return cls(knobs.checkpoint_dir(env), every)
 
     @property
     def path(self) -> Path | None:

@@ -57,6 +57,7 @@ from datetime import timedelta
 import torch
 from torch.distributed import TCPStore
 
+from petctl_agent import knobs
 from petctl_agent.live import upstream
 from petctl_agent.live.durable import Durable
 from petctl_agent.live.lighthouse import is_wildcard
@@ -76,23 +77,24 @@ class LiveConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> LiveConfig:
         env = os.environ if env is None else env
-        if not env.get("PETCTL_LIVE_LIGHTHOUSE"):
+        lighthouse = env.get("PETCTL_LIVE_LIGHTHOUSE")
+        if not lighthouse:
             raise RuntimeError(
                 "PETCTL_LIVE_LIGHTHOUSE is not set: live mode needs the job's lighthouse "
                 "(http://host:port of `python -m petctl_agent.live.lighthouse`)"
             )
-        host = env.get("PETCTL_LOCAL_ADDR") or "127.0.0.1"
+        host = knobs.local_addr(env) or "127.0.0.1"
         if is_wildcard(host):
             raise RuntimeError(f"PETCTL_LOCAL_ADDR={host!r}: give the node's own address, not a wildcard")
         replica_id = env.get("PETCTL_LIVE_REPLICA_ID") or f"{socket.gethostname()}-{os.getpid()}"
         if int(env.get("LOCAL_WORLD_SIZE") or 1) > 1:
             replica_id = f"{replica_id}-{env.get('LOCAL_RANK') or 0}"
         return cls(
-            lighthouse=env["PETCTL_LIVE_LIGHTHOUSE"],
+            lighthouse=lighthouse,
             replica_id=replica_id,
             host=host,
             timeout_s=float(env.get("PETCTL_LIVE_TIMEOUT") or 10),
-            drain_file=env.get("PETCTL_DRAIN_FILE") or None,
+            drain_file=knobs.drain_file(env),
             min_replicas=int(env.get("PETCTL_LIVE_MIN_REPLICAS") or 1),
             backend=_backend_name(env.get("PETCTL_LIVE_BACKEND") or ""),
         )
@@ -243,7 +245,7 @@ class LiveRun:
     def _report_progress(self) -> None:
         """The step and the quorum's size in ``$PETCTL_PROGRESS_FILE`` (local rank 0; atomic): the
         node's status (last step, world size) and the job's training progress."""
-        f = os.environ.get("PETCTL_PROGRESS_FILE")
+        f = knobs.progress_file()
         if not f or os.environ.get("LOCAL_RANK", "0") != "0":
             return
         step, world = int(self.step), int(self.replicas)

@@ -17,7 +17,7 @@ from petctl_agent.cloud.status import StatusPublisher
 from petctl_agent.node import failure, jobenv, markers
 from petctl_agent.node.lifecycle import CapacityHint, Lifecycle
 from petctl_agent.node.snapshots import SnapshotArea
-from petctl_agent.settings import Settings, env_int
+from petctl_agent.settings import Settings, exclude_after
 from petctl_agent.spec import JobSpec
 from petctl_agent.worker.env import Paths, StepInfo, job_checkpoint_dir, worker_entrypoint
 from petctl_agent.worker.project import link_and_log
@@ -130,7 +130,7 @@ class Launching:
             failure_file=self.paths.failed,
             instance_id=self.instance_id,
             # the job's own setting (run-job --env PETCTL_AGENT_EXCLUDE_AFTER=N) over the agent's
-            exclude_after=env_int("PETCTL_AGENT_EXCLUDE_AFTER", self.settings.exclude_after, spec.env),
+            exclude_after=exclude_after(spec.env, self.settings.exclude_after),
         )
         if self.leave_reason:  # arrived while we were setting up
             agent.request_leave(self.leave_reason)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from petctl_agent import knobs
 from petctl_agent.elastic.outcome import Outcome
 
 log = logging.getLogger("petctl_agent")
@@ -212,7 +213,7 @@ class LiveNode:
             return
         self._quorum_read = now
         try:
-            prog = json.loads(Path(self.env.get("PETCTL_PROGRESS_FILE", "")).read_text())
+            prog = json.loads(Path(knobs.progress_file(self.env) or "").read_text())
             world, step = int(prog["world_size"]), int(prog["step"])
             since = int(prog.get("since", step))
         except (OSError, ValueError, KeyError, TypeError):

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from petctl_agent import filelocks
+from petctl_agent import filelocks, knobs
 
 log = logging.getLogger("petctl_agent")
 
@@ -68,11 +68,7 @@ SERVERS_WAIT = 2.0
 def fetch_deadline() -> float:
     """Seconds a fetch may take: 3/4 of the workers' wait for it (``PETCTL_SNAPSHOT_PEER_TIMEOUT``,
     60 s: the restore's own bound), so that it is over, or killed, before they stop waiting."""
-    try:
-        wait = float(os.environ.get("PETCTL_SNAPSHOT_PEER_TIMEOUT") or 60)
-    except ValueError:
-        wait = 60.0
-    return max(1.0, 0.75 * wait)
+    return max(1.0, 0.75 * knobs.snapshot_peer_timeout())
 
 
 #: seconds the persister gets to finish a write in flight when the node leaves

@@ -215,10 +215,10 @@ def use_job_env(env: str) -> None:
 
 def run_script(script: str, *args: str) -> None:
     """Entry point torch calls in each worker (must be importable/picklable)."""
-    if os.environ.get("PETCTL_AGENT_NO_PDEATHSIG", "") != "1":
+    if not switched_off("PDEATHSIG", os.environ):
         # parent = the forkserver, which exits when the agent dies
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)
-    if os.environ.get("PETCTL_AGENT_NO_PG_KEEPALIVE", "") != "1":
+    if not switched_off("PG_KEEPALIVE", os.environ):
         keep_destroyed_groups_alive()
     if not switched_off("STORE_CONNECT", os.environ):
         connect_when_listening()
