@@ -9,6 +9,8 @@ applied through the gateway, and observed.
     observe.py   find a job, gather its facts, observe() -> JobStatus, list_jobs, wait_for_end
     status.py    what status reports: JobStatus, Host, AgentStatus, BootFailures (to_dict: --output json)
     state.py     the status derived from gathered facts (pure)
+    boots.py     what the boots left: the boot log summary, each boot's phases (pure)
+    reasons.py   why a FAILED job failed, in one line: error lines, boot and agent reasons (pure)
     control.py   scale, kill_job, upload
 
 A new job option goes into request.py (validation) and planning.py (spec, parameters); a new
@@ -16,6 +18,7 @@ fact of the status into observe.gather and state.derive.
 """
 
 from petctl.jobs.apply import Started, apply
+from petctl.jobs.boots import BOOT_LOG_LINES
 from petctl.jobs.control import kill_job, scale, upload
 from petctl.jobs.lookups import check_code_url, instance_facts, resolve_ami, resolve_vpc
 from petctl.jobs.observe import boot_log, find_job, hosts, list_jobs, observe, require_job, wait_for_end
@@ -29,7 +32,7 @@ from petctl.jobs.request import (
     sanitize_tag_value,
     validate_request,
 )
-from petctl.jobs.state import BOOT_FAILURES_TO_FAIL, BOOT_LOG_LINES
+from petctl.jobs.state import BOOT_FAILURES_TO_FAIL
 from petctl.jobs.status import FINAL_STATES, Host, JobStatus
 
 __all__ = [

@@ -12,6 +12,7 @@ from petctl import naming
 from petctl.errors import ConfigError, NotFound
 from petctl.gateway import Gateway
 from petctl.gateway.stacks import parameters_of, tags_of
+from petctl.jobs import boots
 from petctl.jobs import state as st
 from petctl.jobs.state import Facts
 from petctl.jobs.status import Host, JobStatus
@@ -93,7 +94,7 @@ def gather(gw: Gateway, profile: str, job: str, now: float | None = None) -> Fac
     reports = gw.job_files.read_status(job)
     logs, tail = gw.job_files.boot_logs(job)
     docs = gw.job_files.boot_events(job)
-    boot = st.boot_summary(logs, tail, naming.job_prefix(job) + "boot/", docs)
+    boot = boots.boot_summary(logs, tail, naming.job_prefix(job) + "boot/", docs)
     return Facts(job, stack, group, hosts_, reports, boot, docs, time.time() if now is None else now)
 
 
@@ -147,7 +148,7 @@ def list_jobs(gw: Gateway, profile: str, now: float | None = None) -> list[JobRo
         failed_boot = False
         if not st.ever_trained(reports):
             logs, tail = gw.job_files.boot_logs(job)
-            boot = st.boot_summary(logs, tail, naming.job_prefix(job) + "boot/")
+            boot = boots.boot_summary(logs, tail, naming.job_prefix(job) + "boot/")
             failed_boot = st.boot_failed(boot, False, group.get("DesiredCapacity"))
         rows.append(
             JobRow(
@@ -157,7 +158,7 @@ def list_jobs(gw: Gateway, profile: str, now: float | None = None) -> list[JobRo
                 max=group.get("MaxSize"),
                 desired=group.get("DesiredCapacity"),
                 in_service=st.in_service(group),
-                created=st.iso(s.get("CreationTime")),
+                created=boots.iso(s.get("CreationTime")),
             )
         )
     return rows

@@ -3,23 +3,22 @@
 :func:`derive` turns :class:`Facts` (the stack, the worker group, the hosts, what the agents and
 boot scripts published) into a :class:`JobStatus`, whose ``to_dict()`` is the ``status --output
 json`` document (docs/contracts.md). A new agent state is handled in :func:`overall_state` and
-:func:`ever_trained`.
+:func:`ever_trained`. What the boots left (their summary and phases) is read in
+:mod:`petctl.jobs.boots`; why a FAILED job failed is worded in :mod:`petctl.jobs.reasons`.
 """
 
 from __future__ import annotations
 
-import datetime as dt
-import re
 from dataclasses import dataclass
 from typing import Any
 
+from petctl.jobs.boots import boot_phases
+from petctl.jobs.reasons import agent_failure_reason, boot_failure_reason, stopped_line
 from petctl.jobs.status import AgentStatus, BootFailures, Host, JobStatus
 
 #: Boot logs (s3://<bucket>/petctl/jobs/<job>/boot/) after which, with no agent ever training, the
 #: job counts as FAILED; the boot scripts scale the groups to zero at the same count (common.sh.j2).
 BOOT_FAILURES_TO_FAIL = 3
-#: How much of the newest boot log status shows.
-BOOT_LOG_LINES = 15
 #: A draining agent out of its group (the group lists it no more, while it checkpoints and
 #: leaves) still counts this long after its last report: the longest drain timeout.
 DRAINING_GRACE_S = 7200
@@ -213,94 +212,6 @@ def boot_failed(boot: BootFailures, trained: bool, desired: int | None) -> bool:
     return boot.count > 0 and not trained and (boot.count >= BOOT_FAILURES_TO_FAIL or desired == 0)
 
 
-#: A line that says what went wrong: a Python exception (a traceback's last line), ``error:``,
-#: ``ERROR``, ``FAILED``, bash's own complaints. The boot scripts' ERR trap finds the same line
-#: with the same pattern (``first_error`` in cfn_templates/user_data/common.sh.j2).
-ERROR_LINE = re.compile(
-    "^[A-Za-z_][A-Za-z0-9_.]*(Error|Exception|Exit|Interrupt)[A-Za-z0-9_.]*:|[Ee]rror:|ERROR|FAILED"
-    "|[Ff]atal:|command not found|unbound variable|syntax error|[Pp]ermission denied|No such file"
-    "|[Tt]imed out|Connection refused"
-)
-#: The boot scripts' own closing line (``petctl boot: FAILED (exit N) at line L: ...``): a line of
-#: last resort, the cause is above it.
-_BOOT_TRAILER = "petctl boot: FAILED (exit"
-#: How long a reason's quoted line may be.
-REASON_LINE_MAX = 300
-
-
-def first_error_line(lines: list[str]) -> str | None:
-    """The first line that says what went wrong, not the first line of the log (indented lines, a
-    traceback's frames and code, and the boot scripts' closing line do not count); else the last
-    line above the closing one."""
-    picked = next(
-        (
-            line
-            for line in lines
-            if line[:1] not in (" ", "\t") and not line.startswith(_BOOT_TRAILER) and ERROR_LINE.search(line)
-        ),
-        None,
-    ) or next(  # else the last line above the closing one
-        (line for line in reversed(lines) if line.strip() and not line.startswith(_BOOT_TRAILER)), None
-    )
-    if picked is None:
-        return None
-    picked = picked.strip()
-    return picked if len(picked) <= REASON_LINE_MAX else picked[: REASON_LINE_MAX - 3] + "..."
-
-
-#: How the newest failure record says that the node-failure cap stopped the job (the agent's
-#: ``node/failure.py`` and the boot scripts' give-up write it)
-_STOPPED = re.compile(r"stopping the job: .*")
-
-
-def stopped_line(boot: BootFailures) -> str | None:
-    """The newest failure record's "stopping the job: ..." (the node-failure cap), or None."""
-    for line in boot.last_lines:
-        m = _STOPPED.search(line)
-        if m:
-            text = "the job stopped itself: " + m.group(0)[len("stopping the job: ") :]
-            return text if len(text) <= REASON_LINE_MAX else text[: REASON_LINE_MAX - 3] + "..."
-    return None
-
-
-def boot_failure_reason(boot: BootFailures, job: str) -> str:
-    """One line: how many boots failed, the newest one's instance and first error line, and the
-    command that prints its whole log."""
-    from petctl.ui import cmd
-
-    error = boot.error or first_error_line(boot.last_lines) or "its log is empty"
-    return (
-        f"{boot.count} instance boot(s) failed and no node ever trained; {boot.instance_id}: {error} "
-        f"(whole boot log: `{cmd(f'logs {job} --boot {boot.instance_id}')}`)"
-    )
-
-
-def _failed_event(a: dict[str, Any]) -> dict[str, Any]:
-    """The agent's last ``failed`` event ({} when it has none)."""
-    return next((e for e in reversed(a.get("events") or []) if e.get("kind") == "failed"), {})
-
-
-def agent_failure_reason(agents: list[dict[str, Any]], job: str) -> str | None:
-    """The reason of the agent that failed first on its own, with its instance and the command
-    that prints its log. An agent that failed because another one closed the rendezvous (its
-    ``failed`` event says ``closed``) comes after every agent that failed for a reason of its own;
-    then the earliest ``failed`` event (else the earliest report) comes first."""
-    from petctl.ui import cmd
-
-    def order(a: dict[str, Any]) -> tuple[bool, float]:
-        ev = _failed_event(a)
-        return bool(ev.get("closed")), float(ev.get("t") or a.get("updated_at") or 0)
-
-    failed = sorted((a for a in agents if a.get("state") == "FAILED"), key=order)
-    if not failed:
-        return None
-    a = failed[0]
-    iid = a.get("instance_id") or "?"
-    why = (a.get("reason") or "").strip().splitlines()
-    text = (first_error_line(why) or why[-1]) if why else "its agent published no reason"
-    return f"the agent of {iid} FAILED: {text} (its log: `{cmd(f'logs {job} --instance {iid}')}`)"
-
-
 def failure_reason(f: Facts, state: str, failed_boot: bool, current: list[dict[str, Any]]) -> str | None:
     """Why a FAILED job failed, in one line; never empty for a FAILED job."""
     from petctl.ui import cmd
@@ -322,97 +233,6 @@ def failure_reason(f: Facts, state: str, failed_boot: bool, current: list[dict[s
     )
 
 
-def boot_summary(
-    logs: list[dict[str, Any]], newest_tail: bytes, prefix: str, docs: list[dict[str, Any]] | None = None
-) -> BootFailures:
-    """:class:`BootFailures` from the boot log listing (newest last), the newest log's end and the
-    boot events documents (``docs``: the error line a failing boot published)."""
-    docs = docs or []
-    if not logs:
-        return BootFailures()
-    newest = logs[-1]
-    lines = [line for line in newest_tail.decode("utf-8", "replace").splitlines() if line.strip()]
-    instance_id = newest["Key"][len(prefix) : -len(".log")]
-    return BootFailures(
-        count=len(logs),
-        instance_id=instance_id,
-        at=iso(newest.get("LastModified")),
-        last_lines=lines[-BOOT_LOG_LINES:],
-        error=published_error(docs, instance_id) or first_error_line(lines),
-    )
-
-
-def published_error(docs: list[dict[str, Any]], instance_id: str) -> str | None:
-    """The first error line the boot script of ``instance_id`` published with its ``boot_failed``
-    event (it read its whole log; the tail petctl reads may have lost it)."""
-    for d in docs:
-        if d.get("instance_id") != instance_id:
-            continue
-        for e in d.get("events") or []:
-            if isinstance(e, dict) and e.get("kind") == "boot_failed" and str(e.get("error") or "").strip():
-                return str(e["error"]).strip()[:REASON_LINE_MAX]
-    return None
-
-
-#: Boot stages the agent runs itself (after the boot script started it) and reports as events:
-#: the job's requirements, installed (not found cached) or failed. Their phase is their own time.
-AGENT_BOOT_STAGES = ("requirements_installed", "requirements_failed")
-
-
-def _agent_stages(reports: list[dict[str, Any]], instance_id: Any, since: float) -> list[dict[str, Any]]:
-    return [
-        e
-        for r in reports
-        if r.get("instance_id") == instance_id
-        for e in r.get("events") or []
-        if isinstance(e, dict)
-        and e.get("kind") in AGENT_BOOT_STAGES
-        and not e.get("cached")
-        and isinstance(e.get("t"), (int, float))
-        and e["t"] >= since
-    ]
-
-
-def boot_phases(
-    docs: list[dict[str, Any]], reports: list[dict[str, Any]] | None = None
-) -> list[dict[str, Any]]:
-    """Each boot's timestamped events, oldest boot first, with ``phases`` (each event after the
-    first, with the seconds since the one before, or its own ``seconds``: the agent's stages of
-    :data:`AGENT_BOOT_STAGES`, from its ``reports``) and ``seconds`` (first to last event)."""
-    out = []
-    for d in docs:
-        events = [
-            e for e in d.get("events") or [] if isinstance(e, dict) and isinstance(e.get("t"), (int, float))
-        ]
-        if not events:
-            continue
-        events = sorted(
-            events + _agent_stages(reports or [], d.get("instance_id"), events[0]["t"]), key=lambda e: e["t"]
-        )
-        phases = [
-            {
-                "kind": b["kind"],
-                "seconds": round(
-                    b["seconds"]
-                    if b["kind"] in AGENT_BOOT_STAGES and isinstance(b.get("seconds"), (int, float))
-                    else b["t"] - a["t"],
-                    2,
-                ),
-            }
-            for a, b in zip(events, events[1:])
-        ]
-        out.append(
-            {
-                "instance_id": d.get("instance_id"),
-                "role": d.get("role"),
-                "events": events,
-                "phases": phases,
-                "seconds": round(events[-1]["t"] - events[0]["t"], 2),
-            }
-        )
-    return sorted(out, key=lambda d: d["events"][0]["t"])
-
-
 def uptime(stack: dict[str, Any], agents: list[dict[str, Any]], now: float) -> float | None:
     """Seconds since the job's stack was created (else since its first agent event)."""
     created = stack.get("CreationTime")
@@ -420,13 +240,6 @@ def uptime(stack: dict[str, Any], agents: list[dict[str, Any]], now: float) -> f
         return round(now - created.timestamp(), 1)
     starts = [e.get("t") for a in agents for e in a.get("events", []) or [] if e.get("t")]
     return round(now - min(starts), 1) if starts else None
-
-
-def iso(value: Any) -> str | None:
-    """An ISO 8601 UTC timestamp (JSON keeps these; text shows ages)."""
-    if hasattr(value, "isoformat"):
-        return value.astimezone(dt.timezone.utc).isoformat(timespec="seconds")
-    return str(value) if value else None
 
 
 LOST_CAUSES = ("rejected", "throttled", "failed", "queue_full")

@@ -56,7 +56,7 @@ def _failed(c, node) -> dict:
 
 
 def test_a_script_that_raises_on_every_rank_fails_at_once_with_its_error(make_cluster) -> None:
-    from petctl.jobs.state import agent_failure_reason
+    from petctl.jobs.reasons import agent_failure_reason
 
     c = make_cluster(job="raises", min_nodes=2, max_nodes=2, spec_extra={"max_restarts": 10})
     _use_script(c, READS_DATA)

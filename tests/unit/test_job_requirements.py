@@ -8,7 +8,7 @@ import pytest
 
 from petctl.errors import ConfigError
 from petctl.jobs import requirements as rq
-from petctl.jobs.state import boot_phases
+from petctl.jobs.boots import boot_phases
 from petctl_agent.node import jobenv
 
 TORCH = "2.13.0"

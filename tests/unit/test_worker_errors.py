@@ -127,7 +127,7 @@ def test_the_same_failure_at_the_same_point_twice_is_deterministic() -> None:
 
 
 def test_status_quotes_the_agent_that_failed_on_its_own() -> None:
-    from petctl.jobs.state import agent_failure_reason
+    from petctl.jobs.reasons import agent_failure_reason
 
     own = f"rank 0 on i-2 exit 1: {LINE} (the same error twice in a row ...)"
     closed = "the rendezvous was closed by another node (job failed elsewhere)"
