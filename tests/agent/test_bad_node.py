@@ -89,12 +89,11 @@ def test_the_culprits_agent_excludes_itself_at_k_and_its_peer_trains_on(etcd3, m
 
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 
-    from petctl_agent.elastic import agent as agent_mod
     from petctl_agent.elastic.outcome import Outcome
 
     etcd = make_client(etcd3.endpoint, RequestCounter(), 5.0, {})
     book = FailureBook(etcd, Keys("/petctl-test-agents", f"run-{time.time_ns()}"))
-    monkeypatch.setattr(agent_mod.FailureBook, "of", classmethod(lambda cls, handler: book))
+    monkeypatch.setattr(FailureBook, "of", classmethod(lambda cls, handler: book))
     a, b = _agent("i-a", book, 2), _agent("i-b", book, 2)
     lines = {"i-a": "RuntimeError: [gloo] Connection closed by peer", "i-b": "RuntimeError: NCCL error"}
     for n in (a, b):

@@ -139,7 +139,7 @@ def test_a_worker_that_will_not_exit_is_killed_after_the_grace(make_cluster) -> 
     for the membership change, does not exit for 60 s (its handler is stuck, as a Python SIGTERM
     handler is behind a collective that never returns). The agent SIGKILLs it LOSS_STOP_GRACE
     (10 s) after its SIGTERM, not after torch's 30 s close timeout counted from the next SIGTERM."""
-    from petctl_agent.elastic.agent import LOSS_STOP_GRACE
+    from petctl_agent.elastic.processes import LOSS_STOP_GRACE
 
     c = make_cluster(job="stuckterm", min_nodes=1, max_nodes=2, script=SLOW, extra_env=NO_DRAIN_WAIT,
                      script_args=["--exit-s", "60", "--on-sigterm"], spec_extra={"max_restarts": 0})  # fmt: skip

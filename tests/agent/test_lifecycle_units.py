@@ -148,9 +148,9 @@ def test_only_a_loss_bounds_the_workers_stop(monkeypatch, loss: bool, code: int)
     shrunk to 0.5 s) finishes it; it was SIGKILLed mid-save (a torn torch.save)."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    from petctl_agent.elastic import agent as agent_mod
+    from petctl_agent.elastic import processes
 
-    monkeypatch.setattr(agent_mod, "LOSS_STOP_GRACE", 0.5)
+    monkeypatch.setattr(processes, "LOSS_STOP_GRACE", 0.5)
     torch_stopped: list[int | None] = []
 
     def torch_stop(self, wg, *a, **k) -> None:  # noqa: ARG001  torch's close: SIGTERM, wait up to 30 s

@@ -5,23 +5,23 @@ launcher) and override a few hooks to (a) publish status/events, (b) run the
 drain protocol and leave the rendezvous without closing it for everyone, and
 (c) work around torch behaviours that stall elastic jobs. Every workaround names
 the torch behaviour it answers and can be switched off (see ``petctl_agent/workarounds.py``).
-Handlers: ``handlers.py``; how long to keep joining: ``joining.py``; membership while
-training: ``membership.py``; how the workers are stopped (drain file, SIGTERM) and waited for:
-``stopping.py``; the pure decisions (exit codes, waiting below ``min_nodes``): ``decisions.py``;
-what :meth:`PetctlElasticAgent.run` returns: ``outcome.py``; why workers failed, in their words,
-and when a failure is deterministic: ``failures.py``; torch's worker-exit log lines: ``tracebacks.py``.
 
-The class stays one module, in the order torch calls its hooks (``run`` -> ``_rendezvous`` ->
-``_start_workers`` -> ``_invoke_run``'s loop -> restart / coordinated stop -> drain and leave):
-they share one state (``phase``, ``leave_requested``, ``watch``, ``stops``), and the parts that
-need none of it (joining, stopping, membership, decisions, handlers) are their own modules.
+This module holds the torch hooks, in the order torch calls them (``run`` -> ``_rendezvous`` ->
+``_start_workers`` -> ``_invoke_run``'s loop -> ``_restart_workers`` / ``_stop_workers``), and the
+state they share. The agent's other parts are mixins of :class:`PetctlElasticAgent` over that
+state: the restart budget (``restarts.py``), a node that cannot train (``exclusion.py``), a
+membership change or stall while training (``changes.py``), the drain and leave (``leaving.py``),
+our workers' processes and signals (``processes.py``). The parts that need none of the state are
+plain modules: handlers (``handlers.py``), how long to keep joining (``joining.py``), membership
+while training (``membership.py``), how the workers are stopped and waited for (``stopping.py``),
+the pure decisions (``decisions.py``), what :meth:`PetctlElasticAgent.run` returns
+(``outcome.py``), why workers failed, in their words (``failures.py``), torch's worker-exit log
+lines (``tracebacks.py``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -33,60 +33,33 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
 from petctl_agent.cloud.status import StatusPublisher
-from petctl_agent.elastic.culprit import Failure, can_begin, failure_time, first_failure, own_error
-from petctl_agent.elastic.decisions import classify_exits
+from petctl_agent.elastic.changes import Changes
+from petctl_agent.elastic.culprit import Failure
+from petctl_agent.elastic.exclusion import Exclusion
 from petctl_agent.elastic.exitwatch import ExitWatch, exit_fds
-from petctl_agent.elastic.failurebook import FailureBook
-from petctl_agent.elastic.failures import RepeatWatch, describe, signature, stderr_paths, worker_errors
-from petctl_agent.elastic.handlers import LeftRendezvous, guard_join, join_timeout_s, leave_round, ours
+from petctl_agent.elastic.failures import RepeatWatch
+from petctl_agent.elastic.handlers import LeftRendezvous, guard_join, join_timeout_s, ours
 from petctl_agent.elastic.joining import join_round
+from petctl_agent.elastic.leaving import Leaving
 from petctl_agent.elastic.membership import MembershipWatch
 from petctl_agent.elastic.outcome import Outcome
+from petctl_agent.elastic.processes import WorkerProcesses, own_signal_handlers
+from petctl_agent.elastic.restarts import RestartBudgetSpent, Restarts
 from petctl_agent.elastic.stall import StallWatch
 from petctl_agent.elastic.stopping import WorkerStops
 from petctl_agent.settings import Settings
 
 log = logging.getLogger("petctl_agent.elastic")
 
-#: seconds from the SIGTERM of a restart for a loss (nodes named gone) or of stalled workers to
-#: the SIGKILL of workers still running (torch's own stop waits 30 s; a join keeps it): a process holding GiBs of state exits in 0.6 s/GiB idle, a few
-#: seconds on a busy box (tests/agent/test_failing_worker.py: 6 s); one hung in a collective
-#: whose Python SIGTERM handler cannot run never exits by itself
-LOSS_STOP_GRACE = 10.0
-#: seconds past the failure grace that a node whose failure record is the round's only one waits
-#: for a peer's, before it names nobody (culprit.py: a failure that did not spread names nobody)
-CULPRIT_WAIT = 2.0
 
-
-def live_worker_pids(pc: Any) -> list[int]:
-    """The pids of a torch ``PContext``'s workers that are still running (never one reaped, whose
-    pid the kernel may have given to another process). Functions (the forkserver's
-    ``run_script``): ``MultiprocessContext``; binaries: ``SubprocessContext``."""
-    out: list[int] = []
-    for proc in getattr(getattr(pc, "_pc", None), "processes", None) or []:
-        if proc.is_alive():
-            out.append(proc.pid)
-    for handler in (getattr(pc, "subprocess_handlers", None) or {}).values():
-        if handler.proc.poll() is None:
-            out.append(handler.proc.pid)
-    return out
-
-
-class RestartBudgetSpent(Exception):
-    """A restart taken as free (a node named gone) is charged once the node is back, and no
-    restart is left: the agent fails, as after ``max_restarts`` worker failures."""
-
-
-class PetctlElasticAgent(LocalElasticAgent):
+class PetctlElasticAgent(Restarts, Exclusion, Changes, Leaving, WorkerProcesses, LocalElasticAgent):
     """torch's LocalElasticAgent plus petctl's drain protocol, status and stall workarounds.
 
     :meth:`run` returns an :class:`Outcome`; :attr:`fail_reason` says why for the failures.
     :meth:`request_leave` (any thread) drains the workers, or leaves a round being joined.
 
-    Restart budget (``WorkerSpec.max_restarts``, torch's ``_remaining_restarts``): only
-    worker failures that no membership change explains spend it. Joins, drains
-    (``classify_exits``) and lost peers (the participants changed within the heartbeat
-    expiry after the failure) restart for free.
+    Restart budget (``WorkerSpec.max_restarts``): only worker failures that no membership change
+    explains spend it (``restarts.py``).
     """
 
     # class defaults too: a stop of an agent built without __init__ (tests) has them
@@ -138,7 +111,7 @@ class PetctlElasticAgent(LocalElasticAgent):
         #: no new step for a while: a peer that vanished without a reset (stall.py)
         self.stall = StallWatch(progress_file)
         #: when our workers were SIGTERMed for a membership change (the stop is then bounded:
-        #: :meth:`_stop_workers`)
+        #: :meth:`_kill_after_grace`)
         self._sigterm_at: float | None = None
         #: our failing workers' processes may still be exiting: the next restart joins the round
         #: first and reaps them after (:meth:`_while_failing`)
@@ -178,12 +151,7 @@ class PetctlElasticAgent(LocalElasticAgent):
         self.sync_timeout = settings.sync_timeout_for(drain_timeout)
         # torch 2.5-2.8 install their own SIGTERM/SIGINT handler every time workers start
         # (PContext.start); ours turn SIGTERM into a drain. Remember them to put them back.
-        self._own_signal_handlers: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                h = signal.getsignal(sig)
-                if callable(h) and h not in (signal.default_int_handler,):
-                    self._own_signal_handlers[sig] = h
+        self._own_signal_handlers: dict[int, Any] = own_signal_handlers()
 
     def run(self, role: str = DEFAULT_ROLE) -> Outcome:  # type: ignore[override]
         """Run the worker group until this node is done here; never raises for a rendezvous error."""
@@ -213,21 +181,6 @@ class PetctlElasticAgent(LocalElasticAgent):
         return self.outcome or Outcome.FAILED
 
     # ---- rendezvous ------------------------------------------------------------------
-    def request_leave(self, reason: str) -> None:
-        """Leave the job (drain while training; leave the round at once while joining one).
-
-        With petctl-etcd a node inside ``next_rendezvous`` leaves from this (watcher) thread:
-        ``handler.leave()`` deletes its membership key and ``next_rendezvous`` raises
-        ``RendezvousLeftError``, which :meth:`_rendezvous` turns into :class:`LeftRendezvous`.
-        (``phase`` is set before the leave request is read there, and the request is set
-        before ``phase`` is read here: one of the two sides always sees the other.)
-        """
-        self.leave_reason = reason
-        self.leave_requested.set()
-        h = ours(self._worker_group.spec.rdzv_handler)
-        if h is not None and self.phase == "rendezvous":
-            h.leave()
-
     def _last_step(self) -> Any:
         try:
             return self.step_info().get("last_step")
@@ -298,25 +251,6 @@ class PetctlElasticAgent(LocalElasticAgent):
             mine.leave()  # a no-op when request_leave left already (from the watcher thread)
             raise LeftRendezvous("asked to leave as the round closed")
 
-    def _charge_false_loss(self, wg: WorkerGroup, back: list[str]) -> None:
-        """The last worker failure was restarted for free because nodes were named gone (their
-        leases read as not kept alive), but they are back in this round with the same id: they
-        were never lost (an agent that stalled, e.g. a repeating OOM on its node). Charge that
-        restart now, so that a crash loop spends the budget; none left: the job fails, as
-        after ``max_restarts`` worker failures."""
-        self._free_restarts = max(0, self._free_restarts - 1)
-        if self._remaining_restarts > 0:
-            self._remaining_restarts -= 1
-            log.warning(
-                "the node(s) named gone after our workers failed are back (%s): charging that restart, "
-                "%d of %d left", ", ".join(back), self._remaining_restarts, wg.spec.max_restarts,
-            )  # fmt: skip
-            return
-        raise RestartBudgetSpent(
-            f"workers failed after {wg.spec.max_restarts} restarts: the last failure was taken for "
-            f"the loss of {', '.join(back)}, which came back (a crash loop, not a lost node)"
-        )
-
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         mine = ours(worker_group.spec.rdzv_handler)
         if mine is not None and self.leave_requested.is_set():
@@ -374,24 +308,6 @@ class PetctlElasticAgent(LocalElasticAgent):
             log.debug("exit watch: %s", e)
         return pids
 
-    def _wake_loop(self) -> None:
-        """A worker exited (ExitWatch's thread): the loop looks at the workers now."""
-        if self._exit_seen_at is None:
-            self._exit_seen_at = time.time()
-        self._exited.set()
-        mine = ours(self._worker_group.spec.rdzv_handler)
-        if mine is not None:
-            mine.wake()
-
-    def _restore_signal_handlers(self) -> None:
-        """Put our SIGTERM/SIGINT handlers back if torch replaced them while starting workers."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig, handler in self._own_signal_handlers.items():
-            if signal.getsignal(sig) is not handler:
-                log.info("torch replaced the %s handler; re-installing the agent's", signal.Signals(sig).name)
-                signal.signal(sig, handler)
-
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self._restarts += 1
         if self._rendezvous_first:
@@ -410,34 +326,10 @@ class PetctlElasticAgent(LocalElasticAgent):
         finally:
             self._restarting = False
 
-    def _sigterm_before_rendezvous(self) -> None:
-        """SIGTERM our workers before joining the next round (they exit meanwhile); the stop is
-        bounded (:meth:`_stop_workers`) only for a loss (the change names nodes gone) or workers
-        that stalled (hung in a collective): a join, a drain, a re-join keep torch's 30 s, which
-        a script's own SIGTERM handler (saving a checkpoint) may need, and a rendezvous longer
-        than the grace must not SIGKILL them at once."""
-        self._signal_workers(signal.SIGTERM)
-        self._sigterm_at = time.monotonic() if self._stop_bounded else None
-        self._stop_bounded = False
-
     def _stop_workers(self, worker_group: WorkerGroup, *args: Any, **kwargs: Any) -> None:
-        """torch's stop (SIGTERM, then SIGKILL after 30 s), bounded after a loss: workers
-        SIGTERMed before the rendezvous for a change that names nodes gone, or while they were
-        stalled (:meth:`_sigterm_before_rendezvous`), get ``LOSS_STOP_GRACE`` from that SIGTERM,
-        then SIGKILL. A worker hung in a collective with a lost peer (no reset on real AWS: gloo
-        waits for its timeout, NCCL for its watchdog) whose script handles SIGTERM in Python never
-        runs the handler (the main thread is inside the C++ wait): it held the restart for
-        torch's 30 s."""
-        at, self._sigterm_at = self._sigterm_at, None
-        if at is not None:
-            while live_worker_pids(self._pcontext) and time.monotonic() - at < LOSS_STOP_GRACE:
-                time.sleep(0.05)
-            if live_worker_pids(self._pcontext):
-                log.warning(
-                    "workers still running %.0fs after SIGTERM (hung in a collective?): SIGKILL",
-                    LOSS_STOP_GRACE,
-                )
-                self._signal_workers(signal.SIGKILL)
+        """torch's stop (SIGTERM, then SIGKILL after 30 s), bounded after a loss
+        (:meth:`_kill_after_grace`); then, on a restart, ``after_workers_stopped``."""
+        self._kill_after_grace()
         super()._stop_workers(worker_group, *args, **kwargs)
         restarting, self._restarting = self._restarting, False
         if restarting and self.after_workers_stopped is not None:
@@ -445,36 +337,6 @@ class PetctlElasticAgent(LocalElasticAgent):
                 self.after_workers_stopped()
             except Exception as e:  # noqa: BLE001 - a speed-up only: the restore checks for itself
                 log.debug("after_workers_stopped: %s", e)
-
-    def _signal_workers(self, sig: signal.Signals) -> None:
-        """Send ``sig`` to our live workers without waiting (torch's close() sends the same and
-        waits, after the rendezvous)."""
-        for pid in live_worker_pids(self._pcontext):
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-    def _check_stall(self, mine: Any) -> None:
-        """Our workers stopped stepping (stall.py): the leases of the running round are read
-        (``workers_stalled``), once per stall; a new step ends that. Never a restart by itself."""
-        what = self.stall.poll()
-        if what == "stalled":
-            silence = self.stall.silence() or 0.0
-            log.info("no new step for %.1fs: reading the participants' leases", silence)
-            self.pub.event(
-                "workers_stalled", round=self.watch.round, step=self._last_step(), seconds=round(silence, 2)
-            )
-            mine.workers_stalled()
-        elif what == "resumed":
-            mine.workers_running()
-
-    def _free_restart(self, wg: WorkerGroup, reason: str) -> None:
-        """Restart for a membership change: the restart budget is not touched."""
-        self._free_restarts += 1
-        self.repeats.reset()  # a failure after a membership change is no repeat of one before it
-        self._rdzv_reason = reason
-        self._restart_workers(wg)
 
     # ---- main loop (replaces SimpleElasticAgent._invoke_run) -------------------------
     def _invoke_run(self, role: str = "default") -> RunResult:
@@ -529,306 +391,6 @@ class PetctlElasticAgent(LocalElasticAgent):
                 next_check = time.monotonic() + check_every
                 change, can_sync = self.watch.change()
                 if change:
-                    log.info("re-rendezvous: %s", change)
-                    if self._starting or self.stall.stalled:
-                        # a round the start-up (or stall) lease reads opened: a node named gone
-                        # that comes back was stalled, not lost, and this restart is charged then
-                        self.watch.restart_for_a_loss()
-                    if can_sync and self.settings.enabled("SYNC_RESTART") and self.stops.workers_progressed():
-                        self._rdzv_reason = change
-                        done = self._coordinated_stop(wg, self.sync_timeout)
-                        if done is not None:
-                            return done
-                        if self.leave_requested.is_set():
-                            # a round is open and the others are stopping for it; this node will
-                            # not join it. Leave it now: its leader waits for a node of the last
-                            # round as long as a stop may take (stop_wait), a drain takes longer.
-                            # Our workers' checkpoint at the agreed step is in the old group,
-                            # whatever the membership says.
-                            self.leave_rendezvous()
-                            return self._drain_and_leave(wg)
-                    # the workers are stopped (SIGTERM) first and reaped after this node has
-                    # joined the next round: a process holding GiBs of state takes seconds to exit
-                    self._stop_first = True
-                    # bounded only for a loss (nodes named gone: no coordinated checkpoint) or
-                    # hung workers; a join keeps torch's stop (a script's SIGTERM checkpoint)
-                    self._stop_bounded = not can_sync or self.stall.stalled
-                    self._rendezvous_first = True
-                    self._free_restart(wg, change)
-
-    def _while_failing(self, wg: WorkerGroup, note: str) -> RunResult | None:
-        """A worker wrote that it is failing (``worker.forkserver.note_failure``: a collective
-        raised) and its process is still exiting -- 0.6 s for 1 GiB of state on an idle box,
-        seconds on a busy one, all of it before torch reports the failure. Start the hard-loss
-        lease reads now and watch for the membership change that explains it: found first, publish
-        the failure, join that round while the processes exit, reap them, start (a free restart).
-        The processes gone first: their result, for the usual path; no change within the grace
-        (or a leave): HEALTHY, the main loop goes on and sees the exit. Only the usual path
-        charges the restart budget, as before. None: restarted."""
-        log.info("a worker is failing (%s): reading the participants' leases while it exits", note[:200])
-        exited: list[RunResult] = []
-
-        def gone() -> bool:
-            r = self._monitor_workers(wg)
-            if r.state != WorkerState.HEALTHY:
-                exited.append(r)
-            return bool(exited)
-
-        why = self.watch.failure_explained(self.leave_requested, until=gone)
-        if exited:
-            return exited[0]
-        if not why:  # the main loop waits for the exit (and the leave) as before
-            return RunResult(state=WorkerState.HEALTHY)
-        self.pub.event(
-            "workers_failed", round=self.watch.round, exit_codes=[], failures=f"exiting: {note[:200]}",
-            step=self._last_step(), exiting=True,
-        )  # fmt: skip
-        log.info("workers failing (%s) and %s: joining the next round while they exit", note[:120], why)
-        self._rendezvous_first = True
-        self._free_restart(wg, f"workers failed ({note[:120]}) after a membership change: {why}")
-        return None
-
-    def _describe_failures(self, result: RunResult) -> tuple[str, Any]:
-        """The failed ranks in their own words (failures.py), and the failure's signature."""
-        errors = worker_errors(result.failures, stderr_paths(self._pcontext))
-        world = self._worker_group.workers[0].world_size if self._worker_group.workers else None
-        return describe(errors, self.instance_id), signature(errors, self._last_step(), world)
-
-    def _on_workers_stopped(self, wg: WorkerGroup, result: RunResult) -> RunResult | None:
-        """Workers stopped with failures: a drain, a membership change, or a failure that
-        spends the restart budget. The same failure twice in a row at the same point with no
-        membership change in between ends the job at once (deterministic: failures.py). Returns
-        a RunResult only when the agent is done."""
-        codes = sorted({f.exitcode for f in result.failures.values()}, key=lambda c: (c is None, c))
-        if classify_exits(f.exitcode for f in result.failures.values()) == "drain":
-            # every failed worker stopped on purpose at a drain checkpoint (a node is
-            # leaving or joining; siblings torch terminated after it count too): re-form.
-            self._free_restart(wg, "coordinated checkpoint (peer drain/scale)")
-            return None
-        if self.leave_requested.is_set():
-            return self._drain_and_leave(wg)
-        # read before the restart: torch deletes attempt_<n>/ (the ranks' stderr) when it restarts
-        # with an unchanged restart count
-        failures, sig = self._describe_failures(result)
-        self.last_failure = failures
-        log.warning("workers failed: %s", failures)
-        mine = self._failure(result, sig)
-        self.pub.event(
-            "workers_failed",
-            round=self.watch.round,
-            exit_codes=codes,
-            failures=failures,
-            step=self._last_step(),
-            began_at=round(mine.t, 3),
-        )
-        book = self._write_failure(mine)
-        why = self.watch.failure_explained(self.leave_requested)
-        if why:
-            log.info(
-                "workers failed (exit codes %s) and %s: restarting, restart budget untouched", codes, why
-            )
-            self._free_restart(wg, f"workers failed (exit codes {codes}) after a membership change: {why}")
-            return None
-        if self.leave_requested.is_set():
-            return self._drain_and_leave(wg)
-        culprit = self._culprit(book, mine)
-        if culprit is not None and culprit.get("node") == self.instance_id:
-            if int(culprit.get("count") or 0) >= self.exclude_after > 0:
-                return self._exclude(wg, culprit, failures)
-        repeat = self.repeats.again(sig)
-        if repeat and culprit is not None and self._not_a_repeat(mine, culprit):
-            repeat = False
-        if repeat and self._remaining_restarts > 0:
-            log.error(
-                "workers failed the same way at the same point as the last time, with no membership "
-                "change in between: a deterministic error, not restarting (%d of %d restarts left unused)",
-                self._remaining_restarts,
-                wg.spec.max_restarts,
-            )
-            return self._fail_workers(
-                wg, result, f"{failures} (the same error twice in a row at the same point, with no "
-                "membership change: stopped, not restarted again)",
-            )  # fmt: skip
-        if self._remaining_restarts > 0:
-            self._remaining_restarts -= 1
-            log.warning(
-                "workers failed (exit codes %s), no membership change explains it: %d of %d restarts left",
-                codes,
-                self._remaining_restarts,
-                wg.spec.max_restarts,
-            )
-            self._rdzv_reason = f"workers failed (exit codes {codes})"
-            self._restart_workers(wg)
-            return None
-        return self._fail_workers(
-            wg, result, f"{failures} (after {wg.spec.max_restarts} restarts: the restart budget is spent)"
-        )
-
-    # ---- a node that cannot train: culprit.py ------------------------------------------
-    def _failure(self, result: RunResult, sig: Any) -> Failure:
-        """This node's failure in this round, as it is written beside the round."""
-        codes = [f.exitcode for f in result.failures.values()]
-        noted_at = self.stops.failure_noted_at()
-        try:
-            ckpt = self.step_info().get("last_checkpoint_step")
-        except Exception:  # noqa: BLE001 - progress unknown: no reset
-            ckpt = None
-        return Failure(
-            node=str(self.instance_id),
-            t=failure_time(noted_at, self._exit_seen_at, time.time()),
-            begins=can_begin(codes, noted_at is not None),
-            ckpt=ckpt if isinstance(ckpt, int) else None,
-            error=sig[0] if sig else None,
-        )
-
-    def _write_failure(self, mine: Failure) -> FailureBook | None:
-        """Write our failure beside the round (petctl-etcd with exclusion on); the book, or None."""
-        if self.exclude_after <= 0 or self.watch.round is None:
-            return None
-        book = FailureBook.of(ours(self._worker_group.spec.rdzv_handler))
-        if book is None:
-            return None
-        try:
-            book.write(self.watch.round, mine)
-            return book
-        except Exception as e:  # noqa: BLE001 - the count only; the restart goes on
-            log.warning("could not record this failure in etcd (ignored): %s", e)
-            return None
-
-    def _culprit(self, book: FailureBook | None, mine: Failure) -> dict[str, Any] | None:
-        """The round's culprit record (its node and count), settled by the first node whose grace
-        ended; None when unknown (exclusion off, another backend, etcd unreachable)."""
-        if book is None or self.watch.round is None:
-            return None
-        try:
-            failures = book.read(self.watch.round)
-            # our peers' failures come a little after ours (their collectives fail once our workers
-            # are gone) and are written at once, well within the grace; a peer slower than that is
-            # waited for a little, not forever (one whose collective hangs never writes)
-            nodes = getattr(self._worker_group, "group_world_size", None) or 2
-            deadline = time.monotonic() + CULPRIT_WAIT
-            while (
-                nodes > 1
-                and len({f.node for f in failures} | {mine.node}) < 2
-                and time.monotonic() < deadline
-                and not self.leave_requested.is_set()
-            ):
-                time.sleep(0.2)
-                failures = book.read(self.watch.round)
-            if not any(f.node == mine.node for f in failures):
-                failures.append(mine)
-            first = first_failure(failures)
-            if first is None:
-                return None
-            rec = book.settle(self.watch.round, first)
-        except Exception as e:  # noqa: BLE001
-            log.warning("could not settle this round's culprit (ignored): %s", e)
-            return None
-        self._round_failures = failures
-        log.info(
-            "round %s's failure began on %s (%d failed round(s) in a row began there; exclusion after %d)",
-            self.watch.round, rec.get("node"), int(rec.get("count") or 0), self.exclude_after,
-        )  # fmt: skip
-        return rec
-
-    def _not_a_repeat(self, mine: Failure, culprit: dict[str, Any]) -> bool:
-        """The deterministic-failure rule (failures.RepeatWatch) does not end the job for a failure
-        that began on another node (ours failed because its collective did), nor for one that
-        began here with an error no other node had (a bad node, which the count excludes at K)."""
-        if culprit.get("node") != self.instance_id:
-            log.info(
-                "the same failure again, but it began on %s: not a deterministic error here", culprit["node"]
-            )
-            self.repeats.reset()
-            return True
-        if own_error(mine, self._round_failures):
-            log.info(
-                "the same failure again, and this node's alone: counted, not a deterministic error of the script"
-            )
-            return True
-        return False
-
-    def _exclude(self, wg: WorkerGroup, culprit: dict[str, Any], failures: str) -> RunResult:
-        """Leave the job for good: ``exclude_after`` failed rounds in a row began on this node with no
-        progress in between. The workers are gone already; leave the rendezvous as a drain does
-        (never ``handler.shutdown()``: the others go on), then ``node.ending`` marks the instance
-        Unhealthy (its group replaces it) and the agent exits."""
-        count = int(culprit.get("count") or 0)
-        reason = (
-            f"excluded: {count} failed rounds in a row began on this node ({self.instance_id}) with no "
-            f"new checkpoint in between (PETCTL_AGENT_EXCLUDE_AFTER={self.exclude_after}); the last: {failures}"
-        )
-        log.error("%s", reason)
-        self.excluded = culprit
-        self.pub.event(
-            "excluded",
-            node=self.instance_id,
-            failures=count,
-            round=self.watch.round,
-            reason=reason,
-            step=self._last_step(),
-        )
-        self._stop_workers(wg)
-        self.leave_rendezvous()
-        self.phase = "done"
-        self.outcome = Outcome.EXCLUDED
-        self.fail_reason = reason
-        return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in wg.workers})
-
-    def _fail_workers(self, wg: WorkerGroup, result: RunResult, reason: str) -> RunResult:
-        """Stop for good: the job fails with ``reason`` (``Outcome.FAILED``)."""
-        self._stop_workers(wg)
-        wg.state = WorkerState.FAILED
-        self.outcome = Outcome.FAILED
-        self.fail_reason = reason
-        return result
-
-    def _coordinated_stop(self, wg: WorkerGroup, timeout: float) -> RunResult | None:
-        """Ask the workers to checkpoint and stop; a RunResult only if they finished the job meanwhile."""
-        result = self.stops.coordinated_stop(lambda: self._monitor_workers(wg), timeout, self.leave_requested)
-        if result is None:
-            return None
-        self.phase = "done"
-        self.outcome = Outcome.SUCCEEDED
-        self._exit_barrier()
-        return result
-
-    # ---- graceful leave --------------------------------------------------------------
-    def _drain_and_leave(self, wg: WorkerGroup) -> RunResult:
-        """Stop our workers for good, then leave the round.
-
-        Workers that use the helper (something on this node reported progress, so they
-        read the drain file) get the drain file: all ranks of all nodes checkpoint the
-        same step and exit 75. Any other script (no progress within
-        ``PETCTL_AGENT_DRAIN_PROBE`` s) -- and helper workers still running when the
-        drain timeout is up -- gets SIGTERM, as torchrun does, and is waited for (the
-        rest of the drain timeout, at least 5 s) before the node leaves the rendezvous.
-        """
-        self.phase = "draining"
-        self.pub.update(state="DRAINING", reason=self.leave_reason)
-        self.pub.event(
-            "drain_requested", reason=self.leave_reason, round=self.watch.round, step=self._last_step()
-        )
-        d = self.stops.drain(
-            lambda: self._monitor_workers(wg), [w.id for w in wg.workers], self.drain_timeout
-        )
-        self._stop_workers(wg)
-        self.leave_rendezvous()
-        self.phase = "done"
-        self.outcome = Outcome.DRAINED
-        self.pub.event(
-            "drained",
-            clean=d.clean,
-            sigterm=d.sigterm,
-            exit_codes=sorted(set(d.codes), key=lambda c: (c is None, c)),
-            seconds=round(time.monotonic() - d.started, 3),
-            round=self.watch.round,
-        )
-        # torch's run() records one event per worker and insists every worker has a result
-        return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in wg.workers})
-
-    def leave_rendezvous(self) -> None:
-        """Remove this node from the current round so the others re-form at once
-        (never ``handler.shutdown()``, which would close the rendezvous for everyone)."""
-        if leave_round(self._worker_group.spec.rdzv_handler):
-            log.info("left the rendezvous (round %s)", self.watch.round)
+                    done = self._membership_changed(wg, change, can_sync)
+                    if done is not None:
+                        return done

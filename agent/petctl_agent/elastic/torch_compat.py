@@ -6,8 +6,7 @@ one of them must fail at once, in one line naming the torch version and the
 missing member -- not in the middle of a rendezvous, holding the others up.
 
 Add an entry here whenever agent code starts using another private torch member
-(``cd agent/petctl_agent; grep -n '\\._[a-z]' elastic/agent.py elastic/handlers.py elastic/membership.py
-distributed.py``).
+(``cd agent/petctl_agent; grep -n '\\._[a-z]' elastic/*.py distributed.py``).
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ def _m(module: str, obj: str, attrs: str = "", kind: str = "attr") -> list[Membe
     return [Member(module, obj, a, kind) for a in attrs.split()] or [Member(module, obj)]
 
 
-#: what elastic/agent.py, elastic/handlers.py, elastic/membership.py, rendezvous/ and
+#: what elastic/ (the agent and its mixins, handlers.py, membership.py), rendezvous/ and
 #: distributed.py (under agent/petctl_agent/) use beyond torch's public API, whatever the
 #: rendezvous backend
 REQUIRED_BASE: tuple[Member, ...] = tuple(
