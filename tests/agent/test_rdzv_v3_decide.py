@@ -8,7 +8,9 @@ import math
 from petctl_agent.rendezvous.decide import (
     CloseView,
     OpenView,
+    clear_after,
     close,
+    heard_since,
     lapse_recheck,
     lapsed,
     open_round,
@@ -269,6 +271,71 @@ def test_a_stall_window_reads_a_kept_alive_lease_at_most_3_times() -> None:
             assert lapsed(reads[-1][1], 6, 0.1, after=after), (silent0, reads)
             assert silent0 + reads[-1][0] < 6.0, (silent0, reads)  # before the lease expires
             assert len(reads) <= 6, reads  # near the threshold: every LAPSE_POLL, once
+
+
+def _window_reads(
+    silence_at, window: float, after: float | None, poll: float = 0.25
+) -> list[tuple[float, int]]:
+    """The leader's reads of one lease in a window opened at 0 for a loss before it (a failure,
+    a stall), as ``leader._lapsed`` times them: the first at ``clear_after``, none after one that
+    shows the lease renewed since 0 (``heard_since``), the others when they could first lapse."""
+    out: list[tuple[float, int]] = []
+    t = clear_after(1.0)
+    while t <= window:
+        remaining = math.floor(6 - silence_at(t))
+        out.append((t, remaining))
+        if lapsed(remaining, 6, 0.1, after=after) or heard_since(remaining, 6, t, 0.0):
+            break
+        t += max(poll, lapse_recheck(remaining, 6, after=after))
+    return out
+
+
+def test_heard_since_is_a_renewal_after_the_window_opened() -> None:
+    assert clear_after(1.0) == 1.05 and clear_after(2.0) == 2.05
+    # read 1.05 s after the window opened: 5 of 6 left ends >= 6.05: renewed at >= 0.05
+    assert heard_since(5, 6, 1.05, 0.0) and not heard_since(4, 6, 1.05, 0.0)
+    assert not heard_since(5, 6, 0.9, 0.0), "5 left read before 1 s: renewed up to 1 s before"
+    assert heard_since(4, 6, 2.05, 0.0) and not heard_since(-1, 6, 5.0, 0.0)
+
+
+def test_a_window_for_a_loss_before_it_reads_a_kept_alive_lease_once() -> None:
+    """A window opened by a failure or a stall follows the loss, so a lease renewed since it
+    opened was not lost: one read of each kept-alive lease per window (a keepalive late at the
+    read: two), however long the window; a lease silent since before it still reads lapsed
+    before its TTL ends, with either threshold; a 3 s pause of an agent in a stall's still does
+    not."""
+    after = stall_lapse_after(1.0)
+    for phase in [i / 20 for i in range(20)]:
+
+        def alive(t: float, phase: float = phase) -> float:
+            return (t - phase) % 1.0  # renewed every 1 s
+
+        for a in (None, after):
+            assert len(_window_reads(alive, 7.5, a)) == 1, (phase, a)
+
+        def late(t: float, phase: float = phase) -> float:
+            return 1.02 if abs(t - clear_after(1.0)) < 1e-9 else (t - phase) % 1.0
+
+        assert len(_window_reads(late, 7.5, after)) == 2, phase
+        for silent0 in (0.0, 0.2, 0.5, 1.0, 1.5, 2.0):  # its last keepalive, before the window
+
+            def gone(t: float, silent0: float = silent0) -> float:
+                return silent0 + t
+
+            for a, by in ((None, 3.1), (after, 6.0)):
+                reads = _window_reads(gone, 7.5, a)
+                assert lapsed(reads[-1][1], 6, 0.1, after=a), (silent0, a, reads)
+                assert silent0 + reads[-1][0] < by, (silent0, a, reads)  # ~ as soon as it could
+        for start in [i / 10 for i in range(-20, 50)]:  # a 3 s pause of an agent, in a stall's window
+
+            def paused(t: float, start: float = start, phase: float = phase) -> float:
+                last = math.floor(t - phase) + phase
+                if start <= t < start + 3.0:
+                    last = math.floor(start - phase) + phase
+                return t - last
+
+            reads = _window_reads(paused, 7.5, after)
+            assert not lapsed(reads[-1][1], 6, 0.1, after=after), (start, phase, reads)
 
 
 def test_with_no_closed_round_the_order_comes_from_what_the_joins_remember() -> None:

@@ -23,8 +23,8 @@ STALL_SAMPLES step times)``, capped at ``STALL_MAX_S``; nothing before two step 
 - ``STALL_MAX_S`` (4 s): the dead node's key is deleted at the TTL (6 s, plus etcd's expiry
   sweep) and its lease reads lapsed from ~5 s; a stall seen later would open the round no
   sooner than the expiry does. Steps slower than 4/3 s are therefore read after 4 s of
-  silence: 2-3 reads per lease per window (``decide.lapse_recheck``), every lease kept alive
-  (an agent paused up to 3 s too), no round.
+  silence: one read per kept-alive lease per window (``decide.heard_since``), every lease kept
+  alive (an agent paused up to 3 s too), no round.
 - the median of the last ``STALL_SAMPLES`` (8): one slow step (a checkpoint) does not move it.
 """
 

@@ -98,6 +98,23 @@ def lapse_recheck(remaining: int, granted: int, refresh: float = 1.0, after: flo
     return float(max(0, remaining - most - 1))
 
 
+def clear_after(refresh: float = 1.0) -> float:
+    """How long after a window opens for a loss before it (a failure, a stall) the leader first
+    reads the leases: the earliest a read can show (:func:`heard_since`) that a lease kept alive
+    every ``refresh`` was renewed since: 1.05 s at refresh 1 (a renewal at most 1 s old reads
+    5 of 6; rounded down, 5 says renewed within 1 s)."""
+    return math.ceil(refresh - 1e-9) + 0.05
+
+
+def heard_since(remaining: int, granted: int, sent: float, since: float) -> bool:
+    """Whether a ``LeaseTimeToLive`` sent at ``sent`` that read ``remaining`` (of ``granted``)
+    shows etcd renewed the lease at ``since`` or later: etcd rounds down, so the lease ends
+    ``remaining`` s or more after the read (which etcd answered after ``sent``), and was last
+    renewed ``granted`` s before it ends. Such a lease was alive after ``since``: a window opened
+    for a loss before ``since`` need not read it again. An ended lease (-1) was not."""
+    return remaining >= 0 and sent + remaining - granted >= since
+
+
 def close(v: CloseView) -> tuple[list[str] | None, float | None]:
     """``(participants, None)``: close now with them, in rank order. ``(None, s)``: look again
     in ``s`` seconds (or at the next change). ``(None, None)``: wait for a change.

@@ -17,9 +17,11 @@ real instance does, leaves their collectives hung, not failing; the agent's rule
 ``elastic/stall.py``) starts the reads: an agent or etcd paused 3 s while the workers train opens
 no round (their workers keep stepping; a stall's window reads a lease lapsed only after 4.5 s of
 silence, ``decide.stall_lapse_after``, so a 3 s pause of another agent meanwhile is ridden
-through; a failure's or the start-up's: 2 s). O(N) reads on one node per window (2-3 per lease
-in a stall's 7.5 s window: each read again when it could first lapse), none while the workers
-step; a job whose steps exceed 4/3 s opens a stall window each step. The round that
+through; a failure's or the start-up's: 2 s). O(N) reads on one node per window, none while the
+workers step; a job whose steps exceed 4/3 s opens a stall window each step. A failure or a stall
+follows the loss, so each kept-alive lease is read once in its window (a read that shows it
+renewed since the window opened: ``_window_since``, leader.py ``_lapsed``); the start-up window's
+loss comes inside it, so its leases are read again whenever they could lapse. The round that
 follows has ``gone`` non-empty, so the survivors' restart is free; a worker crash with every
 lease kept alive opens nothing here, and the agent spends its restart budget as before. A node
 named gone that comes back (the same id: its agent stalled, it was not lost) is listed in the
@@ -52,7 +54,8 @@ class FastLoss:
         with self._cond:
             if self._round is None or self._left:
                 return
-            self._failed = (self._round, time.monotonic() + self.cfg.ttl + 1.5)
+            now = time.monotonic()
+            self._failed = (self._round, now + self.cfg.ttl + 1.5, now)
             self._starting = self._stalled = None
             self._event(f"workers failed in round {self._round}: reading the participants' leases")
             self._bump()
@@ -69,7 +72,8 @@ class FastLoss:
         with self._cond:
             if self._round is None or self._left:
                 return
-            self._failed = (self._round, time.monotonic() + self.cfg.ttl + 1.5)
+            now = time.monotonic()
+            self._failed = (self._round, now + self.cfg.ttl + 1.5, now)
             self._starting, self._stalled = self._round, None
             self._event(f"workers starting in round {self._round}: reading the participants' leases")
             self._bump()
@@ -87,7 +91,8 @@ class FastLoss:
             f = self._failed
             if f is not None and f[0] == self._round and f[1] >= time.monotonic():
                 return  # a failure or start-up window is open: it reads the leases already
-            self._failed = (self._round, time.monotonic() + self.cfg.ttl + 1.5)
+            now = time.monotonic()
+            self._failed = (self._round, now + self.cfg.ttl + 1.5, now)
             self._stalled = self._round
             self._event(f"workers stalled in round {self._round}: reading the participants' leases")
             self._bump()
@@ -118,9 +123,9 @@ class FastLoss:
         with self._cond:
             if self._failure_round(now) != latest:
                 return frozenset(), None
-            after = self._window_lapse_after()
+            after, since = self._window_lapse_after(), self._window_since()
         others = [n for n in order if n != self.node_id and n in values]
-        lapsed, due = self._lapsed(latest + 1, others, values, after)
+        lapsed, due = self._lapsed(latest + 1, others, values, after, since)
         if lapsed:
             self._say_lapsed(latest, lapsed)
         return lapsed, due
@@ -134,6 +139,16 @@ class FastLoss:
         if self._stalled is not None and f is not None and f[0] == self._stalled:
             return decide.stall_lapse_after(self.cfg.refresh)
         return None
+
+    def _window_since(self: Any) -> float | None:
+        """When the open window opened, if for a loss before it (caller holds _cond): a failure or
+        a stall follows the loss, so a lease renewed since was not lost and is read once in the
+        window (leader._lapsed). None for the start-up window: a peer lost while the workers start
+        is lost inside it, so its leases are read as long as it lasts."""
+        f = self._failed
+        if f is None or (self._starting is not None and f[0] == self._starting):
+            return None
+        return f[2]
 
     def _why_reading(self: Any) -> str:
         """What opened the lease-read window (caller need not hold _cond)."""
@@ -169,8 +184,8 @@ class FastLoss:
             if not w.items:
                 return 0.0  # the leader's key went meanwhile: _follow looks again
             value = next(iter(w.items.values()))[0]
-            after = self._window_lapse_after()
-        lapsed, due = self._lapsed(rnum + 1, [leader], {leader: value}, after)
+            after, since = self._window_lapse_after(), self._window_since()
+        lapsed, due = self._lapsed(rnum + 1, [leader], {leader: value}, after, since)
         if not lapsed:
             return None if due is None else max(0.0, due - time.monotonic()) + 0.01
         with self._cond:

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from torch.distributed.elastic.rendezvous.api import RendezvousHandler
@@ -113,16 +114,20 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
         self._seen_seq = 0  #: the newest round's seq we saw closed, on any etcd: put in our joins
         #: leader: (etcd generation, round) -> that round's full rank order (closed it, or read members/<r>)
         self._order: dict[tuple[int, int], list[str]] = {}
-        #: leader: (node, lease) -> when to read that lease again (inf: lapsed), for round _lapse_target
+        #: leader: (node, lease) -> when to read that lease again (inf: lapsed; leader.CLEARED: not
+        #: in this window), for round _lapse_target
         self._lapse_memo: dict[tuple[str, int], float] = {}
         self._lapse_target: int | None = None
-        self._lapse_after: float | None = None  # the threshold the memo's times were set for
+        #: (threshold, window opened at) the memo's times were set for (leader._lapsed)
+        self._lapse_window: tuple[float | None, float | None] | None = None
+        self._lease_pool: ThreadPoolExecutor | None = None  # the leader's lease reads (leader._lapsed)
         #: (dead leader, latest closed round): not a candidate until a round closes (hard loss)
         self._lapsed_leader: tuple[str, int] | None = None
         #: follower: (round joining, since when): the leader's lease is read LAPSE_AFTER after it
         self._waiting_since: tuple[int, float] | None = None
-        #: (round, until when): our workers failed in that round; the leases are read (fastloss.py)
-        self._failed: tuple[int, float] | None = None
+        #: (round, until when, since when): our workers failed in that round; the leases are read
+        #: (fastloss.py)
+        self._failed: tuple[int, float, float] | None = None
         self._starting: int | None = None  # the round whose workers are starting (fastloss.py)
         self._stalled: int | None = None  # the round whose workers stalled (fastloss.py)
         self._said_lapsed: tuple[int, frozenset[str]] | None = None  # logged (fastloss.py)
@@ -302,7 +307,10 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
             for w in (self._rounds, self._members, self._leader_w, self._joins):
                 if w is not None:
                     w.stop()
+            pool, self._lease_pool = self._lease_pool, None
             self._bump()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def shutdown(self) -> bool:
         """torch's contract: the job is over, close the rendezvous for everyone, release resources."""
