@@ -1051,17 +1051,17 @@ def _many(d: Path, step: int, salt: float = 0.0, k: int = 8, n: int = 1 << 16) -
 
 
 def test_stripes_tile_the_snapshot_on_tensor_boundaries() -> None:
-    from petctl_agent.checkpointing.peer import stripes
+    from petctl_agent.checkpointing.stripes import cut
 
     metas = [{"offset": o, "nbytes": 100} for o in (0, 128, 256, 384)]
-    assert stripes(metas, 512, 2) == [(0, 256), (256, 256)]
-    assert stripes(metas, 512, 4) == [(0, 128), (128, 128), (256, 128), (384, 128)]
-    assert stripes(metas, 512, 8) == [(0, 128), (128, 128), (256, 128), (384, 128)] + [(512, 0)] * 4
-    assert stripes(metas, 512, 1) == [(0, 512)]
-    assert stripes([{"offset": 0, "nbytes": 1 << 30}], 1 << 30, 4) == [(0, 1 << 30)] + [(1 << 30, 0)] * 3
-    assert stripes([], 0, 3) == [(0, 0)] * 3
+    assert cut(metas, 512, 2) == [(0, 256), (256, 256)]
+    assert cut(metas, 512, 4) == [(0, 128), (128, 128), (256, 128), (384, 128)]
+    assert cut(metas, 512, 8) == [(0, 128), (128, 128), (256, 128), (384, 128)] + [(512, 0)] * 4
+    assert cut(metas, 512, 1) == [(0, 512)]
+    assert cut([{"offset": 0, "nbytes": 1 << 30}], 1 << 30, 4) == [(0, 1 << 30)] + [(1 << 30, 0)] * 3
+    assert cut([], 0, 3) == [(0, 0)] * 3
     uneven = [{"offset": o, "nbytes": 64} for o in (0, 64, 128, 192, 256, 320, 384, 448, 512, 960)]
-    got = stripes(uneven, 1024, 3)
+    got = cut(uneven, 1024, 3)
     assert len(got) == 3 and got[0][0] == 0 and sum(n for _, n in got) == 1024
     assert all(lo in {m["offset"] for m in uneven} for lo, n in got if n)
 
@@ -1132,7 +1132,7 @@ def test_a_stripe_source_killed_mid_transfer_every_rank_exits_then_the_other_ser
 
 
 def test_the_streams_setting_is_bounded_and_says_what_it_used(monkeypatch, capsys) -> None:
-    from petctl_agent.checkpointing.peer import streams
+    from petctl_agent.checkpointing.stripes import streams
 
     for raw, want in (("", 4), ("1", 1), ("16", 16), ("64", 16), ("0", 4), ("four", 4)):
         monkeypatch.setenv("PETCTL_SNAPSHOT_STREAMS", raw)

@@ -12,14 +12,15 @@ are complete (and sealed: their writers exited) before the round even opens. So:
   (``PETCTL_SNAPSHOT_SERVE_TOKEN``, published with the address in the round's store). Two requests: ``header`` (the newest complete
   snapshot's header) and ``range`` (bytes of the snapshot named by its ``gen`` and ``nonce``,
   sent with ``sendfile`` while the slot is pinned against the writer, as the persister pins it; the
-  snapshot named by its step and :func:`peer.digest`, so stripes of one step come from any holder).
+  snapshot named by its step and :func:`.stripes.digest`, so stripes of one step come from any holder).
 - **A node whose store is empty fetches** (:func:`fetch`, ``python -m
   petctl_agent.checkpointing.fetch``, started by its agent the moment the round closes, beside
   its workers' start): it asks its peers for their newest header, takes the newest snapshot (by
-  epoch, then step: :mod:`.timeline`) that the most of them hold byte for byte (:func:`peer.digest`), and receives it straight into a slot of
+  epoch, then step: :mod:`.timeline`) that the most of them hold byte for byte (:func:`.stripes.choose`), and receives it straight into a slot of
   its own store (:meth:`SnapshotStore.receive`: pages allocated piece by piece, every tensor's
   CRC checked as its bytes arrive) in ``PETCTL_SNAPSHOT_STREAMS`` stripes, from the holders in
-  turn, one TCP connection (flow) each. The process then exits, which seals its copy: the
+  turn, one TCP connection (flow) each: cut and checked as the workers' gloo path does
+  (:mod:`.stripes`). The process then exits, which seals its copy: the
   workers' restore from this node makes no pass over it.
 - **The workers wait for it**: the agent holds ``fetch.lock`` for the fetch (handed to its
   process); ``memory.resume`` takes it, shared, before it looks at the store (bounded by the peer
@@ -49,9 +50,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from petctl_agent.checkpointing import peer, timeline
-from petctl_agent.checkpointing.header import header_crc
+from petctl_agent.checkpointing import stripes, timeline
 from petctl_agent.checkpointing.snapshot import SnapshotStore
+from petctl_agent.checkpointing.stripes import Torn, choose
 from petctl_agent.checkpointing.writing import OK
 
 #: in the store: the server's address (``{"addr", "port"}``), the agent's lock held for a fetch, the
@@ -71,10 +72,6 @@ RANGE_DEADLINE = 100.0
 SEND_PIECE = 16 << 20
 #: addresses a server never listens on (every interface of the node)
 WILDCARDS = ("", "0.0.0.0", "::", "[::]")
-
-
-class Torn(Exception):
-    """A stripe did not arrive whole, or its bytes failed their CRCs: no header is written."""
 
 
 def _send(sock: socket.socket, body: Any) -> None:
@@ -178,7 +175,9 @@ class Server:
         # by its step and content (its digest): the holders of one step hold it under their own
         # generations and nonces, and a stripe may come from any of them
         step, dig = int(req["step"]), int(req["digest"])
-        c = next((c for c in self.store.complete() if c.step == step and peer.digest(c.header) == dig), None)
+        c = next(
+            (c for c in self.store.complete() if c.step == step and stripes.digest(c.header) == dig), None
+        )
         size = int(c.header["size"]) if c is not None else 0
         pin = self.store.pin(c) if c is not None else None
         if pin is None:  # gone: the writer took its slot
@@ -221,58 +220,32 @@ def _header_of(src: Source, deadline: float | None = None) -> dict[str, Any] | N
             h = _recv(s)
     except (OSError, ValueError, Torn):
         return None
-    if not isinstance(h, dict) or h.get("header_crc") != header_crc(h):
-        return None
-    return h
-
-
-def choose(
-    heads: list[tuple[Source, dict[str, Any] | None]],
-) -> tuple[dict[str, Any], list[Source]] | None:
-    """The newest snapshot the peers hold -- by ``(epoch, step)``: the newest history's newest step,
-    never a higher step of an abandoned one (:mod:`.timeline`) -- and its holders: of it, the copy
-    (its :func:`peer.digest`) the most of them hold, so every stripe comes from the very same
-    bytes; None when no peer answered with a snapshot."""
-    got = [(src, h) for src, h in heads if h is not None]
-    if not got:
-        return None
-    newest = max(timeline.key(h) for _, h in got)
-    by: dict[int, list[tuple[Source, dict[str, Any]]]] = {}
-    for src, h in got:
-        if timeline.key(h) == newest:
-            by.setdefault(peer.digest(h), []).append((src, h))
-    best = max(by.values(), key=len)
-    return best[0][1], [src for src, _ in best]
+    return h if stripes.sound(h) else None
 
 
 def _stripe(
     src: Source, h: dict[str, Any], view: memoryview, lo: int, n: int, reserve: Any, deadline: float
 ) -> None:
-    sums = peer._Crcs(peer.in_stripe(h["tensors"], lo, n))
+    sums = stripes.Crcs(stripes.in_stripe(h["tensors"], lo, n))
     with _connect(src, deadline) as s:
-        _send(s, {"op": "range", "token": src[2], "step": int(h["step"]), "digest": peer.digest(h),
+        _send(s, {"op": "range", "token": src[2], "step": int(h["step"]), "digest": stripes.digest(h),
                   "lo": lo, "n": n})  # fmt: skip
         (got,) = struct.unpack(">q", _exactly(s, 8))
         if got != n:
             raise Torn(f"{src[0]}:{src[1]} no longer holds step {h['step']}")
-        prev = None
-        for off in range(lo, lo + n, PIECE):
+        for off, k in stripes.pieces(lo, n, PIECE):
             if time.monotonic() > deadline:
                 raise Torn(f"out of time at byte {off} of {lo}+{n}")
-            k = min(PIECE, lo + n - off)
             reserve(off, k)
             # the previous piece's CRCs while this one arrives (the kernel copies, the GIL is free)
-            t = threading.Thread(target=sums.update, args=(view, *prev)) if prev is not None else None
-            if t is not None:
-                t.start()
+            t = threading.Thread(target=sums.catch_up, args=(view,))
+            t.start()
             try:
                 _into(s, view[off : off + k])
             finally:
-                if t is not None:
-                    t.join()  # never left running over a view the caller then releases
-            prev = (off, k)
-        if prev is not None:
-            sums.update(view, *prev)
+                t.join()  # never left running over a view the caller then releases
+            sums.landed(off, k)
+        sums.catch_up(view)
     if not sums.ok():
         raise Torn(f"bytes {lo}+{n} from {src[0]}:{src[1]} failed their CRCs")
 
@@ -298,7 +271,7 @@ def fetch(
     def ask(i: int) -> None:
         heads[i] = (sources[i], _header_of(sources[i], deadline))
 
-    peer._together([lambda i=i: ask(i) for i in range(len(sources))])
+    stripes.together([lambda i=i: ask(i) for i in range(len(sources))])
     picked = choose(heads)
     out: dict[str, Any] = {"status": "none"}
     if picked is not None:
@@ -307,13 +280,13 @@ def fetch(
         mine = store.newest()
         out = {"status": "have", "step": int(h["step"])}
         if mine is None or mine.key < timeline.key(h):
-            k = streams or peer.streams()
-            ranges = [(lo, n) for lo, n in peer.stripes(h["tensors"], size, k) if n]
+            k = streams or stripes.streams()
+            ranges = [(lo, n) for lo, n in stripes.cut(h["tensors"], size, k) if n]
 
             def fill(mm: Any, reserve: Any) -> None:
                 view = memoryview(mm) if mm is not None else memoryview(bytearray(0))
                 try:
-                    peer._together(
+                    stripes.together(
                         [
                             lambda i=i, r=r: _stripe(
                                 holders[i % len(holders)], h, view, *r, reserve, deadline

@@ -2,11 +2,12 @@
 need it (``memory.resume``, step 2 of its restore order).
 
 **Striped over several flows.** The snapshot's bytes are cut, on tensor boundaries, into up to
-``PETCTL_SNAPSHOT_STREAMS`` (default 4) stripes of about equal size. Each stripe goes over a gloo
+``PETCTL_SNAPSHOT_STREAMS`` (default 4) stripes of about equal size (:mod:`.stripes`, which the
+agent's TCP fetch for a joining node, ``fetch.py``, cuts and checks by too). Each stripe goes over a gloo
 group of its own -- its own TCP connection, i.e. its own flow -- from one holder, the holders
 taken in turn (local rank first, so that the stripes spread over nodes before ranks), all
 stripes at once. Only holders whose copy is the very same snapshot (its size and every tensor's
-offset, size and CRC: :func:`digest`) serve stripes of one transfer. Why: AWS caps a single
+offset, size and CRC: :func:`.stripes.digest`) serve stripes of one transfer. Why: AWS caps a single
 flow (a 5-tuple) between two instances at 5 Gbps outside a cluster placement group, 10 Gbps
 inside one (25 Gbps with ENA Express), while a GPU instance's network carries 100-3,200 Gbps over
 many flows ("Amazon EC2 instance network bandwidth", EC2 User Guide). One stream moves at best
@@ -18,7 +19,7 @@ snapshot size; -1: the source's snapshot went before it could send it) and the h
 first stripe's source. Then every stripe's group carries its range ``(offset, bytes)`` (``-1``:
 that source has nothing to send) and its bytes in :data:`CHUNK` pieces, each bounded by the
 group's timeout. A receiver checks the first header (its own CRC, step, size), then every
-tensor's CRC as its stripe arrives (:class:`_Crcs`, per stripe), and that the stripes tile the
+tensor's CRC as its stripe arrives (:class:`.stripes.Crcs`, per stripe), and that the stripes tile the
 snapshot exactly; anything else is torn (never loaded, never kept). A receiver with nothing to
 receive into still takes every piece (into a scratch buffer), to keep each group in step.
 A source checks its own copy as it sends its stripes (and the rest of its copy after them),
@@ -30,106 +31,27 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
-from petctl_agent.checkpointing import crcs
-from petctl_agent.checkpointing.header import decode_structure, dtype_from_name, header_crc
+from petctl_agent.checkpointing.header import decode_structure, dtype_from_name
 from petctl_agent.checkpointing.snapshot import SnapshotStore
+from petctl_agent.checkpointing.stripes import Crcs, Torn, cut, in_stripe, pieces, sound, tiles, together
+from petctl_agent.checkpointing.stripes import digest as digest  # re-exported: the restore's agreement
+from petctl_agent.checkpointing.stripes import streams as streams  # uses peer.digest, peer.streams
 from petctl_agent.checkpointing.timeline import epoch_of
 from petctl_agent.checkpointing.verification import crcs_match
 from petctl_agent.checkpointing.writing import OK
 
 #: bytes per broadcast of a peer transfer (each one bounded by the group's timeout)
 CHUNK = 64 << 20
-#: stripes (flows) per transfer, at most
-STREAMS = 4
-MAX_STREAMS = 16
 
 
 def chunk() -> int:
     return int(os.environ.get("PETCTL_SNAPSHOT_CHUNK") or CHUNK)
 
 
-def streams() -> int:
-    """``PETCTL_SNAPSHOT_STREAMS`` (1-16; default 4): the flows a transfer uses at most."""
-    raw = os.environ.get("PETCTL_SNAPSHOT_STREAMS") or str(STREAMS)
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= MAX_STREAMS:
-        print(
-            f"petctl checkpoint: PETCTL_SNAPSHOT_STREAMS={raw!r} is not a whole number from 1 to {MAX_STREAMS}; "
-            f"using {STREAMS if n < 1 else MAX_STREAMS}",
-            file=sys.stderr,
-        )
-        n = STREAMS if n < 1 else MAX_STREAMS
-    return n
-
-
-def digest(header: dict[str, Any] | None) -> int:
-    """A 31-bit fingerprint of a snapshot's content as its header states it (size, and every
-    tensor's offset, size and CRC; 0: none). Two holders with the same digest hold the same
-    bytes, so their stripes fit together."""
-    if header is None:
-        return 0
-    body = [
-        int(header["size"]),
-        [[int(m["offset"]), int(m["nbytes"]), int(m["crc32c"])] for m in header["tensors"]],
-    ]
-    return (crcs.crc(json.dumps(body).encode()) & 0x7FFFFFFF) or 1
-
-
-def stripes(tensors: list[dict[str, Any]], size: int, k: int) -> list[tuple[int, int]]:
-    """Exactly ``k`` ranges ``(offset, bytes)`` tiling ``[0, size)``, cut only where a tensor starts,
-    at the first start at or past each ``size * i / k`` (so about equal where the tensors allow;
-    a tensor of half the state makes at most two useful stripes); empty ones last."""
-    starts = sorted({int(m["offset"]) for m in tensors if int(m["nbytes"]) and 0 < int(m["offset"]) < size})
-    cuts = [0]
-    for i in range(1, k):
-        target = size * i // k
-        nxt = next((s for s in starts if s >= target and s > cuts[-1]), None)
-        if nxt is None:
-            break
-        cuts.append(nxt)
-    cuts.append(size)
-    out = [(a, b - a) for a, b in zip(cuts, cuts[1:])]
-    return out + [(size, 0)] * (k - len(out))
-
-
-def in_stripe(tensors: list[dict[str, Any]], lo: int, n: int) -> list[dict[str, Any]]:
-    return [m for m in tensors if lo <= int(m["offset"]) < lo + n]
-
-
-class _Crcs:
-    """Running CRCs of a snapshot's tensors, fed the bytes piece by piece in order."""
-
-    def __init__(self, tensors: list[dict[str, Any]]) -> None:
-        self.metas = sorted(tensors, key=lambda m: int(m["offset"]))
-        self.crc = [0] * len(self.metas)
-        self.first = 0  # the first tensor not yet wholly fed
-
-    def update(self, view: memoryview, off: int, n: int) -> None:
-        """Feed bytes ``[off, off + n)`` of the snapshot (``view`` is the whole snapshot's)."""
-        end = off + n
-        for i in range(self.first, len(self.metas)):
-            m = self.metas[i]
-            lo, hi = int(m["offset"]), int(m["offset"]) + int(m["nbytes"])
-            if lo >= end:
-                break
-            a, b = max(lo, off), min(hi, end)
-            if a < b:
-                self.crc[i] = crcs.crc(view[a:b], self.crc[i])
-            if hi <= end:
-                self.first = i + 1
-
-    def ok(self) -> bool:
-        return all(c == int(m["crc32c"]) for c, m in zip(self.crc, self.metas))
-
-
-def _stream(buf: Any, lo: int, n: int, src: int, group: Any, sums: _Crcs | None, reserve: Any = None) -> bool:
+def _stream(buf: Any, lo: int, n: int, src: int, group: Any, sums: Crcs | None, reserve: Any = None) -> bool:
     """Broadcast (from ``src``) or receive bytes ``[lo, lo + n)`` of ``buf`` (a uint8 tensor, or a
     buffer ``torch.frombuffer`` takes; None: a scratch piece, the bytes dropped) in :func:`chunk`
     pieces, the next piece in flight while the last one's CRCs are computed (``sums``; gloo and
@@ -143,10 +65,8 @@ def _stream(buf: Any, lo: int, n: int, src: int, group: Any, sums: _Crcs | None,
     whole = buf if isinstance(buf, torch.Tensor) else None
     view = None if buf is None else memoryview(whole.numpy()) if whole is not None else memoryview(buf)
     scratch = torch.empty(min(size, n), dtype=torch.uint8) if buf is None else None
-    prev: tuple[int, int] | None = None
     try:
-        for off in range(lo, lo + n, size):
-            k = min(size, lo + n - off)
+        for off, k in pieces(lo, n, size):
             if reserve is not None and scratch is None:
                 try:
                     reserve(off, k)
@@ -159,41 +79,18 @@ def _stream(buf: Any, lo: int, n: int, src: int, group: Any, sums: _Crcs | None,
             else:
                 piece = torch.frombuffer(buf, dtype=torch.uint8, count=k, offset=off)
             work = dist.broadcast(piece, src=src, group=group, async_op=True)
-            if prev is not None and sums is not None:
-                sums.update(view, *prev)
+            if sums is not None:
+                sums.catch_up(view)
             work.wait()
             del piece, work  # a mapping cannot close while a tensor exports it
-            prev = (off, k) if scratch is None else None
-        if prev is not None and sums is not None:
-            sums.update(view, *prev)
+            if sums is not None and scratch is None:
+                sums.landed(off, k)
+        if sums is not None:
+            sums.catch_up(view)
     finally:
         if view is not None:
             view.release()
     return scratch is None
-
-
-def _together(fns: list[Callable[[], Any]]) -> list[Any]:
-    """Run ``fns`` at once (threads; gloo and awscrt release the GIL); their results, in order. The
-    first exception is raised once all have ended (each piece is bounded by its group's timeout)."""
-    if len(fns) == 1:
-        return [fns[0]()]
-    out: list[Any] = [None] * len(fns)
-    errs: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
-            errs.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,), name=f"petctl-stripe-{i}") for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errs:
-        raise errs[0]
-    return out
 
 
 class Plan:
@@ -265,8 +162,8 @@ def send(
                 torch.frombuffer(bytearray(header), dtype=torch.uint8), src=me, group=plan.groups[0]
             )
         known = store.covered(h)
-        bounds = stripes(h["tensors"], size, len(plan.srcs))
-        sums = {i: None if known else _Crcs(in_stripe(h["tensors"], *bounds[i])) for i in mine}
+        bounds = cut(h["tensors"], size, len(plan.srcs))
+        sums = {i: None if known else Crcs(in_stripe(h["tensors"], *bounds[i])) for i in mine}
 
         def one(i: int) -> None:
             lo, n = bounds[i]
@@ -281,7 +178,7 @@ def send(
         fns: list[Callable[[], Any]] = [lambda i=i: one(i) for i in mine]
         if not known:
             fns.append(lambda: crcs_match({"tensors": rest}, mm))
-        done = _together(fns)
+        done = together(fns)
         sent[0] = sum(n for _, n in ours)
         if known:
             return True
@@ -296,10 +193,6 @@ def send(
     return state, int(sent[0])
 
 
-class _Torn(Exception):
-    """A peer's bytes did not match its header's CRCs (or could not be stored): not kept."""
-
-
 def _peer_header(hbuf: Any, step: int, size: int, epoch: int | None = None) -> dict[str, Any] | None:
     """The peer's header if it parses, its own CRC matches and it is of ``step`` and ``size`` (and
     of ``epoch``, when given: the history agreed on)."""
@@ -307,7 +200,7 @@ def _peer_header(hbuf: Any, step: int, size: int, epoch: int | None = None) -> d
         h = json.loads(bytes(hbuf.numpy()))
     except ValueError:
         return None
-    if not isinstance(h, dict) or h.get("header_crc") != header_crc(h):
+    if not sound(h):
         return None
     if int(h.get("step", -1)) != step or int(h.get("size", -1)) != size:
         return None
@@ -329,22 +222,17 @@ def _pull_all(plan: Plan, into: Any, size: int, h: dict[str, Any] | None, reserv
         if n <= 0:
             return lo, 0, ""
         fits = into is not None and h is not None and lo + n <= size
-        sums = _Crcs(in_stripe(h["tensors"], lo, n)) if fits else None
+        sums = Crcs(in_stripe(h["tensors"], lo, n)) if fits else None
         whole = _stream(into if fits else None, lo, n, src, group, sums, reserve if fits else None)
         if not fits:
             return lo, n, "dropped"
         return lo, n, "no room" if not whole else "" if sums is not None and sums.ok() else "CRC mismatch"
 
-    got = _together([lambda i=i: one(i) for i in range(len(plan.srcs))])
+    got = together([lambda i=i: one(i) for i in range(len(plan.srcs))])
     bad = sorted({why for _, _, why in got if why})
     if bad:
         return ", ".join(bad)
-    at = 0
-    for lo, n, _ in sorted((g for g in got if g[1]), key=lambda g: g[0]):
-        if lo != at:
-            return "the stripes do not tile the snapshot"
-        at = lo + n
-    return "" if at == size else "the stripes do not tile the snapshot"
+    return "" if tiles([(lo, n) for lo, n, _ in got], size) else "the stripes do not tile the snapshot"
 
 
 def receive(
@@ -384,11 +272,11 @@ def receive(
         def fill(mm: Any, reserve: Any) -> None:
             why = _pull_all(plan, mm, size, h, reserve)
             if why:
-                raise _Torn(why)
+                raise Torn(why)
 
         try:
             why = store.receive(h, fill)
-        except _Torn as e:  # the slot stays torn (no header): never loaded
+        except Torn as e:  # the slot stays torn (no header): never loaded
             print(f"petctl checkpoint: step {step} from a peer not loaded ({e})", file=sys.stderr)
             return None, size, None, None
         if why == OK:
