@@ -59,6 +59,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Etcd  # noqa: E402 - bench/harness.py, next to this script
+from rdzv_light import make_config  # noqa: E402
 from rdzv_sim import Sim, Spec  # noqa: E402
 
 #: the etcd API each scenario's participants spoke (by their requests), in order
@@ -475,6 +476,208 @@ def scenario_faults(etcd: Etcd, a: argparse.Namespace) -> list[dict[str, Any]]:
         SEEN_API.append(sim.api())
 
 
+# ---- the field: real handlers beside light nodes, one event at a time ------------------------------
+class FieldMeter(Meter):
+    """A Meter that also reads the counts of the real handlers' processes and of the leader's."""
+
+    def __init__(self, sim: Sim, endpoint: str, real_rows: list[int], leader_row: int) -> None:
+        super().__init__(sim, endpoint)
+        self.real = sim.io(real_rows)
+        self.leader = sim.io([leader_row])
+
+    def window(self, before: FieldMeter, n: int) -> dict[str, Any]:
+        """What the window since ``before`` cost, with ``n`` participants: etcd writes, the
+        events the watches delivered, the leader's reads, and the machine's health."""
+        w = self.since(before)
+        secs, io = w["seconds"], w["io"]
+        real = {k: self.real[k] - before.real.get(k, 0) for k in self.real}
+        lead = {k: self.leader[k] - before.leader.get(k, 0) for k in self.leader}
+        wps = w["etcd"].get("proposals", 0) / secs if w["etcd"] else None
+        light_watch = io["watch_events"] - real["watch_events"]
+        return {
+            "window_s": round(secs, 2),
+            "writes_per_s": None if wps is None else round(wps, 2),
+            "writes_per_node_s": None if wps is None else round(wps / n, 5),
+            "requests_per_s": round(io["requests"] / secs, 1),
+            "keepalives_per_s": round(io["keepalive"] / secs, 1),
+            # the events the real handlers' watches delivered (every watch of each of them)
+            "watch_events_real": int(real["watch_events"]),
+            # the light processes' shared rounds watches: delivered, and once per node they serve
+            "watch_events_light": int(light_watch),
+            "watch_events_light_equiv": int(io["watch_events_equiv"]),
+            "leader_range_reads": int(lead["read"]),
+            "leader_lease_reads": int(lead["lease_read"]),
+            "range_reads": int(io["read"]),
+            "lease_reads": int(io["lease_read"]),
+            "lease_reads_per_node": round(io["lease_read"] / n, 3),
+            "io": io,
+            **_health(w),
+        }
+
+
+def _field_event(
+    sim: Sim, m0: FieldMeter, ids: list[int], t_ref: float, last: float, meter: Any
+) -> dict[str, Any]:
+    """The row of one event that ended with ``ids`` in one round: rounds and lost steps since
+    ``t_ref``, time to the round from ``last``, the window's costs."""
+    time.sleep(0.5)  # the last answers of the round arrive
+    w = meter().window(m0, len(ids))
+    got = sim.together(ids, t_ref)
+    lost, stops = _lost_after(sim, t_ref)
+    rounds = _rounds_after(sim, t_ref)
+    return {
+        "n": len(ids), "rounds": len(rounds), "close_s": None if got is None else round(got[1] - last, 3),
+        "lost_steps": lost, "worker_stops": stops, "round_info": _round_info(sim, t_ref, t_ref),
+        "round_info_what": "round, world, first/last return (s after the event)", **w,
+    }  # fmt: skip
+
+
+def scenario_field(etcd: Etcd, a: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--n`` participants (all but ``--real`` light nodes with ``--light-nodes``) start cold;
+    then, each from the steady state before it: a join of 1 (a real handler), a burst of
+    ``--burst`` (at once), a trickle of ``--trickle`` over ``--trickle-s`` s, and the hard loss
+    of a real handler that does not lead (its peers' workers fail ``--fail-after`` s later, as
+    their collectives would). A steady window of ``--window`` s after the cold start and after
+    each event. Participant 0 (a real handler) registers first, alone in its process: it leads,
+    and its process's counts are the leader's."""
+    n, spread = a.n, a.arrival
+    join1 = n
+    burst = list(range(n + 1, n + 1 + a.burst))
+    trickle = list(range(burst[-1] + 1 if burst else n + 1, (burst[-1] + 1 if burst else n + 1) + a.trickle))
+    total = n + 1 + a.burst + a.trickle
+    light = _light(a, n) | (set(burst) | set(trickle) if a.light_nodes else set())
+    specs = [Spec(0)]
+    for i in range(1, n):  # the other real handlers a moment after 0, so that 0 leads
+        s = spread * i / max(1, n - 1)
+        specs.append(Spec(i, arrive=s if i in light else a.leader_lead + (0.0 if light else s)))
+    specs.append(Spec(join1, phase=1))
+    specs += [Spec(i, phase=2) for i in burst]
+    specs += [Spec(i, arrive=a.trickle_s * k / max(1, a.trickle - 1), phase=3) for k, i in enumerate(trickle)]
+    sim = Sim(
+        etcd.endpoint, specs, min_nodes=max(1, int(n * a.min_frac)), max_nodes=total, expected=n,
+        conf=a.conf, per_proc=a.per_proc, step_s=a.step, solo=(0,), run_id=f"field{n}-{uuid.uuid4().hex[:6]}",
+        light=light, **_light_opts(a),
+    )  # fmt: skip
+    leader_row = sim.row_of(0)
+    real_rows = list(range(sim.n_real_groups))
+    real_n = total - len(light)
+    cfg = make_config(a.conf)
+
+    def meter() -> FieldMeter:
+        return FieldMeter(sim, etcd.endpoint, real_rows, leader_row)
+
+    base = {"real": real_n, "light_nodes": len(light)}
+    rows: list[dict[str, Any]] = []
+
+    def steady(ids: list[int], after: str) -> bool:
+        time.sleep(a.settle)
+        s0 = meter()
+        time.sleep(a.window)
+        w = meter().window(s0, len(ids))
+        r = len(_rounds_after(sim, s0.t))
+        ok = r == 0 and (w["writes_per_node_s"] or 0) <= 0.1 and w["lease_reads"] == 0
+        rows.append({"scenario": "steady", "after": after, "n": len(ids), "rounds": r, "close_s": None, **base,
+                     **w, "target": "no round; <= 0.1 writes/s per node; no lease read", "ok": ok})  # fmt: skip
+        return True
+
+    m0 = meter()
+    t0 = sim.start()
+    try:
+        ids = list(range(n))
+        got = sim.wait_together(ids, spread + a.timeout)
+        calls = [e[2] for e in sim.snapshot() if e[0] == "call"]
+        last = max(calls) if calls else t0 + spread
+        if got is None:
+            rows.append({"scenario": "cold", "n": n, **base, "ok": False,
+                         "error": _fail(sim, f"not all {n} in one round within {spread + a.timeout:.0f} s")})  # fmt: skip
+            return rows
+        ev = _field_event(sim, m0, ids, t0, last, meter)
+        st = sim.state()
+        ev["rank0"] = next((i for i, e in st.items() if e[0] == "ret" and e[4] == 0), None)
+        rows.append({"scenario": "cold", **base, **ev, "close_what": f"last arrival -> all {n} in one round "
+                     f"(arrivals over {spread:g} s)", "target": "<= 3 rounds; <= 3 s",
+                     "ok": ev["rounds"] <= 3 and (ev["close_s"] or 1e9) <= 3.0})  # fmt: skip
+        steady(ids, "cold")
+
+        for name, phase, who, what in (
+            ("join1", 1, [join1], "a join of 1 (a real handler)"),
+            (f"burst{a.burst}", 2, burst, f"a burst of {a.burst} at once"),
+            (f"trickle{a.trickle}", 3, trickle, f"a trickle of {a.trickle} over {a.trickle_s:g} s"),
+        ):
+            if not who:
+                continue
+            ids = ids + who
+            m0 = meter()
+            sim.set_expected(len(ids))  # the group's desired capacity: what launched
+            time.sleep(a.hint_lead)
+            t_go = sim.go(phase)
+            got = sim.wait_together(ids, a.trickle_s + a.timeout, after=t_go)
+            calls = [e[2] for e in sim.snapshot() if e[0] == "call" and e[1] in who]
+            last = max(calls) if calls else t_go
+            if got is None:
+                rows.append({"scenario": name, "n": len(ids), **base, "ok": False,
+                             "error": _fail(sim, f"no round of all {len(ids)} after {what}")})  # fmt: skip
+                return rows
+            ev = _field_event(sim, m0, ids, t_go, last, meter)
+            rows.append({"scenario": name, **base, **ev, "close_what": f"{what}: last newcomer ready -> all in one round",
+                         "target": "1 round; <= 3 s", "ok": ev["rounds"] == 1 and (ev["close_s"] or 1e9) <= 3.0})  # fmt: skip
+            steady(ids, name)
+
+        victim = next((i for i in ids if i != 0 and i not in light), None)
+        if victim is None:
+            return rows
+        ids = [i for i in ids if i != victim]
+        m0 = meter()
+        sim.set_expected(len(ids))
+        t_crash = time.monotonic()
+        sim.crash(victim)
+        sim.workers_fail(t_crash + a.fail_after)
+        bound = cfg.ttl + 1.5
+        got = sim.wait_together(ids, bound + a.timeout, after=t_crash)
+        ends = [e[2] for e in sim.snapshot() if e[0] == "end" and e[1] == victim and e[6] == "crashed"]
+        t_lost = ends[-1] if ends else t_crash
+        if got is None:
+            rows.append({"scenario": "loss", "n": len(ids), **base, "ok": False,
+                         "error": _fail(sim, f"no round of the {len(ids)} after the loss of {victim}")})  # fmt: skip
+            return rows
+        ev = _field_event(sim, m0, ids, t_crash, t_lost, meter)
+        rows.append({"scenario": "loss", **base, **ev, "victim": victim,
+                     "close_what": f"hard loss of a real non-leader (its peers' workers fail {a.fail_after:g} s "
+                                   "later) -> the others in one round",
+                     "target": f"1 round; <= ttl + 1.5 = {bound:g} s; lease reads <= 1 per node",
+                     "ok": ev["rounds"] == 1 and (ev["close_s"] or 1e9) <= bound and ev["lease_reads_per_node"] <= 1})  # fmt: skip
+        steady(ids, "loss")
+        return rows
+    finally:
+        sim.stop()
+        SEEN_API.append(sim.api())
+
+
+def field_table(rows: list[dict[str, Any]]) -> str:
+    """The field scenario's rows: one line per window."""
+    lines = [
+        "| window | N | rounds | time to a round | lost steps | etcd writes/s (per node) | watch events real / light (per-node equiv) "
+        "| leader's range / lease reads | all range / lease reads (lease per node) | cores etcd / sim, load | late keepalives, leases lost | met |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|---|---|---|",
+    ]  # fmt: skip
+    for r in rows:
+        if "window_s" not in r:
+            lines.append(f"| {r['scenario']} | {r['n']} | | | | | | | | | | NO: {r.get('error', '')} |")
+            continue
+        name = r["scenario"] + (f" after {r['after']}" if r.get("after") else "")
+        c = r.get("cpu_cores") or {}
+        lines.append(
+            f"| {name} ({r['window_s']:g} s) | {r['n']} | {r['rounds']} | {_fmt(r.get('close_s'), ' s')} | "
+            f"{_fmt(r.get('lost_steps'))} | {_fmt(r['writes_per_s'])} ({_fmt(r['writes_per_node_s'])}) | "
+            f"{r['watch_events_real']} / {r['watch_events_light']} ({r['watch_events_light_equiv']}) | "
+            f"{r['leader_range_reads']} / {r['leader_lease_reads']} | "
+            f"{r['range_reads']} / {r['lease_reads']} ({r['lease_reads_per_node']:g}) | "
+            f"{c.get('etcd', 0):g} / {c.get('participants', 0):g}, {r['load1']:g} | "
+            f"{r['ka_late']}, {r['leases_lost']} | {'yes' if r.get('ok') else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
 # ---- report ---------------------------------------------------------------------------------------
 def _power(n1: float, y1: float, n2: float, y2: float, n: float) -> tuple[float, float]:
     """y = c N^k through two points: (y at n, k)."""
@@ -609,7 +812,9 @@ def main(argv: list[str] | None = None) -> int:
     drain rounds measured at two sizes (``--fault-n`` and ``--n``; k is printed: 1 is O(N))."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--scenarios", default="cold,scaleup,faults", help="cold (cold+steady+drain), scaleup, faults"
+        "--scenarios",
+        default="cold,scaleup,faults",
+        help="cold (cold+steady+drain), scaleup, faults, field (cold, then a join of 1, a burst, a trickle, a loss)",
     )
     ap.add_argument("--n", type=int, default=1000, help="participants of cold start / steady / drain")
     ap.add_argument("--arrival", type=float, default=60.0, help="cold start: arrivals spread over this (s)")
@@ -660,12 +865,28 @@ def main(argv: list[str] | None = None) -> int:
         help="cold and scaleup: all but --real participants are light nodes (bench/rdzv_light.py)",
     )
     ap.add_argument("--real", type=int, default=2, help="with --light-nodes: real handlers (they lead)")
+    ap.add_argument("--burst", type=int, default=50, help="field: newcomers arriving at once")
+    ap.add_argument("--trickle", type=int, default=20, help="field: newcomers arriving one by one ...")
+    ap.add_argument("--trickle-s", type=float, default=20.0, help="field: ... evenly over this (s)")
+    ap.add_argument(
+        "--fail-after",
+        type=float,
+        default=0.3,
+        help="field: after a hard loss, the real handlers' workers fail this much later (s; their collectives)",
+    )
+    ap.add_argument(
+        "--leader-lead",
+        type=float,
+        default=1.0,
+        help="field: the other real handlers arrive this long after 0 (s)",
+    )
     ap.add_argument("--light-per-proc", type=int, default=250, help="light nodes per process")
     ap.add_argument("--light-ka-threads", type=int, default=4, help="keepalive threads per light process")
     ap.add_argument("--light-workers", type=int, default=8, help="request threads per light process")
     if "--quick" in (sys.argv[1:] if argv is None else argv):  # new defaults; flags given still win
         ap.set_defaults(n=16, fault_n=8, scale_from=8, scale_to=16, arrival=3.0, spread=3.0, window=3.0)
         ap.set_defaults(settle=1.0, timeout=30.0, straggler_wait=15.0, observe=4.0)
+        ap.set_defaults(burst=4, trickle=3, trickle_s=2.0)
     a = ap.parse_args(argv)
     a.conf = parse_conf(a.conf)
     if a.light:
@@ -684,6 +905,7 @@ def main(argv: list[str] | None = None) -> int:
                     "cold": lambda: scenario_cold_steady_drain(etcd, a),
                     "scaleup": lambda: [scenario_scaleup(etcd, a)],
                     "faults": lambda: scenario_faults(etcd, a),
+                    "field": lambda: [{**r, "field": True} for r in scenario_field(etcd, a)],
                 }[sc]()
                 died = etcd.proc is None or etcd.proc.poll() is not None
                 for r in got:
@@ -703,7 +925,9 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             etcd.stop()
     pred = predict(rows, a.predict)
-    print(table(rows))
+    print(table([r for r in rows if not r.get("field")]))
+    if any(r.get("field") for r in rows):
+        print("\n" + field_table([r for r in rows if r.get("field")]))
     print(f"\nprediction for {a.predict} nodes: {json.dumps(pred)}")
     doc = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),

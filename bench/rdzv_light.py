@@ -2,7 +2,7 @@
 
 A *light node* speaks the petctl-etcd protocol of ``agent/petctl_agent/rendezvous`` with the
 same keys and values as a ``PetctlRendezvousHandler`` that never leads, built with that
-package's own helpers (``layout.Keys``, ``leader.read_rank``, ``joining._free_port``, the
+package's own helpers (``layout.Keys``, ``record.read_rank``, ``joining._free_port``, the
 ``etcdv3`` client, the ``watcher.Watcher`` of the rounds), but many of them share one process:
 
 * **Membership**: a lease of ``ttl`` (``etcdv3.Client.grant``), ``nodes/<id>`` on it with the
@@ -282,7 +282,7 @@ class LightPool:
         self._poke()
 
     def _rank_task(self, n: Node) -> None:
-        from petctl_agent.rendezvous.leader import read_rank
+        from petctl_agent.rendezvous.record import read_rank
 
         with self.lock:
             target, rec = n.target, n.rec
@@ -336,15 +336,14 @@ class LightPool:
             step = now >= next_step
             if step:
                 next_step = now + plan.step_s
-            t0 = plan.t0.value
-            t1 = plan.t1.value
+            starts = [plan.t0.value, *plan.phases[1:]]
             released = plan.release.is_set()
             pending: dict[int, tuple[bool, str] | None] = {}
             for n in self.nodes:
                 if n.busy or n.state == GONE or now < n.retry_at:
                     continue
                 try:
-                    self._advance(n, now, step, rounds, latest, synced, connected, pending, t0, t1, released)
+                    self._advance(n, now, step, rounds, latest, synced, connected, pending, starts, released)
                 except Exception as e:  # noqa: BLE001 - a defect of this simulation: reported, never silent
                     n.state = GONE
                     plan.q.put(("error", n.idx, now, f"light node: {type(e).__name__}: {e}"))
@@ -360,8 +359,7 @@ class LightPool:
         synced: bool,
         connected: bool,
         pending: dict[int, tuple[bool, str] | None],
-        t0: float,
-        t1: float,
+        starts: list[float],
         released: bool,
     ) -> None:
         """One look at node ``n`` by the driver: arrive, register again, join, read its rank, or
@@ -373,7 +371,7 @@ class LightPool:
             return
         st = n.state
         if st == WAIT:
-            base = t1 if n.spec.phase == 1 else t0
+            base = starts[n.spec.phase]  # 0: its phase has not begun
             if not base or now < base + n.spec.arrive:
                 return
             n.state = REG
@@ -473,6 +471,10 @@ class LightPool:
         self.rounds.stop()
 
     # ---- counters ----
+    def served(self) -> int:
+        """Nodes of this process that arrived and are not gone (what its shared watch serves)."""
+        return sum(1 for n in self.nodes if n.state not in (WAIT, GONE))
+
     def fanout(self) -> tuple[float, float]:
         """(bytes the per-node rounds watches would have received beyond the shared one,
         full re-reads counted once per node)."""

@@ -20,8 +20,15 @@ received (``socket.socket.send/sendall/recv/recv_into`` wrapped: HTTP headers an
 TCP/IP or TLS framing) and every HTTP request (``http.client.HTTPConnection.putrequest``, which
 urllib3 and ``http.client`` users both go through), by kind from its path: etcd v2
 ``/v2/keys`` (a GET with ``wait=true`` is a watch, else a read; PUT/POST a write; DELETE a
-delete) and etcd v3 ``/v3/...`` (``kv/range`` read, ``watch``, ``lease/keepalive``, the other
-calls writes). The counts go to shared memory every 0.1 s; the bench reads them at any moment.
+delete) and etcd v3 ``/v3/...`` (``kv/range`` read, ``watch``, ``lease/keepalive``,
+``lease/timetolive`` a lease read, the other calls writes), and the events its watches deliver
+(``etcd_watch.Watch.get`` wrapped). The counts go to shared memory every 0.1 s; the bench reads
+them at any moment.
+
+Arrivals come in phases: phase 0 counts ``Spec.arrive`` from the scenario's start, phase k >= 1
+from the bench's ``Sim.go(k)``. ``Sim.workers_fail(at)`` makes every real participant's workers
+fail at ``at`` (a peer lost: its agent calls the handler's ``workers_failed``, as the elastic
+agent does, and its workers make no step until the next round).
 
 *Light nodes* (``Sim(light=...)``, the bench's ``--light-nodes``; ``bench/rdzv_light.py``)
 follow the same protocol with the rendezvous package's own key and value helpers, many to a
@@ -77,6 +84,14 @@ IO_KINDS = (
     # light nodes: the JSON bytes of their reads of nodes/ (one per registration, as a real node
     # makes: Membership._snapshot), part of bytes_in
     "snapshot_bytes",
+    # v3 ``lease/timetolive`` requests (a leader's lease reads; not counted as "write")
+    "lease_read",
+    # events handed out by the watches of the process (``etcd_watch.Watch.get``): every watch of
+    # a real handler; a light process's one shared rounds watch
+    "watch_events",
+    # light nodes: the shared rounds watch's events once per node it serves (what per-node
+    # rounds watches would have delivered)
+    "watch_events_equiv",
 )
 
 
@@ -87,7 +102,7 @@ class Spec:
     idx: int
     arrive: float = 0.0
     straggler: bool = False  # registers at arrival, joins only when the bench releases stragglers
-    phase: int = 0  # 0: ``arrive`` counts from the scenario's start; 1: from the bench's ``go`` (t1)
+    phase: int = 0  # 0: ``arrive`` counts from the scenario's start; k >= 1: from the bench's ``go(k)``
 
 
 # ---- I/O counting (in each participant process) ------------------------------------------------
@@ -112,6 +127,10 @@ class _Io:
             self.row[self.base + i] = float(v)
 
 
+#: set while this thread sends a txn of range ops only (a read, not a write): ``count_handler_io``
+_READ_TXN = threading.local()
+
+
 def _kind(method: str, url: str) -> str:
     path = url.split("?", 1)[0]
     if path.startswith("/v2/keys"):
@@ -120,12 +139,14 @@ def _kind(method: str, url: str) -> str:
         return "delete" if method == "DELETE" else "write"
     if path.startswith("/v3"):
         tail = path.split("/v3", 1)[1].strip("/")
-        if tail == "kv/range":
+        if tail == "kv/range" or (tail == "kv/txn" and getattr(_READ_TXN, "on", False)):
             return "read"
         if tail == "watch":
             return "watch"
         if tail == "lease/keepalive":
             return "keepalive"
+        if tail == "lease/timetolive":
+            return "lease_read"
         if tail == "kv/deleterange":
             return "delete"
         return "write"
@@ -169,6 +190,38 @@ def install_io_counters(io: _Io) -> None:
     http.client.HTTPConnection.putrequest = putrequest  # type: ignore[method-assign]
 
 
+def count_handler_io(io: _Io, served: Any = None) -> None:
+    """Wrap, in this process, ``etcd_watch.Watch.get`` (what hands a watch's events to its owner)
+    so that every event delivered counts into ``io`` ("watch_events"; ``served()``, if given, is
+    how many nodes each event stands for: "watch_events_equiv", a light process's shared watch),
+    and ``etcdv3.Client.txn`` so that a txn of range ops only (``membership.read_membership``)
+    counts as a read, not a write."""
+    from petctl_agent.rendezvous import etcd_watch, etcdv3
+
+    o_txn = etcdv3.Client.txn
+
+    def txn(self: Any, compares: Any, success: Any = (), failure: Any = (), *a: Any, **kw: Any) -> Any:
+        ops = [*success, *failure]
+        _READ_TXN.on = bool(ops) and all(set(op) == {"request_range"} for op in ops)
+        try:
+            return o_txn(self, compares, success, failure, *a, **kw)
+        finally:
+            _READ_TXN.on = False
+
+    etcdv3.Client.txn = txn  # type: ignore[method-assign]
+    o_get = etcd_watch.Watch.get
+
+    def get(self: Any, timeout: float) -> Any:
+        evs = o_get(self, timeout)
+        if evs:
+            io.add("watch_events", len(evs))
+            if served is not None:
+                io.add("watch_events_equiv", len(evs) * served())
+        return evs
+
+    etcd_watch.Watch.get = get  # type: ignore[method-assign]
+
+
 # ---- the handler ---------------------------------------------------------------------------------
 def register_only(h: Any) -> None:
     """Register ``h`` (membership key and its keepalive running) without joining a round: a node
@@ -193,22 +246,28 @@ class Plan:
     conf: dict[str, Any]
     expected: Any  # mp.Value('i'): the desired capacity hint (0 = none)
     t0: Any  # mp.Value('d'): time.monotonic() of the scenario's start (CLOCK_MONOTONIC: system-wide)
-    t1: Any  # mp.Value('d'): when phase-1 participants start arriving (0: not yet)
+    phases: Any  # mp.Array('d'): phases[k] = when phase-k participants start arriving (0: not yet)
     step_s: float
     ckpt_steps: int
     stop: Any  # mp.Event: leave
     release: Any  # mp.Event: stragglers may join
     crash: Any  # mp.Array('b'): crash[idx] = 1 -> hard loss of participant idx; 2 -> it leaves (drain)
+    fail_at: Any  # mp.Value('d'): the real participants' workers fail at this time (0: never)
     q: Any  # mp.Queue: reports
     io: Any  # mp.RawArray('d', procs * len(IO_KINDS))
 
 
+def phase_start(plan: Plan, phase: int) -> float:
+    """When participants of ``phase`` count their ``arrive`` from (0: their phase has not begun)."""
+    return plan.phases[phase] if phase else plan.t0.value
+
+
 def _participant(plan: Plan, spec: Spec, h: Any) -> None:
     q = plan.q
-    while spec.phase == 1 and not plan.t1.value:
+    while spec.phase and not plan.phases[spec.phase]:
         if plan.stop.wait(0.1):
             return
-    wait = (plan.t1.value if spec.phase == 1 else plan.t0.value) + spec.arrive - time.monotonic()
+    wait = phase_start(plan, spec.phase) + spec.arrive - time.monotonic()
     if wait > 0 and plan.stop.wait(wait):
         return
     try:
@@ -222,12 +281,19 @@ def _participant(plan: Plan, spec: Spec, h: Any) -> None:
         while not plan.stop.is_set():
             q.put(("call", spec.idx, time.monotonic()))
             info = h.next_rendezvous()
+            t_ret = time.monotonic()
             rnd = getattr(h, "round", None)
             q.put(("ret", spec.idx, time.monotonic(), rnd, info.rank, info.world_size))
             steps, why = 0, "stop"
+            failed = False  # this round's workers failed (a peer's hard loss)
             while True:
                 if plan.stop.wait(plan.step_s):
                     break
+                fail_at = plan.fail_at.value
+                if not failed and t_ret < fail_at <= time.monotonic():
+                    failed = True  # our collectives failed: the agent tells the handler at once
+                    h.workers_failed()
+                    q.put(("failed", spec.idx, time.monotonic(), rnd))
                 if plan.crash[spec.idx] == 2:
                     h.leave()
                     q.put(("end", spec.idx, time.monotonic(), rnd, steps, 0, "left"))
@@ -236,8 +302,9 @@ def _participant(plan: Plan, spec: Spec, h: Any) -> None:
                     h._crash()  # noqa: SLF001 - a SIGKILLed node: no keepalive, key left to expire
                     q.put(("end", spec.idx, time.monotonic(), rnd, steps, steps_since_ckpt, "crashed"))
                     return
-                steps += 1
-                steps_since_ckpt += 1
+                if not failed:  # failed workers make no steps while the agent waits for the round
+                    steps += 1
+                    steps_since_ckpt += 1
                 if steps_since_ckpt >= plan.ckpt_steps:
                     steps_since_ckpt = 0
                 if h.num_nodes_waiting() > 0:
@@ -327,6 +394,7 @@ def _process(plan: Plan, specs: list[Spec], row: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     io = _Io(plan.io, row * len(IO_KINDS))
     install_io_counters(io)
+    count_handler_io(io)
     if os.environ.get("PETCTL_SIM_LIGHT") == "1":
         KeepaliveHub().install()
     from rdzv_light import make_config
@@ -380,6 +448,7 @@ def _light_process(plan: Plan, specs: list[Spec], row: int, ka_threads: int, wor
     from rdzv_light import LightPool
 
     pool = LightPool(plan, specs, io, keepalive_threads=ka_threads, workers=workers)
+    count_handler_io(io, served=pool.served)
     pool.start()
     while not plan.stop.wait(0.1):
         fan, rereads = pool.fanout()
@@ -443,12 +512,13 @@ class Sim:
             conf=dict(conf or {}),
             expected=ctx.Value("i", expected, lock=False),
             t0=ctx.Value("d", 0.0, lock=False),
-            t1=ctx.Value("d", 0.0, lock=False),
+            phases=ctx.Array("d", 1 + max((s.phase for s in specs), default=0), lock=False),
             step_s=step_s,
             ckpt_steps=ckpt_steps,
             stop=ctx.Event(),
             release=ctx.Event(),
             crash=ctx.Array("b", n_idx, lock=False),
+            fail_at=ctx.Value("d", 0.0, lock=False),
             q=ctx.Queue(),
             io=ctx.RawArray("d", len(groups) * len(IO_KINDS)),
         )
@@ -546,10 +616,16 @@ class Sim:
     def set_expected(self, n: int) -> None:
         self.plan.expected.value = n
 
-    def go(self) -> float:
-        """Phase-1 participants start arriving now (their ``arrive`` counts from here)."""
-        self.plan.t1.value = time.monotonic()
-        return self.plan.t1.value
+    def go(self, phase: int = 1) -> float:
+        """Participants of ``phase`` (>= 1) start arriving now (their ``arrive`` counts from here)."""
+        self.plan.phases[phase] = time.monotonic()
+        return self.plan.phases[phase]
+
+    def workers_fail(self, at: float) -> None:
+        """At ``at`` (monotonic) every running real participant's workers fail (a peer lost: their
+        collectives fail): each calls its handler's ``workers_failed`` and stops stepping until
+        the next round. Light nodes have no such call (they never lead)."""
+        self.plan.fail_at.value = at
 
     def leave(self, idx: int) -> None:
         self.plan.crash[idx] = 2
@@ -568,12 +644,15 @@ class Sim:
         with self._lock:
             return list(self.events)
 
-    def io(self) -> dict[str, float]:
+    def io(self, rows: list[int] | None = None) -> dict[str, float]:
+        """The I/O counts of every process (``rows``: of those processes only; see ``row_of``)."""
         k = len(IO_KINDS)
-        return {
-            name: sum(self.plan.io[r * k + i] for r in range(len(self.groups)))
-            for i, name in enumerate(IO_KINDS)
-        }
+        rows = list(range(len(self.groups))) if rows is None else rows
+        return {name: sum(self.plan.io[r * k + i] for r in rows) for i, name in enumerate(IO_KINDS)}
+
+    def row_of(self, idx: int) -> int:
+        """The process (its row of counters) participant ``idx`` lives in."""
+        return next(r for r, g in enumerate(self.groups) if any(s.idx == idx for s in g))
 
     def api(self) -> str:
         """The etcd API the handler spoke (by its requests): "v2", "v3", "v2+v3" or "none"."""
