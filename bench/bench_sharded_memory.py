@@ -126,6 +126,7 @@ def _run(tmp: Path, nodes: list[int], env: dict[str, str], memory: bool, rates: 
         }
         e.pop("PETCTL_SNAPSHOT_DIR", None)
         e.pop(efs_rate.ENV, None)
+        e.pop(efs_rate.HOOK_ENV, None)
         e.update(efs_rate.instance_env(tmp, f"i-node{node}", rates))  # type: ignore[arg-type]
         if memory:
             e["PETCTL_SNAPSHOT_DIR"] = str(tmp / "shm" / f"node{node}")

@@ -13,7 +13,7 @@ torn, stale or partial state is caught (``state mismatch``, exit 3), never train
 - ``helper`` (default): ``ckpt.resume`` / ``ckpt.step`` (``petctl_agent.checkpoint``): EFS, or the
   agent's memory snapshots when they are on;
 - ``plain``: what a script under plain ``torchrun`` does (under the local cloud's EFS limits,
-  ``PETCTL_EFS_EMULATION``, its reads and writes are paced like the checkpoint layer's): rank 0 ``torch.save`` s the state into a
+  ``PETCTL_IO_HOOK``, its reads and writes are paced like the checkpoint layer's): rank 0 ``torch.save`` s the state into a
   temp file in the checkpoint directory, fsync, ``os.replace`` to ``state.pt``, fsync the directory,
   then a ``latest`` JSON pointer the same way; every rank ``torch.load`` s it back at start.
   Periodic checkpoints only (torchrun has no drain protocol).
@@ -95,12 +95,13 @@ def _fsync_dir(d: str) -> None:
 
 
 def _open(path: str, mode: str):
-    """``open()``; under the local cloud's EFS limits (``PETCTL_EFS_EMULATION``) paced as the
-    checkpoint layer's own I/O is, so that this script pays what EFS would charge it too."""
-    if os.environ.get("PETCTL_EFS_EMULATION"):
-        from petctl_agent.checkpointing import efsrate
+    """``open()`` through the checkpoint layer's I/O hook: under the local cloud's EFS limits
+    (``PETCTL_IO_HOOK``, beside ``PETCTL_EFS_EMULATION``) paced as the checkpoint layer's own I/O
+    is, so that this script pays what EFS would charge it too; plain ``open()`` without."""
+    if os.environ.get("PETCTL_IO_HOOK"):
+        from petctl_agent.checkpointing import iohook
 
-        return efsrate.open(path, mode)
+        return iohook.open(path, mode)
     return open(path, mode)
 
 

@@ -2,9 +2,10 @@
 
 The local cloud's EFS is a directory (``<state>/efs/<fs-id>/``), as fast as this machine's page
 cache. Every unit of an instance gets ``PETCTL_EFS_EMULATION``, the path of
-``instances/<id>/efs-rate.json``: the instance's client id and the rates below. The agent's
-checkpoint layer (``petctl_agent.checkpointing.efsrate``) then paces its reads and writes under the
-EFS directory: per client (all processes of one instance) and per file system (all instances).
+``instances/<id>/efs-rate.json``: the instance's client id and the rates below, and
+``PETCTL_IO_HOOK=petctl.local.efs_pacing``: the agent's checkpoint layer hands its files to that
+module (``petctl_agent.checkpointing.iohook``), which paces their reads and writes under the EFS
+directory: per client (all processes of one instance) and per file system (all instances).
 
 Defaults (docs/local.md has the sources): 1,500 MiB/s per client, read and write; per file
 system 60 GiB/s of reads and 5 GiB/s of writes (us-east-1, the local cloud's region); a read
@@ -23,9 +24,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-#: The variable the agent's ``petctl_agent.checkpointing.efsrate`` reads (``ENV`` there; the CLI
-#: side may not import the agent's checkpoint layer, so the name is written twice).
+#: The variable :mod:`petctl.local.efs_pacing` reads: the instance's rate file.
 ENV = "PETCTL_EFS_EMULATION"
+#: The agent's file I/O hook (``ENV`` of ``petctl_agent.checkpointing.iohook``; petctl may not import
+#: the agent's checkpoint layer, so the name is written twice) and the module the local cloud names.
+HOOK_ENV = "PETCTL_IO_HOOK"
+HOOK = "petctl.local.efs_pacing"
 SWITCH = "PETCTL_LOCAL_EFS_THROTTLE"
 MIB = 1 << 20
 
@@ -109,7 +113,8 @@ def write_config(state_dir: Path, instance_id: str, rates: EfsRates) -> Path:
 
 
 def instance_env(state_dir: Path, instance_id: str, rates: EfsRates | None) -> dict[str, str]:
-    """What a unit of ``instance_id`` gets: ``{ENV: config path}``, or nothing when off."""
+    """What a unit of ``instance_id`` gets: ``{ENV: config path, HOOK_ENV: HOOK}``, or nothing when
+    off (the hook unset: the agent's plain I/O)."""
     if rates is None:
         return {}
-    return {ENV: str(write_config(state_dir, instance_id, rates))}
+    return {ENV: str(write_config(state_dir, instance_id, rates)), HOOK_ENV: HOOK}

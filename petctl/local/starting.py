@@ -34,6 +34,7 @@ _NOT_INHERITED = frozenset(
         "PETCTL_LOCAL_ADDR",
         "PETCTL_AGENT_PID",
         efs_rate.ENV,
+        efs_rate.HOOK_ENV,
     )
 )
 

@@ -1,4 +1,5 @@
-"""The local EFS's throughput limits (petctl/local/efs_rate.py -> checkpointing/efsrate.py).
+"""The local EFS's throughput limits (petctl/local/efs_rate.py), paid through the agent's I/O hook
+(checkpointing/iohook.py) by the local cloud's pacing (petctl/local/efs_pacing.py).
 
 The local cloud writes each instance's config; the checkpoint layer's real write and read paths
 (atomic_write, the single-file format, DCP, the background persister) pay it. Rates are low here
@@ -25,7 +26,7 @@ from petctl.local import efs_rate
 from petctl.local.client import LocalCloudError, ensure_started
 from petctl.local.starting import Starting
 from petctl_agent import checkpoint as ckpt
-from petctl_agent.checkpointing import efsrate, persist
+from petctl_agent.checkpointing import iohook, persist
 from petctl_agent.checkpointing.atomic import atomic_write
 from petctl_agent.checkpointing.files import load_file, read_pointer, write_file
 from petctl_agent.checkpointing.persist import persist_newest
@@ -41,7 +42,8 @@ def _configure(monkeypatch: pytest.MonkeyPatch, state: Path, client: str = "i-1"
     env = {f"PETCTL_LOCAL_EFS_{k.upper()}": v for k, v in knobs.items()}
     rates = efs_rate.rates_from_env(env)
     extra = efs_rate.instance_env(state, client, rates)
-    monkeypatch.setenv(efsrate.ENV, extra[efsrate.ENV])
+    for name, value in extra.items():  # the rate file and the hook that pays it
+        monkeypatch.setenv(name, value)
     fs = state / "efs" / "fs-0123456789abcdef0"
     fs.mkdir(parents=True, exist_ok=True)
     return fs
@@ -53,8 +55,31 @@ def _timed(fn, *args, **kwargs):
     return out, time.monotonic() - t0
 
 
-def test_the_local_cloud_and_the_agent_agree_on_the_variable() -> None:
-    assert efs_rate.ENV == efsrate.ENV
+def test_the_local_cloud_and_the_agent_agree_on_the_hook() -> None:
+    from petctl.local import efs_pacing
+
+    assert efs_rate.HOOK_ENV == iohook.ENV
+    assert efs_pacing.ENV == efs_rate.ENV
+    assert iohook._load(efs_rate.HOOK) is efs_pacing  # importable, with open, wrap and wrap_dcp
+
+
+def test_without_the_hook_the_agent_does_plain_io(tmp_path: Path, monkeypatch, capsys) -> None:
+    # on AWS nothing sets the hook: the rate file alone paces nothing, and files are open()'s own
+    fs = _configure(monkeypatch, tmp_path, client_mibps="2")
+    monkeypatch.delenv(iohook.ENV)
+    _, took = _timed(atomic_write, fs / "blob", os.urandom(20 * MIB))
+    assert took < 20 / 2 / 2  # 10 s if it were paced at 2 MiB/s
+    with iohook.open(fs / "blob", "rb") as f:
+        assert type(f).__module__ == "_io"
+    sentinel = object()
+    assert iohook.wrap(sentinel, fs / "blob", "rb") is sentinel
+    assert iohook.wrap_dcp(sentinel) is sentinel
+    # a hook that cannot be imported: one line on stderr, then plain I/O
+    monkeypatch.setenv(iohook.ENV, "petctl_no_such_module.hook")
+    _, took = _timed(atomic_write, fs / "blob", os.urandom(20 * MIB))
+    assert took < 20 / 2 / 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "petctl_no_such_module.hook" in err[0] and "not hooked" in err[0]
 
 
 def test_a_write_and_a_read_take_at_least_size_over_rate(tmp_path: Path, monkeypatch) -> None:
@@ -99,10 +124,12 @@ def test_the_switch_turns_it_off(tmp_path: Path, monkeypatch) -> None:
     s = Starting.__new__(Starting)
     s.state_dir, s.endpoint_url, s.imds_url = tmp_path, "http://127.0.0.1:9", "http://127.0.0.1:8"
     s.settings = SimpleNamespace(efs_rates=None)
-    monkeypatch.setenv(efsrate.ENV, "/somewhere/else.json")  # not inherited from the daemon
+    monkeypatch.setenv(efs_rate.ENV, "/somewhere/else.json")  # not inherited from the daemon
+    monkeypatch.setenv(efs_rate.HOOK_ENV, efs_rate.HOOK)
     env = s._unit_env(SimpleNamespace(instance_id="i-1", marker="i-1@t", job=None))
-    assert efsrate.ENV not in env
-    monkeypatch.delenv(efsrate.ENV)
+    assert efs_rate.ENV not in env and efs_rate.HOOK_ENV not in env
+    monkeypatch.delenv(efs_rate.ENV)
+    monkeypatch.delenv(efs_rate.HOOK_ENV)
     fs = tmp_path / "efs" / "fs-1"
     fs.mkdir(parents=True)
     _, took = _timed(atomic_write, fs / "blob", os.urandom(20 * MIB))
@@ -116,7 +143,8 @@ def test_default_on_with_aws_figures_for_every_unit(tmp_path: Path, monkeypatch)
     s.state_dir, s.endpoint_url, s.imds_url = tmp_path, "http://127.0.0.1:9", "http://127.0.0.1:8"
     s.settings = SimpleNamespace(efs_rates=rates)
     env = s._unit_env(SimpleNamespace(instance_id="i-7", marker="i-7@t", job=None))
-    cfg = json.loads(Path(env[efsrate.ENV]).read_text())
+    assert env[efs_rate.HOOK_ENV] == "petctl.local.efs_pacing"
+    cfg = json.loads(Path(env[efs_rate.ENV]).read_text())
     assert cfg["client"] == "i-7" and cfg["efs_root"] == str(tmp_path / "efs")
     assert cfg["client_write_bps"] == cfg["client_read_bps"] == 1500 * MIB
     assert cfg["fs_read_bps"] == 60 * 1024 * MIB and cfg["fs_write_bps"] == 5 * 1024 * MIB

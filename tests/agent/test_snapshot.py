@@ -911,7 +911,7 @@ def test_a_drain_waits_for_efs_only_when_no_survivor_with_a_persister_stays(
     # with a persister of its own: before, rank 0 waited for EFS here (5.2 s of the 8.0 s
     # drain at 1 GiB/rank in bench_state.py); the survivor's copy covers it as for any other leaver
     from petctl.local import efs_rate
-    from petctl_agent.checkpointing import efsrate, persist
+    from petctl_agent.checkpointing import iohook, persist
 
     rates = efs_rate.rates_from_env({"PETCTL_LOCAL_EFS_CLIENT_MIBPS": "0.5"})
     pace = efs_rate.instance_env(tmp_path / "state", "i-1", rates)
@@ -967,7 +967,7 @@ def test_a_drain_waits_for_efs_only_when_no_survivor_with_a_persister_stays(
                 server.wait(timeout=30)
                 stuck.append(f"persister {i}:\n" + (tmp_path / f"persister-{i}.err").read_text()[-6000:])
         assert not stuck, "a persister did not end 60 s after its SIGTERM\n" + "\n".join(stuck)
-    assert efsrate.ENV in pace
+    assert efs_rate.ENV in pace and pace[iohook.ENV] == efs_rate.HOOK
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from petctl_agent.checkpointing import efsrate
+from petctl_agent.checkpointing import iohook
 
 
 def fsync_dir(path: Path) -> None:
@@ -26,7 +26,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically: temp file in the same dir, fsync, replace, fsync dir."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with efsrate.wrap(os.fdopen(fd, "wb"), path, "wb") as f:
+        with iohook.wrap(os.fdopen(fd, "wb"), path, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent import knobs
-from petctl_agent.checkpointing import efsrate, timeline
+from petctl_agent.checkpointing import iohook, timeline
 from petctl_agent.checkpointing.atomic import atomic_write, fsync_dir
 
 LATEST = "latest"
@@ -107,12 +107,12 @@ class HashingFile:
 
 
 def open_temp(d: Path, name: str) -> tuple[Path, Any]:
-    """A new temp file in ``d`` for ``name``'s bytes (paced on the emulated EFS), open for writing:
+    """A new temp file in ``d`` for ``name``'s bytes (through :mod:`.iohook`), open for writing:
     unique (``mkstemp``), so that two writers of one step -- rank 0's save and a persister thread in
     the same process, or processes with one pid on two hosts sharing EFS -- never write one inode.
     Named ``.<name>.*.tmp``: :func:`prune` removes a dead writer's."""
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=d)
-    return Path(tmp), efsrate.wrap(os.fdopen(fd, "wb"), tmp, "wb")
+    return Path(tmp), iohook.wrap(os.fdopen(fd, "wb"), tmp, "wb")
 
 
 def write_file(
@@ -223,11 +223,11 @@ HASH_PIECE = 8 << 20
 
 
 def file_sha256(path: Path) -> str:
-    """The sha256 of ``path``'s bytes, read in pieces (paced on the emulated EFS, once)."""
+    """The sha256 of ``path``'s bytes, read in pieces (through :mod:`.iohook`, once)."""
     h = hashlib.sha256()
     buf = bytearray(HASH_PIECE)
     view = memoryview(buf)
-    with efsrate.open(path, "rb", buffering=0) as f:
+    with iohook.open(path, "rb", buffering=0) as f:
         while n := f.readinto(view):
             h.update(view[:n])
     return h.hexdigest()
@@ -278,7 +278,7 @@ def load_file(
     def read(weights_only: bool) -> Any:
         if hasher is not None:  # the hash pass pays the EFS read; this one reads the page cache
             return torch.load(path, map_location=map_location, weights_only=weights_only)
-        with efsrate.open(path, "rb") as f:
+        with iohook.open(path, "rb") as f:
             return torch.load(f, map_location=map_location, weights_only=weights_only)
 
     try:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from petctl_agent.checkpointing import efsrate
+from petctl_agent.checkpointing import iohook
 from petctl_agent.checkpointing.atomic import fsync_dir
 from petctl_agent.checkpointing.files import (
     CKPT_RE,
@@ -118,7 +118,7 @@ def save_sharded(state: dict[str, Any], step: int, d: Path, keep: int) -> Path |
     barrier()
     dcp.save(
         state,
-        storage_writer=efsrate.pace_dcp(dcp.FileSystemWriter(str(tmp), sync_files=True)),
+        storage_writer=iohook.wrap_dcp(dcp.FileSystemWriter(str(tmp), sync_files=True)),
         process_group=group,
     )
     out: Path | None = None
@@ -257,7 +257,7 @@ def load_sharded(
     except Exception:  # noqa: BLE001 - an unreadable .metadata: DCP's load below says so, on every rank
         pass
     try:
-        dcp.load(into, storage_reader=efsrate.pace_dcp(reader), planner=planner, process_group=group)
+        dcp.load(into, storage_reader=iohook.wrap_dcp(reader), planner=planner, process_group=group)
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         if refused:
             raise UnsafeCheckpointError(refused[0]) from None

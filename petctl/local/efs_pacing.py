@@ -1,9 +1,10 @@
-"""EFS's throughput limits, paid by petctl's own reads and writes under the local cloud's EFS.
+"""EFS's throughput limits, paid by the agent's checkpoint reads and writes under the local cloud's EFS.
 
-On AWS this module does nothing: the network and EFS set the pace. The local cloud's EFS is a
-directory on this machine's disk (page cache), so without it a checkpoint's round trip through EFS
-costs nothing there. The local cloud (``petctl/local/efs_rate.py``) gives every process of an
-instance ``PETCTL_EFS_EMULATION``: the path of a JSON file
+The local cloud's EFS is a directory on this machine's disk (page cache), so without this a
+checkpoint's round trip through EFS costs nothing there. This module is the agent's file I/O hook
+(``petctl_agent.checkpointing.iohook``: ``open``, ``wrap``, ``wrap_dcp``), which the local cloud
+names in ``PETCTL_IO_HOOK`` for every process of an instance, beside ``PETCTL_EFS_EMULATION``
+(:mod:`petctl.local.efs_rate`): the path of a JSON file
 
     {"client": "<instance id>", "efs_root": "<state>/efs", "state_dir": "<state>/efs-rate",
      "client_read_bps": B, "client_write_bps": B, "fs_read_bps": B, "fs_write_bps": B,
@@ -18,9 +19,9 @@ that concurrent clients share a bucket fairly. A transfer is booked from when it
 takes max(the local I/O, n / rate), as on EFS where the network is the bottleneck. Opening a file
 costs the per-operation latency once. Idle time earns no credit: nothing goes faster than its rate.
 
-Only what goes through here is paced: the checkpoint layer's files (:mod:`.files`, :mod:`.atomic`,
-:mod:`.persist`, DCP's streams in :mod:`.sharded`). A user script's own ``open()`` is not.
-Standard library only; torch is never imported here.
+It runs inside the agent's worker and persister processes, so it stays small: torch is never
+imported, and besides the standard library only :mod:`petctl.local.efs_rate` (the variable's name,
+with the package's standard-library face). On AWS it is never imported: nothing sets the hook.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ENV = "PETCTL_EFS_EMULATION"
+from petctl.local.efs_rate import ENV
+
 CHUNK = 4 << 20
 #: A bucket state further ahead than this is stale (another boot's clock): it starts afresh.
 _STALE_S = 600.0
@@ -245,7 +247,7 @@ class _PacedFileSystem:
             yield wrap(stream, path, mode)
 
 
-def pace_dcp(storage: Any) -> Any:
+def wrap_dcp(storage: Any) -> Any:
     """A DCP ``FileSystemWriter``/``FileSystemReader`` whose files are paced on the emulated EFS."""
     if config() is not None and hasattr(storage, "fs"):
         storage.fs = _PacedFileSystem(storage.fs)
