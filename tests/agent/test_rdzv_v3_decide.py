@@ -207,7 +207,7 @@ def test_a_longer_keepalive_interval_needs_a_longer_silence() -> None:
 
 
 def _reads(silence_at, window: float, after: float | None, poll: float = 0.25) -> list[tuple[float, int]]:
-    """The leader's reads of one lease in a lease-read window, as ``leader._lapsed`` times them
+    """The leader's reads of one lease in a lease-read window, as ``lapse.LeaseReads._lapsed`` times them
     (the next at ``max(LAPSE_POLL, lapse_recheck)``), until the window ends or a read is lapsed:
     [(t, remaining read)]. ``silence_at(t)``: etcd's silence of the lease at t (it reads
     ``floor(6 - silence)``, whole seconds rounded down)."""
@@ -277,7 +277,7 @@ def _window_reads(
     silence_at, window: float, after: float | None, poll: float = 0.25
 ) -> list[tuple[float, int]]:
     """The leader's reads of one lease in a window opened at 0 for a loss before it (a failure,
-    a stall), as ``leader._lapsed`` times them: the first at ``clear_after``, none after one that
+    a stall), as ``lapse.LeaseReads._lapsed`` times them: the first at ``clear_after``, none after one that
     shows the lease renewed since 0 (``heard_since``), the others when they could first lapse."""
     out: list[tuple[float, int]] = []
     t = clear_after(1.0)
@@ -325,7 +325,7 @@ def test_a_window_for_a_loss_before_it_reads_a_kept_alive_lease_once() -> None:
             for a, by in ((None, 3.1), (after, 6.0)):
                 reads = _window_reads(gone, 7.5, a)
                 assert lapsed(reads[-1][1], 6, 0.1, after=a), (silent0, a, reads)
-                assert silent0 + reads[-1][0] < by, (silent0, a, reads)  # ~ as soon as it could
+                assert silent0 + reads[-1][0] < by, (silent0, a, reads)  # before its TTL (6 s) ends
         for start in [i / 10 for i in range(-20, 50)]:  # a 3 s pause of an agent, in a stall's window
 
             def paused(t: float, start: float = start, phase: float = phase) -> float:
@@ -342,7 +342,7 @@ def test_with_no_closed_round_the_order_comes_from_what_the_joins_remember() -> 
     """etcd replaced (no record on the new etcd): each join's ``prev`` ([round, rank]) keeps the
     survivors' order; only the newest round's count (an older ``prev`` is a node that was left
     out since), and a join without one is a newcomer (ordered after, by registration)."""
-    from petctl_agent.rendezvous.leader import _order_from_joins
+    from petctl_agent.rendezvous.record import _order_from_joins
 
     joins = {
         "c": {"prev": [7, 0]},
@@ -366,7 +366,7 @@ def test_the_order_across_two_etcd_replacements_is_the_newest_rounds() -> None:
     x's A-round 3 beats B's round 1, and x alone would set the order (a and b after it, by
     registration); by ``seq`` (a Lamport clock over every round seen, on any etcd) B's round is
     the newest and its order is kept, x after it."""
-    from petctl_agent.rendezvous.leader import _order_from_joins, next_seq
+    from petctl_agent.rendezvous.record import _order_from_joins, next_seq
 
     a_round3 = {"seq": 3}
     assert next_seq(a_round3, 3, {}) == 4  # no replacement: seq == round number
@@ -390,7 +390,7 @@ def test_the_order_across_two_etcd_replacements_is_the_newest_rounds() -> None:
 def test_two_rounds_with_one_seq_on_two_etcds_the_larger_group_wins() -> None:
     """Two rounds got the same seq on two etcds (no node of one saw the other close): their
     ranks conflict, so only one round's order is kept: the one most joined nodes ran in."""
-    from petctl_agent.rendezvous.leader import _order_from_joins
+    from petctl_agent.rendezvous.record import _order_from_joins
 
     joins = {
         "x": {"prev": [5, 0, "A"]},
@@ -408,7 +408,7 @@ def _charged(marker: dict, rounds: list[list[str]], named: list[str], n_named: i
     import json
 
     from petctl_agent.elastic.membership import _Loss
-    from petctl_agent.rendezvous.leader import _came_back
+    from petctl_agent.rendezvous.record import _came_back
 
     loss = _Loss(5, named, len(named) if n_named is None else n_named)
     prev: str | None = None

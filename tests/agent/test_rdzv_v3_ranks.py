@@ -19,7 +19,7 @@ from petctl_agent.rendezvous import etcd_ops
 from petctl_agent.rendezvous import etcdv3 as v3
 from petctl_agent.rendezvous.config import DEFAULT_PREFIX
 from petctl_agent.rendezvous.layout import HEAD, Keys
-from petctl_agent.rendezvous.leader import MAX_TXN_OPS, publish_round, read_rank
+from petctl_agent.rendezvous.record import MAX_TXN_OPS, publish_round, read_rank
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
 

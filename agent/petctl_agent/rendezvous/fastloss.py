@@ -20,12 +20,12 @@ silence, ``decide.stall_lapse_after``, so a 3 s pause of another agent meanwhile
 through; a failure's or the start-up's: 2 s). O(N) reads on one node per window, none while the
 workers step; a job whose steps exceed 4/3 s opens a stall window each step. A failure or a stall
 follows the loss, so each kept-alive lease is read once in its window (a read that shows it
-renewed since the window opened: ``_window_since``, leader.py ``_lapsed``); the start-up window's
+renewed since the window opened: ``_window_since``, lapse.py ``_lapsed``); the start-up window's
 loss comes inside it, so its leases are read again whenever they could lapse. The round that
 follows has ``gone`` non-empty, so the survivors' restart is free; a worker crash with every
 lease kept alive opens nothing here, and the agent spends its restart budget as before. A node
 named gone that comes back (the same id: its agent stalled, it was not lost) is listed in the
-``returned`` of the round it rejoins (leader.py, ``_came_back``); the agents charge that
+``returned`` of the round it rejoins (record.py, ``_came_back``); the agents charge that
 restart once every node named gone for it has come back (per failure, not per round: a real loss
 beside a stall stays free), so a crash loop with a stalling agent still spends the budget.
 See docs/rendezvous.md, "A hard loss seen from the data plane".
@@ -143,7 +143,7 @@ class FastLoss:
     def _window_since(self: Any) -> float | None:
         """When the open window opened, if for a loss before it (caller holds _cond): a failure or
         a stall follows the loss, so a lease renewed since was not lost and is read once in the
-        window (leader._lapsed). None for the start-up window: a peer lost while the workers start
+        window (lapse.LeaseReads._lapsed). None for the start-up window: a peer lost while the workers start
         is lost inside it, so its leases are read as long as it lasts."""
         f = self._failed
         if f is None or (self._starting is not None and f[0] == self._starting):

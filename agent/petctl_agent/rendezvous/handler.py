@@ -1,6 +1,7 @@
 """The torch ``RendezvousHandler`` of ``petctl-etcd``: the handler's state, and what torch and
 the agent ask of it between rounds (pending changes, leaving, closing). Its threads and the
-round protocol are its mixins: :mod:`.membership`, :mod:`.leader`, :mod:`.joining`."""
+round protocol are its mixins: :mod:`.membership`, :mod:`.leader` (with :mod:`.leading` and
+:mod:`.lapse`), :mod:`.fastloss`, :mod:`.joining`."""
 
 from __future__ import annotations
 
@@ -114,13 +115,13 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
         self._seen_seq = 0  #: the newest round's seq we saw closed, on any etcd: put in our joins
         #: leader: (etcd generation, round) -> that round's full rank order (closed it, or read members/<r>)
         self._order: dict[tuple[int, int], list[str]] = {}
-        #: leader: (node, lease) -> when to read that lease again (inf: lapsed; leader.CLEARED: not
+        #: leader: (node, lease) -> when to read that lease again (inf: lapsed; lapse.CLEARED: not
         #: in this window), for round _lapse_target
         self._lapse_memo: dict[tuple[str, int], float] = {}
         self._lapse_target: int | None = None
-        #: (threshold, window opened at) the memo's times were set for (leader._lapsed)
+        #: (threshold, window opened at) the memo's times were set for (lapse.py)
         self._lapse_window: tuple[float | None, float | None] | None = None
-        self._lease_pool: ThreadPoolExecutor | None = None  # the leader's lease reads (leader._lapsed)
+        self._lease_pool: ThreadPoolExecutor | None = None  # the leader's lease reads (lapse.py)
         #: (dead leader, latest closed round): not a candidate until a round closes (hard loss)
         self._lapsed_leader: tuple[str, int] | None = None
         #: follower: (round joining, since when): the leader's lease is read LAPSE_AFTER after it

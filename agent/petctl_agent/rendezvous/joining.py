@@ -28,7 +28,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from petctl_agent.rendezvous import etcd_ops
 from petctl_agent.rendezvous.client import TRANSIENT
 from petctl_agent.rendezvous.layout import Rounds, latest_closed
-from petctl_agent.rendezvous.leader import read_current_rank
+from petctl_agent.rendezvous.record import read_current_rank
 
 log = logging.getLogger("petctl_agent.rendezvous")
 
