@@ -50,7 +50,7 @@ import torch
 
 from petctl_agent.checkpointing import crcs
 from petctl_agent.checkpointing.files import load_file, read_pointer, write_file
-from petctl_agent.checkpointing.persist import persist_newest
+from petctl_agent.checkpointing.persisting import persist_newest
 from petctl_agent.checkpointing.snapshot import SnapshotStore
 
 TARGET = 0.25  # s/GiB a periodic checkpoint may block

@@ -62,7 +62,7 @@ not trip the 60 s collective timeout or NCCL's watchdog, which aborts any NCCL
 collective (barriers included) still pending after the group's timeout.
 
 Made of (``checkpointing/``): the directory's layout and the single-file format (``files.py``),
-the sharded path (``sharded.py``), the checkpoint group (``group.py``), the drain agreement
+its loads, alone or agreed by every rank (``loading.py``), the sharded path (``sharded.py``), the checkpoint group (``group.py``), the drain agreement
 (``drain.py``), memory snapshots of replicated state when the agent turned them on (``memory.py``:
 ``$PETCTL_SNAPSHOT_DIR``; docs/agent.md), and of sharded state with a replica on a peer node (``sharded_memory.py``). This module stays import-light: no torch until a checkpoint is written or read.
 """
@@ -70,7 +70,6 @@ the sharded path (``sharded.py``), the checkpoint group (``group.py``), the drai
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -86,20 +85,17 @@ from petctl_agent.checkpointing.drain import (
     should_checkpoint,
 )
 from petctl_agent.checkpointing.files import (
-    CKPT_RE,
     UnsafeCheckpointError,
     checkpoint_dir,
-    list_checkpoints,
-    load_file,
     read_pointer,
     write_file,
 )
-from petctl_agent.checkpointing.group import barrier, ckpt_group
+from petctl_agent.checkpointing.group import barrier
+from petctl_agent.checkpointing.loading import load_newest
 from petctl_agent.checkpointing.sharded import (
     MissingStateError,
     NeedsStateError,
     is_sharded,
-    load_sharded,
     save_sharded,
 )
 from petctl_agent.checkpointing.userstate import PER_RANK, PerRankStateError
@@ -198,7 +194,7 @@ def load_latest(
     or unreadable, older checkpoints are tried newest first.
 
     ``agree=True`` (what :func:`resume` does; collective then: every rank calls it): under a
-    process group of more than one rank, every rank loads the *same* step (:func:`_load_agreed`),
+    process group of more than one rank, every rank loads the *same* step (:func:`.checkpointing.loading.load_agreed`),
     where each rank's own pointer read and fallback could land on different ones.
 
     Args:
@@ -221,172 +217,7 @@ def load_latest(
         OSError: (with ``agree``) a rank could not list the checkpoint directory (EFS: ``EIO``,
             ``ESTALE``, ``EACCES``): the same one-line error, naming that rank, on every rank.
     """
-    return userstate.own(_load_latest(directory, map_location, into, unsafe_load, agree=agree), unsafe_load)
-
-
-def _load_latest(
-    directory: str | os.PathLike | None,
-    map_location: Any,
-    into: dict[str, Any] | None,
-    unsafe_load: bool | None,
-    *,
-    agree: bool,
-) -> tuple[dict[str, Any], int] | None:
-    """:func:`load_latest` with the saved per-rank entry as saved (every rank's)."""
-    d = checkpoint_dir(directory)
-    if map_location is None:
-        from petctl_agent.distributed import rank_device
-
-        map_location = rank_device()
-    if agree and dist_world() > 1:
-        return _load_agreed(d, map_location, into, unsafe_load)
-    pointer = read_pointer(d)
-    candidates: list[tuple[Path, str | None]] = []
-    if pointer and pointer.get("file"):
-        candidates.append((d / pointer["file"], pointer.get("sha256")))
-    for s, path in list_checkpoints(d):
-        if any(path == c for c, _ in candidates):
-            continue
-        if pointer and "step" in pointer and s > int(pointer["step"]):
-            continue  # written after the pointer we trust: never made it to 'latest'
-        candidates.append((path, None))
-    for i, (path, sha) in enumerate(candidates):
-        try:
-            if path.name.endswith(".dcp"):
-                return load_sharded(path, into, unsafe_load)
-            return load_file(path, sha, map_location, unsafe_load)
-        except (NeedsStateError, UnsafeCheckpointError):
-            raise
-        except Exception as e:  # noqa: BLE001 - any unreadable newest falls back
-            what = "newest " if i == 0 else ""
-            print(f"petctl checkpoint: {what}{path.name} unreadable ({e}); trying older", file=sys.stderr)
-    return None
-
-
-#: rounds of :func:`_load_agreed`: a round whose steps no rank set could all read starts again
-#: (once more, twice at most) in case `latest` moved on while its older steps were pruned
-_AGREE_ROUNDS = 3
-
-
-def _gather(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order, over the checkpoint's gloo group (CPU, whatever the
-    default group's backend: no CUDA tensor needed under NCCL; bounded by its timeout,
-    ``PETCTL_CHECKPOINT_TIMEOUT``). A dead peer raises here on every rank: never a hang."""
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj, group=ckpt_group())
-    return out
-
-
-def _gather_checked(what: str, fn: Callable[[], Any]) -> list[Any]:
-    """:func:`_gather` of ``fn()``: every rank's value, or the same error raised on every rank.
-
-    A rank whose ``fn`` raises (EFS: ``ESTALE``, ``EIO``, ``EACCES`` listing the directory) must
-    not raise before the gather: its peers would wait in it until ``PETCTL_CHECKPOINT_TIMEOUT``
-    (1800 s) if the script catches the error and goes on. It sends the error instead, and when any
-    rank sent one every rank raises the first: an ``OSError`` (that errno) naming the rank, or a
-    ``RuntimeError``.
-    """
-    try:
-        mine: tuple[Any, ...] = (None, None, fn())
-    except Exception as e:  # noqa: BLE001 - every error reaches every rank, not just this one
-        errno = e.errno if isinstance(e, OSError) else None
-        mine = (errno, f"rank {dist_rank()} could not {what} ({type(e).__name__}: {e})", None)
-    got = _gather(mine)
-    for errno, msg, _ in got:
-        if msg is not None:
-            line = f"petctl checkpoint: {msg}; resume raises this on every rank"
-            raise OSError(errno, line) if errno is not None else RuntimeError(line)
-    return [v for _, _, v in got]
-
-
-def _load_agreed(
-    d: Path, map_location: Any, into: dict[str, Any] | None, unsafe_load: bool | None
-) -> tuple[dict[str, Any], int] | None:
-    """:func:`load_latest` with every rank loading the same step (collective).
-
-    Each rank reading ``latest`` and falling back on its own can land on different steps: the
-    agent's persister moves ``latest`` at any time, and one rank's unreadable copy sends that rank
-    alone to an older step -- the replicas then silently diverge. So the ranks exchange what they
-    see (pointer, listing); the newest pointer's step bounds the candidates (``latest`` only moves
-    forward: every step up to it was durable and in ``latest`` once), and they try the candidates
-    newest first *together*: each rank loads the step (the sha256 any rank's pointer gave for its
-    file; else the file's own checks), they exchange the outcome, and any rank's failure sends every
-    rank to the next older step. An unsafe load or a sharded step without ``into`` on any rank
-    raises on every rank. When every candidate failed, one more round in case ``latest`` moved on
-    meanwhile (the older files pruned behind it); else None on every rank.
-    """
-    rank = dist_rank()
-    tried: set[int] = set()
-    prev_bound: int | None = None
-    for _ in range(_AGREE_ROUNDS):
-        seen = _gather_checked(
-            f"list {d}", lambda: (read_pointer(d), [(s, p.name) for s, p in list_checkpoints(d)])
-        )
-        pointers = [p for p, _ in seen if isinstance(p, dict) and "step" in p]
-        bound = max((int(p["step"]) for p in pointers), default=None)
-        if prev_bound is not None and (bound is None or bound <= prev_bound):
-            return None  # nothing newer appeared: the retry would try nothing new
-        names: dict[int, str] = {}
-        for _, listing in seen:
-            for s, name in listing:
-                names.setdefault(int(s), name)
-        for p in pointers:
-            if p.get("file") and CKPT_RE.match(str(p["file"])):
-                names.setdefault(int(p["step"]), str(p["file"]))
-        shas = {str(p["file"]): p["sha256"] for p in reversed(pointers) if p.get("file") and p.get("sha256")}
-        candidates = sorted(
-            (s for s in names if s not in tried and (bound is None or s <= bound)), reverse=True
-        )
-        if not candidates:
-            return None
-        for s in candidates:
-            tried.add(s)
-            path = d / names[s]
-            out, code, msg = None, 1, ""
-            if path.name.endswith(".dcp"):
-                # DCP's load is collective: every rank enters it or none does
-                ready = _gather_checked(f"stat {path}", lambda p=path: (p.is_dir(), into is None))
-                if any(needs for _, needs in ready):
-                    load_sharded(path, None, unsafe_load)  # raises NeedsStateError, before any collective
-                if not all(there for there, _ in ready):
-                    if rank == 0:
-                        missing = [r for r, (there, _) in enumerate(ready) if not there]
-                        print(
-                            f"petctl checkpoint: {path.name} missing on rank(s) {missing}; every rank tries older",
-                            file=sys.stderr,
-                        )
-                    continue
-            try:
-                if path.name.endswith(".dcp"):
-                    out = load_sharded(path, into, unsafe_load)
-                else:
-                    out = load_file(path, shas.get(path.name), map_location, unsafe_load)
-                code = 0
-            except UnsafeCheckpointError as e:
-                code, msg = 2, str(e)
-            except MissingStateError as e:
-                code, msg = 3, str(e)
-            except Exception as e:  # noqa: BLE001 - any unreadable copy sends every rank to an older one
-                msg = f"{type(e).__name__}: {e}"
-                print(f"petctl checkpoint: rank {rank}: {path.name} unreadable ({msg})", file=sys.stderr)
-            outcomes = _gather((code, msg))
-            for c, m in outcomes:  # a refusal, or state missing, on any rank: the same line everywhere
-                if c == 2:
-                    raise UnsafeCheckpointError(m)
-                if c == 3:
-                    raise MissingStateError(m)
-            bad = [r for r, (c, _) in enumerate(outcomes) if c]
-            if not bad:
-                return out
-            if rank == 0:
-                print(
-                    f"petctl checkpoint: {path.name} unreadable on rank(s) {bad}; every rank tries older",
-                    file=sys.stderr,
-                )
-        prev_bound = bound if bound is not None else -1
-    return None
+    return userstate.own(load_newest(directory, map_location, into, unsafe_load, agree=agree), unsafe_load)
 
 
 def resume(
@@ -416,21 +247,21 @@ def resume(
         if got is not None:
             return finish(got)
         t0 = time.monotonic()
-        out = _load_latest(directory, None, fill, unsafe_load, agree=True)
+        out = load_newest(directory, None, fill, unsafe_load, agree=True)
         if out is not None:  # every shard from EFS: the agent's event says so (and the step gone back to)
             pointer = read_pointer(checkpoint_dir(directory)) or {}
             ws = pointer.get("world_size")
             sharded_memory.report_efs_restore(out[1], int(ws) if ws else None, time.monotonic() - t0)
         return finish(out)
     if memory.snapshot_dir() is None:
-        return finish(_load_latest(directory, None, fill, unsafe_load, agree=True))
+        return finish(load_newest(directory, None, fill, unsafe_load, agree=True))
     from petctl_agent.distributed import rank_device
 
     got = memory.resume(checkpoint_dir(directory), rank_device())
     if got is not None:
         return finish(got)
     t0 = time.monotonic()
-    out = _load_latest(directory, None, fill, unsafe_load, agree=True)
+    out = load_newest(directory, None, fill, unsafe_load, agree=True)
     if out is not None:  # (a first start restores nothing: no report)
         memory.report_restore(
             "efs", out[1], _file_size(checkpoint_dir(directory), out[1]), time.monotonic() - t0

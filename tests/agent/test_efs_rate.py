@@ -29,7 +29,7 @@ from petctl_agent import checkpoint as ckpt
 from petctl_agent.checkpointing import iohook, persist
 from petctl_agent.checkpointing.atomic import atomic_write
 from petctl_agent.checkpointing.files import load_file, read_pointer, write_file
-from petctl_agent.checkpointing.persist import persist_newest
+from petctl_agent.checkpointing.persisting import persist_newest
 from petctl_agent.checkpointing.sharded import load_sharded, save_sharded
 from petctl_agent.checkpointing.snapshot import SnapshotStore
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from petctl_agent import checkpoint as ckpt
-from petctl_agent.checkpointing import memory, persist
+from petctl_agent.checkpointing import memory, memory_store, persist
 from petctl_agent.checkpointing.snapshot import SnapshotStore
 from petctl_agent.node import snapshots
 from petctl_agent.node.snapshots import SnapshotArea
@@ -540,9 +540,9 @@ def test_persistence_by_the_agent_survives_a_worker_killed_after_its_snapshot(
         """
         import os, signal, torch
         from petctl_agent import checkpoint as ckpt
-        from petctl_agent.checkpointing import memory
+        from petctl_agent.checkpointing import memory, memory_store
         ckpt.step(2, lambda: {"w": torch.full((1 << 20,), 2.0)}, every=2)  # returns after the copy
-        memory._store(memory.snapshot_dir()).flush()  # the snapshot is complete (header in place)
+        memory_store.store_of(memory.snapshot_dir()).flush()  # the snapshot is complete (header in place)
         os.kill(os.getpid(), signal.SIGKILL)  # a worker restart: the persist is not the worker's
         """
     )
@@ -582,7 +582,7 @@ def test_no_fit_falls_back_to_efs_and_warns_in_status(shm_base: Path, tmp_path: 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PETCTL_DRAIN_FILE", "PETCTL_PROGRESS_FILE"):
         monkeypatch.delenv(k, raising=False)
     # this node's memory is full: MemAvailable 0
-    memory._stores[str(area.dir)] = SnapshotStore(
+    memory_store.stores[str(area.dir)] = SnapshotStore(
         area.dir, memory.NAME, meminfo=lambda: {"MemAvailable": 0, "MemTotal": 1 << 30}
     )
     try:
@@ -605,9 +605,9 @@ NO_FIT_WORKER = textwrap.dedent(
     """
     import torch
     from petctl_agent import checkpoint as ckpt
-    from petctl_agent.checkpointing import memory
+    from petctl_agent.checkpointing import memory, memory_store
     ckpt.step(2, lambda: {"w": torch.full((16 << 20,), 2.0)}, every=2)  # 64 MiB
-    memory._store(memory.snapshot_dir()).flush()  # a snapshot taken is complete before we exit
+    memory_store.store_of(memory.snapshot_dir()).flush()  # a snapshot taken is complete before we exit
     """
 )
 

@@ -18,7 +18,7 @@ from test_memory_restore import Pub
 
 from petctl_agent import checkpoint as ckpt
 from petctl_agent import filelocks
-from petctl_agent.checkpointing import memory, persist
+from petctl_agent.checkpointing import memory, memory_keep, memory_store, persist
 from petctl_agent.node import snapshots
 from petctl_agent.node.snapshots import SnapshotArea
 
@@ -139,7 +139,7 @@ def test_a_holder_whose_store_lacks_the_step_says_so_at_once(
     try:
         assert persist.served(sdir)
         t0 = time.monotonic()
-        memory._persist_before_efs(memory._store(sdir), (0, 6), efs, 0)  # (epoch, step): _snap's
+        memory_keep.persist_before_efs(memory_store.store_of(sdir), (0, 6), efs, 0)  # (epoch, step): _snap's
         assert time.monotonic() - t0 < 5
     finally:
         os.close(lock)
@@ -164,10 +164,10 @@ def test_a_holders_wait_for_a_stuck_persister_is_capped_below_the_others_timeout
     lock = filelocks.hold(sdir / persist.LOCK)
     try:
         t0 = time.monotonic()
-        memory._persist_before_efs(memory._store(sdir), (0, 6), efs, 0)  # (epoch, step): _snap's
+        memory_keep.persist_before_efs(memory_store.store_of(sdir), (0, 6), efs, 0)  # (epoch, step): _snap's
         took = time.monotonic() - t0
     finally:
         os.close(lock)
     assert ckpt.latest_step(efs) == 6
     assert 4 <= took < 8, took  # T/2, then the write: not the whole T
-    assert memory._efs_wait_timeout() == 2 * 8 + 60
+    assert memory_keep.efs_wait_timeout() == 2 * 8 + 60

@@ -1,4 +1,4 @@
-"""Every rank resumes from the same checkpoint-directory step (``checkpoint._load_agreed``).
+"""Every rank resumes from the same checkpoint-directory step (``checkpointing/loading.py``, ``load_agreed``).
 
 Before: each rank read ``latest`` and fell back on its own, so a pointer moved by the agent's
 persister between the ranks' reads, or one rank's unreadable copy, left the replicas at different
@@ -22,7 +22,8 @@ from petctl_agent import checkpoint as ckpt
 #: the other ranks' first reads come after that (a barrier orders them)
 MOVE_ON_FIRST_READ = """
     def move_on_first_read(publish):
-        real, first = ckpt.read_pointer, [True]
+        from petctl_agent.checkpointing import loading
+        real, first = loading.read_pointer, [True]
         def read_pointer(dd):
             if not first[0]:
                 return real(dd)
@@ -34,7 +35,7 @@ MOVE_ON_FIRST_READ = """
                 return p
             dist.barrier()
             return real(dd)
-        ckpt.read_pointer = read_pointer
+        loading.read_pointer = read_pointer
 """
 
 #: rank 0 reads `latest` (step 10); then step 15 is published (the persister's write, here
@@ -101,13 +102,14 @@ PRUNED = """
     from pathlib import Path
     from petctl_agent.checkpointing.files import write_file
     d = Path(os.environ["PETCTL_CHECKPOINT_DIR"])
-    real, first = ckpt.load_file, [True]
+    from petctl_agent.checkpointing import loading
+    real, first = loading.load_file, [True]
     def load_file(path, *a, **k):
         if rank == 0 and first[0]:
             first[0] = False
             write_file({"w": torch.full((4,), 15.0)}, 15, d, 1)
         return real(path, *a, **k)
-    ckpt.load_file = load_file
+    loading.load_file = load_file
     got = ckpt.resume()
     out["step"] = None if got is None else got[1]
     out["w"] = None if got is None else got[0]["w"].tolist()
@@ -219,7 +221,8 @@ LIST_FAILS = """
     if rank == 1:
         def list_checkpoints(d):
             raise OSError(errno.EIO, "Input/output error", str(d))
-        ckpt.list_checkpoints = list_checkpoints
+        from petctl_agent.checkpointing import loading
+        loading.list_checkpoints = list_checkpoints
     t0 = time.monotonic()
     try:
         ckpt.resume()

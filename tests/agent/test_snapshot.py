@@ -24,7 +24,7 @@ import torch
 from petctl_agent import checkpoint as ckpt
 from petctl_agent.checkpointing.budget import fits, read_meminfo
 from petctl_agent.checkpointing.files import load_file, read_pointer
-from petctl_agent.checkpointing.persist import Persister, _persist, persist_newest
+from petctl_agent.checkpointing.persisting import Persister, _persist, persist_newest
 from petctl_agent.checkpointing.snapshot import SnapshotStore
 from tests.ranks import run_ranks
 
@@ -621,17 +621,17 @@ def test_settings_knob_and_the_exported_snapshot_dir(tmp_path: Path) -> None:
 
 
 def test_periodic_step_snapshots_and_persists_in_the_background(snap_env) -> None:
-    from petctl_agent.checkpointing import memory
+    from petctl_agent.checkpointing import memory, memory_store
 
     shm, efs = snap_env
     w = torch.zeros(1000)
     for s in range(1, 7):
         w += 1
         ckpt.step(s, lambda w=w: {"w": w.clone()}, every=2)
-    memory._store(shm).flush()  # step() returned after the copy; the header follows
+    memory_store.store_of(shm).flush()  # step() returned after the copy; the header follows
     store = SnapshotStore(shm, memory.NAME)
     assert store.newest().step == 6
-    per = next(iter(memory._persisters.values()))
+    per = next(iter(memory_store.persisters.values()))
     assert per.wait(timeout=60)
     state, step = ckpt.load_latest(efs, map_location="cpu")
     assert step == 6 and torch.equal(state["w"], torch.full((1000,), 6.0))
@@ -669,7 +669,7 @@ def test_a_resume_from_memory_prepares_the_file_its_lent_slot_will_need(snap_env
     the store make that slot's next file in the background, once the first step after it is done
     (not beside it); the checkpoint that comes to the slot takes it. The restored tensors
     never change."""
-    from petctl_agent.checkpointing import memory
+    from petctl_agent.checkpointing import memory, memory_store
 
     shm, efs = snap_env
     ckpt.step(2, lambda: {"w": torch.full((1024,), 2.0)}, every=2)
@@ -677,7 +677,7 @@ def test_a_resume_from_memory_prepares_the_file_its_lent_slot_will_need(snap_env
     memory.close_persisters()  # a new worker
     state, step = ckpt.resume()
     assert step == 4
-    store = memory._stores[str(shm)]
+    store = memory_store.stores[str(shm)]
     lent = store.newest().slot
     assert store._spares is None  # not beside the first step
     ckpt.step(5, lambda: {}, every=2)  # the first step after the restore: no checkpoint
@@ -687,7 +687,7 @@ def test_a_resume_from_memory_prepares_the_file_its_lent_slot_will_need(snap_env
     ino = spare.stat().st_ino
     for s in (6, 8):
         ckpt.step(s, lambda s=s: {"w": torch.full((1024,), float(s))}, every=2)
-    memory._stores[str(shm)].flush()
+    memory_store.stores[str(shm)].flush()
     assert store.data_path(lent).stat().st_ino == ino and not spare.exists()
     assert torch.equal(state["w"], torch.full((1024,), 4.0))
 
@@ -798,12 +798,12 @@ def test_a_durable_save_whose_snapshot_never_reaches_efs_writes_it_directly(
 ) -> None:
     """The wait for the background persist is bounded: after PETCTL_CHECKPOINT_TIMEOUT the state
     the caller holds is written the old way (a persist that can never succeed used to spin forever)."""
-    from petctl_agent.checkpointing import persist
+    from petctl_agent.checkpointing import persisting
 
     shm, efs = snap_env
     monkeypatch.setenv("PETCTL_CHECKPOINT_TIMEOUT", "1")
     # an EFS write of the snapshot that never lands (torn, replaced, or EFS trouble each time)
-    monkeypatch.setattr(persist, "persist_newest", lambda *a, **k: None)
+    monkeypatch.setattr(persisting, "persist_newest", lambda *a, **k: None)
     t0 = time.monotonic()
     out = ckpt.save({"w": torch.full((10,), 4.0)}, 12)
     assert time.monotonic() - t0 < 15

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from petctl_agent import checkpoint as ckpt
-from petctl_agent.checkpointing import fetch, memory, persist, timeline
+from petctl_agent.checkpointing import fetch, memory, persisting, timeline
 from petctl_agent.checkpointing.files import LATEST, read_pointer, write_file, write_pointer
 from petctl_agent.checkpointing.snapshot import SnapshotStore
 
@@ -54,11 +54,11 @@ def test_latest_moves_only_to_a_newer_history_or_a_newer_step_of_its_own(tmp_pat
     assert s.write({"w": torch.full((3,), 9.0)}, 9, wait=True, epoch=10) == "ok"  # abandoned
     efs.mkdir()
     write_pointer(efs, {"file": "x", "step": 5, "epoch": 20})
-    assert persist.persist_newest(s, efs) is None
+    assert persisting.persist_newest(s, efs) is None
     assert read_pointer(efs)["step"] == 5
     assert s.write({"w": torch.full((3,), 3.0)}, 3, wait=True, epoch=30) == "ok"  # a later generation's
     write_pointer(efs, {"file": "x", "step": 9, "epoch": 10})  # an abandoned step that got there
-    assert persist.persist_newest(s, efs) == 3
+    assert persisting.persist_newest(s, efs) == 3
     p = read_pointer(efs)
     assert (p["step"], p["epoch"]) == (3, 30)
     state, step = ckpt.load_latest(efs, map_location="cpu")

@@ -341,7 +341,7 @@ def test_a_restore_makes_its_spares_after_the_first_step_not_beside_it(
     ``ckpt.resume`` leaves the spares due and the first ``ckpt.step`` after it starts them: the
     next checkpoint still finds its file made."""
     from petctl_agent import checkpoint as ckpt
-    from petctl_agent.checkpointing import memory
+    from petctl_agent.checkpointing import memory, memory_store
 
     sdir, cdir = tmp_path / "snap", tmp_path / "ckpt"
     monkeypatch.setenv("PETCTL_SNAPSHOT_DIR", str(sdir))
@@ -353,7 +353,7 @@ def test_a_restore_makes_its_spares_after_the_first_step_not_beside_it(
         memory.close_persisters()  # a restarted worker: a new store in a new process
         got = ckpt.resume(directory=cdir)
         assert got is not None and got[1] == 2 and bool((got[0]["w"] == 2.0).all())
-        store = memory._store(sdir)
+        store = memory_store.store_of(sdir)
         time.sleep(0.2)
         assert store._spares is None and not list(sdir.glob("*.spare")), "spares made beside the first step"
         assert not ckpt.step(3, lambda: {}, every=0, directory=cdir)  # the first step: no checkpoint

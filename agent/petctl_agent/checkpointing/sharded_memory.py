@@ -316,7 +316,7 @@ def resume(
 
 def _report_restore(source: str, step: int, nbytes: int, seconds: float, **extra: Any) -> None:
     """This node's restore for the agent's ``snapshot_restored`` event (local rank 0 writes it)."""
-    from petctl_agent.checkpointing.memory import report_restore
+    from petctl_agent.checkpointing.memory_store import report_restore
 
     report_restore(source, step, nbytes, seconds, **extra)
 
