@@ -42,3 +42,19 @@ def test_bench_results_are_named_by_date() -> None:
 def test_the_newcomers_pages_stay_short() -> None:
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
     assert len((ROOT / "docs" / "benchmarks.md").read_text().splitlines()) <= 800
+
+
+#: the most lines a product module (``petctl/``, ``agent/``) may have: past it, a module holds
+#: more than one responsibility and is split by them (docs/architecture.md has the rooms)
+MODULE_LINES = 400
+
+
+def test_no_product_module_is_over_400_lines() -> None:
+    big = []
+    for path in _tracked():
+        rel = path.relative_to(ROOT)
+        if rel.suffix == ".py" and rel.parts[0] in ("petctl", "agent") and path.is_file():
+            n = len(path.read_text().splitlines())
+            if n > MODULE_LINES:
+                big.append(f"{rel}: {n} lines")
+    assert not big, "\n".join(big)
