@@ -24,6 +24,13 @@ is a sleep loop counting steps that asks ``num_nodes_waiting`` at each step). Sc
   own) / on etcd; for ``--observe`` s after: rounds and lost steps (none expected);
 * ``etcd_replaced``: etcd killed, its data dir deleted, a new one on the same port: from the
   new etcd answering to every participant in one round on it.
+* ``field``: ``--n`` participants (with ``--light-nodes``, ``--real`` real handlers, the rest
+  light nodes) start cold, then, each from a steady window of ``--window`` s: a join of 1 (a
+  real handler), a burst of ``--burst`` at once, a trickle of ``--trickle`` over ``--trickle-s``
+  s, and the hard loss of a real handler that does not lead (the survivors' workers fail
+  ``--fail-after`` s later: ``workers_failed``). Per window: rounds, time to a round, lost steps,
+  etcd writes/s, the events the watches delivered (real handlers; light processes' shared
+  watches and their per-node equivalent), range and lease reads, the leader's among them.
 
 Lost steps (the model, rdzv_sim.py): a round that ends with a participant gone loses the steps
 since the last periodic checkpoint; a coordinated one (newcomers waiting) loses none.
@@ -36,6 +43,9 @@ table, a prediction for ``--predict`` (5,000) nodes, and JSON (``--json`` writes
     # what fits 2 cores at 1,000: all but --real (2) participants of cold/scaleup are light nodes
     flock /tmp/petctl-heavy.lock python bench/bench_rdzv_scale.py --light-nodes --etcd-binary /usr/bin/etcd \
         --scenarios cold,scaleup --json out.json
+    # 200 real handlers beside 800 light nodes: cold, join of 1, burst of 50, trickle of 20, a loss
+    flock /tmp/petctl-heavy.lock python bench/bench_rdzv_scale.py --scenarios field --n 1000 --light-nodes \
+        --real 200 --json out.json
 """
 
 from __future__ import annotations
@@ -510,6 +520,10 @@ class FieldMeter(Meter):
             "range_reads": int(io["read"]),
             "lease_reads": int(io["lease_read"]),
             "lease_reads_per_node": round(io["lease_read"] / n, 3),
+            # of those: reads of a lease read less than rdzv_sim.REREAD_S before, and reads that
+            # found 0-4 s left (TTL 6: renewed more than 1 s before; etcd rounds down)
+            "lease_rereads": int(io["lease_reread"]),
+            "lease_reads_low": int(io["lease_read_low"]),
             "io": io,
             **_health(w),
         }

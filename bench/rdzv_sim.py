@@ -92,7 +92,14 @@ IO_KINDS = (
     # light nodes: the shared rounds watch's events once per node it serves (what per-node
     # rounds watches would have delivered)
     "watch_events_equiv",
+    # lease reads of a lease this process read less than REREAD_S before; lease reads that
+    # found 0-4 s left (with the default TTL of 6 s: renewed more than 1 s before the read)
+    "lease_reread",
+    "lease_read_low",
 )
+
+#: a lease read again within this (s) counts as a re-read (a failure window lasts TTL + 1.5 s)
+REREAD_S = 8.0
 
 
 @dataclass
@@ -194,8 +201,9 @@ def count_handler_io(io: _Io, served: Any = None) -> None:
     """Wrap, in this process, ``etcd_watch.Watch.get`` (what hands a watch's events to its owner)
     so that every event delivered counts into ``io`` ("watch_events"; ``served()``, if given, is
     how many nodes each event stands for: "watch_events_equiv", a light process's shared watch),
-    and ``etcdv3.Client.txn`` so that a txn of range ops only (``membership.read_membership``)
-    counts as a read, not a write."""
+    ``etcdv3.Client.txn`` so that a txn of range ops only (``membership.read_membership``)
+    counts as a read, not a write, and ``etcdv3.Client.time_to_live`` to count re-reads of a
+    lease and reads that found 0-4 s left (TTL 6: renewed more than 1 s before)."""
     from petctl_agent.rendezvous import etcd_watch, etcdv3
 
     o_txn = etcdv3.Client.txn
@@ -209,6 +217,20 @@ def count_handler_io(io: _Io, served: Any = None) -> None:
             _READ_TXN.on = False
 
     etcdv3.Client.txn = txn  # type: ignore[method-assign]
+    o_ttl = etcdv3.Client.time_to_live
+    last_read: dict[int, float] = {}
+
+    def time_to_live(self: Any, lease: int, *a: Any, **kw: Any) -> Any:
+        now = time.monotonic()
+        if now - last_read.get(lease, -1e9) < REREAD_S:
+            io.add("lease_reread")
+        last_read[lease] = now
+        got = o_ttl(self, lease, *a, **kw)
+        if 0 <= got[0] <= 4:
+            io.add("lease_read_low")
+        return got
+
+    etcdv3.Client.time_to_live = time_to_live  # type: ignore[method-assign]
     o_get = etcd_watch.Watch.get
 
     def get(self: Any, timeout: float) -> Any:
