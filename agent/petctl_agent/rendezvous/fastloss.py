@@ -200,4 +200,6 @@ class FastLoss:
         """Whether a lease read for round ``target`` already found a node lapsed (caller need
         not hold _cond): the close need not wait ``LAPSE_AFTER`` to read leases again."""
         with self._cond:
-            return self._lapse_target == target and any(v == float("inf") for v in self._lapse_memo.values())
+            return self._lapse_target == target and any(
+                v[0] == float("inf") for v in self._lapse_memo.values()
+            )

@@ -115,9 +115,11 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
         self._seen_seq = 0  #: the newest round's seq we saw closed, on any etcd: put in our joins
         #: leader: (etcd generation, round) -> that round's full rank order (closed it, or read members/<r>)
         self._order: dict[tuple[int, int], list[str]] = {}
-        #: leader: (node, lease) -> when to read that lease again (inf: lapsed; lapse.CLEARED: not
-        #: in this window), for round _lapse_target
-        self._lapse_memo: dict[tuple[str, int], float] = {}
+        #: leader: (node, lease) -> (when to read that lease again, inf: lapsed; the silence that
+        #: time was set for), for round _lapse_target (lapse.py)
+        self._lapse_memo: dict[tuple[str, int], tuple[float, float]] = {}
+        #: leader: the (node, lease) a read showed renewed since the open window began (lapse.py)
+        self._lapse_cleared: set[tuple[str, int]] = set()
         self._lapse_target: int | None = None
         #: (threshold, window opened at) the memo's times were set for (lapse.py)
         self._lapse_window: tuple[float | None, float | None] | None = None

@@ -25,8 +25,6 @@ LAPSE_AFTER = 1.0
 LAPSE_POLL = 0.25
 #: how many lease reads the leader has in flight at once (threads, each with its connection)
 LEASE_READERS = 8
-#: a lease read in a window that shows it renewed since the window opened: not read again in it
-CLEARED = -math.inf
 
 
 def _lease_in(value: str | None, ttl: int) -> tuple[int, int] | None:
@@ -42,8 +40,8 @@ def _lease_in(value: str | None, ttl: int) -> tuple[int, int] | None:
 
 class LeaseReads:
     """Mixin of :class:`~petctl_agent.rendezvous.handler.PetctlRendezvousHandler` (its state,
-    ``_lapse_memo``, ``_lapse_target``, ``_lapse_window``, ``_lease_pool``, is made in the
-    handler's ``__init__``): the lease reads of the control thread."""
+    ``_lapse_memo``, ``_lapse_cleared``, ``_lapse_target``, ``_lapse_window``, ``_lease_pool``, is
+    made in the handler's ``__init__``): the lease reads of the control thread."""
 
     def _lapsed(
         self,
@@ -70,16 +68,14 @@ class LeaseReads:
         own = self._lease
         if own is None:
             return frozenset(), None
+        need = self.cfg.refresh + 1.0 if after is None else after  # the silence that is a lapse
         with self._cond:
-            memo = self._lapse_memo
+            memo, cleared = self._lapse_memo, self._lapse_cleared
             if self._lapse_target != target:
-                memo.clear()  # (node, lease) -> when to read it again; inf: lapsed; CLEARED
+                memo.clear()
                 self._lapse_target = target
             if self._lapse_window != (after, since):
-                # a new window, or a stall window became a failure's (or a round's close): the
-                # next reads were timed for the other one; a lapse found stays one
-                for k in [k for k, v in memo.items() if v != math.inf]:
-                    del memo[k]
+                cleared.clear()  # a new window, or none (a round that forms): read them again
                 self._lapse_window = (after, since)
         first = 0.0 if since is None else since + decide.clear_after(self.cfg.refresh)
         out: set[str] = set()
@@ -91,12 +87,16 @@ class LeaseReads:
             lease, granted = leases[n]
             if not lease:
                 continue
-            at = memo.get((n, lease), first)
+            key = (n, lease)
+            at, timed_for = memo.get(key, (0.0, 0.0))
             if at == math.inf:
                 out.add(n)
-            elif at == CLEARED:
                 continue
-            elif now < at:
+            if key in cleared:
+                continue
+            # a read timed for a longer silence than the one in force now would be late: read now
+            at = max(at if timed_for <= need else 0.0, first)
+            if now < at:
                 due = at if due is None else min(due, at)
             else:
                 todo.append((n, lease, granted))
@@ -108,15 +108,20 @@ class LeaseReads:
             remaining, sent, t = got
             own_silence = t - (own.deadline - own.ttl)  # since our last successful keepalive was sent
             if decide.lapsed(remaining, granted, own_silence, self.cfg.refresh, after):
-                memo[(n, lease)] = math.inf
+                memo[(n, lease)] = (math.inf, need)
                 out.add(n)
                 self._event(f"lease of {n} not kept alive ({remaining}s of {granted}s left): not waited for")
                 continue
             if since is not None and (remaining < 0 or decide.heard_since(remaining, granted, sent, since)):
-                memo[(n, lease)] = CLEARED  # alive after the window opened (or ended: the watch says so)
+                # alive after the window opened (or ended: the watch says so): not read again in
+                # it; read again after it (a round that forms) no sooner than it could lapse by
+                # the shortest silence (refresh + 1), so that a read just made is not repeated
+                cleared.add((n, lease))
+                at = t + max(LAPSE_POLL, decide.lapse_recheck(remaining, granted, self.cfg.refresh))
+                memo[(n, lease)] = (at, self.cfg.refresh + 1.0)
                 continue
             at = t + max(LAPSE_POLL, decide.lapse_recheck(remaining, granted, self.cfg.refresh, after))
-            memo[(n, lease)] = at
+            memo[(n, lease)] = (at, need)
             due = at if due is None else min(due, at)
         if error is not None:
             raise error  # the control loop's retry (0.2 s); what was read is kept in the memo
