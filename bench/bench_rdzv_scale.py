@@ -529,13 +529,44 @@ class FieldMeter(Meter):
         }
 
 
+def _wait_field(
+    sim: Sim, ids: list[int], after: float, timeout: float, meter: Any
+) -> tuple[tuple[Any, float] | None, FieldMeter | None]:
+    """``Sim.wait_together``, and the meter at the first worker stop of one of ``ids`` after
+    ``after`` (the next round seen open: what was read before it was read to open it)."""
+    deadline = time.monotonic() + timeout
+    opened: FieldMeter | None = None
+    want = set(ids)
+    while time.monotonic() < deadline:
+        if opened is None and any(
+            e[0] == "end" and e[2] > after and e[1] in want and e[6] != "left" for e in sim.snapshot()
+        ):
+            opened = meter()
+        got = sim.together(ids, after)
+        if got is not None or sim.errors():
+            return got, opened
+        time.sleep(0.05)
+    return None, opened
+
+
 def _field_event(
-    sim: Sim, m0: FieldMeter, ids: list[int], t_ref: float, last: float, meter: Any
+    sim: Sim,
+    m0: FieldMeter,
+    ids: list[int],
+    t_ref: float,
+    last: float,
+    meter: Any,
+    opened: FieldMeter | None = None,
 ) -> dict[str, Any]:
     """The row of one event that ended with ``ids`` in one round: rounds and lost steps since
-    ``t_ref``, time to the round from ``last``, the window's costs."""
+    ``t_ref``, time to the round from ``last``, the window's costs; ``opened``: the meter when the
+    round was seen open (the lease reads until then, and after it while the round formed)."""
     time.sleep(0.5)  # the last answers of the round arrive
     w = meter().window(m0, len(ids))
+    if opened is not None:
+        w["open_s"] = round(opened.t - last, 3)
+        w["lease_reads_to_open"] = int(opened.io["lease_read"] - m0.io["lease_read"])
+        w["lease_reads_after_open"] = w["lease_reads"] - w["lease_reads_to_open"]
     got = sim.together(ids, t_ref)
     lost, stops = _lost_after(sim, t_ref)
     rounds = _rounds_after(sim, t_ref)
@@ -625,14 +656,14 @@ def scenario_field(etcd: Etcd, a: argparse.Namespace) -> list[dict[str, Any]]:
             sim.set_expected(len(ids))  # the group's desired capacity: what launched
             time.sleep(a.hint_lead)
             t_go = sim.go(phase)
-            got = sim.wait_together(ids, a.trickle_s + a.timeout, after=t_go)
+            got, opened = _wait_field(sim, ids, t_go, a.trickle_s + a.timeout, meter)
             calls = [e[2] for e in sim.snapshot() if e[0] == "call" and e[1] in who]
             last = max(calls) if calls else t_go
             if got is None:
                 rows.append({"scenario": name, "n": len(ids), **base, "ok": False,
                              "error": _fail(sim, f"no round of all {len(ids)} after {what}")})  # fmt: skip
                 return rows
-            ev = _field_event(sim, m0, ids, t_go, last, meter)
+            ev = _field_event(sim, m0, ids, t_go, last, meter, opened)
             rows.append({"scenario": name, **base, **ev, "close_what": f"{what}: last newcomer ready -> all in one round",
                          "target": "1 round; <= 3 s", "ok": ev["rounds"] == 1 and (ev["close_s"] or 1e9) <= 3.0})  # fmt: skip
             steady(ids, name)
@@ -647,14 +678,14 @@ def scenario_field(etcd: Etcd, a: argparse.Namespace) -> list[dict[str, Any]]:
         sim.crash(victim)
         sim.workers_fail(t_crash + a.fail_after)
         bound = cfg.ttl + 1.5
-        got = sim.wait_together(ids, bound + a.timeout, after=t_crash)
+        got, opened = _wait_field(sim, ids, t_crash, bound + a.timeout, meter)
         ends = [e[2] for e in sim.snapshot() if e[0] == "end" and e[1] == victim and e[6] == "crashed"]
         t_lost = ends[-1] if ends else t_crash
         if got is None:
             rows.append({"scenario": "loss", "n": len(ids), **base, "ok": False,
                          "error": _fail(sim, f"no round of the {len(ids)} after the loss of {victim}")})  # fmt: skip
             return rows
-        ev = _field_event(sim, m0, ids, t_crash, t_lost, meter)
+        ev = _field_event(sim, m0, ids, t_crash, t_lost, meter, opened)
         rows.append({"scenario": "loss", **base, **ev, "victim": victim,
                      "close_what": f"hard loss of a real non-leader (its peers' workers fail {a.fail_after:g} s "
                                    "later) -> the others in one round",
@@ -685,7 +716,8 @@ def field_table(rows: list[dict[str, Any]]) -> str:
             f"{_fmt(r.get('lost_steps'))} | {_fmt(r['writes_per_s'])} ({_fmt(r['writes_per_node_s'])}) | "
             f"{r['watch_events_real']} / {r['watch_events_light']} ({r['watch_events_light_equiv']}) | "
             f"{r['leader_range_reads']} / {r['leader_lease_reads']} | "
-            f"{r['range_reads']} / {r['lease_reads']} ({r['lease_reads_per_node']:g}) | "
+            f"{r['range_reads']} / {r['lease_reads']} ({r['lease_reads_per_node']:g})"
+            f"{'' if r.get('lease_reads_to_open') is None else '; ' + str(r['lease_reads_to_open']) + ' to open'} | "
             f"{c.get('etcd', 0):g} / {c.get('participants', 0):g}, {r['load1']:g} | "
             f"{r['ka_late']}, {r['leases_lost']} | {'yes' if r.get('ok') else 'NO'} |"
         )
