@@ -212,7 +212,29 @@ def own_map(fd: int, size: int) -> mmap.mmap:
     return mm
 
 
+#: called with a mapping just before :func:`close_map` closes it: :mod:`.device_copy` unregisters
+#: one it page-locked for CUDA there, once the copies into it have ended
+before_close: list[Callable[[mmap.mmap], None]] = []
+
+
+def address(mm: mmap.mmap) -> int | None:
+    """Where ``mm`` starts in this process (None: closed)."""
+    import ctypes
+
+    try:
+        anchor = ctypes.c_char.from_buffer(mm)
+    except (TypeError, ValueError):
+        return None
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor  # the mapping's buffer export: the mmap could not close while it lived
+
+
 def close_map(mm: mmap.mmap) -> None:
+    """Close a slot's or a spare's mapping: every one of the store's own goes through here."""
+    for hook in before_close:
+        hook(mm)
     try:
         mm.close()
     except BufferError:  # a fill that raised left a view in its traceback: gc unmaps it

@@ -115,7 +115,7 @@ class Slots:
         else:  # in place after all (the restore's tensors are gone), or no spare: none kept unused
             self.spare_path(slot).unlink(missing_ok=True)
         if spare_map is not None:
-            spare_map[1].close()
+            mapping.close_map(spare_map[1])
         mm = self._mapped(slot, data, size) if held else None
         if mm is None:
             self._unmap(slot)

@@ -9,7 +9,8 @@ by are reserved in the node's budget (:mod:`.budget`): what does not fit is ``"n
 touches nothing.
 
 The CRCs are computed after the copy, in a background thread (awscrt releases the GIL): the
-blocking part of :meth:`Writing.write` is the copy. :meth:`Writing.flush` waits for the header.
+blocking part of :meth:`Writing.write` is the copy -- of CUDA tensors only its enqueue
+(:mod:`.device_copy`), the thread waits for its end first. :meth:`Writing.flush` waits for the header.
 A write that is waited for (``wait``: a coordinated stop, the last step) computes them at once on
 up to 8 threads instead (:mod:`.crcs`, pieces joined with crc32_combine). Torch is imported only
 to copy.
@@ -24,7 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from petctl_agent.checkpointing import budget, crcs, mapping
+from petctl_agent.checkpointing import budget, crcs, device_copy, mapping
 from petctl_agent.checkpointing.header import (
     ALIGN,
     FORMAT,
@@ -64,8 +65,9 @@ class Writing:
 
         ``epoch``: the epoch of the generation whose state it is (:mod:`.timeline`), in the header.
 
-        Returns once the bytes are copied (training may change the tensors then); the checksums
-        and the header follow in a background thread unless ``wait``. Anything but ``"ok"``
+        Returns once the bytes are copied (training may change the tensors then; a CUDA tensor's
+        copy is enqueued only, and the current stream's next kernels wait for it: :mod:`.device_copy`);
+        the checksums and the header follow in a background thread unless ``wait``. Anything but ``"ok"``
         leaves the existing snapshots as they were: use the EFS path.
 
         ``known``: the ``tensors`` of a header whose CRCs are already known (a peer's snapshot
@@ -91,14 +93,8 @@ class Writing:
             for m, k in zip(metas, known):
                 m["crc32c"] = int(k["crc32c"])
 
-        def fill(mm: mmap.mmap | None) -> None:
-            import torch
-
-            for t, m in zip(tensors, metas):
-                if m["nbytes"]:
-                    dst = torch.frombuffer(mm, dtype=torch.uint8, count=m["nbytes"], offset=m["offset"])
-                    dst.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-                    del dst  # the mmap cannot close while a tensor exports it
+        def fill(mm: mmap.mmap | None) -> Callable[[], None] | None:
+            return device_copy.copy_into(mm, tensors, metas)  # a device's copy: ready() waits for it
 
         why = self._write(step, world_size, rank, wait, structure, metas, size, fill, epoch=epoch)
         if why == OK and size and not all(self._ready(s, size) for s in SLOTS):
@@ -300,13 +296,14 @@ class Writing:
             res.done()
             return placed
         mm, rfd = placed  # rfd (lazy): the fd whose pages reserve() allocates, its reservation still open
+        ready = None  # a copy from a device still in flight: waited for before the CRCs and header
         try:
             if lazy:
                 fill(mm, lambda off, n: os.posix_fallocate(rfd, off, n) if rfd >= 0 else None)
             else:
-                fill(mm)
+                ready = fill(mm)
         except BaseException:
-            self._unmap(slot)
+            self._unmap(slot)  # close_map waits for a device's copies into it first
             raise
         finally:
             res.done()  # every page taken (or the fill failed): before rfd closes
@@ -334,22 +331,30 @@ class Writing:
 
         def finish() -> None:
             try:
-                self._finish(mm, header, seal)
+                self._finish(mm, header, seal, ready=ready)
             except BaseException as e:  # noqa: BLE001 - reported by flush()
                 self._error = e
 
         if wait or all("crc32c" in m for m in metas):
             # waited for (a coordinated stop, the last step): on every core the node lends it
-            self._finish(mm, header, seal, crcs.threads() if wait else 1)
+            self._finish(mm, header, seal, crcs.threads() if wait else 1, ready)
         else:
             self._pending = threading.Thread(target=finish, name="petctl-snapshot-crc", daemon=True)
             self._pending.start()
         return OK
 
     def _finish(
-        self, mm: mmap.mmap | None, header: dict[str, Any], seal: bool = False, nthreads: int = 1
+        self,
+        mm: mmap.mmap | None,
+        header: dict[str, Any],
+        seal: bool = False,
+        nthreads: int = 1,
+        ready: Callable[[], None] | None = None,
     ) -> None:
-        """The CRCs not known yet (``nthreads`` threads: a write waited for), then the header."""
+        """The end of the copy (``ready``), the CRCs not known yet (``nthreads`` threads: a write
+        waited for), then the header."""
+        if ready is not None:
+            ready()
         view = memoryview(mm) if mm is not None else memoryview(b"")
         try:
             # known already when the caller gave them (write(known=...)): not computed again
@@ -367,7 +372,8 @@ class Writing:
             self._seal(header)
 
     def flush(self) -> None:
-        """Wait until the last write's header is in place; raise what it failed with, if anything."""
+        """Wait until the last write's copy has ended and its header is in place; raise what it
+        failed with, if anything."""
         t, self._pending = self._pending, None
         if t is not None:
             t.join()
