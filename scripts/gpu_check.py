@@ -17,7 +17,11 @@ Steps (each PASS/FAIL, summary at the end, exit 1 on any FAIL):
 - agreement:   per-step cost of the agreement on the GPU, async vs sync (bench_agreement.py);
 - pinned:      1 GiB of device state snapshotted to pinned host memory on its own CUDA stream
                while the next step computes (overlap measured; the snapshot must be the
-               pre-update state), restored to the device; timed.
+               pre-update state), restored to the device; timed;
+- store:       the product's own path: ``SnapshotStore.write`` of 1 GiB of device tensors into a
+               store in /dev/shm (checkpointing/device_copy.py: the slot's mapping page-locked,
+               the copy on a side stream), what ``write()`` blocked for vs ``flush()``, training's
+               next update kept out of the snapshot, the bytes read back through ``load``.
 
 ``PETCTL_GPU_CHECK_ALLOW_CPU=1`` runs the same steps on CPU with gloo (dry run).
 """
@@ -314,9 +318,9 @@ def pinned_buffer(numel: int, cuda: bool):
     """A host buffer for device -> host snapshots: page-locked on CUDA (the DMA engines copy it
     asynchronously; pageable memory makes ``copy_(non_blocking=True)`` synchronous), plain on CPU.
 
-    Only here for now: the agent's snapshot store (``checkpointing/snapshot.py``) keeps its slots
-    in ``/dev/shm``; registering them with ``cudaHostRegister`` is what this check's ``shm`` line
-    measures, so the store could take device tensors without a staging copy."""
+    The agent's snapshot store keeps its slots in ``/dev/shm`` and page-locks them itself
+    (``cudaHostRegister``, ``checkpointing/device_copy.py``): this check's ``shm`` line measures that
+    copy by hand, :func:`step_store` through the store."""
     import torch
 
     return torch.empty(numel, dtype=torch.float32, pin_memory=cuda)
@@ -479,6 +483,91 @@ def step_pinned(cuda: bool, tmp: Path) -> None:
     record("pinned", not problems, "; ".join(problems + [detail]), t0)
 
 
+def step_store(cuda: bool, tmp: Path) -> None:
+    """The product's copy (``checkpointing/device_copy.py``): ``PETCTL_GPU_CHECK_PINNED_GIB`` (1) GiB
+    of device tensors (and a non-contiguous one) written by ``SnapshotStore.write`` into a store in
+    ``/dev/shm`` (the check's temp dir when /dev/shm has no room), four times: slots a and b (each
+    mapping's first copy page-locks it), then a and b again (the steady state). Per write: what
+    ``write()`` blocked for (the enqueue), when the copy had ended (the current stream synchronized:
+    it waits for the copy's event), what ``flush()`` then waited for (CRCs, header). Each state is
+    updated in place right after ``write()`` returns, on the current stream, as the next optimizer
+    step would: the snapshot read back (``load``, CRC-checked) must be the state before that update.
+    On CPU (the dry run) the same writes take the CPU copy, synchronous, inside ``write()``."""
+    t0 = time.monotonic()
+    import torch
+
+    from petctl_agent.checkpointing import device_copy
+    from petctl_agent.checkpointing.snapshot import SnapshotStore
+
+    gib = float(os.environ.get("PETCTL_GPU_CHECK_PINNED_GIB", "1"))
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    numel = int(gib * 2**30) // 4
+    chunk = 16 << 20
+    state = {
+        f"p{k}": torch.full((min(chunk, numel - i),), float(k), device=dev)
+        for k, i in enumerate(range(0, numel, chunk))
+    }
+    state["t"] = torch.arange(64 * 48, dtype=torch.float32, device=dev).reshape(64, 48).t()
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    shm = Path("/dev/shm")
+    room = shm.is_dir() and shutil.disk_usage(shm).free > 3 * nbytes + (1 << 30)
+    d = Path(tempfile.mkdtemp(prefix="petctl-gpu-check-store-", dir=shm if room else tmp))
+    store = SnapshotStore(d, "gpu-check")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.current_stream(dev).synchronize()
+
+    rows, problems, steady = [], [], []
+    try:
+        for step in range(1, 5):
+            sync()
+            t = time.perf_counter()
+            why = store.write(state, step)
+            t_write = time.perf_counter() - t
+            if why != "ok":
+                problems.append(f"write {step}: {why}")
+                break
+            for v in state.values():
+                v.add_(1.0)  # the next step's update: after the copy has read the state
+            sync()
+            t_copy = time.perf_counter() - t
+            t = time.perf_counter()
+            store.flush()
+            t_flush = time.perf_counter() - t
+            slot = store.newest().slot
+            pinned = device_copy.registered(store._maps[slot][1])
+            got = store.load(step, map_location="cpu")
+            want = float(step - 1)  # every value as write() saw it: before the update above
+            bad = [k for k, v in got.items() if k != "t" and not torch.all(v == float(k[1:]) + want)]
+            ref = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48).t() + want
+            if not torch.equal(got["t"], ref):
+                bad.append("t")
+            del got
+            if bad:
+                problems.append(f"write {step}: the snapshot differs from the state in {bad[:5]}")
+            if cuda and not pinned:
+                problems.append(f"write {step}: slot {slot}'s mapping not page-locked")
+            rows.append(
+                f"write {step} (slot {slot}{', first copy' if step <= 2 else ''}): blocked {t_write * 1000:.1f} ms, "
+                f"copied by {t_copy:.3f}s ({gib / t_copy:.1f} GiB/s), flush {t_flush:.3f}s, page-locked={pinned}"
+            )
+            if step > 2:
+                steady.append(t_write)
+    finally:
+        store.close()
+        shutil.rmtree(d, ignore_errors=True)
+        state.clear()
+        if cuda:
+            torch.cuda.empty_cache()
+    blocked = max(steady, default=0.0)
+    if cuda and steady and blocked / gib > PINNED_BLOCK_TARGET:
+        problems.append(f"write() blocked {blocked / gib:.3f} s/GiB > {PINNED_BLOCK_TARGET}")
+    how = "side stream into the page-locked slot" if cuda else "CPU copy, synchronous, in write() (dry run)"
+    detail = f"{gib:g} GiB on {dev}, {how}, store in {'/dev/shm' if room else tmp}: " + "; ".join(rows)
+    record("store", not problems, "; ".join(problems + [detail]), t0)
+
+
 def step_live(cuda: bool, tmp: Path) -> None:
     """Live membership with the state on the GPU: two replica groups of examples/live_train.py on
     cuda:0 and a lighthouse; a third joins (it pulls the GPU state from a live peer), then drains.
@@ -547,6 +636,7 @@ def main() -> int:
         ("agent", lambda: step_agent(cuda, tmp, total)),
         ("agreement", lambda: step_agreement(cuda, tmp)),
         ("pinned", lambda: step_pinned(cuda, tmp)),
+        ("store", lambda: step_store(cuda, tmp)),
         ("live", lambda: step_live(cuda, tmp)),
     ]
     only = set(filter(None, os.environ.get("PETCTL_GPU_CHECK_ONLY", "").split(",")))

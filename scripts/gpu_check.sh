@@ -19,6 +19,10 @@
 #               step computes (the overlap, what training blocked for, the snapshot is the
 #               pre-update state), restored to the GPU; also the copy into a /dev/shm mapping
 #               registered with cudaHostRegister (PETCTL_GPU_CHECK_PINNED_GIB: size, default 1)
+#   store       the product's own copy: SnapshotStore.write of that much device state into a store
+#               in /dev/shm (checkpointing/device_copy.py: the slot page-locked, a side stream), four
+#               writes: what write() blocked for vs flush(), the next in-place update kept out of the
+#               snapshot, the bytes read back through load (on CPU: the CPU copy)
 #   live        run-job --live's workers with the state on the GPU: a torchft NCCL group alone, then
 #               two groups and a newcomer that pulls the GPU state from a live peer and holds the
 #               survivors' weights; a drain; no survivor restarts (gloo across groups: one GPU)
