@@ -4,7 +4,7 @@
 #   usage: scripts/test.sh [pytest args...]
 # pytest runs on 4 xdist workers (PETCTL_TEST_WORKERS; 0 = one process): many tests mostly wait
 # on etcd TTLs, leases and boots (tests/agent/test_rdzv_v3_fastloss.py: 8 s of CPU in 170 s), so
-# four overlap them with the CPU-bound ones even on 2 cores (21 min here against 28 with two).
+# four overlap them with the CPU-bound ones even on 2 cores (pytest 21-26 min here, 28-30 with two).
 # tests/conftest.py orders the work and keeps the training-job tests in two chains (faults, e2e).
 set -euo pipefail
 cd "$(dirname "$0")/.."
