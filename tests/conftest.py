@@ -32,24 +32,23 @@ os.environ.update(
 os.environ.setdefault("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
 
 
-# ---- scheduling under pytest-xdist (scripts/test.sh: -n 4 --dist loadgroup --no-loadscope-reorder) ----
+# ---- scheduling under pytest-xdist (scripts/test.sh: -n 2 --dist loadgroup --no-loadscope-reorder) ----
 # Work units, started in this order (the order of the collection: xdist keeps it without reorder):
-#  1. "fault-jobs" (tests/faults) and "e2e-jobs" (tests/e2e): each test a whole training job
-#     through faults (4-7 torch processes, minutes, bounded by "the job must not finish before the
-#     fault"). Two units, so no more than two jobs ever share the machine, one per chain; first,
-#     so the longest chains start at once.
+#  1. "torch-jobs": tests/faults and tests/e2e, each a whole training job through faults (4-7
+#     torch processes, minutes, bounded by "the job must not finish before the fault"). One
+#     unit, so two of them never share the 2 cores; first, so the longest chain starts at once.
 #  2. "local-cloud": the tests/local tests on its session-wide daemon (the ``cloud`` fixture), one
 #     unit: the daemon starts once, on one worker.
 #  3. each other tests/local and tests/agent file: its module fixtures (a moto server, an etcd, a
 #     TLS etcd) start once.
-#  4. tests/functional and tests/unit, test by test: short units that fill the workers' tails.
+#  4. tests/functional and tests/unit, test by test: short units that fill both workers' tails.
 # Without xdist the order is the same and the marks do nothing.
 #
 # The units are made by the scheduler below, from each test's id: xdist's own loadgroup reads the
 # xdist_group marks by renaming the items' node ids, which pytest 9 ignores (its node ids are no
 # longer that attribute), so with the marks alone every test was a unit of its own: two training
 # jobs shared the 2 cores and each worker started a local-cloud daemon of its own.
-_GROUPS = {"faults": "fault-jobs", "e2e": "e2e-jobs"}
+_GROUPS = {"faults": "torch-jobs", "e2e": "torch-jobs"}
 _ORDER = {"faults": 0, "e2e": 0, "local": 1, "agent": 2, "functional": 3, "unit": 4}
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _DAEMON_FIXTURE = "cloud"  # tests/local/conftest.py: the session-wide local-cloud daemon
