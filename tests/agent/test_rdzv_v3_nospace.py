@@ -57,6 +57,7 @@ def test_out_of_space_is_said_in_one_line_and_the_documented_fix_clears_it(small
         line = wait_for(lambda: h.no_space, 10, "the handler to say etcd is out of space")
         assert line.startswith("etcd is out of space: ") and "\n" not in line, line
         assert "database space exceeded" in line and "disarmed" in line
+        wait_for(lambda: said, 5, "on_no_space to be told")  # told just after no_space is set
         assert said == [line]
         # the fix, as docs/rendezvous.md gives it (here the space is the fill's live keys: delete them)
         _etcdctl(small_etcd, "del", "--prefix", "/fill/")
@@ -68,6 +69,7 @@ def test_out_of_space_is_said_in_one_line_and_the_documented_fix_clears_it(small
         _etcdctl(small_etcd, "alarm", "disarm")
         wait_for(lambda: "info" in got, 20, "the round after the fix")
         wait_for(lambda: h.no_space is None, 10, "the handler to see the alarm gone")
+        wait_for(lambda: len(said) > 1, 5, "on_no_space to be told the alarm is gone")
         assert said == [line, None]
     finally:
         h.leave()
