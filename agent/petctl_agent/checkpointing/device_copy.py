@@ -168,8 +168,9 @@ def copy_into(
             (host if dev is None else devices.setdefault(dev, [])).append(i)
     events = []
     for dev, idx in devices.items():  # enqueued first: the copy engines run while the CPU copies
-        if mm is not None and _pin(rt, mm, dev):
-            events.append(_enqueue(rt, mm, dev, [(tensors[i], metas[i]) for i in idx]))
+        reg = _pin(rt, mm, dev) if mm is not None else None
+        if reg is not None:
+            events.append(_enqueue(rt, mm, reg, dev, [(tensors[i], metas[i]) for i in idx]))
         else:
             host += idx
     _copy_now(mm, [(tensors[i], metas[i]) for i in sorted(host)])
@@ -193,8 +194,9 @@ def _copy_now(mm: mmap.mmap | None, pairs: list[tuple[Any, dict[str, Any]]]) -> 
         del dst  # the mmap cannot close while a tensor exports it
 
 
-def _enqueue(rt: Any, mm: mmap.mmap, dev: Any, pairs: list[tuple[Any, dict[str, Any]]]) -> Any:
-    """The copies of one device's tensors on its side stream; the event recorded after them."""
+def _enqueue(rt: Any, mm: mmap.mmap, reg: _Pinned, dev: Any, pairs: list[tuple[Any, dict[str, Any]]]) -> Any:
+    """The copies of one device's tensors on its side stream (into ``mm``, registered as ``reg``);
+    the event recorded after them."""
     import torch
 
     side = _sides.get(dev)
@@ -215,24 +217,23 @@ def _enqueue(rt: Any, mm: mmap.mmap, dev: Any, pairs: list[tuple[Any, dict[str, 
     finally:  # also after a copy that failed to enqueue: the mapping closes only after the others
         event.record(side)
         current.wait_event(event)  # the next update of a tensor waits until the copy has read it
-        reg = _pinned.get(mapping.address(mm) or 0)
-        if reg is not None:
-            reg.pending = [e for e in reg.pending if not e.query()] + [event]
+        reg.pending = [e for e in reg.pending if not e.query()] + [event]
     return event
 
 
-def _pin(rt: Any, mm: mmap.mmap, dev: Any) -> bool:
-    """Is ``mm`` registered (once per mapping: now, if not yet)? False: copy through pageable memory."""
+def _pin(rt: Any, mm: mmap.mmap, dev: Any) -> _Pinned | None:
+    """``mm``'s registration (once per mapping: made now, if not yet); None: copy through
+    pageable memory."""
     global _refused, _pid
     addr = mapping.address(mm)
     if addr is None:
-        return False
+        return None
     with _lock:
         reg = _pinned.get(addr)
     if reg is not None and reg.ref() is mm:
-        return True
+        return reg
     if _refused:
-        return False
+        return None
     if reg is not None:  # a mapping gone from there without close_map (its finalizer is due)
         _gone(addr, reg)
     err = rt.register(addr, -(-len(mm) // mmap.PAGESIZE) * mmap.PAGESIZE, dev)  # its whole pages
@@ -244,7 +245,7 @@ def _pin(rt: Any, mm: mmap.mmap, dev: Any) -> bool:
             "copying from the GPU through pageable memory, synchronously, from now on",
             file=sys.stderr,
         )
-        return False
+        return None
     reg = _Pinned(mm, rt)
     # a mapping dropped without close_map (never the store's own): unregistered once it is gone
     reg.finalizer = weakref.finalize(mm, _gone, addr, reg)
@@ -252,7 +253,7 @@ def _pin(rt: Any, mm: mmap.mmap, dev: Any) -> bool:
     with _lock:
         _pid = os.getpid()
         _pinned[addr] = reg
-    return True
+    return reg
 
 
 def release(mm: mmap.mmap) -> None:
