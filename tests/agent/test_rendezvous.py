@@ -28,7 +28,10 @@ from petctl_agent.rendezvous import (
     RequestCounter,
 )
 
-pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH"),
+    pytest.mark.waits,  # threads waiting on etcd: the waiting lane (tests/conftest.py)
+]
 
 
 def _etcd(root: Path) -> Etcd:
