@@ -32,7 +32,7 @@ os.environ.update(
 os.environ.setdefault("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
 
 
-# ---- scheduling under pytest-xdist (scripts/test.sh: -n 3 --dist loadgroup --no-loadscope-reorder) ----
+# ---- scheduling under pytest-xdist (scripts/test.sh: -n 2 --dist loadgroup --no-loadscope-reorder) ----
 # Work units, started in this order (the order of the collection: xdist keeps it without reorder):
 #  1. "torch-jobs": tests/faults and tests/e2e, each a whole training job through faults (4-7
 #     torch processes, minutes, bounded by "the job must not finish before the fault"). One
@@ -42,12 +42,6 @@ os.environ.setdefault("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
 #  3. each other tests/local and tests/agent file: its module fixtures (a moto server, an etcd, a
 #     TLS etcd) start once.
 #  4. tests/functional and tests/unit, test by test: short units that fill both workers' tails.
-# Lanes: with 3 workers or more, the last one is the *waiting lane*. It takes only the files marked
-# ``pytest.mark.waits`` (tests that mostly sleep on etcd TTLs, lease windows and watches, in
-# threads of the worker: tests/agent/test_rdzv_v3_fastloss.py used 7.7 CPU-s in 170 s), and the
-# other workers take every other unit first, then what the waiting lane has not started. So the
-# training jobs, torch processes and moto servers never run more than two at once on 2 cores,
-# while the waiting overlaps them.
 # Without xdist the order is the same and the marks do nothing.
 #
 # The units are made by the scheduler below, from each test's id: xdist's own loadgroup reads the
@@ -114,24 +108,6 @@ def _where(nodeid: str) -> tuple[str, str]:
     return rel.split(os.sep, 1)[0], rel
 
 
-@functools.cache
-def _waits(rel: str) -> bool:
-    """Whether the module at ``rel`` (under tests/) is marked ``pytest.mark.waits`` in its
-    module-level ``pytestmark`` (read from the source, as ``_daemon_users``)."""
-    try:
-        with open(os.path.join(_HERE, rel), encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-    except (OSError, SyntaxError):
-        return False
-    for node in tree.body:
-        if isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in targets):
-                if "pytest.mark.waits" in ast.unparse(node.value):
-                    return True
-    return False
-
-
 def _group(nodeid: str) -> str | None:
     """The work unit of a test (None: a unit of its own)."""
     top, rel = _where(nodeid)
@@ -163,34 +139,5 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             scope = super()._split_scope(nodeid)  # a node id xdist suffixed with its group itself
             return scope if scope != nodeid else (_group(nodeid) or nodeid)
-
-        def _waiting_lane(self, node) -> bool:
-            """The last worker (``gw<n-1>``) of 3 or more (by its id: ``self.nodes`` is in
-            the order the workers came up, and shrinks as they leave)."""
-            return self.numnodes >= 3 and node.gateway.id == f"gw{self.numnodes - 1}"
-
-        def _pick(self, node) -> str | None:
-            """The unit ``node`` takes next: the waiting lane, the first waiting unit; another
-            worker, the first other unit, else the first waiting one (None: nothing for it)."""
-            waiting = [s for s, unit in self.workqueue.items() if _waits(_where(next(iter(unit)))[1])]
-            if self._waiting_lane(node):
-                return waiting[0] if waiting else None
-            others = [s for s in self.workqueue if s not in waiting]
-            return (others or waiting or [None])[0]
-
-        def _assign_work_unit(self, node) -> None:
-            scope = self._pick(node)
-            if scope is None:
-                return
-            self.workqueue.move_to_end(scope, last=False)  # the base class takes the first unit
-            super()._assign_work_unit(node)
-
-        def _reschedule(self, node) -> None:
-            if node.shutting_down:
-                return
-            if self._pick(node) is None:
-                node.shutdown()  # it ends what it holds, then leaves
-                return
-            super()._reschedule(node)
 
     return Units(config, log)

@@ -27,10 +27,7 @@ from petctl_agent.rendezvous import BACKEND, PetctlRendezvousHandler, etcd_ops, 
 from petctl_agent.rendezvous import etcdv3 as v3
 from petctl_agent.rendezvous.config import BOOT_TOKEN_KEY
 
-pytestmark = [
-    pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH"),
-    pytest.mark.waits,  # threads waiting on etcd: the waiting lane (tests/conftest.py)
-]
+pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
 
 
 def _drive(g: Group, hs: list[PetctlRendezvousHandler], n: int, timeout: float) -> float:

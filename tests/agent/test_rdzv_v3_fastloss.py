@@ -24,10 +24,7 @@ from petctl_agent.rendezvous import PetctlRendezvousHandler
 from petctl_agent.rendezvous import etcdv3 as v3
 from petctl_agent.settings import Settings
 
-pytestmark = [
-    pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH"),
-    pytest.mark.waits,  # threads waiting on etcd: the waiting lane (tests/conftest.py)
-]
+pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
 
 
 class _Events:

@@ -26,10 +26,7 @@ from test_rendezvous import Group
 
 from petctl_agent.rendezvous import etcdv3 as v3
 
-pytestmark = [
-    pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH"),
-    pytest.mark.waits,  # threads waiting on etcd: the waiting lane (tests/conftest.py)
-]
+pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
 
 
 @pytest.fixture

@@ -30,10 +30,7 @@ from test_rendezvous import Group
 
 from petctl_agent.rendezvous import PetctlRendezvousHandler
 
-pytestmark = [
-    pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH"),
-    pytest.mark.waits,  # threads waiting on etcd: the waiting lane (tests/conftest.py)
-]
+pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
 
 PAUSE = 10.0  # > the 6 s lease: every lease has expired when etcd runs again
 

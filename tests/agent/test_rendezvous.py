@@ -28,10 +28,7 @@ from petctl_agent.rendezvous import (
     RequestCounter,
 )
 
-pytestmark = [
-    pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH"),
-    pytest.mark.waits,  # threads waiting on etcd: the waiting lane (tests/conftest.py)
-]
+pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
 
 
 def _etcd(root: Path) -> Etcd:

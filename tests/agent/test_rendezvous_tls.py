@@ -22,10 +22,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from petctl_agent.rendezvous import BACKEND, Config, PetctlRendezvousHandler, create_handler
 from petctl_agent.rendezvous import etcdv3 as v3
 
-pytestmark = [
-    pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH"),
-    pytest.mark.waits,  # threads waiting on etcd: the waiting lane (tests/conftest.py)
-]
+pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd binary not on PATH")
 
 
 def _tls(certs: EtcdCerts, **kw: Any) -> Config:
