@@ -19,6 +19,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -599,6 +600,12 @@ class Cluster:
         self.imds = FakeImds()
         self.nodes: dict[str, Node] = {}
         self.extra_env = {**(certs.agent_env() if certs else {}), **(extra_env or {})}
+        # this cluster's own snapshot base (a tmpfs, as on a node): clusters run side by side reuse
+        # job names and instance ids ("i-0001"), and a store is <base>/<job>/<instance>
+        self.shm: Path | None = None
+        if "PETCTL_AGENT_SNAPSHOT_DIR" not in self.extra_env and Path("/dev/shm").is_dir():
+            self.shm = Path(tempfile.mkdtemp(prefix="petctl-cluster-", dir="/dev/shm"))
+            self.extra_env["PETCTL_AGENT_SNAPSHOT_DIR"] = str(self.shm)
         self._next = 1
         code = self.tmp / "code"
         code.mkdir(exist_ok=True)
@@ -784,6 +791,8 @@ class Cluster:
                 self.kill_hard(n)
         self.etcd.stop()
         self.imds.close()
+        if self.shm is not None:
+            shutil.rmtree(self.shm, ignore_errors=True)
 
 
 def recovery(cluster: Cluster, t_event: float, survivors: list[Node], gap: float = 3.0) -> dict[str, Any]:

@@ -253,7 +253,7 @@ def resume(
             ws = pointer.get("world_size")
             sharded_memory.report_efs_restore(out[1], int(ws) if ws else None, time.monotonic() - t0)
         return finish(out)
-    if memory.snapshot_dir() is None:
+    if memory.agreed_snapshot_dir() is None:  # collective: every rank's node has a store, or none
         return finish(load_newest(directory, None, fill, unsafe_load, agree=True))
     from petctl_agent.distributed import rank_device
 

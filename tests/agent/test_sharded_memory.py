@@ -124,8 +124,16 @@ out["node_files"] = sorted(os.listdir(os.path.join(os.environ["PETCTL_SNAPSHOT_D
 """
 
 
-def _run(tmp: Path, body: str, nodes: list[int], env: dict | None = None, timeout: float = 120) -> list:
-    """Run ``body`` on one rank per entry of ``nodes`` (the node directory each rank uses)."""
+def _run(
+    tmp: Path,
+    body: str,
+    nodes: list[int],
+    env: dict | None = None,
+    timeout: float = 120,
+    no_store: tuple = (),
+) -> list:
+    """Run ``body`` on one rank per entry of ``nodes`` (the node directory each rank uses); the
+    ranks in ``no_store`` have none (their agent's ``snapshot_off``)."""
     (tmp / "rank.py").write_text(RANK)
     (tmp / "body.py").write_text(textwrap.dedent(body))
     (tmp / "ref").mkdir(exist_ok=True)
@@ -138,8 +146,9 @@ def _run(tmp: Path, body: str, nodes: list[int], env: dict | None = None, timeou
             "PETCTL_DRAIN_FILE": str(tmp / f"drain-{node}"),
             "REF_DIR": str(tmp / "ref"),
             **(env or {}),
+            **({"PETCTL_SNAPSHOT_DIR": ""} if r in no_store else {}),
         }
-        for node in nodes
+        for r, node in enumerate(nodes)
     ]
     return run_ranks([sys.executable, str(tmp / "rank.py"), str(tmp / "body.py")], envs, timeout=timeout)
 
@@ -359,6 +368,29 @@ def test_sharded_memory_is_off_unless_the_job_opts_in(tmp_path: Path) -> None:
     for node in (0, 1):
         assert not (tmp_path / f"node{node}" / "sharded").exists()
     assert json.loads((tmp_path / "efs" / "latest").read_text())["format"] == "dcp"
+
+
+RESTORE_EFS = """
+st = state()
+got = ckpt.resume(st)
+out["step"] = None if got is None else got[1]
+set_state_dict(model, opt, model_state_dict=st["model"], optim_state_dict=st["optim"])
+out["same"] = same(full(), torch.load(os.path.join(REF, f"ref-{got[1]}.pt"), weights_only=True))
+out["restore"] = sharded_memory.last_restore
+"""
+
+
+def test_a_node_without_a_store_takes_every_rank_to_efs_together(tmp_path: Path) -> None:
+    """Rank 1's node has no store: every rank saves through DCP to EFS and restores from there, the
+    same step and state on both (a rank gathering for the memory path beside one writing DCP: gloo
+    aborts on the mismatch)."""
+    cps = _run(tmp_path, TRAIN, [0, 1], no_store=(1,))
+    assert [_result(cp)["latest"] for cp in cps] == [4, 4]
+    assert not (tmp_path / "node0" / "sharded").exists()  # node 0's store was never used
+    assert "has no memory snapshot store" in cps[0].stderr
+    res = [_result(cp) for cp in _run(tmp_path, RESTORE_EFS, [0, 1], no_store=(1,))]
+    assert [(r["step"], r["restore"]) for r in res] == [(4, None)] * 2
+    assert res[0]["same"] is True  # the full state (cpu_offload: rank 0's) is step 4's, moments included
 
 
 # 2 ranks of one node (one snapshot dir). Each rank's own need fits the (fake, small) free memory

@@ -78,6 +78,7 @@ from petctl_agent.checkpointing.memory_store import (
     NAME,
     RESTORE_REPORT,
     PeerRestoreError,
+    agreed_snapshot_dir,
     close_persisters,
     report_restore,
     snapshot_dir,
@@ -93,6 +94,7 @@ __all__ = [
     "report_restore",
     "resume",
     "save",
+    "agreed_snapshot_dir",
     "snapshot_dir",
     "start_due_spares",
 ]

@@ -22,12 +22,12 @@ from petctl_agent.checkpointing.memory_keep import (
 )
 from petctl_agent.checkpointing.memory_store import (
     PeerRestoreError,
+    agreed_snapshot_dir,
     held_header,
     local_rank,
     node_key,
     report_restore,
     seen,
-    snapshot_dir,
     snapshot_size,
     spares_after_first_step,
     store_of,
@@ -56,7 +56,7 @@ def _all_gather_rows(values: list[int], group: Any) -> list[list[int]]:
 
 def resume(directory: Path, map_location: Any) -> tuple[dict[str, Any], int] | None:
     """The agreed step's state from this node's memory or a peer's; None: load EFS (collective)."""
-    sdir = snapshot_dir()
+    sdir = agreed_snapshot_dir()  # collective: every rank takes the memory path, or none
     if sdir is None:
         return None
     t0 = time.monotonic()

@@ -17,11 +17,11 @@ from petctl_agent.checkpointing.drain import LEAVE, _local_drain_flag
 from petctl_agent.checkpointing.files import read_pointer
 from petctl_agent.checkpointing.memory_store import (
     FALLBACK_REPORT,
+    agreed_snapshot_dir,
     local_rank,
     persister_for,
     report,
     seen,
-    snapshot_dir,
     store_of,
 )
 from petctl_agent.checkpointing.snapshot import SnapshotStore
@@ -107,7 +107,7 @@ def save(
     hands a restored step newer than ``latest`` to its own -- :func:`.memory_keep.kick_durable`). Every node leaving,
     or no node that stays having a persister, still waits for EFS.
     """
-    sdir = snapshot_dir()
+    sdir = agreed_snapshot_dir()  # collective: every rank takes the memory path, or none
     if sdir is None:
         return False
     store = store_of(sdir)

@@ -11,15 +11,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from petctl_agent import knobs
-from petctl_agent.checkpointing import timeline
+from petctl_agent.checkpointing import collectives, timeline
 from petctl_agent.checkpointing.atomic import atomic_write
 from petctl_agent.checkpointing.persisting import Persister
 from petctl_agent.checkpointing.snapshot import SnapshotStore, node_name
+from petctl_agent.distributed import dist_on
 
 NAME = "replicated"
 #: reports to the agent, in the store's directory (node/snapshots.py reads the same names)
@@ -44,8 +46,41 @@ def store_of(sdir: Path) -> SnapshotStore:
 
 
 def snapshot_dir() -> Path | None:
+    """This node's store (``$PETCTL_SNAPSHOT_DIR``), whatever the other nodes have."""
     d = knobs.snapshot_dir()
     return Path(d) if d else None
+
+
+_agreed_for: tuple[Any, bool] | None = None  # (default group it was agreed in, every rank has a store)
+
+
+def agreed_snapshot_dir() -> Path | None:
+    """This node's store when every rank's node has one, else None: the same answer on every rank.
+
+    The memory paths' collectives run only where every rank takes them: a node whose agent could not
+    make its store (``snapshot_off``: no tmpfs, ``/dev/shm`` unwritable) would otherwise skip them
+    while the others gather, and gloo aborts on the mismatch (``op.preamble.length <= op.nbytes``)
+    or pairs two unrelated collectives. Collective under a process group: one MIN over the
+    checkpoint group, once per default group; call it where every rank does (a save, a restore).
+    """
+    global _agreed_for
+    d = snapshot_dir()
+    if not dist_on():
+        return d
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    if _agreed_for is None or _agreed_for[0] is not world:
+        every = collectives.all_ok(d is not None)
+        if d is not None and not every and local_rank() == 0:
+            print(
+                "petctl checkpoint: a node of this job has no memory snapshot store "
+                "(its agent's snapshot_off event says why): every node checkpoints to EFS",
+                file=sys.stderr,
+                flush=True,
+            )
+        _agreed_for = (world, every)
+    return d if _agreed_for[1] else None
 
 
 def local_rank() -> int:

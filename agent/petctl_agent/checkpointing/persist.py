@@ -207,12 +207,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--verify", action="store_true", help="check the newest snapshot's CRCs and record it (the agent's)"
     )
+    ap.add_argument("--step", type=int, help="with --verify: only when the newest is still this step")
     a = ap.parse_args(argv)
     if a.verify:
         # the agent's, once its old workers are gone: the next restore from this node skips the pass
         _die_with_parent()
         t0 = time.monotonic()
         store = SnapshotStore(a.snapshot_dir, a.name)
+        n = store.newest() if a.step is not None else None
+        if n is not None and n.step != a.step:  # new workers wrote since: their restore is done
+            print(
+                f"petctl verify: step {a.step} superseded by step {n.step}: no pass",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 0
         c = store.verify()
         how = "sealed by its writer, no pass" if c is not None and store.sealed(c) else "checked"
         what = f"step {c.step} (slot {c.slot}) {how}" if c is not None else "nothing recorded"

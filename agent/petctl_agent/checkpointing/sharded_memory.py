@@ -78,6 +78,7 @@ from petctl_agent.checkpointing import (
 )
 from petctl_agent.checkpointing.budget import read_meminfo, reserve
 from petctl_agent.checkpointing.files import read_pointer
+from petctl_agent.checkpointing.memory_store import agreed_snapshot_dir
 from petctl_agent.checkpointing.shardsave import flush
 from petctl_agent.checkpointing.snapshot import node_name
 from petctl_agent.distributed import dist_rank, dist_world
@@ -100,8 +101,18 @@ OPT_IN = "PETCTL_SHARDED_MEMORY"
 def memory_root() -> Path | None:
     """``$PETCTL_SNAPSHOT_DIR/sharded`` when the job opted in (:data:`OPT_IN`), else None."""
     d = knobs.snapshot_dir()
-    on = os.environ.get(OPT_IN, "").strip().lower() in ("1", "true", "yes")
-    return Path(d) / SUBDIR if d and on else None
+    return Path(d) / SUBDIR if d and _opted_in() else None
+
+
+def _opted_in() -> bool:
+    return os.environ.get(OPT_IN, "").strip().lower() in ("1", "true", "yes")
+
+
+def _agreed_root() -> Path | None:
+    """:func:`memory_root` when every rank's node has a store, else None on every rank (collective
+    when the job opted in: ``memory_store.agreed_snapshot_dir``)."""
+    d = agreed_snapshot_dir() if _opted_in() else None
+    return d / SUBDIR if d is not None else None
 
 
 def _meminfo() -> dict[str, int]:
@@ -119,7 +130,7 @@ def save(state: dict[str, Any], step: int, directory: Path, keep: int, *, wait: 
     caller writes to EFS as before). ``wait``: return only once ``latest`` names ``step``. A periodic
     save while the previous step's EFS copy is still running skips this step's EFS copy (memory only).
     """
-    root = memory_root()
+    root = _agreed_root()
     if root is None:
         return False
     if wait:
@@ -187,7 +198,7 @@ def resume(
 ) -> tuple[dict[str, Any], int] | None:
     """Restore the newest step the survivors' memories cover (not older than EFS); else None (collective)."""
     global last_restore
-    root = memory_root()
+    root = _agreed_root()
     if root is None:
         return None
     from petctl_agent.checkpointing.files import UnsafeCheckpointError

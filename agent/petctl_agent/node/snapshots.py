@@ -142,14 +142,22 @@ class SnapshotArea:
 
     def _make(self) -> None:
         job_dir = self.dir.parent
-        job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for sib in job_dir.iterdir():  # stores no live agent holds (a SIGKILLed one's)
-            if sib.is_dir() and sib != self.dir and (sib / OWNER_LOCK).exists():
-                if not filelocks.held(sib / OWNER_LOCK):
-                    log.info("removing the stale snapshot store %s", sib)
-                    shutil.rmtree(sib, ignore_errors=True)
-        shutil.rmtree(self.dir, ignore_errors=True)  # this node starts empty
-        self.dir.mkdir(mode=0o700)
+        for tries_left in (2, 1, 0):
+            try:
+                job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+                for sib in job_dir.iterdir():  # stores no live agent holds (a SIGKILLed one's)
+                    if sib.is_dir() and sib != self.dir and (sib / OWNER_LOCK).exists():
+                        if not filelocks.held(sib / OWNER_LOCK):
+                            log.info("removing the stale snapshot store %s", sib)
+                            shutil.rmtree(sib, ignore_errors=True)
+                shutil.rmtree(self.dir, ignore_errors=True)  # this node starts empty
+                self.dir.mkdir(mode=0o700)
+                break
+            except FileNotFoundError:
+                # the job's directory went meanwhile: the last other node of the job on this
+                # machine (a local cloud's) closed its store and removed it (close())
+                if not tries_left:
+                    raise
         # locked before it has its name: a sweeper never sees an unlocked owner.lock of a live agent
         tmp = self.dir / f".{OWNER_LOCK}.tmp"
         fd = filelocks.hold(tmp)
@@ -186,8 +194,19 @@ class SnapshotArea:
         v = self.verifier
         if v is not None and v.poll() is None:
             return  # one is running (nothing has written the store since: no worker runs)
+        # the step the old workers left: a verifier that starts late (a loaded machine) finds a new
+        # worker's snapshot newest, still being written and sealed by it, and leaves it alone
+        step = ["--step", str(self._newest_step())]
         self.verifier = subprocess.Popen(
-            [sys.executable, "-m", "petctl_agent.checkpointing.persist", "--verify", str(self.dir), NAME],
+            [
+                sys.executable,
+                "-m",
+                "petctl_agent.checkpointing.persist",
+                "--verify",
+                *step,
+                str(self.dir),
+                NAME,
+            ],
             env=self._env(),
             stdin=subprocess.DEVNULL,
         )
