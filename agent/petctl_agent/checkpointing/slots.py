@@ -247,8 +247,6 @@ class Slots:
             with self._maps_lock:
                 if slot in self._spare_maps:
                     return
-            self._made_spares.add(slot)
-            _with_spares.add(self)
             self._map_spare(slot, size)
             return
         # checked and reserved in one step with the writer's own allocations (budget.Budget)
@@ -274,13 +272,14 @@ class Slots:
             tmp.unlink(missing_ok=True)
             return
         os.replace(tmp, path)
-        self._made_spares.add(slot)
-        _with_spares.add(self)
         self._map_spare(slot, size)
 
     def _map_spare(self, slot: str, size: int) -> None:
-        """Map the slot's spare and fill its page tables now, off the write's path (the inode stays
-        when the write renames it into place)."""
+        """Register the slot's spare as this process's (freed at its exit unless a write took it),
+        map it and fill its page tables now, off the write's path (the inode stays when the write
+        renames it into place)."""
+        self._made_spares.add(slot)
+        _with_spares.add(self)
         path = self.spare_path(slot)
         try:
             fd = os.open(path, os.O_RDWR)
