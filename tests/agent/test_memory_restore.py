@@ -64,6 +64,14 @@ RESTORE = textwrap.dedent(
                 raise OSError(errno.ENOSPC, "No space left on device")
             return real_fa(fd, off, n)
         os.posix_fallocate = posix_fallocate
+    if os.environ.get("FAIL_OPEN_DATA"):  # this node's snapshot data file cannot be opened (EIO)
+        import errno
+        real_open = os.open
+        def failing_open(path, *a, **kw):
+            if str(path).endswith(".bin"):
+                raise OSError(errno.EIO, "Input/output error", str(path))
+            return real_open(path, *a, **kw)
+        os.open = failing_open
     if os.environ.get("CORRUPT_RECV"):  # a receiver's first data piece arrives with a byte changed
         real_b, hit = dist.broadcast, [False]
         class Done:
@@ -191,6 +199,28 @@ def test_a_node_without_a_store_takes_every_rank_to_efs_together(tmp_path: Path)
     assert "has no memory snapshot store" in cps[0].stderr
     assert ckpt.latest_step(efs) == 6  # the last step went to EFS the old way
     assert torch.equal(ckpt.load_latest(efs)[0]["w"], torch.full((4,), 6.0))
+
+
+def test_a_snapshot_write_that_fails_on_one_node_takes_every_rank_to_efs(tmp_path: Path) -> None:
+    """Node 1's snapshot write raises (EIO opening its slot's file): the failure goes through the
+    ranks' vote like a no-fit, and every rank writes the step to EFS (raised out of ``ckpt.step``
+    on that rank alone, the other waited in the vote for the checkpoint timeout)."""
+    efs = tmp_path / "efs"
+    base = {"PETCTL_CHECKPOINT_DIR": str(efs), "TOTAL": "2"}
+    cps = _ranks(
+        tmp_path,
+        [
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n0")},
+            {**base, "PETCTL_SNAPSHOT_DIR": str(tmp_path / "n1"), "FAIL_OPEN_DATA": "1"},
+        ],
+        timeout=60,
+    )
+    res = [_res(cp) for cp in cps]
+    assert all(r["w"] == [2.0] * 4 for r in res)
+    assert ckpt.latest_step(efs) == 2 and torch.equal(ckpt.load_latest(efs)[0]["w"], torch.full((4,), 2.0))
+    fallback = json.loads((tmp_path / "n1" / memory.FALLBACK_REPORT).read_text())
+    assert fallback["step"] == 2 and "Input/output error" in fallback["reason"], fallback
+    assert "memory snapshot of step 2 skipped (failed: OSError" in cps[1].stderr
 
 
 def test_torn_snapshot_is_never_loaded_and_efs_answers(tmp_path: Path) -> None:

@@ -116,7 +116,12 @@ def save(
     why = ""
     if local_rank() == 0:
         # a stop or the last step waits for the header anyway: its CRCs then on several cores
-        why = store.write(state, step, world_size=1, rank=0, wait=wait or complete, epoch=epoch)
+        try:
+            why = store.write(state, step, world_size=1, rank=0, wait=wait or complete, epoch=epoch)
+        except Exception as e:  # noqa: BLE001 - EIO, ENOMEM, the previous write's failed header
+            # through the vote below like a no-fit: every rank takes the EFS path (raised here, this
+            # rank alone would leave the MIN and the others would wait in it for the timeout)
+            why = f"failed: {type(e).__name__}: {e}"
     ok = why in ("", OK)
     flags = [int(ok)]
     if wait and leaving:
