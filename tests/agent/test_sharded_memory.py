@@ -507,6 +507,35 @@ def test_a_rank_failing_its_efs_copy_gives_the_step_up_at_once(tmp_path: Path) -
     assert time.monotonic() - t0 < 80
 
 
+# rank 0's EFS copy of the last step fails: every rank raises, together (rank 0 raising alone left
+# rank 1 in the barrier for PETCTL_CHECKPOINT_TIMEOUT, or with a broken group's error)
+LAST_COPY_FAILS = """
+real = shutil.copyfileobj
+def eio(src, dst, n=0):
+    if "ckpt-0000000003" in dst.name:
+        __import__("time").sleep(2)  # rank 1's copy is done by then: only rank 0 fails
+        raise OSError(5, "injected EFS I/O error")
+    return real(src, dst, n)
+if rank == 0:
+    shutil.copyfileobj = eio
+for s in range(1, 4):
+    train(s)
+    try:
+        ckpt.step(s, state, every=2, last=s == 3)
+    except RuntimeError as e:
+        out["error"] = str(e)
+out["latest"] = ckpt.latest_step()
+"""
+
+
+def test_a_failed_copy_of_the_last_step_fails_every_rank_together(tmp_path: Path) -> None:
+    c0, c1 = _run(tmp_path, LAST_COPY_FAILS, [0, 1], timeout=90)
+    a, b = _result(c0), _result(c1)
+    assert "persisting step 3" in a["error"] and "injected EFS I/O error" in a["error"], a
+    assert b["error"].startswith("persisting step 3 ") and "another rank failed" in b["error"], b
+    assert a["latest"] == b["latest"] == 2  # step 3 never named by latest
+
+
 # EFS is slow: every rank's copy takes 8 s. Periodic saves at every step must not wait for it:
 # steps whose predecessor is still being copied stay in memory only; the last step waits for EFS.
 # (8 s, not 4: a periodic save -- a gloo agreement and a snapshot -- takes a fraction of a second

@@ -134,8 +134,13 @@ def save_in_memory(
     job.thread.start()
     if wait:
         job.thread.join()
-        if _pending_error:
-            raise RuntimeError(f"persisting step {step} to {ckpt_dir}: {_pending_error.pop(0)}")
+        err = _pending_error.pop(0) if _pending_error else ""
+        # agreed before anyone raises: a rank raising alone would leave the others in the barrier
+        # (up to PETCTL_CHECKPOINT_TIMEOUT, or a broken group's error that names nothing)
+        if not collectives.all_ok(not err):
+            raise RuntimeError(
+                f"persisting step {step} to {ckpt_dir}: {err or 'another rank failed (its error says why)'}"
+            )
         collectives.barrier()
     else:
         pending.append(job)
