@@ -76,7 +76,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent import DRAIN_EXIT_CODE, knobs
-from petctl_agent.checkpointing import memory, sharded_memory, userstate
+from petctl_agent.checkpointing import collectives, memory, sharded_memory, userstate
 from petctl_agent.checkpointing.drain import (
     drain_leaving,
     drain_requested,
@@ -168,8 +168,19 @@ def _save(
             barrier()
         return d / f"ckpt-{int(step):010d}.pt" if durable and dist_rank() == 0 else None
     out: Path | None = None
+    failed, err = "", None
     if dist_rank() == 0:
-        out = write_file(state, step, d, keep)
+        try:
+            out = write_file(state, step, d, keep)
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank
+            failed, err = f"{type(e).__name__}: {e}", e
+    # every rank learns whether rank 0's write failed and raises with it: rank 0 raising alone left
+    # the others in the barrier (a script that catches the error: until the checkpoint timeout)
+    said = collectives.gather_json(failed)[0]
+    if said:
+        if err is not None:
+            raise err
+        raise OSError(f"checkpoint of step {step} not written to {d}: rank 0 failed ({said})")
     barrier()
     return out
 

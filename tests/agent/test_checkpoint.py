@@ -301,6 +301,28 @@ def test_drain_agreement_two_ranks_same_step_and_agreed_only(tmp_path: Path) -> 
     assert r0["async"][2][2] is False and r0["async"][2][3] is False  # rank 0 never had a file
 
 
+RANK0_WRITE_FAILS = """
+    try:
+        ckpt.save({"w": torch.ones(3)}, 1)
+        out["error"] = None
+    except OSError as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    dist.barrier()  # both go on: the group still works
+"""
+
+
+def test_a_failed_write_on_rank_0_raises_on_every_rank(tmp_path: Path) -> None:
+    """Rank 0 cannot write the checkpoint (its directory's parent is a file): every rank raises,
+    the others naming rank 0's error, and the job's group still works. Rank 0 raising alone left
+    the others in the checkpoint barrier (here: deadlocked against rank 0's next collective)."""
+    (tmp_path / "file").write_text("not a directory")
+    env = {"PETCTL_CHECKPOINT_DIR": str(tmp_path / "file" / "ck")}
+    r0, r1 = (_result(cp) for cp in _run_ranks(tmp_path, RANK0_WRITE_FAILS, env=env, timeout=60))
+    assert r0["error"].startswith(("NotADirectoryError", "FileExistsError")), r0
+    assert r1["error"].startswith("OSError: checkpoint of step 1 not written to "), r1
+    assert r0["error"].split(":")[0] in r1["error"], (r0, r1)
+
+
 CONTRACT = """
     import time
     w = torch.nn.Parameter(torch.zeros(3))

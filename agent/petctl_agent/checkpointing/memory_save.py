@@ -14,7 +14,7 @@ from typing import Any
 from petctl_agent import knobs
 from petctl_agent.checkpointing import persist, persisting, timeline
 from petctl_agent.checkpointing.drain import LEAVE, _local_drain_flag
-from petctl_agent.checkpointing.files import read_pointer
+from petctl_agent.checkpointing.files import read_pointer, write_file
 from petctl_agent.checkpointing.memory_store import (
     FALLBACK_REPORT,
     agreed_snapshot_dir,
@@ -75,12 +75,15 @@ def wait_persisted(
     return True
 
 
-def not_persisted(sdir: Path, step: int) -> bool:
-    """Rank 0 only: the snapshot never reached EFS in time; False makes the caller write it the old way."""
+def not_persisted(sdir: Path, state: dict[str, Any], step: int, directory: Path, keep: int) -> bool:
+    """Rank 0 only: the snapshot never reached EFS in time: the state is written the old way here,
+    and True, as on the other ranks (which are on their way to the caller's barrier: the caller's
+    old path would take rank 0 to collectives of its own)."""
     why = f"step {step} not persisted from memory within {knobs.checkpoint_timeout():.0f} s"
     print(f"petctl checkpoint: {why}; writing it to EFS directly", file=sys.stderr)
     report(sdir, FALLBACK_REPORT, {"step": int(step), "reason": why})
-    return False
+    write_file(state, step, directory, keep)
+    return True
 
 
 def save(
@@ -95,9 +98,8 @@ def save(
 ) -> bool:
     """Snapshot ``state`` on every node; True when it did (persisting), False: use today's path.
 
-    Collective (but rank 0 alone returns False when ``wait`` and the step did not reach EFS within
-    ``PETCTL_CHECKPOINT_TIMEOUT``: the caller's old path then writes it; every rank still meets
-    one barrier). ``wait``: rank 0 returns only once ``latest`` names ``step`` (last step, a node
+    Collective, and the same answer on every rank (when ``wait`` and the step did not reach EFS
+    within ``PETCTL_CHECKPOINT_TIMEOUT``, rank 0 writes it the old way itself: :func:`not_persisted`). ``wait``: rank 0 returns only once ``latest`` names ``step`` (last step, a node
     leaving). ``complete``: every node's snapshot is complete (header written) on return (the
     workers stop for a join: their memory stays, but a worker that exits kills the crc thread).
     ``leaving``: the wait is only for a drain where some node leaves (not the last step): the ranks
@@ -147,12 +149,12 @@ def save(
             if wait:
                 store.flush()
                 if not wait_persisted(store, step, directory, keep, epoch=epoch):
-                    return not_persisted(sdir, step)
+                    return not_persisted(sdir, state, step, directory, keep)
         else:
             per = persister_for(store, directory, keep)
             per.kick()
             if wait and not per.wait(timeout=knobs.checkpoint_timeout()):
-                return not_persisted(sdir, step)
+                return not_persisted(sdir, state, step, directory, keep)
     elif (wait or complete) and local_rank() == 0:
         store.flush()
     if complete and dist_rank() == 0:
