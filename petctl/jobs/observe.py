@@ -89,9 +89,13 @@ def gather(gw: Gateway, profile: str, job: str, now: float | None = None) -> Fac
     """Every fact a status is derived from: the stack, the worker group, the hosts, and what the
     agents and boot scripts published."""
     stack = require_job(gw, profile, job)
+    # the agents' reports before the group: the agent that ends a job scales its groups to zero,
+    # then publishes SUCCEEDED (node/ending.py), so a report read first that says SUCCEEDED means a
+    # group read after it sees zero (read the other way round, a status showed SUCCEEDED with 2
+    # workers still wanted)
+    reports = gw.job_files.read_status(job)
     group = gw.groups.worker_group(job) or {}
     hosts_ = inventory(gw, job, stack)
-    reports = gw.job_files.read_status(job)
     logs, tail = gw.job_files.boot_logs(job)
     docs = gw.job_files.boot_events(job)
     boot = boots.boot_summary(logs, tail, naming.job_prefix(job) + "boot/", docs)

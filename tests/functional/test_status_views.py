@@ -211,3 +211,44 @@ def test_kill_job_waits_until_instances_are_gone_or_returns_at_once(run, job, tm
     assert run("run-job", "--name", "quick", "--min", "1", "--max", "1", str(script)).exit_code == 0
     r = run("kill-job", "quick", "--yes", "--no-wait")
     assert r.exit_code == 0 and "deletion started" in r.stdout
+
+
+@pytest.mark.parametrize("first", ["group", "reports"])
+def test_a_job_seen_succeeded_is_seen_scaled_to_zero(run, job, monkeypatch, first):
+    """The agent that ends a job scales its group to zero, then publishes SUCCEEDED. A status read
+    while it does so (here: right after the read's first of the two facts, whichever that is) never
+    shows SUCCEEDED with the workers still wanted: the old order read the group before the reports."""
+    from petctl.gateway.groups import Groups
+    from petctl.gateway.jobfiles import JobFiles
+
+    workers = _workers()
+    for iid in workers:
+        _report(iid, last_step=9)
+    done: list[str] = []
+
+    def agent_ends() -> None:  # what node/ending.py does, in its order
+        boto3.client("autoscaling").update_auto_scaling_group(
+            AutoScalingGroupName="petctl-demo-workers", MinSize=0, DesiredCapacity=0
+        )
+        _report(workers[0], state="SUCCEEDED", last_step=10)
+
+    def hooked(cls, name: str, role: str) -> None:
+        real = getattr(cls, name)
+
+        def read(self, *a, **kw):
+            out = real(self, *a, **kw)
+            if not done:
+                done.append(role)
+                agent_ends()
+            return out
+
+        monkeypatch.setattr(cls, name, read)
+
+    hooked(Groups, "worker_group", "group") if first == "group" else hooked(
+        JobFiles, "read_status", "reports"
+    )
+    st = json.loads(run("-o", "json", "status", "demo").stdout)
+    assert done == [first]
+    assert st["state"] != "SUCCEEDED" or st["desired"] == 0, (st["state"], st["desired"])
+    st = json.loads(run("-o", "json", "status", "demo").stdout)  # after: both facts new
+    assert (st["state"], st["desired"]) == ("SUCCEEDED", 0)
