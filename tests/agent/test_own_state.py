@@ -57,6 +57,15 @@ FSDP = """
         out["weights"] = weights()
         out["steps"] = [float(st["step"]) for st in opt.state.values()]
     else:  # a fresh optimizer's state_dict(): nothing to fill the moments into
+        if mode == "dicts-eio" and rank == 1:  # and rank 1's first read of .metadata fails (EFS: EIO)
+            from petctl_agent.checkpointing import sharded
+            real_load, calls = sharded._safe_metadata_load, [0]
+            def failing_load(*a, **kw):
+                calls[0] += 1
+                if calls[0] == 1:
+                    raise OSError(5, "injected EFS I/O error")
+                return real_load(*a, **kw)
+            sharded._safe_metadata_load = failing_load
         try:
             ckpt.resume({"model": model.state_dict(), "optim": opt.state_dict()})
             out["error"] = None
@@ -80,6 +89,10 @@ def test_fsdp2_optimizer_moments_come_back_into_a_fresh_optimizer(tmp_path: Path
     for r in dicts:
         assert r["error"] and "lacks" in r["error"] and "exp_avg" in r["error"], r
         assert "\n" not in r["error"]
+    # the same when rank 1 could not read .metadata to check (it went into DCP's collectives while
+    # rank 0 raised: a hang until the checkpoint timeout)
+    eio = [_result(cp) for cp in _run_ranks(tmp_path, FSDP, env={**env, "MODE": "dicts-eio"}, timeout=90)]
+    assert [r["error"] for r in eio] == [r["error"] for r in dicts], eio
 
 
 PER_RANK = """

@@ -313,6 +313,21 @@ def test_a_newcomer_gets_every_shard_from_the_survivors_memory_and_says_so(
     assert 0 < r2["report"]["received"] == r2["restore"]["fetched_bytes"] <= own1
 
 
+def test_a_newcomer_that_cannot_make_its_store_sends_every_rank_to_efs(trained: Path, tmp_path: Path) -> None:
+    """As above, but node 2 cannot make its sharded store (a file stands where it goes: mkdir
+    fails, as on a tmpfs out of inodes): the ranks agree on it before the transfer's collectives,
+    and every rank restores step 4 from EFS."""
+    t = _scenario(trained, tmp_path)
+    shutil.rmtree(t / "node1")
+    (t / "node2").mkdir()
+    (t / "node2" / "sharded").write_text("not a directory")
+    c0, c2 = _run(t, RESTORE_EFS, [0, 2], timeout=90)
+    r0, r2 = _result(c0), _result(c2)
+    assert r0["step"] == r2["step"] == 4 and r0["same"] is True
+    assert r0["restore"]["source"] == r2["restore"]["source"] == "efs", (r0, r2)
+    assert "a node could not make its sharded store (FileExistsError" in c0.stderr, c0.stderr[-2000:]
+
+
 def test_peer_dying_mid_transfer_fails_fast_then_efs(trained: Path, tmp_path: Path) -> None:
     t = _scenario(trained, tmp_path)
     (t / "node0" / "sharded" / "ckpt-0000000004.dcp" / "__0_0.distcp").unlink()

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from petctl_agent.checkpointing import iohook
+from petctl_agent.checkpointing import collectives, iohook
 from petctl_agent.checkpointing.atomic import fsync_dir
 from petctl_agent.checkpointing.files import (
     CKPT_RE,
@@ -250,12 +250,21 @@ def load_sharded(
         reader, planner = dcp.FileSystemReader(str(path)), None
     else:
         reader, planner = _safe_dcp(path, refused)
+    verdict: list[str] | None = None
     try:
         _check_keys(path, reader.read_metadata(), into)
-    except (MissingStateError, UnsafeCheckpointError):
-        raise
+    except (MissingStateError, UnsafeCheckpointError) as e:
+        verdict = [type(e).__name__, str(e)]
     except Exception:  # noqa: BLE001 - an unreadable .metadata: DCP's load below says so, on every rank
         pass
+    # agreed before DCP's collectives: a rank whose .metadata read failed (EFS: EIO) would enter
+    # them while the others raised
+    said = collectives.gather_json(verdict) if group is not None else [verdict]
+    first = next((v for v in said if v), None)
+    if first is not None:
+        raise (MissingStateError if first[0] == MissingStateError.__name__ else UnsafeCheckpointError)(
+            first[1]
+        )
     try:
         dcp.load(into, storage_reader=iohook.wrap_dcp(reader), planner=planner, process_group=group)
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException

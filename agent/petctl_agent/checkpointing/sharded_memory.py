@@ -362,7 +362,16 @@ def _fetch(
         mine = invs[d].get(step)
         has[d] = set(mine["files"]) if mine and mine["id"] == plan["id"] else set()
     root = stepdir.parent
-    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        made = ""
+    except OSError as e:
+        made = f"{type(e).__name__}: {e}"
+    # agreed before the receive's collectives: a rank raising here alone would meet the others'
+    # gathers with the caller's all_ok (a mismatched pair)
+    said = [m for m in collectives.gather_json(made) if m]
+    if said:
+        raise OSError(f"a node could not make its sharded store ({said[0]})")
     return ranges.receive(
         ranges.Step(nodes, has, plan["files"]),
         stepdir,
