@@ -75,11 +75,18 @@ def wait_persisted(
     return True
 
 
+def _half() -> float:
+    """How long rank 0 waits for the persist before it writes the step itself: half of
+    ``PETCTL_CHECKPOINT_TIMEOUT``, the other ranks' barrier's timeout, so that its own write still
+    ends before they give up on it."""
+    return knobs.checkpoint_timeout() / 2
+
+
 def not_persisted(sdir: Path, state: dict[str, Any], step: int, directory: Path, keep: int) -> bool:
     """Rank 0 only: the snapshot never reached EFS in time: the state is written the old way here,
     and True, as on the other ranks (which are on their way to the caller's barrier: the caller's
     old path would take rank 0 to collectives of its own)."""
-    why = f"step {step} not persisted from memory within {knobs.checkpoint_timeout():.0f} s"
+    why = f"step {step} not persisted from memory within {_half():g} s"
     print(f"petctl checkpoint: {why}; writing it to EFS directly", file=sys.stderr)
     report(sdir, FALLBACK_REPORT, {"step": int(step), "reason": why})
     write_file(state, step, directory, keep)
@@ -148,12 +155,12 @@ def save(
             persist.request(sdir, step, directory, keep, epoch)
             if wait:
                 store.flush()
-                if not wait_persisted(store, step, directory, keep, epoch=epoch):
+                if not wait_persisted(store, step, directory, keep, timeout=_half(), epoch=epoch):
                     return not_persisted(sdir, state, step, directory, keep)
         else:
             per = persister_for(store, directory, keep)
             per.kick()
-            if wait and not per.wait(timeout=knobs.checkpoint_timeout()):
+            if wait and not per.wait(timeout=_half()):
                 return not_persisted(sdir, state, step, directory, keep)
     elif (wait or complete) and local_rank() == 0:
         store.flush()
