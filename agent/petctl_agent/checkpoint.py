@@ -176,7 +176,7 @@ def _save(
             failed, err = f"{type(e).__name__}: {e}", e
     # every rank learns whether rank 0's write failed and raises with it: rank 0 raising alone left
     # the others in the barrier (a script that catches the error: until the checkpoint timeout)
-    said = collectives.gather_json(failed)[0]
+    said = collectives.first_said(failed)
     if said:
         if err is not None:
             raise err

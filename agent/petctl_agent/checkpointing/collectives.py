@@ -40,6 +40,12 @@ def gather_json(obj: Any) -> list[Any]:
     return [json.loads(bytes(o[: int(s)].numpy())) for o, s in zip(outs, sizes)]
 
 
+def first_said(value: Any) -> Any:
+    """The first non-empty ``value`` any rank gave, in rank order (None: none did); one gather. How
+    one rank's failure becomes every rank's, agreed before the collectives it would skip."""
+    return next((v for v in gather_json(value) if v), None)
+
+
 def all_ok(ok: bool) -> bool:
     if not dist_on():
         return ok

@@ -90,11 +90,11 @@ __all__ = [
     "NAME",
     "RESTORE_REPORT",
     "PeerRestoreError",
+    "agreed_snapshot_dir",
     "close_persisters",
     "report_restore",
     "resume",
     "save",
-    "agreed_snapshot_dir",
     "snapshot_dir",
     "start_due_spares",
 ]

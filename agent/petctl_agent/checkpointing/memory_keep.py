@@ -14,7 +14,7 @@ from typing import Any
 
 from petctl_agent import knobs
 from petctl_agent.checkpointing import persist
-from petctl_agent.checkpointing.memory_save import wait_persisted
+from petctl_agent.checkpointing.memory_save import half_timeout, wait_persisted
 from petctl_agent.checkpointing.memory_store import (
     FALLBACK_REPORT,
     PeerRestoreError,
@@ -58,9 +58,7 @@ def persist_before_efs(store: SnapshotStore, key: tuple[int, int], directory: Pa
                 try:
                     if persist.served(store.dir):
                         persist.request(store.dir, step, directory, keep, epoch)
-                    done = wait_persisted(
-                        store, step, directory, keep, timeout=knobs.checkpoint_timeout() / 2, epoch=epoch
-                    )
+                    done = wait_persisted(store, step, directory, keep, timeout=half_timeout(), epoch=epoch)
                 except Exception as e:  # noqa: BLE001 - EFS trouble: the ranks load the older step
                     print(f"petctl checkpoint: {type(e).__name__}: {e}", file=sys.stderr)
             print(

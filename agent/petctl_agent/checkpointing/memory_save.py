@@ -75,7 +75,7 @@ def wait_persisted(
     return True
 
 
-def _half() -> float:
+def half_timeout() -> float:
     """How long rank 0 waits for the persist before it writes the step itself: half of
     ``PETCTL_CHECKPOINT_TIMEOUT``, the other ranks' barrier's timeout, so that its own write still
     ends before they give up on it."""
@@ -86,7 +86,7 @@ def not_persisted(sdir: Path, state: dict[str, Any], step: int, directory: Path,
     """Rank 0 only: the snapshot never reached EFS in time: the state is written the old way here,
     and True, as on the other ranks (which are on their way to the caller's barrier: the caller's
     old path would take rank 0 to collectives of its own)."""
-    why = f"step {step} not persisted from memory within {_half():g} s"
+    why = f"step {step} not persisted from memory within {half_timeout():g} s"
     print(f"petctl checkpoint: {why}; writing it to EFS directly", file=sys.stderr)
     report(sdir, FALLBACK_REPORT, {"step": int(step), "reason": why})
     write_file(state, step, directory, keep)
@@ -105,9 +105,9 @@ def save(
 ) -> bool:
     """Snapshot ``state`` on every node; True when it did (persisting), False: use today's path.
 
-    Collective, and the same answer on every rank (when ``wait`` and the step did not reach EFS
-    within ``PETCTL_CHECKPOINT_TIMEOUT``, rank 0 writes it the old way itself: :func:`not_persisted`). ``wait``: rank 0 returns only once ``latest`` names ``step`` (last step, a node
-    leaving). ``complete``: every node's snapshot is complete (header written) on return (the
+    Collective, and the same answer on every rank (when ``wait`` and the step did not reach EFS in
+    time, rank 0 writes it the old way itself: :func:`not_persisted`). ``wait``: rank 0 returns only
+    once ``latest`` names ``step`` (last step, a node leaving). ``complete``: every node's snapshot is complete (header written) on return (the
     workers stop for a join: their memory stays, but a worker that exits kills the crc thread).
     ``leaving``: the wait is only for a drain where some node leaves (not the last step): the ranks
     then skip it when a node that stays holds the step and has its agent's persister serving its
@@ -155,12 +155,12 @@ def save(
             persist.request(sdir, step, directory, keep, epoch)
             if wait:
                 store.flush()
-                if not wait_persisted(store, step, directory, keep, timeout=_half(), epoch=epoch):
+                if not wait_persisted(store, step, directory, keep, timeout=half_timeout(), epoch=epoch):
                     return not_persisted(sdir, state, step, directory, keep)
         else:
             per = persister_for(store, directory, keep)
             per.kick()
-            if wait and not per.wait(timeout=_half()):
+            if wait and not per.wait(timeout=half_timeout()):
                 return not_persisted(sdir, state, step, directory, keep)
     elif (wait or complete) and local_rank() == 0:
         store.flush()

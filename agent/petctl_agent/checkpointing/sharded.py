@@ -259,8 +259,7 @@ def load_sharded(
         pass
     # agreed before DCP's collectives: a rank whose .metadata read failed (EFS: EIO) would enter
     # them while the others raised
-    said = collectives.gather_json(verdict) if group is not None else [verdict]
-    first = next((v for v in said if v), None)
+    first = collectives.first_said(verdict)
     if first is not None:
         raise (MissingStateError if first[0] == MissingStateError.__name__ else UnsafeCheckpointError)(
             first[1]

@@ -369,9 +369,9 @@ def _fetch(
         made = f"{type(e).__name__}: {e}"
     # agreed before the receive's collectives: a rank raising here alone would meet the others'
     # gathers with the caller's all_ok (a mismatched pair)
-    said = [m for m in collectives.gather_json(made) if m]
+    said = collectives.first_said(made)
     if said:
-        raise OSError(f"a node could not make its sharded store ({said[0]})")
+        raise OSError(f"a node could not make its sharded store ({said})")
     return ranges.receive(
         ranges.Step(nodes, has, plan["files"]),
         stepdir,
