@@ -75,7 +75,10 @@ class LeaseReads:
                 memo.clear()
                 self._lapse_target = target
             if self._lapse_window != (after, since):
-                cleared.clear()  # a new window, or none (a round that forms): read them again
+                cleared.clear()  # a new window, or none (a round that forms)
+                if since is not None:  # a new window reads every lease from `first` on
+                    for k in [k for k, v in memo.items() if v[0] != math.inf]:
+                        del memo[k]
                 self._lapse_window = (after, since)
         first = 0.0 if since is None else since + decide.clear_after(self.cfg.refresh)
         out: set[str] = set()
@@ -114,11 +117,11 @@ class LeaseReads:
                 continue
             if since is not None and (remaining < 0 or decide.heard_since(remaining, granted, sent, since)):
                 # alive after the window opened (or ended: the watch says so): not read again in
-                # it; read again after it (a round that forms) no sooner than it could lapse by
-                # the shortest silence (refresh + 1), so that a read just made is not repeated
+                # it, nor in the round it opens before the lease could have ended (remaining + 1 s):
+                # a node lost after this read is seen by its key's expiry, as one lost inside the
+                # window is, and a node slow to re-join is not read each second it is waited for
                 cleared.add((n, lease))
-                at = t + max(LAPSE_POLL, decide.lapse_recheck(remaining, granted, self.cfg.refresh))
-                memo[(n, lease)] = (at, self.cfg.refresh + 1.0)
+                memo[(n, lease)] = (t + max(LAPSE_POLL, remaining + 1.0), self.cfg.refresh + 1.0)
                 continue
             at = t + max(LAPSE_POLL, decide.lapse_recheck(remaining, granted, self.cfg.refresh, after))
             memo[(n, lease)] = (at, need)
