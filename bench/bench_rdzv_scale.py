@@ -557,12 +557,16 @@ def _field_event(
     last: float,
     meter: Any,
     opened: FieldMeter | None = None,
+    lost: int = 0,
 ) -> dict[str, Any]:
     """The row of one event that ended with ``ids`` in one round: rounds and lost steps since
     ``t_ref``, time to the round from ``last``, the window's costs; ``opened``: the meter when the
-    round was seen open (the lease reads until then, and after it while the round formed)."""
+    round was seen open (the lease reads until then, and after it while the round formed).
+    ``lost``: nodes the event removed; the window's lease reads are per node it began with (the
+    lost node's lease is one of those read)."""
     time.sleep(0.5)  # the last answers of the round arrive
-    w = meter().window(m0, len(ids))
+    w = meter().window(m0, len(ids) + lost)
+    w["window_nodes"] = len(ids) + lost
     if opened is not None:
         w["open_s"] = round(opened.t - last, 3)
         w["lease_reads_to_open"] = int(opened.io["lease_read"] - m0.io["lease_read"])
@@ -685,7 +689,7 @@ def scenario_field(etcd: Etcd, a: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append({"scenario": "loss", "n": len(ids), **base, "ok": False,
                          "error": _fail(sim, f"no round of the {len(ids)} after the loss of {victim}")})  # fmt: skip
             return rows
-        ev = _field_event(sim, m0, ids, t_crash, t_lost, meter, opened)
+        ev = _field_event(sim, m0, ids, t_crash, t_lost, meter, opened, lost=1)
         rows.append({"scenario": "loss", **base, **ev, "victim": victim,
                      "close_what": f"hard loss of a real non-leader (its peers' workers fail {a.fail_after:g} s "
                                    "later) -> the others in one round",

@@ -83,3 +83,30 @@ def test_a_port_held_on_another_loopback_address_is_not_returned(monkeypatch):
         calls = _pick_held_first(monkeypatch, harness, held)
         assert harness.free_port() != held
         assert len(calls) >= 2
+
+
+def test_a_held_port_refuses_other_binders_and_takes_rank_0s_store():
+    """From the join to rank 0's worker binding it, the agent holds the published port (bound on
+    the wildcard, not listening, SO_REUSEADDR): a plain bind on any address fails, while torch's
+    own TCPStore (a script's init_process_group) and the petctl helper's bound socket still
+    listen on it."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    held = joining._hold_port("127.0.0.1")
+    port = held.getsockname()[1]
+    try:
+        assert 1024 <= port < joining._ephemeral_low()
+        for host in ("127.0.0.1", "", "127.0.0.3"):
+            with socket.socket() as other, pytest.raises(OSError):
+                other.bind((host, port))
+        with socket.socket() as helper:  # distributed.init_distributed's own bind, on the node address
+            helper.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            helper.bind(("127.0.0.1", port))
+            helper.listen(8)
+        store = TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+        store.set("k", "v")
+        assert TCPStore("127.0.0.1", port, 1, False, timeout=timedelta(seconds=10)).get("k") == b"v"
+    finally:
+        held.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -337,6 +338,8 @@ def test_the_master_port_hand_over(group: Callable[..., Group]) -> None:
     port = infos[0].bootstrap_store_info.master_port
     assert {i.bootstrap_store_info.master_port for i in infos} == {port}
     assert 1024 <= port < joining._ephemeral_low()
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("", port))  # held by rank 0's agent until its worker's store listens
     t = timedelta(seconds=10)
     master = TCPStore("127.0.0.1", port, 2, True, timeout=t, wait_for_workers=False)
     TCPStore(infos[1].bootstrap_store_info.master_addr, port, 2, False, timeout=t).set("x", "1")
@@ -361,6 +364,11 @@ def test_the_master_port_hand_over(group: Callable[..., Group]) -> None:
     assert infos[0].store.check(["n", "cs"]) and not infos[0].store.check(["nope"])
     assert infos[1].store.multi_get(["n", "cs"]) == [b"5", b"a"]
     assert a.get_backend() == BACKEND
+    other_port = (b if infos[0] is res[a] else a)._port_hold.getsockname()[1]  # noqa: SLF001
+    for h in (a, b):
+        h.leave()
+    with socket.socket() as s:
+        s.bind(("", other_port))  # a node that leaves lets its port go
 
 
 @pytest.mark.parametrize("who", [2, 0], ids=["a-follower", "the-leader"])

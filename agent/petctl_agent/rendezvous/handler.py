@@ -120,6 +120,8 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
         self._lapse_memo: dict[tuple[str, int], tuple[float, float]] = {}
         #: leader: the (node, lease) a read showed renewed since the open window began (lapse.py)
         self._lapse_cleared: set[tuple[str, int]] = set()
+        #: the master port our last join published, bound and held until the next (joining.py)
+        self._port_hold: socket.socket | None = None
         self._lapse_target: int | None = None
         #: (threshold, window opened at) the memo's times were set for (lapse.py)
         self._lapse_window: tuple[float | None, float | None] | None = None
@@ -311,7 +313,10 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
                 if w is not None:
                     w.stop()
             pool, self._lease_pool = self._lease_pool, None
+            held, self._port_hold = self._port_hold, None
             self._bump()
+        if held is not None:
+            held.close()
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
 

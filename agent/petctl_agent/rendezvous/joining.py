@@ -85,6 +85,28 @@ def _free_port(addr: str | None) -> int:
     raise OSError("no free port")
 
 
+def _hold_port(addr: str | None) -> socket.socket:
+    """A :func:`_free_port` port, bound on the wildcard address and held, not listening, with
+    ``SO_REUSEADDR``, until this node joins again: a process that binds the port without that
+    option in the seconds before rank 0's worker listens on it (on any address) fails instead of
+    taking it. Rank 0's store still binds it: the petctl helper's and torch's own ``TCPStore`` set
+    ``SO_REUSEADDR``, and Linux lets a listener share a port with bound sockets that do not listen
+    (``tests/agent/test_master_port.py``). Left open: a process that sets ``SO_REUSEADDR`` and
+    listens on that very port first."""
+    family = socket.AF_INET6 if addr and ":" in addr else socket.AF_INET
+    wildcard = "::" if family == socket.AF_INET6 else ""
+    for _ in range(8):
+        port = _free_port(addr)
+        s = socket.socket(family)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((wildcard, port))
+            return s
+        except OSError:  # taken since _free_port looked
+            s.close()
+    raise OSError("no free port to hold")
+
+
 class Joining:
     """Mixin of :class:`~petctl_agent.rendezvous.handler.PetctlRendezvousHandler` (its state is
     made in the handler's ``__init__``): the torch ``next_rendezvous`` call."""
@@ -165,6 +187,15 @@ class Joining:
                 if self._version == version:
                     self._cond.wait(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
 
+    def _take_port(self) -> int:
+        """This join's master port, held until the next join or until we leave (:func:`_hold_port`)."""
+        held = _hold_port(self.addr)
+        with self._cond:
+            old, self._port_hold = self._port_hold, held
+        if old is not None:
+            old.close()
+        return int(held.getsockname()[1])
+
     def _join(
         self,
         target: int,
@@ -175,7 +206,7 @@ class Joining:
     ) -> None:
         value: dict[str, Any] = {
             "addr": self.addr,
-            "port": _free_port(self.addr),
+            "port": self._take_port(),
             "reg": self._reg_index or 0,
         }
         _, rec = latest_closed(rounds)
