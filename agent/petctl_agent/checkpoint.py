@@ -76,7 +76,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent import DRAIN_EXIT_CODE, knobs
-from petctl_agent.checkpointing import collectives, memory, sharded_memory, userstate
+from petctl_agent.checkpointing import collectives, first_snapshot, memory, sharded_memory, userstate
 from petctl_agent.checkpointing.drain import (
     drain_leaving,
     drain_requested,
@@ -271,6 +271,7 @@ def resume(
     got = memory.resume(checkpoint_dir(directory), rank_device())
     if got is not None:
         return finish(got)
+    first_snapshot.arm()  # nothing from memory (agreed): the store's first file after the first step
     t0 = time.monotonic()
     out = load_newest(directory, None, fill, unsafe_load, agree=True)
     if out is not None:  # (a first start restores nothing: no report)
@@ -305,7 +306,9 @@ def step(
 
     Args:
         step: the step just completed (steps count from 1).
-        state_fn: returns the state to save; only called when saving.
+        state_fn: returns the state to save; called when saving, and once after the first step
+            of a start that restored nothing from the nodes' memory (to size its first
+            snapshot's file: every rank calls it then, as at a save).
         every: periodic checkpoint interval in steps (0: only on drain / ``last``).
         directory: defaults to ``$PETCTL_CHECKPOINT_DIR``.
         last: the final step: always save, and finish normally even if a drain was agreed.
@@ -324,8 +327,10 @@ def step(
         leaving = drain_leaving() and not last
         _save(state_fn(), step, directory, None, durable=last or leaving, complete=stopping, leaving=leaving)
         saved = True
+        first_snapshot.disarm()
     if drain_requested() and not last:
         exit_for_drain()
+    first_snapshot.after_step(state_fn)  # a start that restored nothing: its first snapshot's file
     # a restore's spares: after its first step and any save it made (not beside them), and never
     # on a node that drains (it just left)
     memory.start_due_spares()

@@ -138,6 +138,11 @@ def spares_after_first_step(store: SnapshotStore, size: int) -> None:
         due_spares.append((store, size))
 
 
+#: set while a start that restored nothing from memory has not made its first snapshot's file
+#: (first_snapshot.py)
+first_file_due = False
+
+
 def start_due_spares() -> None:
     """Start the spares a restore left due (:func:`spares_after_first_step`); cheap when none are."""
     while due_spares:
@@ -176,7 +181,9 @@ def holds(store: SnapshotStore, key: tuple[int, int]) -> bool:
 
 def close_persisters() -> None:
     """Stop this process's persister threads and forget its stores (tests; a worker just exits)."""
+    global first_file_due
     due_spares.clear()
+    first_file_due = False
     timeline.reset()
     while persisters:
         _, p = persisters.popitem()

@@ -199,20 +199,22 @@ class Slots:
             return 0
         return st.st_blocks * 512 if size and st.st_size == size and st.st_blocks * 512 >= size else 0
 
-    def prepare_spares(self, size: int) -> None:
+    def prepare_spares(self, size: int, first_only: bool = False) -> None:
         """Make, in a background thread, the files the next writes of ``size`` bytes will need new:
         for a slot whose file a restore has lent (its tensors are views of it), is missing, or is of
         another size. A write that finds its slot's spare renames it into place instead of
         allocating fresh tmpfs pages while training waits (0.5-1.3 s/GiB here). Best effort: each
         is checked against the node's memory like a write (no room: none made; the write then
         checks again), and errors are ignored. A spare costs the state's bytes in the tmpfs until
-        the write takes it (or the store is removed)."""
+        the write takes it (or the store is removed). ``first_only``: only the next write's file."""
         if size <= 0 or (self._spares is not None and self._spares.is_alive()):
             return
 
         newest = self.newest()
         # the slot the next write goes to first (not the newest one), then the newest (lent) one
         order = sorted(SLOTS, key=lambda sl: newest is not None and sl == newest.slot)
+        if first_only:
+            order = order[:1]
 
         def make() -> None:
             for slot in order:

@@ -43,6 +43,18 @@ from petctl_agent.checkpointing.verification import crcs_match
 OK = "ok"
 
 
+def layout(tensors: list[Any]) -> tuple[list[dict[str, Any]], int]:
+    """Where a write puts each of ``tensors`` in its slot's file (each at an ``ALIGN`` boundary),
+    and the file's size."""
+    metas = []
+    off = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        metas.append({"dtype": str(t.dtype), "shape": list(t.shape), "offset": off, "nbytes": nbytes})
+        off += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+    return metas, off
+
+
 class Writing:
     """A store's writes (a mixin of :class:`.snapshot.SnapshotStore`, which gives the paths, the
     claims of a slot, ``read_header``/``complete``/``newest``, the slot files (:class:`.slots.Slots`)
@@ -82,13 +94,7 @@ class Writing:
             structure = encode_structure(state, tensors)
         except Unsupported as e:
             return f"unsupported: {e}"
-        metas = []
-        off = 0
-        for t in tensors:
-            nbytes = t.numel() * t.element_size()
-            metas.append({"dtype": str(t.dtype), "shape": list(t.shape), "offset": off, "nbytes": nbytes})
-            off += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-        size = off
+        metas, size = layout(tensors)
         if known is not None and same_layout(known, metas):
             for m, k in zip(metas, known):
                 m["crc32c"] = int(k["crc32c"])
