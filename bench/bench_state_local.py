@@ -31,6 +31,7 @@ from typing import Any
 
 from bench_elastic import Miss, measure, steady
 from benchlib import MARK_RE, REPO, STEP_RE, Node, Run, _f, _med, _mono, add_marks, mem_available_gib, poll
+from cpu_account import CpuAccount
 
 TOOL = "petctl-local"
 #: the agent's account of a newcomer's fetch of its peers' snapshot (``checkpointing/fetch.py``)
@@ -106,6 +107,7 @@ class CloudRun:
         self._status_prefix = ""
         self._s3: Any = None
         self._stop = threading.Event()
+        self.cpu: CpuAccount | None = CpuAccount()
         self._tail = threading.Thread(target=self._tail_loop, daemon=True)
 
     # ---- the product's commands ---------------------------------------------------------------
@@ -205,6 +207,8 @@ class CloudRun:
 
     def close(self) -> None:
         self._stop.set()
+        if self.cpu is not None:
+            self.cpu.close()
         try:
             self.petctl("local", "stop", json_out=False)
         except (Miss, subprocess.TimeoutExpired) as e:
@@ -247,7 +251,7 @@ def chain(run: CloudRun, n: int, a: argparse.Namespace, rec: Any) -> None:
     r = measure(run, nodes, live, n - 1, t0, a, extra=[leaving])
     r["cloud_cpu_s"] = _delta(cpu0, run.cloud_cpu())
     leaving.gone = True
-    rec("drain", **add_marks(run, r, nodes, live, n - 1, t0))
+    rec("drain", **_cpu(run, add_marks(run, r, nodes, live, n - 1, t0), t0))
     steady(run, live, n - 1, a.timeout)
 
     # join: `petctl scale`, as a user would; the stall counts from the last step at N-1
@@ -269,7 +273,16 @@ def chain(run: CloudRun, n: int, a: argparse.Namespace, rec: Any) -> None:
     got = poll(lambda: [f for f in new.fetches if f.get("status") == "ok"], 3.0, 0.1)
     if got:  # its transfer alone: bytes from how many holders, in how long
         r["fetch_s"], r["fetch_holders"] = got[-1].get("seconds"), got[-1].get("holders")
-    rec("join", **r)
+    rec("join", **_cpu(run, r, t0))
+
+
+def _cpu(run: CloudRun, r: dict[str, Any], origin: float) -> dict[str, Any]:
+    """Into ``r["cpu"]``: the machine's CPU over the stall (last step at the old size -> the last
+    rank's first step at the new one), by role (:mod:`cpu_account`)."""
+    ph = r.get("phases", {})
+    if run.cpu is not None and "last_old_step" in ph and "first_step" in ph:
+        r["cpu"] = run.cpu.window(origin + ph["last_old_step"], origin + ph["first_step"])
+    return r
 
 
 def _delta(a: float | None, b: float | None) -> float | None:

@@ -323,3 +323,64 @@ def test_a_range_names_its_snapshot_by_step_and_content(tmp_path: Path, serve) -
         with socket.create_connection(("127.0.0.1", real.port), timeout=5) as s:
             fetch._send(s, {"op": "range", "token": TOKEN, "step": step, "digest": dig, "lo": 0, "n": 16})
             assert struct.unpack(">q", fetch._exactly(s, 8))[0] == -1
+
+
+def _big(step: int) -> dict:
+    """64 MiB: more than the loopback's socket buffers hold, so a reader that stops stalls the send."""
+    return {"w": [torch.full((1 << 22,), float(i + step)) for i in range(4)], "step": step}
+
+
+def test_the_persisters_efs_write_waits_while_a_peer_fetches_and_not_longer_than_its_bound(
+    tmp_path: Path, serve, monkeypatch
+) -> None:
+    """The agent's persister (``persist.serve``, its request written as a worker writes it) holds
+    its EFS write while this node's server sends a range, and writes once the range is sent; with
+    a peer that never reads, it writes anyway after ``YIELD_MAX`` seconds."""
+    from petctl_agent.checkpointing import persist
+
+    _write(tmp_path / "a", 5, state_of=_big)
+    srv = serve(tmp_path / "a")
+    h = srv.store.newest().header
+    monkeypatch.setattr(persist, "YIELD_MAX", 60.0)
+
+    def reader() -> socket.socket:  # a peer's stripe of the whole snapshot, not read yet
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+        fetch._send(s, {"op": "range", "token": TOKEN, "step": 5, "digest": peer.digest(h), "lo": 0,
+                        "n": int(h["size"])})  # fmt: skip
+        assert struct.unpack(">q", fetch._exactly(s, 8))[0] == h["size"]
+        assert srv.wait_quiet(0.3) >= 0.3  # the server is sending (stalled: nobody reads)
+        return s
+
+    def persisted(efs: Path, stop: threading.Event) -> threading.Thread:
+        persist.request(tmp_path / "a", 5, efs, keep=2)
+        t = threading.Thread(target=persist.serve, args=(tmp_path / "a", NAME), daemon=True,
+                             kwargs={"stop": stop, "server": srv, "poll": 0.02})  # fmt: skip
+        t.start()
+        return t
+
+    s, stop = reader(), threading.Event()
+    t = persisted(tmp_path / "efs", stop)
+    time.sleep(1.5)  # unheld, 64 MiB reach EFS in a fraction of that
+    assert persist.state(tmp_path / "a") == {} and not (tmp_path / "efs" / "latest").exists()
+    got = 0
+    buf = bytearray(8 << 20)
+    while got < h["size"]:  # the peer reads its stripe: the persist goes on
+        k = s.recv_into(buf)
+        assert k
+        got += k
+    s.close()
+    assert _eventually(lambda: persist.state(tmp_path / "a").get("step") == 5, 20)
+    stop.set()
+    t.join(10)
+
+    # a peer that never reads holds the write back YIELD_MAX seconds in all, no longer
+    monkeypatch.setattr(persist, "YIELD_MAX", 0.5)
+    _write(tmp_path / "a", 6, state_of=_big)
+    s, stop = reader(), threading.Event()
+    t0 = time.monotonic()
+    t = persisted(tmp_path / "efs", stop)
+    assert _eventually(lambda: persist.state(tmp_path / "a").get("step") == 6, 20)
+    assert time.monotonic() - t0 >= 0.5
+    stop.set()
+    t.join(10)
+    s.close()

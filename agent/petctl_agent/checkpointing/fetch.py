@@ -28,6 +28,10 @@ are complete (and sealed: their writers exited) before the round even opens. So:
   peer died mid-transfer, a torn stripe, no room) leaves no header, and the restore's own path
   (a peer over gloo, then EFS) serves as before. A fetch never makes a restore wrong, only early.
 
+While a range is being sent, the persister's EFS write of the same process waits
+(:meth:`Server.wait_quiet`, at most ``persist.YIELD_MAX`` s a persist): the fetch is on the job's
+path, the persist is not.
+
 Bounds: the whole fetch has a deadline (the agent's: 3/4 of the workers' wait, and it kills the
 process 5 s past it); a server serves 64 connections at once and one range for at most 100 s.
 
@@ -50,7 +54,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from petctl_agent.checkpointing import stripes, timeline
+from petctl_agent.checkpointing import processes, stripes, timeline
 from petctl_agent.checkpointing.snapshot import SnapshotStore
 from petctl_agent.checkpointing.stripes import Torn, choose
 from petctl_agent.checkpointing.writing import OK
@@ -110,6 +114,8 @@ class Server:
         self.store = store
         self.token = token
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._quiet = threading.Condition()
+        self._sending = 0  # ranges being sent now
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.create_server((host, 0), family=family)
         self.addr, self.port = host, self.sock.getsockname()[1]
@@ -132,6 +138,15 @@ class Server:
             self.sock.close()
         except OSError:
             pass
+
+    def wait_quiet(self, limit: float) -> float:
+        """Wait while a range is being sent, at most ``limit`` s; the seconds waited. The persister
+        calls it between its EFS writes: a fetch is on the job's path (every rank waits for it),
+        the persist is not, and both want the node's CPU, memory bandwidth and network interface."""
+        t0 = time.monotonic()
+        with self._quiet:
+            self._quiet.wait_for(lambda: self._sending == 0, timeout=max(0.0, limit))
+        return time.monotonic() - t0
 
     def _accept(self) -> None:
         while True:
@@ -190,12 +205,19 @@ class Server:
                     conn.sendall(struct.pack(">q", -1))
                     return
                 conn.sendall(struct.pack(">q", n))
-                # in pieces, under one deadline: a reader that trickles never holds the pin long
-                end = time.monotonic() + RANGE_DEADLINE
-                for off in range(lo, lo + n, SEND_PIECE):
-                    if time.monotonic() > end:
-                        return  # the connection closes: the reader's stripe is torn
-                    conn.sendfile(f, off, min(SEND_PIECE, lo + n - off))
+                with self._quiet:
+                    self._sending += 1
+                try:
+                    # in pieces, under one deadline: a reader that trickles never holds the pin long
+                    end = time.monotonic() + RANGE_DEADLINE
+                    for off in range(lo, lo + n, SEND_PIECE):
+                        if time.monotonic() > end:
+                            return  # the connection closes: the reader's stripe is torn
+                        conn.sendfile(f, off, min(SEND_PIECE, lo + n - off))
+                finally:
+                    with self._quiet:
+                        self._sending -= 1
+                        self._quiet.notify_all()
         finally:
             os.close(pin)  # unpinned: the writer may take the slot again
 
@@ -352,24 +374,12 @@ def wait_for_fetch(sdir: Path, timeout: float) -> float:
     return time.monotonic() - t0
 
 
-def _die_with_parent() -> None:
-    """SIGTERM when the agent dies (Linux ``PR_SET_PDEATHSIG``): a fetch never fills a store that
-    nobody owns any more."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     """``python -m petctl_agent.checkpointing.fetch SNAPSHOT_DIR NAME [--deadline S] < SOURCES``: the
     agent's fetch for a node that joins. SOURCES, on stdin (the tokens are never on a command line):
     a JSON list of ``{"addr", "port", "token"}``. Exits 0 whatever the outcome (the restore's own
     path is the fallback; ``fetched.json`` and one stderr line say what happened)."""
-    _die_with_parent()
+    processes.die_with_parent()
     ap = argparse.ArgumentParser(prog="petctl_agent.checkpointing.fetch")
     ap.add_argument("snapshot_dir")
     ap.add_argument("name")

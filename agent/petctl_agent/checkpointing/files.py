@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,14 +89,19 @@ def publish_lock(d: Path) -> Iterator[None]:
 
 
 class HashingFile:
-    """A write-only file object for ``torch.save`` that also sha256s what goes through it."""
+    """A write-only file object for ``torch.save`` that also sha256s what goes through it;
+    ``pause`` (if given) is called before each write (``torch.save`` writes a tensor's bytes in
+    one call): a background writer yields there to work on the job's path."""
 
-    def __init__(self, f: Any) -> None:
+    def __init__(self, f: Any, pause: Callable[[], Any] | None = None) -> None:
         self.f = f
         self.sha = hashlib.sha256()
         self.size = 0
+        self.pause = pause
 
     def write(self, b: Any) -> int:
+        if self.pause is not None:
+            self.pause()
         self.sha.update(b)
         n = self.f.write(b)
         self.size += n

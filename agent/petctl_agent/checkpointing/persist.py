@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from petctl_agent import filelocks, knobs
-from petctl_agent.checkpointing import persisting, timeline
+from petctl_agent.checkpointing import persisting, processes, timeline
 from petctl_agent.checkpointing.atomic import atomic_write
 from petctl_agent.checkpointing.files import read_pointer
 from petctl_agent.checkpointing.snapshot import SnapshotStore
@@ -70,9 +70,23 @@ def state(snapshot_dir: Path) -> dict[str, Any]:
     return _read_json(Path(snapshot_dir) / STATE) or {}
 
 
-def serve(snapshot_dir: Path, name: str, poll: float = 0.05, stop: threading.Event | None = None) -> int:
+#: seconds one persist waits at most, in all, for this node's snapshot server to finish sending
+#: (:meth:`.fetch.Server.wait_quiet`): a newcomer's fetch goes first; a stream of them never
+#: holds the durable copy back for long
+YIELD_MAX = 30.0
+
+
+def serve(
+    snapshot_dir: Path,
+    name: str,
+    poll: float = 0.05,
+    stop: threading.Event | None = None,
+    server: Any = None,
+) -> int:
     """The agent's persister: serve ``persist.request`` until SIGTERM (the persist in flight, or a
-    request whose snapshot is complete but not yet persisted, ends first)."""
+    request whose snapshot is complete but not yet persisted, ends first). ``server`` (this node's
+    :class:`.fetch.Server`, or None): each persist's writes wait while it sends a range to a peer
+    that fetches, :data:`YIELD_MAX` s at most in all."""
     sdir = Path(snapshot_dir)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
@@ -94,7 +108,7 @@ def serve(snapshot_dir: Path, name: str, poll: float = 0.05, stop: threading.Eve
                 if c is not None and c.key >= want:
                     d = Path(req["dir"])
                     try:
-                        persisting.persist_newest(store, d, int(req.get("keep", 3)))
+                        persisting.persist_newest(store, d, int(req.get("keep", 3)), _yielding(server))
                         p = read_pointer(d) or {}
                         if timeline.key(p) >= want:
                             done = (req["dir"], want)
@@ -115,6 +129,19 @@ def serve(snapshot_dir: Path, name: str, poll: float = 0.05, stop: threading.Eve
         store.close()
         os.close(lock)
     return 0
+
+
+def _yielding(server: Any) -> Any:
+    """A persist's ``pause``: wait while ``server`` sends, :data:`YIELD_MAX` s at most in all."""
+    if server is None:
+        return None
+    left = [YIELD_MAX]
+
+    def pause() -> None:
+        if left[0] > 0:
+            left[0] -= server.wait_quiet(left[0])
+
+    return pause
 
 
 def _report(sdir: Path, body: dict[str, Any]) -> None:
@@ -178,16 +205,6 @@ def _start_server(sdir: Path, name: str) -> Any:
         return None
 
 
-def _die_with_parent() -> None:
-    """SIGTERM when the agent dies (Linux ``PR_SET_PDEATHSIG``): a store is never served orphaned."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     """``python -m petctl_agent.checkpointing.persist --serve SNAPSHOT_DIR NAME``: the agent's persister.
 
@@ -211,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.verify:
         # the agent's, once its old workers are gone: the next restore from this node skips the pass
-        _die_with_parent()
+        processes.die_with_parent()
         t0 = time.monotonic()
         store = SnapshotStore(a.snapshot_dir, a.name)
         n = store.newest() if a.step is not None else None
@@ -228,13 +245,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"petctl verify: {what} in {time.monotonic() - t0:.2f} s", file=sys.stderr, flush=True)
         return 0
     if a.serve:
-        _die_with_parent()
+        processes.die_with_parent()
         # before _yield_cpu: its threads keep the agent's priority (niceness is per thread on
         # Linux, inherited by the threads a thread starts): a newcomer's fetch is on the job's path
         server = _start_server(Path(a.snapshot_dir), a.name)
         _yield_cpu()
         try:
-            return serve(Path(a.snapshot_dir), a.name)
+            return serve(Path(a.snapshot_dir), a.name, server=server)
         finally:
             if server is not None:
                 server.close()

@@ -23,6 +23,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,11 @@ from petctl_agent.checkpointing.snapshot import SnapshotStore
 from petctl_agent.checkpointing.verification import crcs_match
 
 
-def persist_newest(store: SnapshotStore, directory: Path, keep: int = 3) -> int | None:
+def persist_newest(
+    store: SnapshotStore, directory: Path, keep: int = 3, pause: Callable[[], Any] | None = None
+) -> int | None:
     """Persist the newest complete snapshot if ``latest`` is older; the step persisted, else None.
+    ``pause``: called before each write to the file (the persister's yield to a peer's fetch).
 
     Older by ``(epoch, step)`` (:mod:`.timeline`): a snapshot of an abandoned history never
     replaces the live one's ``latest``, however high its step; the live history's replaces an
@@ -53,20 +57,24 @@ def persist_newest(store: SnapshotStore, directory: Path, keep: int = 3) -> int 
     pointer = read_pointer(directory)
     if timeline.key(pointer) >= c.key:
         return None  # already there (or EFS is ahead: a restart of the whole job restored from it)
-    return c.step if _persist(store, c, directory, keep) else None
+    return c.step if _persist(store, c, directory, keep, pause) else None
 
 
-def _persist(store: SnapshotStore, c: Complete, d: Path, keep: int) -> bool:
+def _persist(
+    store: SnapshotStore, c: Complete, d: Path, keep: int, pause: Callable[[], Any] | None = None
+) -> bool:
     pin = store.pin(c)
     if pin is None:
         return False  # the writer took the slot first: the caller picks the newest again
     try:
-        return _persist_pinned(store, c, d, keep)
+        return _persist_pinned(store, c, d, keep, pause)
     finally:
         os.close(pin)  # unpinned: the writer may use the slot again
 
 
-def _persist_pinned(store: SnapshotStore, c: Complete, d: Path, keep: int) -> bool:
+def _persist_pinned(
+    store: SnapshotStore, c: Complete, d: Path, keep: int, pause: Callable[[], Any] | None
+) -> bool:
     import torch
 
     h = c.header
@@ -102,7 +110,7 @@ def _persist_pinned(store: SnapshotStore, c: Complete, d: Path, keep: int) -> bo
         state = decode_structure(h["structure"], tensors)
         tmp, f = open_temp(d, name)
         with f:
-            hf = HashingFile(f)
+            hf = HashingFile(f, pause)
             torch.save({"step": c.step, "epoch": c.epoch, "state": state, "saved_at": time.time()}, hf)
             f.flush()
             os.fsync(f.fileno())

@@ -58,3 +58,15 @@ def this_process() -> tuple[int, str | None]:
     if _me is None or _me[0] != pid:  # a forked child is another process
         _me = (pid, start_time(pid))
     return _me
+
+
+def die_with_parent() -> None:
+    """SIGTERM this process when its parent (the agent) dies (Linux ``PR_SET_PDEATHSIG``): a
+    store is never served, nor filled, with nobody owning it any more."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
