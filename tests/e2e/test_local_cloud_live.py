@@ -76,6 +76,10 @@ def training_at(world: int, after: int = -1):
     return cond
 
 
+def _drained(st: dict) -> set[str]:
+    return {e["instance_id"] for e in st["events"] if e["kind"] == "drained"}
+
+
 def step_lines(job: str) -> dict[str, dict[int, str]]:
     """Per instance, the weights' hash at each step it committed (its last line of that number: a
     discarded attempt repeats the number)."""
@@ -108,10 +112,11 @@ def test_live_job_survivors_never_restart(local_home) -> None:
     joiner = ({h["instance_id"] for h in workers(st)} - first).pop()
 
     assert petctl("scale", job, "--size", "2").returncode == 0
-    st = wait_for(
-        job, "2 nodes after the drain", training_at(2, after=max(h["last_step"] for h in workers(st)))
-    )
-    drained = {e["instance_id"] for e in st["events"] if e["kind"] == "drained"}
+    at2 = training_at(2, after=max(h["last_step"] for h in workers(st)))
+    # the survivors may step at 2 before the leaving node's workers have exited: its agent's
+    # `drained` (published once they have) is waited for too, not assumed already shipped
+    st = wait_for(job, "2 nodes after the drain, and the drain's end", lambda s: at2(s) and _drained(s))
+    drained = _drained(st)
     assert len(drained) == 1, st["events"]
     alive = {h["instance_id"] for h in workers(st)}
 
