@@ -204,10 +204,10 @@ class Server:
                 if os.fstat(f.fileno()).st_size != size or not 0 <= lo <= lo + n <= size:
                     conn.sendall(struct.pack(">q", -1))
                     return
-                conn.sendall(struct.pack(">q", n))
-                with self._quiet:
+                with self._quiet:  # sending from before the length goes out: a peer that has it is counted
                     self._sending += 1
                 try:
+                    conn.sendall(struct.pack(">q", n))
                     # in pieces, under one deadline: a reader that trickles never holds the pin long
                     end = time.monotonic() + RANGE_DEADLINE
                     for off in range(lo, lo + n, SEND_PIECE):
