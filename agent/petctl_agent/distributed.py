@@ -152,7 +152,10 @@ def init_process_group(backend: str | None = None, timeout_s: float | None = Non
     master_addr = os.environ["MASTER_ADDR"]
     master_port = int(os.environ["MASTER_PORT"])
     store_kwargs = {}
-    if rank == 0 and master_addr == addr:
+    # rank 0's agent serves the store (torchrun's way, petctl's default), listening before any
+    # worker starts: every rank is a client
+    serves = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    if serves and master_addr == addr:
         # TCPStore has no bind-address option and listens on the wildcard address;
         # handing it a socket we bound ourselves keeps it on the node address.
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -160,9 +163,9 @@ def init_process_group(backend: str | None = None, timeout_s: float | None = Non
         sock.bind((addr, master_port))
         sock.listen(512)
         store_kwargs["master_listen_fd"] = sock.detach()
-    elif rank != 0:
+    elif not serves:
         await_listener(master_addr, master_port, timeout.total_seconds())
-    store = dist.TCPStore(master_addr, master_port, world, rank == 0, timeout=timeout, **store_kwargs)
+    store = dist.TCPStore(master_addr, master_port, world, serves, timeout=timeout, **store_kwargs)
     if plan.backend == "gloo":
         # (NCCL rejects gloo options: only for a pure gloo group.)
         pg_options = dist.ProcessGroupGloo._Options()

@@ -324,26 +324,41 @@ def test_the_rank_order_survives_two_etcd_replacements(group: Callable[..., Grou
         e.stop()
 
 
+def _squat(port: int) -> None:
+    """Take ``port`` as a process that wants it would: SO_REUSEADDR, bind, listen (raises if held)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("", port))
+        s.listen(1)
+
+
 def test_the_master_port_hand_over(group: Callable[..., Group]) -> None:
     """The record's master port is below the kernel's ephemeral range (no outgoing connection
-    takes it before rank 0's store binds it), rank 0's TCPStore binds it and rank 1 reaches it;
-    the agent-side store (etcd v3) carries torch's exit barrier."""
+    takes it), and rank 0's agent serves the workers' TCPStore on it from the round's close, as
+    torchrun's does: every rank is a client (``use_agent_store``), no process can take the port
+    meanwhile (not even with SO_REUSEADDR), and the store ends with the node's next join or its
+    leave. The agent-side store (etcd v3) carries torch's exit barrier."""
     from torch.distributed import TCPStore
     from torch.distributed.elastic.utils.store import barrier
 
     g = group(2, 2, settle=0.1)
     a, b = g.new(), g.new()
+    assert a.use_agent_store and b.use_agent_store
     res = g.rendezvous(a, b)
     infos = sorted(res.values(), key=lambda i: i.rank)
     port = infos[0].bootstrap_store_info.master_port
     assert {i.bootstrap_store_info.master_port for i in infos} == {port}
     assert 1024 <= port < joining._ephemeral_low()
-    with socket.socket() as other, pytest.raises(OSError):
-        other.bind(("", port))  # held by rank 0's agent until its worker's store listens
+    for host in ("", "127.0.0.1"):
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind((host, port))
+    with pytest.raises(OSError):
+        _squat(port)
     t = timedelta(seconds=10)
-    master = TCPStore("127.0.0.1", port, 2, True, timeout=t, wait_for_workers=False)
-    TCPStore(infos[1].bootstrap_store_info.master_addr, port, 2, False, timeout=t).set("x", "1")
-    assert master.get("x") == b"1"
+    clients = [TCPStore(i.bootstrap_store_info.master_addr, port, 2, False, timeout=t) for i in infos]
+    clients[1].set("x", "1")
+    assert clients[0].get("x") == b"1" and clients[0].add("n", 1) == 1 and clients[1].add("n", 1) == 2
+    del clients
     errors: list[BaseException] = []
 
     def exit_barrier(i) -> None:
@@ -364,11 +379,48 @@ def test_the_master_port_hand_over(group: Callable[..., Group]) -> None:
     assert infos[0].store.check(["n", "cs"]) and not infos[0].store.check(["nope"])
     assert infos[1].store.multi_get(["n", "cs"]) == [b"5", b"a"]
     assert a.get_backend() == BACKEND
-    other_port = (b if infos[0] is res[a] else a)._port_hold.getsockname()[1]  # noqa: SLF001
+    rank0 = a if res[a].rank == 0 else b
+    other_port = (b if rank0 is a else a)._port_hold.getsockname()[1]  # noqa: SLF001
+    fds = len(os.listdir("/proc/self/fd"))
+    g.join(a, b)  # a new round: rank 0's store of the last one ends, its port goes
+    res = g.wait(a, b)
+    wait_for(lambda: _free(port), 5, "the last round's store to end with the next join")
+    assert len(os.listdir("/proc/self/fd")) <= fds + 2  # the new hold (+ a served store's dup)
+    new_port = res[rank0].bootstrap_store_info.master_port if res[rank0].rank == 0 else None
     for h in (a, b):
         h.leave()
-    with socket.socket() as s:
-        s.bind(("", other_port))  # a node that leaves lets its port go
+    _squat(other_port)  # a node that leaves lets its port go
+    if new_port is not None:
+        wait_for(lambda: _free(new_port), 5, "the store to end when its node leaves")
+
+
+def _free(port: int) -> bool:
+    try:
+        _squat(port)
+    except OSError:
+        return False
+    return True
+
+
+def test_a_script_may_host_its_own_store_with_torchs_switch(
+    group: Callable[..., Group], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (torchrun's switch) leaves the store to the
+    script's rank 0, as before: the agent holds the port without listening (a plain bind fails),
+    and a script's own master ``TCPStore`` binds it."""
+    from torch.distributed import TCPStore
+
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    g = group(1, 1, settle=0.1)
+    a = g.new()
+    assert not a.use_agent_store
+    port = g.rendezvous(a)[a].bootstrap_store_info.master_port
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("", port))
+    t = timedelta(seconds=10)
+    master = TCPStore("127.0.0.1", port, 1, True, timeout=t, wait_for_workers=False)
+    master.set("k", "v")
+    assert TCPStore("127.0.0.1", port, 1, False, timeout=t).get("k") == b"v"
 
 
 @pytest.mark.parametrize("who", [2, 0], ids=["a-follower", "the-leader"])

@@ -507,13 +507,15 @@ import os, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 t = torch.ones(1)
 dist.all_reduce(t)
-print(f"RANK={os.environ['RANK']} WORLD={os.environ['WORLD_SIZE']} SUM={t.item():.0f}", flush=True)
+agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+print(f"RANK={os.environ['RANK']} WORLD={os.environ['WORLD_SIZE']} SUM={t.item():.0f} AGENT_STORE={agent}", flush=True)
 dist.destroy_process_group()
 """
 
 
 def test_torchrun_with_the_wrapper(etcd_server: Etcd, tmp_path: Path) -> None:
-    """``python -m petctl_agent.rendezvous`` = torchrun with petctl-etcd: 2 nodes run a gloo all_reduce."""
+    """``python -m petctl_agent.rendezvous`` = torchrun with petctl-etcd: 2 nodes run a gloo
+    all_reduce, each rank a client of the store rank 0's agent serves (``use_agent_store``)."""
     import sys
 
     script = tmp_path / "train.py"
@@ -526,4 +528,4 @@ def test_torchrun_with_the_wrapper(etcd_server: Etcd, tmp_path: Path) -> None:
     ]  # fmt: skip
     outs = run_together(cmd, 2, tmp_path)
     lines = sorted(line for out in outs for line in out.splitlines() if line.startswith("RANK="))
-    assert lines == ["RANK=0 WORLD=2 SUM=2", "RANK=1 WORLD=2 SUM=2"], outs
+    assert lines == ["RANK=0 WORLD=2 SUM=2 AGENT_STORE=True", "RANK=1 WORLD=2 SUM=2 AGENT_STORE=True"], outs

@@ -37,8 +37,9 @@ etcd's v3 JSON gateway:
 * **Loss detection**: fast from the data plane (a peer's collectives fail, a worker exits:
   the agent re-joins and its join opens the round), slow from the lease (the backstop, which
   rides through a 3 s pause of an agent or of etcd).
-* **Store**: workers host their own TCPStore (``use_agent_store`` is False) at a port rank 0
-  picked below the kernel's ephemeral range; the record carries it. The agent-side store in
+* **Store**: rank 0's agent serves the workers' TCPStore (``use_agent_store``, as torchrun's) on
+  the port it picked below the kernel's ephemeral range and holds listening from its join; the
+  record carries it. The agent-side store in
   ``RendezvousInfo`` is :class:`.store.V3Store` under ``<base>/store/<r>/``.
 * **etcd outages**: every watcher re-reads after an error and resumes from the read's
   revision; a restarted etcd (same data) keeps the leases. A replaced etcd is seen by its

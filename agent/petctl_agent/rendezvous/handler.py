@@ -122,6 +122,11 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
         self._lapse_cleared: set[tuple[str, int]] = set()
         #: the master port our last join published, bound and held until the next (joining.py)
         self._port_hold: socket.socket | None = None
+        #: rank 0 of our last round: the workers' TCPStore we serve on that port (joining.py)
+        self._workers_store: Any = None
+        #: the workers' store is ours (rank 0's agent), as torchrun's; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+        #: (torchrun's own switch) leaves it to the script's rank 0
+        self._agent_store = os.getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") != "1"
         self._lapse_target: int | None = None
         #: (threshold, window opened at) the memo's times were set for (lapse.py)
         self._lapse_window: tuple[float | None, float | None] | None = None
@@ -201,8 +206,8 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
 
     @property
     def use_agent_store(self) -> bool:
-        # Workers run their own TCPStore on rank 0's node at the port in the round record.
-        return False
+        # rank 0's agent serves the workers' TCPStore at the port in the round record (joining.py)
+        return self._agent_store
 
     def get_run_id(self) -> str:
         return self.run_id
@@ -313,10 +318,8 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
                 if w is not None:
                     w.stop()
             pool, self._lease_pool = self._lease_pool, None
-            held, self._port_hold = self._port_hold, None
             self._bump()
-        if held is not None:
-            held.close()
+        self._release_port()
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
 

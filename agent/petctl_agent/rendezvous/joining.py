@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import socket
 import time
@@ -19,6 +20,7 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
+    RendezvousError,
     RendezvousGracefulExitError,
     RendezvousInfo,
     RendezvousStoreInfo,
@@ -85,26 +87,44 @@ def _free_port(addr: str | None) -> int:
     raise OSError("no free port")
 
 
-def _hold_port(addr: str | None) -> socket.socket:
-    """A :func:`_free_port` port, bound on the wildcard address and held, not listening, with
-    ``SO_REUSEADDR``, until this node joins again: a process that binds the port without that
-    option in the seconds before rank 0's worker listens on it (on any address) fails instead of
-    taking it. Rank 0's store still binds it: the petctl helper's and torch's own ``TCPStore`` set
-    ``SO_REUSEADDR``, and Linux lets a listener share a port with bound sockets that do not listen
-    (``tests/agent/test_master_port.py``). Left open: a process that sets ``SO_REUSEADDR`` and
-    listens on that very port first."""
+def _hold_port(addr: str | None, listen: bool = False) -> socket.socket:
+    """A :func:`_free_port` port, bound and held with ``SO_REUSEADDR`` until this node joins again.
+
+    ``listen`` (the workers' store is the agent's, ``use_agent_store``): bound on ``addr`` (an IP
+    literal; else the wildcard) and listening from this instant; rank 0's agent serves the
+    workers' store on this very socket (:meth:`Joining._serve_workers_store`), so no other
+    process can take the port between the pick and the store, with ``SO_REUSEADDR`` or without.
+
+    Otherwise (a script's rank 0 hosts the store): bound on the wildcard, not listening: a process
+    that binds the port without ``SO_REUSEADDR`` in the seconds before rank 0's worker listens on
+    it fails instead of taking it. Rank 0's store still binds it: the petctl helper's and torch's
+    own ``TCPStore`` set ``SO_REUSEADDR``, and Linux lets a listener share a port with bound
+    sockets that do not listen (``tests/agent/test_master_port.py``). Left open on that path: a
+    process that sets ``SO_REUSEADDR`` and listens on that very port first."""
     family = socket.AF_INET6 if addr and ":" in addr else socket.AF_INET
-    wildcard = "::" if family == socket.AF_INET6 else ""
+    host = "::" if family == socket.AF_INET6 else ""
+    if listen and addr and _is_ip(addr):
+        host = addr
     for _ in range(8):
         port = _free_port(addr)
         s = socket.socket(family)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((wildcard, port))
+            s.bind((host, port))
+            if listen:
+                s.listen(1024)  # a bound, not listening SO_REUSEADDR socket of another: EADDRINUSE
             return s
         except OSError:  # taken since _free_port looked
             s.close()
     raise OSError("no free port to hold")
+
+
+def _is_ip(addr: str) -> bool:
+    try:
+        socket.inet_pton(socket.AF_INET6 if ":" in addr else socket.AF_INET, addr)
+    except OSError:
+        return False
+    return True
 
 
 class Joining:
@@ -188,13 +208,41 @@ class Joining:
                     self._cond.wait(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
 
     def _take_port(self) -> int:
-        """This join's master port, held until the next join or until we leave (:func:`_hold_port`)."""
-        held = _hold_port(self.addr)
+        """This join's master port, held until the next join or until we leave (:func:`_hold_port`);
+        the store the last one served (rank 0 of the last round) ends here."""
+        held = _hold_port(self.addr, listen=self.use_agent_store)
+        self._release_port(held)
+        return int(held.getsockname()[1])
+
+    def _release_port(self, held: socket.socket | None = None) -> None:
+        """End the workers' store we served and close the port we held; hold ``held`` instead."""
         with self._cond:
             old, self._port_hold = self._port_hold, held
+            store, self._workers_store = self._workers_store, None
+        del store  # torch's TCPStore server stops with its last reference (it owns a dup of the socket)
         if old is not None:
             old.close()
-        return int(held.getsockname()[1])
+
+    def _serve_workers_store(self, port: int) -> None:
+        """As rank 0 of a round, with ``use_agent_store``: serve the workers' ``TCPStore`` on the
+        port this join held and published (it listens already), until this node joins again or
+        leaves, as torchrun's agent does. Each rank's ``init_process_group`` (env://, with
+        ``TORCHELASTIC_USE_AGENT_STORE``) is a client of it; a fresh store for each start of the
+        workers, so no key outlives the round. Caller holds _cond."""
+        from torch.distributed import TCPStore
+
+        held = self._port_hold
+        if held is None or int(held.getsockname()[1]) != port:
+            raise RendezvousError(f"round's master port {port} is not the port this node holds")
+        fd = os.dup(held.fileno())
+        try:
+            self._workers_store = TCPStore(
+                self.addr, port, None, True, timeout=timedelta(seconds=self.cfg.store_timeout),
+                wait_for_workers=False, master_listen_fd=fd,
+            )  # fmt: skip
+        except BaseException:
+            os.close(fd)
+            raise
 
     def _join(
         self,
@@ -260,6 +308,8 @@ class Joining:
             self._joins = None
         self._bump()
         world = int(rec["n"])
+        if rank == 0 and self.use_agent_store:
+            self._serve_workers_store(int(rec["master_port"]))
         store = V3Store(self._etcd, self.keys.store(target), timedelta(seconds=self.cfg.store_timeout))
         self._event(f"round {target} rank {rank}/{world}")
         log.info(
