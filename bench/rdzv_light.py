@@ -12,7 +12,7 @@ package's own helpers (``layout.Keys``, ``record.read_rank``, ``joining._free_po
   A lost lease (etcd says not found, or no keepalive succeeded before its deadline) registers
   again, as the handler's keeper does.
 * **Keepalives**: ``keepalive_threads`` threads per process send every node's keepalive every
-  ``refresh`` (one lease id per request: the JSON gateway's ``lease/keepalive``), each on its
+  ``refresh`` on a fixed clock, ``lease.LEAD`` early (one lease id per request: the JSON gateway's ``lease/keepalive``), each on its
   own keep-alive HTTP connection, with ``etcdv3.Lease._run``'s deadline and loss rules.
 * **Joins and rank reads**: ``workers`` threads run each node's requests: its join
   ``joins/<r>/<id>`` (``{"addr", "port", "reg"}`` and ``prev`` = its last ``[seq, rank, token]``, ``seen``,
@@ -41,6 +41,8 @@ import queue
 import threading
 import time
 from typing import Any
+
+from petctl_agent.rendezvous.lease import LEAD
 
 #: node states
 WAIT, REG, STRAG, IDLE, JOINING, RUN, GONE = "wait", "reg", "strag", "idle", "joining", "run", "gone"
@@ -213,6 +215,7 @@ class LightPool:
     def _keepalives(self, mine: list[Node]) -> None:
         v3 = self.v3
         refresh = self.cfg.refresh
+        period = refresh * (1.0 - LEAD)
         while not self.plan.stop.is_set():
             now = time.monotonic()
             nxt = now + 0.1
@@ -239,7 +242,10 @@ class LightPool:
                     else:
                         if n.lease == lid:
                             n.deadline = sent + ttl
-                    n.next_ka = time.monotonic() + refresh
+                    # the product's schedule (lease.Lease._run): a fixed clock, LEAD early
+                    n.next_ka += period
+                    if n.next_ka <= sent:
+                        n.next_ka = sent + period
                     now = time.monotonic()
                 nxt = min(nxt, n.next_ka)
             time.sleep(max(0.005, nxt - time.monotonic()))

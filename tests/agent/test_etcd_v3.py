@@ -215,6 +215,43 @@ while True:
 """
 
 
+def test_a_slow_keepalive_answer_never_widens_the_gap_between_renewals(client: v3.Client, etcd: Etcd) -> None:
+    """Keepalives go out on a fixed clock, not ``interval`` after each answer: with every answer
+    0.25 s slow (a loaded etcd, a slow network), etcd still hears a renewal at least every
+    ``interval``, so each lease read asking "renewed since 1.05 s ago?" (the first read of a
+    loss window, ``decide.heard_since``) says yes. Timed from the answer, one renewal came every
+    1.25 s and about one read in five said no: a second read of a live lease."""
+    from petctl_agent.rendezvous import decide
+
+    sends: list[float] = []
+    real = client.keepalive_once
+
+    def slow(lease: int, timeout: float | None = None) -> int:
+        sends.append(time.monotonic())
+        ttl = real(lease, timeout=timeout)
+        time.sleep(0.25)
+        return ttl
+
+    client.keepalive_once = slow  # type: ignore[method-assign]
+    reader = v3.connect(etcd.endpoint, timeout=5)
+    lid, ttl = client.grant(6)
+    lease = v3.Lease(client, lid, ttl, interval=1.0).start()
+    try:
+        time.sleep(1.2)
+        missed = []
+        for _ in range(12):
+            sent = time.monotonic()
+            remaining, _ = reader.time_to_live(lid)
+            if not decide.heard_since(remaining, ttl, sent, sent - decide.clear_after(1.0)):
+                missed.append(round(sent - sends[0], 2))
+            time.sleep(0.37)
+    finally:
+        lease.revoke()
+    gaps = [b - a for a, b in zip(sends, sends[1:])]
+    assert len(gaps) >= 3 and max(gaps) <= 1.0, [round(g, 3) for g in gaps]
+    assert not missed, f"reads that saw no renewal in the last 1.05 s, at {missed} s"
+
+
 def test_lease_survives_a_3s_sigstop_of_its_owner(client: v3.Client, etcd: Etcd) -> None:
     owner = subprocess.Popen(
         [sys.executable, "-c", OWNER, etcd.endpoint],

@@ -10,6 +10,10 @@ from typing import Protocol
 
 from petctl_agent.rendezvous.errors import ClusterChanged, EtcdError, LeaseNotFound
 
+#: how much sooner than ``interval`` each keepalive goes out (a fraction of it): the margin for a
+#: late wake-up or a slow delivery, so that etcd's gaps between renewals stay under ``interval``
+LEAD = 0.05
+
 
 class Client(Protocol):
     """What a lease needs of :class:`~.etcdv3.Client` (no import of it: it imports this)."""
@@ -22,7 +26,8 @@ class Client(Protocol):
 
 
 class Lease:
-    """A granted lease, kept alive by a daemon thread every ``interval`` (``ttl/3``).
+    """A granted lease, kept alive by a daemon thread every ``interval`` (``ttl/3``): sent on a
+    fixed clock, ``LEAD`` of ``interval`` early, however long each round trip takes.
 
     ``lost`` is set (and ``on_lost`` called once, from the thread) when etcd says the lease
     has ended, or when no keepalive succeeded before the lease's deadline: the last
@@ -68,8 +73,19 @@ class Lease:
         return self
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        # A fixed rate, a little faster than ``interval``: etcd hears a renewal at least every
+        # ``interval`` s, however long each keepalive's round trip takes. Counted from the answer
+        # (as it was), every renewal came ``interval`` + the round trip after the last, so a lease
+        # read that asks "renewed in the last ``interval`` s?" (``decide.heard_since``) missed it
+        # in about (round trip / interval) of reads: 1 % at 1,000 nodes on 2 cores, each a second
+        # read of a live lease (docs/rendezvous.md, "Reads in a window").
+        period = self.interval * (1.0 - LEAD)
+        due = time.monotonic() + period
+        while not self._stop.wait(max(0.0, due - time.monotonic())):
             sent = time.monotonic()
+            due += period
+            if due <= sent:  # behind (a stall, a slow answer): on the rate again from this one
+                due = sent + period
             # never wait past the deadline: an answer after it would not save the lease; and
             # at most ttl/3, so that a keepalive lost on a dead connection (no FIN, no RST)
             # leaves time to retry on a new one (this thread's, dropped on a timeout)
