@@ -20,7 +20,6 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
-    RendezvousError,
     RendezvousGracefulExitError,
     RendezvousInfo,
     RendezvousStoreInfo,
@@ -101,22 +100,30 @@ def _hold_port(addr: str | None, listen: bool = False) -> socket.socket:
     own ``TCPStore`` set ``SO_REUSEADDR``, and Linux lets a listener share a port with bound
     sockets that do not listen (``tests/agent/test_master_port.py``). Left open on that path: a
     process that sets ``SO_REUSEADDR`` and listens on that very port first."""
+    for _ in range(8):
+        try:
+            return _bind(addr, _free_port(addr), listen)
+        except OSError:  # taken since _free_port looked
+            continue
+    raise OSError("no free port to hold")
+
+
+def _bind(addr: str | None, port: int, listen: bool) -> socket.socket:
+    """``port`` bound with ``SO_REUSEADDR`` as :func:`_hold_port` holds it (OSError: taken)."""
     family = socket.AF_INET6 if addr and ":" in addr else socket.AF_INET
     host = "::" if family == socket.AF_INET6 else ""
     if listen and addr and _is_ip(addr):
         host = addr
-    for _ in range(8):
-        port = _free_port(addr)
-        s = socket.socket(family)
+    s = socket.socket(family)
+    try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-            if listen:
-                s.listen(1024)  # a bound, not listening SO_REUSEADDR socket of another: EADDRINUSE
-            return s
-        except OSError:  # taken since _free_port looked
-            s.close()
-    raise OSError("no free port to hold")
+        s.bind((host, port))
+        if listen:
+            s.listen(1024)  # a bound, not listening SO_REUSEADDR socket of another: EADDRINUSE
+    except OSError:
+        s.close()
+        raise
+    return s
 
 
 def _is_ip(addr: str) -> bool:
@@ -233,7 +240,15 @@ class Joining:
 
         held = self._port_hold
         if held is None or int(held.getsockname()[1]) != port:
-            raise RendezvousError(f"round's master port {port} is not the port this node holds")
+            # the round carries the port of an earlier join of ours to it (the join key existed,
+            # so the later join's port was never published): serve on that one
+            try:
+                held = _bind(self.addr, port, listen=True)
+            except OSError as e:
+                log.warning("cannot serve the workers' store on port %d (%s): their start fails, "
+                            "and the next round picks another port", port, e)  # fmt: skip
+                return
+            self._release_port(held)
         fd = os.dup(held.fileno())
         try:
             self._workers_store = TCPStore(
