@@ -141,6 +141,7 @@ def _health(w: dict[str, Any]) -> dict[str, Any]:
         "cpu_cores": w.get("cpu_cores"),
         "load1": round(w.get("load1", 0.0), 1),
         "ka_late": int(io.get("ka_late", 0)),
+        "ka_behind": int(io.get("ka_behind", 0)),
         "leases_lost": int(io.get("leases_lost", 0)),
         "task_errors": int(io.get("task_errors", 0)),
     }

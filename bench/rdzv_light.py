@@ -226,6 +226,8 @@ class LightPool:
                     late = now - n.next_ka
                     if late > refresh:
                         self.io.add("ka_late")
+                    if late > refresh * LEAD:  # past the product's margin: etcd may hear a gap > refresh
+                        self.io.add("ka_behind")
                     lid = n.lease
                     sent = time.monotonic()
                     budget = max(0.1, min(self.cfg.request_timeout, n.deadline - sent))

@@ -76,9 +76,11 @@ IO_KINDS = (
     # watches would have received beyond their process's shared one (rdzv_light.py)
     "rereads",
     "fanout_bytes",
-    # light nodes only: keepalives sent more than ``refresh`` late, leases lost (registered
-    # again), requests that failed (retried)
+    # light nodes only: keepalives sent more than ``refresh`` late, and more than the product's
+    # margin (``lease.LEAD`` of it: etcd may then hear a gap over ``refresh``), leases lost
+    # (registered again), requests that failed (retried)
     "ka_late",
+    "ka_behind",
     "leases_lost",
     "task_errors",
     # light nodes: the JSON bytes of their reads of nodes/ (one per registration, as a real node
