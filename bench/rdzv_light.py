@@ -192,7 +192,7 @@ class LightPool:
         read_membership(self.snap, self.keys, base)
         with self.lock:
             n.lease, n.ttl, n.deadline = lid, ttl, sent + ttl
-            n.next_ka = time.monotonic() + self.cfg.refresh
+            n.next_ka = time.monotonic() + self.cfg.refresh * (1.0 - LEAD)  # the product's first (lease.py)
             n.reg, n.epoch = created, n.epoch + 1
             first = n.state == REG
             if first:

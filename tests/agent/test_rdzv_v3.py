@@ -336,8 +336,9 @@ def test_the_master_port_hand_over(group: Callable[..., Group]) -> None:
     """The record's master port is below the kernel's ephemeral range (no outgoing connection
     takes it), and rank 0's agent serves the workers' TCPStore on it from the round's close, as
     torchrun's does: every rank is a client (``use_agent_store``), no process can take the port
-    meanwhile (not even with SO_REUSEADDR), and the store ends with the node's next join or its
-    leave. The agent-side store (etcd v3) carries torch's exit barrier."""
+    meanwhile (not even with SO_REUSEADDR), and the store serves on through the node's next join
+    or its leave (the workers may still be stopping) until its next workers start. The
+    agent-side store (etcd v3) carries torch's exit barrier."""
     from torch.distributed import TCPStore
     from torch.distributed.elastic.utils.store import barrier
 
@@ -382,16 +383,20 @@ def test_the_master_port_hand_over(group: Callable[..., Group]) -> None:
     rank0 = a if res[a].rank == 0 else b
     other_port = (b if rank0 is a else a)._port_hold.getsockname()[1]  # noqa: SLF001
     fds = len(os.listdir("/proc/self/fd"))
-    g.join(a, b)  # a new round: rank 0's store of the last one ends, its port goes
+    g.join(a, b)  # a new round: the last one's store serves on while its workers may still stop
     res = g.wait(a, b)
-    wait_for(lambda: _free(port), 5, "the last round's store to end with the next join")
+    TCPStore("127.0.0.1", port, 2, False, timeout=t).set("after", "1")
+    rank0.workers_starting()  # ... and ends once this node's next workers start
+    wait_for(lambda: _free(port), 5, "the last round's store to end at the next workers' start")
     assert len(os.listdir("/proc/self/fd")) <= fds + 2  # the new hold (+ a served store's dup)
     new_port = res[rank0].bootstrap_store_info.master_port if res[rank0].rank == 0 else None
     for h in (a, b):
         h.leave()
     _squat(other_port)  # a node that leaves lets its port go
-    if new_port is not None:
-        wait_for(lambda: _free(new_port), 5, "the store to end when its node leaves")
+    if new_port is not None:  # its store serves a drain's checkpoint to the end, then ends
+        TCPStore("127.0.0.1", new_port, 2, False, timeout=t).set("drain", "1")
+        rank0.end_old_stores()
+        wait_for(lambda: _free(new_port), 5, "the store to end")
 
 
 def _free(port: int) -> bool:
@@ -415,6 +420,7 @@ def test_a_round_that_carries_an_earlier_joins_port_is_served_there(group: Calla
     published = joining._free_port("127.0.0.1")
     with a._cond:  # noqa: SLF001 - what _accept does for a record with that port
         a._serve_workers_store(published)  # noqa: SLF001
+    a.end_old_stores()
     assert _free(held)
     client = TCPStore("127.0.0.1", published, 1, False, timeout=timedelta(seconds=10))
     client.set("k", "v")
@@ -427,6 +433,7 @@ def test_a_round_that_carries_an_earlier_joins_port_is_served_there(group: Calla
         with a._cond:  # noqa: SLF001
             a._serve_workers_store(taker.getsockname()[1])  # noqa: SLF001
     a.leave()
+    a.end_old_stores()
     assert _free(published)
 
 

@@ -360,7 +360,7 @@ def test_closed_rendezvous_and_registry(group: Callable[..., Group], etcd_server
     params = RendezvousParameters(BACKEND, etcd_server.endpoint, run_id, 1, 2, "127.0.0.1", settle=0.1)
     h = get_rendezvous_handler(params)
     assert isinstance(h, PetctlRendezvousHandler) and h.get_backend() == BACKEND
-    assert h.use_agent_store is False and h.get_run_id() == run_id
+    assert h.use_agent_store is True and h.get_run_id() == run_id
     info = h.next_rendezvous()
     assert (info.rank, info.world_size) == (0, 1)
     assert info.bootstrap_store_info.master_addr == "127.0.0.1" and info.bootstrap_store_info.master_port > 0

@@ -68,7 +68,9 @@ class FastLoss:
         re-rendezvous waited for the dead node's lease (6.8 s in bench_elastic). An agent paused
         for more than ``refresh + 1`` s in that window is read as lost: every node restarts
         workers that had not trained yet (no step lost; the paused node rejoins the next round).
-        No request here."""
+        No request here. Ends the workers' stores served for earlier rounds: their workers
+        here were reaped before these started."""
+        self.end_old_stores()
         with self._cond:
             if self._round is None or self._left:
                 return

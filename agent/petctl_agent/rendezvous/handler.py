@@ -124,6 +124,7 @@ class PetctlRendezvousHandler(Membership, Leadership, FastLoss, Joining, Rendezv
         self._port_hold: socket.socket | None = None
         #: rank 0 of our last round: the workers' TCPStore we serve on that port (joining.py)
         self._workers_store: Any = None
+        self._old_stores: list[Any] = []  #: served for earlier starts, until the next (joining.py)
         #: the workers' store is ours (rank 0's agent), as torchrun's; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
         #: (torchrun's own switch) leaves it to the script's rank 0
         self._agent_store = os.getenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") != "1"

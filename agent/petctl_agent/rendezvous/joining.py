@@ -222,18 +222,29 @@ class Joining:
         return int(held.getsockname()[1])
 
     def _release_port(self, held: socket.socket | None = None) -> None:
-        """End the workers' store we served and close the port we held; hold ``held`` instead."""
+        """Close the port we held and hold ``held`` instead. The store we served on the old one
+        keeps serving until this node's next workers start (:meth:`end_old_stores`): our workers,
+        and the other nodes', may still use it while they stop (a checkpoint's group, a barrier),
+        as they could while rank 0's worker hosted it."""
         with self._cond:
             old, self._port_hold = self._port_hold, held
-            store, self._workers_store = self._workers_store, None
-        del store  # torch's TCPStore server stops with its last reference (it owns a dup of the socket)
+            if self._workers_store is not None:
+                self._old_stores.append(self._workers_store)
+                self._workers_store = None
         if old is not None:
             old.close()
 
+    def end_old_stores(self) -> None:
+        """End the stores served for earlier starts of the workers (this node's workers of those
+        rounds are gone: each start of new ones comes after they were reaped)."""
+        with self._cond:
+            old, self._old_stores = self._old_stores, []
+        del old  # torch's TCPStore server stops with its last reference (it owns a dup of the socket)
+
     def _serve_workers_store(self, port: int) -> None:
         """As rank 0 of a round, with ``use_agent_store``: serve the workers' ``TCPStore`` on the
-        port this join held and published (it listens already), until this node joins again or
-        leaves, as torchrun's agent does. Each rank's ``init_process_group`` (env://, with
+        port this join held and published (it listens already), as torchrun's agent does, until
+        this node's next workers start (:meth:`_release_port`, :meth:`end_old_stores`). Each rank's ``init_process_group`` (env://, with
         ``TORCHELASTIC_USE_AGENT_STORE``) is a client of it; a fresh store for each start of the
         workers, so no key outlives the round. Caller holds _cond."""
         from torch.distributed import TCPStore
@@ -249,15 +260,14 @@ class Joining:
                             "and the next round picks another port", port, e)  # fmt: skip
                 return
             self._release_port(held)
-        fd = os.dup(held.fileno())
-        try:
+        try:  # the store owns the dup from here on, and closes it, also when it fails
             self._workers_store = TCPStore(
                 self.addr, port, None, True, timeout=timedelta(seconds=self.cfg.store_timeout),
-                wait_for_workers=False, master_listen_fd=fd,
+                wait_for_workers=False, master_listen_fd=os.dup(held.fileno()),
             )  # fmt: skip
-        except BaseException:
-            os.close(fd)
-            raise
+        except Exception as e:  # noqa: BLE001 - the workers' start fails instead, not the agent
+            log.warning("cannot serve the workers' store on port %d (%s): their start fails, "
+                        "and the next round picks another port", port, e)  # fmt: skip
 
     def _join(
         self,

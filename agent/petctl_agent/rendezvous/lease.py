@@ -78,18 +78,21 @@ class Lease:
         # (as it was), every renewal came ``interval`` + the round trip after the last, so a lease
         # read that asks "renewed in the last ``interval`` s?" (``decide.heard_since``) missed it
         # in about (round trip / interval) of reads: 1 % at 1,000 nodes on 2 cores, each a second
-        # read of a live lease (docs/rendezvous.md, "Reads in a window").
+        # read of a live lease (docs/rendezvous.md, "Reads in a window"). An answer slower than
+        # the period sends the next at once: one keepalive a round trip, never more than one a
+        # period, and never a burst to catch up.
         period = self.interval * (1.0 - LEAD)
         due = time.monotonic() + period
         while not self._stop.wait(max(0.0, due - time.monotonic())):
             sent = time.monotonic()
             due += period
-            if due <= sent:  # behind (a stall, a slow answer): on the rate again from this one
+            if due <= sent:  # behind (a stall): on the rate again from this one
                 due = sent + period
             # never wait past the deadline: an answer after it would not save the lease; and
             # at most ttl/3, so that a keepalive lost on a dead connection (no FIN, no RST)
             # leaves time to retry on a new one (this thread's, dropped on a timeout)
-            # before the lease ends: 6 s TTL, 1 s interval: timed out at +3 s, renewed at +4 s
+            # before the lease ends: 6 s TTL, 1 s interval: timed out at +3 s, sent again at once
+            # (its due time passed meanwhile), renewed by +6 s if etcd answers at all
             budget = max(0.1, min(self.client.timeout, self.ttl / 3.0, self.deadline - sent))
             try:
                 ttl = self.client.keepalive_once(self.id, timeout=budget)

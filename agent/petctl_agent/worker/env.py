@@ -112,8 +112,8 @@ def export_worker_env(
     if torch_workaround("SPLIT_STORE", backend, settings):
         # etcd-v2 + shared agent TCPStore: a node joining a running job waits
         # forever for MASTER_ADDR of the new round (DESIGN §4). Workers get
-        # their own store on rank 0's node instead. (petctl-etcd never shares
-        # an agent store: the round record carries MASTER_ADDR/PORT.)
+        # their own store on rank 0's node instead. (petctl-etcd's agent store
+        # is not its rendezvous: the round record carries MASTER_ADDR/PORT.)
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if settings.enabled("IDENTICAL_RANKS"):
         # homogeneous nodes: ranks = group_rank * nproc + local_rank, computed
