@@ -769,6 +769,14 @@ class Cluster:
         except TimeoutError as e:  # say where each node stood: a CI timeout is otherwise mute
             raise TimeoutError(f"{e}\n{self.describe()}") from None
 
+    def assert_succeeded(self, nodes: list[Node]) -> None:
+        """Each of ``nodes``' agents exited 0 and its status says SUCCEEDED (else: what they did)."""
+        for n in nodes:
+            st = self.status(n.instance_id) or {}
+            assert n.proc.returncode == 0 and st.get("state") == "SUCCEEDED", (
+                n.proc.returncode, st, self.describe(),
+            )  # fmt: skip
+
     def describe(self, lines: int = 12) -> str:
         """Each node's last step line (seconds since start, step, world) and its agent's last lines."""
         out = []

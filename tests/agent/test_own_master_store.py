@@ -50,12 +50,6 @@ def test_a_script_that_makes_its_own_master_store_trains(make_cluster, switch: s
     c.spec_path.write_text(json.dumps(doc))
     nodes = [c.add_node(), c.add_node()]
     c.wait(lambda: all(n.proc.poll() is not None for n in nodes), 180, "every agent to end")
-    for n in nodes:
-        st = c.status(n.instance_id) or {}
-        assert n.proc.returncode == 0 and st.get("state") == "SUCCEEDED", (
-            n.proc.returncode,
-            st,
-            c.describe(),
-        )
+    c.assert_succeeded(nodes)
     seen = {(c.work_dir / "outputs" / f"agent-store-{r}").read_text() for r in range(2)}
     assert seen == {"False" if switch == "1" else "True"}, seen

@@ -159,13 +159,7 @@ def test_a_project_reads_its_files_relatively_and_writes_to_the_shared_work_dir(
     c.spec_path.write_text(json.dumps(doc))
     nodes = [c.add_node(), c.add_node()]
     _ended(c, nodes, 180)
-    for n in nodes:
-        st = c.status(n.instance_id) or {}
-        assert n.proc.returncode == 0 and st.get("state") == "SUCCEEDED", (
-            n.proc.returncode,
-            st,
-            c.describe(),
-        )
+    c.assert_succeeded(nodes)
     out = c.work_dir / "outputs" / "result.txt"
     assert out.read_text().split() == ["24", "2", str(c.work_dir)], out.read_text()
     data = c.work_dir / "data"
