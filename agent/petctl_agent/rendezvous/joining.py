@@ -56,11 +56,11 @@ def _bindable(family: socket.AddressFamily, host: str, port: int) -> bool:
 
 
 def _free_port(addr: str | None) -> int:
-    """A port for rank 0's store, free now and still free when its worker binds it seconds later.
+    """A port for rank 0's store, free now and still free when the store listens on it.
 
     Taken below the kernel's ephemeral range (``ip_local_port_range``): a port from that range (what
     binding port 0 gives) can be handed to any outgoing connection on the node (the agents' etcd
-    calls, the workers' gloo/NCCL links) before rank 0's worker binds it, and that costs a restart.
+    calls, the workers' gloo/NCCL links) before it is held, and that costs a restart.
     No outgoing connection gets a port below the range. Port 0 only if the band is full.
 
     The port must be free on the wildcard address as well as on ``addr``: a script that calls
