@@ -216,7 +216,7 @@ class Joining:
 
     def _take_port(self) -> int:
         """This join's master port, held until the next join or until we leave (:func:`_hold_port`);
-        the store the last one served (rank 0 of the last round) ends here."""
+        the store the last one served (rank 0 of the last round) serves on (:meth:`_release_port`)."""
         held = _hold_port(self.addr, listen=self.use_agent_store)
         self._release_port(held)
         return int(held.getsockname()[1])
@@ -244,23 +244,21 @@ class Joining:
     def _serve_workers_store(self, port: int) -> None:
         """As rank 0 of a round, with ``use_agent_store``: serve the workers' ``TCPStore`` on the
         port this join held and published (it listens already), as torchrun's agent does, until
-        this node's next workers start (:meth:`_release_port`, :meth:`end_old_stores`). Each rank's ``init_process_group`` (env://, with
-        ``TORCHELASTIC_USE_AGENT_STORE``) is a client of it; a fresh store for each start of the
-        workers, so no key outlives the round. Caller holds _cond."""
+        this node's next workers start (:meth:`_release_port`, :meth:`end_old_stores`). Each
+        rank's ``init_process_group`` (env://, with ``TORCHELASTIC_USE_AGENT_STORE``) is a client
+        of it; a fresh store for each start of the workers, so no key outlives the round. A port
+        that is taken, or a store that fails to start, is a warning: the workers' start fails, and
+        the next round picks another port. Caller holds _cond."""
         from torch.distributed import TCPStore
 
         held = self._port_hold
-        if held is None or int(held.getsockname()[1]) != port:
-            # the round carries the port of an earlier join of ours to it (the join key existed,
-            # so the later join's port was never published): serve on that one
-            try:
+        try:
+            if held is None or int(held.getsockname()[1]) != port:
+                # the round carries the port of an earlier join of ours to it (the join key
+                # existed, so the later join's port was never published): serve on that one
                 held = _bind(self.addr, port, listen=True)
-            except OSError as e:
-                log.warning("cannot serve the workers' store on port %d (%s): their start fails, "
-                            "and the next round picks another port", port, e)  # fmt: skip
-                return
-            self._release_port(held)
-        try:  # the store owns the dup from here on, and closes it, also when it fails
+                self._release_port(held)
+            # the store owns the dup from here on, and closes it, also when it fails
             self._workers_store = TCPStore(
                 self.addr, port, None, True, timeout=timedelta(seconds=self.cfg.store_timeout),
                 wait_for_workers=False, master_listen_fd=os.dup(held.fileno()),
