@@ -162,6 +162,31 @@ def test_keepalive_keeps_keys_with_zero_raft_writes(client: v3.Client) -> None:
     assert raft_writes(client)[0] == before[0] + 1  # a revoke is a write (the key's deletion)
 
 
+def test_a_revoke_from_a_signal_inside_the_keepalive_threads_start(
+    client: v3.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGTERM whose handler revokes the lease (the agent leaving) can land while ``start`` is
+    still starting the keepalive thread. The revoke ends the lease at once and the thread, when it
+    runs, sends no keepalive; it used to raise "cannot join thread before it is started", and the
+    agent exited FAILED instead of leaving."""
+    lid, ttl = client.grant(6)
+    client.put("/t/sig/k", "v", lease=lid)
+    lease = v3.Lease(client, lid, ttl, interval=0.2)
+    real_start = threading.Thread.start
+
+    def start_after_a_signal(thread: threading.Thread) -> None:
+        if thread.name.startswith("etcd-lease-"):
+            lease.revoke()  # what the handler does, between the thread's creation and its run
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_after_a_signal)
+    lease.start()
+    monkeypatch.undo()
+    assert client.get("/t/sig/k") is None and client.time_to_live(lid)[0] == -1
+    lease._thread.join(5)
+    assert not lease._thread.is_alive() and lease.keepalives == 0 and not lease.lost.is_set()
+
+
 def test_watch_from_revision_gets_every_event_in_order(client: v3.Client) -> None:
     p = "/t/watch/"
     first = client.put(p + "0", "0").revision

@@ -123,10 +123,15 @@ class Lease:
             self.on_lost(self)
 
     def stop(self) -> None:
-        """Stop renewing (the lease then ends TTL seconds later)."""
+        """Stop renewing (the lease then ends TTL seconds later).
+
+        Safe from a signal handler that interrupted :meth:`start` (a SIGTERM while the node
+        registers): a thread not yet running is not joined (``join`` would raise); once it runs, it
+        sees the stop at its first wait and ends without a keepalive."""
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(self.client.timeout + 1)
+        t = self._thread
+        if t is not None and t is not threading.current_thread() and t.is_alive():
+            t.join(self.client.timeout + 1)
 
     def revoke(self) -> None:
         """Stop renewing and end the lease now (its keys go at once); gone already is fine."""
