@@ -23,6 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from harness import free_port  # noqa: E402
 
+from tests.zygote import zygote  # noqa: E402
+
 #: how long the other ranks may go on after one failed before the job is called stuck
 AFTER_FAILURE = 60.0
 _PORT_TAKEN = ("address already in use", "EADDRINUSE")
@@ -48,6 +50,15 @@ def run_ranks(
     return done
 
 
+def _start(cmd: list[str], env: dict, out, err):
+    """A rank: forked from this process's zygote (torch already imported) when ``cmd`` is
+    ``[sys.executable, script, args...]``, else a fresh process."""
+    z = zygote() if len(cmd) >= 2 and cmd[0] == sys.executable and cmd[1].endswith(".py") else None
+    if z is not None:
+        return z.spawn(cmd, env, out, err)
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
+
+
 def _once(cmd: list[str], envs: list[dict], timeout: float, drop: tuple[str, ...]) -> list:
     port = free_port()
     procs, outs = [], []
@@ -68,7 +79,7 @@ def _once(cmd: list[str], envs: list[dict], timeout: float, drop: tuple[str, ...
         # files, not pipes: a rank that prints a lot never blocks on a pipe nobody reads yet
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         outs.append((out, err))
-        procs.append(subprocess.Popen(cmd, env=e, stdout=out, stderr=err, text=True))
+        procs.append(_start(cmd, e, out, err))
     deadline = time.monotonic() + timeout
     stuck = ""
     failed_at = None

@@ -216,48 +216,24 @@ def _run_ranks(
     timeout: float = 120,
     per_rank: list[dict] | None = None,
 ) -> list:
-    """Run ``body`` on ``world`` gloo ranks (fresh processes); return their CompletedProcess.
-    ``per_rank``: more environment for each rank (its own snapshot store, ...)."""
-    from harness import free_port
+    """Run ``body`` on ``world`` gloo ranks (a process each: tests/ranks.py); return their
+    CompletedProcess. ``per_rank``: more environment for each rank (its own snapshot store, ...)."""
+    from tests.ranks import run_ranks
 
     (tmp_path / "ranks.py").write_text(RANKS)
     (tmp_path / "body.py").write_text(textwrap.dedent(body))
-    port = free_port()
-    procs = []
-    for r in range(world):
-        e = {
-            **os.environ,
-            "RANK": str(r),
+    envs = [
+        {
             "LOCAL_RANK": str(r),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
             "PETCTL_DRAIN_FILE": str(tmp_path / f"drain-{r}"),
-            "OMP_NUM_THREADS": "1",
-            "CUDA_VISIBLE_DEVICES": "",
             **(env or {}),
             **(per_rank[r] if per_rank else {}),
         }
-        e.pop("PETCTL_LOCAL_ADDR", None)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(tmp_path / "ranks.py"), str(tmp_path / "body.py")],
-                env=e,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    done = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    return done
+        for r in range(world)
+    ]
+    return run_ranks(
+        [sys.executable, str(tmp_path / "ranks.py"), str(tmp_path / "body.py")], envs, timeout=timeout
+    )
 
 
 def _result(cp: subprocess.CompletedProcess) -> dict:
