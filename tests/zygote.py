@@ -25,7 +25,14 @@ import subprocess
 import sys
 import threading
 
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.optim")
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.optim",
+)
 
 
 class Forked:
