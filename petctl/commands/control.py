@@ -71,7 +71,7 @@ def upload(obj: Context, path: str, s3_url: str | None) -> None:
 
 
 @click.command("demo")
-@click.option("--total-steps", default=1500, show_default=True, help="Training steps of the example job.")
+@click.option("--total-steps", default=800, show_default=True, help="Training steps of the example job.")
 @click.option(
     "--step-time", default=0.1, show_default=True, help="Extra seconds per step (pace it to watch)."
 )

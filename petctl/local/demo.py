@@ -35,7 +35,7 @@ def example_script() -> Path:
 class Demo:
     """One run of the scripted scenario; ``log`` receives the progress lines."""
 
-    total_steps: int = 1500
+    total_steps: int = 800
     step_time: float = 0.1
     checkpoint_every: int = 20
     timeout: float = 240.0

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-# ~7 min on a loaded 2-core machine; the default per-test timeout (pytest.ini) is 10.
+# ~2.5 min on a loaded 2-core machine; the default per-test timeout (pytest.ini) is 10 min.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
-TOTAL = 1200
+TOTAL = 600
 
 
 def petctl(*args: str) -> subprocess.CompletedProcess:
