@@ -10,6 +10,7 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 from typing import Any
 
 from petctl_agent.cloud.imds import Imds
@@ -32,9 +33,27 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _install_signal_handlers(agent: Agent) -> None:
+def _install_signal_handlers(agent: Any) -> None:
+    """SIGTERM and SIGINT make the agent leave (spot reclaim, scale-in, systemd's stop).
+
+    The leave runs on a thread of its own, which the handler only wakes. A handler runs in the
+    main thread, inside whatever it was doing, and the leave takes locks and joins threads:
+    run there, it met a keepalive thread half-started (``Lease.start``) and failed the agent,
+    and a lock the main thread held would hang it. Waking an Event takes no lock the main
+    thread can hold. The first signal's name is the reason."""
+    reasons: list[str] = []
+    asked = threading.Event()
+
+    def leave_when_asked() -> None:
+        asked.wait()
+        agent.request_leave(reasons[0])
+
+    threading.Thread(target=leave_when_asked, name="petctl-signal-leave", daemon=True).start()
+
     def on_signal(signum: int, _frame: Any) -> None:
-        agent.request_leave(f"signal {signal.Signals(signum).name}")
+        if not reasons:
+            reasons.append(f"signal {signal.Signals(signum).name}")
+        asked.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
