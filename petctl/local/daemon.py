@@ -72,6 +72,7 @@ class LocalCloud:
             self.region, self.control, port=int(os.environ.get("PETCTL_LOCAL_IMDS_PORT") or 0)
         )
         self.reconciler = Reconciler(self.state_dir, clients, self.endpoint_url, self.imds.url, self.region)
+        self.reconciler.observer.count_changes()  # moto answers in this process
         self.imds.instances = self.reconciler
         self.imds.start()
         # The first call into each moto backend imports it (seconds); pay that before

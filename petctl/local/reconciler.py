@@ -27,8 +27,9 @@ client uses) and makes the local processes match it:
   stops it (:func:`petctl.local.moto_warm_pool.mark_warmed`) and its whole tree is SIGSTOPped;
   when a scale-out moves it into its group, IMDS says ``InService`` and the tree is SIGCONTinued.
 
-Each tick reads moto (:func:`petctl.local.observe.observe`), snapshots the local records, asks the pure
-:func:`petctl.local.plan.diff` what to do, and carries the actions out (:meth:`Reconciler.execute`).
+Each tick reads moto (:class:`petctl.local.observe.Observer`, when it may have changed), snapshots
+the local records, asks the pure :func:`petctl.local.plan.diff` what to do, and carries the
+actions out (:meth:`Reconciler.execute`).
 Booting and units live in :mod:`petctl.local.starting`, leaving and faults in
 :mod:`petctl.local.leaving`.
 
@@ -53,7 +54,7 @@ from petctl.local import boot, moto_autoscaling, moto_warm_pool, plan, procs
 from petctl.local.efs_rate import EfsRates, rates_from_env
 from petctl.local.instance import Instance
 from petctl.local.leaving import Leaving
-from petctl.local.observe import observe
+from petctl.local.observe import Observer
 from petctl.local.shims.base import Refused
 from petctl.local.shims.systemctl import on_failure, parse_unit, restart_delay, restart_verdict
 from petctl.local.starting import Starting
@@ -85,6 +86,7 @@ class Reconciler(Starting, Leaving):
     ) -> None:
         self.state_dir = state_dir
         self.clients = clients
+        self.observer = Observer(clients)
         self.endpoint_url = endpoint_url
         self.imds_url = imds_url
         self.region = region
@@ -99,8 +101,7 @@ class Reconciler(Starting, Leaving):
         self._ticks = 0
         #: (instance, unit) -> monotonic times systemd restarted it (StartLimitBurst)
         self._unit_starts: dict[tuple[str, str], list[float]] = {}
-        # Marks every process of every instance of this daemon (see procs): random per daemon,
-        # so a marker proves the process was started by this daemon.
+        # Marks each process of this daemon's instances (procs): random, so a marker proves it ours
         self.token = secrets.token_hex(8)
         moto_autoscaling.lifecycle_handler = self.on_lifecycle_call
 
@@ -123,7 +124,7 @@ class Reconciler(Starting, Leaving):
     def tick(self) -> None:
         with self.lock:
             known = dict(self.instances)  # only this loop adds records
-        observed = observe(self.clients, known, with_groups=not self._ticks % 4)
+        observed = self.observer.observe(known, with_groups=not self._ticks % 4)
         if self.stopping.is_set():
             return
         # Each record's own lock, never inside self.lock: systemd_start takes them the other way.
@@ -131,7 +132,7 @@ class Reconciler(Starting, Leaving):
         for action in plan.diff(observed, local):
             self.execute(action)
         self._ticks += 1
-        if self._ticks % 10 == 0:  # a /proc scan; orphans only need reaping now and then
+        if self._ticks % 40 == 0:  # a scan of all /proc (~0.1 s); orphans only need reaping now and then
             with self.lock:
                 leaders = {p.pid for r in self.instances.values() for p in r.popens()}
             procs.reap_orphans(leaders)
