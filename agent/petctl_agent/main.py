@@ -11,7 +11,7 @@ import logging
 import signal
 import sys
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 from petctl_agent.cloud.imds import Imds
 from petctl_agent.node.agent import Agent
@@ -33,7 +33,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _install_signal_handlers(agent: Any) -> None:
+class _Leaves(Protocol):
+    def request_leave(self, reason: str) -> None: ...
+
+
+def _install_signal_handlers(agent: _Leaves) -> None:
     """SIGTERM and SIGINT make the agent leave (spot reclaim, scale-in, systemd's stop).
 
     The leave runs on a thread of its own, which the handler only wakes. A handler runs in the
