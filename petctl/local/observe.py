@@ -4,8 +4,9 @@ state of :func:`petctl.local.plan.diff`.
 :class:`Observer` reads again only when moto may have changed. The daemon counts the requests
 its moto server answers that can change state (any but GET and HEAD, other than the reads of
 :func:`observe` itself, which carry :data:`OBSERVE_HEADER`). A tick that sees no new change, no
-new local instance and no warm pool instance waiting for its agent's report reuses the last
-answer (its groups too: they are only a backstop); it reads anyway after :data:`READ_AT_LEAST_S`.
+new local instance, no action of the reconciler since and no warm pool instance waiting for its
+agent's report reuses the last answer (on the ticks that read the groups: when no change came
+since they were last read); it reads anyway after :data:`READ_AT_LEAST_S`.
 An idle daemon (no instances) costs 4 % of a core at a period of 0.25 s or 0.5 s, where reading
 every tick cost 11-15 % (2-core machine, ``bench/bench_idle_daemon.py``).
 """
@@ -59,7 +60,10 @@ class Observer:
         self.clients = clients
         self.counting = False
         self._reading = threading.local()
-        self._last: tuple[int, frozenset[str], float, plan.Observed] | None = None
+        self._last: plan.Observed | None = None
+        self._ids: frozenset[str] = frozenset()
+        self._t = 0.0
+        self._read_at = self._groups_read_at = -1  # the count of changes at the last read (of groups)
         for client in clients.values():
             client.meta.events.register("before-send", self._mark)
 
@@ -72,24 +76,33 @@ class Observer:
         _count_changes()
         self.counting = True
 
+    def stale(self) -> None:
+        """The next tick reads: the reconciler acted, and an action may change moto without a
+        request (a warm pool instance parked by :func:`petctl.local.moto_warm_pool.mark_warmed`)."""
+        self._last = None
+
     def observe(self, known: Mapping[str, Instance], with_groups: bool) -> plan.Observed:
         ids = frozenset(known)
-        last = self._last
         if (
             self.counting
-            and last is not None
-            and (last[0], last[1]) == (changes, ids)
-            and time.monotonic() - last[2] < READ_AT_LEAST_S
+            and self._last is not None
+            and ids == self._ids
+            and changes == self._read_at
+            # the groups (their instances' health: ReplaceUnhealthy) as of the last change
+            and (not with_groups or changes == self._groups_read_at)
+            and time.monotonic() - self._t < READ_AT_LEAST_S
             and not any(rec.warm == plan.WARMED + "Pending" for rec in known.values())
         ):
-            return last[3]
+            return self._last
         seen, t = changes, time.monotonic()  # before the reads: a change during them is read next tick
         self._reading.on = True
         try:
             observed = observe(self.clients, known, with_groups)
         finally:
             self._reading.on = False
-        self._last = (seen, ids, t, observed)
+        self._last, self._ids, self._t, self._read_at = observed, ids, t, seen
+        if with_groups:
+            self._groups_read_at = seen
         return observed
 
 

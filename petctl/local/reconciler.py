@@ -69,8 +69,7 @@ class Settings:
 
     period: float = field(default_factory=lambda: env_float("PETCTL_LOCAL_PERIOD", 0.5))
     default_drain_timeout: float = field(default_factory=lambda: env_float("PETCTL_LOCAL_DRAIN_TIMEOUT", 60))
-    # Time after the drain timeout for the agent to leave the rendezvous and complete the
-    # lifecycle action before the instance is killed (the hook's heartbeat timeout on AWS).
+    # After the drain timeout: the agent's time to leave and complete the action (AWS: the heartbeat timeout)
     drain_slack: float = field(default_factory=lambda: env_float("PETCTL_LOCAL_DRAIN_SLACK", 10))
     # OS shutdown: SIGTERM, then SIGKILL after this long (spot interruption deadline).
     shutdown_grace: float = field(default_factory=lambda: env_float("PETCTL_LOCAL_SHUTDOWN_GRACE", 5))
@@ -141,7 +140,8 @@ class Reconciler(Starting, Leaving):
     # ------------------------------------------------------------------ execute
 
     def execute(self, action: plan.Action) -> None:
-        """Carry out one action of :func:`petctl.local.plan.diff`."""
+        """Carry out one action of :func:`petctl.local.plan.diff` (and read moto next tick)."""
+        self.observer.stale()
         handlers: dict[type, Callable[[Any], None]] = {
             plan.Boot: self._boot,
             plan.UpdateTags: self._update_tags,

@@ -54,7 +54,7 @@ def test_a_tick_reads_again_only_after_a_change_and_sees_it(endpoint: str) -> No
     obs = observe.Observer(clients)
     obs.count_changes()
 
-    first = obs.observe({}, with_groups=False)
+    first = obs.observe({}, with_groups=True)
     reads = len(sent)
     assert reads >= 1
     assert obs.observe({}, with_groups=False) is first and len(sent) == reads  # nothing changed
@@ -109,3 +109,26 @@ def test_without_the_count_every_tick_reads(endpoint: str) -> None:
     reads = len(sent)
     obs.observe({}, with_groups=False)
     assert len(sent) == 2 * reads
+
+
+def test_groups_are_read_after_a_change_and_an_action_makes_the_next_tick_read(endpoint: str) -> None:
+    """The groups' instances carry their health (Unhealthy: the reconciler replaces the instance);
+    an action may change moto without a request (a warm pool instance parked in the backend)."""
+    clients = _clients(endpoint)
+    sent = _counted(clients)
+    obs = observe.Observer(clients)
+    obs.count_changes()
+    obs.observe({}, with_groups=True)
+    _launch(_clients(endpoint)["ec2"])
+    reads = len(sent)
+    obs.observe({}, with_groups=False)  # the change, without the groups
+    assert len(sent) > reads
+    reads = len(sent)
+    obs.observe({}, with_groups=True)
+    assert len(sent) > reads
+    reads = len(sent)
+    obs.observe({}, with_groups=True)
+    assert len(sent) == reads  # the groups as of the last change
+    obs.stale()
+    obs.observe({}, with_groups=False)
+    assert len(sent) > reads
