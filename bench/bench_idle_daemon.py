@@ -48,7 +48,13 @@ def measure(tree: Path, period: float, seconds: float) -> float:
             "AWS_EC2_METADATA_DISABLED": "true",
         }
         out = subprocess.run(
-            [sys.executable, "-c", _ONE, str(seconds)], env=env, capture_output=True, text=True, check=True
+            # cwd: the temporary directory, so that the tree on PYTHONPATH is the one imported
+            [sys.executable, "-c", _ONE, str(seconds)],
+            env=env,
+            cwd=d,
+            capture_output=True,
+            text=True,
+            check=True,
         )
         return float(out.stdout.strip().splitlines()[-1])
 

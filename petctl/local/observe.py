@@ -8,7 +8,7 @@ new local instance, no action of the reconciler since and no warm pool instance 
 agent's report reuses the last answer (on the ticks that read the groups: when no change came
 since they were last read); it reads anyway after :data:`READ_AT_LEAST_S`.
 An idle daemon (no instances) costs 4 % of a core at a period of 0.25 s or 0.5 s, where reading
-every tick cost 11-15 % (2-core machine, ``bench/bench_idle_daemon.py``).
+every tick cost 16 % and 9 % (2-core machine, ``bench/bench_idle_daemon.py``).
 """
 
 from __future__ import annotations
